@@ -1,0 +1,35 @@
+"""aiter_attn: a layered attention backend for LLM inference over a paged KV cache."""
+
+from . import ops
+from .backend import AttentionBackend
+from .batch import ForwardBatch, SpecInfo
+from .kvcache import MHAKVPool, PageAllocator, ReqToTokenPool
+from .metadata import AttnMetadata, CustomMask, PageTable, QueryLayout, RaggedKV
+from .registry import StrategyPair, StrategyRegistry, StrategySelectionError
+from .types import AttnArch, BackendConfig, CGSupport, ForwardMode, LayerSpec, SpecDecodeConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ops",
+    "AttentionBackend",
+    "ForwardBatch",
+    "SpecInfo",
+    "MHAKVPool",
+    "PageAllocator",
+    "ReqToTokenPool",
+    "AttnMetadata",
+    "CustomMask",
+    "PageTable",
+    "QueryLayout",
+    "RaggedKV",
+    "StrategyPair",
+    "StrategyRegistry",
+    "StrategySelectionError",
+    "AttnArch",
+    "BackendConfig",
+    "CGSupport",
+    "ForwardMode",
+    "LayerSpec",
+    "SpecDecodeConfig",
+]

@@ -1,0 +1,196 @@
+"""``AttentionBackend``: the thin facade an engine holds (SGLang's method names).
+
+It has no mode/arch branching of its own: the strategy registry picks a
+(MetadataStrategy, ExecutionStrategy) pair per forward mode for the configured architecture,
+and the facade delegates.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+import torch
+
+from .batch import ForwardBatch
+from .metadata import AttnMetadata
+from .registry import StrategyPair
+from .strategies.base import StrategyContext
+from .types import BackendConfig, ForwardMode, LayerSpec
+from .validation import check_tensor
+
+__all__ = ["AttentionBackend", "validate_batch"]
+
+log = logging.getLogger(__name__)
+
+
+def validate_batch(batch: ForwardBatch, config: BackendConfig, req_to_token: torch.Tensor) -> None:
+    """Structural checks of a batch (no device sync). Raise before any kernel runs."""
+    if not isinstance(batch, ForwardBatch):
+        raise TypeError(f"batch must be an aiter_attn.ForwardBatch, got {type(batch).__name__}.")
+    bs = batch.batch_size
+    check_tensor("batch.seq_lens_cpu", batch.seq_lens_cpu, ndim=1,
+                 hint="seq_lens_cpu is the CPU mirror of seq_lens.")
+    if batch.seq_lens_cpu.device.type != "cpu":
+        raise ValueError("batch.seq_lens_cpu must live on the CPU (it is the host mirror).")
+    check_tensor("batch.seq_lens", batch.seq_lens, dtypes=(torch.int32,), ndim=1, shape=(bs,),
+                 hint="seq_lens is int32 [batch].")
+    check_tensor("batch.req_pool_indices", batch.req_pool_indices,
+                 dtypes=(torch.int32, torch.int64), ndim=1, shape=(bs,),
+                 hint="req_pool_indices is int64 [batch].")
+    check_tensor("batch.out_cache_loc", batch.out_cache_loc, dtypes=(torch.int32, torch.int64),
+                 ndim=1, hint="out_cache_loc is int64 [num_tokens].")
+    for name in ("seq_lens", "req_pool_indices", "out_cache_loc"):
+        t = getattr(batch, name)
+        if t.device != req_to_token.device:
+            raise ValueError(
+                f"batch.{name} is on {t.device} but the backend's pools are on "
+                f"{req_to_token.device}; build the batch on the backend's device."
+            )
+    if bs == 0:
+        return
+    max_len = int(batch.seq_lens_cpu.max())
+    limit = min(config.max_context_len, req_to_token.shape[1])
+    if max_len > limit:
+        raise ValueError(
+            f"a request holds {max_len} tokens > max_context_len={limit}; raise "
+            "BackendConfig.max_context_len (and the ReqToTokenPool width) or shorten it."
+        )
+    if int(batch.seq_lens_cpu.min()) < 1:
+        raise ValueError("batch.seq_lens_cpu has a request with length < 1; every request needs "
+                         "at least its own token.")
+    q_lens = batch.q_lens_cpu
+    if batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND):
+        if batch.extend_seq_lens is None or batch.extend_seq_lens_cpu is None:
+            raise ValueError(
+                f"{batch.forward_mode.name} needs extend_seq_lens and extend_seq_lens_cpu; "
+                "build the batch with ForwardBatch.from_lengths(..., extend_seq_lens=...)."
+            )
+        check_tensor("batch.extend_seq_lens", batch.extend_seq_lens, dtypes=(torch.int32,),
+                     ndim=1, shape=(bs,))
+        if bool((q_lens > batch.seq_lens_cpu).any()) or bool((q_lens < 0).any()):
+            raise ValueError("extend_seq_lens must be in 0..seq_lens per request (new tokens "
+                             "cannot exceed the request's total length).")
+    if int(q_lens.sum()) != batch.num_tokens:
+        raise ValueError(
+            f"out_cache_loc has {batch.num_tokens} slots but the batch has {int(q_lens.sum())} "
+            f"query tokens for {batch.forward_mode.name}; give one slot per new token."
+        )
+
+
+class AttentionBackend:
+    """Attention for one model over a paged KV cache.
+
+    Args:
+        config: static settings (page size, limits, dtypes, architecture).
+        req_to_token: int32 ``[R, max_context_len]`` (or a ``ReqToTokenPool``).
+        kv_pool: the KV pool of ``config.arch`` (``MHAKVPool`` for MHA).
+        extra: architecture-specific objects handed to strategies (SWA pool, …).
+        strategies / kernels: registries (default: the process-wide plugin-loaded ones).
+        strategy: force a strategy pair by name for every mode it serves.
+    """
+
+    def __init__(self, config: BackendConfig, req_to_token, kv_pool, *,
+                 extra: Optional[dict] = None, strategies=None, kernels=None,
+                 strategy: Optional[str] = None):
+        from . import plugins
+
+        if not isinstance(config, BackendConfig):
+            raise TypeError(f"config must be a BackendConfig, got {type(config).__name__}.")
+        req_to_token = getattr(req_to_token, "req_to_token", req_to_token)
+        check_tensor("req_to_token", req_to_token, dtypes=(torch.int32,), ndim=2,
+                     hint="req_to_token is int32 [max_requests, max_context_len].")
+        self.config = config
+        self.strategies = strategies if strategies is not None else plugins.strategy_registry()
+        kernels = kernels if kernels is not None else plugins.kernel_registry()
+        self.ctx = StrategyContext(config=config, req_to_token=req_to_token, kv_pool=kv_pool,
+                                   kernels=kernels, extra=dict(extra or {}))
+        self._forced = strategy
+        self._by_mode: dict = {}
+        self._instances: dict = {}
+        self.forward_metadata: Optional[AttnMetadata] = None
+        self._batch: Optional[ForwardBatch] = None
+        self._debug = os.environ.get("AITER_ATTN_DEBUG") == "1"
+        self.graph_manager = None
+
+    # -- selection -----------------------------------------------------------------------
+    def pair_for(self, mode) -> StrategyPair:
+        mode = ForwardMode.parse(mode)
+        pair = self._by_mode.get(mode)
+        if pair is None:
+            pair = self.strategies.select(mode, self.config.arch, self.config, name=self._forced)
+            self._by_mode[mode] = pair
+        return pair
+
+    def strategies_for(self, mode):
+        """``(metadata_strategy, execution_strategy)`` instances for ``mode`` (one per pair)."""
+        pair = self.pair_for(mode)
+        inst = self._instances.get(pair.name)
+        if inst is None:
+            inst = (pair.metadata(self.ctx), pair.execution(self.ctx))
+            self._instances[pair.name] = inst
+        return inst
+
+    # -- SGLang's method names ----------------------------------------------------------
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> AttnMetadata:
+        """Plan this step's metadata (eager). Validates the batch first."""
+        validate_batch(forward_batch, self.config, self.ctx.req_to_token)
+        planner, _ = self.strategies_for(forward_batch.forward_mode)
+        md = planner.plan(forward_batch)
+        if self._debug:
+            from .testing.invariants import check_invariants
+
+            check_invariants(md, forward_batch, self.ctx)
+        self.forward_metadata, self._batch = md, forward_batch
+        return md
+
+    def forward(self, q, k, v, layer: LayerSpec, forward_batch: ForwardBatch,
+                save_kv_cache: bool = True, *, sinks=None, **kwargs: Any) -> torch.Tensor:
+        """Attention of one layer: ``[num_tokens, num_q_heads * v_head_dim]``."""
+        md = self.forward_metadata
+        if md is None or self._batch is not forward_batch:
+            raise RuntimeError(
+                "forward() before init_forward_metadata() for this batch; call "
+                "backend.init_forward_metadata(batch) once per step, before the layers."
+            )
+        if not isinstance(layer, LayerSpec):
+            raise TypeError(f"layer must be a LayerSpec, got {type(layer).__name__}.")
+        self._check_qkv(q, k, v, layer, forward_batch)
+        if forward_batch.batch_size == 0:
+            return q.new_zeros(0, layer.num_q_heads * layer.v_head_dim)
+        _, executor = self.strategies_for(forward_batch.forward_mode)
+        return executor.run(q, k, v, layer, forward_batch, md, save_kv_cache=save_kv_cache,
+                            sinks=sinks)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kw):
+        return self.forward(q, k, v, layer, forward_batch, save_kv_cache, **kw)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kw):
+        return self.forward(q, k, v, layer, forward_batch, save_kv_cache, **kw)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """Padding rows get this KV length (≥ 1 so no row is empty)."""
+        return 1
+
+    def _check_qkv(self, q, k, v, layer: LayerSpec, batch: ForwardBatch) -> None:
+        n = batch.num_tokens
+        check_tensor("q", q, dtypes=(self.config.dtype,),
+                     hint=f"q must be in the backend's dtype {self.config.dtype}.")
+        if q.numel() != n * layer.num_q_heads * layer.head_dim:
+            raise ValueError(
+                f"q has shape {tuple(q.shape)}; expected {n} tokens × {layer.num_q_heads} heads × "
+                f"{layer.head_dim} (layer {layer.layer_id})."
+            )
+        if q.device != self.ctx.device:
+            raise ValueError(f"q is on {q.device}; the backend's pools are on {self.ctx.device}.")
+        if k is not None and k.numel() != n * layer.num_kv_heads * layer.head_dim:
+            raise ValueError(
+                f"k has shape {tuple(k.shape)}; expected {n} × {layer.num_kv_heads} × "
+                f"{layer.head_dim}."
+            )
+        if v is not None and v.numel() != n * layer.num_kv_heads * layer.v_head_dim:
+            raise ValueError(
+                f"v has shape {tuple(v.shape)}; expected {n} × {layer.num_kv_heads} × "
+                f"{layer.v_head_dim}."
+            )

@@ -1,0 +1,145 @@
+"""What the engine hands the backend each step: :class:`ForwardBatch` and :class:`SpecInfo`.
+
+Device tensors drive the kernels; the ``*_cpu`` mirrors give the host the integers it needs
+(totals, maxima) so planning never reads a device tensor back (no device→host sync).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import attrs
+import torch
+
+from .types import ForwardMode
+
+__all__ = ["ForwardBatch", "SpecInfo"]
+
+
+@attrs.define(kw_only=True, eq=False)
+class SpecInfo:
+    """Speculative-decoding inputs of a TARGET_VERIFY / DRAFT_EXTEND step.
+
+    Attributes:
+        num_draft_tokens: query tokens per request in TARGET_VERIFY / DRAFT_EXTEND_V2.
+        topk: draft branching; 1 = chain (causal), > 1 = tree (``custom_mask`` required).
+        custom_mask: bool, flat; for request ``b`` a row-major ``[q_len_b, kv_len_b]`` block
+            (True = may attend) starting at ``mask_indptr[b]``. ``None`` for chains.
+        mask_indptr: int64 ``[batch + 1]`` offsets into ``custom_mask`` (built by the strategy
+            when ``None``).
+    """
+
+    num_draft_tokens: int = 1
+    topk: int = 1
+    custom_mask: Optional[torch.Tensor] = None
+    mask_indptr: Optional[torch.Tensor] = None
+
+
+@attrs.define(kw_only=True, eq=False)
+class ForwardBatch:
+    """One forward step.
+
+    Attributes:
+        forward_mode: what this step does.
+        req_pool_indices: int64 ``[batch]``: each request's row in ``req_to_token``.
+        seq_lens: int32 ``[batch]``: KV length per request *after* this step's tokens.
+        seq_lens_cpu: int64 ``[batch]`` on the CPU: mirror of ``seq_lens``.
+        extend_seq_lens: int32 ``[batch]``: new (query) tokens per request (EXTEND/DRAFT_EXTEND).
+        extend_seq_lens_cpu: CPU mirror of ``extend_seq_lens``.
+        extend_prefix_lens_cpu: CPU mirror of the cached-prefix length per request.
+        out_cache_loc: int64 ``[num_tokens]``: KV slot each new token is written to.
+        positions: int64 ``[num_tokens]``: absolute position of each new token.
+        spec_info: speculative inputs, or ``None``.
+        encoder_lens: int32 ``[batch]`` for cross attention, else ``None``.
+    """
+
+    forward_mode: ForwardMode = attrs.field(converter=ForwardMode.parse)
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    out_cache_loc: torch.Tensor
+    positions: Optional[torch.Tensor] = None
+    extend_seq_lens: Optional[torch.Tensor] = None
+    extend_seq_lens_cpu: Optional[torch.Tensor] = None
+    extend_prefix_lens_cpu: Optional[torch.Tensor] = None
+    spec_info: Optional[SpecInfo] = None
+    encoder_lens: Optional[torch.Tensor] = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens_cpu.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.seq_lens.device
+
+    @property
+    def q_lens_cpu(self) -> torch.Tensor:
+        """int64 ``[batch]`` query tokens per request, on the CPU (no sync)."""
+        mode = self.forward_mode
+        if mode in (ForwardMode.DECODE, ForwardMode.IDLE):
+            return torch.ones(self.batch_size, dtype=torch.int64)
+        if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
+            n = self.spec_info.num_draft_tokens if self.spec_info is not None else 1
+            return torch.full((self.batch_size,), n, dtype=torch.int64)
+        return self.extend_seq_lens_cpu.to(torch.int64)
+
+    @property
+    def num_tokens(self) -> int:
+        """Query tokens in this step (host integer)."""
+        return int(self.out_cache_loc.shape[0])
+
+    @property
+    def seq_lens_sum(self) -> int:
+        return int(self.seq_lens_cpu.sum())
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.seq_lens_cpu.max()) if self.batch_size else 0
+
+    @classmethod
+    def from_lengths(
+        cls,
+        *,
+        forward_mode: ForwardMode | str,
+        req_pool_indices: Sequence[int] | torch.Tensor,
+        seq_lens: Sequence[int],
+        out_cache_loc: torch.Tensor,
+        extend_seq_lens: Optional[Sequence[int]] = None,
+        spec_info: Optional[SpecInfo] = None,
+        device: str | torch.device = "cpu",
+    ) -> "ForwardBatch":
+        """Build a batch from host lists (tests, the reference engine).
+
+        ``extend_seq_lens`` defaults to one token per request (decode) or the verify/draft
+        token count; positions are the last ``q_len`` positions of each request.
+        """
+        mode = ForwardMode.parse(forward_mode)
+        seq_cpu = torch.as_tensor(list(seq_lens), dtype=torch.int64)
+        bs = int(seq_cpu.shape[0])
+        if extend_seq_lens is None:
+            if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2) and spec_info:
+                ext = torch.full((bs,), spec_info.num_draft_tokens, dtype=torch.int64)
+            else:
+                ext = torch.ones(bs, dtype=torch.int64)
+        else:
+            ext = torch.as_tensor(list(extend_seq_lens), dtype=torch.int64)
+        prefix = seq_cpu - ext
+        positions = (
+            torch.cat([torch.arange(int(p), int(s)) for p, s in zip(prefix, seq_cpu)])
+            if bs
+            else torch.zeros(0, dtype=torch.int64)
+        )
+        rpi = torch.as_tensor(req_pool_indices, dtype=torch.int64)
+        return cls(
+            forward_mode=mode,
+            req_pool_indices=rpi.to(device),
+            seq_lens=seq_cpu.to(device=device, dtype=torch.int32),
+            seq_lens_cpu=seq_cpu,
+            out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
+            positions=positions.to(device),
+            extend_seq_lens=ext.to(device=device, dtype=torch.int32),
+            extend_seq_lens_cpu=ext,
+            extend_prefix_lens_cpu=prefix,
+            spec_info=spec_info,
+        )

@@ -1,0 +1,49 @@
+"""The ``aiter-attn`` command: ``info``, ``generate``, ``bench``, ``verify``.
+
+Subcommands live in ``aiter_attn/commands/<name>.py``; each has ``add_parser(subparsers)``
+which sets ``func`` on its parser. A missing subcommand module is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+__all__ = ["main", "SUBCOMMANDS"]
+
+SUBCOMMANDS = ("info", "generate", "bench", "verify")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aiter-attn",
+        description="Attention backend for LLM inference over a paged KV cache.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        try:
+            mod = importlib.import_module(f"aiter_attn.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"aiter_attn.commands.{name}":
+                continue
+            raise
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

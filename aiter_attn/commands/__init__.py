@@ -1,0 +1,1 @@
+"""Subcommands of the ``aiter-attn`` CLI (one module each)."""

@@ -1,0 +1,253 @@
+"""Readable float32 torch references for every op. Tests and benchmarks import these.
+
+They favour clarity over speed (a Python loop over requests) and are the CPU default.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..hookspecs import hookimpl
+from ..types import CGSupport, FP8_DTYPES
+from .registry import Capabilities
+
+__all__ = [
+    "paged_attention_reference",
+    "mla_paged_attention_reference",
+    "write_kv_reference",
+    "build_page_table_reference",
+    "build_ragged_kv_indices_reference",
+    "quantize_to_cache",
+]
+
+
+def _scale_value(scale) -> float:
+    if scale is None:
+        return 1.0
+    if isinstance(scale, torch.Tensor):
+        return float(scale.float().reshape(-1)[0])
+    return float(scale)
+
+
+def quantize_to_cache(x: torch.Tensor, dtype: torch.dtype, scale) -> torch.Tensor:
+    """Cast ``x`` to the cache dtype; fp8 divides by ``scale`` and saturates to the dtype's range."""
+    if dtype in FP8_DTYPES:
+        s = scale if isinstance(scale, torch.Tensor) else torch.tensor(_scale_value(scale))
+        y = x.float() / s.to(x.device).float()
+        fmax = torch.finfo(dtype).max
+        return y.clamp(-fmax, fmax).to(dtype)
+    return x.to(dtype)
+
+
+def _gather_request_kv(cache: torch.Tensor, pages: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """``[kv_len, heads, dim]`` float32 from a paged ``[num_pages, page_size, heads, dim]`` cache."""
+    page_size = cache.shape[1]
+    n_pages = -(-kv_len // page_size)
+    blocks = cache[pages[:n_pages].long()]  # [n_pages, page_size, H, D]
+    return blocks.reshape(n_pages * page_size, *cache.shape[2:])[:kv_len].float()
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    seqused_k: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
+    k_scale=None,
+    v_scale=None,
+    custom_mask: Optional[torch.Tensor] = None,
+    mask_indptr: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+) -> torch.Tensor:
+    """Paged attention in float32.
+
+    For request ``b`` with ``L = seqused_k[b]`` keys and ``n`` queries, query ``i`` sits at
+    absolute position ``p = L - n + i`` and attends to key ``j`` iff
+    ``(not causal or j ≤ p)`` and ``p - left ≤ j ≤ p + right`` (``-1`` = unbounded) and, with a
+    custom mask, ``mask[b][i, j]``. Logits ``s = scale · q·k``; with softcap ``c > 0``,
+    ``s ← c·tanh(s/c)``. With sinks, softmax runs over ``[s, sink_h]`` and the sink column has
+    no value. A row with no visible key (and no sink) outputs zeros.
+
+    Shapes: q ``[T, Hq, D]``; caches ``[pages, page_size, Hkv, D|Dv]``; out ``[T, Hq, Dv]``.
+    """
+    ks, vs = _scale_value(k_scale), _scale_value(v_scale)
+    num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    cu = cu_seqlens_q.tolist()
+    lens = seqused_k.tolist()
+    left, right = window_size
+    for b in range(len(lens)):
+        q0, q1 = cu[b], cu[b + 1]
+        n, kv_len = q1 - q0, lens[b]
+        if n == 0:
+            continue
+        k = _gather_request_kv(k_cache, block_table[b], kv_len) * ks  # [L, Hkv, D]
+        v = _gather_request_kv(v_cache, block_table[b], kv_len) * vs
+        k = k.repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v.repeat_interleave(group, dim=1)
+        qb = q[q0:q1].float()  # [n, Hq, D]
+        s = torch.einsum("nhd,lhd->hnl", qb, k) * softmax_scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        pos = torch.arange(kv_len - n, kv_len, device=q.device).unsqueeze(1)  # [n, 1]
+        key = torch.arange(kv_len, device=q.device).unsqueeze(0)  # [1, L]
+        visible = torch.ones(n, kv_len, dtype=torch.bool, device=q.device)
+        if causal:
+            visible &= key <= pos
+        if left >= 0:
+            visible &= key >= pos - left
+        if right >= 0:
+            visible &= key <= pos + right
+        if custom_mask is not None:
+            start = int(mask_indptr[b])
+            visible &= custom_mask[start : start + n * kv_len].view(n, kv_len).bool()
+        s = s.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().view(num_q_heads, 1, 1).expand(num_q_heads, n, 1)
+            s = torch.cat([s, sink], dim=-1)
+        row_max = s.amax(dim=-1, keepdim=True)
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        p = torch.exp(s - row_max)
+        denom = p.sum(dim=-1, keepdim=True)
+        p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+        o = torch.einsum("hnl,lhd->nhd", p[..., :kv_len], v)
+        out[q0:q1] = o.to(out.dtype)
+    return out
+
+
+def mla_paged_attention_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    cu_seqlens_q: torch.Tensor,
+    seqused_k: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    causal: bool = True,
+    kv_scale=None,
+    custom_mask: Optional[torch.Tensor] = None,
+    mask_indptr: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+) -> torch.Tensor:
+    """Absorbed MLA: one latent KV head; keys are the whole ``kv_lora_rank + rope`` vector, values
+    its first ``kv_lora_rank`` dims. q ``[T, H, kv_lora + rope]``, kv_cache
+    ``[pages, page_size, 1, kv_lora + rope]``, out ``[T, H, kv_lora]``."""
+    return paged_attention_reference(
+        q,
+        kv_cache,
+        kv_cache[..., :kv_lora_rank],
+        out,
+        cu_seqlens_q=cu_seqlens_q,
+        seqused_k=seqused_k,
+        block_table=block_table,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        k_scale=kv_scale,
+        v_scale=kv_scale,
+        custom_mask=custom_mask,
+        mask_indptr=mask_indptr,
+    )
+
+
+def write_kv_reference(
+    k_cache: torch.Tensor,
+    v_cache: Optional[torch.Tensor],
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: Optional[torch.Tensor],
+    *,
+    k_scale=None,
+    v_scale=None,
+) -> None:
+    """Reshape-and-cache: ``cache.flat[slots[t]] = quantise(k[t])`` for every token ``t``.
+
+    Caches ``[pages, page_size, H, D]``; slots int64 ``[T]``; k ``[T, H, D]``. Slots are
+    written exactly; every other slot is left byte-identical.
+    """
+    kf = k_cache.view(-1, *k_cache.shape[2:])
+    kf[slots.long()] = quantize_to_cache(k, k_cache.dtype, k_scale)
+    if v_cache is not None and v is not None:
+        vf = v_cache.view(-1, *v_cache.shape[2:])
+        vf[slots.long()] = quantize_to_cache(v, v_cache.dtype, v_scale)
+
+
+def build_page_table_reference(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """``out[b, i] = req_to_token[req_pool_indices[b], i·page_size] // page_size`` for
+    ``i < ceil(seq_lens[b] / page_size)``, else 0 (null page). No host sync.
+
+    req_to_token int32 ``[R, C]``; req_pool_indices int64 ``[B]``; seq_lens int32 ``[B]``;
+    out int32 ``[B, W]``.
+    """
+    width = out.shape[1]
+    cols = req_to_token[:, ::page_size][:, :width]
+    rows = cols.index_select(0, req_pool_indices.long()) // page_size
+    n_pages = (seq_lens.long() + page_size - 1) // page_size
+    idx = torch.arange(rows.shape[1], device=out.device).unsqueeze(0)
+    rows = torch.where(idx < n_pages.unsqueeze(1), rows, torch.zeros_like(rows))
+    out.zero_()
+    out[:, : rows.shape[1]] = rows.to(out.dtype)
+    return out
+
+
+def build_ragged_kv_indices_reference(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    total: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level ragged indices: ``kv_indptr = [0, cumsum(seq_lens)]`` and
+    ``kv_indices[kv_indptr[b] + j] = req_to_token[req_pool_indices[b], j]``. ``total`` is the
+    host-known ``sum(seq_lens)`` (from the CPU mirror) so nothing syncs.
+
+    kv_indptr int32 ``[B + 1]``; kv_indices int32 ``[≥ total]``.
+    """
+    bs = seq_lens.shape[0]
+    kv_indptr[0] = 0
+    torch.cumsum(seq_lens, dim=0, out=kv_indptr[1 : bs + 1])
+    if total:
+        req = torch.repeat_interleave(
+            torch.arange(bs, device=seq_lens.device), seq_lens.long(), output_size=total
+        )
+        pos = torch.arange(total, device=seq_lens.device) - kv_indptr[req].long()
+        kv_indices[:total] = req_to_token[req_pool_indices.long()[req], pos].to(kv_indices.dtype)
+    return kv_indptr, kv_indices
+
+
+@hookimpl
+def aiter_attn_register_kernels(register):
+    """Register the references: any device, any dtype, every feature; lowest priority."""
+    everything = Capabilities(
+        features={"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs",
+                  "non_causal"},
+        cg_support=CGSupport.NEVER,
+    )
+    register("paged_attention", "reference", paged_attention_reference, everything, priority=0)
+    register("mla_paged_attention", "reference", mla_paged_attention_reference, everything,
+             priority=0)
+    index_caps = Capabilities(cg_support=CGSupport.ALWAYS, features={"fp8"})
+    register("write_kv", "reference", write_kv_reference, index_caps, priority=0)
+    register("build_page_table", "reference", build_page_table_reference, index_caps, priority=0)
+    register("build_ragged_kv_indices", "reference", build_ragged_kv_indices_reference,
+             index_caps, priority=0)

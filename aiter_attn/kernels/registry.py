@@ -1,0 +1,244 @@
+"""Kernel registry: op → implementations with frozen capabilities and a priority.
+
+Selection runs once per :class:`KernelRequest` (op, device, dtypes, head dims, page size,
+features): it walks candidates by priority, records why each rejected one cannot serve, and
+caches the answer. An explicitly requested backend that cannot serve raises with every reason;
+an automatic choice falls back to the next candidate. ``AITER_ATTN_BACKEND`` overrides.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Callable, Optional
+
+import attrs
+import torch
+
+from ..types import CGSupport
+
+__all__ = [
+    "Capabilities",
+    "KernelImpl",
+    "KernelRequest",
+    "Selection",
+    "KernelRegistry",
+    "KernelSelectionError",
+    "FEATURES",
+]
+
+log = logging.getLogger(__name__)
+
+#: Feature names a request may need and a kernel may declare.
+FEATURES = frozenset(
+    {"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs", "non_causal"}
+)
+
+
+def _frozenset_or_none(v):
+    return None if v is None else frozenset(v)
+
+
+@attrs.frozen(kw_only=True)
+class Capabilities:
+    """What one implementation can serve. ``None`` means any.
+
+    Attributes:
+        devices: device types (``"cpu"``, ``"cuda"``).
+        dtypes: query/activation dtypes.
+        kv_dtypes: cache dtypes (fp8 ones need ``"fp8"`` in features too).
+        head_dims: accepted q/k head dims.
+        max_head_dim: upper bound on head dims when ``head_dims`` is ``None``.
+        page_sizes: accepted page sizes.
+        features: subset of :data:`FEATURES`.
+        cg_support: how far it runs under CUDA-graph capture.
+        predicate: optional extra check ``(request) -> reason or None``.
+    """
+
+    devices: Optional[frozenset] = attrs.field(default=None, converter=_frozenset_or_none)
+    dtypes: Optional[frozenset] = attrs.field(default=None, converter=_frozenset_or_none)
+    kv_dtypes: Optional[frozenset] = attrs.field(default=None, converter=_frozenset_or_none)
+    head_dims: Optional[frozenset] = attrs.field(default=None, converter=_frozenset_or_none)
+    max_head_dim: Optional[int] = None
+    page_sizes: Optional[frozenset] = attrs.field(default=None, converter=_frozenset_or_none)
+    features: frozenset = attrs.field(default=frozenset(), converter=frozenset)
+    cg_support: CGSupport = CGSupport.ALWAYS
+    predicate: Optional[Callable] = attrs.field(default=None, eq=False)
+
+    def __attrs_post_init__(self):
+        unknown = self.features - FEATURES
+        if unknown:
+            raise ValueError(
+                f"unknown features {sorted(unknown)}; allowed: {sorted(FEATURES)}."
+            )
+
+    def reject_reason(self, req: "KernelRequest") -> Optional[str]:
+        """Why this cannot serve ``req``, or ``None`` if it can."""
+        if self.devices is not None and req.device not in self.devices:
+            return f"device {req.device!r} not in {sorted(self.devices)}"
+        if self.dtypes is not None and req.dtype is not None and req.dtype not in self.dtypes:
+            return f"dtype {req.dtype} not in {sorted(map(str, self.dtypes))}"
+        if (
+            self.kv_dtypes is not None
+            and req.kv_dtype is not None
+            and req.kv_dtype not in self.kv_dtypes
+        ):
+            return f"kv dtype {req.kv_dtype} not in {sorted(map(str, self.kv_dtypes))}"
+        for name, dim in (("head_dim", req.head_dim), ("v_head_dim", req.v_head_dim)):
+            if dim is None:
+                continue
+            if self.head_dims is not None and dim not in self.head_dims:
+                return f"{name} {dim} not in {sorted(self.head_dims)}"
+            if self.max_head_dim is not None and dim > self.max_head_dim:
+                return f"{name} {dim} > max {self.max_head_dim}"
+        if self.page_sizes is not None and req.page_size is not None:
+            if req.page_size not in self.page_sizes:
+                return f"page_size {req.page_size} not in {sorted(self.page_sizes)}"
+        missing = req.features - self.features
+        if missing:
+            return f"missing features {sorted(missing)}"
+        if self.predicate is not None:
+            return self.predicate(req)
+        return None
+
+
+@attrs.frozen(kw_only=True)
+class KernelRequest:
+    """The selection key: what a call site needs from an op."""
+
+    op: str
+    device: str = "cpu"
+    dtype: Optional[torch.dtype] = None
+    kv_dtype: Optional[torch.dtype] = None
+    head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    page_size: Optional[int] = None
+    features: frozenset = attrs.field(default=frozenset(), converter=frozenset)
+    extra: tuple = ()  # op-specific hashable details (e.g. MLA head count)
+
+
+@attrs.frozen(kw_only=True)
+class KernelImpl:
+    """One registered implementation of an op."""
+
+    op: str
+    name: str
+    fn: Callable = attrs.field(eq=False)
+    capabilities: Capabilities = Capabilities()
+    priority: int = 0
+    source: str = "builtin"  # the plugin that registered it
+
+
+@attrs.frozen
+class Selection:
+    """Result of a selection: the implementation and why the others were passed over."""
+
+    impl: KernelImpl
+    rejected: tuple = ()  # ((name, reason), ...)
+
+    @property
+    def fn(self) -> Callable:
+        return self.impl.fn
+
+
+class KernelSelectionError(ValueError):
+    """No implementation can serve a request; the message lists every candidate's reason."""
+
+
+class KernelRegistry:
+    """Op → implementations. Thread-safe registration; cached selection."""
+
+    def __init__(self):
+        self._impls: dict[str, dict[str, KernelImpl]] = {}
+        self._cache: dict = {}
+        self._lock = threading.Lock()
+
+    def register(
+        self,
+        op: str,
+        name: str,
+        fn: Callable,
+        capabilities: Capabilities = Capabilities(),
+        priority: int = 0,
+        *,
+        source: str = "builtin",
+        replace: bool = False,
+    ) -> KernelImpl:
+        """Register ``fn`` as backend ``name`` of ``op``.
+
+        A name already registered for the op raises unless ``replace=True`` (a plugin that
+        deliberately overrides a built-in says so).
+        """
+        if not isinstance(capabilities, Capabilities):
+            raise TypeError(
+                f"capabilities must be aiter_attn.kernels.registry.Capabilities, "
+                f"got {type(capabilities).__name__}."
+            )
+        impl = KernelImpl(
+            op=op, name=name, fn=fn, capabilities=capabilities, priority=priority, source=source
+        )
+        with self._lock:
+            table = self._impls.setdefault(op, {})
+            if name in table and not replace:
+                raise ValueError(
+                    f"kernel {name!r} is already registered for op {op!r} "
+                    f"(by {table[name].source}); pass replace=True to override it."
+                )
+            table[name] = impl
+            self._cache.clear()
+        return impl
+
+    def ops(self) -> list[str]:
+        return sorted(self._impls)
+
+    def implementations(self, op: str) -> list[KernelImpl]:
+        """Implementations of ``op``, best first."""
+        return sorted(self._impls.get(op, {}).values(), key=lambda i: (-i.priority, i.name))
+
+    def select(self, request: KernelRequest, backend: Optional[str] = None) -> Selection:
+        """Pick the best implementation for ``request`` (cached per request and backend).
+
+        ``backend`` (or ``AITER_ATTN_BACKEND``) forces one by name; if it cannot serve, raises
+        :class:`KernelSelectionError` with the reason.
+        """
+        if backend is None:
+            backend = os.environ.get("AITER_ATTN_BACKEND") or None
+        key = (request, backend)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        candidates = self.implementations(request.op)
+        if not candidates:
+            raise KernelSelectionError(
+                f"no kernel is registered for op {request.op!r}; registered ops: {self.ops()}. "
+                "Is the plugin that provides it installed and allowed (AITER_ATTN_PLUGINS)?"
+            )
+        rejected = []
+        chosen = None
+        for impl in candidates:
+            if backend is not None and impl.name != backend:
+                rejected.append((impl.name, f"not the requested backend {backend!r}"))
+                continue
+            reason = impl.capabilities.reject_reason(request)
+            if reason is None:
+                chosen = impl
+                break
+            rejected.append((impl.name, reason))
+        if chosen is None:
+            names = [i.name for i in candidates]
+            detail = "; ".join(f"{n}: {r}" for n, r in rejected)
+            if backend is not None and backend not in names:
+                raise KernelSelectionError(
+                    f"backend={backend!r} has no kernel for op {request.op!r}; available: "
+                    f"{names}. Pick one of those or install the plugin that provides it."
+                )
+            raise KernelSelectionError(
+                f"no kernel can serve {request.op!r} for {request}: {detail}. "
+                "Change the layer/config or pick a backend that supports it."
+            )
+        sel = Selection(chosen, tuple(rejected))
+        if rejected:
+            log.debug("op %s: chose %s; rejected %s", request.op, chosen.name, rejected)
+        self._cache[key] = sel
+        return sel

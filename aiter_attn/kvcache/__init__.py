@@ -1,0 +1,7 @@
+"""Paged KV cache: request→token table, page allocation with a null page, per-arch KV pools."""
+
+from .allocator import PageAllocator
+from .mha import MHAKVPool
+from .req_to_token import ReqToTokenPool
+
+__all__ = ["ReqToTokenPool", "PageAllocator", "MHAKVPool"]

@@ -1,0 +1,290 @@
+"""Functional ops: the kernel contract. Each validates its inputs (no device sync), selects an
+implementation from the kernel registry (cached per request) and runs it.
+
+``backend=None`` picks the best registered implementation; ``"reference"`` / ``"triton"`` / a
+plugin's name forces one (and raises with reasons if it cannot serve).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .kernels.registry import KernelRequest, Selection
+from .types import FP8_DTYPES
+from .validation import ATTN_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
+
+__all__ = [
+    "paged_attention",
+    "mla_paged_attention",
+    "write_kv",
+    "build_page_table",
+    "build_ragged_kv_indices",
+    "paged_attention_request",
+]
+
+
+def _registry():
+    from .plugins import kernel_registry
+
+    return kernel_registry()
+
+
+def _check_window(window_size):
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or any((not isinstance(w, int)) or w < -1 for w in window_size)
+    ):
+        raise ValueError(
+            f"window_size={window_size!r}; expected a (left, right) pair of ints ≥ -1 "
+            "(-1 = unbounded). HF sliding_window=w is (w - 1, 0)."
+        )
+
+
+def paged_attention_request(
+    q, k_cache, v_cache, *, window_size=(-1, -1), softcap=0.0, sinks=None, causal=True,
+    custom_mask=None,
+) -> KernelRequest:
+    """The kernel-registry key for a paged-attention call with these inputs."""
+    features = set()
+    if sinks is not None:
+        features.add("sinks")
+    if softcap and softcap > 0:
+        features.add("softcap")
+    if tuple(window_size) != (-1, -1):
+        features.add("window")
+    if k_cache.dtype in FP8_DTYPES:
+        features.add("fp8")
+    if custom_mask is not None:
+        features.add("custom_mask")
+    if v_cache.shape[-1] != k_cache.shape[-1]:
+        features.add("v_head_dim_differs")
+    if not causal:
+        features.add("non_causal")
+    return KernelRequest(
+        op="paged_attention",
+        device=q.device.type,
+        dtype=q.dtype,
+        kv_dtype=k_cache.dtype,
+        head_dim=q.shape[-1],
+        v_head_dim=v_cache.shape[-1],
+        page_size=k_cache.shape[1],
+        features=features,
+        extra=(("q_heads", q.shape[1]), ("kv_heads", k_cache.shape[2])),
+    )
+
+
+def _validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, out):
+    check_tensor("q", q, dtypes=ATTN_DTYPES, ndim=3,
+                 hint="q is [num_tokens, num_q_heads, head_dim].")
+    kv_dtypes = ATTN_DTYPES + tuple(FP8_DTYPES)
+    check_tensor("k_cache", k_cache, dtypes=kv_dtypes, ndim=4,
+                 hint="k_cache is [num_pages, page_size, num_kv_heads, head_dim].")
+    check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), ndim=4,
+                 shape=(k_cache.shape[0], k_cache.shape[1], k_cache.shape[2], None),
+                 hint="v_cache is [num_pages, page_size, num_kv_heads, head_dim_v] like k_cache.")
+    if k_cache.shape[3] != q.shape[2]:
+        raise ValueError(
+            f"q head_dim={q.shape[2]} but k_cache head_dim={k_cache.shape[3]}; they must match."
+        )
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(
+            f"num_q_heads={q.shape[1]} is not a multiple of num_kv_heads={k_cache.shape[2]}; "
+            "GQA needs whole groups of query heads per KV head."
+        )
+    check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=INDEX_DTYPES, ndim=1,
+                 hint="cu_seqlens_q is int32 [batch + 1].")
+    bs = cu_seqlens_q.shape[0] - 1
+    check_tensor("seqused_k", seqused_k, dtypes=INDEX_DTYPES, ndim=1, shape=(bs,),
+                 hint="seqused_k is int32 [batch]: KV length per request.")
+    check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2, shape=(bs, None),
+                 hint="block_table is int32 [batch, max_pages_per_request].")
+    if out is not None:
+        check_tensor("out", out, dtypes=(q.dtype,), ndim=3,
+                     shape=(q.shape[0], q.shape[1], v_cache.shape[3]),
+                     hint="out is [num_tokens, num_q_heads, head_dim_v] in q's dtype.")
+    check_same_device("q", q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q,
+                      seqused_k=seqused_k, block_table=block_table, out=out)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    seqused_k: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
+    k_scale=None,
+    v_scale=None,
+    out: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    custom_mask: Optional[torch.Tensor] = None,
+    mask_indptr: Optional[torch.Tensor] = None,
+    backend: Optional[str] = None,
+) -> torch.Tensor:
+    """Attention of ragged queries over a paged KV cache (decode, prefill, extend, mixed).
+
+    Args:
+        q: ``[num_tokens, num_q_heads, head_dim]`` fp16/bf16/fp32.
+        k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim(_v)]`` (NHD pages),
+            fp16/bf16/fp32 or fp8 (then ``k_scale``/``v_scale`` dequantise).
+        cu_seqlens_q: int32 ``[batch + 1]``: query offsets; request b's queries are the last
+            ``q_len[b]`` tokens of its ``seqused_k[b]`` keys.
+        seqused_k: int32 ``[batch]``: KV length per request, this step's tokens included.
+        block_table: int32 ``[batch, max_pages]``: page ids per request.
+        softmax_scale: multiplies q·k.
+        causal: mask keys after each query's position.
+        window_size: flash-attn ``(left, right)``; HF ``sliding_window=w`` ⇒ ``(w-1, 0)``.
+        softcap: logits ← ``softcap·tanh(logits/softcap)`` when > 0.
+        sinks: float32 ``[num_q_heads]``: an extra unscaled logit per head with no value.
+        k_scale, v_scale: scalar dequant scales for fp8 caches.
+        out: optional ``[num_tokens, num_q_heads, head_dim_v]`` output buffer.
+        custom_mask, mask_indptr: tree-verify mask (bool flat, int64 ``[batch + 1]``).
+        backend: force an implementation by name.
+
+    Returns:
+        ``[num_tokens, num_q_heads, head_dim_v]`` in q's dtype.
+    """
+    _validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, out)
+    _check_window(window_size)
+    if softcap < 0:
+        raise ValueError(f"softcap={softcap}; must be ≥ 0 (0 disables soft-capping).")
+    if sinks is not None:
+        check_tensor("sinks", sinks, ndim=1, shape=(q.shape[1],),
+                     hint="sinks is float32 [num_q_heads].")
+    if (custom_mask is None) != (mask_indptr is None):
+        raise ValueError("custom_mask and mask_indptr go together; pass both or neither.")
+    if custom_mask is not None:
+        check_tensor("custom_mask", custom_mask, dtypes=(torch.bool, torch.uint8), ndim=1)
+        check_tensor("mask_indptr", mask_indptr, dtypes=INDEX_DTYPES, ndim=1,
+                     shape=(cu_seqlens_q.shape[0],))
+    req = paged_attention_request(q, k_cache, v_cache, window_size=window_size, softcap=softcap,
+                                  sinks=sinks, causal=causal, custom_mask=custom_mask)
+    sel: Selection = _registry().select(req, backend=backend)
+    if out is None:
+        out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[3], dtype=q.dtype, device=q.device)
+    return sel.fn(
+        q, k_cache, v_cache, out,
+        cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,
+        softmax_scale=float(softmax_scale), causal=causal, window_size=tuple(window_size),
+        softcap=float(softcap), sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+        custom_mask=custom_mask, mask_indptr=mask_indptr,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+    )
+
+
+def mla_paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    cu_seqlens_q: torch.Tensor,
+    seqused_k: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    causal: bool = True,
+    kv_scale=None,
+    out: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    custom_mask: Optional[torch.Tensor] = None,
+    mask_indptr: Optional[torch.Tensor] = None,
+    backend: Optional[str] = None,
+) -> torch.Tensor:
+    """Absorbed MLA over a latent paged cache.
+
+    Args:
+        q: ``[num_tokens, num_heads, kv_lora_rank + rope_dim]`` (q_nope absorbed + q_rope).
+        kv_cache: ``[num_pages, page_size, 1, kv_lora_rank + rope_dim]``; values are its first
+            ``kv_lora_rank`` dims.
+        Others as in :func:`paged_attention`.
+
+    Returns:
+        ``[num_tokens, num_heads, kv_lora_rank]`` in q's dtype.
+    """
+    check_tensor("q", q, dtypes=ATTN_DTYPES, ndim=3,
+                 hint="q is [num_tokens, num_heads, kv_lora_rank + rope_dim].")
+    check_tensor("kv_cache", kv_cache, dtypes=ATTN_DTYPES + tuple(FP8_DTYPES), ndim=4,
+                 shape=(None, None, 1, q.shape[2]),
+                 hint="kv_cache is [num_pages, page_size, 1, kv_lora_rank + rope_dim].")
+    if not 0 < kv_lora_rank <= q.shape[2]:
+        raise ValueError(f"kv_lora_rank={kv_lora_rank}; must be in 1..{q.shape[2]} (q's last dim).")
+    _validate_paged(q, kv_cache, kv_cache[..., :kv_lora_rank], cu_seqlens_q, seqused_k,
+                    block_table, out)
+    features = {"fp8"} if kv_cache.dtype in FP8_DTYPES else set()
+    if custom_mask is not None:
+        features.add("custom_mask")
+    req = KernelRequest(
+        op="mla_paged_attention", device=q.device.type, dtype=q.dtype, kv_dtype=kv_cache.dtype,
+        head_dim=q.shape[2], v_head_dim=kv_lora_rank, page_size=kv_cache.shape[1],
+        features=features, extra=(("heads", q.shape[1]),),
+    )
+    sel = _registry().select(req, backend=backend)
+    if out is None:
+        out = torch.empty(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype, device=q.device)
+    return sel.fn(
+        q, kv_cache, out, kv_lora_rank=kv_lora_rank, cu_seqlens_q=cu_seqlens_q,
+        seqused_k=seqused_k, block_table=block_table, softmax_scale=float(softmax_scale),
+        causal=causal, kv_scale=kv_scale, custom_mask=custom_mask, mask_indptr=mask_indptr,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+    )
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: Optional[torch.Tensor],
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: Optional[torch.Tensor],
+    *,
+    k_scale=None,
+    v_scale=None,
+    backend: Optional[str] = None,
+) -> None:
+    """Write this step's K/V into the paged cache at ``slots`` (int64 ``[num_tokens]``),
+    quantising to fp8 with the scales when the cache is fp8. Touches only those slots.
+
+    Caches ``[num_pages, page_size, heads, dim]``; k/v ``[num_tokens, heads, dim]``.
+    """
+    check_tensor("slots", slots, dtypes=INDEX_DTYPES, ndim=1,
+                 hint="slots (out_cache_loc) is int64 [num_tokens].")
+    check_tensor("k", k, ndim=3, shape=(slots.shape[0], k_cache.shape[2], k_cache.shape[3]),
+                 hint="k is [num_tokens, num_kv_heads, head_dim] matching the cache.")
+    if v is not None:
+        check_tensor("v", v, ndim=3, shape=(slots.shape[0], v_cache.shape[2], v_cache.shape[3]),
+                     hint="v is [num_tokens, num_kv_heads, head_dim_v] matching the cache.")
+    req = KernelRequest(
+        op="write_kv", device=k_cache.device.type, dtype=k.dtype, kv_dtype=k_cache.dtype,
+        head_dim=k_cache.shape[3], page_size=k_cache.shape[1],
+        features={"fp8"} if k_cache.dtype in FP8_DTYPES else (),
+    )
+    _registry().select(req, backend=backend).fn(
+        k_cache, v_cache, slots, k, v, k_scale=k_scale, v_scale=v_scale
+    )
+
+
+def build_page_table(req_to_token, req_pool_indices, seq_lens, page_size, out, *, backend=None):
+    """Fill ``out`` (int32 ``[batch, max_pages]``) with each request's page ids (0 past its
+    length). See :func:`aiter_attn.kernels.reference.build_page_table_reference`."""
+    req = KernelRequest(op="build_page_table", device=out.device.type, page_size=page_size)
+    return _registry().select(req, backend=backend).fn(
+        req_to_token, req_pool_indices, seq_lens, page_size, out
+    )
+
+
+def build_ragged_kv_indices(req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices,
+                            total: int, *, backend=None):
+    """Token-level ``kv_indptr``/``kv_indices``; ``total`` = host-known ``sum(seq_lens)``."""
+    req = KernelRequest(op="build_ragged_kv_indices", device=kv_indices.device.type)
+    return _registry().select(req, backend=backend).fn(
+        req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices, total
+    )

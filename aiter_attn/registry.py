@@ -1,0 +1,123 @@
+"""Strategy registry: ``(ForwardMode, AttnArch)`` → candidate :class:`StrategyPair`.
+
+A pair names the metadata and execution strategies that serve some modes of one
+architecture. Selection walks candidates by priority and keeps a reason for each one it passes
+over; an explicit choice that cannot serve raises with all reasons.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional
+
+import attrs
+
+from .types import AttnArch, BackendConfig, CGSupport, ForwardMode
+
+__all__ = ["StrategyPair", "StrategyRegistry", "StrategySelectionError"]
+
+
+def _modes(value):
+    return frozenset(ForwardMode.parse(m) for m in value)
+
+
+@attrs.frozen(kw_only=True)
+class StrategyPair:
+    """A registered (MetadataStrategy, ExecutionStrategy) pair.
+
+    Attributes:
+        name: unique name (``"mha.paged"``).
+        arch: the architecture served.
+        modes: forward modes served.
+        metadata: ``factory(ctx: StrategyContext) -> MetadataStrategy``.
+        execution: ``factory(ctx: StrategyContext) -> ExecutionStrategy``.
+        priority: higher wins among pairs that can serve.
+        cg_support: CUDA-graph support of the pair.
+        supports: optional ``(config) -> reason | None`` check.
+        description: one line for ``aiter-attn info``.
+    """
+
+    name: str
+    arch: AttnArch = attrs.field(converter=AttnArch.parse)
+    modes: frozenset = attrs.field(converter=_modes)
+    metadata: Callable = attrs.field(eq=False)
+    execution: Callable = attrs.field(eq=False)
+    priority: int = 0
+    cg_support: CGSupport = CGSupport.NEVER
+    supports: Optional[Callable] = attrs.field(default=None, eq=False)
+    description: str = ""
+
+    def reject_reason(self, mode: ForwardMode, arch: AttnArch, config: Optional[BackendConfig]):
+        if arch != self.arch:
+            return f"serves {self.arch.name}, not {arch.name}"
+        if mode not in self.modes:
+            return f"does not serve {mode.name} (serves {sorted(m.name for m in self.modes)})"
+        if self.supports is not None and config is not None:
+            return self.supports(config)
+        return None
+
+
+class StrategySelectionError(ValueError):
+    """No strategy pair can serve a (mode, arch); the message lists every reason."""
+
+
+class StrategyRegistry:
+    def __init__(self):
+        self._pairs: dict[str, tuple[StrategyPair, str]] = {}
+        self._lock = threading.Lock()
+
+    def register(self, pair: StrategyPair, *, replace: bool = False, source: str = "builtin"):
+        if not isinstance(pair, StrategyPair):
+            raise TypeError(f"register() takes a StrategyPair, got {type(pair).__name__}.")
+        with self._lock:
+            if pair.name in self._pairs and not replace:
+                raise ValueError(
+                    f"strategy {pair.name!r} is already registered (by "
+                    f"{self._pairs[pair.name][1]}); pass replace=True to override it."
+                )
+            self._pairs[pair.name] = (pair, source)
+        return pair
+
+    def pairs(self) -> list[StrategyPair]:
+        return sorted((p for p, _ in self._pairs.values()), key=lambda p: (-p.priority, p.name))
+
+    def source_of(self, name: str) -> str:
+        return self._pairs[name][1]
+
+    def candidates(self, mode, arch, config=None):
+        """``(chosen_or_None, [(name, reason), …])`` without raising."""
+        mode, arch = ForwardMode.parse(mode), AttnArch.parse(arch)
+        rejected = []
+        for pair in self.pairs():
+            reason = pair.reject_reason(mode, arch, config)
+            if reason is None:
+                return pair, rejected
+            rejected.append((pair.name, reason))
+        return None, rejected
+
+    def select(self, mode, arch, config: Optional[BackendConfig] = None, name: Optional[str] = None):
+        """The best pair for ``(mode, arch)``; ``name`` forces one.
+
+        Raises :class:`StrategySelectionError` naming every candidate's reason.
+        """
+        mode, arch = ForwardMode.parse(mode), AttnArch.parse(arch)
+        if name is not None:
+            if name not in self._pairs:
+                raise StrategySelectionError(
+                    f"strategy={name!r} is not registered; registered: {sorted(self._pairs)}."
+                )
+            pair = self._pairs[name][0]
+            reason = pair.reject_reason(mode, arch, config)
+            if reason is not None:
+                raise StrategySelectionError(
+                    f"strategy {name!r} cannot serve {mode.name} × {arch.name}: {reason}."
+                )
+            return pair
+        pair, rejected = self.candidates(mode, arch, config)
+        if pair is None:
+            detail = "; ".join(f"{n}: {r}" for n, r in rejected) or "none registered"
+            raise StrategySelectionError(
+                f"no strategy serves {mode.name} × {arch.name}: {detail}. "
+                "Install the plugin for this architecture or choose another."
+            )
+        return pair

@@ -1,0 +1,150 @@
+"""MHA/GQA/MQA strategies: EXTEND (with/without cached prefix, chunked) and DECODE/IDLE.
+
+Both modes plan the same metadata shape: a query layout and a page table over the full pool.
+Decode's query layout is ``arange`` (one token per request); extend's is the cumulative sum
+of ``extend_seq_lens``. Everything is built on the device by index ops; host sizes come from
+the batch's CPU mirrors (eager) or static bounds (graph buffers).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import ops
+from ..batch import ForwardBatch
+from ..hookspecs import hookimpl
+from ..metadata import AttnMetadata, PageTable, QueryLayout
+from ..registry import StrategyPair
+from ..types import AttnArch, CGSupport, ForwardMode, LayerSpec
+from .base import BufferSpec, ExecutionStrategy, MetadataStrategy
+
+__all__ = ["PagedMetadata", "DecodeMetadata", "ExtendMetadata", "PagedExecution",
+           "plan_query_layout", "plan_page_table"]
+
+
+def plan_query_layout(batch: ForwardBatch, cu_seqlens_q: torch.Tensor, uniform_q_len: Optional[int]):
+    """Fill ``cu_seqlens_q`` (int32 ``[bs + 1]`` view) on the device; return a QueryLayout.
+
+    ``uniform_q_len`` set ⇒ ``b · q_len`` (decode, verify, draft v2); else cumsum of
+    ``batch.extend_seq_lens``.
+    """
+    bs = batch.batch_size
+    if uniform_q_len is not None:
+        torch.arange(0, (bs + 1) * uniform_q_len, uniform_q_len, out=cu_seqlens_q,
+                     dtype=cu_seqlens_q.dtype)
+        return QueryLayout(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=uniform_q_len,
+                           num_tokens=bs * uniform_q_len)
+    cu_seqlens_q[:1].zero_()
+    torch.cumsum(batch.extend_seq_lens, dim=0, out=cu_seqlens_q[1:])
+    q_lens = batch.extend_seq_lens_cpu
+    return QueryLayout(cu_seqlens_q=cu_seqlens_q,
+                       max_seqlen_q=int(q_lens.max()) if bs else 0,
+                       num_tokens=int(q_lens.sum()))
+
+
+def plan_page_table(ctx, batch: ForwardBatch, block_table: torch.Tensor, seqused_k: torch.Tensor,
+                    static: bool) -> PageTable:
+    """Fill ``block_table`` (int32 ``[bs, W]`` view) and ``seqused_k`` from ``req_to_token``."""
+    page_size = ctx.config.page_size
+    ops.build_page_table(ctx.req_to_token, batch.req_pool_indices, batch.seq_lens, page_size,
+                         block_table)
+    seqused_k.copy_(batch.seq_lens)
+    max_k = block_table.shape[1] * page_size if static else batch.max_seq_len
+    return PageTable(block_table=block_table, seqused_k=seqused_k, max_seqlen_k=max_k,
+                     page_size=page_size)
+
+
+class PagedMetadata(MetadataStrategy):
+    """Query layout + full-pool page table. Subclasses set ``uniform_q_len``."""
+
+    def uniform_q_len(self, batch: Optional[ForwardBatch]) -> Optional[int]:
+        return None
+
+    def buffer_spec(self, max_bs: int, max_tokens: int, max_seq_len: int) -> BufferSpec:
+        pages = -(-max_seq_len // self.ctx.config.page_size)
+        return BufferSpec({
+            "cu_seqlens_q": ((max_bs + 1,), torch.int32),
+            "block_table": ((max_bs, max(pages, 1)), torch.int32),
+            "seqused_k": ((max_bs,), torch.int32),
+        })
+
+    def plan(self, batch: ForwardBatch, out: Optional[dict] = None) -> AttnMetadata:
+        static = out is not None
+        if out is None:
+            out = self.eager_buffers(batch)
+        bs = batch.batch_size
+        query = plan_query_layout(batch, out["cu_seqlens_q"][: bs + 1], self.uniform_q_len(batch))
+        pages = plan_page_table(self.ctx, batch, out["block_table"][:bs], out["seqused_k"][:bs],
+                                static)
+        return AttnMetadata(mode=batch.forward_mode, batch_size=bs, query=query, pages=pages)
+
+
+class DecodeMetadata(PagedMetadata):
+    """DECODE/IDLE: one query token per request; no device→host sync."""
+
+    cg_support = CGSupport.ALWAYS
+
+    def uniform_q_len(self, batch):
+        return 1
+
+
+class ExtendMetadata(PagedMetadata):
+    """EXTEND: ragged query lengths (prefill, prefix-cached extend, chunked prefill)."""
+
+    cg_support = CGSupport.NEVER
+
+
+class PagedExecution(ExecutionStrategy):
+    """Write K/V into the NHD pool, then one ``paged_attention`` call."""
+
+    def run(self, q, k, v, layer: LayerSpec, batch: ForwardBatch, metadata: AttnMetadata, *,
+            save_kv_cache: bool = True, sinks=None):
+        pool = self.ctx.kv_pool
+        k_cache, v_cache = pool.kv_buffers(layer.layer_id)
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, layer.num_q_heads, layer.head_dim)
+        if save_kv_cache and k is not None:
+            ops.write_kv(
+                k_cache, v_cache, batch.out_cache_loc,
+                k.view(num_tokens, layer.num_kv_heads, layer.head_dim),
+                v.view(num_tokens, layer.num_kv_heads, layer.v_head_dim),
+                k_scale=layer.k_scale, v_scale=layer.v_scale,
+            )
+        sinks = sinks if sinks is not None else layer.sinks
+        window = layer.window_size()
+        sel = self.kernel_for(
+            (layer, sinks is not None),
+            ops.paged_attention_request(q, k_cache, v_cache, window_size=window,
+                                        softcap=layer.logit_cap, sinks=sinks,
+                                        causal=not layer.is_cross_attention),
+        )
+        out = torch.empty(num_tokens, layer.num_q_heads, layer.v_head_dim, dtype=q.dtype,
+                          device=q.device)
+        sel.fn(
+            q, k_cache, v_cache, out,
+            cu_seqlens_q=metadata.query.cu_seqlens_q, seqused_k=metadata.pages.seqused_k,
+            block_table=metadata.pages.block_table, softmax_scale=layer.scaling,
+            causal=not layer.is_cross_attention, window_size=window, softcap=layer.logit_cap,
+            sinks=sinks, k_scale=layer.k_scale, v_scale=layer.v_scale,
+            custom_mask=None, mask_indptr=None,
+            max_seqlen_q=metadata.query.max_seqlen_q, max_seqlen_k=metadata.pages.max_seqlen_k,
+        )
+        return out.view(num_tokens, layer.num_q_heads * layer.v_head_dim)
+
+
+@hookimpl
+def aiter_attn_register_strategies(register):
+    register(StrategyPair(
+        name="mha.decode", arch=AttnArch.MHA, modes={ForwardMode.DECODE, ForwardMode.IDLE},
+        metadata=DecodeMetadata, execution=PagedExecution, priority=10,
+        cg_support=CGSupport.ALWAYS,
+        description="one token per request; page table over the pool",
+    ))
+    register(StrategyPair(
+        name="mha.extend", arch=AttnArch.MHA, modes={ForwardMode.EXTEND},
+        metadata=ExtendMetadata, execution=PagedExecution, priority=10,
+        cg_support=CGSupport.NEVER,
+        description="ragged prefill/extend with cached prefix; page table over the pool",
+    ))

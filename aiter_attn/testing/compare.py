@@ -1,0 +1,22 @@
+"""Comparison helpers shared by tests and the conformance suite."""
+
+__all__ = ["assert_close_rel"]
+
+import torch
+
+
+def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str = ""):
+    """Relative error ``‖a − e‖ / ‖e‖`` below ``rtol``; reports NaN/inf and worst entries."""
+    a = actual.double().cpu().reshape(expected.shape)
+    e = expected.double().cpu()
+    bad = ~torch.isfinite(a)
+    assert not bad.any(), f"{what}: {int(bad.sum())} non-finite values at {bad.nonzero()[:5].tolist()}"
+    denom = e.norm().clamp_min(1e-12)
+    rel = float((a - e).norm() / denom)
+    if rel > rtol:
+        diff = (a - e).abs()
+        worst = diff.reshape(-1).topk(min(5, diff.numel())).indices.tolist()
+        raise AssertionError(
+            f"{what}: relative error {rel:.3e} > {rtol:.1e}; "
+            f"{int((diff > rtol * e.abs().max()).sum())} entries off; worst flat indices {worst}"
+        )

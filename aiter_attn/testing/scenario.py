@@ -1,0 +1,145 @@
+"""Build realistic paged batches for tests: block-permuted pools with a null page 0, random
+cached prefixes, and the dense K/V of every request for the float64 oracle."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import attrs
+import torch
+
+from ..batch import ForwardBatch, SpecInfo
+from ..kvcache import MHAKVPool, PageAllocator, ReqToTokenPool
+from ..types import BackendConfig, ForwardMode, LayerSpec
+from .oracle import dense_attention
+
+__all__ = ["PagedScenario"]
+
+
+@attrs.define(eq=False)
+class PagedScenario:
+    """A KV pool holding ``prefix_lens`` cached tokens per request, and the next step's batch.
+
+    Build with :meth:`make`; then ``q, k, v = scenario.step_inputs(layer)``, run the backend,
+    and compare with :meth:`expected`.
+    """
+
+    config: BackendConfig
+    layers: list
+    req_pool: ReqToTokenPool
+    allocator: PageAllocator
+    kv_pool: MHAKVPool
+    rows: list
+    dense_k: dict  # (layer_id, req index) -> [L, Hkv, D] float32 of every token so far
+    dense_v: dict
+    generator: torch.Generator
+    batch: Optional[ForwardBatch] = None
+    new_k: dict = attrs.field(factory=dict)
+    new_v: dict = attrs.field(factory=dict)
+
+    @classmethod
+    def make(cls, config: BackendConfig, layers: Sequence[LayerSpec], prefix_lens: Sequence[int],
+             *, seed: int = 0, num_pages: Optional[int] = None, kv_scale: float = 1.0):
+        g = torch.Generator().manual_seed(seed)
+        ps = config.page_size
+        need = sum(-(-(p + 64) // ps) for p in prefix_lens) + 4
+        num_pages = num_pages or need * 2
+        req_pool = ReqToTokenPool(len(prefix_lens) + 2, config.max_context_len, config.device)
+        alloc = PageAllocator(num_pages, ps, shuffle_seed=seed + 1)
+        l0 = layers[0]
+        pool = MHAKVPool(num_pages, ps, l0.num_kv_heads, l0.head_dim, len(layers),
+                         dtype=config.kv_cache_dtype, device=config.device, v_head_dim=l0.v_head_dim)
+        # Fill every slot (null page too) with noise so a wrong page read shows.
+        for buf in pool.k_buffers + pool.v_buffers:
+            buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
+        rows = [req_pool.alloc() for _ in prefix_lens]
+        sc = cls(config, list(layers), req_pool, alloc, pool, rows, {}, {}, g)
+        for i, (row, plen) in enumerate(zip(rows, prefix_lens)):
+            slots = alloc.extend(req_pool, row, plen)
+            for layer in layers:
+                k = torch.randn(plen, layer.num_kv_heads, layer.head_dim, generator=g)
+                v = torch.randn(plen, layer.num_kv_heads, layer.v_head_dim, generator=g)
+                from ..kernels.reference import quantize_to_cache
+
+                kc, vc = pool.kv_buffers(layer.layer_id)
+                kc.view(-1, *kc.shape[2:])[slots] = quantize_to_cache(k, kc.dtype, layer.k_scale)
+                vc.view(-1, *vc.shape[2:])[slots] = quantize_to_cache(v, vc.dtype, layer.v_scale)
+                sc.dense_k[(layer.layer_id, i)] = sc._roundtrip(k, kc.dtype, layer.k_scale)
+                sc.dense_v[(layer.layer_id, i)] = sc._roundtrip(v, vc.dtype, layer.v_scale)
+        return sc
+
+    @staticmethod
+    def _roundtrip(x, dtype, scale):
+        from ..kernels.reference import quantize_to_cache
+
+        return quantize_to_cache(x, dtype, scale).float() * scale
+
+    def next_batch(self, mode: ForwardMode | str, new_lens: Sequence[int],
+                   spec_info: Optional[SpecInfo] = None) -> ForwardBatch:
+        """Reserve slots for ``new_lens`` tokens per request and build the step's batch."""
+        mode = ForwardMode.parse(mode)
+        locs, seq = [], []
+        for row, n in zip(self.rows, new_lens):
+            locs.append(self.allocator.extend(self.req_pool, row, n))
+            seq.append(self.allocator.tokens_held(row))
+        out_cache_loc = torch.cat(locs) if locs else torch.zeros(0, dtype=torch.int64)
+        self.batch = ForwardBatch.from_lengths(
+            forward_mode=mode, req_pool_indices=self.rows, seq_lens=seq,
+            out_cache_loc=out_cache_loc, extend_seq_lens=list(new_lens), spec_info=spec_info,
+            device=self.config.device,
+        )
+        return self.batch
+
+    def step_inputs(self, layer: LayerSpec, dtype: Optional[torch.dtype] = None):
+        """Random q/k/v ``[num_tokens, heads * dim]`` for ``layer`` in the step's batch."""
+        dtype = dtype or self.config.dtype
+        n = self.batch.num_tokens
+        g = self.generator
+        q = torch.randn(n, layer.num_q_heads * layer.head_dim, generator=g).to(dtype)
+        k = torch.randn(n, layer.num_kv_heads * layer.head_dim, generator=g).to(dtype)
+        v = torch.randn(n, layer.num_kv_heads * layer.v_head_dim, generator=g).to(dtype)
+        self.new_k[layer.layer_id], self.new_v[layer.layer_id] = k, v
+        dev = self.config.device
+        return q.to(dev), k.to(dev), v.to(dev)
+
+    def expected(self, layer: LayerSpec, q: torch.Tensor, *, masks=None,
+                 causal: Optional[bool] = None) -> torch.Tensor:
+        """float64 ``[num_tokens, Hq * Dv]`` from dense per-request K/V (prefix + this step)."""
+        b = self.batch
+        q_lens = b.q_lens_cpu.tolist()
+        k_new = self.new_k[layer.layer_id].view(-1, layer.num_kv_heads, layer.head_dim)
+        v_new = self.new_v[layer.layer_id].view(-1, layer.num_kv_heads, layer.v_head_dim)
+        qv = q.view(-1, layer.num_q_heads, layer.head_dim).cpu()
+        kc, _ = self.kv_pool.kv_buffers(layer.layer_id)
+        outs, t = [], 0
+        for i, n in enumerate(q_lens):
+            kn = self._roundtrip(k_new[t:t + n].float(), kc.dtype, layer.k_scale)
+            vn = self._roundtrip(v_new[t:t + n].float(), kc.dtype, layer.v_scale)
+            k = torch.cat([self.dense_k[(layer.layer_id, i)], kn])
+            v = torch.cat([self.dense_v[(layer.layer_id, i)], vn])
+            outs.append(dense_attention(
+                qv[t:t + n], k, v, scale=layer.scaling,
+                causal=(not layer.is_cross_attention) if causal is None else causal,
+                window=layer.window_size(), softcap=layer.logit_cap, sinks=layer.sinks,
+                mask=None if masks is None else masks[i],
+            ))
+            t += n
+        return torch.cat(outs).view(t, -1) if outs else torch.zeros(0, dtype=torch.float64)
+
+    def commit_step(self) -> None:
+        """Append this step's K/V to the dense copies (after the backend wrote the pool)."""
+        q_lens = self.batch.q_lens_cpu.tolist()
+        for layer in self.layers:
+            if layer.layer_id not in self.new_k:
+                continue
+            kc, _ = self.kv_pool.kv_buffers(layer.layer_id)
+            kn = self.new_k[layer.layer_id].view(-1, layer.num_kv_heads, layer.head_dim)
+            vn = self.new_v[layer.layer_id].view(-1, layer.num_kv_heads, layer.v_head_dim)
+            t = 0
+            for i, n in enumerate(q_lens):
+                key = (layer.layer_id, i)
+                self.dense_k[key] = torch.cat(
+                    [self.dense_k[key], self._roundtrip(kn[t:t + n].float(), kc.dtype, layer.k_scale)])
+                self.dense_v[key] = torch.cat(
+                    [self.dense_v[key], self._roundtrip(vn[t:t + n].float(), kc.dtype, layer.v_scale)])
+                t += n

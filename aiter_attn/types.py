@@ -1,0 +1,260 @@
+"""Core value types: forward modes, architectures, CUDA-graph support, layer and backend specs.
+
+Everything here is a frozen attrs value (or an enum) so it can key caches: kernel and
+strategy selection happen once per ``(LayerSpec, BackendConfig)``, never per call.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Optional
+
+import attrs
+import torch
+
+__all__ = [
+    "ForwardMode",
+    "AttnArch",
+    "CGSupport",
+    "LayerSpec",
+    "SpecDecodeConfig",
+    "BackendConfig",
+    "FP8_DTYPES",
+]
+
+#: KV-cache dtypes treated as fp8 (dequantised with the layer's k/v scales).
+FP8_DTYPES = frozenset(
+    d
+    for d in (
+        getattr(torch, "float8_e4m3fn", None),
+        getattr(torch, "float8_e4m3fnuz", None),
+        getattr(torch, "float8_e5m2", None),
+        getattr(torch, "float8_e5m2fnuz", None),
+    )
+    if d is not None
+)
+
+
+class ForwardMode(enum.Enum):
+    """What one forward step does (SGLang's names)."""
+
+    EXTEND = "extend"  #: prefill, with or without cached prefix; chunked prefill is EXTEND
+    DECODE = "decode"  #: one new token per request
+    IDLE = "idle"  #: no tokens on this rank (data-parallel padding); a DECODE with batch 0
+    TARGET_VERIFY = "target_verify"  #: EAGLE: the target model scores draft tokens
+    DRAFT_EXTEND = "draft_extend"  #: draft model extends over accepted tokens (ragged)
+    DRAFT_EXTEND_V2 = "draft_extend_v2"  #: draft extend with a fixed token count per request
+
+    @property
+    def is_decode_like(self) -> bool:
+        """True for modes whose planning must make no device→host synchronisation."""
+        return self in (
+            ForwardMode.DECODE,
+            ForwardMode.IDLE,
+            ForwardMode.TARGET_VERIFY,
+            ForwardMode.DRAFT_EXTEND_V2,
+        )
+
+    @classmethod
+    def parse(cls, value: "ForwardMode | str") -> "ForwardMode":
+        """Accept a member or its (case-insensitive) name/value; raise a clear error otherwise."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            key = value.strip().lower()
+            for m in cls:
+                if key in (m.value, m.name.lower()):
+                    return m
+        allowed = ", ".join(m.name for m in cls)
+        raise ValueError(
+            f"forward_mode={value!r} is not a forward mode; allowed: {allowed}. "
+            "Pass an aiter_attn.ForwardMode member."
+        )
+
+
+class AttnArch(enum.Enum):
+    """Attention architecture a backend serves."""
+
+    MHA = "mha"  #: multi-head attention incl. GQA/MQA, NHD paged cache
+    MLA = "mla"  #: DeepSeek multi-head latent attention (absorbed decode)
+    SWA = "swa"  #: hybrid sliding-window models: SWA layers keep their own smaller pool
+    VEC5D = "vec5d"  #: vectorised/shuffled 5-D KV layout (AMD paged-attention kernels)
+
+    @classmethod
+    def parse(cls, value: "AttnArch | str") -> "AttnArch":
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            key = value.strip().lower()
+            for a in cls:
+                if key in (a.value, a.name.lower()):
+                    return a
+        allowed = ", ".join(a.name for a in cls)
+        raise ValueError(f"arch={value!r} is not an architecture; allowed: {allowed}.")
+
+
+class CGSupport(enum.IntEnum):
+    """How far a strategy or kernel can run under CUDA-graph capture (ordered: weaker < stronger).
+
+    An engine takes the weakest value across everything it composes.
+    """
+
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1  #: decode with exactly one token per request
+    UNIFORM_BATCH = 2  #: every request has the same query length (decode, verify, draft v2)
+    ALWAYS = 3
+
+
+def _positive(instance, attribute, value):
+    if value is None or value <= 0:
+        raise ValueError(f"{attribute.name}={value!r} must be a positive integer.")
+
+
+def _window_converter(value):
+    if value is None:
+        return None
+    value = int(value)
+    return None if value <= 0 else value
+
+
+@attrs.frozen(kw_only=True)
+class LayerSpec:
+    """One attention layer as the backend sees it.
+
+    Attributes:
+        layer_id: index of the layer's KV buffers in the pool.
+        num_q_heads / num_kv_heads: heads on this rank (after tensor-parallel split).
+        head_dim: q/k head dim (for MLA: kv_lora_rank + qk_rope_head_dim in absorbed form).
+        v_head_dim: value head dim; defaults to ``head_dim``.
+        scaling: softmax scale applied to q·k.
+        logit_cap: soft-cap (``cap * tanh(s / cap)``) when > 0.
+        sliding_window: HF convention: each query sees the ``w`` most recent keys, itself
+            included; ``None`` (or ≤ 0) means full attention. See :meth:`window_size`.
+        sinks: float32 ``[num_q_heads]`` per-head sink logits (gpt-oss) or ``None``.
+        k_scale / v_scale: fp8 dequantisation scales (floats); 1.0 when the cache is not fp8.
+        is_cross_attention: encoder-decoder cross attention (keys from the encoder cache).
+        kv_lora_rank / qk_rope_head_dim: MLA dimensions (0 for non-MLA layers).
+    """
+
+    layer_id: int
+    num_q_heads: int = attrs.field(validator=_positive)
+    num_kv_heads: int = attrs.field(validator=_positive)
+    head_dim: int = attrs.field(validator=_positive)
+    v_head_dim: Optional[int] = None
+    scaling: Optional[float] = None
+    logit_cap: float = 0.0
+    sliding_window: Optional[int] = attrs.field(default=None, converter=_window_converter)
+    sinks: Optional[torch.Tensor] = attrs.field(default=None, eq=False, hash=False, repr=False)
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    is_cross_attention: bool = False
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+
+    def __attrs_post_init__(self):
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        if self.scaling is None:
+            object.__setattr__(self, "scaling", 1.0 / math.sqrt(self.head_dim))
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_q_heads={self.num_q_heads} is not a multiple of num_kv_heads="
+                f"{self.num_kv_heads}; GQA needs whole groups of query heads per KV head."
+            )
+        if self.logit_cap < 0:
+            raise ValueError(f"logit_cap={self.logit_cap} must be ≥ 0 (0 disables soft-capping).")
+        if self.sinks is not None and tuple(self.sinks.shape) != (self.num_q_heads,):
+            raise ValueError(
+                f"sinks has shape {tuple(self.sinks.shape)}; expected ({self.num_q_heads},), "
+                "one logit per query head on this rank."
+            )
+
+    @property
+    def has_sinks(self) -> bool:
+        return self.sinks is not None
+
+    @property
+    def gqa_group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    def window_size(self) -> tuple[int, int]:
+        """Flash-attn ``(left, right)`` window: HF ``sliding_window=w`` ⇒ ``(w - 1, 0)``."""
+        if self.sliding_window is None:
+            return (-1, -1)
+        return (self.sliding_window - 1, 0)
+
+
+@attrs.frozen(kw_only=True)
+class SpecDecodeConfig:
+    """Speculative-decoding settings (EAGLE / n-gram).
+
+    Attributes:
+        num_steps: draft steps per round (multi-step draft decode runs one backend per step).
+        topk: draft branches per step; 1 = chain (causal verify), > 1 = tree (custom mask).
+        num_draft_tokens: tokens verified per request in TARGET_VERIFY (incl. the root).
+    """
+
+    num_steps: int = attrs.field(default=1, validator=_positive)
+    topk: int = attrs.field(default=1, validator=_positive)
+    num_draft_tokens: int = attrs.field(default=2, validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class BackendConfig:
+    """Static settings of one backend instance; sizes static buffers and keys kernel selection.
+
+    Attributes:
+        page_size: tokens per KV page (1..N, need not be a power of two).
+        max_batch_size: most requests in one step (also the largest CUDA-graph batch).
+        max_context_len: most tokens (prefix + new) one request may hold.
+        dtype: activation dtype of q/k/v and the output.
+        kv_cache_dtype: storage dtype of the KV cache (may be fp8).
+        device: where tensors live.
+        arch: the architecture this backend serves.
+        spec: speculative-decoding settings or ``None``.
+        tp_size: tensor-parallel ranks the model's heads are split over.
+        kernel_backend: force a kernel backend by name ("reference", "triton", a plugin's).
+        swa_window: largest sliding window among SWA layers (sizes the SWA page table).
+    """
+
+    page_size: int = attrs.field(default=1, validator=_positive)
+    max_batch_size: int = attrs.field(default=256, validator=_positive)
+    max_context_len: int = attrs.field(default=8192, validator=_positive)
+    dtype: torch.dtype = torch.float16
+    kv_cache_dtype: Optional[torch.dtype] = None
+    device: str = "cpu"
+    arch: AttnArch = attrs.field(default=AttnArch.MHA, converter=AttnArch.parse)
+    spec: Optional[SpecDecodeConfig] = None
+    tp_size: int = attrs.field(default=1, validator=_positive)
+    kernel_backend: Optional[str] = None
+    swa_window: Optional[int] = None
+
+    def __attrs_post_init__(self):
+        if self.kv_cache_dtype is None:
+            object.__setattr__(self, "kv_cache_dtype", self.dtype)
+
+    @property
+    def max_pages_per_request(self) -> int:
+        """Columns of a full page table: ``ceil(max_context_len / page_size)``."""
+        return -(-self.max_context_len // self.page_size)
+
+    @property
+    def is_fp8_kv(self) -> bool:
+        return self.kv_cache_dtype in FP8_DTYPES
+
+    def local_heads(self, total_heads: int) -> int:
+        """Heads on one tensor-parallel rank (KV heads replicate when fewer than ranks)."""
+        if total_heads % self.tp_size == 0:
+            return total_heads // self.tp_size
+        if self.tp_size % total_heads == 0:
+            return 1
+        raise ValueError(
+            f"{total_heads} heads cannot be split over tp_size={self.tp_size}; "
+            "choose a tp_size that divides the head count (or a multiple of it)."
+        )
+
+    @property
+    def max_query_tokens_per_request(self) -> int:
+        """Query tokens one request contributes in decode-like modes (draft slack included)."""
+        return self.spec.num_draft_tokens if self.spec is not None else 1
