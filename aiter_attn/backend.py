@@ -60,7 +60,6 @@ def validate_batch(batch: ForwardBatch, config: BackendConfig, req_to_token: tor
     if int(batch.seq_lens_cpu.min()) < 1:
         raise ValueError("batch.seq_lens_cpu has a request with length < 1; every request needs "
                          "at least its own token.")
-    q_lens = batch.q_lens_cpu
     if batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND):
         if batch.extend_seq_lens is None or batch.extend_seq_lens_cpu is None:
             raise ValueError(
@@ -69,6 +68,8 @@ def validate_batch(batch: ForwardBatch, config: BackendConfig, req_to_token: tor
             )
         check_tensor("batch.extend_seq_lens", batch.extend_seq_lens, dtypes=(torch.int32,),
                      ndim=1, shape=(bs,))
+    q_lens = batch.q_lens_cpu
+    if batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND):
         if bool((q_lens > batch.seq_lens_cpu).any()) or bool((q_lens < 0).any()):
             raise ValueError("extend_seq_lens must be in 0..seq_lens per request (new tokens "
                              "cannot exceed the request's total length).")
