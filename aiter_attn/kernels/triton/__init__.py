@@ -1,0 +1,51 @@
+"""Portable Triton kernels (NVIDIA and AMD), registered as the ``triton`` backend.
+
+This module is the plugin: its hook registers one entry per op, each implemented in a sibling
+module. On CPU-only hosts the kernels register only under Triton's interpreter
+(``TRITON_INTERPRET=1``, for tests), below the reference so the reference stays the CPU default.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ...hookspecs import hookimpl
+from ...types import CGSupport
+from ..registry import Capabilities
+
+__all__ = ["aiter_attn_register_kernels", "TRITON_DEVICES", "triton_priority"]
+
+_FLOAT_DTYPES = {torch.float16, torch.bfloat16, torch.float32}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+#: device types the Triton kernels serve here.
+TRITON_DEVICES = frozenset({"cuda", "cpu"} if _interpreting() else {"cuda"})
+
+
+def triton_priority() -> int:
+    """100 on GPUs (above the reference's 0); under the CPU interpreter -10 (below it), so
+    CPU callers get the reference unless they ask for ``backend="triton"``."""
+    return -10 if _interpreting() and not torch.cuda.is_available() else 100
+
+
+@hookimpl
+def aiter_attn_register_kernels(register):
+    """Register the Triton ops."""
+    from .paged_attention import paged_attention_triton, reject_reason
+
+    register(
+        "paged_attention", "triton", paged_attention_triton,
+        Capabilities(
+            devices=TRITON_DEVICES, dtypes=_FLOAT_DTYPES, max_head_dim=256,
+            features={"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs",
+                      "non_causal"},
+            cg_support=CGSupport.ALWAYS, predicate=reject_reason,
+        ),
+        priority=triton_priority(),
+    )

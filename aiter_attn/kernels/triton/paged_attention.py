@@ -1,0 +1,513 @@
+"""Triton paged attention: decode (split-KV / flash-decoding), prefill, extend with a cached
+prefix, verify (chain and tree mask), mixed batches — one kernel plus a split reduction.
+
+Math (per request ``b`` with ``L = seqused_k[b]`` keys and ``n`` queries; query ``i`` sits at
+absolute position ``p = L - n + i``)::
+
+    s_j   = softmax_scale · k_scale · (q · k_j)          (fp8 caches dequantise by the scales)
+    s_j  ← c · tanh(s_j / c)                             (soft-cap, c > 0)
+    vis_j = j < L ∧ (¬causal ∨ j ≤ p) ∧ p - left ≤ j ≤ p + right ∧ mask[b][i, j]
+    o     = v_scale · Σ_j softmax([s_vis, sink])_j · v_j (the sink column has no value)
+
+A row with nothing visible and no sink outputs zeros.
+
+Layout of the work: each program owns one KV head, a block of ``BLOCK_Q`` query tokens of one
+request and ``HEADS`` query heads of that KV head's group (GQA packing: the
+``BLOCK_M = BLOCK_Q·HEADS`` rows share every K/V tile, so K/V are read once per KV head), and
+one split of the key range. Keys are visited in tiles of ``BLOCK_N`` tokens; each token's page
+comes from ``block_table[pos // page_size]``, so any page size works (a tile inside one page
+takes a single page lookup). Tiles wholly visible to every row skip the mask arithmetic; tiles
+outside the causal/window range are never visited. With ``num_splits > 1`` each split writes an
+unnormalised partial (acc, running max, sum) and ``_reduce_splits_kernel`` merges them (and the
+sink). Offsets are int64.
+
+The host wrapper reads no tensor values: the grid comes from shapes and the caller's
+``max_seqlen_q``/``max_seqlen_k`` hints (static bounds otherwise), so it is CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ...types import FP8_DTYPES
+
+__all__ = ["paged_attention_triton", "reject_reason", "MAX_HEAD_DIM", "MAX_GROUP"]
+
+MAX_HEAD_DIM = 256
+MAX_GROUP = 128
+_LOG2E = 1.4426950408889634
+_UNBOUNDED = 1 << 30  # window side "-1": far beyond any context length, no int32 overflow
+
+
+@triton.jit
+def _tanh(x):
+    # Portable tanh (works in the interpreter and on every backend): 1 - 2 / (e^{2x} + 1).
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _attn_tiles(
+    acc, m_i, l_i, q, qk_scale, softcap,
+    K, V, bt_row, stride_kp, stride_kt, stride_vp, stride_vt, kv_head_off_k, kv_head_off_v,
+    Mask, mask_row_off, kv_len, pos, row_valid, left, right,
+    t_start, t_end,
+    offs_d, offs_dv, d_mask, dv_mask,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_CUSTOM_MASK: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """Online-softmax update of ``(acc, m_i, l_i)`` over key tiles ``[t_start, t_end)``.
+
+    Logits are kept in the log2 domain (``qk_scale`` includes log2(e)). ``MASKED`` tiles apply
+    the length, causal, window and custom masks; unmasked tiles are known to be fully visible.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    for t in tl.range(t_start, t_end, num_stages=NUM_STAGES):
+        kpos = t * BLOCK_N + offs_n
+        if TILE_IN_PAGE:
+            page = tl.load(bt_row + (t * BLOCK_N) // PAGE_SIZE).to(tl.int64)
+            in_page = ((t * BLOCK_N) % PAGE_SIZE + offs_n).to(tl.int64)
+            k_rows = page * stride_kp + in_page * stride_kt
+            v_rows = page * stride_vp + in_page * stride_vt
+        else:
+            if MASKED:
+                page = tl.load(bt_row + kpos // PAGE_SIZE, mask=kpos < kv_len, other=0)
+            else:
+                page = tl.load(bt_row + kpos // PAGE_SIZE)
+            page = page.to(tl.int64)
+            in_page = (kpos % PAGE_SIZE).to(tl.int64)
+            k_rows = page * stride_kp + in_page * stride_kt
+            v_rows = page * stride_vp + in_page * stride_vt
+        k_ptrs = K + kv_head_off_k + k_rows[None, :] + offs_d[:, None]
+        v_ptrs = V + kv_head_off_v + v_rows[:, None] + offs_dv[None, :]
+        if MASKED:
+            kin = kpos < kv_len
+            k = tl.load(k_ptrs, mask=d_mask[:, None] & kin[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=kin[:, None] & dv_mask[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=dv_mask[None, :], other=0.0)
+        s = tl.dot(q, k.to(COMPUTE_DTYPE), input_precision=DOT_PRECISION)
+        if HAS_SOFTCAP:
+            # softcap·tanh(x/softcap) on natural-unit logits, then to the log2 domain
+            s = softcap * _tanh(s * qk_scale / softcap) * 1.4426950408889634
+        else:
+            s = s * (qk_scale * 1.4426950408889634)
+        if MASKED:
+            vis = (kpos[None, :] < kv_len) & row_valid[:, None]
+            if CAUSAL:
+                vis = vis & (kpos[None, :] <= pos[:, None])
+            vis = vis & (kpos[None, :] >= pos[:, None] - left)
+            vis = vis & (kpos[None, :] <= pos[:, None] + right)
+            if HAS_CUSTOM_MASK:
+                mk = tl.load(Mask + mask_row_off[:, None] + kpos[None, :].to(tl.int64),
+                             mask=vis, other=0)
+                vis = vis & (mk != 0)
+            s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE), acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_attn_kernel(
+    Q, K, V, O, PartAcc, PartML,
+    CuQ, SeqK, BlockTable, Sinks, KScale, VScale, Mask, MaskIndptr,
+    sm_scale, softcap, left, right, num_seqs, q_blocks_per_seq, num_splits,
+    stride_qt, stride_qh,
+    stride_kp, stride_kt, stride_kh,
+    stride_vp, stride_vt, stride_vh,
+    stride_ot, stride_oh,
+    stride_bt,
+    stride_ps, stride_pt, stride_mls, stride_mlt,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, NUM_HCHUNKS: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_SCALES: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr,
+    SEARCH_SEQ: tl.constexpr, SPLIT: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    split = tl.program_id(2)
+    kvh = pid_h // NUM_HCHUNKS
+    hchunk = pid_h % NUM_HCHUNKS
+
+    # --- which request and query block --------------------------------------------------
+    if SEARCH_SEQ:
+        # q-block starts are cu_seqlens_q[b] // BLOCK_Q + b (an upper bound on the blocks
+        # before b); binary-search the last b whose start is ≤ pid_q.
+        lo = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            start = tl.load(CuQ + mid) // BLOCK_Q + mid
+            if start <= pid_q:
+                lo = mid + 1
+            else:
+                hi = mid
+        b = lo - 1
+        qb = pid_q - (tl.load(CuQ + b) // BLOCK_Q + b)
+    else:
+        b = pid_q // q_blocks_per_seq
+        qb = pid_q % q_blocks_per_seq
+    q_start = tl.load(CuQ + b)
+    q_len = tl.load(CuQ + b + 1) - q_start
+    if qb * BLOCK_Q >= q_len:
+        return
+    kv_len = tl.load(SeqK + b)
+
+    # --- rows: (query token, query head of this KV head's group) --------------------------
+    rows = tl.arange(0, BLOCK_M)
+    tok = qb * BLOCK_Q + rows // HEADS
+    hg = hchunk * HEADS + rows % HEADS
+    row_valid = (rows < BLOCK_Q * HEADS) & (tok < q_len) & (hg < GROUP)
+    qh = kvh * GROUP + hg
+    pos = kv_len - q_len + tok
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    d_mask = offs_d < D
+    dv_mask = offs_dv < DV
+    q_rows = (q_start + tok).to(tl.int64) * stride_qt + qh.to(tl.int64) * stride_qh
+    q = tl.load(Q + q_rows[:, None] + offs_d[None, :],
+                mask=row_valid[:, None] & d_mask[None, :], other=0.0).to(COMPUTE_DTYPE)
+
+    qk_scale = sm_scale
+    if HAS_SCALES:
+        qk_scale = qk_scale * tl.load(KScale).to(tl.float32)
+
+    # --- key range: what any row sees, and what every row sees ---------------------------
+    q_last = tl.minimum(qb * BLOCK_Q + BLOCK_Q, q_len) - 1
+    p_lo = kv_len - q_len + qb * BLOCK_Q
+    p_hi = kv_len - q_len + q_last
+    lo = tl.maximum(p_lo - left, 0)
+    hi = tl.minimum(kv_len, p_hi + right + 1)
+    full_lo = tl.maximum(p_hi - left, 0)
+    full_hi = tl.minimum(kv_len, p_lo + right + 1)
+    if CAUSAL:
+        hi = tl.minimum(hi, p_hi + 1)
+        full_hi = tl.minimum(full_hi, p_lo + 1)
+    t_lo = lo // BLOCK_N
+    t_hi = tl.maximum(tl.cdiv(hi, BLOCK_N), t_lo)
+    if HAS_CUSTOM_MASK:
+        tf_lo = t_lo
+        tf_hi = t_lo
+    else:
+        tf_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N), t_lo), t_hi)
+        tf_hi = tl.maximum(tl.minimum(full_hi // BLOCK_N, t_hi), tf_lo)
+    if SPLIT:
+        per_split = tl.cdiv(t_hi - t_lo, num_splits)
+        s_lo = t_lo + split * per_split
+        s_hi = tl.minimum(s_lo + per_split, t_hi)
+    else:
+        s_lo = t_lo
+        s_hi = t_hi
+
+    bt_row = BlockTable + b.to(tl.int64) * stride_bt
+    k_head = kvh.to(tl.int64) * stride_kh
+    v_head = kvh.to(tl.int64) * stride_vh
+    if HAS_CUSTOM_MASK:
+        mask_row_off = tl.load(MaskIndptr + b).to(tl.int64) + tok.to(tl.int64) * kv_len
+    else:
+        mask_row_off = tok.to(tl.int64)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS and not SPLIT:
+        # the sink is one more logit with no value: start the running max/sum with it
+        m_i = tl.load(Sinks + qh, mask=row_valid, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+    acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+
+    # masked head, unmasked middle, masked tail — each clipped to this split's tiles
+    acc, m_i, l_i = _attn_tiles(
+        acc, m_i, l_i, q, qk_scale, softcap, K, V, bt_row, stride_kp, stride_kt, stride_vp,
+        stride_vt, k_head, v_head, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
+        s_lo, tl.minimum(tf_lo, s_hi), offs_d, offs_dv, d_mask, dv_mask,
+        PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, True, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
+        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES)
+    acc, m_i, l_i = _attn_tiles(
+        acc, m_i, l_i, q, qk_scale, softcap, K, V, bt_row, stride_kp, stride_kt, stride_vp,
+        stride_vt, k_head, v_head, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
+        tl.maximum(tf_lo, s_lo), tl.minimum(tf_hi, s_hi), offs_d, offs_dv, d_mask, dv_mask,
+        PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, False, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
+        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES)
+    acc, m_i, l_i = _attn_tiles(
+        acc, m_i, l_i, q, qk_scale, softcap, K, V, bt_row, stride_kp, stride_kt, stride_vp,
+        stride_vt, k_head, v_head, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
+        tl.maximum(tf_hi, s_lo), s_hi, offs_d, offs_dv, d_mask, dv_mask,
+        PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, True, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
+        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES)
+
+    if HAS_SCALES:
+        acc = acc * tl.load(VScale).to(tl.float32)
+    out_mask = row_valid[:, None] & dv_mask[None, :]
+    if SPLIT:
+        part_rows = split.to(tl.int64) * stride_ps + (q_start + tok).to(tl.int64) * stride_pt \
+            + qh.to(tl.int64) * DV_PAD
+        tl.store(PartAcc + part_rows[:, None] + offs_dv[None, :], acc, mask=out_mask)
+        ml_rows = split.to(tl.int64) * stride_mls + (q_start + tok).to(tl.int64) * stride_mlt \
+            + qh.to(tl.int64) * 2
+        tl.store(PartML + ml_rows, m_i, mask=row_valid)
+        tl.store(PartML + ml_rows + 1, l_i, mask=row_valid)
+    else:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        o_rows = (q_start + tok).to(tl.int64) * stride_ot + qh.to(tl.int64) * stride_oh
+        tl.store(O + o_rows[:, None] + offs_dv[None, :], o.to(O.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    O, PartAcc, PartML, Sinks, num_splits,
+    stride_ot, stride_oh, stride_ps, stride_pt, stride_mls, stride_mlt,
+    DV: tl.constexpr, DV_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    """Merge split partials of one (token, head): ``o = Σ_s 2^{m_s - M} acc_s / Σ_s 2^{m_s - M} l_s``
+    with the sink as one more term of the denominator."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    s_mask = offs_s < num_splits
+    ml_ptrs = PartML + t * stride_mlt + h * 2 + offs_s.to(tl.int64) * stride_mls
+    m = tl.load(ml_ptrs, mask=s_mask, other=float("-inf"))
+    l = tl.load(ml_ptrs + 1, mask=s_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_safe)
+    denom = tl.sum(l * w, 0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m_safe)
+    offs_dv = tl.arange(0, DV_PAD)
+    dv_mask = offs_dv < DV
+    acc_ptrs = PartAcc + offs_s.to(tl.int64)[:, None] * stride_ps + t * stride_pt + h * DV_PAD \
+        + offs_dv[None, :]
+    acc = tl.load(acc_ptrs, mask=s_mask[:, None] & dv_mask[None, :], other=0.0)
+    o = tl.sum(acc * w[:, None], 0)
+    o = o / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(O + t * stride_ot + h * stride_oh + offs_dv, o.to(O.dtype.element_ty), mask=dv_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _supported_kv_dtypes() -> set:
+    kv = {torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2}
+    if torch.version.hip is not None:  # the fnuz fp8 formats exist in Triton only on AMD
+        kv |= {torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+    return kv
+
+
+def reject_reason(request) -> Optional[str]:
+    """Registry predicate: why the Triton kernel cannot serve ``request`` (or ``None``)."""
+    extra = dict(request.extra)
+    hq, hkv = extra.get("q_heads"), extra.get("kv_heads")
+    if hq and hkv and hq // hkv > MAX_GROUP:
+        return f"GQA group {hq // hkv} > {MAX_GROUP} query heads per KV head"
+    if request.kv_dtype is not None and request.kv_dtype not in _supported_kv_dtypes():
+        return f"kv dtype {request.kv_dtype} is not supported by Triton on this platform"
+    return None
+
+
+class _Config:
+    """Launch parameters chosen from shapes and host hints only."""
+
+    __slots__ = ("block_m", "block_n", "num_warps", "num_stages", "heads", "block_q",
+                 "num_splits")
+
+    def __init__(self, block_m, block_n, num_warps, num_stages, heads, block_q, num_splits):
+        self.block_m, self.block_n = block_m, block_n
+        self.num_warps, self.num_stages = num_warps, num_stages
+        self.heads, self.block_q, self.num_splits = heads, block_q, num_splits
+
+
+#: Tuning overrides (benchmarks/tuning only): keys of :class:`_Config` → values.
+TUNING_OVERRIDES: dict = {}
+
+
+def _choose_config(*, group, max_q, max_k, head_dim_pad, batch, num_kv_heads, device, page_size):
+    decode_like = max_q * min(group, 64) <= 64
+    if decode_like:
+        block_m = max(16, triton.next_power_of_2(min(group, 64) * max_q))
+        block_n = 64 if head_dim_pad <= 128 else 32
+        num_warps, num_stages = 4, 3
+    else:
+        block_m = 128 if head_dim_pad <= 128 else 64
+        block_n = 64 if head_dim_pad <= 128 else 32
+        num_warps, num_stages = (8 if head_dim_pad >= 128 else 4), 3
+    ov = TUNING_OVERRIDES
+    block_m = ov.get("block_m", block_m)
+    block_n = ov.get("block_n", block_n)
+    num_warps = ov.get("num_warps", num_warps)
+    num_stages = ov.get("num_stages", num_stages)
+    block_m = max(block_m, 16)
+    heads = min(group, block_m)
+    block_q = block_m // heads
+    num_splits = 1
+    if decode_like and device.type == "cuda" and not _interpreting():
+        ctas = batch * num_kv_heads * triton.cdiv(group, heads) * triton.cdiv(max_q, block_q)
+        target = 2 * _num_sms(device.index if device.index is not None else 0)
+        min_tokens = ov.get("min_split_tokens", 256)
+        num_splits = max(1, min(triton.cdiv(target, ctas), triton.cdiv(max_k, min_tokens), 64))
+    num_splits = ov.get("num_splits", num_splits)
+    return _Config(block_m, block_n, num_warps, num_stages, heads, block_q, num_splits)
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    seqused_k: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
+    k_scale=None,
+    v_scale=None,
+    custom_mask: Optional[torch.Tensor] = None,
+    mask_indptr: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+) -> torch.Tensor:
+    """Paged attention with the contract of ``ops.paged_attention`` (see the module docstring).
+
+    Shapes: q ``[T, Hq, D]``; caches ``[pages, page_size, Hkv, D|Dv]`` (last dim contiguous);
+    cu_seqlens_q int32 ``[B+1]``; seqused_k int32 ``[B]``; block_table int32 ``[B, W]``;
+    out ``[T, Hq, Dv]``. ``k_scale``/``v_scale``: float or scalar tensor (device tensors are
+    read in the kernel). ``max_seqlen_q``/``max_seqlen_k`` are host hints; without them static
+    bounds are used (``T`` and ``W · page_size``). No host synchronisation.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    v_head_dim = v_cache.shape[3]
+    batch = cu_seqlens_q.shape[0] - 1
+    if num_tokens == 0 or batch == 0:
+        return out
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(2) != 1 or out.stride(2) != 1:
+        raise ValueError(
+            "paged_attention_triton needs the last (head-dim) axis of q, k_cache, v_cache and "
+            "out to be contiguous; pass .contiguous() tensors."
+        )
+    group = num_q_heads // num_kv_heads
+    max_q = int(max_seqlen_q) if max_seqlen_q is not None else num_tokens
+    max_q = max(1, min(max_q, num_tokens))
+    max_k = int(max_seqlen_k) if max_seqlen_k is not None else block_table.shape[1] * page_size
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    dv_pad = max(16, triton.next_power_of_2(v_head_dim))
+    cfg = _choose_config(group=group, max_q=max_q, max_k=max(max_k, 1), head_dim_pad=d_pad,
+                         batch=batch, num_kv_heads=num_kv_heads, device=q.device,
+                         page_size=page_size)
+    num_hchunks = triton.cdiv(group, cfg.heads)
+    q_blocks_per_seq = triton.cdiv(max_q, cfg.block_q)
+    search_grid = triton.cdiv(num_tokens, cfg.block_q) + batch
+    search = max_seqlen_q is None or batch * q_blocks_per_seq > search_grid
+    grid_q = search_grid if search else batch * q_blocks_per_seq
+
+    is_fp8 = k_cache.dtype in FP8_DTYPES
+    has_scales = k_scale is not None or v_scale is not None
+    if has_scales:
+        k_scale_t = _scale_tensor(k_scale, q.device)
+        v_scale_t = _scale_tensor(v_scale, q.device)
+    else:
+        k_scale_t = v_scale_t = cu_seqlens_q  # unused
+    compute = _TL_DTYPES[q.dtype]
+    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    left = window_size[0] if window_size[0] >= 0 else _UNBOUNDED
+    right = window_size[1] if window_size[1] >= 0 else _UNBOUNDED
+    has_mask = custom_mask is not None
+    mask_t = custom_mask.view(torch.uint8) if has_mask and custom_mask.dtype == torch.bool \
+        else custom_mask
+    split = cfg.num_splits > 1
+    if split:
+        part_acc = torch.empty(cfg.num_splits, num_tokens, num_q_heads, dv_pad,
+                               dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(cfg.num_splits, num_tokens, num_q_heads, 2,
+                              dtype=torch.float32, device=q.device)
+        strides = (part_acc.stride(0), part_acc.stride(1), part_ml.stride(0), part_ml.stride(1))
+    else:
+        part_acc = part_ml = out
+        strides = (0, 0, 0, 0)
+    tile_in_page = page_size % cfg.block_n == 0
+
+    grid = (grid_q, num_kv_heads * num_hchunks, cfg.num_splits)
+    _paged_attn_kernel[grid](
+        q, k_cache, v_cache, out, part_acc, part_ml,
+        cu_seqlens_q, seqused_k, block_table,
+        sinks if sinks is not None else cu_seqlens_q,
+        k_scale_t, v_scale_t,
+        mask_t if has_mask else cu_seqlens_q,
+        mask_indptr if has_mask else cu_seqlens_q,
+        float(softmax_scale), float(softcap), left, right, batch, q_blocks_per_seq,
+        cfg.num_splits,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        block_table.stride(0),
+        *strides,
+        GROUP=group, HEADS=cfg.heads, NUM_HCHUNKS=num_hchunks,
+        BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        D=head_dim, D_PAD=d_pad, DV=v_head_dim, DV_PAD=dv_pad,
+        PAGE_SIZE=page_size, TILE_IN_PAGE=tile_in_page,
+        CAUSAL=bool(causal), HAS_SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
+        HAS_SCALES=has_scales, HAS_CUSTOM_MASK=has_mask,
+        SEARCH_SEQ=search, SPLIT=split,
+        COMPUTE_DTYPE=compute, DOT_PRECISION=dot_precision, NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+    )
+    if split:
+        _reduce_splits_kernel[(num_tokens, num_q_heads)](
+            out, part_acc, part_ml, sinks if sinks is not None else part_ml,
+            cfg.num_splits, out.stride(0), out.stride(1), *strides,
+            DV=v_head_dim, DV_PAD=dv_pad, SPLITS_PAD=triton.next_power_of_2(cfg.num_splits),
+            HAS_SINKS=sinks is not None, num_warps=4,
+        )
+    return out
+
+
+def _scale_tensor(scale, device) -> torch.Tensor:
+    """A 1-element float32 device tensor for a k/v scale (``None`` → 1). Device tensors pass
+    through without a sync; Python floats become a small (non-graph-captured) upload."""
+    if scale is None:
+        return torch.ones(1, dtype=torch.float32, device=device)
+    if isinstance(scale, torch.Tensor):
+        if scale.device != device:
+            scale = scale.to(device)
+        return scale.reshape(-1)[:1].float()
+    return torch.full((1,), float(scale), dtype=torch.float32, device=device)
