@@ -3,7 +3,7 @@
 from . import ops
 from .backend import AttentionBackend
 from .batch import ForwardBatch, SpecInfo
-from .kvcache import MHAKVPool, PageAllocator, ReqToTokenPool
+from .kvcache import MHAKVPool, MLAKVPool, PageAllocator, ReqToTokenPool
 from .metadata import AttnMetadata, CustomMask, PageTable, QueryLayout, RaggedKV
 from .registry import StrategyPair, StrategyRegistry, StrategySelectionError
 from .types import AttnArch, BackendConfig, CGSupport, ForwardMode, LayerSpec, SpecDecodeConfig
@@ -16,6 +16,7 @@ __all__ = [
     "ForwardBatch",
     "SpecInfo",
     "MHAKVPool",
+    "MLAKVPool",
     "PageAllocator",
     "ReqToTokenPool",
     "AttnMetadata",

@@ -2,6 +2,7 @@
 
 from .allocator import PageAllocator
 from .mha import MHAKVPool
+from .mla import MLAKVPool
 from .req_to_token import ReqToTokenPool
 
-__all__ = ["ReqToTokenPool", "PageAllocator", "MHAKVPool"]
+__all__ = ["ReqToTokenPool", "PageAllocator", "MHAKVPool", "MLAKVPool"]

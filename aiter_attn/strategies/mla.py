@@ -1,0 +1,616 @@
+"""MLA (DeepSeek-V2/V3 multi-head latent attention) strategies for every forward mode.
+
+The KV pool is an :class:`~aiter_attn.kvcache.MLAKVPool`: per layer one latent cache
+``[num_pages, page_size, 1, kv_lora_rank + rope_dim]`` holding ``[c_kv, k_pe]`` per token.
+
+How a layer hands things in
+---------------------------
+One attention layer has two :class:`~aiter_attn.LayerSpec` forms with the same ``layer_id``
+(build both with :func:`mla_layer_specs`). The form is told apart by ``v``:
+
+* **absorbed** (``v is None``; every mode). Spec: ``num_kv_heads=1``,
+  ``head_dim = kv_lora_rank + rope_dim``, ``v_head_dim = kv_lora_rank``. Call
+  ``forward(q, k, None, layer, batch)`` with
+
+  - q ``[T, H, kv_lora_rank + rope_dim]`` (or flat ``[T, H * …]``) = ``[q_nope · W_UK, q_pe]``
+    (:func:`absorb_q`),
+  - k ``[T, 1, kv_lora_rank + rope_dim]`` = the new tokens' ``[c_kv, k_pe]``; written to the
+    latent pool at ``out_cache_loc`` (fp8: divided by ``layer.k_scale``) unless
+    ``save_kv_cache=False``.
+
+  It returns the latent output ``[T, H * kv_lora_rank]`` through
+  :func:`aiter_attn.ops.mla_paged_attention`'s kernel; the caller applies W_UV
+  (:func:`apply_w_uv`). Tree verify applies ``spec_info.custom_mask`` literally.
+* **expanded** (``v`` given; EXTEND and DRAFT_EXTEND only). Spec: ``num_kv_heads = H``,
+  ``head_dim = qk_nope + rope_dim``, ``v_head_dim`` = the model's. Call
+  ``forward(q, k, v, layer, batch, save_kv_cache=False)`` with q/k ``[T, H, qk_nope + rope_dim]``
+  and v ``[T, H, v_head_dim]`` of the new tokens: ordinary causal attention with qk head dim ≠
+  v head dim. Cached prefix tokens are read from the latent pool and expanded through the
+  layer's ``kv_b_proj``, which the engine hands in as
+  ``AttentionBackend(..., extra={"mla_projections": {layer_id: kv_b_proj}})``
+  (``StrategyContext.extra``; LayerSpec is a frozen hashable value, so weights stay out of it):
+  a callable ``c_kv [N, kv_lora_rank] → [N, H * (qk_nope + v_head_dim)]``, per head k_nope then v
+  (DeepSeek's layout; an SGLang-style ``(out, bias)`` tuple result is accepted;
+  :func:`kv_b_proj_from_weights` builds one). The expanded form never writes the pool (it holds
+  latents, not per-head K/V): store the step's latent with
+  :meth:`~aiter_attn.kvcache.MLAKVPool.write_latent` and pass ``save_kv_cache=False``.
+  A batch with a prefix and no projection raises; use the absorbed form there instead.
+
+Head padding
+------------
+Some MLA kernels need ≥ 16 query heads (aiter's ``mla_decode_fwd``). A kernel says so as data:
+its ``Capabilities.predicate`` rejects a request whose ``extra`` ``("heads", H)`` it cannot
+serve. :class:`HeadPadding` (``extra={"mla_head_padding": HeadPadding(...)}``) then decides:
+heads 4 and 8 are repeat-interleaved to 16 when that reaches a better kernel (``"auto"``), and the
+output keeps every ``16 // H``-th head, so padding never changes results.
+
+Planning: decode-like modes reuse :func:`~aiter_attn.strategies.mha.plan_query_layout` and
+:func:`~aiter_attn.strategies.mha.plan_page_table`, make no device→host sync and plan into
+static buffers with the same ``plan(out=)`` (``buffer_spec`` declares them).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import attrs
+import torch
+
+from .. import ops
+from ..batch import ForwardBatch
+from ..hookspecs import hookimpl
+from ..kernels.registry import KernelRequest, KernelSelectionError, Selection
+from ..metadata import AttnMetadata, CustomMask
+from ..registry import StrategyPair
+from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
+from .base import BufferSpec, ExecutionStrategy, MetadataStrategy
+from .mha import DecodeMetadata, plan_page_table, plan_query_layout
+
+__all__ = [
+    "MLA_PROJECTIONS_KEY",
+    "MLA_HEAD_PADDING_KEY",
+    "HeadPadding",
+    "MLAPrefixPlan",
+    "MLADecodeMetadata",
+    "MLAVerifyMetadata",
+    "MLADraftExtendV2Metadata",
+    "MLAExtendMetadata",
+    "MLAExecution",
+    "mla_layer_specs",
+    "mla_kernel_request",
+    "select_mla_kernel",
+    "kv_b_proj_from_weights",
+    "absorb_q",
+    "apply_w_uv",
+]
+
+log = logging.getLogger(__name__)
+
+#: ``StrategyContext.extra`` key: ``{layer_id: kv_b_proj}`` for the expanded EXTEND form.
+MLA_PROJECTIONS_KEY = "mla_projections"
+#: ``StrategyContext.extra`` key: a :class:`HeadPadding` (default ``HeadPadding()``).
+MLA_HEAD_PADDING_KEY = "mla_head_padding"
+
+_EXTEND_MODES = (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND)
+
+
+# --------------------------------------------------------------------------- layer helpers
+def mla_layer_specs(layer_id: int, *, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int,
+                    qk_rope_head_dim: int, v_head_dim: int, scaling: Optional[float] = None,
+                    kv_scale: float = 1.0) -> tuple[LayerSpec, LayerSpec]:
+    """``(absorbed, expanded)`` LayerSpecs of one MLA layer (see the module docstring).
+
+    ``scaling`` defaults to ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)`` for both forms:
+    absorption changes the dot product's factorisation, not its value. ``kv_scale`` is the
+    latent cache's fp8 dequantisation scale (``LayerSpec.k_scale``).
+    """
+    if scaling is None:
+        scaling = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+    common = dict(layer_id=layer_id, num_q_heads=num_heads, scaling=scaling, k_scale=kv_scale,
+                  v_scale=kv_scale, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim)
+    absorbed = LayerSpec(num_kv_heads=1, head_dim=kv_lora_rank + qk_rope_head_dim,
+                         v_head_dim=kv_lora_rank, **common)
+    expanded = LayerSpec(num_kv_heads=num_heads, head_dim=qk_nope_head_dim + qk_rope_head_dim,
+                         v_head_dim=v_head_dim, **common)
+    return absorbed, expanded
+
+
+def kv_b_proj_from_weights(w_uk: torch.Tensor, w_uv: torch.Tensor) -> Callable:
+    """A kv_b_proj callable from per-head weights.
+
+    Args:
+        w_uk: ``[H, qk_nope, kv_lora_rank]``: ``k_nope[n, h] = w_uk[h] @ c_kv[n]``.
+        w_uv: ``[H, v_head_dim, kv_lora_rank]``: ``v[n, h] = w_uv[h] @ c_kv[n]``.
+
+    Returns:
+        ``c_kv [N, kv_lora_rank] → [N, H * (qk_nope + v_head_dim)]`` in ``c_kv``'s dtype.
+    """
+    weight = torch.cat([w_uk, w_uv], dim=1)  # [H, nope + Dv, L]
+
+    def kv_b_proj(c_kv: torch.Tensor) -> torch.Tensor:
+        out = torch.einsum("nl,hdl->nhd", c_kv, weight.to(c_kv.dtype))
+        return out.reshape(c_kv.shape[0], -1)
+
+    return kv_b_proj
+
+
+def absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """``q_nope [T, H, qk_nope] · w_uk [H, qk_nope, kv_lora_rank] → [T, H, kv_lora_rank]``."""
+    return torch.einsum("thd,hdl->thl", q_nope, w_uk.to(q_nope.dtype))
+
+
+def apply_w_uv(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """``o_latent [T, H, kv_lora_rank]`` through ``w_uv [H, v_head_dim, kv_lora_rank]`` →
+    ``[T, H, v_head_dim]`` (the absorbed path's value up-projection)."""
+    return torch.einsum("thl,hdl->thd", o_latent, w_uv.to(o_latent.dtype))
+
+
+# --------------------------------------------------------------------------- head padding
+@attrs.frozen(kw_only=True)
+class HeadPadding:
+    """When absorbed-MLA query heads are padded for a kernel that needs more heads.
+
+    Attributes:
+        pad_to: head count to pad to (16: the smallest head count of aiter's MLA decode).
+        pad_from: head counts that may be padded (4 and 8, as the seed does); each query head
+            is repeated ``pad_to // H`` times and the output keeps every ``pad_to // H``-th head.
+        policy: ``"auto"`` pads when the best kernel for ``pad_to`` heads has a higher priority
+            than the best for ``H`` heads, or ``H`` cannot be served at all; ``"always"`` pads
+            whenever ``H`` is in ``pad_from``; ``"never"`` does not pad.
+    """
+
+    pad_to: int = 16
+    pad_from: frozenset = attrs.field(default=frozenset({4, 8}), converter=frozenset)
+    policy: str = attrs.field(default="auto",
+                              validator=attrs.validators.in_(("auto", "always", "never")))
+
+    def __attrs_post_init__(self):
+        bad = sorted(h for h in self.pad_from if h <= 0 or self.pad_to % h)
+        if bad:
+            raise ValueError(
+                f"HeadPadding.pad_from={sorted(self.pad_from)} has {bad}, which do not divide "
+                f"pad_to={self.pad_to}; pad only head counts that divide it."
+            )
+
+    def factor(self, num_heads: int) -> int:
+        """Repeat factor for ``num_heads`` query heads (1 = no padding)."""
+        if self.policy == "never" or num_heads not in self.pad_from:
+            return 1
+        return self.pad_to // num_heads
+
+
+def mla_kernel_request(*, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
+                       num_heads: int, custom_mask: bool = False) -> KernelRequest:
+    """The kernel-registry key of an ``mla_paged_attention`` call with ``num_heads`` heads
+    (the same key :func:`aiter_attn.ops.mla_paged_attention` builds)."""
+    features = {"fp8"} if kv_cache.dtype in FP8_DTYPES else set()
+    if custom_mask:
+        features.add("custom_mask")
+    return KernelRequest(
+        op="mla_paged_attention", device=q.device.type, dtype=q.dtype, kv_dtype=kv_cache.dtype,
+        head_dim=kv_cache.shape[-1], v_head_dim=kv_lora_rank, page_size=kv_cache.shape[1],
+        features=features, extra=(("heads", num_heads),),
+    )
+
+
+def select_mla_kernel(kernels, request_for: Callable[[int], KernelRequest], num_heads: int,
+                      padding: HeadPadding, backend: Optional[str] = None) -> tuple[Selection, int]:
+    """``(selection, repeat_factor)`` for ``num_heads`` query heads under ``padding``.
+
+    ``request_for(h)`` builds the request for ``h`` heads. Runs once per layer configuration.
+    """
+    factor = padding.factor(num_heads)
+    if factor == 1:
+        return kernels.select(request_for(num_heads), backend=backend), 1
+    padded_req = request_for(num_heads * factor)
+    if padding.policy == "always":
+        return kernels.select(padded_req, backend=backend), factor
+    real = real_err = padded = None
+    try:
+        real = kernels.select(request_for(num_heads), backend=backend)
+    except KernelSelectionError as exc:
+        real_err = exc
+    try:
+        padded = kernels.select(padded_req, backend=backend)
+    except KernelSelectionError:
+        padded = None
+    if padded is not None and (real is None or padded.impl.priority > real.impl.priority):
+        log.debug("MLA: %d heads padded to %d for kernel %s", num_heads, num_heads * factor,
+                  padded.impl.name)
+        return padded, factor
+    if real is None:
+        raise real_err
+    return real, 1
+
+
+# --------------------------------------------------------------------------- metadata
+@attrs.frozen(kw_only=True)
+class MLAPrefixPlan:
+    """What the expanded EXTEND form needs to attend over ``[expanded prefix ; new tokens]``.
+
+    Attributes:
+        prefix_indptr: int32 ``[batch + 1]``: offsets of each request's prefix tokens.
+        prefix_slots: int32 ``[num_prefix_tokens]``: latent-pool slots of the prefix tokens.
+        dense_block_table: int32 ``[batch, max_seq_len]``: for request b, key j's row in the
+            dense buffer ``cat([prefix K/V of all requests, new K/V of all tokens])`` (a page
+            table with page size 1); entries past ``seq_lens[b]`` are 0 and never read.
+        num_prefix_tokens: host int.
+    """
+
+    prefix_indptr: torch.Tensor = attrs.field(eq=False, repr=False)
+    prefix_slots: torch.Tensor = attrs.field(eq=False, repr=False)
+    dense_block_table: torch.Tensor = attrs.field(eq=False, repr=False)
+    num_prefix_tokens: int
+
+
+class MLADecodeMetadata(DecodeMetadata):
+    """DECODE/IDLE over the latent pool: one query per request, page table over the pool.
+
+    Exactly the MHA decode plan (:class:`~aiter_attn.strategies.mha.DecodeMetadata`): the
+    latent pool is a paged cache with one KV head. No device→host sync; graph-capturable.
+    """
+
+    cg_support = CGSupport.ALWAYS
+
+
+class _UniformMetadata(MetadataStrategy):
+    """``q_len`` query tokens per request (verify, draft-extend v2) over the page table.
+
+    Subclasses define :meth:`q_len`; :meth:`plan_mask` may add a custom mask.
+    """
+
+    cg_support = CGSupport.UNIFORM_BATCH
+
+    def q_len(self, batch: ForwardBatch) -> int:
+        raise NotImplementedError
+
+    def buffer_spec(self, max_bs: int, max_tokens: int, max_seq_len: int) -> BufferSpec:
+        pages = max(-(-max_seq_len // self.ctx.config.page_size), 1)
+        return BufferSpec({
+            "cu_seqlens_q": ((max_bs + 1,), torch.int32),
+            "block_table": ((max_bs, pages), torch.int32),
+            "seqused_k": ((max_bs,), torch.int32),
+            "mask_indptr": ((max_bs + 1,), torch.int64),
+        })
+
+    def plan_mask(self, batch: ForwardBatch, out: dict, q_len: int) -> Optional[CustomMask]:
+        return None
+
+    def plan(self, batch: ForwardBatch, out: Optional[dict] = None) -> AttnMetadata:
+        static = out is not None
+        n = self.q_len(batch)
+        if out is None:
+            out = self.eager_buffers(batch)
+        bs = batch.batch_size
+        query = plan_query_layout(batch, out["cu_seqlens_q"][: bs + 1], n)
+        pages = plan_page_table(self.ctx, batch, out["block_table"][:bs], out["seqused_k"][:bs],
+                                static)
+        mask = self.plan_mask(batch, out, n)
+        return AttnMetadata(mode=batch.forward_mode, batch_size=bs, query=query, pages=pages,
+                            mask=mask)
+
+
+def _draft_tokens(batch: ForwardBatch) -> int:
+    spec = batch.spec_info
+    if spec is None:
+        raise ValueError(
+            f"{batch.forward_mode.name} needs batch.spec_info (aiter_attn.SpecInfo) with "
+            "num_draft_tokens; build the batch with spec_info=SpecInfo(num_draft_tokens=...)."
+        )
+    return int(spec.num_draft_tokens)
+
+
+class MLAVerifyMetadata(_UniformMetadata):
+    """TARGET_VERIFY: ``num_draft_tokens`` queries per request, the last ones of its
+    ``seq_lens`` keys (``seq_lens`` includes the drafts).
+
+    Chain drafts (``topk == 1``, no mask) are causal. Tree drafts (``topk > 1``) need
+    ``spec_info.custom_mask`` (bool, flat, per request a row-major ``[q_len, seq_len]`` block)
+    which the kernel applies literally; ``mask_indptr`` is taken from ``spec_info`` or built on
+    the device as ``[0, cumsum(q_len · seq_lens)]``. No device→host sync.
+    """
+
+    def q_len(self, batch):
+        return _draft_tokens(batch)
+
+    def plan_mask(self, batch, out, q_len):
+        spec = batch.spec_info
+        if spec.custom_mask is None:
+            if spec.topk > 1:
+                raise ValueError(
+                    f"TARGET_VERIFY with topk={spec.topk} (a draft tree) needs "
+                    "spec_info.custom_mask; pass the tree mask or use topk=1 for a chain."
+                )
+            return None
+        bs = batch.batch_size
+        indptr = out["mask_indptr"][: bs + 1]
+        if spec.mask_indptr is not None:
+            indptr.copy_(spec.mask_indptr[: bs + 1])
+        else:
+            need = q_len * batch.seq_lens_sum  # host ints from the CPU mirror: no sync
+            if spec.custom_mask.shape[0] < need:
+                raise ValueError(
+                    f"spec_info.custom_mask has {spec.custom_mask.shape[0]} entries; the batch "
+                    f"needs {need} (= {q_len} draft tokens × {batch.seq_lens_sum} keys). Pass "
+                    "one row-major [q_len, seq_len] block per request."
+                )
+            indptr[:1].zero_()
+            torch.cumsum(batch.seq_lens.to(torch.int64) * q_len, dim=0, out=indptr[1:])
+        return CustomMask(custom_mask=spec.custom_mask, mask_indptr=indptr)
+
+
+class MLADraftExtendV2Metadata(_UniformMetadata):
+    """DRAFT_EXTEND_V2: a fixed ``num_draft_tokens`` queries per request, causal over the page
+    table. Requests whose ``extend_seq_lens_cpu`` differ raise. No device→host sync."""
+
+    def q_len(self, batch):
+        n = _draft_tokens(batch)
+        lens = batch.extend_seq_lens_cpu
+        if lens is not None and lens.numel() and bool((lens != n).any()):
+            raise ValueError(
+                f"DRAFT_EXTEND_V2 takes the same number of tokens per request "
+                f"(spec_info.num_draft_tokens={n}); got extend_seq_lens={lens.tolist()}. Use "
+                "DRAFT_EXTEND for ragged lengths."
+            )
+        return n
+
+
+class MLAExtendMetadata(MetadataStrategy):
+    """EXTEND / DRAFT_EXTEND: ragged queries; a page table over the latent pool (absorbed form)
+    and an :class:`MLAPrefixPlan` in ``extras["mla_prefix"]`` (expanded form). Host sizes come
+    from the batch's CPU mirrors; not graph-capturable."""
+
+    cg_support = CGSupport.NEVER
+
+    def buffer_spec(self, max_bs: int, max_tokens: int, max_seq_len: int) -> BufferSpec:
+        pages = max(-(-max_seq_len // self.ctx.config.page_size), 1)
+        return BufferSpec({
+            "cu_seqlens_q": ((max_bs + 1,), torch.int32),
+            "block_table": ((max_bs, pages), torch.int32),
+            "seqused_k": ((max_bs,), torch.int32),
+            "prefix_indptr": ((max_bs + 1,), torch.int32),
+            "prefix_slots": ((max(max_bs * max_seq_len, 1),), torch.int32),
+            "dense_block_table": ((max_bs, max(max_seq_len, 1)), torch.int32),
+        })
+
+    def plan(self, batch: ForwardBatch, out: Optional[dict] = None) -> AttnMetadata:
+        static = out is not None
+        if out is None:
+            out = self.eager_buffers(batch)
+        bs = batch.batch_size
+        cu = out["cu_seqlens_q"][: bs + 1]
+        query = plan_query_layout(batch, cu, None)
+        pages = plan_page_table(self.ctx, batch, out["block_table"][:bs], out["seqused_k"][:bs],
+                                static)
+        prefix_cpu = batch.seq_lens_cpu - batch.extend_seq_lens_cpu.to(torch.int64)
+        total_prefix = int(prefix_cpu.sum())
+        prefix_lens = batch.seq_lens - batch.extend_seq_lens.to(batch.seq_lens.dtype)
+        prefix_indptr = out["prefix_indptr"][: bs + 1]
+        prefix_slots = out["prefix_slots"][:total_prefix]
+        ops.build_ragged_kv_indices(self.ctx.req_to_token, batch.req_pool_indices, prefix_lens,
+                                    prefix_indptr, prefix_slots, total_prefix)
+        width = out["dense_block_table"].shape[1] if static else max(batch.max_seq_len, 1)
+        dense = out["dense_block_table"][:bs, :width]
+        j = torch.arange(width, device=dense.device).unsqueeze(0)
+        pre = prefix_lens.to(torch.int64).unsqueeze(1)
+        from_prefix = prefix_indptr[:-1].to(torch.int64).unsqueeze(1) + j
+        from_new = total_prefix + cu[:-1].to(torch.int64).unsqueeze(1) + (j - pre)
+        rows = torch.where(j < pre, from_prefix, from_new)
+        rows = torch.where(j < batch.seq_lens.to(torch.int64).unsqueeze(1), rows,
+                           torch.zeros_like(rows))
+        dense.copy_(rows)
+        plan = MLAPrefixPlan(prefix_indptr=prefix_indptr, prefix_slots=prefix_slots,
+                             dense_block_table=dense, num_prefix_tokens=total_prefix)
+        return AttnMetadata(mode=batch.forward_mode, batch_size=bs, query=query, pages=pages,
+                            extras={"mla_prefix": plan})
+
+
+# --------------------------------------------------------------------------- execution
+class MLAExecution(ExecutionStrategy):
+    """Absorbed form: write the latent, one ``mla_paged_attention`` kernel call (heads padded
+    when the kernel needs it). Expanded form (EXTEND/DRAFT_EXTEND): expand the cached prefix
+    through the layer's kv_b_proj and run ``paged_attention`` over ``[prefix ; new]`` K/V."""
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        pool = ctx.kv_pool
+        if not all(hasattr(pool, a) for a in ("kv_buffer", "kv_lora_rank", "qk_rope_head_dim")):
+            raise TypeError(
+                f"MLA strategies need an aiter_attn.kvcache.MLAKVPool as kv_pool, got "
+                f"{type(pool).__name__}; build the backend with MLAKVPool(...) for arch MLA."
+            )
+        padding = ctx.extra.get(MLA_HEAD_PADDING_KEY) or HeadPadding()
+        if not isinstance(padding, HeadPadding):
+            raise TypeError(
+                f"extra[{MLA_HEAD_PADDING_KEY!r}] is a {type(padding).__name__}; pass an "
+                "aiter_attn.strategies.mla.HeadPadding."
+            )
+        self.padding = padding
+        self._mla_kernels: dict = {}
+
+    def run(self, q, k, v, layer: LayerSpec, batch: ForwardBatch, metadata: AttnMetadata, *,
+            save_kv_cache: bool = True, sinks=None):
+        if sinks is not None or layer.sinks is not None:
+            raise ValueError(f"layer {layer.layer_id}: MLA has no attention sinks; pass sinks=None.")
+        if layer.sliding_window is not None:
+            raise ValueError(
+                f"layer {layer.layer_id}: sliding_window={layer.sliding_window} is not supported "
+                "by MLA (DeepSeek latent attention is full attention); leave it None."
+            )
+        if v is None:
+            return self._run_absorbed(q, k, layer, batch, metadata, save_kv_cache)
+        return self._run_expanded(q, k, v, layer, batch, metadata, save_kv_cache)
+
+    # -- absorbed --------------------------------------------------------------------------
+    def _check_absorbed(self, layer: LayerSpec) -> tuple[int, int]:
+        pool = self.ctx.kv_pool
+        lora, rope = pool.kv_lora_rank, pool.qk_rope_head_dim
+        if (layer.num_kv_heads, layer.head_dim, layer.v_head_dim) != (1, lora + rope, lora):
+            raise ValueError(
+                f"layer {layer.layer_id} called in the absorbed MLA form (v=None) has "
+                f"num_kv_heads={layer.num_kv_heads}, head_dim={layer.head_dim}, "
+                f"v_head_dim={layer.v_head_dim}; the pool needs (1, {lora + rope}, {lora}) "
+                "(kv_lora_rank + rope, kv_lora_rank). Build it with mla_layer_specs(...)[0]."
+            )
+        if layer.logit_cap > 0:
+            raise ValueError(
+                f"layer {layer.layer_id}: logit_cap={layer.logit_cap}; absorbed MLA "
+                "(mla_paged_attention) has no soft-cap. Set logit_cap=0."
+            )
+        return lora, rope
+
+    def _mla_kernel(self, layer, q, kv_cache, has_mask) -> tuple[Selection, int]:
+        key = (layer, has_mask, q.dtype)
+        hit = self._mla_kernels.get(key)
+        if hit is None:
+            lora = self.ctx.kv_pool.kv_lora_rank
+            hit = select_mla_kernel(
+                self.ctx.kernels,
+                lambda h: mla_kernel_request(q=q, kv_cache=kv_cache, kv_lora_rank=lora,
+                                             num_heads=h, custom_mask=has_mask),
+                layer.num_q_heads, self.padding, backend=self.ctx.config.kernel_backend,
+            )
+            self._mla_kernels[key] = hit
+        return hit
+
+    def _run_absorbed(self, q, k, layer, batch, metadata, save_kv_cache):
+        lora, rope = self._check_absorbed(layer)
+        num_tokens, heads = q.shape[0], layer.num_q_heads
+        q = q.view(num_tokens, heads, lora + rope)
+        kv_cache = self.ctx.kv_pool.kv_buffer(layer.layer_id)
+        if save_kv_cache and k is not None:
+            ops.write_kv(kv_cache, None, batch.out_cache_loc, k.view(num_tokens, 1, lora + rope),
+                         None, k_scale=layer.k_scale)
+        mask = metadata.mask
+        sel, factor = self._mla_kernel(layer, q, kv_cache, mask is not None)
+        q_in = q.repeat_interleave(factor, dim=1) if factor > 1 else q
+        out = torch.empty(num_tokens, heads * factor, lora, dtype=q.dtype, device=q.device)
+        sel.fn(
+            q_in, kv_cache, out, kv_lora_rank=lora,
+            cu_seqlens_q=metadata.query.cu_seqlens_q, seqused_k=metadata.pages.seqused_k,
+            block_table=metadata.pages.block_table, softmax_scale=layer.scaling,
+            causal=mask is None, kv_scale=layer.k_scale,
+            custom_mask=None if mask is None else mask.custom_mask,
+            mask_indptr=None if mask is None else mask.mask_indptr,
+            max_seqlen_q=metadata.query.max_seqlen_q, max_seqlen_k=metadata.pages.max_seqlen_k,
+        )
+        if factor > 1:
+            out = out[:, ::factor]
+        return out.reshape(num_tokens, heads * lora)
+
+    # -- expanded --------------------------------------------------------------------------
+    def _projection(self, layer: LayerSpec) -> Callable:
+        projections = self.ctx.extra.get(MLA_PROJECTIONS_KEY) or {}
+        proj = projections.get(layer.layer_id)
+        if proj is None:
+            raise ValueError(
+                f"layer {layer.layer_id}: EXTEND with a cached prefix in the expanded MLA form "
+                f"needs the layer's kv_b_proj in AttentionBackend(extra={{"
+                f"{MLA_PROJECTIONS_KEY!r}: {{{layer.layer_id}: kv_b_proj}}}}) (have layers "
+                f"{sorted(projections)}); or call the absorbed form (v=None)."
+            )
+        return proj
+
+    def _expand_prefix(self, layer, plan: MLAPrefixPlan, dtype, nope):
+        """Prefix K ``[P, H, nope + rope]`` and V ``[P, H, Dv]`` from the latent cache."""
+        pool = self.ctx.kv_pool
+        lora, rope = pool.kv_lora_rank, pool.qk_rope_head_dim
+        heads, dv, count = layer.num_q_heads, layer.v_head_dim, plan.num_prefix_tokens
+        flat = pool.kv_buffer(layer.layer_id).view(-1, lora + rope)
+        latent = flat.index_select(0, plan.prefix_slots.long())
+        if flat.dtype in FP8_DTYPES:
+            latent = latent.float() * layer.k_scale
+        latent = latent.to(dtype)
+        kv = self._projection(layer)(latent[:, :lora].contiguous())
+        if isinstance(kv, (tuple, list)):
+            kv = kv[0]
+        if tuple(kv.shape) != (count, heads * (nope + dv)):
+            raise ValueError(
+                f"layer {layer.layer_id}: kv_b_proj returned shape {tuple(kv.shape)}; expected "
+                f"({count}, {heads * (nope + dv)}) = [tokens, heads × (qk_nope {nope} + "
+                f"v_head_dim {dv})]."
+            )
+        kv = kv.view(count, heads, nope + dv).to(dtype)
+        k_nope, v = kv.split([nope, dv], dim=-1)
+        k_pe = latent[:, lora:].unsqueeze(1).expand(count, heads, rope)
+        return torch.cat([k_nope, k_pe], dim=-1), v
+
+    def _run_expanded(self, q, k, v, layer, batch, metadata, save_kv_cache):
+        mode = batch.forward_mode
+        plan = metadata.extras.get("mla_prefix")
+        if mode not in _EXTEND_MODES or plan is None:
+            raise ValueError(
+                f"layer {layer.layer_id}: the expanded MLA form (v given) serves EXTEND and "
+                f"DRAFT_EXTEND; {mode.name} takes the absorbed form: q [T, H, kv_lora + rope], "
+                "k the new latent [T, 1, kv_lora + rope], v=None."
+            )
+        if save_kv_cache:
+            raise ValueError(
+                f"layer {layer.layer_id}: the expanded MLA form cannot write the latent pool "
+                "from per-head K/V; write the step's latent with MLAKVPool.write_latent(...) "
+                "and call forward(..., save_kv_cache=False)."
+            )
+        rope = self.ctx.kv_pool.qk_rope_head_dim
+        heads, dim, dv = layer.num_q_heads, layer.head_dim, layer.v_head_dim
+        nope = dim - rope
+        if layer.num_kv_heads != heads or nope <= 0:
+            raise ValueError(
+                f"layer {layer.layer_id} in the expanded MLA form has num_q_heads={heads}, "
+                f"num_kv_heads={layer.num_kv_heads}, head_dim={dim}; it needs num_kv_heads == "
+                f"num_q_heads and head_dim = qk_nope + rope ({rope}) with qk_nope > 0. Build it "
+                "with mla_layer_specs(...)[1]."
+            )
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, heads, dim)
+        keys, values = k.view(num_tokens, heads, dim), v.view(num_tokens, heads, dv)
+        if plan.num_prefix_tokens:
+            k_pre, v_pre = self._expand_prefix(layer, plan, q.dtype, nope)
+            keys = torch.cat([k_pre, keys.to(q.dtype)])
+            values = torch.cat([v_pre, values.to(q.dtype)])
+        k_cache = keys.reshape(-1, 1, heads, dim)  # page size 1 over the dense rows
+        v_cache = values.reshape(-1, 1, heads, dv)
+        sel = self.kernel_for(
+            ("expanded", layer, q.dtype),
+            ops.paged_attention_request(q, k_cache, v_cache, softcap=layer.logit_cap),
+        )
+        out = torch.empty(num_tokens, heads, dv, dtype=q.dtype, device=q.device)
+        sel.fn(
+            q, k_cache, v_cache, out,
+            cu_seqlens_q=metadata.query.cu_seqlens_q, seqused_k=metadata.pages.seqused_k,
+            block_table=plan.dense_block_table, softmax_scale=layer.scaling, causal=True,
+            window_size=(-1, -1), softcap=layer.logit_cap, sinks=None, k_scale=None,
+            v_scale=None, custom_mask=None, mask_indptr=None,
+            max_seqlen_q=metadata.query.max_seqlen_q, max_seqlen_k=metadata.pages.max_seqlen_k,
+        )
+        return out.view(num_tokens, heads * dv)
+
+
+@hookimpl
+def aiter_attn_register_strategies(register):
+    register(StrategyPair(
+        name="mla.decode", arch=AttnArch.MLA, modes={ForwardMode.DECODE, ForwardMode.IDLE},
+        metadata=MLADecodeMetadata, execution=MLAExecution, priority=10,
+        cg_support=CGSupport.ALWAYS,
+        description="absorbed MLA decode over the latent page table (heads 4/8 padded to 16 "
+                    "when the kernel needs it)",
+    ))
+    register(StrategyPair(
+        name="mla.verify", arch=AttnArch.MLA, modes={ForwardMode.TARGET_VERIFY},
+        metadata=MLAVerifyMetadata, execution=MLAExecution, priority=10,
+        cg_support=CGSupport.UNIFORM_BATCH,
+        description="absorbed MLA verify: causal chain or literal tree mask",
+    ))
+    register(StrategyPair(
+        name="mla.draft_extend_v2", arch=AttnArch.MLA, modes={ForwardMode.DRAFT_EXTEND_V2},
+        metadata=MLADraftExtendV2Metadata, execution=MLAExecution, priority=10,
+        cg_support=CGSupport.UNIFORM_BATCH,
+        description="absorbed MLA draft extend with a fixed token count per request",
+    ))
+    register(StrategyPair(
+        name="mla.extend", arch=AttnArch.MLA, modes=set(_EXTEND_MODES),
+        metadata=MLAExtendMetadata, execution=MLAExecution, priority=10,
+        cg_support=CGSupport.NEVER,
+        description="MLA extend: absorbed over the latent pool, or expanded (prefix through "
+                    "kv_b_proj) with qk head dim ≠ v head dim",
+    ))
