@@ -1,0 +1,469 @@
+"""``CudaGraphManager``: static buffers owned in one place, one planning path, capture/replay.
+
+The manager owns, for a list of captured batch sizes,
+
+* the static inputs every graph reads (:class:`~aiter_attn.graph.buffers.StaticInputs`) and
+  optional per-token model inputs (``token_inputs``, e.g. ``input_ids``);
+* every strategy's declared buffers (``MetadataStrategy.buffer_spec``), sized once from
+  :class:`~aiter_attn.types.BackendConfig` with the slack of each captured mode.
+
+Capture and replay call the very same ``plan(batch, out=buffers)`` as eager planning; the only
+difference is that the batch is a fixed set of views into the static inputs. Replay pads the
+real batch to the next captured size (see :mod:`aiter_attn.graph.padding`), plans, checks the
+plan froze the same addresses, shapes and host values as at capture
+(:mod:`aiter_attn.graph.signature`), and replays. On the CPU, or with ``use_cuda_graph=False``,
+"replay" runs the captured function eagerly on the same static batch, so every piece of logic
+but the graph itself is exercised without a GPU.
+
+Typical use::
+
+    mgr = CudaGraphManager(backend, capture_sizes=[1, 2, 4, 8],
+                           token_inputs={"input_ids": ((), torch.int64)})
+    mgr.capture(lambda batch, inputs: model(inputs["input_ids"], batch))
+    logits = mgr.replay(real_batch, input_ids=ids)   # real rows only
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable, Mapping, Optional, Sequence
+
+import attrs
+import torch
+
+from ..batch import ForwardBatch, SpecInfo
+from ..types import CGSupport, ForwardMode
+from .buffers import (CAPTURABLE_MODES, DUMMY_SLOT, GraphLimits, StaticInputs, allocate_strategy_buffers,
+                      default_capture_sizes)
+from .padding import GraphLimitError, check_mask_fits, load_padded, next_capture_size
+from .signature import GraphMetadataMismatch, diff_signatures, metadata_signature
+
+__all__ = ["CudaGraphManager", "GraphLimitError", "GraphMetadataMismatch", "graph_mode"]
+
+log = logging.getLogger(__name__)
+
+StepFn = Callable[[ForwardBatch, dict], object]
+
+
+def graph_mode(mode) -> ForwardMode:
+    """The mode whose graphs serve ``mode``: IDLE replays DECODE graphs (an all-padding batch)."""
+    mode = ForwardMode.parse(mode)
+    return ForwardMode.DECODE if mode == ForwardMode.IDLE else mode
+
+
+def _min_support(mode: ForwardMode) -> CGSupport:
+    if mode == ForwardMode.DECODE:
+        return CGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    return CGSupport.UNIFORM_BATCH
+
+
+@attrs.define(eq=False)
+class _ModeState:
+    """One captured mode: its bounds, strategy pair and that pair's static buffers."""
+
+    limits: GraphLimits
+    pair_name: str
+    planner: object
+    buffers: dict
+    spec: Optional[SpecInfo]
+
+
+@attrs.define(eq=False)
+class _Entry:
+    """One (mode, batch size): the static batch view, its plan's frozen signature, the graph."""
+
+    mode: ForwardMode
+    bs: int
+    batch: ForwardBatch
+    inputs: dict
+    signature: Optional[dict] = None
+    graph: Optional[object] = None
+    fn: Optional[StepFn] = None
+    outputs: object = None
+
+
+def _slice_rows(x, n: int):
+    if isinstance(x, torch.Tensor):
+        return x[:n]
+    if isinstance(x, (list, tuple)):
+        return type(x)(_slice_rows(v, n) for v in x)
+    if isinstance(x, Mapping):
+        return {k: _slice_rows(v, n) for k, v in x.items()}
+    return x
+
+
+class CudaGraphManager:
+    """Static inputs + strategy buffers for captured batch sizes; capture and replay.
+
+    Args:
+        backend: the :class:`~aiter_attn.AttentionBackend` whose strategies plan.
+        capture_sizes: batch sizes to capture, any order (default: a 1, 2, 4, 8, 16, … ladder
+            up to ``max_bs``).
+        max_bs: largest batch (default: the largest capture size, else
+            ``BackendConfig.max_batch_size``).
+        max_num_tokens: optional extra bound on query tokens (SGLang's argument); never below
+            ``max_bs · tokens per request`` of a mode.
+        modes: modes to prepare (default: DECODE, plus TARGET_VERIFY and DRAFT_EXTEND_V2 when
+            ``config.spec`` is set and a capturable strategy serves them). IDLE is served by
+            DECODE's graphs.
+        use_cuda_graph: capture real CUDA graphs (default: when the backend lives on CUDA);
+            ``False`` runs the captured function eagerly on the static batch ("no-capture").
+        token_inputs: per-token model inputs the manager should own, ``name → (trailing shape,
+            dtype)``; replay copies them in and zero-pads the padding tokens.
+    """
+
+    def __init__(self, backend, *, capture_sizes: Optional[Iterable[int]] = None,
+                 max_bs: Optional[int] = None, max_num_tokens: Optional[int] = None,
+                 modes: Optional[Iterable] = None, use_cuda_graph: Optional[bool] = None,
+                 token_inputs: Optional[Mapping[str, tuple]] = None):
+        self.backend = backend
+        self.config = backend.config
+        device = backend.ctx.device
+        if capture_sizes is not None:
+            sizes = sorted({int(s) for s in capture_sizes})
+            if not sizes or sizes[0] < 1:
+                raise ValueError(f"capture_sizes={list(capture_sizes)!r}; give batch sizes ≥ 1.")
+        else:
+            sizes = None
+        if max_bs is None:
+            max_bs = sizes[-1] if sizes else self.config.max_batch_size
+        if sizes is None:
+            sizes = default_capture_sizes(max_bs)
+        if sizes[-1] > max_bs:
+            raise ValueError(
+                f"capture size {sizes[-1]} > max_bs={max_bs}; drop it or raise max_bs.")
+        self.capture_sizes: list[int] = sizes
+        self.max_bs = max_bs
+        if use_cuda_graph is None:
+            use_cuda_graph = device.type == "cuda"
+        if use_cuda_graph and device.type != "cuda":
+            raise ValueError(
+                f"use_cuda_graph=True needs the backend on a CUDA device (it is on {device}); "
+                "pass use_cuda_graph=False to run captured steps eagerly.")
+        self.use_cuda_graph = bool(use_cuda_graph)
+        self._check_null_row()
+
+        mode_list = self._resolve_modes(modes)
+        self._modes: dict[ForwardMode, _ModeState] = {}
+        limits = {m: GraphLimits.from_config(self.config, m, max_bs, max_num_tokens)
+                  for m in mode_list}
+        by_pair: dict[str, list] = {}
+        for m in mode_list:
+            by_pair.setdefault(self.backend.pair_for(m).name, []).append(m)
+        for name, ms in by_pair.items():
+            planner, _ = self.backend.strategies_for(ms[0])
+            bufs = allocate_strategy_buffers(planner, [limits[m] for m in ms], device)
+            for m in ms:
+                spec = None
+                if m != ForwardMode.DECODE:
+                    spec = SpecInfo(num_draft_tokens=self.config.spec.num_draft_tokens,
+                                    topk=self.config.spec.topk)
+                self._modes[m] = _ModeState(limits[m], name, planner, bufs, spec)
+        self.static = StaticInputs.allocate(limits.values(), device)
+        self._token_inputs = {}
+        for name, (shape, dtype) in dict(token_inputs or {}).items():
+            self._token_inputs[name] = torch.zeros((self.static.max_num_tokens, *tuple(shape)),
+                                                   dtype=dtype, device=device)
+        self._entries: dict[tuple, _Entry] = {}
+        self._pool = None
+        self.replays = 0
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _check_null_row(self) -> None:
+        # One-time read at construction (never on the hot path): padding relies on row 0.
+        r2t = self.backend.ctx.req_to_token
+        if bool((r2t[0] != 0).any()):
+            raise ValueError(
+                "req_to_token row 0 holds slots; it must stay reserved and all zeros (padding "
+                "rows of captured batches point at it). Allocate rows with ReqToTokenPool.alloc().")
+
+    def _resolve_modes(self, modes) -> list[ForwardMode]:
+        if modes is None:
+            wanted = [ForwardMode.DECODE]
+            if self.config.spec is not None:
+                for m in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
+                    pair, _ = self.backend.strategies.candidates(m, self.config.arch, self.config)
+                    if pair is not None and pair.cg_support >= _min_support(m):
+                        wanted.append(m)
+            return wanted
+        out = []
+        for m in modes:
+            m = graph_mode(m)
+            if m not in CAPTURABLE_MODES:
+                allowed = ", ".join(x.name for x in CAPTURABLE_MODES)
+                raise ValueError(f"modes contains {m.name}, which cannot be captured; "
+                                 f"capturable: {allowed} (IDLE uses DECODE's graphs).")
+            pair = self.backend.pair_for(m)
+            if pair.cg_support < _min_support(m):
+                raise ValueError(
+                    f"strategy {pair.name!r} serving {m.name} × {self.config.arch.name} declares "
+                    f"cg_support={pair.cg_support.name}; capturing {m.name} needs "
+                    f"{_min_support(m).name} or stronger. Leave {m.name} out of modes.")
+            if m not in out:
+                out.append(m)
+        return out
+
+    @property
+    def modes(self) -> list[ForwardMode]:
+        return list(self._modes)
+
+    def limits(self, mode) -> GraphLimits:
+        return self._state(graph_mode(mode)).limits
+
+    def strategy_buffers(self, mode) -> dict:
+        """The static buffers ``mode``'s strategy plans into (shared by modes of one pair)."""
+        return self._state(graph_mode(mode)).buffers
+
+    def fill_value(self, mode) -> int:
+        """KV length of padding rows: the backend's fill value, at least the mode's q_len."""
+        q = self._state(graph_mode(mode)).limits.q_len
+        return max(int(self.backend.get_cuda_graph_seq_len_fill_value()), q, 1)
+
+    def _state(self, mode: ForwardMode) -> _ModeState:
+        st = self._modes.get(mode)
+        if st is None:
+            raise GraphLimitError(
+                f"forward_mode={mode.name} has no CUDA-graph buffers here (prepared: "
+                f"{[m.name for m in self._modes]}); pass it in CudaGraphManager(modes=...) or "
+                "set BackendConfig.spec for speculative modes, or run this step eagerly.")
+        return st
+
+    def _entry(self, mode: ForwardMode, bs: int) -> _Entry:
+        key = (mode, bs)
+        e = self._entries.get(key)
+        if e is None:
+            st = self._state(mode)
+            if bs > st.limits.max_bs:
+                raise GraphLimitError(
+                    f"batch size {bs} > the graph buffers' max_bs={st.limits.max_bs}; raise "
+                    "max_bs / BackendConfig.max_batch_size.")
+            q = st.limits.q_len
+            batch = self.static.batch_view(mode, bs, q, st.spec)
+            inputs = {k: v[: bs * q] for k, v in self._token_inputs.items()}
+            e = self._entries[key] = _Entry(mode, bs, batch, inputs)
+        return e
+
+    # -- the one planning path ---------------------------------------------------------------
+    def _check_fits(self, batch: ForwardBatch, st: _ModeState) -> None:
+        lim = st.limits
+        if batch.encoder_lens is not None:
+            raise GraphLimitError("cross-attention batches (encoder_lens set) are not captured; "
+                                  "run them eagerly.")
+        bs = batch.batch_size
+        if batch.num_tokens != bs * lim.q_len:
+            raise GraphLimitError(
+                f"{batch.forward_mode.name} batch has {batch.num_tokens} tokens for {bs} requests;"
+                f" its graphs were captured with {lim.q_len} tokens per request "
+                "(BackendConfig.spec.num_draft_tokens for speculative modes).")
+        spec = batch.spec_info
+        if st.spec is not None and spec is not None and (
+                spec.num_draft_tokens != st.spec.num_draft_tokens or spec.topk != st.spec.topk):
+            raise GraphLimitError(
+                f"spec_info has num_draft_tokens={spec.num_draft_tokens}, topk={spec.topk}; the "
+                f"graphs were captured for {st.spec.num_draft_tokens}, {st.spec.topk} "
+                "(BackendConfig.spec).")
+        if bs and batch.max_seq_len > lim.max_seq_len:
+            raise GraphLimitError(
+                f"a request holds {batch.max_seq_len} KV tokens > the graph buffers' "
+                f"max_seq_len={lim.max_seq_len} for {lim.mode.name}; raise "
+                "BackendConfig.max_context_len.")
+
+    def _plan(self, e: _Entry, *, capturing: bool):
+        st = self._modes[e.mode]
+        md = st.planner.plan(e.batch, out=st.buffers)
+        sig = metadata_signature(md)
+        if capturing or e.signature is None:
+            e.signature = sig
+        elif sig != e.signature:
+            diffs = diff_signatures(e.signature, sig)
+            raise GraphMetadataMismatch(
+                f"strategy {st.pair_name!r} planned metadata for {e.mode.name} bs={e.bs} that "
+                f"differs from capture: {'; '.join(diffs)}. Under out= a plan must write into "
+                "the given buffers and take host sizes from static bounds only.")
+        self.backend.bind_forward_metadata(e.batch, md)
+        return md
+
+    def load(self, batch: ForwardBatch, **inputs) -> _Entry:
+        """Validate ``batch``, pad it into the static inputs of the next captured size and plan
+        into the static buffers (no device→host sync). Returns the entry to run or replay."""
+        from ..backend import validate_batch
+
+        mode = graph_mode(batch.forward_mode)
+        st = self._state(mode)
+        validate_batch(batch, self.config, self.backend.ctx.req_to_token)
+        self._check_fits(batch, st)
+        pbs = next_capture_size(self.capture_sizes, batch.batch_size)
+        e = self._entry(mode, pbs)
+        fill = self.fill_value(mode)
+        check_mask_fits(self.static, batch, pbs, st.limits.q_len, fill, st.limits.max_seq_len)
+        self._load_inputs(e, batch.num_tokens, inputs)
+        load_padded(self.static, batch, pbs, st.limits.q_len, fill)
+        self._plan(e, capturing=False)
+        return e
+
+    def _load_inputs(self, e: _Entry, n: int, inputs: dict) -> None:
+        missing = set(self._token_inputs) - set(inputs)
+        unknown = set(inputs) - set(self._token_inputs)
+        if unknown or missing:
+            raise ValueError(
+                f"token inputs {sorted(unknown)} are not owned by this manager and "
+                f"{sorted(missing)} are missing; it owns {sorted(self._token_inputs)} "
+                "(CudaGraphManager(token_inputs=...)).")
+        for name, value in inputs.items():
+            buf = self._token_inputs[name]
+            if tuple(value.shape) != (n, *buf.shape[1:]):
+                raise ValueError(
+                    f"token input {name!r} has shape {tuple(value.shape)}; expected "
+                    f"{(n, *buf.shape[1:])} (one row per query token).")
+            buf[:n].copy_(value)
+            buf[n: e.batch.num_tokens].zero_()
+
+    # -- capture / replay --------------------------------------------------------------------
+    def _load_dummy(self, e: _Entry) -> None:
+        st = self._modes[e.mode]
+        dev = self.backend.ctx.device
+        empty = ForwardBatch(
+            forward_mode=e.mode,
+            req_pool_indices=torch.zeros(0, dtype=torch.int64, device=dev),
+            seq_lens=torch.zeros(0, dtype=torch.int32, device=dev),
+            seq_lens_cpu=torch.zeros(0, dtype=torch.int64),
+            out_cache_loc=torch.zeros(0, dtype=torch.int64, device=dev),
+            spec_info=(SpecInfo(num_draft_tokens=st.spec.num_draft_tokens, topk=st.spec.topk,
+                                custom_mask=torch.zeros(0, dtype=torch.bool, device=dev))
+                       if st.spec is not None and st.limits.mask_numel else None),
+        )
+        load_padded(self.static, empty, e.bs, st.limits.q_len, self.fill_value(e.mode))
+        for buf in self._token_inputs.values():
+            buf[: e.batch.num_tokens].zero_()
+
+    def capture(self, fn: StepFn, *, modes: Optional[Iterable] = None,
+                sizes: Optional[Sequence[int]] = None) -> None:
+        """Capture ``fn(batch, inputs)`` for every (mode, size), largest size first.
+
+        ``fn`` runs one step on the static ``batch`` (call ``backend.forward(..., batch)`` in
+        it) and returns per-token output tensors (a tensor, or a tuple/list/dict of them).
+        Capture plans an all-padding batch into the static buffers, runs ``fn`` once to warm up
+        (Triton compilation, workspaces), then records it in a graph sharing one memory pool.
+        """
+        modes = [graph_mode(m) for m in modes] if modes is not None else self.modes
+        sizes = sorted(sizes if sizes is not None else self.capture_sizes, reverse=True)
+        for s in sizes:
+            if s not in self.capture_sizes:
+                raise ValueError(f"size {s} is not one of capture_sizes={self.capture_sizes}.")
+        for mode in modes:
+            for bs in sizes:
+                self._capture_one(fn, mode, bs)
+
+    def _capture_one(self, fn: StepFn, mode: ForwardMode, bs: int) -> None:
+        e = self._entry(mode, bs)
+        e.fn = fn
+        self._load_dummy(e)
+        self._plan(e, capturing=True)
+        if not self.use_cuda_graph:
+            e.outputs = fn(e.batch, e.inputs)
+            return
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(device=self.backend.ctx.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(e.batch, e.inputs)  # warm-up: compile kernels, allocate workspaces
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            e.outputs = fn(e.batch, e.inputs)
+        e.graph = graph
+        log.debug("captured %s bs=%d", mode.name, bs)
+
+    def replay(self, batch: ForwardBatch, **inputs):
+        """Run one step of a real ``batch`` through the captured graph of the next size.
+
+        Returns ``fn``'s outputs restricted to the real tokens (views of static memory that the
+        next replay overwrites: copy what must outlive it).
+        """
+        e = self.load(batch, **inputs)
+        if e.fn is None:
+            raise GraphLimitError(
+                f"{e.mode.name} bs={e.bs} was not captured; call capture() first (or capture "
+                "this mode and size).")
+        if e.graph is not None:
+            e.graph.replay()
+        else:
+            e.outputs = e.fn(e.batch, e.inputs)
+        self.replays += 1
+        return _slice_rows(e.outputs, batch.num_tokens)
+
+    def captured(self) -> list[tuple]:
+        """``(mode, bs)`` of every captured entry."""
+        return sorted(((e.mode, e.bs) for e in self._entries.values() if e.fn is not None),
+                      key=lambda k: (k[0].value, k[1]))
+
+    def buffer_pointers(self) -> dict[str, int]:
+        """``name → data_ptr`` of every static buffer (they never change after construction)."""
+        ptrs = {f"static.{k}": v.data_ptr() for k, v in self.static.tensors().items()}
+        for mode, st in self._modes.items():
+            for k, v in st.buffers.items():
+                ptrs[f"{st.pair_name}.{k}"] = v.data_ptr()
+        for k, v in self._token_inputs.items():
+            ptrs[f"inputs.{k}"] = v.data_ptr()
+        return ptrs
+
+    # -- SGLang-shaped hooks (the engine owns its graphs) -------------------------------------
+    def _from_tensors(self, bs, mode, req_pool_indices, seq_lens, spec_info, seq_lens_cpu,
+                      out_cache_loc, positions, *, need_slots: bool) -> ForwardBatch:
+        st = self._state(graph_mode(mode))
+        q = st.limits.q_len
+        if seq_lens_cpu is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise ValueError("seq_lens_cpu is required while a CUDA graph is capturing "
+                                 "(reading seq_lens back would sync).")
+            seq_lens_cpu = seq_lens[:bs].to("cpu", torch.int64)
+        dev = self.backend.ctx.device
+        if out_cache_loc is None:
+            if need_slots:
+                raise ValueError(
+                    "out_cache_loc is required on replay: the captured graph writes this step's "
+                    "K/V through the static out_cache_loc; pass out_cache_loc=forward_batch."
+                    "out_cache_loc (padding tokens may hold DUMMY_SLOT).")
+            out_cache_loc = torch.full((bs * q,), DUMMY_SLOT, dtype=torch.int64, device=dev)
+        return ForwardBatch(
+            forward_mode=mode, req_pool_indices=req_pool_indices[:bs].to(torch.int64),
+            seq_lens=seq_lens[:bs].to(torch.int32), seq_lens_cpu=seq_lens_cpu[:bs].to(torch.int64),
+            out_cache_loc=out_cache_loc[: bs * q], positions=None if positions is None
+            else positions[: bs * q], spec_info=spec_info,
+        )
+
+    def plan_capture(self, bs: int, forward_mode, req_pool_indices, seq_lens, spec_info=None, *,
+                     seq_lens_cpu=None, out_cache_loc=None, positions=None) -> ForwardBatch:
+        """Plan a batch of exactly ``bs`` rows (the engine's padded inputs) into the static
+        buffers before the engine captures; returns the static batch to pass to ``forward``."""
+        batch = self._from_tensors(bs, forward_mode, req_pool_indices, seq_lens, spec_info,
+                                   seq_lens_cpu, out_cache_loc, positions, need_slots=False)
+        mode = graph_mode(forward_mode)
+        st = self._state(mode)
+        self._check_fits(batch, st)
+        e = self._entry(mode, bs)
+        load_padded(self.static, batch, bs, st.limits.q_len, self.fill_value(mode))
+        self._plan(e, capturing=True)
+        return e.batch
+
+    def plan_replay(self, bs: int, forward_mode, req_pool_indices, seq_lens, spec_info=None, *,
+                    seq_lens_cpu=None, out_cache_loc=None, positions=None) -> ForwardBatch:
+        """Refill and re-plan the buffers of a size planned by :meth:`plan_capture` (same
+        buffers, same plan; raises if the plan's frozen parts moved)."""
+        mode = graph_mode(forward_mode)
+        if (mode, bs) not in self._entries:
+            raise GraphLimitError(
+                f"{mode.name} bs={bs} was never planned for capture; call "
+                "init_forward_metadata_capture_cuda_graph for this size first.")
+        batch = self._from_tensors(bs, forward_mode, req_pool_indices, seq_lens, spec_info,
+                                   seq_lens_cpu, out_cache_loc, positions, need_slots=True)
+        st = self._state(mode)
+        self._check_fits(batch, st)
+        e = self._entries[(mode, bs)]
+        check_mask_fits(self.static, batch, bs, st.limits.q_len, self.fill_value(mode),
+                        st.limits.max_seq_len)
+        load_padded(self.static, batch, bs, st.limits.q_len, self.fill_value(mode))
+        self._plan(e, capturing=False)
+        return e.batch

@@ -1,0 +1,89 @@
+"""Padding a real batch into the static inputs of a captured batch size.
+
+Rows ``[0, bs)`` get the real batch; padding rows ``[bs, padded_bs)`` get:
+
+* ``req_pool_indices`` → :data:`NULL_REQ_ROW` (row 0 of ``req_to_token``, all zeros: every
+  token of a padding row maps to the null slot 0, never to a live request's slot);
+* ``seq_lens`` → ``fill`` (≥ the mode's query tokens per request and ≥ 1, so no row is empty
+  and no query sits before position 0);
+* ``out_cache_loc`` → :data:`DUMMY_SLOT` (slot 0 of the null page) for each padding token;
+* ``positions`` → 0; a tree mask → all-visible blocks of ``q_len × fill``.
+
+Everything is written in place with device→device copies and fills, plus host writes of the
+CPU mirrors: no device→host synchronisation.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Sequence
+
+import torch
+
+from ..batch import ForwardBatch
+from .buffers import DUMMY_SLOT, NULL_REQ_ROW, StaticInputs
+
+__all__ = ["GraphLimitError", "next_capture_size", "load_padded", "check_mask_fits"]
+
+
+class GraphLimitError(ValueError):
+    """A batch does not fit the captured graphs or their static buffers; the message names the
+    limit and the setting to change."""
+
+
+def next_capture_size(sizes: Sequence[int], bs: int) -> int:
+    """Smallest captured size ≥ ``bs`` (``sizes`` sorted ascending); raise past the largest."""
+    i = bisect.bisect_left(sizes, bs)
+    if i == len(sizes):
+        raise GraphLimitError(
+            f"batch of {bs} requests > the largest captured CUDA-graph batch size {sizes[-1]}; "
+            "raise BackendConfig.max_batch_size (or the capture_sizes / max_bs given to "
+            "init_cuda_graph_state), or run this step eagerly."
+        )
+    return sizes[i]
+
+
+def load_padded(static: StaticInputs, batch: ForwardBatch, padded_bs: int, q_len: int,
+                fill: int) -> None:
+    """Copy ``batch`` (``bs`` requests, ``bs · q_len`` tokens) into ``static`` rows ``[0, bs)``
+    and write padding rows ``[bs, padded_bs)``. Shapes/limits are checked by the caller."""
+    bs, n = batch.batch_size, batch.num_tokens
+    pad_tokens = (padded_bs - bs) * q_len
+    static.req_pool_indices[:bs].copy_(batch.req_pool_indices)
+    static.req_pool_indices[bs:padded_bs].fill_(NULL_REQ_ROW)
+    static.seq_lens[:bs].copy_(batch.seq_lens)
+    static.seq_lens[bs:padded_bs].fill_(fill)
+    static.seq_lens_cpu[:bs].copy_(batch.seq_lens_cpu)
+    static.seq_lens_cpu[bs:padded_bs].fill_(fill)
+    # Modes sharing these buffers use different q_len: rewrite them every time.
+    static.extend_seq_lens[:padded_bs].fill_(q_len)
+    static.extend_seq_lens_cpu[:padded_bs].fill_(q_len)
+    torch.sub(static.seq_lens_cpu[:padded_bs], q_len, out=static.extend_prefix_lens_cpu[:padded_bs])
+    static.out_cache_loc[:n].copy_(batch.out_cache_loc)
+    static.out_cache_loc[n:n + pad_tokens].fill_(DUMMY_SLOT)
+    if batch.positions is not None:
+        static.positions[:n].copy_(batch.positions)
+    else:
+        static.positions[:n].zero_()
+    static.positions[n:n + pad_tokens].zero_()
+    spec = batch.spec_info
+    if spec is not None and spec.custom_mask is not None:
+        m = int(spec.custom_mask.shape[0])
+        static.custom_mask[:m].copy_(spec.custom_mask)
+        static.custom_mask[m:m + pad_tokens * fill].fill_(True)
+
+
+def check_mask_fits(static: StaticInputs, batch: ForwardBatch, padded_bs: int, q_len: int,
+                    fill: int, max_seq_len: int) -> None:
+    """Raise when the tree mask (real blocks + padding blocks) overflows the static buffer."""
+    spec = batch.spec_info
+    if spec is None or spec.custom_mask is None:
+        return
+    need = int(spec.custom_mask.shape[0]) + (padded_bs - batch.batch_size) * q_len * fill
+    have = int(static.custom_mask.shape[0])
+    if need > have:
+        raise GraphLimitError(
+            f"the tree mask needs {need} elements > the static custom_mask buffer of {have} "
+            f"(max tokens × max_seq_len={max_seq_len}); raise BackendConfig.max_context_len or "
+            "spec.num_draft_tokens bounds, or run this step eagerly."
+        )
