@@ -3,6 +3,7 @@
 from . import ops
 from .backend import AttentionBackend
 from .batch import ForwardBatch, SpecInfo
+from .graph import CudaGraphManager, GraphLimitError, GraphMetadataMismatch
 from .kvcache import MHAKVPool, MLAKVPool, PageAllocator, ReqToTokenPool
 from .metadata import AttnMetadata, CustomMask, PageTable, QueryLayout, RaggedKV
 from .registry import StrategyPair, StrategyRegistry, StrategySelectionError
@@ -15,6 +16,9 @@ __all__ = [
     "AttentionBackend",
     "ForwardBatch",
     "SpecInfo",
+    "CudaGraphManager",
+    "GraphLimitError",
+    "GraphMetadataMismatch",
     "MHAKVPool",
     "MLAKVPool",
     "PageAllocator",

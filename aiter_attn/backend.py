@@ -174,6 +174,42 @@ class AttentionBackend:
         """Padding rows get this KV length (≥ 1 so no row is empty)."""
         return 1
 
+    # -- CUDA graphs: delegated to aiter_attn.graph.CudaGraphManager --------------------
+    def bind_forward_metadata(self, forward_batch: ForwardBatch, metadata: AttnMetadata) -> None:
+        """Make ``metadata`` (planned into static buffers by the graph manager) current."""
+        self.forward_metadata, self._batch = metadata, forward_batch
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: Optional[int] = None, **kw):
+        """Allocate every static buffer for batches up to ``max_bs`` (see CudaGraphManager)."""
+        from .graph import CudaGraphManager
+
+        self.graph_manager = CudaGraphManager(self, max_bs=max_bs, max_num_tokens=max_num_tokens,
+                                              **kw)
+        return self.graph_manager
+
+    def _graphs(self):
+        if self.graph_manager is None:
+            raise RuntimeError("call backend.init_cuda_graph_state(max_bs, max_num_tokens) first.")
+        return self.graph_manager
+
+    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens,
+                                                 encoder_lens, forward_mode, spec_info, **kw):
+        """Plan ``bs`` rows into the static buffers before capture; returns the static
+        ForwardBatch to pass to ``forward`` inside the captured function."""
+        if encoder_lens is not None:
+            raise ValueError("encoder_lens is set: cross-attention is not captured; run eagerly.")
+        return self._graphs().plan_capture(bs, forward_mode, req_pool_indices, seq_lens,
+                                           spec_info, **kw)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens,
+                                                seq_lens_sum, encoder_lens, forward_mode,
+                                                spec_info, seq_lens_cpu=None, **kw):
+        """Refill and re-plan the static buffers of size ``bs`` before ``graph.replay()``."""
+        if encoder_lens is not None:
+            raise ValueError("encoder_lens is set: cross-attention is not captured; run eagerly.")
+        return self._graphs().plan_replay(bs, forward_mode, req_pool_indices, seq_lens,
+                                          spec_info, seq_lens_cpu=seq_lens_cpu, **kw)
+
     def _check_qkv(self, q, k, v, layer: LayerSpec, batch: ForwardBatch) -> None:
         n = batch.num_tokens
         check_tensor("q", q, dtypes=(self.config.dtype,),
