@@ -49,3 +49,21 @@ def aiter_attn_register_kernels(register):
         ),
         priority=triton_priority(),
     )
+    from .index import build_page_table, build_ragged_kv_indices
+    from .kv_write import write_kv, write_kv_5d, write_kv_translated
+    from .mla import mla_paged_attention
+
+    register(
+        "mla_paged_attention", "triton", mla_paged_attention,
+        Capabilities(devices=TRITON_DEVICES, dtypes=_FLOAT_DTYPES, max_head_dim=1024,
+                     features={"fp8", "custom_mask"}, cg_support=CGSupport.ALWAYS),
+        priority=triton_priority(),
+    )
+    index_caps = Capabilities(devices=TRITON_DEVICES, features={"fp8"},
+                              cg_support=CGSupport.ALWAYS)
+    register("build_page_table", "triton", build_page_table, index_caps, triton_priority())
+    register("build_ragged_kv_indices", "triton", build_ragged_kv_indices, index_caps,
+             triton_priority())
+    register("write_kv", "triton", write_kv, index_caps, triton_priority())
+    register("write_kv_swa", "triton", write_kv_translated, index_caps, triton_priority())
+    register("write_kv_5d", "triton", write_kv_5d, index_caps, triton_priority())

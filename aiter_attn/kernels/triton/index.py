@@ -1,0 +1,144 @@
+"""Triton index-building kernels: page tables and ragged token indices from ``req_to_token``.
+
+Both run entirely on the device: request lengths are read by the kernels, never by the host,
+so planning a decode step makes no device→host synchronisation and can be graph-captured.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...validation import INDEX_DTYPES
+from ._kvutil import next_pow2
+
+__all__ = ["build_page_table", "build_ragged_kv_indices"]
+
+
+@triton.jit
+def _page_table_kernel(
+    r2t_ptr, rpi_ptr, seq_ptr, out_ptr,
+    stride_r2t, stride_out, width, r2t_cols,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_row = cols < width
+    row = tl.load(rpi_ptr + b).to(tl.int64)
+    seq = tl.load(seq_ptr + b)
+    n_pages = (seq + PAGE_SIZE - 1) // PAGE_SIZE
+    live = in_row & (cols < n_pages) & (cols * PAGE_SIZE < r2t_cols)
+    tok = tl.load(r2t_ptr + row * stride_r2t + cols.to(tl.int64) * PAGE_SIZE, mask=live, other=0)
+    page = tl.where(live, tok // PAGE_SIZE, 0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_out + cols, page.to(out_ptr.dtype.element_ty),
+             mask=in_row)
+
+
+def build_page_table(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """``out[b, i] = req_to_token[req_pool_indices[b], i·page_size] // page_size`` for
+    ``i < ceil(seq_lens[b] / page_size)``, 0 (the null page) elsewhere.
+
+    req_to_token int32/int64 ``[R, C]``; req_pool_indices int ``[B]``; seq_lens int ``[B]``;
+    out int32/int64 ``[B, W]`` (written whole, returned). Same result as
+    :func:`aiter_attn.kernels.reference.build_page_table_reference`.
+    """
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size={page_size!r}; must be a positive int.")
+    for name, t in (("req_to_token", req_to_token), ("req_pool_indices", req_pool_indices),
+                    ("seq_lens", seq_lens), ("out", out)):
+        if t.dtype not in INDEX_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; allowed: int32, int64.")
+    if out.dim() != 2 or out.shape[0] != seq_lens.shape[0]:
+        raise ValueError(
+            f"out has shape {tuple(out.shape)}; expected [batch={seq_lens.shape[0]}, max_pages]."
+        )
+    if req_to_token.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("req_to_token and out must be contiguous along their last dim.")
+    batch, width = out.shape
+    if batch == 0 or width == 0:
+        return out
+    block = min(1024, max(16, next_pow2(width)))
+    grid = (batch, triton.cdiv(width, block))
+    _page_table_kernel[grid](
+        req_to_token, req_pool_indices, seq_lens, out,
+        req_to_token.stride(0), out.stride(0), width, req_to_token.shape[1],
+        PAGE_SIZE=page_size, BLOCK=block, num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _ragged_kernel(
+    r2t_ptr, rpi_ptr, seq_ptr, indptr_ptr, idx_ptr,
+    stride_r2t, batch,
+    BLOCK_B: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    # This request's start = sum of the earlier requests' lengths (fused exclusive scan).
+    offs_b = tl.arange(0, BLOCK_B)
+    lens = tl.load(seq_ptr + offs_b, mask=offs_b < b, other=0).to(tl.int64)
+    start = tl.sum(lens, axis=0)
+    seq = tl.load(seq_ptr + b).to(tl.int64)
+    tl.store(indptr_ptr + b + 1, (start + seq).to(indptr_ptr.dtype.element_ty))
+    if b == 0:
+        tl.store(indptr_ptr, start.to(indptr_ptr.dtype.element_ty))  # start is 0 here
+    row = tl.load(rpi_ptr + b).to(tl.int64)
+    for j0 in range(0, seq, BLOCK):
+        offs = j0 + tl.arange(0, BLOCK).to(tl.int64)
+        m = offs < seq
+        tok = tl.load(r2t_ptr + row * stride_r2t + offs, mask=m, other=0)
+        tl.store(idx_ptr + start + offs, tok.to(idx_ptr.dtype.element_ty), mask=m)
+
+
+def build_ragged_kv_indices(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    total: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level ragged indices in one launch: ``kv_indptr = [0, cumsum(seq_lens)]`` and
+    ``kv_indices[kv_indptr[b] + j] = req_to_token[req_pool_indices[b], j]`` for
+    ``j < seq_lens[b]``. Entries of ``kv_indices`` past the total are left untouched.
+
+    req_to_token int ``[R, C]``; req_pool_indices int ``[B]``; seq_lens int ``[B]``;
+    kv_indptr int32/int64 ``[≥ B + 1]``; kv_indices int32/int64 ``[≥ total]``; ``total`` is
+    the host-known ``sum(seq_lens)`` (from the batch's CPU mirror), used only to check that
+    ``kv_indices`` is large enough. Same result as
+    :func:`aiter_attn.kernels.reference.build_ragged_kv_indices_reference`.
+    """
+    for name, t in (("req_to_token", req_to_token), ("req_pool_indices", req_pool_indices),
+                    ("seq_lens", seq_lens), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
+        if t.dtype not in INDEX_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; allowed: int32, int64.")
+    batch = seq_lens.shape[0]
+    if kv_indptr.shape[0] < batch + 1:
+        raise ValueError(
+            f"kv_indptr has {kv_indptr.shape[0]} entries; needs ≥ batch + 1 = {batch + 1}."
+        )
+    if int(total) > kv_indices.shape[0]:
+        raise ValueError(
+            f"total={total} tokens but kv_indices holds {kv_indices.shape[0]}; size it from "
+            "the batch's seq_lens_sum (or the graph manager's bound)."
+        )
+    if req_to_token.stride(1) != 1:
+        raise ValueError("req_to_token must be contiguous along its last dim.")
+    if batch == 0:
+        kv_indptr[:1].zero_()
+        return kv_indptr, kv_indices
+    _ragged_kernel[(batch,)](
+        req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices,
+        req_to_token.stride(0), batch,
+        BLOCK_B=max(16, next_pow2(batch)), BLOCK=1024, num_warps=4,
+    )
+    return kv_indptr, kv_indices

@@ -1,0 +1,323 @@
+"""Triton absorbed-MLA paged attention (decode / verify / draft-extend over a latent cache).
+
+Math (per query token ``t`` of request ``b``, head ``h``; ``R = kv_lora_rank``)::
+
+    L      = seqused_k[b];   n = q_len(b);   p = L − n + i   (absolute position of query i)
+    keys   j ∈ [0, L) with j ≤ p when causal, and mask[b][i, j] with a custom mask
+    s_j    = softmax_scale · kv_scale · (q[t, h, :R] · c_j[:R] + q[t, h, R:] · c_j[R:])
+    out    = kv_scale · Σ_j softmax(s)_j · c_j[:R]
+
+where ``c_j`` is the latent vector of key ``j`` (``kv_cache[page, slot, 0, :]``). Every head
+reads the same single latent head, so one program loads a ``[BLOCK_N, R + rope]`` tile once
+and uses it for all ``BLOCK_H`` heads of its block, for the scores (whole vector) and the
+values (first ``R`` dims) alike.
+
+Split-KV (flash-decoding): with few (token × head-block) programs the keys of each request
+are cut into ``num_splits`` chunks (sized per request on the device); a second kernel merges
+the partial outputs by their log-sum-exp. The split count depends only on host integers
+(shapes, ``max_seqlen_k`` or the block-table width), so the launch is CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ...validation import INDEX_DTYPES
+from ._kvutil import interpreting, next_pow2, num_sms, scale_args
+
+__all__ = ["mla_paged_attention", "mla_launch_config"]
+
+log = logging.getLogger(__name__)
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _mla_fwd_kernel(
+    q_ptr, kv_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    cu_q_ptr, seqused_ptr, bt_ptr, mask_ptr, mask_indptr_ptr, scale_ptr,
+    qk_scale_log2, kv_scale_val,
+    num_heads, batch, num_head_blocks,
+    stride_qt, stride_qh,
+    stride_kvp, stride_kvs,
+    stride_ot, stride_oh,
+    stride_bt,
+    stride_pt, stride_ph, stride_ps,
+    stride_lt, stride_lh,
+    PAGE_SIZE: tl.constexpr,
+    KV_LORA: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    SCALE_FROM_PTR: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    t = pid // num_head_blocks  # head blocks of one token are neighbours: they share KV in L2
+    hb = pid % num_head_blocks
+
+    # Request of token t: the number of requests that end at or before t.
+    offs_b = tl.arange(0, BLOCK_B)
+    ends = tl.load(cu_q_ptr + 1 + offs_b, mask=offs_b < batch, other=2147483647)
+    b = tl.minimum(tl.sum((ends <= t).to(tl.int32), axis=0), batch - 1)
+    q_start = tl.load(cu_q_ptr + b)
+    n_q = tl.load(cu_q_ptr + b + 1) - q_start
+    kv_len = tl.load(seqused_ptr + b)
+    qi = t - q_start
+    end = kv_len
+    if CAUSAL:
+        end = tl.minimum(kv_len, kv_len - n_q + qi + 1)
+    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, end)
+
+    kv_scale = kv_scale_val
+    if SCALE_FROM_PTR:
+        kv_scale = tl.load(scale_ptr).to(tl.float32)
+    qk_scale = qk_scale_log2 * kv_scale
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < num_heads
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < KV_LORA
+    offs_dr = tl.arange(0, BLOCK_DR)
+    mask_dr = offs_dr < ROPE
+
+    q_row = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
+    q_nope = tl.load(q_row + offs_dv[None, :], mask=mask_h[:, None] & mask_dv[None, :], other=0.0)
+    q_rope = tl.load(q_row + KV_LORA + offs_dr[None, :], mask=mask_h[:, None] & mask_dr[None, :],
+                     other=0.0)
+
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    if HAS_MASK:
+        mask_row = mask_ptr + tl.load(mask_indptr_ptr + b).to(tl.int64) + qi.to(tl.int64) * kv_len
+
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+        row = page * stride_kvp + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kvs
+        c_nope = tl.load(kv_ptr + row[:, None] + offs_dv[None, :],
+                         mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(q_nope.dtype)
+        c_rope = tl.load(kv_ptr + row[:, None] + KV_LORA + offs_dr[None, :],
+                         mask=mask_n[:, None] & mask_dr[None, :], other=0.0).to(q_nope.dtype)
+        s = _dot(q_nope, tl.trans(c_nope), IEEE) + _dot(q_rope, tl.trans(c_rope), IEEE)
+        s = s * qk_scale
+        visible = mask_n
+        if HAS_MASK:
+            bits = tl.load(mask_row + offs_n, mask=mask_n, other=0)
+            visible = visible & (bits != 0)
+        s = tl.where(visible[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.to(q_nope.dtype), c_nope, IEEE)
+        m_i = m_new
+
+    has = l_i > 0
+    inv = tl.where(has, kv_scale / tl.where(has, l_i, 1.0), 0.0)
+    o = acc * inv[:, None]
+    o_mask = mask_h[:, None] & mask_dv[None, :]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
+        tl.store(o_ptrs + offs_dv[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        p_ptrs = (part_o_ptr + t.to(tl.int64) * stride_pt + offs_h[:, None] * stride_ph
+                  + split * stride_ps)
+        tl.store(p_ptrs + offs_dv[None, :], o, mask=o_mask)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + t.to(tl.int64) * stride_lt + offs_h * stride_lh + split, lse,
+                 mask=mask_h)
+
+
+@triton.jit
+def _mla_merge_kernel(
+    out_ptr, part_o_ptr, part_lse_ptr,
+    stride_ot, stride_oh,
+    stride_pt, stride_ph, stride_ps,
+    stride_lt, stride_lh,
+    KV_LORA: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < NUM_SPLITS
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < KV_LORA
+    lse = tl.load(part_lse_ptr + t * stride_lt + h * stride_lh + offs_s, mask=mask_s,
+                  other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # empty splits (lse = -inf) weigh 0
+    o = tl.load(part_o_ptr + t * stride_pt + h * stride_ph + offs_s[:, None] * stride_ps
+                + offs_dv[None, :], mask=mask_s[:, None] & mask_dv[None, :], other=0.0)
+    den = tl.sum(w, axis=0)
+    res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_dv,
+             res.to(out_ptr.dtype.element_ty), mask=mask_dv)
+
+
+def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: torch.device,
+                      *, num_kv_splits: Optional[int] = None, block_h: Optional[int] = None,
+                      block_n: Optional[int] = None):
+    """``(block_h, block_n, num_splits, num_warps, num_stages)`` from host integers only."""
+    if block_h is None:
+        block_h = 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
+    if block_n is None:
+        block_n = 32 if block_h <= 32 else 16
+    head_blocks = triton.cdiv(num_heads, block_h)
+    programs = max(1, head_blocks * num_tokens)
+    if num_kv_splits is None:
+        target = 2 * num_sms(device)
+        by_len = max(1, triton.cdiv(max(kv_bound, 1), 4 * block_n))
+        num_kv_splits = max(1, min(64, triton.cdiv(target, programs), by_len))
+    num_warps = 4 if block_h <= 16 else 8
+    num_stages = 2
+    return block_h, block_n, int(num_kv_splits), num_warps, num_stages
+
+
+def mla_paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    cu_seqlens_q: torch.Tensor,
+    seqused_k: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    causal: bool = True,
+    kv_scale=None,
+    custom_mask: Optional[torch.Tensor] = None,
+    mask_indptr: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    num_kv_splits: Optional[int] = None,
+    block_h: Optional[int] = None,
+    block_n: Optional[int] = None,
+) -> torch.Tensor:
+    """Absorbed MLA over a paged latent cache (Triton). Same contract as
+    :func:`aiter_attn.kernels.reference.mla_paged_attention_reference`.
+
+    Args:
+        q: ``[T, H, R + rope]`` fp16/bf16/fp32 (absorbed ``q_nope`` then ``q_rope``).
+        kv_cache: ``[num_pages, page_size, 1, R + rope]`` in q's dtype or fp8 (then
+            ``kv_scale`` dequantises keys and values).
+        out: ``[T, H, R]`` in q's dtype, written in place and returned.
+        kv_lora_rank: ``R``; values are the first ``R`` dims of each latent vector.
+        cu_seqlens_q: int32 ``[B + 1]``; seqused_k: int32 ``[B]`` (this step's tokens included);
+        block_table: int32 ``[B, max_pages]``.
+        softmax_scale: multiplies q·k. causal: mask keys after each query's position.
+        kv_scale: scalar tensor (read on the device) or number; ``None`` = 1.
+        custom_mask, mask_indptr: flat bool tree mask and int64 ``[B + 1]`` offsets into it
+            (request b's mask is ``[q_len, L]`` row-major at ``mask_indptr[b]``).
+        max_seqlen_k: host bound on ``seqused_k`` used to size split-KV; defaults to the
+            block table's capacity (no device read).
+        num_kv_splits, block_h, block_n: override the launch heuristics (tests, tuning).
+    """
+    if kv_cache.dim() != 4 or kv_cache.shape[2] != 1:
+        raise ValueError(
+            f"kv_cache has shape {tuple(kv_cache.shape)}; expected [num_pages, page_size, 1, "
+            "kv_lora_rank + rope_dim] (one latent head)."
+        )
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache must be contiguous in its last dim; pass kv_cache.contiguous().")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seqused_k", seqused_k),
+                    ("block_table", block_table)):
+        if t.dtype not in INDEX_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; allowed: int32, int64.")
+    total_dim = q.shape[2]
+    rope = total_dim - kv_lora_rank
+    if not 0 < kv_lora_rank <= total_dim or kv_cache.shape[3] != total_dim:
+        raise ValueError(
+            f"kv_lora_rank={kv_lora_rank} with q dim {total_dim} and kv_cache dim "
+            f"{kv_cache.shape[3]}; need 0 < kv_lora_rank ≤ q dim == kv_cache dim."
+        )
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    batch = seqused_k.shape[0]
+    if num_tokens == 0 or batch == 0:
+        return out
+    page_size = kv_cache.shape[1]
+    kv_bound = max_seqlen_k if max_seqlen_k is not None else block_table.shape[1] * page_size
+    bh, bn, splits, warps, stages = mla_launch_config(
+        num_heads, num_tokens, kv_bound, q.device, num_kv_splits=num_kv_splits,
+        block_h=block_h, block_n=block_n)
+    if interpreting():
+        stages = 1
+    head_blocks = triton.cdiv(num_heads, bh)
+    block_dv = max(16, next_pow2(kv_lora_rank))
+    block_dr = max(16, next_pow2(max(rope, 1)))
+    scale_t, scale_v, from_ptr = scale_args(kv_scale, q.device)
+    has_mask = custom_mask is not None
+    if has_mask:
+        if mask_indptr is None:
+            raise ValueError("custom_mask needs mask_indptr (int64 [batch + 1]); pass both.")
+        mask_arg = custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask
+        mask_ind = mask_indptr
+    else:
+        mask_arg = mask_ind = cu_seqlens_q  # unused placeholders
+    if splits > 1:
+        part_o = torch.empty(num_tokens, num_heads, splits, kv_lora_rank, dtype=torch.float32,
+                             device=q.device)
+        part_lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32,
+                               device=q.device)
+    else:
+        part_o = out.new_empty(1, 1, 1, 1, dtype=torch.float32)
+        part_lse = out.new_empty(1, 1, 1, dtype=torch.float32)
+    grid = (num_tokens * head_blocks, splits)
+    _mla_fwd_kernel[grid](
+        q, kv_cache, out, part_o, part_lse,
+        cu_seqlens_q, seqused_k, block_table, mask_arg, mask_ind, scale_t,
+        float(softmax_scale) * _LOG2E, scale_v,
+        num_heads, batch, head_blocks,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1),
+        out.stride(0), out.stride(1),
+        block_table.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        PAGE_SIZE=page_size, KV_LORA=kv_lora_rank, ROPE=rope,
+        BLOCK_DV=block_dv, BLOCK_DR=block_dr, BLOCK_H=bh, BLOCK_N=bn,
+        BLOCK_B=next_pow2(batch), NUM_SPLITS=splits, CAUSAL=bool(causal), HAS_MASK=has_mask,
+        SCALE_FROM_PTR=from_ptr, IEEE=q.dtype == torch.float32,
+        num_warps=warps, num_stages=stages,
+    )
+    if splits > 1:
+        _mla_merge_kernel[(num_tokens, num_heads)](
+            out, part_o, part_lse,
+            out.stride(0), out.stride(1),
+            part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1),
+            KV_LORA=kv_lora_rank, BLOCK_DV=block_dv, NUM_SPLITS=splits,
+            BLOCK_S=max(2, next_pow2(splits)), num_warps=4,
+        )
+    return out
