@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 #: name → module; always loaded (a missing module is skipped quietly: not every build has all).
 CORE_PLUGINS = {
     "reference": "aiter_attn.kernels.reference",
+    "reference_extra": "aiter_attn.kernels.reference_extra",
     "strategies.mha": "aiter_attn.strategies.mha",
     "strategies.spec": "aiter_attn.strategies.spec",
     "strategies.mla": "aiter_attn.strategies.mla",
