@@ -1,30 +1,37 @@
 """pluggy hook specifications of the ``aiter_attn`` project.
 
-A plugin is a module (or object) with functions marked ``@hookimpl``::
+A plugin is a module (or any object) with functions marked ``@hookimpl``::
 
     from aiter_attn.hookspecs import hookimpl
     from aiter_attn.kernels.registry import Capabilities
 
     @hookimpl
     def aiter_attn_register_kernels(register):
-        register("paged_attention", "myvendor", my_kernel, Capabilities(devices={"cuda"}), 50)
+        register("paged_attention", "myvendor", my_kernel,
+                 Capabilities(devices={"cuda"}), priority=50)
 
-Third-party plugins are found through the entry-point group ``aiter_attn``.
+Third-party plugins are found through the entry-point group ``aiter_attn`` (see
+``docs/plugins.md``); the built-ins (reference kernels, strategies, ``triton``, ``aiter``)
+load through the same loader in :mod:`aiter_attn.plugins`. Every attribute of a plugin whose
+name starts with ``aiter_attn_`` must be one of the hooks below, marked ``@hookimpl``;
+anything else (a typo such as ``aiter_attn_register_kernel``) makes the plugin invalid.
 """
 
 from __future__ import annotations
 
 import pluggy
 
-__all__ = ["PROJECT", "hookspec", "hookimpl", "AiterAttnSpec"]
+__all__ = ["PROJECT", "HOOK_PREFIX", "hookspec", "hookimpl", "AiterAttnSpec", "hook_names"]
 
 PROJECT = "aiter_attn"
+#: Every hook's name starts with this; plugins must not use it for anything else.
+HOOK_PREFIX = "aiter_attn_"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 class AiterAttnSpec:
-    """The hooks a plugin may implement."""
+    """The hooks a plugin may implement (each is called once per plugin, at first use)."""
 
     @hookspec
     def aiter_attn_register_kernels(self, register):
@@ -32,10 +39,17 @@ class AiterAttnSpec:
 
         ``register(op, name, fn, capabilities=Capabilities(), priority=0, *, replace=False)``
         adds ``fn`` as backend ``name`` of ``op`` (``"paged_attention"``,
-        ``"mla_paged_attention"``, ``"write_kv"``, ``"build_page_table"``, …). Higher priority
-        wins among those whose capabilities serve a request.
+        ``"mla_paged_attention"``, ``"write_kv"``, ``"build_page_table"``, …; the calling
+        convention of each op is the matching ``*_reference`` function in
+        :mod:`aiter_attn.kernels.reference`). Higher priority wins among those whose
+        capabilities serve a request; ``replace=True`` overrides an existing name.
         """
 
     @hookspec
     def aiter_attn_register_strategies(self, register):
         """Register strategy pairs: ``register(pair: StrategyPair, *, replace=False)``."""
+
+
+def hook_names() -> frozenset:
+    """Names of every hook in :class:`AiterAttnSpec`."""
+    return frozenset(n for n in vars(AiterAttnSpec) if n.startswith(HOOK_PREFIX))

@@ -1,10 +1,26 @@
 """Plugin loading: built-ins and third parties through one pluggy path, lazily and once.
 
-Built-in plugins are modules of this package. Third-party plugins come from the entry-point
-group ``aiter_attn``. ``AITER_ATTN_PLUGINS`` (comma-separated plugin names) allow-lists the
-optional ones (the ``triton`` and ``aiter`` kernels and third parties); core built-ins
-(reference kernels, strategies) always load. A plugin whose import fails is logged and
-skipped, and raises only if it was asked for by name.
+Sources, in load order:
+
+1. core built-ins (:data:`CORE_PLUGINS`: reference kernels, strategy families) — always loaded;
+2. optional built-ins (:data:`OPTIONAL_PLUGINS`: the ``triton`` and ``aiter`` kernels);
+3. third parties: every entry point of the group ``aiter_attn`` (``name = "module[:attr]"``).
+
+``AITER_ATTN_PLUGINS`` (comma-separated names) is an allow-list: when set, only the core
+built-ins and the named plugins load, and every named plugin is *requested*: if it is missing,
+fails to import, fails validation or its hook raises, loading raises :class:`PluginLoadError`.
+A plugin that was not requested by name and fails any of those steps is logged (warning) and
+skipped; :func:`skipped_plugins` says why.
+
+Validation (:func:`validate_plugin`): every attribute named ``aiter_attn_*`` must be a hook of
+:class:`~aiter_attn.hookspecs.AiterAttnSpec` marked ``@hookimpl`` (so a typo cannot be
+silently ignored); pluggy checks the argument names on ``register`` and
+``PluginManager.check_pending`` runs after each plugin.
+
+Loading is lazy (first call of :func:`kernel_registry` / :func:`strategy_registry` /
+:func:`get_plugin_manager`) and idempotent (one process-wide state; :func:`reset_plugins`
+forgets it, e.g. after changing ``AITER_ATTN_PLUGINS``). Tests build their own managers with
+:func:`new_plugin_manager`, :func:`load_plugins` and :func:`build_registries`.
 """
 
 from __future__ import annotations
@@ -14,22 +30,35 @@ import importlib.metadata
 import logging
 import os
 import threading
-from typing import Optional
+from typing import Iterable, Optional
 
+import attrs
 import pluggy
 
-from .hookspecs import PROJECT, AiterAttnSpec
+from .hookspecs import HOOK_PREFIX, PROJECT, AiterAttnSpec, hook_names
 
 __all__ = [
     "CORE_PLUGINS",
     "OPTIONAL_PLUGINS",
+    "ENTRY_POINT_GROUP",
+    "ENV_ALLOW",
     "PluginLoadError",
+    "PluginValidationError",
+    "PluginSource",
+    "LoadReport",
+    "allow_list",
+    "discover_plugins",
+    "new_plugin_manager",
+    "validate_plugin",
+    "register_plugin",
+    "load_plugins",
+    "build_registries",
     "get_plugin_manager",
     "kernel_registry",
     "strategy_registry",
     "loaded_plugins",
+    "skipped_plugins",
     "reset_plugins",
-    "build_registries",
 ]
 
 log = logging.getLogger(__name__)
@@ -57,112 +86,254 @@ class PluginLoadError(ImportError):
     """A plugin asked for by name (``AITER_ATTN_PLUGINS``) could not be loaded."""
 
 
+class PluginValidationError(ValueError):
+    """A plugin's hook implementations do not match :class:`AiterAttnSpec`."""
+
+
+@attrs.frozen
+class PluginSource:
+    """Where one plugin comes from.
+
+    Attributes:
+        name: the plugin's name (allow-list key, ``source`` of its registrations).
+        target: ``"module"`` or ``"module:attribute"``.
+        kind: ``"core"``, ``"builtin"`` (optional built-in) or ``"entry_point"``.
+    """
+
+    name: str
+    target: str
+    kind: str
+
+
+@attrs.define
+class LoadReport:
+    """What :func:`load_plugins` did: plugin names in load order, skipped ones with reasons."""
+
+    loaded: list = attrs.Factory(list)
+    skipped: dict = attrs.Factory(dict)
+    requested: frozenset = frozenset()
+
+
+def allow_list(value: Optional[str] = None) -> Optional[frozenset]:
+    """Parse an allow-list (default: ``$AITER_ATTN_PLUGINS``); ``None`` means everything."""
+    raw = os.environ.get(ENV_ALLOW, "") if value is None else value
+    names = frozenset(n.strip() for n in raw.split(",") if n.strip())
+    return names or None
+
+
+def _import_target(target: str):
+    module, _, attr = target.partition(":")
+    obj = importlib.import_module(module.strip())
+    for part in filter(None, attr.strip().split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+def discover_plugins(*, builtins: bool = True, entry_points: bool = True) -> list[PluginSource]:
+    """Every known plugin source in load order (built-ins first, then entry points by name)."""
+    sources: list[PluginSource] = []
+    if builtins:
+        sources += [PluginSource(n, m, "core") for n, m in CORE_PLUGINS.items()]
+        sources += [PluginSource(n, m, "builtin") for n, m in OPTIONAL_PLUGINS.items()]
+    if entry_points:
+        seen = {s.name for s in sources}
+        eps = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+        for ep in eps:
+            if ep.name in seen:
+                log.warning("entry point %s = %s ignored: the name %r is taken by a built-in "
+                            "plugin", ep.name, ep.value, ep.name)
+                continue
+            seen.add(ep.name)
+            sources.append(PluginSource(ep.name, ep.value, "entry_point"))
+    return sources
+
+
+def new_plugin_manager() -> pluggy.PluginManager:
+    """An empty :class:`pluggy.PluginManager` for the project's hooks."""
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(AiterAttnSpec)
+    return pm
+
+
+def validate_plugin(pm: pluggy.PluginManager, name: str, plugin) -> None:
+    """Raise :class:`PluginValidationError` unless every ``aiter_attn_*`` attribute of
+    ``plugin`` is a known hook marked ``@hookimpl``."""
+    known = hook_names()
+    for attr in dir(plugin):
+        if not attr.startswith(HOOK_PREFIX):
+            continue
+        if attr not in known:
+            raise PluginValidationError(
+                f"plugin {name!r} defines {attr!r}, which is not an aiter_attn hook; the hooks "
+                f"are {sorted(known)}. Fix the name, or drop the {HOOK_PREFIX!r} prefix if it is "
+                "not meant as a hook."
+            )
+        if pm.parse_hookimpl_opts(plugin, attr) is None:
+            raise PluginValidationError(
+                f"plugin {name!r} defines {attr!r} without the @hookimpl marker, so it would "
+                "never be called; decorate it with aiter_attn.hookspecs.hookimpl."
+            )
+
+
+def register_plugin(pm: pluggy.PluginManager, name: str, plugin) -> None:
+    """Validate and register ``plugin`` under ``name``; on any problem nothing stays registered.
+
+    Raises :class:`PluginValidationError` (bad hooks) or ``ValueError`` (name taken).
+    """
+    if pm.has_plugin(name):
+        raise ValueError(f"a plugin named {name!r} is already registered; names must be unique.")
+    validate_plugin(pm, name, plugin)
+    try:
+        pm.register(plugin, name=name)
+    except pluggy.PluginValidationError as exc:
+        raise PluginValidationError(f"plugin {name!r} does not match the hook specs: {exc}") from exc
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        pm.unregister(name=name)
+        raise PluginValidationError(f"plugin {name!r} implements unknown hooks: {exc}") from exc
+
+
+def _fail(report: LoadReport, source: PluginSource, what: str, exc: BaseException, *,
+          quiet: bool = False) -> None:
+    reason = f"{what}: {type(exc).__name__}: {exc}"
+    if source.name in report.requested:
+        raise PluginLoadError(
+            f"plugin {source.name!r} ({source.target}), requested in {ENV_ALLOW}, {reason}"
+        ) from exc
+    report.skipped[source.name] = reason
+    if quiet:
+        log.debug("built-in plugin %s (%s) is not present", source.name, source.target)
+    else:
+        log.warning("plugin %s (%s) skipped: %s", source.name, source.target, reason)
+
+
+def load_plugins(
+    pm: pluggy.PluginManager,
+    *,
+    allow: "Optional[Iterable[str] | str]" = "env",
+    builtins: bool = True,
+    entry_points: bool = True,
+    sources: Optional[Iterable[PluginSource]] = None,
+) -> LoadReport:
+    """Import, validate and register plugins into ``pm``.
+
+    Args:
+        allow: names to load besides the core built-ins; ``"env"`` reads ``AITER_ATTN_PLUGINS``;
+            ``None`` loads everything. Named plugins are *requested*: failures raise.
+        builtins, entry_points: which sources to consider (ignored when ``sources`` is given).
+        sources: explicit plugin sources (tests).
+
+    Returns:
+        A :class:`LoadReport`; raises :class:`PluginLoadError` for a requested plugin that is
+        missing or broken.
+    """
+    if allow == "env":
+        allow = allow_list()
+    elif isinstance(allow, str):
+        allow = allow_list(allow)
+    elif allow is not None:
+        allow = frozenset(allow)
+    report = LoadReport(requested=frozenset(allow or ()))
+    if sources is None:
+        sources = discover_plugins(builtins=builtins, entry_points=entry_points)
+    sources = list(sources)
+    for source in sources:
+        if allow is not None and source.kind != "core" and source.name not in allow:
+            continue
+        if pm.has_plugin(source.name):  # loaded before: loading is idempotent
+            if source.name not in report.loaded:
+                report.loaded.append(source.name)
+            continue
+        try:
+            plugin = _import_target(source.target)
+        except ModuleNotFoundError as exc:
+            # A built-in module that this build does not have yet is no news.
+            own_module = exc.name == source.target.partition(":")[0]
+            _fail(report, source, "could not be imported", exc,
+                  quiet=own_module and source.kind != "entry_point")
+            continue
+        except Exception as exc:  # a broken plugin must never take the library down
+            _fail(report, source, "failed to import", exc)
+            continue
+        if pm.is_registered(plugin):
+            log.debug("plugin %s is already registered under another name", source.name)
+            continue
+        try:
+            register_plugin(pm, source.name, plugin)
+        except (PluginValidationError, ValueError) as exc:
+            _fail(report, source, "is invalid", exc)
+            continue
+        report.loaded.append(source.name)
+    if allow is not None:
+        known = {s.name for s in sources}
+        missing = sorted(set(allow) - known)
+        if missing:
+            raise PluginLoadError(
+                f"{ENV_ALLOW} names plugins that are not installed: {missing}; known: "
+                f"{sorted(known)}. Install the plugin package (entry-point group "
+                f"'{ENTRY_POINT_GROUP}') or fix the name."
+            )
+    return report
+
+
+def build_registries(pm: pluggy.PluginManager, *, requested: Iterable[str] = (),
+                     report: Optional[LoadReport] = None):
+    """Run every plugin's registration hooks, in load order, into fresh registries.
+
+    Each plugin's registrations are staged and applied only if its hook returns; a hook that
+    raises skips that plugin (logged) unless it is in ``requested`` (then
+    :class:`PluginLoadError`). Returns ``(KernelRegistry, StrategyRegistry)``.
+    """
+    from .kernels.registry import Capabilities, KernelRegistry
+    from .registry import StrategyRegistry
+
+    kernels, strategies = KernelRegistry(), StrategyRegistry()
+    requested = frozenset(requested) | (report.requested if report else frozenset())
+    order = {name: i for i, (name, _) in enumerate(pm.list_name_plugin())}
+
+    def run(hook, apply):
+        impls = sorted(hook.get_hookimpls(), key=lambda i: order.get(i.plugin_name, len(order)))
+        for impl in impls:
+            staged: list = []
+            try:
+                impl.function(register=lambda *a, **k: staged.append((a, k)))
+                for a, k in staged:
+                    apply(impl.plugin_name, *a, **k)
+            except Exception as exc:
+                msg = f"its {hook.name} hook failed: {type(exc).__name__}: {exc}"
+                if impl.plugin_name in requested:
+                    raise PluginLoadError(f"plugin {impl.plugin_name!r}: {msg}") from exc
+                log.warning("plugin %s skipped: %s", impl.plugin_name, msg)
+                pm.unregister(name=impl.plugin_name)
+                if report is not None:
+                    report.skipped[impl.plugin_name] = msg
+                    if impl.plugin_name in report.loaded:
+                        report.loaded.remove(impl.plugin_name)
+
+    def add_kernel(source, op, name, fn, capabilities=None, priority=0, *, replace=False):
+        kernels.register(op, name, fn, capabilities or Capabilities(), priority,
+                         source=source, replace=replace)
+
+    def add_strategy(source, pair, *, replace=False):
+        strategies.register(pair, replace=replace, source=source)
+
+    run(pm.hook.aiter_attn_register_kernels, add_kernel)
+    run(pm.hook.aiter_attn_register_strategies, add_strategy)
+    return kernels, strategies
+
+
 _lock = threading.RLock()
 _state: dict = {}
 
 
-def _allow_list() -> Optional[set]:
-    raw = os.environ.get(ENV_ALLOW, "").strip()
-    if not raw:
-        return None
-    return {n.strip() for n in raw.split(",") if n.strip()}
-
-
-def _load_module(name: str, module: str, *, requested: bool, quiet_missing: bool):
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if requested:
-            raise PluginLoadError(f"plugin {name!r} ({module}) could not be imported: {exc}") from exc
-        if quiet_missing and exc.name == module:
-            log.debug("built-in plugin %s (%s) is not present", name, module)
-        else:
-            log.warning("plugin %s skipped: import of %s failed: %s", name, module, exc)
-    except Exception as exc:  # a broken plugin must never take the library down
-        if requested:
-            raise PluginLoadError(f"plugin {name!r} ({module}) failed to import: {exc}") from exc
-        log.warning("plugin %s skipped: import of %s failed: %r", name, module, exc)
-    return None
-
-
-def _new_manager() -> pluggy.PluginManager:
-    pm = pluggy.PluginManager(PROJECT)
-    pm.add_hookspecs(AiterAttnSpec)
-    allow = _allow_list()
-    for name, module in CORE_PLUGINS.items():
-        mod = _load_module(name, module, requested=bool(allow and name in allow), quiet_missing=True)
-        if mod is not None:
-            pm.register(mod, name=name)
-    for name, module in OPTIONAL_PLUGINS.items():
-        if allow is not None and name not in allow:
-            continue
-        mod = _load_module(name, module, requested=bool(allow and name in allow), quiet_missing=True)
-        if mod is not None:
-            pm.register(mod, name=name)
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if allow is not None and ep.name not in allow:
-            continue
-        if pm.has_plugin(ep.name):
-            continue
-        try:
-            obj = ep.load()
-        except Exception as exc:
-            if allow is not None and ep.name in allow:
-                raise PluginLoadError(f"plugin {ep.name!r} ({ep.value}) failed to load: {exc}") from exc
-            log.warning("plugin %s skipped: loading %s failed: %r", ep.name, ep.value, exc)
-            continue
-        pm.register(obj, name=ep.name)
-    if allow is not None:
-        missing = allow - {n for n, _ in pm.list_name_plugin()}
-        if missing:
-            raise PluginLoadError(
-                f"{ENV_ALLOW} names plugins that are not installed: {sorted(missing)}; "
-                f"known: {sorted(set(CORE_PLUGINS) | set(OPTIONAL_PLUGINS))} and the "
-                f"'{ENTRY_POINT_GROUP}' entry points."
-            )
-    pm.check_pending()
-    return pm
-
-
-def build_registries(pm: pluggy.PluginManager):
-    """Run the registration hooks of every plugin in ``pm`` into fresh registries."""
-    from .kernels.registry import KernelRegistry
-    from .registry import StrategyRegistry
-
-    kernels, strategies = KernelRegistry(), StrategyRegistry()
-
-    def kernel_registrar(source):
-        def register(op, name, fn, capabilities=None, priority=0, *, replace=False):
-            from .kernels.registry import Capabilities
-
-            return kernels.register(
-                op, name, fn, capabilities or Capabilities(), priority,
-                source=source, replace=replace,
-            )
-
-        return register
-
-    def strategy_registrar(source):
-        def register(pair, *, replace=False):
-            return strategies.register(pair, replace=replace, source=source)
-
-        return register
-
-    # Call each implementation with a registrar bound to its plugin's name, so every
-    # registration records where it came from (pluggy's public HookImpl API).
-    for impl in pm.hook.aiter_attn_register_kernels.get_hookimpls():
-        impl.function(register=kernel_registrar(impl.plugin_name))
-    for impl in pm.hook.aiter_attn_register_strategies.get_hookimpls():
-        impl.function(register=strategy_registrar(impl.plugin_name))
-    return kernels, strategies
-
-
-def _ensure():
+def _ensure() -> dict:
     with _lock:
         if "pm" not in _state:
-            pm = _new_manager()
-            kernels, strategies = build_registries(pm)
-            _state.update(pm=pm, kernels=kernels, strategies=strategies)
+            pm = new_plugin_manager()
+            report = load_plugins(pm)
+            kernels, strategies = build_registries(pm, report=report)
+            _state.update(pm=pm, report=report, kernels=kernels, strategies=strategies)
         return _state
 
 
@@ -182,7 +353,13 @@ def strategy_registry():
 
 
 def loaded_plugins() -> list[str]:
+    """Names of the registered plugins, in load order."""
     return [name for name, _ in get_plugin_manager().list_name_plugin()]
+
+
+def skipped_plugins() -> dict:
+    """``{name: reason}`` for plugins that were found but skipped (import/validation/hook)."""
+    return dict(_ensure()["report"].skipped)
 
 
 def reset_plugins() -> None:

@@ -1,0 +1,368 @@
+"""The AMD vendor plugin: our ops on top of ``aiter``'s kernels (ROCm only).
+
+It registers kernels only where ``import aiter`` works *and* torch is a ROCm build with a
+device (``torch.version.hip``); elsewhere its hook registers nothing and says why at debug
+level. The kernels were written against the ``amd-aiter`` wheel's signatures (checked on the
+CPU by ``tests/test_aiter_contract.py``) and have not been run on an AMD GPU here.
+
+======================  ==========================================================
+our op                  aiter function
+======================  ==========================================================
+paged_attention         ``paged_attention_ragged`` (decode; fp8 as ``"fp8_e4m3"``),
+                        ``mha_batch_prefill_func`` (prefill/extend),
+                        ``unified_attention`` (sliding windows, sinks, verify, fp8)
+mla_paged_attention     ``mla_decode_fwd`` (+ ``get_mla_metadata_info_v1`` /
+                        ``get_mla_metadata_v1`` persistent work metadata; 4/8 heads
+                        padded to 16), ``mla_prefill_fwd`` (extend)
+varlen_attention        ``flash_attn_varlen_func`` (dense ragged q/k/v, MLA extend
+                        without prefix)
+paged_attention_vec5d   ``pa_decode_gluon`` (5-D shuffled layout; newer releases only)
+======================  ==========================================================
+
+All argument marshalling is in :mod:`aiter_attn.kernels.aiter_marshal`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import threading
+from typing import Optional
+
+import torch
+
+from ..hookspecs import hookimpl
+from ..types import CGSupport
+from . import aiter_marshal as M
+from .registry import Capabilities
+
+__all__ = [
+    "AITER_FUNCTIONS",
+    "OPTIONAL_FUNCTIONS",
+    "availability",
+    "resolve",
+    "accepted_params",
+    "reset_api",
+    "reserve_mla_workspace",
+    "aiter_paged_attention",
+    "aiter_mla_paged_attention",
+    "aiter_varlen_attention",
+    "aiter_paged_attention_vec5d",
+    "aiter_attn_register_kernels",
+]
+
+log = logging.getLogger(__name__)
+
+#: aiter function → modules that define it, newest layout first.
+AITER_FUNCTIONS = {
+    "flash_attn_varlen_func": ("aiter.ops.mha",),
+    "mha_batch_prefill_func": ("aiter.ops.mha",),
+    "paged_attention_ragged": ("aiter.ops.attention",),
+    "get_mla_metadata_info_v1": ("aiter.ops.attention",),
+    "get_mla_metadata_v1": ("aiter.ops.attention",),
+    "mla_decode_fwd": ("aiter.mla",),
+    "mla_prefill_fwd": ("aiter.mla",),
+    "unified_attention": ("aiter.ops.triton.attention.unified_attention",
+                          "aiter.ops.triton.unified_attention"),
+    "pa_decode_gluon": ("aiter.ops.triton.gluon.pa_decode_gluon",),
+}
+#: functions some releases lack; the kernels that need them are then not registered.
+OPTIONAL_FUNCTIONS = frozenset({"pa_decode_gluon"})
+
+_lock = threading.Lock()
+_api: dict = {}
+
+
+def availability() -> tuple[bool, str]:
+    """``(True, "")`` where the plugin can run, else ``(False, why)``."""
+    if getattr(torch.version, "hip", None) is None:
+        return False, "torch is not a ROCm build (torch.version.hip is None)"
+    if not torch.cuda.is_available():
+        return False, "no ROCm device is visible"
+    try:
+        importlib.import_module("aiter")
+    except Exception as exc:  # aiter's import compiles/loads native code; any failure counts
+        return False, f"import aiter failed: {type(exc).__name__}: {exc}"
+    return True, ""
+
+
+def resolve(name: str):
+    """The aiter function ``name`` (imported on first use; raises ``ImportError`` if absent)."""
+    with _lock:
+        if name in _api:
+            return _api[name]
+        errors = []
+        for module in AITER_FUNCTIONS[name]:
+            try:
+                fn = getattr(importlib.import_module(module), name)
+            except (ImportError, AttributeError) as exc:
+                errors.append(f"{module}: {exc}")
+                continue
+            _api[name] = fn
+            return fn
+        raise ImportError(f"aiter has no {name} ({'; '.join(errors)}); upgrade amd-aiter.")
+
+
+@functools.lru_cache(maxsize=None)
+def _params_of(fn) -> Optional[frozenset]:
+    try:
+        return frozenset(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a compiled wrapper without a signature
+        return None
+
+
+def accepted_params(name: str) -> Optional[frozenset]:
+    """Parameter names of the installed aiter function (``None`` if it cannot be inspected)."""
+    return _params_of(resolve(name))
+
+
+def reset_api() -> None:
+    """Forget resolved functions (tests inject a fake ``aiter``)."""
+    with _lock:
+        _api.clear()
+        _workspaces.clear()
+    _params_of.cache_clear()
+
+
+def _call(call: M.AiterCall):
+    return resolve(call.fn)(*call.args, **call.kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# workspaces: grown on demand in eager mode; reserve them before graph capture
+
+_workspaces: dict = {}
+
+
+def _workspace(key, nbytes: int, device) -> torch.Tensor:
+    buf = _workspaces.get(key)
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        _workspaces[key] = buf
+    return buf
+
+
+def reserve_mla_workspace(max_batch: int, max_seqlen_q: int, num_heads: int, q_dtype,
+                          kv_dtype, device, *, cu_num: Optional[int] = None) -> dict:
+    """Allocate (once) the persistent-MLA work metadata for up to ``max_batch`` requests, so a
+    CUDA-graph manager can reserve it before capture. Returns the named buffers."""
+    plan = M.mla_decode_plan(num_heads, kv_dtype, max_seqlen_q)
+    key = ("mla", str(device), plan.padded_heads, max_seqlen_q, q_dtype, kv_dtype)
+    bufs = _workspaces.get(key)
+    if bufs is not None and bufs["_max_batch"] >= max_batch:
+        return bufs
+    call = M.build_mla_metadata_info_call(max_batch, max_seqlen_q, plan, q_dtype, kv_dtype,
+                                          params=accepted_params("get_mla_metadata_info_v1"))
+    info = _call(call)
+    if cu_num is None and torch.cuda.is_available():
+        cu_num = torch.cuda.get_device_properties(device).multi_processor_count
+    specs = M.mla_work_buffer_spec(max_batch, max_seqlen_q, plan.padded_heads, kv_dtype,
+                                   cu_num=cu_num or 1, fast_mode=plan.fast_mode, info=info)
+    bufs = M.allocate_buffers(specs, device)
+    bufs["_max_batch"] = max_batch
+    _workspaces[key] = bufs
+    return bufs
+
+
+def _max_q(cu_seqlens_q: torch.Tensor, max_seqlen_q: Optional[int]) -> int:
+    if max_seqlen_q is not None:
+        return int(max_seqlen_q)
+    # Eager fallback: strategies pass max_seqlen_q from host mirrors; this path syncs.
+    return int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 0
+
+
+def _scale_tensor(scale, device) -> torch.Tensor:
+    if isinstance(scale, torch.Tensor):
+        return scale.reshape(1).to(device=device, dtype=torch.float32)
+    return torch.tensor([1.0 if scale is None else float(scale)], dtype=torch.float32,
+                        device=device)
+
+
+# --------------------------------------------------------------------------------------------
+# kernels (the calling conventions of aiter_attn.kernels.reference)
+
+
+def aiter_paged_attention(q, k_cache, v_cache, out, *, cu_seqlens_q, seqused_k, block_table,
+                          softmax_scale, causal=True, window_size=(-1, -1), softcap=0.0,
+                          sinks=None, k_scale=None, v_scale=None, custom_mask=None,
+                          mask_indptr=None, max_seqlen_q=None, max_seqlen_k=None):
+    """``ops.paged_attention`` on aiter; routing in :func:`aiter_marshal.route_paged_attention`."""
+    if custom_mask is not None:
+        raise ValueError("the aiter backend takes no custom_mask (tree verify); its capabilities "
+                         "exclude it, so pick another backend for this call.")
+    fp8 = k_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32)
+    max_q = _max_q(cu_seqlens_q, max_seqlen_q)
+    route = M.route_paged_attention(
+        max_q, causal=causal, has_sinks=sinks is not None, window=window_size, is_fp8=fp8,
+        prefill_params=accepted_params("mha_batch_prefill_func"))
+    ks = _scale_tensor(k_scale, q.device) if fp8 else None
+    vs = _scale_tensor(v_scale, q.device) if fp8 else None
+    if route == "unified_attention":
+        _call(M.build_unified_attention_call(
+            q, k_cache, v_cache, out, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+            block_table=block_table, max_seqlen_q=max_q, softmax_scale=softmax_scale,
+            window_size=window_size, softcap=softcap, sinks=sinks, k_scale=ks, v_scale=vs))
+        return out
+    page_size = k_cache.shape[1]
+    kv_indptr, kv_indices = M.token_kv_indices(block_table, seqused_k, page_size)
+    if route == "paged_attention_ragged":
+        bs, width = block_table.shape
+        max_ctx = width * page_size
+        nbytes = M.ragged_workspace_bytes(bs, q.shape[1], v_cache.shape[3], max_ctx)
+        ones = torch.ones(bs, dtype=torch.int32, device=q.device)
+        _call(M.build_paged_attention_ragged_call(
+            out, _workspace(("ragged", str(q.device)), nbytes, q.device), q, k_cache, v_cache,
+            softmax_scale=softmax_scale, kv_indptr=kv_indptr, kv_indices=kv_indices,
+            kv_last_page_lens=ones, max_num_partitions=M.max_num_partitions(max_ctx),
+            softcap=softcap, k_scale=_scale_tensor(k_scale, q.device),
+            v_scale=_scale_tensor(v_scale, q.device)))
+        return out
+    max_k = max_seqlen_k if max_seqlen_k is not None else block_table.shape[1] * page_size
+    res = _call(M.build_mha_batch_prefill_call(
+        q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, kv_indptr=kv_indptr,
+        kv_indices=kv_indices, max_seqlen_q=max_q, max_seqlen_k=max_k,
+        softmax_scale=softmax_scale, causal=causal, softcap=softcap, out=out,
+        k_scale=ks, v_scale=vs, params=accepted_params("mha_batch_prefill_func")))
+    if isinstance(res, torch.Tensor) and res.data_ptr() != out.data_ptr():
+        out.copy_(res)
+    return out
+
+
+def aiter_mla_paged_attention(q, kv_cache, out, *, kv_lora_rank, cu_seqlens_q, seqused_k,
+                              block_table, softmax_scale, causal=True, kv_scale=None,
+                              custom_mask=None, mask_indptr=None, max_seqlen_q=None,
+                              max_seqlen_k=None):
+    """``ops.mla_paged_attention`` on aiter: ``mla_decode_fwd`` for decode-like batches (uniform
+    query length ≤ 4 given by ``max_seqlen_q``), ``mla_prefill_fwd`` otherwise."""
+    if custom_mask is not None or not causal:
+        raise ValueError("the aiter MLA backend serves causal attention without custom masks.")
+    bs = block_table.shape[0]
+    page_size = kv_cache.shape[1]
+    max_q = _max_q(cu_seqlens_q, max_seqlen_q)
+    kv_indptr, kv_indices = M.token_kv_indices(block_table, seqused_k, page_size)
+    ones = torch.ones(bs, dtype=torch.int32, device=q.device)
+    if max_q > 4:
+        _call(M.build_mla_prefill_call(
+            q, kv_cache, out, qo_indptr=cu_seqlens_q, kv_indptr=kv_indptr, kv_indices=kv_indices,
+            last_page_lens=ones, max_seqlen_q=max_q, softmax_scale=softmax_scale))
+        return out
+    fp8 = kv_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32)
+    plan = M.mla_decode_plan(q.shape[1], kv_cache.dtype, max_q)
+    bufs = None
+    if plan.persistent:
+        bufs = reserve_mla_workspace(bs, max_q, q.shape[1], q.dtype, kv_cache.dtype, q.device)
+        _call(M.build_mla_metadata_call(
+            cu_seqlens_q, kv_indptr, ones, bufs, plan, max_seqlen_qo=max_q, q_dtype=q.dtype,
+            kv_dtype=kv_cache.dtype, params=accepted_params("get_mla_metadata_v1")))
+    q_in = M.pad_heads(q, plan.repeat)
+    o = out if plan.repeat == 1 else out.new_empty(q.shape[0], plan.padded_heads, out.shape[2])
+    scale = _scale_tensor(kv_scale, q.device) if fp8 else None
+    _call(M.build_mla_decode_call(
+        q_in, kv_cache, o, qo_indptr=cu_seqlens_q, kv_indptr=kv_indptr, kv_indices=kv_indices,
+        last_page_lens=ones, max_seqlen_q=max_q, softmax_scale=softmax_scale, plan=plan,
+        buffers=bufs, q_scale=scale, kv_scale=scale,
+        params=accepted_params("mla_decode_fwd")))
+    if plan.repeat != 1:
+        out.copy_(M.unpad_heads(o, plan.repeat))
+    return out
+
+
+def aiter_varlen_attention(q, k, v, out, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, softmax_scale, causal=True, window_size=(-1, -1),
+                           softcap=0.0):
+    """Dense ragged attention (no cache): ``flash_attn_varlen_func``."""
+    res = _call(M.build_flash_attn_varlen_call(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+        window_size=window_size, softcap=softcap, out=out))
+    if isinstance(res, torch.Tensor) and res.data_ptr() != out.data_ptr():
+        out.copy_(res)
+    return out
+
+
+def aiter_paged_attention_vec5d(q, k_cache, v_cache, out, *, seqused_k, block_table,
+                                softmax_scale, query_length=1, sliding_window=0, sinks=None,
+                                k_scale=None, v_scale=None, max_context_len=None):
+    """Decode over the 5-D layout with ``pa_decode_gluon`` (``query_length`` ≤ 4)."""
+    fp8 = k_cache.dtype not in (torch.float16, torch.bfloat16)
+    max_ctx = max_context_len or block_table.shape[1] * k_cache.shape[3]
+    _call(M.build_pa_decode_gluon_call(
+        out, q, k_cache, v_cache, seqused_k=seqused_k, block_table=block_table,
+        softmax_scale=softmax_scale, query_length=query_length, max_context_len=max_ctx,
+        compute_type=out.dtype, k_scale=_scale_tensor(k_scale, q.device) if fp8 else None,
+        v_scale=_scale_tensor(v_scale, q.device) if fp8 else None, sinks=sinks,
+        sliding_window=sliding_window))
+    return out
+
+
+def _no_noncausal_specials(req) -> Optional[str]:
+    if "non_causal" in req.features and req.features & {"sinks", "window"}:
+        return "aiter serves sinks/windows only causally (unified_attention)"
+    return None
+
+
+def _mla_heads(req) -> Optional[str]:
+    heads = dict(req.extra).get("heads")
+    if heads is None:
+        return None
+    try:
+        M.mla_head_padding(heads)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def capabilities() -> dict:
+    """The capabilities each registered aiter kernel declares (op → Capabilities)."""
+    fp8 = {d for d in (getattr(torch, "float8_e4m3fn", None),
+                       getattr(torch, "float8_e4m3fnuz", None)) if d is not None}
+    act = {torch.float16, torch.bfloat16}
+    return {
+        "paged_attention": Capabilities(
+            devices={"cuda"}, dtypes=act, kv_dtypes=act | fp8, max_head_dim=256,
+            features={"sinks", "softcap", "window", "fp8", "non_causal"},
+            cg_support=CGSupport.UNIFORM_BATCH, predicate=_no_noncausal_specials),
+        "mla_paged_attention": Capabilities(
+            devices={"cuda"}, dtypes=act, kv_dtypes=act | fp8, head_dims={576},
+            features={"fp8"}, cg_support=CGSupport.UNIFORM_BATCH, predicate=_mla_heads),
+        "varlen_attention": Capabilities(
+            devices={"cuda"}, dtypes=act, max_head_dim=256,
+            features={"window", "softcap", "non_causal", "v_head_dim_differs"}),
+        "paged_attention_vec5d": Capabilities(
+            devices={"cuda"}, dtypes=act, kv_dtypes=act | fp8, page_sizes={16, 64, 1024},
+            features={"sinks", "window", "fp8"}, cg_support=CGSupport.UNIFORM_BATCH),
+    }
+
+
+_KERNELS = {
+    "paged_attention": (aiter_paged_attention, ("paged_attention_ragged",
+                                                "mha_batch_prefill_func", "unified_attention")),
+    "mla_paged_attention": (aiter_mla_paged_attention,
+                            ("mla_decode_fwd", "mla_prefill_fwd", "get_mla_metadata_info_v1",
+                             "get_mla_metadata_v1")),
+    "varlen_attention": (aiter_varlen_attention, ("flash_attn_varlen_func",)),
+    "paged_attention_vec5d": (aiter_paged_attention_vec5d, ("pa_decode_gluon",)),
+}
+
+#: above the portable Triton kernels on ROCm.
+PRIORITY = 100
+
+
+@hookimpl
+def aiter_attn_register_kernels(register):
+    """Register the aiter kernels where aiter runs (ROCm); elsewhere register nothing."""
+    ok, why = availability()
+    if not ok:
+        log.debug("aiter kernels not registered: %s", why)
+        return
+    caps = capabilities()
+    for op, (fn, needs) in _KERNELS.items():
+        try:
+            for name in needs:
+                resolve(name)
+        except ImportError as exc:
+            log.info("aiter kernel for %s not registered: %s", op, exc)
+            continue
+        register(op, "aiter", fn, caps[op], priority=PRIORITY)
