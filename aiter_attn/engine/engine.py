@@ -1,0 +1,195 @@
+"""The reference engine: continuous batching of requests over one model and paged KV cache.
+
+``Engine.add_request`` queues a prompt; ``Engine.step`` plans and runs one step (a DECODE
+forward for running requests and an EXTEND forward for prefill chunks), samples, and frees
+the pages of requests that finished; ``Engine.run`` steps until every request is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterable, Optional, Sequence
+
+import attrs
+import torch
+
+from ..types import ForwardMode
+from .kv_manager import KVCacheManager
+from .protocol import EngineModel
+from .request import Request, SamplingParams
+from .runner import ModelRunner
+from .sampler import sample_tokens
+from .scheduler import Scheduler
+
+__all__ = ["EngineConfig", "EngineStats", "TokenEvent", "Engine"]
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """Engine settings.
+
+    Attributes:
+        page_size: tokens per KV page.
+        max_batch_size: most running requests.
+        max_context_len: most tokens (prompt + generated) per request.
+        max_tokens_per_step: token budget of one step (prefill chunks + decode tokens).
+        chunk_size: most prompt tokens one request feeds per step (default: the budget).
+        kv_tokens: KV pool capacity in tokens (default: ``max_batch_size · max_context_len``).
+        prefix_caching: reuse computed whole pages of running requests with the same prefix.
+        kernel_backend: force a kernel backend by name; ``None`` = best registered.
+        shuffle_pages_seed: hand out pages in a seeded random order (tests).
+    """
+
+    page_size: int = 16
+    max_batch_size: int = 8
+    max_context_len: int = 2048
+    max_tokens_per_step: int = 512
+    chunk_size: Optional[int] = None
+    kv_tokens: Optional[int] = None
+    prefix_caching: bool = True
+    kernel_backend: Optional[str] = None
+    shuffle_pages_seed: Optional[int] = None
+
+    @property
+    def num_pages(self) -> int:
+        tokens = self.kv_tokens or self.max_batch_size * self.max_context_len
+        return -(-tokens // self.page_size) + 1  # + the null page
+
+
+@attrs.define
+class EngineStats:
+    """Token counts and wall time per phase (forward + sampling)."""
+
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    steps: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    def as_dict(self) -> dict:
+        d = attrs.asdict(self)
+        d["prefill_tokens_per_s"] = self.prefill_tokens_per_s
+        d["decode_tokens_per_s"] = self.decode_tokens_per_s
+        return d
+
+
+@attrs.frozen
+class TokenEvent:
+    """A token a request produced in a step (``finished`` once it is its last)."""
+
+    request: Request
+    token_id: int
+    finished: bool
+
+
+class Engine:
+    """Serve requests over ``model`` (any ``EngineModel``).
+
+    Args:
+        model: the model; its ``kv_layout`` sizes the pool.
+        config: engine settings.
+    """
+
+    def __init__(self, model: EngineModel, config: EngineConfig = EngineConfig()):
+        self.config = config
+        self.kv = KVCacheManager(
+            num_pages=config.num_pages, page_size=config.page_size,
+            max_requests=config.max_batch_size, max_context_len=config.max_context_len,
+            device=model.device, prefix_caching=config.prefix_caching,
+            shuffle_seed=config.shuffle_pages_seed,
+        )
+        self.scheduler = Scheduler(self.kv, max_batch_size=config.max_batch_size,
+                                   max_tokens_per_step=config.max_tokens_per_step,
+                                   chunk_size=config.chunk_size or config.max_tokens_per_step)
+        self.runner = ModelRunner(model, self.kv, max_batch_size=config.max_batch_size,
+                                  kernel_backend=config.kernel_backend)
+        self.requests: list[Request] = []
+        self.stats = EngineStats()
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams()
+                    ) -> Request:
+        """Queue a prompt; it joins the running batch at the next step with room for it."""
+        vocab = self.runner.model.vocab_size
+        ids = [int(i) for i in prompt_ids]
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}.")
+        req = Request(rid=len(self.requests), prompt_ids=ids, params=params)
+        self.scheduler.add(req)
+        self.requests.append(req)
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[TokenEvent]:
+        """Run one step; return the tokens it produced."""
+        plan = self.scheduler.schedule()
+        events: list[TokenEvent] = []
+        if plan.decode:
+            t0 = time.perf_counter()
+            logits = self.runner.forward(ForwardMode.DECODE, [(r, 1) for r in plan.decode])
+            tokens = sample_tokens(logits, plan.decode)
+            self.stats.decode_seconds += time.perf_counter() - t0
+            self.stats.decode_tokens += len(tokens)
+            events += self._emit(plan.decode, tokens)
+        if plan.prefill:
+            t0 = time.perf_counter()
+            joined_now = self.scheduler.step_index - 1
+            self.stats.cached_tokens += sum(r.cached_tokens for r, _ in plan.prefill
+                                            if r.joined_step == joined_now)
+            logits = self.runner.forward(ForwardMode.EXTEND, plan.prefill)
+            done = [i for i, (r, _) in enumerate(plan.prefill) if r.num_pending == 0]
+            reqs = [plan.prefill[i][0] for i in done]
+            tokens = sample_tokens(logits[done], reqs) if done else []
+            self.stats.prefill_seconds += time.perf_counter() - t0
+            self.stats.prefill_tokens += sum(n for _, n in plan.prefill)
+            events += self._emit(reqs, tokens)
+        self.stats.steps += 1
+        return events
+
+    def _emit(self, reqs: Iterable[Request], tokens: list[int]) -> list[TokenEvent]:
+        out = []
+        for req, tok in zip(reqs, tokens):
+            req.output_ids.append(tok)
+            reason = None
+            if tok in req.params.stop_token_ids:
+                reason = "stop"
+            elif (len(req.output_ids) >= req.params.max_new_tokens
+                  or req.num_tokens >= self.config.max_context_len):
+                reason = "length"
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+            out.append(TokenEvent(req, tok, reason is not None))
+        return out
+
+    def run(self, on_step: Optional[Callable[[list], None]] = None) -> list[Request]:
+        """Step until every queued request finished; ``on_step(events)`` after each step."""
+        while self.has_work:
+            events = self.step()
+            if on_step is not None:
+                on_step(events)
+        return self.requests
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] = SamplingParams()
+                 ) -> list[list[int]]:
+        """Generated ids for each prompt (all queued at once)."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        self.run()
+        return [r.output_ids for r in reqs]

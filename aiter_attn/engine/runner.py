@@ -1,0 +1,74 @@
+"""One forward of the model over the paged KV cache: builds the step's ``ForwardBatch``.
+
+A step's prefill chunks run as one EXTEND forward and its decoding requests as one DECODE
+forward (a mixed step is split in two). The runner knows nothing of the model class beyond
+the ``EngineModel`` protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ..backend import AttentionBackend
+from ..batch import ForwardBatch
+from ..kvcache import MHAKVPool
+from ..types import BackendConfig, ForwardMode
+from .kv_manager import KVCacheManager
+from .protocol import EngineModel
+
+__all__ = ["ModelRunner"]
+
+
+class ModelRunner:
+    """Owns the KV pool and the attention backend of one model.
+
+    Args:
+        model: any ``EngineModel``.
+        kv: rows/pages bookkeeping (its ``req_pool`` is the backend's ``req_to_token``).
+        max_batch_size: most requests in one forward.
+        kernel_backend: force a kernel backend by name (``None`` = registry's best).
+    """
+
+    def __init__(self, model: EngineModel, kv: KVCacheManager, *, max_batch_size: int,
+                 kernel_backend: Optional[str] = None):
+        layout = model.kv_layout
+        device = str(model.device)
+        self.model = model
+        self.kv = kv
+        self.kv_pool = MHAKVPool(kv.num_pages, kv.page_size, layout.num_kv_heads, layout.head_dim,
+                                 layout.num_layers, dtype=layout.dtype, device=device,
+                                 v_head_dim=layout.v_head_dim)
+        self.config = BackendConfig(page_size=kv.page_size, max_batch_size=max_batch_size,
+                                    max_context_len=kv.max_context_len, dtype=layout.dtype,
+                                    device=device, kernel_backend=kernel_backend)
+        self.backend = AttentionBackend(self.config, kv.req_pool, self.kv_pool)
+
+    def forward(self, mode: ForwardMode, items: Sequence[tuple]) -> torch.Tensor:
+        """Feed ``items`` = ``((request, num_tokens), ...)`` and return float32 logits
+        ``[len(items), vocab]`` of each request's last fed token.
+
+        Reserves the tokens' KV slots and advances each request's ``num_computed``.
+        """
+        device = self.model.device
+        ids, slots, seq_lens, new_lens = [], [], [], []
+        for req, n in items:
+            start = req.num_computed
+            ids.extend(req.tokens[start:start + n])
+            slots.append(self.kv.extend(req, n))
+            seq_lens.append(start + n)
+            new_lens.append(n)
+        batch = ForwardBatch.from_lengths(
+            forward_mode=mode, req_pool_indices=[req.row for req, _ in items], seq_lens=seq_lens,
+            out_cache_loc=torch.cat(slots),
+            extend_seq_lens=new_lens if mode is ForwardMode.EXTEND else None, device=device,
+        )
+        self.backend.init_forward_metadata(batch)
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(device)
+        last = (torch.cumsum(torch.tensor(new_lens), 0) - 1).to(device)
+        logits = self.model.forward(input_ids, batch.positions, batch, self.backend,
+                                    logits_indices=last)
+        for req, n in items:
+            req.num_computed += n
+        return logits
