@@ -1,0 +1,1 @@
+"""Tiny third-party plugin packages used by the plugin and conformance tests."""

@@ -1,0 +1,31 @@
+"""Install the plugin packages of ``tests/plugins/`` into a temporary folder, the way a user's
+``pip install`` would (dist-info with the ``aiter_attn`` entry points), without touching the
+environment: the folder only becomes visible when a test puts it on ``sys.path``."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["PLUGINS_DIR", "install_plugins"]
+
+PLUGINS_DIR = Path(__file__).resolve().parent
+PACKAGES = ("aiter-attn-example-plugin", "aiter-attn-test-plugins")
+
+
+def install_plugins(root: Path) -> Path:
+    """``pip install --target root/site`` both packages (offline, from copies so the source
+    tree gets no build artefacts); returns the site folder."""
+    src, site = root / "src", root / "site"
+    for name in PACKAGES:
+        shutil.copytree(PLUGINS_DIR / name, src / name,
+                        ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--no-index", "--disable-pip-version-check", "--target", str(site),
+         *(str(src / n) for n in PACKAGES)],
+        check=True,
+    )
+    return site
