@@ -4,7 +4,15 @@ from . import ops
 from .backend import AttentionBackend
 from .batch import ForwardBatch, SpecInfo
 from .graph import CudaGraphManager, GraphLimitError, GraphMetadataMismatch
-from .kvcache import MHAKVPool, MLAKVPool, PageAllocator, ReqToTokenPool
+from .kvcache import (
+    MHAKVPool,
+    MLAKVPool,
+    PageAllocator,
+    ReqToTokenPool,
+    SWAKVPool,
+    SWAPageAllocator,
+    Vec5DKVPool,
+)
 from .metadata import AttnMetadata, CustomMask, PageTable, QueryLayout, RaggedKV
 from .registry import StrategyPair, StrategyRegistry, StrategySelectionError
 from .types import AttnArch, BackendConfig, CGSupport, ForwardMode, LayerSpec, SpecDecodeConfig
@@ -23,6 +31,9 @@ __all__ = [
     "MLAKVPool",
     "PageAllocator",
     "ReqToTokenPool",
+    "SWAKVPool",
+    "SWAPageAllocator",
+    "Vec5DKVPool",
     "AttnMetadata",
     "CustomMask",
     "PageTable",

@@ -1,0 +1,376 @@
+"""SWA (hybrid sliding-window) through AttentionBackend: full layers on the full pool, SWA layers
+on their own pool through the full→SWA translation; every mode the seed serves, against the
+float64 dense oracle on block-permuted pools; the window convention at each boundary; freeing
+out-of-window SWA pages."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from aiter_attn import (
+    AttentionBackend,
+    BackendConfig,
+    ForwardMode,
+    LayerSpec,
+    ReqToTokenPool,
+    SpecInfo,
+    SWAKVPool,
+    SWAPageAllocator,
+)
+from aiter_attn.kernels.reference import quantize_to_cache
+from aiter_attn.kvcache import MHAKVPool
+from aiter_attn.testing import PagedScenario
+from aiter_attn.testing.compare import assert_close_rel
+
+RTOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+# ---------------------------------------------------------------------------------------------
+# scenario: PagedScenario's bookkeeping over an SWA pool and allocator
+# ---------------------------------------------------------------------------------------------
+
+def write_prefix(pool, layer, slots, k, v):
+    """Write K/V of ``layer`` at full ``slots`` (SWA layers through the translation)."""
+    kc, vc = pool.kv_buffers(layer.layer_id)
+    if pool.is_swa_layer(layer.layer_id):
+        slots = pool.translate(slots)
+    kc.view(-1, *kc.shape[2:])[slots] = quantize_to_cache(k, kc.dtype, layer.k_scale)
+    vc.view(-1, *vc.shape[2:])[slots] = quantize_to_cache(v, vc.dtype, layer.v_scale)
+
+
+def make_swa_scenario(cfg: BackendConfig, layers, prefix_lens, *, seed=0, num_swa_pages=None,
+                      extra_tokens=64) -> PagedScenario:
+    """Layers with a ``sliding_window`` live in the SWA pool; pools filled with noise."""
+    g = torch.Generator().manual_seed(seed)
+    ps = cfg.page_size
+    need = sum(-(-(p + extra_tokens) // ps) for p in prefix_lens) + 4
+    l0 = layers[0]
+    pool = SWAKVPool.create(
+        num_full_pages=2 * need, num_swa_pages=num_swa_pages or 2 * need, page_size=ps,
+        num_kv_heads=l0.num_kv_heads, head_dim=l0.head_dim, v_head_dim=l0.v_head_dim,
+        layer_is_swa=[lay.sliding_window is not None for lay in layers],
+        dtype=cfg.kv_cache_dtype, device=cfg.device)
+    for sub in (pool.full, pool.swa):
+        for buf in sub.k_buffers + sub.v_buffers:
+            buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
+    req_pool = ReqToTokenPool(len(prefix_lens) + 2, cfg.max_context_len, cfg.device)
+    alloc = SWAPageAllocator(pool, shuffle_seed=seed + 1)
+    rows = [req_pool.alloc() for _ in prefix_lens]
+    sc = PagedScenario(cfg, list(layers), req_pool, alloc, pool, rows, {}, {}, g)
+    for i, (row, plen) in enumerate(zip(rows, prefix_lens)):
+        slots = alloc.extend(req_pool, row, plen)
+        for layer in layers:
+            k = torch.randn(plen, layer.num_kv_heads, layer.head_dim, generator=g)
+            v = torch.randn(plen, layer.num_kv_heads, layer.v_head_dim, generator=g)
+            write_prefix(pool, layer, slots, k, v)
+            kc, _ = pool.kv_buffers(layer.layer_id)
+            sc.dense_k[(layer.layer_id, i)] = sc._roundtrip(k, kc.dtype, layer.k_scale)
+            sc.dense_v[(layer.layer_id, i)] = sc._roundtrip(v, kc.dtype, layer.v_scale)
+    return sc
+
+
+def hybrid_layers(hq, hkv, d, windows, **kw):
+    return [LayerSpec(layer_id=i, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                      sliding_window=w, **kw) for i, w in enumerate(windows)]
+
+
+def run_step(sc, be, mode, new_lens, *, spec_info=None, positions=None, masks=None,
+             expected_masks=None, dtype=None):
+    batch = sc.next_batch(mode, new_lens, spec_info=spec_info)
+    if positions is not None:
+        batch.positions = positions
+    be.init_forward_metadata(batch)
+    dtype = dtype or sc.config.dtype
+    for layer in sc.layers:
+        q, k, v = sc.step_inputs(layer)
+        out = be.forward(q, k, v, layer, batch)
+        assert out.shape == (batch.num_tokens, layer.num_q_heads * layer.v_head_dim)
+        if expected_masks is not None:
+            exp = sc.expected(attrs.evolve(layer, sliding_window=None), q,
+                              masks=expected_masks(layer))
+        else:
+            exp = sc.expected(layer, q, masks=masks)
+        assert_close_rel(out, exp, RTOL[dtype], f"{mode} layer {layer.layer_id} "
+                                                f"(window {layer.sliding_window})")
+    sc.commit_step()
+    return batch
+
+
+def backend_for(sc, **cfg_kw):
+    return AttentionBackend(sc.config, sc.req_pool, sc.kv_pool)
+
+
+# ---------------------------------------------------------------------------------------------
+# the window convention, hand-computed at each boundary
+# ---------------------------------------------------------------------------------------------
+
+WINDOW_CASES = [pytest.param(1, 1, id="w1-L1"), pytest.param(1, 2, id="w1-L2")] + [
+    pytest.param(w, n, id=f"w{w}-L{n}{tag}")
+    for w in (3, 5) for n, tag in ((w - 1, "=w-1"), (w, "=w"), (w + 1, "=w+1"))
+]
+
+
+@pytest.mark.parametrize("page_size", [1, 3], ids=["page1", "page3"])
+@pytest.mark.parametrize("window,kv_len", WINDOW_CASES)
+def test_window_boundaries_hand_computed(window, kv_len, page_size):
+    """q = 0 makes every visible key equally likely, so the output is the mean of the values
+    of exactly the ``min(kv_len, w)`` most recent keys (HF ``sliding_window = w``): checked in
+    prefill (every query row) and in decode (the last key)."""
+    cfg = BackendConfig(page_size=page_size, max_batch_size=4, max_context_len=64,
+                        dtype=torch.float32, arch="swa")
+    layers = hybrid_layers(2, 1, 4, [window, None])
+    sc = make_swa_scenario(cfg, layers, [0], seed=window * 10 + kv_len)
+    be = backend_for(sc)
+    for mode, new in ((ForwardMode.EXTEND, kv_len - 1), (ForwardMode.DECODE, 1)):
+        if new == 0:
+            continue
+        batch = sc.next_batch(mode, [new])
+        be.init_forward_metadata(batch)
+        total = sc.allocator.tokens_held(sc.rows[0])
+        for layer in layers:
+            _, k, v = sc.step_inputs(layer)
+            q = torch.zeros(new, layer.num_q_heads * layer.head_dim)
+            out = be.forward(q, k, v, layer, batch).view(new, 2, 4)
+            vals = torch.cat([sc.dense_v.get((layer.layer_id, 0), torch.zeros(0, 1, 4)),
+                              v.view(new, 1, 4)])
+            for i in range(new):
+                p = total - new + i
+                w = layer.sliding_window or 10 ** 6
+                want = vals[max(0, p - w + 1): p + 1].mean(0)  # [1, 4]
+                assert torch.allclose(out[i], want.expand(2, 4), atol=1e-6), (mode, layer, i)
+        sc.commit_step()
+
+
+# ---------------------------------------------------------------------------------------------
+# backend vs the dense oracle: extend / decode / chunked extend
+# ---------------------------------------------------------------------------------------------
+
+CASES = [
+    pytest.param(1, 8, 2, 32, (4, None, 1, None), id="page1-GQA4:1-D32-w4,1"),
+    pytest.param(12, 10, 2, 80, (13, None, 5, None), id="page12-GQA5:1-D80-w13,5"),
+    pytest.param(5, 10, 2, 16, (6, 6, None), id="page5-GQA5:1-D16-w6"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("page_size,hq,hkv,d,windows", CASES)
+def test_swa_extend_decode_chunked(page_size, hq, hkv, d, windows, dtype):
+    cfg = BackendConfig(page_size=page_size, max_batch_size=8, max_context_len=256, dtype=dtype,
+                        arch="swa")
+    layers = hybrid_layers(hq, hkv, d, windows)
+    prefixes = [0, page_size, page_size + 3, 2 * page_size + 5]
+    sc = make_swa_scenario(cfg, layers, prefixes, seed=page_size + hq)
+    be = backend_for(sc)
+    run_step(sc, be, ForwardMode.EXTEND, [5, 1, 9, 3])
+    for _ in range(2):
+        run_step(sc, be, ForwardMode.DECODE, [1, 1, 1, 1])
+    run_step(sc, be, ForwardMode.EXTEND, [page_size + 2, 2, 1, 7])  # chunked prefill
+
+
+def test_swa_softcap_sinks_fp8():
+    """Gemma-2 soft-cap and gpt-oss sinks on SWA layers; an fp8 e4m3fn cache with scales."""
+    cfg = BackendConfig(page_size=4, max_context_len=128, dtype=torch.float32,
+                        kv_cache_dtype=torch.float8_e4m3fn, arch="swa")
+    sinks = torch.linspace(-1.0, 2.0, 6)
+    layers = hybrid_layers(6, 2, 16, [5, None, 3], logit_cap=20.0, sinks=sinks,
+                           k_scale=0.5, v_scale=0.25)
+    sc = make_swa_scenario(cfg, layers, [7, 0, 4], seed=5)
+    be = backend_for(sc)
+    run_step(sc, be, "extend", [3, 6, 2])
+    run_step(sc, be, "decode", [1, 1, 1])
+
+
+def test_idle_swa_returns_empty():
+    cfg = BackendConfig(page_size=4, max_context_len=64, dtype=torch.float32, arch="swa")
+    layers = hybrid_layers(4, 2, 16, [3, None])
+    sc = make_swa_scenario(cfg, layers, [], seed=0)
+    be = backend_for(sc)
+    batch = sc.next_batch(ForwardMode.IDLE, [])
+    be.init_forward_metadata(batch)
+    q = torch.zeros(0, 64)
+    assert be.forward(q, q[:, :32], q[:, :32], layers[0], batch).shape == (0, 64)
+
+
+# ---------------------------------------------------------------------------------------------
+# speculative modes
+# ---------------------------------------------------------------------------------------------
+
+SPEC_CASES = [
+    pytest.param(1, (3, None), id="page1-w3"),
+    pytest.param(6, (7, None, 2), id="page6-w7,2"),
+]
+
+
+@pytest.mark.parametrize("page_size,windows", SPEC_CASES)
+def test_swa_verify_chain_and_draft_extend(page_size, windows):
+    cfg = BackendConfig(page_size=page_size, max_context_len=256, dtype=torch.float32, arch="swa")
+    layers = hybrid_layers(10, 2, 16, windows)
+    sc = make_swa_scenario(cfg, layers, [9, page_size, 2 * page_size + 1], seed=page_size)
+    be = backend_for(sc)
+    spec = SpecInfo(num_draft_tokens=3, topk=1)
+    run_step(sc, be, ForwardMode.TARGET_VERIFY, [3, 3, 3], spec_info=spec)
+    run_step(sc, be, ForwardMode.DRAFT_EXTEND, [2, 1, 4])  # accepted tokens + 1, ragged
+    run_step(sc, be, ForwardMode.DRAFT_EXTEND_V2, [3, 3, 3], spec_info=spec)
+    run_step(sc, be, ForwardMode.DECODE, [1, 1, 1])
+
+
+def test_draft_extend_v2_rejects_ragged_lengths():
+    cfg = BackendConfig(page_size=4, max_context_len=64, dtype=torch.float32, arch="swa")
+    layers = hybrid_layers(4, 2, 16, [3, None])
+    sc = make_swa_scenario(cfg, layers, [3, 5], seed=1)
+    be = backend_for(sc)
+    batch = sc.next_batch(ForwardMode.DRAFT_EXTEND_V2, [2, 2],
+                          spec_info=SpecInfo(num_draft_tokens=2))
+    batch.extend_seq_lens_cpu = torch.tensor([1, 3])
+    with pytest.raises(ValueError, match="same number of tokens per request"):
+        be.init_forward_metadata(batch)
+
+
+# A 5-token tree: 0 is the root (last verified token), 1 and 2 its children, 3 a child of 1,
+# 4 a child of 2.
+TREE_PARENTS = [-1, 0, 0, 1, 2]
+
+
+def tree_depths(parents):
+    depth = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return depth
+
+
+def tree_masks(prefix_lens, parents):
+    """Per request bool [n, prefix + n]: prefix all visible, then ancestors and self."""
+    n = len(parents)
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            anc[i, j] = True
+            j = parents[j]
+    return [torch.cat([torch.ones(n, p, dtype=torch.bool), anc], dim=1) for p in prefix_lens]
+
+
+@pytest.mark.parametrize("page_size", [1, 6], ids=["page1", "page6"])
+def test_swa_tree_verify_literal_mask(page_size):
+    """Tree verify: the window is applied at path positions (prefix + depth); the expected
+    output applies the literal per-token mask ``tree[i, j] and pos(j) ≥ pos(i) − w + 1``."""
+    cfg = BackendConfig(page_size=page_size, max_context_len=256, dtype=torch.float32, arch="swa")
+    layers = hybrid_layers(10, 2, 16, [3, None, 2, 6])
+    prefixes = [7, page_size + 1, 0 + 4]
+    sc = make_swa_scenario(cfg, layers, prefixes, seed=11 + page_size)
+    be = backend_for(sc)
+    n = len(TREE_PARENTS)
+    depth = torch.tensor(tree_depths(TREE_PARENTS))
+    masks = tree_masks(prefixes, TREE_PARENTS)
+    spec = SpecInfo(num_draft_tokens=n, topk=2,
+                    custom_mask=torch.cat([m.reshape(-1) for m in masks]))
+    positions = torch.cat([p + depth for p in prefixes])
+
+    def key_positions(p):
+        return torch.cat([torch.arange(p), p + depth])
+
+    def literal(layer):
+        out = []
+        for p, m in zip(prefixes, masks):
+            if layer.sliding_window is None:
+                out.append(m)
+                continue
+            qpos = (p + depth).view(-1, 1)
+            kpos = key_positions(p).view(1, -1)
+            out.append(m & (kpos >= qpos - (layer.sliding_window - 1)))
+        return out
+
+    run_step(sc, be, ForwardMode.TARGET_VERIFY, [n] * 3, spec_info=spec, positions=positions,
+             expected_masks=literal)
+
+
+def test_tree_verify_without_mask_is_an_error():
+    cfg = BackendConfig(page_size=4, max_context_len=64, dtype=torch.float32, arch="swa")
+    sc = make_swa_scenario(cfg, hybrid_layers(4, 2, 16, [3]), [3], seed=2)
+    be = backend_for(sc)
+    batch = sc.next_batch(ForwardMode.TARGET_VERIFY, [2], spec_info=SpecInfo(num_draft_tokens=2,
+                                                                             topk=2))
+    with pytest.raises(ValueError, match="custom_mask"):
+        be.init_forward_metadata(batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# the SWA pool is smaller: freeing pages that left every window
+# ---------------------------------------------------------------------------------------------
+
+def test_free_out_of_window_keeps_results_and_bounds_the_pool():
+    """Decode 40 tokens with a 9-page SWA pool (page 4, window 6): without freeing it would
+    need 12+ pages per request; freed pages are reused and outputs still match the oracle."""
+    ps, window = 4, 6
+    cfg = BackendConfig(page_size=ps, max_context_len=128, dtype=torch.float32, arch="swa")
+    layers = hybrid_layers(4, 2, 8, [window, None, window - 2])
+    sc = make_swa_scenario(cfg, layers, [5, 2], seed=3, num_swa_pages=9)
+    be = backend_for(sc)
+    alloc: SWAPageAllocator = sc.allocator
+    for _ in range(40):
+        for row in sc.rows:
+            alloc.free_swa_out_of_window(row, window)
+        run_step(sc, be, ForwardMode.DECODE, [1, 1])
+    for row in sc.rows:
+        live = [p for p in alloc.swa_pages_of(row) if p]
+        assert len(live) <= -(-window // ps) + 1
+        assert len(alloc.full.pages_of(row)) >= 40 // ps
+
+
+def test_allocator_free_semantics():
+    ps = 2
+    pool = SWAKVPool.create(num_full_pages=16, num_swa_pages=8, page_size=ps, num_kv_heads=1,
+                            head_dim=4, layer_is_swa=[True, False], dtype=torch.float32)
+    req = ReqToTokenPool(3, 32)
+    alloc = SWAPageAllocator(pool, shuffle_seed=0)
+    row = req.alloc()
+    slots = alloc.extend(req, row, 9)  # 5 pages: tokens 0..8
+    m = pool.full_to_swa_index_mapping
+    assert torch.equal(m[slots] % ps, slots % ps)  # page-aligned translation
+    assert len(set((m[slots] // ps).tolist())) == 5 and bool((m[slots] > 0).all())
+    # next query at 9 with w = 4 sees keys ≥ 6: pages 0..2 (tokens 0..5) are dead
+    assert alloc.free_swa_out_of_window(row, 4) == 3
+    assert alloc.swa_pages_of(row)[:3] == [0, 0, 0] and all(alloc.swa_pages_of(row)[3:])
+    assert bool((m[slots[:6]] == 0).all()) and bool((m[slots[6:]] > 0).all())
+    assert alloc.free_swa_out_of_window(row, 4) == 0  # idempotent
+    # speculative rollback: only what the committed length allows
+    row2 = req.alloc()
+    alloc.extend(req, row2, 8)
+    assert alloc.free_swa_out_of_window(row2, 3, next_position=5) == 1  # keys ≥ 3 live
+    with pytest.raises(ValueError, match="next_position"):
+        alloc.free_swa_out_of_window(row2, 3, next_position=9)
+    with pytest.raises(ValueError, match="window"):
+        alloc.free_swa_out_of_window(row2, 0)
+    free_before = alloc.swa_free_pages
+    alloc.release(req, row)
+    assert alloc.swa_free_pages == free_before + 2
+    with pytest.raises(RuntimeError, match="SWA pool out of pages"):
+        alloc.extend(req, row2, 30)
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+# ---------------------------------------------------------------------------------------------
+
+def test_swa_backend_needs_swa_pool():
+    cfg = BackendConfig(page_size=4, max_context_len=64, dtype=torch.float32, arch="swa")
+    req = ReqToTokenPool(3, 64)
+    be = AttentionBackend(cfg, req, MHAKVPool(8, 4, 2, 16, 1, dtype=torch.float32))
+    batch = ForwardMode.DECODE
+    with pytest.raises(TypeError, match="SWAKVPool"):
+        be.strategies_for(batch)
+
+
+def test_layer_in_swa_pool_without_window_is_an_error():
+    cfg = BackendConfig(page_size=4, max_context_len=64, dtype=torch.float32, arch="swa")
+    layers = hybrid_layers(4, 2, 16, [3, None])
+    sc = make_swa_scenario(cfg, layers, [3], seed=4)
+    be = backend_for(sc)
+    batch = sc.next_batch(ForwardMode.DECODE, [1])
+    be.init_forward_metadata(batch)
+    q, k, v = sc.step_inputs(layers[0])
+    bad = attrs.evolve(layers[0], sliding_window=None)
+    with pytest.raises(ValueError, match="no sliding_window"):
+        be.forward(q, k, v, bad, batch)
