@@ -23,16 +23,26 @@ class SpecInfo:
     Attributes:
         num_draft_tokens: query tokens per request in TARGET_VERIFY / DRAFT_EXTEND_V2.
         topk: draft branching; 1 = chain (causal), > 1 = tree (``custom_mask`` required).
-        custom_mask: bool, flat; for request ``b`` a row-major ``[q_len_b, kv_len_b]`` block
-            (True = may attend) starting at ``mask_indptr[b]``. ``None`` for chains.
-        mask_indptr: int64 ``[batch + 1]`` offsets into ``custom_mask`` (built by the strategy
-            when ``None``).
+        custom_mask: bool (or uint8), flat; SGLang's layout: for request ``b`` a row-major
+            ``[q_len, seq_len_b]`` block (True = may attend; ``seq_len_b`` counts the draft
+            tokens, so the first ``seq_len_b - q_len`` columns are the cached prefix), blocks
+            concatenated in batch order. The tree part alone, ``[batch, q_len, q_len]``
+            (prefix implicitly visible), is accepted too and expanded on the device. ``None``
+            for chains. See :mod:`aiter_attn.strategies.spec`.
+        mask_indptr: int64 ``[batch + 1]`` offsets into ``custom_mask``; the strategies rebuild
+            it on the device from ``seq_lens`` (a value given here is not read).
+        qo_indptr / block_table: int32 ``[batch + 1]`` / ``[batch, max_pages]`` planned by the
+            caller for one step of multi-step draft decode
+            (:class:`aiter_attn.multistep.MultiStepDraftBackend` sets them; the
+            ``mha.draft_decode_step`` strategy uses them as they are). ``None`` otherwise.
     """
 
     num_draft_tokens: int = 1
     topk: int = 1
     custom_mask: Optional[torch.Tensor] = None
     mask_indptr: Optional[torch.Tensor] = None
+    qo_indptr: Optional[torch.Tensor] = None
+    block_table: Optional[torch.Tensor] = None
 
 
 @attrs.define(kw_only=True, eq=False)

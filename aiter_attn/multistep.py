@@ -1,0 +1,228 @@
+"""Multi-step draft decode: one :class:`AttentionBackend` per draft step, index buffers shared.
+
+EAGLE's draft model proposes ``num_steps`` tokens per branch: the first comes from the draft
+extend pass, then ``num_steps - 1`` decode passes follow, each over ``batch · topk`` rows (one
+per branch). :class:`MultiStepDraftBackend` plans the metadata of *all* passes in one device
+pass into one set of buffers (``[num_steps - 1, …]``) and hands step ``i`` views of row ``i``,
+so nothing is recomputed per step and nothing syncs with the host.
+
+Draft-token slots (SGLang's layout). For request ``b`` with ``P`` committed tokens
+(``seq_lens[b]``) let ``base = P - P % page_size`` and
+``nnp = ceil((P % page_size + num_steps) / page_size)`` (pages per branch). Branch ``k``'s
+logical token column ``c`` lives in ``req_to_token`` column ``c`` if ``c < base`` and
+``c + k · nnp · page_size`` otherwise. With ``page_size == 1`` that is
+``P + k · num_steps + step`` for the draft tokens; with ``topk == 1`` it is the identity.
+With ``page_size > 1`` and ``topk > 1`` every branch owns whole pages, so the engine copies
+the prefix's last partial page into each branch's first page (SGLang's EAGLE worker does),
+and branch ``k``'s page table reads its own copy.
+
+Step ``i`` (``0 ≤ i < num_steps - 1``), row ``r = b · topk + k``: one query at position
+``P + i``, KV length ``P + i + 1``, its K/V written to ``out_cache_loc[i, r]`` (the slot of
+branch ``k``'s token ``i``).
+
+Typical use::
+
+    ms = MultiStepDraftBackend(config, req_to_token, kv_pool)        # config.spec sets steps
+    steps = ms.init_forward_metadata(draft_batch)                     # seq_lens = committed
+    for i, step_batch in enumerate(steps):                            # num_steps - 1 passes
+        out = ms.attn_backends[i].forward(q, k, v, layer, step_batch) # per layer
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .backend import AttentionBackend
+from .batch import ForwardBatch, SpecInfo
+from .strategies.base import BufferSpec
+from .strategies.spec import DRAFT_DECODE_STEP
+from .types import BackendConfig, ForwardMode, SpecDecodeConfig
+
+__all__ = ["MultiStepDraftBackend", "draft_columns_needed"]
+
+
+def draft_columns_needed(prefix_lens: torch.Tensor, page_size: int, topk: int,
+                         num_steps: int) -> torch.Tensor:
+    """``req_to_token`` columns each request needs for its draft slots (CPU int64 ``[bs]``):
+    ``base + topk · nnp · page_size`` (see the module docstring)."""
+    p = prefix_lens.long()
+    base = p - p % page_size
+    nnp = (p % page_size + num_steps + page_size - 1) // page_size
+    return base + topk * nnp * page_size
+
+
+class MultiStepDraftBackend:
+    """``num_steps - 1`` draft-decode backends over one set of shared index buffers.
+
+    Args:
+        config: backend settings; ``config.spec`` gives ``topk`` and ``num_steps`` unless passed.
+        req_to_token, kv_pool: as for :class:`AttentionBackend` (the draft model's pools).
+        topk / num_steps: override ``config.spec``.
+        extra, strategies, kernels: handed to every step backend.
+
+    Attributes:
+        attn_backends: one :class:`AttentionBackend` per decode pass (forced to the
+            ``mha.draft_decode_step`` strategy, which wraps this object's views).
+        step_batches: the step ForwardBatches of the last plan (pass step ``i``'s to
+            ``attn_backends[i].forward``).
+    """
+
+    def __init__(self, config: BackendConfig, req_to_token, kv_pool, *,
+                 topk: Optional[int] = None, num_steps: Optional[int] = None,
+                 extra: Optional[dict] = None, strategies=None, kernels=None):
+        spec = config.spec or SpecDecodeConfig()
+        self.topk = int(topk if topk is not None else spec.topk)
+        self.num_steps = int(num_steps if num_steps is not None else spec.num_steps)
+        for name, value in (("topk", self.topk), ("num_steps", self.num_steps)):
+            if value < 1:
+                raise ValueError(f"{name}={value}; must be ≥ 1 (SpecDecodeConfig.{name}).")
+        self.config = config
+        self.attn_backends = [
+            AttentionBackend(config, req_to_token, kv_pool, extra=extra, strategies=strategies,
+                             kernels=kernels, strategy=DRAFT_DECODE_STEP)
+            for _ in range(self.num_steps - 1)
+        ]
+        self.req_to_token = getattr(req_to_token, "req_to_token", req_to_token)
+        self.page_size = config.page_size
+        self.step_batches: list = []
+        self.graph_buffers: Optional[dict] = None
+
+    @property
+    def num_passes(self) -> int:
+        """Decode passes (= step backends): ``num_steps - 1``."""
+        return self.num_steps - 1
+
+    # -- buffers ------------------------------------------------------------------------
+    def buffer_spec(self, max_bs: int, max_seq_len: Optional[int] = None) -> BufferSpec:
+        """Shared buffers for up to ``max_bs`` requests (``max_bs · topk`` rows per step) whose
+        committed length is at most ``max_seq_len`` (default ``config.max_context_len``)."""
+        max_seq_len = self.config.max_context_len if max_seq_len is None else max_seq_len
+        rows = max(max_bs, 1) * self.topk
+        steps = max(self.num_passes, 1)
+        width = max(-(-(max_seq_len + self.num_steps) // self.page_size), 1)
+        return BufferSpec({
+            "draft_cu_seqlens_q": ((rows + 1,), torch.int32),
+            "draft_req_pool_indices": ((rows,), torch.int64),
+            "draft_seqused_k": ((steps, rows), torch.int32),
+            "draft_positions": ((steps, rows), torch.int64),
+            "draft_out_cache_loc": ((steps, rows), torch.int64),
+            "draft_block_table": ((steps, rows, width), torch.int32),
+        })
+
+    def init_cuda_graph_state(self, max_bs: int, max_seq_len: Optional[int] = None) -> dict:
+        """Allocate the static buffers once (zero-filled: null page, slot 0)."""
+        self.graph_buffers = self.buffer_spec(max_bs, max_seq_len).allocate(self.req_to_token.device)
+        return self.graph_buffers
+
+    # -- planning -----------------------------------------------------------------------
+    def _validate(self, batch: ForwardBatch, out: Optional[dict]) -> None:
+        if not isinstance(batch, ForwardBatch):
+            raise TypeError(f"batch must be an aiter_attn.ForwardBatch, got {type(batch).__name__}.")
+        if batch.forward_mode not in (ForwardMode.DECODE, ForwardMode.IDLE):
+            raise ValueError(
+                f"multi-step draft decode takes a DECODE batch whose seq_lens are the committed "
+                f"lengths; got forward_mode={batch.forward_mode.name}.")
+        if batch.req_pool_indices.device != self.req_to_token.device:
+            raise ValueError(f"batch tensors are on {batch.req_pool_indices.device}; the pools are "
+                             f"on {self.req_to_token.device}.")
+        if batch.batch_size == 0:
+            return
+        if int(batch.seq_lens_cpu.min()) < 1:
+            raise ValueError("batch.seq_lens_cpu has a request with no committed token; draft "
+                             "decode continues existing requests (seq_lens ≥ 1).")
+        need = draft_columns_needed(batch.seq_lens_cpu, self.page_size, self.topk, self.num_steps)
+        width = self.req_to_token.shape[1]
+        if int(need.max()) > width:
+            b = int(need.argmax())
+            raise ValueError(
+                f"request {b} (seq_len={int(batch.seq_lens_cpu[b])}) needs req_to_token columns "
+                f"up to {int(need[b])} for topk={self.topk} × num_steps={self.num_steps} draft "
+                f"slots > its width {width}; raise BackendConfig.max_context_len / the "
+                "ReqToTokenPool width or finish the request.")
+        if out is not None:
+            rows = out["draft_req_pool_indices"].shape[0]
+            if batch.batch_size * self.topk > rows:
+                raise ValueError(
+                    f"{batch.batch_size} requests × topk={self.topk} rows > the static buffers' "
+                    f"{rows} rows; raise max_bs of init_cuda_graph_state.")
+            cap = out["draft_block_table"].shape[2] * self.page_size - self.num_steps
+            if batch.max_seq_len > cap:
+                raise ValueError(
+                    f"a request holds {batch.max_seq_len} committed tokens > {cap}, the static "
+                    "draft page tables' bound; raise max_seq_len of init_cuda_graph_state.")
+
+    def plan(self, batch: ForwardBatch, out: Optional[dict] = None) -> list[ForwardBatch]:
+        """Plan every pass at once (device ops only; no host sync) and return the step batches.
+
+        ``batch``: DECODE, ``seq_lens`` = committed tokens per request (draft slots laid out
+        in ``req_to_token`` as the module docstring says). ``out``: static buffers from
+        :meth:`init_cuda_graph_state` (views of them are returned) or ``None`` (allocated).
+        """
+        self._validate(batch, out)
+        bs, topk, ps = batch.batch_size, self.topk, self.page_size
+        rows = bs * topk
+        steps = self.num_passes
+        if out is None:
+            out = self.buffer_spec(bs, batch.max_seq_len).allocate(batch.device)
+        width = out["draft_block_table"].shape[2]
+        dev = batch.device
+        r2t = self.req_to_token
+
+        cu = out["draft_cu_seqlens_q"][: rows + 1]
+        torch.arange(rows + 1, out=cu, dtype=cu.dtype)
+        rpi = out["draft_req_pool_indices"][:rows]
+        rpi.copy_(batch.req_pool_indices.long().repeat_interleave(topk))
+        prefix = batch.seq_lens.long().repeat_interleave(topk)  # [rows]
+        branch = torch.arange(rows, device=dev) % topk
+        base = prefix - prefix % ps
+        shift = branch * ((prefix % ps + self.num_steps + ps - 1) // ps) * ps  # [rows]
+
+        step = torch.arange(steps, device=dev).unsqueeze(1)  # [S, 1]
+        kv_len = prefix.unsqueeze(0) + step + 1  # [S, rows]
+        out["draft_seqused_k"][:steps, :rows].copy_(kv_len)
+        out["draft_positions"][:steps, :rows].copy_(kv_len - 1)
+        # the step's token sits at column P + i ≥ base: always in the branch's own pages
+        tok_col = (kv_len - 1 + shift).clamp(max=r2t.shape[1] - 1)
+        out["draft_out_cache_loc"][:steps, :rows].copy_(r2t[rpi.unsqueeze(0), tok_col])
+
+        first_col = torch.arange(width, device=dev) * ps  # [W]
+        col = torch.where(first_col < base.unsqueeze(1), first_col, first_col + shift.unsqueeze(1))
+        pages = r2t[rpi.unsqueeze(1), col.clamp(max=r2t.shape[1] - 1)] // ps  # [rows, W]
+        n_pages = (kv_len + ps - 1) // ps  # [S, rows]
+        used = torch.arange(width, device=dev) < n_pages.unsqueeze(2)  # [S, rows, W]
+        out["draft_block_table"][:steps, :rows].copy_(torch.where(used, pages.unsqueeze(0), 0))
+
+        prefix_cpu = batch.seq_lens_cpu.long().repeat_interleave(topk)
+        self.step_batches = [
+            ForwardBatch(
+                forward_mode=ForwardMode.DECODE,
+                req_pool_indices=rpi,
+                seq_lens=out["draft_seqused_k"][i, :rows],
+                seq_lens_cpu=prefix_cpu + i + 1,
+                out_cache_loc=out["draft_out_cache_loc"][i, :rows],
+                positions=out["draft_positions"][i, :rows],
+                spec_info=SpecInfo(num_draft_tokens=1, topk=topk, qo_indptr=cu,
+                                   block_table=out["draft_block_table"][i, :rows]),
+            )
+            for i in range(steps)
+        ]
+        return self.step_batches
+
+    def init_forward_metadata(self, batch: ForwardBatch, out: Optional[dict] = None):
+        """Plan all passes and make step ``i``'s metadata current in ``attn_backends[i]``.
+
+        Returns the step batches (``attn_backends[i].forward(..., step_batches[i])``).
+        """
+        step_batches = self.plan(batch, out)
+        for backend, step_batch in zip(self.attn_backends, step_batches):
+            backend.init_forward_metadata(step_batch)
+        return step_batches
+
+    def init_forward_metadata_out_graph(self, batch: ForwardBatch):
+        """Plan into the static buffers of :meth:`init_cuda_graph_state` (capture / replay)."""
+        if self.graph_buffers is None:
+            raise RuntimeError("call init_cuda_graph_state(max_bs) before planning into the "
+                               "static buffers.")
+        return self.init_forward_metadata(batch, out=self.graph_buffers)

@@ -1,0 +1,206 @@
+"""Test support for speculative modes: EAGLE tree masks, multi-step draft slot layouts,
+invariant checks of verify / draft metadata, hypothesis strategies, and a host-read guard.
+
+Proving "no device→host sync" on a CPU-only box uses two complementary tools:
+
+* :mod:`aiter_attn.testing.nosync` puts every device tensor on ``meta`` (shapes, no data), so
+  any read of device data on the host raises inside torch;
+* :func:`forbid_device_reads` patches ``Tensor.item/tolist/numpy/cpu`` and
+  ``__bool__/__int__/__float__/__index__`` to raise for any tensor not on the CPU, so the error
+  names the offending call. It also works on a GPU with real CUDA tensors (pair it with
+  ``torch.cuda.set_sync_debug_mode("error")`` there). CPU mirrors (``seq_lens_cpu``) and
+  host integers stay legal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import attrs
+import torch
+from hypothesis import strategies as st
+
+from ..batch import ForwardBatch
+from ..metadata import AttnMetadata
+from ..multistep import draft_columns_needed
+from .invariants import InvariantError, check_indptr
+
+__all__ = [
+    "HostReadError",
+    "forbid_device_reads",
+    "tree_mask_from_parents",
+    "random_tree_parents",
+    "full_verify_mask",
+    "tree_parents",
+    "check_verify_mask",
+    "DraftLayout",
+    "reserve_draft_slots",
+    "check_draft_step",
+]
+
+
+class HostReadError(RuntimeError):
+    """A planning step read a device tensor back to the host."""
+
+
+_GUARDED = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def forbid_device_reads():
+    """Within the block, reading a non-CPU tensor on the host raises :class:`HostReadError`."""
+    saved = {name: getattr(torch.Tensor, name) for name in _GUARDED}
+
+    def guard(name, orig):
+        def wrapper(self, *args, **kwargs):
+            if self.device.type != "cpu":
+                raise HostReadError(f"Tensor.{name}() on a {self.device.type} tensor of shape "
+                                    f"{tuple(self.shape)}: a device→host sync in planning.")
+            return orig(self, *args, **kwargs)
+
+        return wrapper
+
+    try:
+        for name, orig in saved.items():
+            setattr(torch.Tensor, name, guard(name, orig))
+        yield
+    finally:
+        for name, orig in saved.items():
+            setattr(torch.Tensor, name, orig)
+
+
+# -- EAGLE tree masks -------------------------------------------------------------------------
+def tree_mask_from_parents(parents: Sequence[int]) -> torch.Tensor:
+    """bool ``[n, n]``: ``mask[i, j]`` iff draft token ``j`` is ``i`` or an ancestor of ``i``.
+
+    ``parents[0] == -1`` (the root, the last verified token); ``parents[i] < i``.
+    """
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
+def random_tree_parents(n: int, generator: torch.Generator) -> list:
+    """A random tree in EAGLE order (every token after its parent)."""
+    return [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, n)]
+
+
+@st.composite
+def tree_parents(draw, n: int) -> list:
+    """Hypothesis: a tree of ``n`` draft tokens in EAGLE order."""
+    return [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+
+
+def full_verify_mask(tree: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """SGLang's per-request block ``[n, seq_len]``: prefix visible, then the tree part."""
+    n = tree.shape[0]
+    return torch.cat([torch.ones(n, seq_len - n, dtype=torch.bool), tree.bool()], dim=1)
+
+
+def check_verify_mask(md: AttnMetadata, batch: ForwardBatch, trees: Sequence[torch.Tensor]):
+    """``mask_indptr`` advances by ``q_len · seq_len`` per request and each block equals
+    :func:`full_verify_mask` of that request's tree."""
+    if md.mask is None:
+        raise InvariantError("tree verify planned no custom mask.")
+    n = md.query.max_seqlen_q
+    lens = batch.seq_lens_cpu.long()
+    bs = batch.batch_size
+    check_indptr("mask_indptr", md.mask.mask_indptr[: bs + 1], lens * n)
+    ip = md.mask.mask_indptr.cpu().tolist()
+    flat = md.mask.custom_mask.cpu().bool()
+    if flat.numel() < ip[bs]:
+        raise InvariantError(f"custom_mask has {flat.numel()} elements < mask_indptr[-1]={ip[bs]}.")
+    for b, (tree, L) in enumerate(zip(trees, lens.tolist())):
+        got = flat[ip[b]: ip[b + 1]].view(n, L)
+        if not torch.equal(got, full_verify_mask(tree, L)):
+            raise InvariantError(f"request {b}: planned mask block differs from its tree.")
+
+
+# -- multi-step draft decode ------------------------------------------------------------------
+@attrs.frozen
+class DraftLayout:
+    """Host-side copy of the draft-slot layout of :mod:`aiter_attn.multistep`."""
+
+    page_size: int
+    topk: int
+    num_steps: int
+
+    def column(self, prefix_len: int, branch: int, token: int) -> int:
+        """``req_to_token`` column of logical token ``token`` of ``branch``."""
+        base = prefix_len - prefix_len % self.page_size
+        nnp = -(-(prefix_len % self.page_size + self.num_steps) // self.page_size)
+        return token if token < base else token + branch * nnp * self.page_size
+
+
+def reserve_draft_slots(allocator, req_pool, rows: Sequence[int], prefix_lens: Sequence[int],
+                        layout: DraftLayout, kv_pool=None) -> None:
+    """Reserve every request's draft slots after its committed tokens and, with
+    ``page_size > 1`` and ``topk > 1``, copy the prefix's last partial page into each branch's
+    first page of every layer of ``kv_pool`` (what SGLang's EAGLE worker does)."""
+    need = draft_columns_needed(torch.as_tensor(list(prefix_lens)), layout.page_size,
+                                layout.topk, layout.num_steps).tolist()
+    r2t = req_pool.req_to_token
+    for row, p, end in zip(rows, prefix_lens, need):
+        allocator.extend(req_pool, row, end - allocator.tokens_held(row))
+        partial = p % layout.page_size
+        if kv_pool is None or partial == 0 or layout.topk == 1:
+            continue
+        base = p - partial
+        src = r2t[row, base:p].long()
+        for k in range(1, layout.topk):
+            dst = r2t[row, [layout.column(p, k, t) for t in range(base, p)]].long()
+            for buf in list(kv_pool.k_buffers) + list(kv_pool.v_buffers):
+                flat = buf.view(-1, *buf.shape[2:])
+                flat[dst] = flat[src]
+
+
+def check_draft_step(step_batch: ForwardBatch, md: AttnMetadata, step: int,
+                     draft_batch: ForwardBatch, req_to_token: torch.Tensor, layout: DraftLayout,
+                     allocator=None) -> None:
+    """Invariants of draft step ``step`` (row ``r = b·topk + k``): one query per row at
+    position ``P + step``; ``seqused_k = P + step + 1``; the page table lists exactly the pages
+    of branch ``k``'s tokens (null page past them; pages owned by the request); the written
+    slot is branch ``k``'s token ``step`` and lies in the page the table names for it; no two
+    rows write the same slot."""
+    ps, topk = layout.page_size, layout.topk
+    rows = draft_batch.batch_size * topk
+    check_indptr("cu_seqlens_q", md.query.cu_seqlens_q[: rows + 1], torch.ones(rows))
+    r2t = req_to_token.cpu().long()
+    bt = md.pages.block_table.cpu().long()
+    seqused = md.pages.seqused_k.cpu().long()
+    slots = step_batch.out_cache_loc.cpu().long()
+    pos = step_batch.positions.cpu().long()
+    req_rows = draft_batch.req_pool_indices.cpu().tolist()
+    for b, (row, p) in enumerate(zip(req_rows, draft_batch.seq_lens_cpu.tolist())):
+        owned = set(allocator.pages_of(row)) if allocator is not None else None
+        for k in range(topk):
+            r = b * topk + k
+            kv_len = p + step + 1
+            if int(seqused[r]) != kv_len or int(pos[r]) != p + step:
+                raise InvariantError(f"row {r}: seqused_k {int(seqused[r])} / position "
+                                     f"{int(pos[r])}, expected {kv_len} / {p + step}.")
+            tok_slots = torch.tensor([int(r2t[row, layout.column(p, k, t)])
+                                      for t in range(kv_len)])
+            used = -(-kv_len // ps)
+            want = tok_slots[::ps] // ps
+            if not torch.equal(bt[r, :used], want):
+                raise InvariantError(f"row {r}: pages {bt[r, :used].tolist()} != branch pages "
+                                     f"{want.tolist()}.")
+            if not torch.equal(bt[r, torch.arange(kv_len) // ps], tok_slots // ps):
+                raise InvariantError(f"row {r}: a token's slot lies outside its listed page.")
+            if bool((bt[r, used:] != 0).any()) or bool((bt[r, :used] <= 0).any()):
+                raise InvariantError(f"row {r}: null page inside, or live pages past, its length.")
+            if owned is not None and not set(bt[r, :used].tolist()) <= owned:
+                raise InvariantError(f"row {r}: lists pages not owned by request row {row}.")
+            if int(slots[r]) != int(tok_slots[-1]):
+                raise InvariantError(f"row {r}: writes slot {int(slots[r])}, branch token slot "
+                                     f"is {int(tok_slots[-1])}.")
+    if rows and slots[:rows].unique().numel() != rows:
+        raise InvariantError(f"step {step}: two rows write the same KV slot.")
+
