@@ -141,3 +141,44 @@ def test_padded_and_fully_masked_rows_are_finite(case, pad, data):
         assert torch.isfinite(out).all()
         if masks is not None:
             assert not out[0].any(), "a fully masked row must be zero"
+
+
+@given(swa_steps(modes=(ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
+                        ForwardMode.DRAFT_EXTEND_V2)), st.booleans())
+def test_decode_like_planning_is_sync_free(case, tree):
+    """SWA and VEC5D planning of DECODE / TARGET_VERIFY (chain and tree) / DRAFT_EXTEND_V2, and
+    the tree-mask windowing SWA execution does, complete with every device tensor on ``meta``
+    (any host read of device data raises there)."""
+    import attrs
+
+    from aiter_attn.strategies import swa as swa_strategies
+    from aiter_attn.testing.nosync import meta_context, to_meta_batch
+
+    sc, be, batch = build(case)
+    if tree and batch.forward_mode == ForwardMode.TARGET_VERIFY:
+        n = batch.q_lens_cpu[0].item()
+        total = n * batch.seq_lens_sum
+        batch.spec_info = SpecInfo(num_draft_tokens=n, topk=2,
+                                   custom_mask=torch.ones(total, dtype=torch.bool))
+    meta_batch = to_meta_batch(batch)
+    pool = sc.kv_pool
+    meta_pool = attrs.evolve(pool, full_to_swa_index_mapping=torch.empty_like(
+        pool.full_to_swa_index_mapping, device="meta"))
+    ctx = meta_context(attrs.evolve(be.ctx, kv_pool=meta_pool))
+    mode = batch.forward_mode
+    planners = {
+        ForwardMode.DECODE: (swa_strategies.SWADecodeMetadata, swa_strategies.DecodeModeMetadata),
+        ForwardMode.TARGET_VERIFY: (swa_strategies.SWAVerifyMetadata,
+                                    swa_strategies.VerifyModeMetadata),
+        ForwardMode.DRAFT_EXTEND_V2: (swa_strategies.SWADraftExtendV2Metadata,
+                                      swa_strategies.DraftExtendV2ModeMetadata),
+    }[mode]
+    for planner in planners:  # SWA's, and the mode planner VEC5D uses
+        md = planner(ctx).plan(meta_batch)
+        assert md.pages.block_table.device.type == "meta"
+        if md.mask is not None:
+            total = md.query.max_seqlen_q * batch.seq_lens_sum
+            wm = swa_strategies.window_tree_mask(md.mask, meta_batch, md.query, case["window"],
+                                                 total)
+            assert wm.custom_mask.device.type == "meta"
+    assert md.query.cu_seqlens_q.shape == (batch.batch_size + 1,)
