@@ -222,6 +222,8 @@ def mla_paged_attention(
     num_kv_splits: Optional[int] = None,
     block_h: Optional[int] = None,
     block_n: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
 ) -> torch.Tensor:
     """Absorbed MLA over a paged latent cache (Triton). Same contract as
     :func:`aiter_attn.kernels.reference.mla_paged_attention_reference`.
@@ -240,7 +242,8 @@ def mla_paged_attention(
             (request b's mask is ``[q_len, L]`` row-major at ``mask_indptr[b]``).
         max_seqlen_k: host bound on ``seqused_k`` used to size split-KV; defaults to the
             block table's capacity (no device read).
-        num_kv_splits, block_h, block_n: override the launch heuristics (tests, tuning).
+        num_kv_splits, block_h, block_n, num_warps, num_stages: override the launch
+            heuristics (tests, tuning).
     """
     if kv_cache.dim() != 4 or kv_cache.shape[2] != 1:
         raise ValueError(
@@ -271,8 +274,8 @@ def mla_paged_attention(
     bh, bn, splits, warps, stages = mla_launch_config(
         num_heads, num_tokens, kv_bound, q.device, num_kv_splits=num_kv_splits,
         block_h=block_h, block_n=block_n)
-    if interpreting():
-        stages = 1
+    warps = num_warps or warps
+    stages = 1 if interpreting() else (num_stages or stages)
     head_blocks = triton.cdiv(num_heads, bh)
     block_dv = max(16, next_pow2(kv_lora_rank))
     block_dr = max(16, next_pow2(max(rope, 1)))

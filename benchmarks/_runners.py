@@ -1,0 +1,184 @@
+"""One runner per implementation: ``make_<impl>(inputs) -> (fn, result)``; ``fn()`` launches the
+attention once (what is timed) and ``result()`` returns its latest output as ``[T, Hq, Dv]``
+(what is checked). A runner that cannot serve raises :class:`Unavailable` with the reason."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["Unavailable", "RUNNERS", "make_ours", "make_ours_mla"]
+
+
+class Unavailable(RuntimeError):
+    """This implementation cannot run this case here (the message says why)."""
+
+
+def make_ours(x):
+    """Our Triton ``paged_attention`` through the public op with ``backend="triton"``."""
+    try:
+        from aiter_attn import ops
+        from aiter_attn.kernels.registry import KernelSelectionError
+    except Exception as exc:  # pragma: no cover - the library itself is broken
+        raise Unavailable(f"aiter_attn import failed: {exc!r}")
+    out = torch.empty(x.q.shape[0], x.hq, x.d, dtype=x.q.dtype, device=x.q.device)
+    kw = dict(cu_seqlens_q=x.cu_seqlens_q, seqused_k=x.seqused_k, block_table=x.block_table,
+              softmax_scale=x.scale, causal=True, k_scale=x.k_scale, v_scale=x.v_scale,
+              out=out, max_seqlen_q=x.q_len, max_seqlen_k=x.ctx, backend="triton")
+    try:
+        ops.paged_attention(x.q, x.k_cache, x.v_cache, **kw)
+    except KernelSelectionError as exc:
+        raise Unavailable(f"no triton paged_attention: {exc}")
+
+    def fn():
+        ops.paged_attention(x.q, x.k_cache, x.v_cache, **kw)
+
+    return fn, lambda: out
+
+
+def _sdpa_layout(x):
+    """Dense q/k/v for SDPA: decode packs the GQA group into the query axis (each KV head is
+    read once); prefill uses ``enable_gqa``."""
+    if x.dense_k is None:
+        raise Unavailable("no dense bf16 copy for this row (fp8 cache)")
+    if x.q_len == 1:
+        g = x.hq // x.hkv
+        q = x.q.view(x.bs, x.hkv, g, x.d)  # query heads h = kv·g + j
+        return q, x.dense_k, x.dense_v, False, False
+    q = x.q.view(x.bs, x.q_len, x.hq, x.d).transpose(1, 2)
+    return q, x.dense_k, x.dense_v, True, True
+
+
+def _make_sdpa(x, backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}[backend]
+    q, k, v, causal, gqa = _sdpa_layout(x)
+    holder = {}
+
+    def fn():
+        with sdpa_kernel([be]):
+            holder["o"] = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=x.scale,
+                                                         enable_gqa=gqa)
+
+    try:
+        fn()
+    except Exception as exc:
+        raise Unavailable(f"SDPA {backend}: {type(exc).__name__}: {str(exc)[:160]}")
+
+    def result():
+        o = holder["o"]
+        if x.q_len == 1:
+            return o.reshape(x.bs, x.hq, x.d)
+        return o.transpose(1, 2).reshape(x.bs * x.q_len, x.hq, x.d)
+
+    return fn, result
+
+
+def make_cudnn(x):
+    return _make_sdpa(x, "cudnn")
+
+
+def make_fa2(x):
+    return _make_sdpa(x, "fa2")
+
+
+_FLEX = {}
+
+
+def make_flex(x):
+    """``flex_attention`` (compiled, no block mask for decode; causal block mask for prefill)."""
+    if x.dense_k is None:
+        raise Unavailable("no dense bf16 copy for this row (fp8 cache)")
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except Exception as exc:
+        raise Unavailable(f"flex_attention import: {exc!r}")
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    flex = _FLEX["fn"]
+    q = x.q.view(x.bs, x.q_len, x.hq, x.d).transpose(1, 2)
+    block_mask = None
+    if x.q_len > 1:
+        def causal(b, h, qi, ki):
+            return qi >= ki
+
+        block_mask = create_block_mask(causal, None, None, x.q_len, x.ctx, device=x.q.device)
+    holder = {}
+
+    def fn():
+        holder["o"] = flex(q, x.dense_k, x.dense_v, block_mask=block_mask, scale=x.scale,
+                           enable_gqa=True)
+
+    try:
+        fn()
+    except Exception as exc:
+        raise Unavailable(f"flex_attention: {type(exc).__name__}: {str(exc)[:160]}")
+    return fn, lambda: holder["o"].transpose(1, 2).reshape(x.bs * x.q_len, x.hq, x.d)
+
+
+_AITER = {}
+
+
+def configure_aiter(wheel):
+    _AITER["wheel"] = wheel
+
+
+def make_aiter(x):
+    """The seed's Triton ``unified_attention`` from the ``amd-aiter`` wheel (paged, page 16)."""
+    wheel = _AITER.get("wheel")
+    if not wheel:
+        raise Unavailable("amd-aiter wheel not found (pass --aiter-wheel or put it in .whl/)")
+    if "fn" not in _AITER:
+        try:
+            from aiter_shim import load_unified_attention
+
+            _AITER["fn"] = load_unified_attention(wheel)
+        except Exception as exc:
+            _AITER["fn"] = exc
+    ua = _AITER["fn"]
+    if isinstance(ua, Exception):
+        raise Unavailable(f"aiter shim: {type(ua).__name__}: {str(ua)[:160]}")
+    out = torch.empty(x.q.shape[0], x.hq, x.d, dtype=x.q.dtype, device=x.q.device)
+    one = torch.ones((), dtype=torch.float32, device=x.q.device)
+    ks = x.k_scale if x.k_scale is not None else one
+    vs = x.v_scale if x.v_scale is not None else one
+
+    def fn():
+        ua(x.q, x.k_cache, x.v_cache, out, x.cu_seqlens_q, x.q_len, x.seqused_k, x.ctx,
+           x.scale, True, (-1, -1), x.block_table, 0.0, None, ks, vs)
+
+    try:
+        fn()
+    except Exception as exc:
+        raise Unavailable(f"aiter unified_attention: {type(exc).__name__}: {str(exc)[:160]}")
+    return fn, lambda: out
+
+
+def make_ours_mla(x, **launch):
+    from aiter_attn import ops
+
+    out = torch.empty(x.bs, x.heads, x.rank, dtype=x.q.dtype, device=x.q.device)
+    kw = dict(kv_lora_rank=x.rank, cu_seqlens_q=x.cu_seqlens_q, seqused_k=x.seqused_k,
+              block_table=x.block_table, softmax_scale=x.scale, kv_scale=x.kv_scale, out=out,
+              max_seqlen_q=1, max_seqlen_k=x.ctx)
+    if launch:
+        from aiter_attn.kernels.triton.mla import mla_paged_attention
+
+        def fn():
+            mla_paged_attention(x.q, x.kv_cache, out, **{k: v for k, v in kw.items()
+                                                         if k != "out"}, **launch)
+    else:
+        def fn():
+            ops.mla_paged_attention(x.q, x.kv_cache, backend="triton", **kw)
+    fn()
+    return fn, lambda: out
+
+
+RUNNERS = {
+    "ours": make_ours,
+    "cudnn": make_cudnn,
+    "fa2": make_fa2,
+    "flex": make_flex,
+    "aiter": make_aiter,
+}

@@ -1,0 +1,336 @@
+"""Side-by-side attention benchmark on one GPU: our Triton kernels and the anchors, same shapes.
+
+Rows (``../shared/PERFORMANCE.md``): GQA 32/8, head dim 128, page 16, bf16 —
+decode ``bs × ctx`` (TB/s of K+V read) and causal prefill ``bs × S`` (TFLOP/s); MLA decode
+(kv_lora 512 + rope 64, page 64, 16 and 128 heads: TB/s and TFLOP/s); fp8 KV decode at long
+context against bf16 (tokens/s ratio). Implementations: ours (``aiter_attn.ops`` with
+``backend="triton"``), cuDNN and FA2 through ``torch.nn.functional.scaled_dot_product_attention``
+on dense KV, ``flex_attention`` (compiled), and the seed's aiter Triton ``unified_attention``
+from the ``amd-aiter`` wheel (``benchmarks/aiter_shim.py``).
+
+Every result is checked against the float32 reference (``aiter_attn.kernels.reference``) by
+relative error before it is timed (a sample of requests / the last query rows on big cases);
+a wrong result is reported and not timed. Timings: ``triton.testing.do_bench`` (eager, L2
+flushed between runs) and ``do_bench_cudagraph`` (replayed graph), medians in ms.
+
+Usage (on the GPU machine)::
+
+    python benchmarks/bench_attention.py --out "$OUT"            # everything
+    python benchmarks/bench_attention.py --only decode,mla --quick
+
+Writes ``bench_attention.json`` and ``roofline.png`` to ``--out`` and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _inputs import make_mha, make_mla  # noqa: E402
+from _runners import RUNNERS, Unavailable, configure_aiter, make_ours_mla  # noqa: E402
+
+DECODE_ROWS = [(1, 4096), (16, 4096), (64, 4096), (256, 4096), (64, 16384), (8, 65536),
+               (1, 32768)]
+PREFILL_ROWS = [(1, 2048), (1, 8192), (1, 16384), (8, 2048)]
+MLA_ROWS = [(16, 64, 4096), (16, 128, 8192), (128, 16, 4096), (128, 64, 4096)]  # heads, bs, ctx
+FP8_ROWS = [(8, 65536), (64, 16384), (1, 32768)]
+ANCHORS = ("cudnn", "fa2", "flex", "aiter")
+RTOL_BF16 = 2e-2
+RTOL_FP8 = 6e-2  # e4m3 cache: the reference reads the same dequantised values; q/P/out in bf16
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def reference_mha(x, rows_b: int, last_q: int):
+    """Float32 reference for the first ``rows_b`` requests and their last ``last_q`` queries;
+    returns ``(expected, selector)``: ``selector(out)`` picks the same rows from ``[T, H, D]``."""
+    from aiter_attn.kernels.reference import paged_attention_reference
+
+    nq = min(last_q, x.q_len)
+    idx = torch.cat([torch.arange(b * x.q_len + x.q_len - nq, (b + 1) * x.q_len)
+                     for b in range(rows_b)]).to(x.q.device)
+    q = x.q[idx]
+    cu = torch.arange(0, rows_b + 1, dtype=torch.int32, device=x.q.device) * nq
+    out = torch.empty(q.shape[0], x.hq, x.d, dtype=torch.float32, device=x.q.device)
+    paged_attention_reference(q.float(), x.k_cache, x.v_cache, out, cu_seqlens_q=cu,
+                              seqused_k=x.seqused_k[:rows_b], block_table=x.block_table[:rows_b],
+                              softmax_scale=x.scale, k_scale=x.k_scale, v_scale=x.v_scale)
+    return out, lambda o: o[idx]
+
+
+def reference_mla(x, rows_b: int):
+    from aiter_attn.kernels.reference import mla_paged_attention_reference
+
+    out = torch.empty(rows_b, x.heads, x.rank, dtype=torch.float32, device=x.q.device)
+    cu = torch.arange(0, rows_b + 1, dtype=torch.int32, device=x.q.device)
+    mla_paged_attention_reference(x.q[:rows_b].float(), x.kv_cache, out, kv_lora_rank=x.rank,
+                                  cu_seqlens_q=cu, seqused_k=x.seqused_k[:rows_b],
+                                  block_table=x.block_table[:rows_b], softmax_scale=x.scale,
+                                  kv_scale=x.kv_scale)
+    return out
+
+
+def time_fn(fn, graph: bool, rep: int) -> float | None:
+    import triton.testing as tt
+
+    try:
+        if graph:
+            return float(tt.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+        return float(tt.do_bench(fn, warmup=max(5, rep // 4), rep=rep, return_mode="median"))
+    except Exception as exc:  # capture can fail for an anchor; report, keep going
+        print(f"    timing failed ({'graph' if graph else 'eager'}): {exc!r}"[:200], flush=True)
+        return None
+
+
+def bench_impl(name, make, x, expected, select, rtol, rep, graphs):
+    rec = {"impl": name}
+    try:
+        fn, result = make(x)
+    except Unavailable as exc:
+        rec["missing"] = str(exc)
+        return rec
+    except Exception as exc:
+        rec["missing"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        return rec
+    torch.cuda.synchronize()
+    err = rel_err(select(result()), expected)
+    rec["rel_err"] = err
+    if not math.isfinite(err) or err > rtol:
+        rec["wrong"] = f"relative error {err:.3e} > {rtol:.1e}; not timed"
+        return rec
+    rec["eager_ms"] = time_fn(fn, False, rep)
+    if graphs:
+        rec["graph_ms"] = time_fn(fn, True, rep)
+    return rec
+
+
+def add_rates(rec, bytes_moved, flops):
+    for mode in ("eager", "graph"):
+        ms = rec.get(f"{mode}_ms")
+        if ms:
+            rec[f"{mode}_tbps"] = bytes_moved / (ms * 1e-3) / 1e12
+            rec[f"{mode}_tflops"] = flops / (ms * 1e-3) / 1e12
+
+
+def run_mha_rows(kind, rows, args, results):
+    for bs, n in rows:
+        decode = kind in ("decode", "fp8")
+        kv_dtype = torch.float8_e4m3fn if kind == "fp8" else None
+        label = f"{kind} {bs}x{n // 1024}k"
+        print(f"== {label}", flush=True)
+        try:
+            x = make_mha(bs, n, q_len=1 if decode else n, kv_dtype=kv_dtype,
+                         dense=kind != "fp8")
+        except torch.OutOfMemoryError as exc:
+            results.append({"case": label, "error": f"OOM building inputs: {exc}"[:200]})
+            continue
+        rows_b = min(bs, 4)
+        expected, select = reference_mha(x, rows_b, last_q=1 if decode else 128)
+        case = {"case": label, "kind": kind, "bs": bs, "ctx": n, "bytes": x.bytes_moved,
+                "flops": x.flops, "impls": []}
+        impls = ["ours"] + ([] if kind == "fp8" else list(args.anchors))
+        if kind == "fp8":
+            impls += ["aiter"] if "aiter" in args.anchors else []
+        for name in impls:
+            rec = bench_impl(name, RUNNERS[name], x, expected, select,
+                             RTOL_FP8 if kind == "fp8" else RTOL_BF16, args.rep, args.graphs)
+            add_rates(rec, x.bytes_moved, x.flops)
+            case["impls"].append(rec)
+            print("   ", summarize(rec, decode), flush=True)
+        if kind == "fp8":  # the bf16 twin of this row, ours only, for the tokens/s ratio
+            xb = make_mha(bs, n, q_len=1, dense=False)
+            eb, sb = reference_mha(xb, rows_b, 1)
+            rec = bench_impl("ours-bf16", RUNNERS["ours"], xb, eb, sb, RTOL_BF16, args.rep,
+                             args.graphs)
+            add_rates(rec, xb.bytes_moved, xb.flops)
+            case["impls"].append(rec)
+            print("   ", summarize(rec, decode), flush=True)
+            del xb
+        results.append(case)
+        del x
+        torch.cuda.empty_cache()
+        dump(results, args)
+
+
+def run_mla_rows(rows, args, results):
+    for heads, bs, ctx in rows:
+        for kv in ("bf16", "fp8"):
+            label = f"mla H{heads} {bs}x{ctx // 1024}k {kv}"
+            print(f"== {label}", flush=True)
+            x = make_mla(bs, ctx, heads=heads,
+                         kv_dtype=torch.float8_e4m3fn if kv == "fp8" else None)
+            rows_b = min(bs, 4)
+            expected = reference_mla(x, rows_b)
+            case = {"case": label, "kind": "mla", "heads": heads, "bs": bs, "ctx": ctx,
+                    "bytes": x.bytes_moved, "flops": x.flops, "impls": []}
+            rec = bench_impl("ours", lambda inp: make_ours_mla(inp), x, expected,
+                             lambda o: o[:rows_b], RTOL_FP8 if kv == "fp8" else RTOL_BF16,
+                             args.rep, args.graphs)
+            add_rates(rec, x.bytes_moved, x.flops)
+            case["impls"].append(rec)
+            print("   ", summarize(rec, True), flush=True)
+            if args.mla_sweep and kv == "bf16":
+                for bh, bn, nw, ns in ((16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 8, 2),
+                                       (32, 32, 8, 2), (64, 16, 8, 2), (64, 32, 8, 1),
+                                       (32, 64, 8, 1)):
+                    if bh > max(16, heads):
+                        continue
+                    launch = dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns)
+                    r = bench_impl(f"ours{bh}/{bn}/{nw}/{ns}",
+                                   lambda inp, lk=launch: make_ours_mla(inp, **lk), x, expected,
+                                   lambda o: o[:rows_b], RTOL_BF16, args.rep, False)
+                    add_rates(r, x.bytes_moved, x.flops)
+                    case["impls"].append(r)
+                    print("   ", summarize(r, True), flush=True)
+            results.append(case)
+            del x
+            torch.cuda.empty_cache()
+            dump(results, args)
+
+
+def measure_ceilings(results_meta):
+    """Device-to-device copy bandwidth and a bf16 matmul, in this run."""
+    import triton.testing as tt
+
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = tt.do_bench(lambda: b.copy_(a), rep=100, return_mode="median")
+    results_meta["copy_tbps"] = 2 * a.numel() / (ms * 1e-3) / 1e12
+    del a, b
+    m = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    ms = tt.do_bench(lambda: m @ m, rep=100, return_mode="median")
+    results_meta["matmul_tflops"] = 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
+    del m
+    torch.cuda.empty_cache()
+
+
+def summarize(rec, memory_bound):
+    name = rec["impl"]
+    if "missing" in rec:
+        return f"{name:>18}: missing ({rec['missing'][:110]})"
+    if "wrong" in rec:
+        return f"{name:>18}: WRONG ({rec['wrong']})"
+    unit, key = ("TB/s", "tbps") if memory_bound else ("TFLOP/s", "tflops")
+    parts = [f"{name:>18}: err {rec['rel_err']:.1e}"]
+    for mode in ("eager", "graph"):
+        if rec.get(f"{mode}_ms"):
+            parts.append(f"{mode} {rec[f'{mode}_ms']:.4f} ms = {rec[f'{mode}_{key}']:.2f} {unit}")
+    return "  ".join(parts)
+
+
+def dump(results, args):
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
+        json.dump({"meta": args.meta, "cases": results}, f, indent=1)
+
+
+def _val(case, impl, key, mode):
+    for r in case["impls"]:
+        if r["impl"] == impl:
+            return r.get(f"{mode}_{key}")
+    return None
+
+
+def table(results, mode="graph") -> str:
+    """Markdown table: value per implementation (``mode`` timings) and our ratios."""
+    lines = ["| row | unit | ours | cuDNN | FA2 | flex | aiter | ours/cuDNN | ours/aiter |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for c in results:
+        if "impls" not in c:
+            lines.append(f"| {c['case']} | error: {c.get('error', '?')[:60]} |||||||| ")
+            continue
+        mem = c["kind"] in ("decode", "fp8") or (c["kind"] == "mla" and c.get("heads", 0) <= 16)
+        key, unit = ("tbps", "TB/s") if mem else ("tflops", "TFLOP/s")
+        vals = {n: _val(c, n, key, mode) for n in ("ours", "cudnn", "fa2", "flex", "aiter")}
+
+        def f(v):
+            return "—" if v is None else f"{v:.2f}" if v < 100 else f"{v:.0f}"
+
+        def ratio(a, b):
+            return "—" if not a or not b else f"{a / b:.2f}×"
+
+        extra = ""
+        if c["kind"] == "fp8":
+            o8, ob = _val(c, "ours", "ms", mode), _val(c, "ours-bf16", "ms", mode)
+            extra = f" (fp8/bf16 tokens/s {ob / o8:.2f}×)" if o8 and ob else ""
+        if c["kind"] == "mla":
+            fl = _val(c, "ours", "tflops", mode)
+            tb = _val(c, "ours", "tbps", mode)
+            extra = f" ({f(tb)} TB/s, {f(fl)} TFLOP/s)" if fl and tb else ""
+        lines.append(f"| {c['case']}{extra} | {unit} | {f(vals['ours'])} | {f(vals['cudnn'])} | "
+                     f"{f(vals['fa2'])} | {f(vals['flex'])} | {f(vals['aiter'])} | "
+                     f"{ratio(vals['ours'], vals['cudnn'])} | {ratio(vals['ours'], vals['aiter'])} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--only", default="decode,prefill,mla,fp8",
+                   help="comma list of row groups: decode, prefill, mla, fp8")
+    p.add_argument("--anchors", default=",".join(ANCHORS))
+    p.add_argument("--aiter-wheel", default=None)
+    p.add_argument("--rep", type=int, default=60, help="ms of timed repetitions per measurement")
+    p.add_argument("--no-graphs", dest="graphs", action="store_false")
+    p.add_argument("--quick", action="store_true", help="a subset of rows")
+    p.add_argument("--mla-sweep", action="store_true", help="also time MLA launch configs")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention needs a CUDA GPU.")
+    from aiter_shim import find_wheel
+
+    args.anchors = tuple(a for a in args.anchors.split(",") if a)
+    wheel = find_wheel(args.aiter_wheel)
+    configure_aiter(wheel)
+    groups = set(args.only.split(","))
+    import triton
+
+    args.meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "triton": triton.__version__, "aiter_wheel": os.path.basename(wheel or "") or None,
+                 "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                 "command": " ".join(["python", "benchmarks/bench_attention.py"] + sys.argv[1:])}
+    measure_ceilings(args.meta)
+    print(f"ceilings: copy {args.meta['copy_tbps']:.2f} TB/s, bf16 matmul "
+          f"{args.meta['matmul_tflops']:.0f} TFLOP/s", flush=True)
+    results: list = []
+    quick = args.quick
+    try:
+        if "decode" in groups:
+            run_mha_rows("decode", DECODE_ROWS[1:4] if quick else DECODE_ROWS, args, results)
+        if "prefill" in groups:
+            run_mha_rows("prefill", PREFILL_ROWS[:2] if quick else PREFILL_ROWS, args, results)
+        if "mla" in groups:
+            run_mla_rows(MLA_ROWS[::2] if quick else MLA_ROWS, args, results)
+        if "fp8" in groups:
+            run_mha_rows("fp8", FP8_ROWS[:1] if quick else FP8_ROWS, args, results)
+    except Exception:
+        traceback.print_exc()
+    dump(results, args)
+    try:
+        from roofline import plot
+
+        plot(results, args.meta, os.path.join(args.out, "roofline.png"))
+    except Exception as exc:
+        print(f"roofline plot failed: {exc!r}")
+    print()
+    print(f"Device: {args.meta['device']}; ceilings measured now: copy "
+          f"{args.meta['copy_tbps']:.2f} TB/s, bf16 matmul {args.meta['matmul_tflops']:.0f} TFLOP/s")
+    print("\nCUDA-graph replay (median):\n" + table(results, "graph"))
+    print("\nEager (median, L2 flushed):\n" + table(results, "eager"))
+
+
+if __name__ == "__main__":
+    main()
