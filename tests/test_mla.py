@@ -229,21 +229,23 @@ def _tree_masks(sc, n, generator, literal_noise=False):
     return masks, torch.cat(flat)
 
 
-@pytest.mark.parametrize("page_size,heads,literal", [
-    pytest.param(1, 4, False, id="page1-H4-tree"),
-    pytest.param(64, 8, False, id="page64-H8-tree"),
-    pytest.param(7, 16, True, id="page7-H16-literal-mask"),
+@pytest.mark.parametrize("page_size,heads,literal,tree_part", [
+    pytest.param(1, 4, False, False, id="page1-H4-tree"),
+    pytest.param(64, 8, False, False, id="page64-H8-tree"),
+    pytest.param(48, 8, False, True, id="page48-H8-tree-part-layout"),
+    pytest.param(7, 16, True, False, id="page7-H16-literal-mask"),
 ])
-def test_tree_verify_applies_mask_literally(page_size, heads, literal):
+def test_tree_verify_applies_mask_literally(page_size, heads, literal, tree_part):
     """TARGET_VERIFY with topk > 1: the custom mask decides visibility token by token; the
-    reference applies the same per-token mask (no causal rule) to dense expanded K/V."""
+    reference applies the same per-token mask (no causal rule) to dense expanded K/V. The mask
+    comes in SGLang's full layout or as the ``[batch, q_len, q_len]`` tree part."""
     n = 4
     sc = MLAScenario(page_size=page_size, heads=heads, prefix_lens=[3, page_size + 1, 9],
                      seed=21 + heads)
     spec = SpecInfo(num_draft_tokens=n, topk=2)
     sc.next_batch(ForwardMode.TARGET_VERIFY, [n] * 3, spec)
     masks, flat = _tree_masks(sc, n, torch.Generator().manual_seed(page_size), literal)
-    spec.custom_mask = flat
+    spec.custom_mask = torch.stack([m[:, -n:] for m in masks]) if tree_part else flat
     _check(sc, sc.run_absorbed(), "tree verify", masks=masks)
 
 
@@ -365,7 +367,7 @@ def test_errors_are_clear_and_early():
     batch.forward_mode = ForwardMode.DRAFT_EXTEND_V2
     batch.spec_info = SpecInfo(num_draft_tokens=2)
     planner, _ = sc.backend.strategies_for(ForwardMode.DRAFT_EXTEND_V2)
-    with pytest.raises(ValueError, match="same number of tokens per request"):
+    with pytest.raises(ValueError, match="fixed 2 tokens per request"):
         planner.plan(batch)
     # tree verify without a mask
     sc2 = MLAScenario(page_size=16, heads=4, prefix_lens=[5, 3], seed=2)

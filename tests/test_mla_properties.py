@@ -105,6 +105,9 @@ def test_static_buffers_plan_equals_eager(case, extra_bs):
     if tree:
         assert static.mask.mask_indptr.data_ptr() == bufs["mask_indptr"].data_ptr()
         assert torch.equal(static.mask.mask_indptr, eager.mask.mask_indptr)
+        total = n * pb.batch.seq_lens_sum
+        assert static.mask.custom_mask.data_ptr() == bufs["custom_mask"].data_ptr()
+        assert torch.equal(static.mask.custom_mask[:total], eager.mask.custom_mask[:total])
 
 
 @given(case=uniform_batches())

@@ -61,11 +61,12 @@ from .. import ops
 from ..batch import ForwardBatch
 from ..hookspecs import hookimpl
 from ..kernels.registry import KernelRequest, KernelSelectionError, Selection
-from ..metadata import AttnMetadata, CustomMask
+from ..metadata import AttnMetadata
 from ..registry import StrategyPair
 from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
 from .base import BufferSpec, ExecutionStrategy, MetadataStrategy
-from .mha import DecodeMetadata, plan_page_table, plan_query_layout
+from .mha import DecodeMetadata, PagedMetadata, plan_page_table, plan_query_layout
+from .spec import DraftExtendV2Metadata, VerifyTreeMetadata, resolve_num_draft_tokens
 
 __all__ = [
     "MLA_PROJECTIONS_KEY",
@@ -254,106 +255,33 @@ class MLADecodeMetadata(DecodeMetadata):
     cg_support = CGSupport.ALWAYS
 
 
-class _UniformMetadata(MetadataStrategy):
-    """``q_len`` query tokens per request (verify, draft-extend v2) over the page table.
+class MLAVerifyMetadata(VerifyTreeMetadata):
+    """TARGET_VERIFY over the latent pool: ``num_draft_tokens`` queries per request, the last
+    ones of its ``seq_lens`` keys (``seq_lens`` includes the drafts).
 
-    Subclasses define :meth:`q_len`; :meth:`plan_mask` may add a custom mask.
+    The MHA speculative planning (:mod:`aiter_attn.strategies.spec`) reused as is, the latent
+    pool being a paged cache with one KV head: a chain (``spec_info.topk == 1``) is causal over
+    the page table; a tree (``topk > 1``) adds ``spec_info.custom_mask`` (SGLang's per-request
+    ``[q_len, seq_len]`` blocks, or the ``[batch, q_len, q_len]`` tree part, expanded on the
+    device; copied into the static ``custom_mask`` buffer under ``out=``) and ``mask_indptr``
+    rebuilt on the device. The MLA kernel applies the mask literally. No device→host sync.
     """
 
     cg_support = CGSupport.UNIFORM_BATCH
 
-    def q_len(self, batch: ForwardBatch) -> int:
-        raise NotImplementedError
-
-    def buffer_spec(self, max_bs: int, max_tokens: int, max_seq_len: int) -> BufferSpec:
-        pages = max(-(-max_seq_len // self.ctx.config.page_size), 1)
-        return BufferSpec({
-            "cu_seqlens_q": ((max_bs + 1,), torch.int32),
-            "block_table": ((max_bs, pages), torch.int32),
-            "seqused_k": ((max_bs,), torch.int32),
-            "mask_indptr": ((max_bs + 1,), torch.int64),
-        })
-
-    def plan_mask(self, batch: ForwardBatch, out: dict, q_len: int) -> Optional[CustomMask]:
-        return None
-
     def plan(self, batch: ForwardBatch, out: Optional[dict] = None) -> AttnMetadata:
-        static = out is not None
-        n = self.q_len(batch)
-        if out is None:
-            out = self.eager_buffers(batch)
-        bs = batch.batch_size
-        query = plan_query_layout(batch, out["cu_seqlens_q"][: bs + 1], n)
-        pages = plan_page_table(self.ctx, batch, out["block_table"][:bs], out["seqused_k"][:bs],
-                                static)
-        mask = self.plan_mask(batch, out, n)
-        return AttnMetadata(mode=batch.forward_mode, batch_size=bs, query=query, pages=pages,
-                            mask=mask)
+        resolve_num_draft_tokens(batch, self.ctx.config)  # clear error before any work
+        if batch.spec_info.topk > 1:
+            return super().plan(batch, out)
+        return PagedMetadata.plan(self, batch, out)
 
 
-def _draft_tokens(batch: ForwardBatch) -> int:
-    spec = batch.spec_info
-    if spec is None:
-        raise ValueError(
-            f"{batch.forward_mode.name} needs batch.spec_info (aiter_attn.SpecInfo) with "
-            "num_draft_tokens; build the batch with spec_info=SpecInfo(num_draft_tokens=...)."
-        )
-    return int(spec.num_draft_tokens)
+class MLADraftExtendV2Metadata(DraftExtendV2Metadata):
+    """DRAFT_EXTEND_V2: a fixed ``num_draft_tokens`` queries per request, causal over the latent
+    page table (the MHA plan of :mod:`aiter_attn.strategies.spec`); requests whose
+    ``extend_seq_lens_cpu`` differ raise. No device→host sync."""
 
-
-class MLAVerifyMetadata(_UniformMetadata):
-    """TARGET_VERIFY: ``num_draft_tokens`` queries per request, the last ones of its
-    ``seq_lens`` keys (``seq_lens`` includes the drafts).
-
-    Chain drafts (``topk == 1``, no mask) are causal. Tree drafts (``topk > 1``) need
-    ``spec_info.custom_mask`` (bool, flat, per request a row-major ``[q_len, seq_len]`` block)
-    which the kernel applies literally; ``mask_indptr`` is taken from ``spec_info`` or built on
-    the device as ``[0, cumsum(q_len · seq_lens)]``. No device→host sync.
-    """
-
-    def q_len(self, batch):
-        return _draft_tokens(batch)
-
-    def plan_mask(self, batch, out, q_len):
-        spec = batch.spec_info
-        if spec.custom_mask is None:
-            if spec.topk > 1:
-                raise ValueError(
-                    f"TARGET_VERIFY with topk={spec.topk} (a draft tree) needs "
-                    "spec_info.custom_mask; pass the tree mask or use topk=1 for a chain."
-                )
-            return None
-        bs = batch.batch_size
-        indptr = out["mask_indptr"][: bs + 1]
-        if spec.mask_indptr is not None:
-            indptr.copy_(spec.mask_indptr[: bs + 1])
-        else:
-            need = q_len * batch.seq_lens_sum  # host ints from the CPU mirror: no sync
-            if spec.custom_mask.shape[0] < need:
-                raise ValueError(
-                    f"spec_info.custom_mask has {spec.custom_mask.shape[0]} entries; the batch "
-                    f"needs {need} (= {q_len} draft tokens × {batch.seq_lens_sum} keys). Pass "
-                    "one row-major [q_len, seq_len] block per request."
-                )
-            indptr[:1].zero_()
-            torch.cumsum(batch.seq_lens.to(torch.int64) * q_len, dim=0, out=indptr[1:])
-        return CustomMask(custom_mask=spec.custom_mask, mask_indptr=indptr)
-
-
-class MLADraftExtendV2Metadata(_UniformMetadata):
-    """DRAFT_EXTEND_V2: a fixed ``num_draft_tokens`` queries per request, causal over the page
-    table. Requests whose ``extend_seq_lens_cpu`` differ raise. No device→host sync."""
-
-    def q_len(self, batch):
-        n = _draft_tokens(batch)
-        lens = batch.extend_seq_lens_cpu
-        if lens is not None and lens.numel() and bool((lens != n).any()):
-            raise ValueError(
-                f"DRAFT_EXTEND_V2 takes the same number of tokens per request "
-                f"(spec_info.num_draft_tokens={n}); got extend_seq_lens={lens.tolist()}. Use "
-                "DRAFT_EXTEND for ragged lengths."
-            )
-        return n
+    cg_support = CGSupport.UNIFORM_BATCH
 
 
 class MLAExtendMetadata(MetadataStrategy):
