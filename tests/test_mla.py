@@ -291,6 +291,25 @@ def test_fp8_latent_cache_with_scale(page_size):
     _check(sc, sc.run_expanded(), "fp8 expanded extend", exact_new=True)
 
 
+def test_draft_decode_step_uses_the_shared_tables():
+    """``mla.draft_decode_step`` (multi-step draft decode) runs the absorbed kernel over the
+    query layout and page table handed in through ``spec_info`` (as MultiStepDraftBackend
+    plans them for all steps), with the same result as a planned decode."""
+    from aiter_attn import ops
+    from aiter_attn.strategies.mla import MLA_DRAFT_DECODE_STEP
+
+    sc = MLAScenario(page_size=7, heads=8, prefix_lens=[4, 15, 9], seed=31)
+    batch = sc.next_batch(ForwardMode.DECODE, [1, 1, 1])
+    table = torch.zeros(3, 8, dtype=torch.int32)
+    ops.build_page_table(sc.req_pool.req_to_token, batch.req_pool_indices, batch.seq_lens, 7,
+                         table)
+    batch.spec_info = SpecInfo(num_draft_tokens=1, qo_indptr=torch.arange(4, dtype=torch.int32),
+                               block_table=table)
+    sc.backend = AttentionBackend(sc.config, sc.req_pool, sc.pool,
+                                  strategy=MLA_DRAFT_DECODE_STEP)
+    _check(sc, sc.run_absorbed(), "draft decode step")
+
+
 def test_idle_batch():
     sc = MLAScenario(page_size=16, heads=4, prefix_lens=[], seed=0)
     sc.next_batch(ForwardMode.IDLE, [])

@@ -66,11 +66,13 @@ from ..registry import StrategyPair
 from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
 from .base import BufferSpec, ExecutionStrategy, MetadataStrategy
 from .mha import DecodeMetadata, PagedMetadata, plan_page_table, plan_query_layout
-from .spec import DraftExtendV2Metadata, VerifyTreeMetadata, resolve_num_draft_tokens
+from .spec import (DraftDecodeStepMetadata, DraftExtendV2Metadata, VerifyTreeMetadata,
+                   resolve_num_draft_tokens)
 
 __all__ = [
     "MLA_PROJECTIONS_KEY",
     "MLA_HEAD_PADDING_KEY",
+    "MLA_DRAFT_DECODE_STEP",
     "HeadPadding",
     "MLAPrefixPlan",
     "MLADecodeMetadata",
@@ -92,6 +94,9 @@ log = logging.getLogger(__name__)
 MLA_PROJECTIONS_KEY = "mla_projections"
 #: ``StrategyContext.extra`` key: a :class:`HeadPadding` (default ``HeadPadding()``).
 MLA_HEAD_PADDING_KEY = "mla_head_padding"
+#: Strategy pair for one step of multi-step draft decode on MLA (the MHA one is
+#: :data:`aiter_attn.strategies.spec.DRAFT_DECODE_STEP`).
+MLA_DRAFT_DECODE_STEP = "mla.draft_decode_step"
 
 _EXTEND_MODES = (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND)
 
@@ -534,6 +539,13 @@ def aiter_attn_register_strategies(register):
         metadata=MLADraftExtendV2Metadata, execution=MLAExecution, priority=10,
         cg_support=CGSupport.UNIFORM_BATCH,
         description="absorbed MLA draft extend with a fixed token count per request",
+    ))
+    register(StrategyPair(
+        name=MLA_DRAFT_DECODE_STEP, arch=AttnArch.MLA, modes={ForwardMode.DECODE},
+        metadata=DraftDecodeStepMetadata, execution=MLAExecution, priority=-10,
+        cg_support=CGSupport.ALWAYS,
+        description="one multi-step draft-decode step (absorbed) over tables planned for all "
+                    "steps by MultiStepDraftBackend",
     ))
     register(StrategyPair(
         name="mla.extend", arch=AttnArch.MLA, modes=set(_EXTEND_MODES),
