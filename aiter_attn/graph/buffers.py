@@ -22,7 +22,6 @@ import attrs
 import torch
 
 from ..batch import ForwardBatch, SpecInfo
-from ..strategies.base import BufferSpec
 from ..types import BackendConfig, ForwardMode
 
 __all__ = [
@@ -31,7 +30,6 @@ __all__ = [
     "CAPTURABLE_MODES",
     "GraphLimits",
     "StaticInputs",
-    "allocate_strategy_buffers",
     "default_capture_sizes",
 ]
 
@@ -120,17 +118,6 @@ class GraphLimits:
                    max_seq_len=max_seq_len, mask_numel=tokens * max_seq_len if tree else 0)
 
 
-def allocate_strategy_buffers(planner, limits: Iterable[GraphLimits], device) -> dict:
-    """Allocate once the union of ``planner.buffer_spec`` over every mode it serves here.
-
-    Zero-filled: zeros are the null page / slot 0, safe for any kernel to read.
-    """
-    spec = BufferSpec()
-    for lim in limits:
-        spec = spec.merge(planner.buffer_spec(lim.max_bs, lim.max_num_tokens, lim.max_seq_len))
-    return spec.allocate(device)
-
-
 @attrs.define(eq=False)
 class StaticInputs:
     """Batch inputs read by captured graphs, allocated once for the largest batch.
@@ -146,6 +133,7 @@ class StaticInputs:
         out_cache_loc: int64 ``[max_num_tokens]``.
         positions: int64 ``[max_num_tokens]``.
         custom_mask: bool ``[mask_numel]`` (empty when no captured mode takes a tree mask).
+        mask_indptr: int64 ``[max_bs + 1]`` scratch for expanding a tree-part mask.
     """
 
     req_pool_indices: torch.Tensor
@@ -157,6 +145,7 @@ class StaticInputs:
     out_cache_loc: torch.Tensor
     positions: torch.Tensor
     custom_mask: torch.Tensor
+    mask_indptr: torch.Tensor
 
     @classmethod
     def allocate(cls, limits: Iterable[GraphLimits], device) -> "StaticInputs":
@@ -175,6 +164,7 @@ class StaticInputs:
             out_cache_loc=torch.full((tokens,), DUMMY_SLOT, dtype=torch.int64, device=dev),
             positions=torch.zeros(tokens, dtype=torch.int64, device=dev),
             custom_mask=torch.ones(mask, dtype=torch.bool, device=dev),
+            mask_indptr=torch.zeros(max_bs + 1, dtype=torch.int64, device=dev),
         )
 
     @property
@@ -199,8 +189,6 @@ class StaticInputs:
         when the mode takes a tree mask.
         """
         n = bs * q_len
-        self.extend_seq_lens[:bs].fill_(q_len)
-        self.extend_seq_lens_cpu[:bs].fill_(q_len)
         spec_view = None
         if spec is not None:
             has_mask = spec.topk > 1 and mode == ForwardMode.TARGET_VERIFY

@@ -3,17 +3,20 @@
 The manager owns, for a list of captured batch sizes,
 
 * the static inputs every graph reads (:class:`~aiter_attn.graph.buffers.StaticInputs`) and
-  optional per-token model inputs (``token_inputs``, e.g. ``input_ids``);
+  optional per-token model inputs (``token_inputs``, e.g. ``input_ids`` or hidden states);
 * every strategy's declared buffers (``MetadataStrategy.buffer_spec``), sized once from
   :class:`~aiter_attn.types.BackendConfig` with the slack of each captured mode.
 
 Capture and replay call the very same ``plan(batch, out=buffers)`` as eager planning; the only
 difference is that the batch is a fixed set of views into the static inputs. Replay pads the
-real batch to the next captured size (see :mod:`aiter_attn.graph.padding`), plans, checks the
-plan froze the same addresses, shapes and host values as at capture
+real batch to the next captured size (see :mod:`aiter_attn.graph.padding`), plans, checks that
+the plan froze the same addresses, shapes and host values as at capture
 (:mod:`aiter_attn.graph.signature`), and replays. On the CPU, or with ``use_cuda_graph=False``,
 "replay" runs the captured function eagerly on the same static batch, so every piece of logic
-but the graph itself is exercised without a GPU.
+but the graph itself is exercised without a GPU. The function always receives a batch whose CPU
+mirrors (``seq_lens_cpu``, …) are frozen at their capture values, which is what a real graph
+sees: an execution strategy that reads host values from the batch goes wrong on the CPU exactly
+as it would under replay, instead of only on the GPU.
 
 Typical use::
 
@@ -21,6 +24,9 @@ Typical use::
                            token_inputs={"input_ids": ((), torch.int64)})
     mgr.capture(lambda batch, inputs: model(inputs["input_ids"], batch))
     logits = mgr.replay(real_batch, input_ids=ids)   # real rows only
+
+``backend`` may also be a :class:`~aiter_attn.multistep.MultiStepDraftBackend` (multi-step
+draft decode; see :mod:`aiter_attn.graph.sources`).
 """
 
 from __future__ import annotations
@@ -32,11 +38,11 @@ import attrs
 import torch
 
 from ..batch import ForwardBatch, SpecInfo
-from ..types import CGSupport, ForwardMode
-from .buffers import (CAPTURABLE_MODES, DUMMY_SLOT, GraphLimits, StaticInputs, allocate_strategy_buffers,
-                      default_capture_sizes)
+from ..types import ForwardMode
+from .buffers import (CAPTURABLE_MODES, GraphLimits, StaticInputs, default_capture_sizes)
 from .padding import GraphLimitError, check_mask_fits, load_padded, next_capture_size
 from .signature import GraphMetadataMismatch, diff_signatures, metadata_signature
+from .sources import source_for
 
 __all__ = ["CudaGraphManager", "GraphLimitError", "GraphMetadataMismatch", "graph_mode"]
 
@@ -51,21 +57,15 @@ def graph_mode(mode) -> ForwardMode:
     return ForwardMode.DECODE if mode == ForwardMode.IDLE else mode
 
 
-def _min_support(mode: ForwardMode) -> CGSupport:
-    if mode == ForwardMode.DECODE:
-        return CGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-    return CGSupport.UNIFORM_BATCH
-
-
 @attrs.define(eq=False)
 class _ModeState:
-    """One captured mode: its bounds, strategy pair and that pair's static buffers."""
+    """One captured mode: its bounds, planner and that planner's static buffers."""
 
     limits: GraphLimits
-    pair_name: str
     planner: object
     buffers: dict
     spec: Optional[SpecInfo]
+    rows_per_request: int  # token-input / output rows per request
 
 
 @attrs.define(eq=False)
@@ -74,7 +74,8 @@ class _Entry:
 
     mode: ForwardMode
     bs: int
-    batch: ForwardBatch
+    batch: ForwardBatch  # planned every replay: live CPU mirrors
+    run_batch: ForwardBatch  # what fn sees: same device tensors, CPU mirrors frozen at capture
     inputs: dict
     signature: Optional[dict] = None
     graph: Optional[object] = None
@@ -92,11 +93,15 @@ def _slice_rows(x, n: int):
     return x
 
 
+_MIRRORS = ("seq_lens_cpu", "extend_seq_lens_cpu", "extend_prefix_lens_cpu")
+
+
 class CudaGraphManager:
     """Static inputs + strategy buffers for captured batch sizes; capture and replay.
 
     Args:
-        backend: the :class:`~aiter_attn.AttentionBackend` whose strategies plan.
+        backend: the :class:`~aiter_attn.AttentionBackend` whose strategies plan (or a
+            :class:`~aiter_attn.multistep.MultiStepDraftBackend`).
         capture_sizes: batch sizes to capture, any order (default: a 1, 2, 4, 8, 16, … ladder
             up to ``max_bs``).
         max_bs: largest batch (default: the largest capture size, else
@@ -117,21 +122,19 @@ class CudaGraphManager:
                  modes: Optional[Iterable] = None, use_cuda_graph: Optional[bool] = None,
                  token_inputs: Optional[Mapping[str, tuple]] = None):
         self.backend = backend
-        self.config = backend.config
-        device = backend.ctx.device
+        self.source = source_for(backend)
+        self.config = self.source.config
+        device = self.source.device
+        sizes = None
         if capture_sizes is not None:
             sizes = sorted({int(s) for s in capture_sizes})
             if not sizes or sizes[0] < 1:
                 raise ValueError(f"capture_sizes={list(capture_sizes)!r}; give batch sizes ≥ 1.")
-        else:
-            sizes = None
         if max_bs is None:
             max_bs = sizes[-1] if sizes else self.config.max_batch_size
-        if sizes is None:
-            sizes = default_capture_sizes(max_bs)
+        sizes = sizes or default_capture_sizes(max_bs)
         if sizes[-1] > max_bs:
-            raise ValueError(
-                f"capture size {sizes[-1]} > max_bs={max_bs}; drop it or raise max_bs.")
+            raise ValueError(f"capture size {sizes[-1]} > max_bs={max_bs}; drop it or raise max_bs.")
         self.capture_sizes: list[int] = sizes
         self.max_bs = max_bs
         if use_cuda_graph is None:
@@ -143,49 +146,51 @@ class CudaGraphManager:
         self.use_cuda_graph = bool(use_cuda_graph)
         self._check_null_row()
 
-        mode_list = self._resolve_modes(modes)
         self._modes: dict[ForwardMode, _ModeState] = {}
-        limits = {m: GraphLimits.from_config(self.config, m, max_bs, max_num_tokens)
-                  for m in mode_list}
-        by_pair: dict[str, list] = {}
-        for m in mode_list:
-            by_pair.setdefault(self.backend.pair_for(m).name, []).append(m)
-        for name, ms in by_pair.items():
-            planner, _ = self.backend.strategies_for(ms[0])
-            bufs = allocate_strategy_buffers(planner, [limits[m] for m in ms], device)
-            for m in ms:
+        shared: dict[str, tuple] = {}  # planner key → (planner, limits of its modes)
+        for m in self._resolve_modes(modes):
+            lim = GraphLimits.from_config(self.config, m, max_bs, max_num_tokens)
+            key = self.source.planner_key(m)
+            if key not in shared:
+                shared[key] = (self.source.planner(m), [])
+            shared[key][1].append(lim)
+        for planner, lims in shared.values():
+            declared = planner.buffer_spec(lims[0])
+            for lim in lims[1:]:
+                declared = declared.merge(planner.buffer_spec(lim))
+            bufs = declared.allocate(device)  # once; zero = null page / slot 0
+            for lim in lims:
                 spec = None
-                if m != ForwardMode.DECODE:
+                if lim.mode != ForwardMode.DECODE:
                     spec = SpecInfo(num_draft_tokens=self.config.spec.num_draft_tokens,
                                     topk=self.config.spec.topk)
-                self._modes[m] = _ModeState(limits[m], name, planner, bufs, spec)
-        self.static = StaticInputs.allocate(limits.values(), device)
-        self._token_inputs = {}
-        for name, (shape, dtype) in dict(token_inputs or {}).items():
-            self._token_inputs[name] = torch.zeros((self.static.max_num_tokens, *tuple(shape)),
-                                                   dtype=dtype, device=device)
+                self._modes[lim.mode] = _ModeState(lim, planner, bufs, spec,
+                                                   planner.rows_per_request_of(lim))
+        limits = [st.limits for st in self._modes.values()]
+        self.static = StaticInputs.allocate(limits, device)
+        rows = max(max(st.limits.max_num_tokens, st.limits.max_bs * st.rows_per_request)
+                   for st in self._modes.values())
+        self._token_inputs = {
+            name: torch.zeros((rows, *tuple(shape)), dtype=dtype, device=device)
+            for name, (shape, dtype) in dict(token_inputs or {}).items()
+        }
         self._entries: dict[tuple, _Entry] = {}
         self._pool = None
         self.replays = 0
+        #: the entry of the latest replay (tests read its padded ``outputs`` and ``batch``)
+        self.last_entry: Optional[_Entry] = None
 
     # -- set-up ----------------------------------------------------------------------------
     def _check_null_row(self) -> None:
         # One-time read at construction (never on the hot path): padding relies on row 0.
-        r2t = self.backend.ctx.req_to_token
-        if bool((r2t[0] != 0).any()):
+        if bool((self.source.req_to_token[0] != 0).any()):
             raise ValueError(
                 "req_to_token row 0 holds slots; it must stay reserved and all zeros (padding "
                 "rows of captured batches point at it). Allocate rows with ReqToTokenPool.alloc().")
 
     def _resolve_modes(self, modes) -> list[ForwardMode]:
         if modes is None:
-            wanted = [ForwardMode.DECODE]
-            if self.config.spec is not None:
-                for m in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
-                    pair, _ = self.backend.strategies.candidates(m, self.config.arch, self.config)
-                    if pair is not None and pair.cg_support >= _min_support(m):
-                        wanted.append(m)
-            return wanted
+            return self.source.default_modes()
         out = []
         for m in modes:
             m = graph_mode(m)
@@ -193,12 +198,6 @@ class CudaGraphManager:
                 allowed = ", ".join(x.name for x in CAPTURABLE_MODES)
                 raise ValueError(f"modes contains {m.name}, which cannot be captured; "
                                  f"capturable: {allowed} (IDLE uses DECODE's graphs).")
-            pair = self.backend.pair_for(m)
-            if pair.cg_support < _min_support(m):
-                raise ValueError(
-                    f"strategy {pair.name!r} serving {m.name} × {self.config.arch.name} declares "
-                    f"cg_support={pair.cg_support.name}; capturing {m.name} needs "
-                    f"{_min_support(m).name} or stronger. Leave {m.name} out of modes.")
             if m not in out:
                 out.append(m)
         return out
@@ -211,13 +210,13 @@ class CudaGraphManager:
         return self._state(graph_mode(mode)).limits
 
     def strategy_buffers(self, mode) -> dict:
-        """The static buffers ``mode``'s strategy plans into (shared by modes of one pair)."""
+        """The static buffers ``mode``'s planner fills (shared by modes of one strategy pair)."""
         return self._state(graph_mode(mode)).buffers
 
     def fill_value(self, mode) -> int:
         """KV length of padding rows: the backend's fill value, at least the mode's q_len."""
         q = self._state(graph_mode(mode)).limits.q_len
-        return max(int(self.backend.get_cuda_graph_seq_len_fill_value()), q, 1)
+        return max(self.source.fill_value(), q, 1)
 
     def _state(self, mode: ForwardMode) -> _ModeState:
         st = self._modes.get(mode)
@@ -228,7 +227,9 @@ class CudaGraphManager:
                 "set BackendConfig.spec for speculative modes, or run this step eagerly.")
         return st
 
-    def _entry(self, mode: ForwardMode, bs: int) -> _Entry:
+    def entry(self, mode, bs: int) -> _Entry:
+        """The static batch of ``(mode, bs)`` (created once; its tensors never change)."""
+        mode = graph_mode(mode)
         key = (mode, bs)
         e = self._entries.get(key)
         if e is None:
@@ -237,19 +238,26 @@ class CudaGraphManager:
                 raise GraphLimitError(
                     f"batch size {bs} > the graph buffers' max_bs={st.limits.max_bs}; raise "
                     "max_bs / BackendConfig.max_batch_size.")
-            q = st.limits.q_len
-            batch = self.static.batch_view(mode, bs, q, st.spec)
-            inputs = {k: v[: bs * q] for k, v in self._token_inputs.items()}
-            e = self._entries[key] = _Entry(mode, bs, batch, inputs)
+            batch = self.static.batch_view(mode, bs, st.limits.q_len, st.spec)
+            # A graph replays the host values its function saw at capture; give fn a batch
+            # whose CPU mirrors stay frozen so no-capture runs see exactly what a graph sees.
+            run_batch = attrs.evolve(batch, **{m: getattr(batch, m).clone() for m in _MIRRORS})
+            rows = bs * st.rows_per_request
+            inputs = {k: v[:rows] for k, v in self._token_inputs.items()}
+            e = self._entries[key] = _Entry(mode, bs, batch, run_batch, inputs)
         return e
 
     # -- the one planning path ---------------------------------------------------------------
-    def _check_fits(self, batch: ForwardBatch, st: _ModeState) -> None:
+    def check_fits(self, batch: ForwardBatch) -> None:
+        """Raise :class:`GraphLimitError` naming the limit and setting ``batch`` exceeds."""
+        st = self._state(graph_mode(batch.forward_mode))
         lim = st.limits
         if batch.encoder_lens is not None:
             raise GraphLimitError("cross-attention batches (encoder_lens set) are not captured; "
                                   "run them eagerly.")
         bs = batch.batch_size
+        if bs > self.capture_sizes[-1]:
+            next_capture_size(self.capture_sizes, bs)  # raises, naming the setting
         if batch.num_tokens != bs * lim.q_len:
             raise GraphLimitError(
                 f"{batch.forward_mode.name} batch has {batch.num_tokens} tokens for {bs} requests;"
@@ -270,35 +278,39 @@ class CudaGraphManager:
 
     def _plan(self, e: _Entry, *, capturing: bool):
         st = self._modes[e.mode]
-        md = st.planner.plan(e.batch, out=st.buffers)
+        md = st.planner.plan(e.batch, st.buffers)
         sig = metadata_signature(md)
         if capturing or e.signature is None:
             e.signature = sig
+            for m in _MIRRORS:
+                getattr(e.run_batch, m).copy_(getattr(e.batch, m))
         elif sig != e.signature:
             diffs = diff_signatures(e.signature, sig)
             raise GraphMetadataMismatch(
-                f"strategy {st.pair_name!r} planned metadata for {e.mode.name} bs={e.bs} that "
+                f"planner {st.planner.name!r} planned metadata for {e.mode.name} bs={e.bs} that "
                 f"differs from capture: {'; '.join(diffs)}. Under out= a plan must write into "
                 "the given buffers and take host sizes from static bounds only.")
-        self.backend.bind_forward_metadata(e.batch, md)
+        st.planner.bind(e.run_batch, md)
         return md
 
-    def load(self, batch: ForwardBatch, **inputs) -> _Entry:
-        """Validate ``batch``, pad it into the static inputs of the next captured size and plan
-        into the static buffers (no device→host sync). Returns the entry to run or replay."""
+    def load(self, batch: ForwardBatch, *, padded_bs: Optional[int] = None,
+             capturing: bool = False, **inputs) -> _Entry:
+        """Validate ``batch``, pad it into the static inputs of the next captured size (or
+        ``padded_bs``) and plan into the static buffers (no device→host sync)."""
         from ..backend import validate_batch
 
         mode = graph_mode(batch.forward_mode)
         st = self._state(mode)
-        validate_batch(batch, self.config, self.backend.ctx.req_to_token)
-        self._check_fits(batch, st)
-        pbs = next_capture_size(self.capture_sizes, batch.batch_size)
-        e = self._entry(mode, pbs)
+        validate_batch(batch, self.config, self.source.req_to_token)
+        self.check_fits(batch)
+        pbs = padded_bs if padded_bs is not None else next_capture_size(self.capture_sizes,
+                                                                         batch.batch_size)
+        e = self.entry(mode, pbs)
         fill = self.fill_value(mode)
         check_mask_fits(self.static, batch, pbs, st.limits.q_len, fill, st.limits.max_seq_len)
-        self._load_inputs(e, batch.num_tokens, inputs)
+        self._load_inputs(e, batch.batch_size * st.rows_per_request, inputs)
         load_padded(self.static, batch, pbs, st.limits.q_len, fill)
-        self._plan(e, capturing=False)
+        self._plan(e, capturing=capturing)
         return e
 
     def _load_inputs(self, e: _Entry, n: int, inputs: dict) -> None:
@@ -316,25 +328,22 @@ class CudaGraphManager:
                     f"token input {name!r} has shape {tuple(value.shape)}; expected "
                     f"{(n, *buf.shape[1:])} (one row per query token).")
             buf[:n].copy_(value)
-            buf[n: e.batch.num_tokens].zero_()
+            buf[n: e.inputs[name].shape[0]].zero_()
 
     # -- capture / replay --------------------------------------------------------------------
     def _load_dummy(self, e: _Entry) -> None:
         st = self._modes[e.mode]
-        dev = self.backend.ctx.device
+        dev = self.source.device
         empty = ForwardBatch(
             forward_mode=e.mode,
             req_pool_indices=torch.zeros(0, dtype=torch.int64, device=dev),
             seq_lens=torch.zeros(0, dtype=torch.int32, device=dev),
             seq_lens_cpu=torch.zeros(0, dtype=torch.int64),
             out_cache_loc=torch.zeros(0, dtype=torch.int64, device=dev),
-            spec_info=(SpecInfo(num_draft_tokens=st.spec.num_draft_tokens, topk=st.spec.topk,
-                                custom_mask=torch.zeros(0, dtype=torch.bool, device=dev))
-                       if st.spec is not None and st.limits.mask_numel else None),
         )
         load_padded(self.static, empty, e.bs, st.limits.q_len, self.fill_value(e.mode))
-        for buf in self._token_inputs.values():
-            buf[: e.batch.num_tokens].zero_()
+        for buf in e.inputs.values():
+            buf.zero_()
 
     def capture(self, fn: StepFn, *, modes: Optional[Iterable] = None,
                 sizes: Optional[Sequence[int]] = None) -> None:
@@ -355,31 +364,31 @@ class CudaGraphManager:
                 self._capture_one(fn, mode, bs)
 
     def _capture_one(self, fn: StepFn, mode: ForwardMode, bs: int) -> None:
-        e = self._entry(mode, bs)
+        e = self.entry(mode, bs)
         e.fn = fn
         self._load_dummy(e)
         self._plan(e, capturing=True)
         if not self.use_cuda_graph:
-            e.outputs = fn(e.batch, e.inputs)
+            e.outputs = fn(e.run_batch, e.inputs)
             return
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(device=self.backend.ctx.device)
+        side = torch.cuda.Stream(device=self.source.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            fn(e.batch, e.inputs)  # warm-up: compile kernels, allocate workspaces
+            fn(e.run_batch, e.inputs)  # warm-up: compile kernels, allocate workspaces
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            e.outputs = fn(e.batch, e.inputs)
+            e.outputs = fn(e.run_batch, e.inputs)
         e.graph = graph
         log.debug("captured %s bs=%d", mode.name, bs)
 
     def replay(self, batch: ForwardBatch, **inputs):
         """Run one step of a real ``batch`` through the captured graph of the next size.
 
-        Returns ``fn``'s outputs restricted to the real tokens (views of static memory that the
+        Returns ``fn``'s outputs restricted to the real rows (views of static memory that the
         next replay overwrites: copy what must outlive it).
         """
         e = self.load(batch, **inputs)
@@ -390,9 +399,11 @@ class CudaGraphManager:
         if e.graph is not None:
             e.graph.replay()
         else:
-            e.outputs = e.fn(e.batch, e.inputs)
+            e.outputs = e.fn(e.run_batch, e.inputs)
         self.replays += 1
-        return _slice_rows(e.outputs, batch.num_tokens)
+        self.last_entry = e
+        rows = batch.batch_size * self._modes[e.mode].rows_per_request
+        return _slice_rows(e.outputs, rows)
 
     def captured(self) -> list[tuple]:
         """``(mode, bs)`` of every captured entry."""
@@ -404,49 +415,40 @@ class CudaGraphManager:
         ptrs = {f"static.{k}": v.data_ptr() for k, v in self.static.tensors().items()}
         for mode, st in self._modes.items():
             for k, v in st.buffers.items():
-                ptrs[f"{st.pair_name}.{k}"] = v.data_ptr()
+                ptrs[f"{st.planner.name}.{k}"] = v.data_ptr()
         for k, v in self._token_inputs.items():
             ptrs[f"inputs.{k}"] = v.data_ptr()
         return ptrs
 
-    # -- SGLang-shaped hooks (the engine owns its graphs) -------------------------------------
-    def _from_tensors(self, bs, mode, req_pool_indices, seq_lens, spec_info, seq_lens_cpu,
-                      out_cache_loc, positions, *, need_slots: bool) -> ForwardBatch:
-        st = self._state(graph_mode(mode))
-        q = st.limits.q_len
+    # -- SGLang-shaped hooks (the engine owns its graphs and pads its own inputs) -------------
+    def _hook_batch(self, bs, forward_mode, req_pool_indices, seq_lens, spec_info, seq_lens_cpu,
+                    out_cache_loc, positions, *, need_slots: bool) -> ForwardBatch:
+        q = self._state(graph_mode(forward_mode)).limits.q_len
         if seq_lens_cpu is None:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise ValueError("seq_lens_cpu is required while a CUDA graph is capturing "
                                  "(reading seq_lens back would sync).")
-            seq_lens_cpu = seq_lens[:bs].to("cpu", torch.int64)
-        dev = self.backend.ctx.device
+            seq_lens_cpu = seq_lens[:bs].to("cpu", torch.int64)  # capture time only
         if out_cache_loc is None:
             if need_slots:
                 raise ValueError(
                     "out_cache_loc is required on replay: the captured graph writes this step's "
                     "K/V through the static out_cache_loc; pass out_cache_loc=forward_batch."
                     "out_cache_loc (padding tokens may hold DUMMY_SLOT).")
-            out_cache_loc = torch.full((bs * q,), DUMMY_SLOT, dtype=torch.int64, device=dev)
+            out_cache_loc = torch.zeros(bs * q, dtype=torch.int64, device=self.source.device)
         return ForwardBatch(
-            forward_mode=mode, req_pool_indices=req_pool_indices[:bs].to(torch.int64),
+            forward_mode=forward_mode, req_pool_indices=req_pool_indices[:bs],
             seq_lens=seq_lens[:bs].to(torch.int32), seq_lens_cpu=seq_lens_cpu[:bs].to(torch.int64),
-            out_cache_loc=out_cache_loc[: bs * q], positions=None if positions is None
-            else positions[: bs * q], spec_info=spec_info,
-        )
+            out_cache_loc=out_cache_loc[: bs * q],
+            positions=None if positions is None else positions[: bs * q], spec_info=spec_info)
 
     def plan_capture(self, bs: int, forward_mode, req_pool_indices, seq_lens, spec_info=None, *,
                      seq_lens_cpu=None, out_cache_loc=None, positions=None) -> ForwardBatch:
-        """Plan a batch of exactly ``bs`` rows (the engine's padded inputs) into the static
-        buffers before the engine captures; returns the static batch to pass to ``forward``."""
-        batch = self._from_tensors(bs, forward_mode, req_pool_indices, seq_lens, spec_info,
-                                   seq_lens_cpu, out_cache_loc, positions, need_slots=False)
-        mode = graph_mode(forward_mode)
-        st = self._state(mode)
-        self._check_fits(batch, st)
-        e = self._entry(mode, bs)
-        load_padded(self.static, batch, bs, st.limits.q_len, self.fill_value(mode))
-        self._plan(e, capturing=True)
-        return e.batch
+        """Plan ``bs`` rows (the engine's padded inputs) into the static buffers before the
+        engine captures; returns the static batch to pass to ``forward`` in the graph."""
+        batch = self._hook_batch(bs, forward_mode, req_pool_indices, seq_lens, spec_info,
+                                 seq_lens_cpu, out_cache_loc, positions, need_slots=False)
+        return self.load(batch, padded_bs=bs, capturing=True).run_batch
 
     def plan_replay(self, bs: int, forward_mode, req_pool_indices, seq_lens, spec_info=None, *,
                     seq_lens_cpu=None, out_cache_loc=None, positions=None) -> ForwardBatch:
@@ -457,13 +459,6 @@ class CudaGraphManager:
             raise GraphLimitError(
                 f"{mode.name} bs={bs} was never planned for capture; call "
                 "init_forward_metadata_capture_cuda_graph for this size first.")
-        batch = self._from_tensors(bs, forward_mode, req_pool_indices, seq_lens, spec_info,
-                                   seq_lens_cpu, out_cache_loc, positions, need_slots=True)
-        st = self._state(mode)
-        self._check_fits(batch, st)
-        e = self._entries[(mode, bs)]
-        check_mask_fits(self.static, batch, bs, st.limits.q_len, self.fill_value(mode),
-                        st.limits.max_seq_len)
-        load_padded(self.static, batch, bs, st.limits.q_len, self.fill_value(mode))
-        self._plan(e, capturing=False)
-        return e.batch
+        batch = self._hook_batch(bs, forward_mode, req_pool_indices, seq_lens, spec_info,
+                                 seq_lens_cpu, out_cache_loc, positions, need_slots=True)
+        return self.load(batch, padded_bs=bs).run_batch

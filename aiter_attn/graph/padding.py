@@ -7,7 +7,8 @@ Rows ``[0, bs)`` get the real batch; padding rows ``[bs, padded_bs)`` get:
 * ``seq_lens`` → ``fill`` (≥ the mode's query tokens per request and ≥ 1, so no row is empty
   and no query sits before position 0);
 * ``out_cache_loc`` → :data:`DUMMY_SLOT` (slot 0 of the null page) for each padding token;
-* ``positions`` → 0; a tree mask → all-visible blocks of ``q_len × fill``.
+* ``positions`` → 0; a tree mask → all-visible blocks of ``q_len × fill`` (a mask sent as
+  the tree part alone, ``[batch, q_len, q_len]``, is first expanded to the full layout).
 
 Everything is written in place with device→device copies and fills, plus host writes of the
 CPU mirrors: no device→host synchronisation.
@@ -23,7 +24,7 @@ import torch
 from ..batch import ForwardBatch
 from .buffers import DUMMY_SLOT, NULL_REQ_ROW, StaticInputs
 
-__all__ = ["GraphLimitError", "next_capture_size", "load_padded", "check_mask_fits"]
+__all__ = ["GraphLimitError", "next_capture_size", "load_padded", "check_mask_fits", "mask_layout"]
 
 
 class GraphLimitError(ValueError):
@@ -68,9 +69,32 @@ def load_padded(static: StaticInputs, batch: ForwardBatch, padded_bs: int, q_len
     static.positions[n:n + pad_tokens].zero_()
     spec = batch.spec_info
     if spec is not None and spec.custom_mask is not None:
-        m = int(spec.custom_mask.shape[0])
-        static.custom_mask[:m].copy_(spec.custom_mask)
+        m = q_len * batch.seq_lens_sum  # host int from the CPU mirror
+        if mask_layout(spec.custom_mask, batch, q_len) == "tree":
+            from ..strategies.spec import build_tree_mask  # the one expansion, shared
+
+            indptr = static.mask_indptr[: bs + 1]
+            indptr[:1].zero_()
+            torch.cumsum(batch.seq_lens.to(torch.int64) * q_len, dim=0, out=indptr[1:])
+            build_tree_mask(batch.seq_lens, spec.custom_mask, q_len, indptr, static.custom_mask, m)
+        else:
+            static.custom_mask[:m].copy_(spec.custom_mask.reshape(-1)[:m])
         static.custom_mask[m:m + pad_tokens * fill].fill_(True)
+
+
+def mask_layout(custom_mask: torch.Tensor, batch: ForwardBatch, q_len: int) -> str:
+    """``"full"`` (SGLang's per-request ``[q_len, seq_len]`` blocks, ≥ ``q_len · Σ seq_len``
+    elements) or ``"tree"`` (exactly ``batch · q_len²``: the draft part only, prefix visible),
+    decided from sizes (host ints); see :class:`aiter_attn.SpecInfo`."""
+    numel, full = custom_mask.numel(), q_len * batch.seq_lens_sum
+    tree = batch.batch_size * q_len * q_len
+    if numel == full or (numel > full and numel != tree):
+        return "full"
+    if numel == tree:
+        return "tree"
+    raise ValueError(
+        f"spec_info.custom_mask has {numel} elements; expected q_len·Σseq_lens = {full} "
+        f"(per-request [q_len, seq_len] blocks) or batch·q_len² = {tree} (the tree part).")
 
 
 def check_mask_fits(static: StaticInputs, batch: ForwardBatch, padded_bs: int, q_len: int,
@@ -79,7 +103,7 @@ def check_mask_fits(static: StaticInputs, batch: ForwardBatch, padded_bs: int, q
     spec = batch.spec_info
     if spec is None or spec.custom_mask is None:
         return
-    need = int(spec.custom_mask.shape[0]) + (padded_bs - batch.batch_size) * q_len * fill
+    need = q_len * batch.seq_lens_sum + (padded_bs - batch.batch_size) * q_len * fill
     have = int(static.custom_mask.shape[0])
     if need > have:
         raise GraphLimitError(

@@ -25,8 +25,11 @@ class GraphMetadataMismatch(RuntimeError):
 
 def _walk(x: Any, path: str, out: dict) -> None:
     if isinstance(x, torch.Tensor):
-        out[path] = ("tensor", x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype,
-                     str(x.device))
+        if x.device.type == "cpu":  # host tensors (CPU mirrors) are never read by a graph
+            out[path] = ("host tensor", tuple(x.shape), x.dtype)
+        else:
+            out[path] = ("tensor", x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype,
+                         str(x.device))
     elif attrs.has(type(x)):
         for f in attrs.fields(type(x)):
             _walk(getattr(x, f.name), f"{path}.{f.name}", out)
