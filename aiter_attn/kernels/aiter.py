@@ -303,7 +303,11 @@ def _no_noncausal_specials(req) -> Optional[str]:
     return None
 
 
-def _mla_heads(req) -> Optional[str]:
+def _mla_shape(req) -> Optional[str]:
+    # aiter's MLA kernels are built for DeepSeek's latent shape: kv_lora 512 + rope 64.
+    if (req.head_dim, req.v_head_dim) not in ((576, 512), (576, None), (None, None)):
+        return (f"head_dim {req.head_dim} / v_head_dim {req.v_head_dim}: aiter MLA serves "
+                "576 (kv_lora_rank 512 + rope 64) / 512 only")
     heads = dict(req.extra).get("heads")
     if heads is None:
         return None
@@ -325,8 +329,8 @@ def capabilities() -> dict:
             features={"sinks", "softcap", "window", "fp8", "non_causal"},
             cg_support=CGSupport.UNIFORM_BATCH, predicate=_no_noncausal_specials),
         "mla_paged_attention": Capabilities(
-            devices={"cuda"}, dtypes=act, kv_dtypes=act | fp8, head_dims={576},
-            features={"fp8"}, cg_support=CGSupport.UNIFORM_BATCH, predicate=_mla_heads),
+            devices={"cuda"}, dtypes=act, kv_dtypes=act | fp8, features={"fp8"},
+            cg_support=CGSupport.UNIFORM_BATCH, predicate=_mla_shape),
         "varlen_attention": Capabilities(
             devices={"cuda"}, dtypes=act, max_head_dim=256,
             features={"window", "softcap", "non_causal", "v_head_dim_differs"}),

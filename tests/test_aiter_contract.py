@@ -1,0 +1,451 @@
+"""The aiter plugin's contract with the real ``amd-aiter`` package, checked on the CPU.
+
+CI downloads the ``amd-aiter`` wheel (pure Python, ~40 MB) without installing or importing
+it (``.ci/run``: ``pip download --no-deps amd-aiter -d .whl``). This test reads the source of
+every aiter function the plugin calls straight out of the wheel with ``ast``, builds an
+``inspect.Signature`` from each definition, installs a fake ``aiter`` package whose functions
+carry those signatures and record their calls, runs the plugin's kernels on CPU tensors, and
+binds every recorded call to the real signature. A renamed or missing parameter fails (see the
+mutation self-tests at the end). Without the wheel the test fails; it never skips.
+
+The wheel is found through ``$AITER_ATTN_AITER_WHEEL`` (a ``.whl`` file or an unpacked source
+tree) or ``<repo>/.whl/amd_aiter-*.whl``. ``$AITER_ATTN_AITER_EXTRA_SRC`` (``os.pathsep``
+separated source trees, e.g. a checkout of ROCm/aiter) adds more releases to bind against.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+import os
+import sys
+import types
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import aiter_attn.kernels.aiter as A
+from aiter_attn.kernels import aiter_marshal as M
+from aiter_attn.kernels.reference import mla_paged_attention_reference
+
+REPO = Path(__file__).resolve().parents[1]
+_DEFAULT = object()  # stands for any default value in an ast-derived signature
+
+#: pa_decode_gluon is absent from the amd-aiter 0.1.7 wheel (PyPI's only release); its
+#: parameters as of ROCm/aiter e4048607 (aiter/ops/triton/gluon/pa_decode_gluon.py), so the
+#: 5-D call is still bound against a real signature. ``=`` marks a default.
+PA_DECODE_GLUON_SNAPSHOT = (
+    "output query key_cache value_cache context_lengths block_tables softmax_scale "
+    "query_length max_context_partition_num context_partition_size= compute_type= "
+    "query_scale= key_scale= value_scale= exp_sums= max_logits= temporary_output= "
+    "alibi_slopes= sinks= sliding_window= ps="
+)
+
+
+# --------------------------------------------------------------------------------------------
+# reading signatures from source
+
+
+class SourceTree:
+    """Python files of one aiter release: a wheel (zip) or a directory."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.label = self.path.name
+        self._zip = zipfile.ZipFile(self.path) if self.path.is_file() else None
+
+    def read(self, relpath: str):
+        if self._zip is not None:
+            try:
+                return self._zip.read(relpath).decode()
+            except KeyError:
+                return None
+        f = self.path / relpath
+        return f.read_text() if f.is_file() else None
+
+    def module_source(self, module: str):
+        base = module.replace(".", "/")
+        return self.read(base + ".py") or self.read(base + "/__init__.py")
+
+
+def _find_def(tree: ast.Module, name: str):
+    """A module-level ``def name`` (also inside top-level ``if``/``try`` blocks)."""
+    stack = list(tree.body)
+    while stack:
+        node = stack.pop(0)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            return node
+        if isinstance(node, (ast.If, ast.Try)):
+            stack.extend(node.body + node.orelse + getattr(node, "finalbody", []))
+            for h in getattr(node, "handlers", []):
+                stack.extend(h.body)
+    return None
+
+
+def signature_from_ast(fn: ast.FunctionDef) -> inspect.Signature:
+    """An ``inspect.Signature`` with the definition's parameter names, kinds and which have
+    defaults (the default values themselves do not matter for binding)."""
+    P = inspect.Parameter
+    a = fn.args
+    positional = a.posonlyargs + a.args
+    first_default = len(positional) - len(a.defaults)
+    params = [P(arg.arg, P.POSITIONAL_ONLY if i < len(a.posonlyargs) else P.POSITIONAL_OR_KEYWORD,
+                default=_DEFAULT if i >= first_default else P.empty)
+              for i, arg in enumerate(positional)]
+    if a.vararg:
+        params.append(P(a.vararg.arg, P.VAR_POSITIONAL))
+    for arg, d in zip(a.kwonlyargs, a.kw_defaults):
+        params.append(P(arg.arg, P.KEYWORD_ONLY, default=P.empty if d is None else _DEFAULT))
+    if a.kwarg:
+        params.append(P(a.kwarg.arg, P.VAR_KEYWORD))
+    return inspect.Signature(params)
+
+
+def signature_from_snapshot(spec: str) -> inspect.Signature:
+    P = inspect.Parameter
+    return inspect.Signature([
+        P(tok.rstrip("="), P.POSITIONAL_OR_KEYWORD,
+          default=_DEFAULT if tok.endswith("=") else P.empty) for tok in spec.split()])
+
+
+def read_signatures(tree: SourceTree) -> dict:
+    """``{function: (module, Signature, FunctionDef)}`` for the plugin's aiter functions that
+    this release defines (first module of ``AITER_FUNCTIONS`` that has it)."""
+    found = {}
+    for name, modules in A.AITER_FUNCTIONS.items():
+        for module in modules:
+            src = tree.module_source(module)
+            node = _find_def(ast.parse(src), name) if src else None
+            if node is not None:
+                found[name] = (module, signature_from_ast(node), node)
+                break
+    return found
+
+
+def _wheel_path():
+    env = os.environ.get("AITER_ATTN_AITER_WHEEL")
+    if env:
+        return Path(env)
+    wheels = sorted((REPO / ".whl").glob("amd_aiter-*.whl"))
+    return wheels[-1] if wheels else None
+
+
+@pytest.fixture(scope="module")
+def wheel() -> SourceTree:
+    path = _wheel_path()
+    if path is None or not path.exists():
+        pytest.fail(
+            "the amd-aiter wheel is required for the aiter contract test (it must not skip): "
+            "run `pip download --no-deps amd-aiter -d .whl` in the repository root (.ci/run "
+            "does) or point AITER_ATTN_AITER_WHEEL at a wheel or unpacked source tree.",
+            pytrace=False)
+    return SourceTree(path)
+
+
+def _trees(wheel):
+    extra = [p for p in os.environ.get("AITER_ATTN_AITER_EXTRA_SRC", "").split(os.pathsep) if p]
+    return [wheel] + [SourceTree(Path(p)) for p in extra]
+
+
+# --------------------------------------------------------------------------------------------
+# the fake aiter package
+
+
+class Recorder:
+    """Stands in for one aiter function: binds every call to the real signature (TypeError on
+    mismatch, naming the release) and records the bound arguments."""
+
+    def __init__(self, name, signature, label, calls, result=None):
+        self.name, self.__signature__, self.label = name, signature, label
+        self.calls, self.result = calls, result
+
+    def __call__(self, *args, **kwargs):
+        try:
+            bound = self.__signature__.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.name} of aiter {self.label}: {exc}") from None
+        self.calls.append((self.name, bound.arguments))
+        return self.result(bound.arguments) if self.result else None
+
+
+def _info_result(args):
+    """What get_mla_metadata_info_v1 returns, from our own sizing formula (cu_num 80)."""
+    specs = M.mla_work_buffer_spec(args["batch_size"], args["max_seqlen_qo"], args["num_head_qo"],
+                                   args["kv_dtype"], cu_num=80, fast_mode=args["fast_mode"])
+    return tuple((s.shape, s.dtype) for s in specs)
+
+
+def _mla_decode_result(args):
+    """Fill each padded output head with its own query (so the unpadding can be checked)."""
+    o, q = args["o"], args["q"]
+    o.copy_(q[..., : o.shape[-1]])
+
+
+RESULTS = {"get_mla_metadata_info_v1": _info_result, "mla_decode_fwd": _mla_decode_result}
+
+
+def install_fake_aiter(monkeypatch, signatures: dict, label: str) -> list:
+    """Put a fake ``aiter`` package with ``signatures`` into ``sys.modules``; returns the list
+    every call is recorded into."""
+    calls: list = []
+    for name in [m for m in sys.modules if m == "aiter" or m.startswith("aiter.")]:
+        monkeypatch.delitem(sys.modules, name)
+    modules: dict = {}
+
+    def module(path):
+        if path not in modules:
+            mod = types.ModuleType(path)
+            mod.__path__ = []  # a package, so missing submodules raise ModuleNotFoundError
+            modules[path] = mod
+            monkeypatch.setitem(sys.modules, path, mod)
+            parent, _, leaf = path.rpartition(".")
+            if parent:
+                setattr(module(parent), leaf, mod)
+        return modules[path]
+
+    for fn, (mod_path, sig, _) in signatures.items():
+        setattr(module(mod_path), fn, Recorder(fn, sig, label, calls, RESULTS.get(fn)))
+    module("aiter")
+    A.reset_api()
+    return calls
+
+
+@pytest.fixture(autouse=True)
+def _clean_api():
+    A.reset_api()
+    yield
+    A.reset_api()
+
+
+# --------------------------------------------------------------------------------------------
+# the plugin's calls, on CPU tensors
+
+
+def _paged(dtype=torch.bfloat16, kv_dtype=None, q_lens=(1, 1), kv_lens=(20, 33), ps=16,
+           hq=8, hkv=2, d=64):
+    g = torch.Generator().manual_seed(0)
+    kv_dtype = kv_dtype or dtype
+    pages = 12
+    k = torch.randn(pages, ps, hkv, d, generator=g).to(kv_dtype)
+    v = torch.randn(pages, ps, hkv, d, generator=g).to(kv_dtype)
+    q = torch.randn(sum(q_lens), hq, d, generator=g).to(dtype)
+    out = torch.empty_like(q)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    bt = torch.tensor([[3, 7, 0], [5, 1, 9]], dtype=torch.int32)
+    kw = dict(cu_seqlens_q=cu, seqused_k=torch.tensor(kv_lens, dtype=torch.int32),
+              block_table=bt, softmax_scale=0.125, max_seqlen_q=max(q_lens))
+    if kv_dtype != dtype:
+        kw.update(k_scale=torch.tensor(0.5), v_scale=torch.tensor(2.0))
+    return q, k, v, out, kw
+
+
+def _mla(heads, kv_dtype=torch.bfloat16, q_len=1, ps=1):
+    g = torch.Generator().manual_seed(1)
+    bs, kv_lens = 2, (9, 30)
+    kv = torch.randn(64 // ps + 2, ps, 1, 576, generator=g).to(kv_dtype)
+    q = torch.randn(bs * q_len, heads, 576, generator=g).to(torch.bfloat16)
+    out = torch.zeros(bs * q_len, heads, 512, dtype=torch.bfloat16)
+    width = -(-max(kv_lens) // ps)
+    bt = (torch.randperm(bs * width, generator=g) + 1).view(bs, width).to(torch.int32)
+    kw = dict(kv_lora_rank=512, cu_seqlens_q=torch.arange(0, bs * q_len + 1, q_len,
+                                                          dtype=torch.int32),
+              seqused_k=torch.tensor(kv_lens, dtype=torch.int32), block_table=bt,
+              softmax_scale=0.07, max_seqlen_q=q_len)
+    if kv_dtype != torch.bfloat16:
+        kw["kv_scale"] = torch.tensor(0.5)
+    return q, kv, out, kw
+
+
+def run_every_plugin_path(vec5d: bool = True) -> None:
+    """Drive each aiter kernel of the plugin through every route it has."""
+    fp8 = torch.float8_e4m3fnuz
+    q, k, v, out, kw = _paged()
+    A.aiter_paged_attention(q, k, v, out, **kw)  # decode → paged_attention_ragged
+    q, k, v, out, kw = _paged(kv_dtype=fp8)
+    A.aiter_paged_attention(q, k, v, out, softcap=30.0, **kw)  # fp8 decode
+    q, k, v, out, kw = _paged(q_lens=(7, 12), kv_lens=(20, 33))
+    A.aiter_paged_attention(q, k, v, out, **kw)  # extend → mha_batch_prefill_func
+    A.aiter_paged_attention(q, k, v, out, causal=False, **kw)
+    q, k, v, out, kw = _paged(q_lens=(7, 12), kv_lens=(20, 33), kv_dtype=fp8)
+    A.aiter_paged_attention(q, k, v, out, **kw)  # fp8 extend (descale or unified)
+    q, k, v, out, kw = _paged(q_lens=(1, 3))
+    A.aiter_paged_attention(q, k, v, out, window_size=(15, 0), **kw)  # SWA → unified
+    A.aiter_paged_attention(q, k, v, out, sinks=torch.zeros(8), **kw)  # sinks → unified
+    for heads, kv_dtype, q_len in ((16, torch.bfloat16, 1), (4, fp8, 1), (32, torch.bfloat16, 1),
+                                   (8, torch.bfloat16, 2), (128, fp8, 2)):
+        q, kv, out, kw = _mla(heads, kv_dtype, q_len)
+        A.aiter_mla_paged_attention(q, kv, out, **kw)
+        # the fake kernel copies q into o: unpadded outputs must be each head's own query
+        torch.testing.assert_close(out, q[..., :512], rtol=0, atol=0)
+    q, kv, out, kw = _mla(16, q_len=9, ps=64)
+    A.aiter_mla_paged_attention(q, kv, out, **kw)  # extend → mla_prefill_fwd
+    qd = torch.randn(10, 4, 192).bfloat16()
+    kd, vd = torch.randn(10, 4, 192).bfloat16(), torch.randn(10, 4, 128).bfloat16()
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    A.aiter_varlen_attention(qd, kd, vd, torch.empty(10, 4, 128).bfloat16(), cu_seqlens_q=cu,
+                             cu_seqlens_k=cu, max_seqlen_q=6, max_seqlen_k=6,
+                             softmax_scale=0.1)
+    if vec5d:
+        x = M.vec5d_x(torch.bfloat16)
+        k5 = torch.zeros(6, 2, 64 // x, 16, x, dtype=torch.bfloat16)
+        v5 = torch.zeros(6, 2, 16 // x, 64, x, dtype=torch.bfloat16)
+        q5 = torch.randn(2, 8, 64).bfloat16()
+        A.aiter_paged_attention_vec5d(q5, k5, v5, torch.empty_like(q5),
+                                      seqused_k=torch.tensor([5, 30], dtype=torch.int32),
+                                      block_table=torch.tensor([[1, 2], [3, 4]],
+                                                               dtype=torch.int32),
+                                      softmax_scale=0.125, sliding_window=8,
+                                      sinks=torch.zeros(8))
+
+
+# --------------------------------------------------------------------------------------------
+# tests
+
+
+def test_wheel_defines_every_required_function(wheel):
+    sigs = read_signatures(wheel)
+    missing = set(A.AITER_FUNCTIONS) - set(sigs)
+    assert missing <= A.OPTIONAL_FUNCTIONS, (
+        f"amd-aiter ({wheel.label}) lacks {sorted(missing - A.OPTIONAL_FUNCTIONS)}")
+    for name, (_, sig, _) in sigs.items():
+        kinds = {p.kind for p in sig.parameters.values()}
+        assert inspect.Parameter.VAR_KEYWORD not in kinds, (
+            f"{name} takes **kwargs: binding could not catch a renamed parameter")
+
+
+def _signatures_with_snapshot(tree):
+    sigs = read_signatures(tree)
+    sigs.setdefault("pa_decode_gluon", ("aiter.ops.triton.gluon.pa_decode_gluon",
+                                        signature_from_snapshot(PA_DECODE_GLUON_SNAPSHOT), None))
+    return sigs
+
+
+def test_every_call_binds_to_the_real_signature(wheel, monkeypatch):
+    for tree in _trees(wheel):
+        _check_calls_bind(tree, monkeypatch)
+
+
+def _check_calls_bind(tree, monkeypatch):
+    sigs = _signatures_with_snapshot(tree)
+    calls = install_fake_aiter(monkeypatch, sigs, tree.label)
+    run_every_plugin_path()
+    called = {name for name, _ in calls}
+    assert called == set(A.AITER_FUNCTIONS), f"never called: {set(A.AITER_FUNCTIONS) - called}"
+    by = {}
+    for name, args in calls:
+        by.setdefault(name, []).append(args)
+    # a few semantic checks on what was bound
+    for args in by["paged_attention_ragged"]:
+        assert args["kv_cache_dtype"] in ("auto", "fp8_e4m3")
+        assert args["kv_cache_layout"] == "NHD" and args["block_size"] == 1
+        assert args["key_cache"].shape[1] == 1 and args["kv_page_indices"].dtype == torch.int32
+    assert {a["kv_cache_dtype"] for a in by["paged_attention_ragged"]} == {"auto", "fp8_e4m3"}
+    for args in by["unified_attention"]:
+        assert args["max_seqlen_k"] == args["block_table"].shape[1] * args["k"].shape[1]
+        assert args["causal"] is True
+    assert (15, 0) in {tuple(a["window_size"]) for a in by["unified_attention"]}
+    assert all(a["q"].shape[1] % 16 == 0 for a in by["mla_decode_fwd"])
+    persistent = [a for a in by["mla_decode_fwd"] if a.get("work_meta_data") is not None]
+    assert persistent and all(a["num_kv_splits"] for a in persistent)
+
+
+def test_fp8_extend_route_follows_the_release(wheel, monkeypatch):
+    """0.1.7's mha_batch_prefill_func takes no k_descale: fp8 extend goes to
+    unified_attention (which dequantises); releases that take it get the descales."""
+    for tree in _trees(wheel):
+        sigs = _signatures_with_snapshot(tree)
+        calls = install_fake_aiter(monkeypatch, sigs, tree.label)
+        q, k, v, out, kw = _paged(q_lens=(7, 12), kv_lens=(20, 33),
+                                  kv_dtype=torch.float8_e4m3fnuz)
+        A.aiter_paged_attention(q, k, v, out, **kw)
+        takes = "k_descale" in sigs["mha_batch_prefill_func"][1].parameters
+        (name, args), = calls
+        if takes:
+            assert name == "mha_batch_prefill_func" and args["k_descale"] is not None
+        else:
+            assert name == "unified_attention" and args["k_descale"] is not None
+
+
+def test_registration_with_the_wheel(wheel, monkeypatch):
+    """On ROCm with this wheel the plugin registers every kernel whose functions exist."""
+    calls = install_fake_aiter(monkeypatch, read_signatures(wheel), wheel.label)
+    monkeypatch.setattr(A, "availability", lambda: (True, ""))
+    got = {}
+    A.aiter_attn_register_kernels(lambda op, name, fn, caps, priority=0: got.setdefault(op, fn))
+    sigs = read_signatures(wheel)
+    expect = {op for op, (_, needs) in A._KERNELS.items() if set(needs) <= set(sigs)}
+    assert set(got) == expect and "paged_attention" in expect and "mla_paged_attention" in expect
+    assert not calls  # registering calls no kernel
+
+
+def test_mla_work_sizes_match_the_wheel_formula(wheel):
+    """Our CPU sizing of the persistent-MLA work metadata equals what the wheel's own
+    get_mla_metadata_info_v1 computes (its body run with a stand-in for the GPU query)."""
+    _, _, node = read_signatures(wheel)["get_mla_metadata_info_v1"]
+    fn_src = ast.Module(body=[node], type_ignores=[])
+    node.decorator_list = []
+    for cu_num in (80, 304):
+        cuda = types.SimpleNamespace(
+            current_device=lambda: 0,
+            get_device_properties=lambda i, cu=cu_num: types.SimpleNamespace(
+                multi_processor_count=cu))
+        fake_torch = types.SimpleNamespace(cuda=cuda, uint64=torch.uint64, int32=torch.int32,
+                                           dtype=torch.dtype, Tensor=torch.Tensor)
+        ns = {"torch": fake_torch, "math": math,
+              "dtypes": types.SimpleNamespace(fp8=torch.float8_e4m3fnuz)}
+        exec(compile(ast.fix_missing_locations(fn_src), "get_mla_metadata_info_v1", "exec"), ns)
+        for bs, qlen, heads, kv, fast in ((1, 1, 16, torch.bfloat16, False),
+                                          (37, 1, 128, torch.float8_e4m3fnuz, True),
+                                          (256, 2, 32, torch.bfloat16, False),
+                                          (8, 4, 64, torch.float8_e4m3fnuz, True)):
+            theirs = ns["get_mla_metadata_info_v1"](bs, qlen, heads, torch.bfloat16, kv, False,
+                                                    fast_mode=fast)
+            ours = M.mla_work_buffer_spec(bs, qlen, heads, kv, cu_num=cu_num, fast_mode=fast)
+            norm = [((s,) if isinstance(s, int) else tuple(s), d) for s, d in theirs]
+            assert [(s.shape, s.dtype) for s in ours] == norm, (bs, qlen, heads, kv, fast)
+
+
+def _mutate(sig: inspect.Signature, param: str, new_name=None) -> inspect.Signature:
+    params = [p.replace(name=new_name) if p.name == param and new_name else p
+              for p in sig.parameters.values() if new_name or p.name != param]
+    return sig.replace(parameters=params)
+
+
+@pytest.mark.parametrize("fn,param,new_name", [
+    pytest.param("mla_decode_fwd", "sm_scale", "softmax_scale", id="renamed-mla-sm_scale"),
+    pytest.param("paged_attention_ragged", "kv_cache_layout", None, id="removed-ragged-layout"),
+    pytest.param("unified_attention", "seqused_k", "seq_lens_k", id="renamed-unified-seqused_k"),
+    pytest.param("get_mla_metadata_v1", "reduce_partial_map", None, id="removed-metadata-param"),
+    pytest.param("mha_batch_prefill_func", "kv_page_indices", "kv_indices",
+                 id="renamed-prefill-indices"),
+])
+def test_self_test_a_changed_signature_fails(wheel, monkeypatch, fn, param, new_name):
+    """The contract test is only worth something if it catches drift: mutate one real
+    signature and the plugin's calls must no longer bind."""
+    sigs = _signatures_with_snapshot(wheel)
+    module, sig, node = sigs[fn]
+    assert param in sig.parameters
+    sigs[fn] = (module, _mutate(sig, param, new_name), node)
+    install_fake_aiter(monkeypatch, sigs, wheel.label + "-mutated")
+    with pytest.raises(TypeError, match=fn):
+        run_every_plugin_path()
+
+
+def test_head_padding_never_changes_results():
+    """Reference MLA on heads padded 4→16 / 8→16 and unpadded equals the unpadded run."""
+    g = torch.Generator().manual_seed(3)
+    for heads in (4, 8):
+        padded, repeat = M.mla_head_padding(heads)
+        kv = torch.randn(6, 16, 1, 72, generator=g)
+        q = torch.randn(3, heads, 72, generator=g)
+        kw = dict(kv_lora_rank=64, cu_seqlens_q=torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+                  seqused_k=torch.tensor([5, 16, 30], dtype=torch.int32),
+                  block_table=torch.tensor([[2, 0], [4, 0], [1, 5]], dtype=torch.int32),
+                  softmax_scale=0.1)
+        plain = mla_paged_attention_reference(q, kv, torch.empty(3, heads, 64), **kw)
+        wide = mla_paged_attention_reference(M.pad_heads(q, repeat), kv,
+                                             torch.empty(3, padded, 64), **kw)
+        torch.testing.assert_close(M.unpad_heads(wide, repeat), plain, rtol=0, atol=0)
