@@ -307,6 +307,18 @@ class MLAExtendMetadata(MetadataStrategy):
             "dense_block_table": ((max_bs, max(max_seq_len, 1)), torch.int32),
         })
 
+    @staticmethod
+    def _prefix_total(batch: ForwardBatch) -> int:
+        """Cached-prefix tokens in the step (host int from the CPU mirrors)."""
+        return int((batch.seq_lens_cpu - batch.extend_seq_lens_cpu.to(torch.int64)).sum())
+
+    def eager_buffers(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
+        """Buffers sized for ``batch``; ``prefix_slots`` exactly its prefix tokens."""
+        spec = self.buffer_spec(max(batch.batch_size, 1), max(batch.num_tokens, 1),
+                                max(batch.max_seq_len, 1))
+        exact = {"prefix_slots": ((max(self._prefix_total(batch), 1),), torch.int32)}
+        return BufferSpec({**spec.buffers, **exact}).allocate(batch.device)
+
     def plan(self, batch: ForwardBatch, out: Optional[dict] = None) -> AttnMetadata:
         static = out is not None
         if out is None:
@@ -316,8 +328,7 @@ class MLAExtendMetadata(MetadataStrategy):
         query = plan_query_layout(batch, cu, None)
         pages = plan_page_table(self.ctx, batch, out["block_table"][:bs], out["seqused_k"][:bs],
                                 static)
-        prefix_cpu = batch.seq_lens_cpu - batch.extend_seq_lens_cpu.to(torch.int64)
-        total_prefix = int(prefix_cpu.sum())
+        total_prefix = self._prefix_total(batch)
         prefix_lens = batch.seq_lens - batch.extend_seq_lens.to(batch.seq_lens.dtype)
         prefix_indptr = out["prefix_indptr"][: bs + 1]
         prefix_slots = out["prefix_slots"][:total_prefix]
