@@ -15,6 +15,7 @@ from aiter_attn import (
     ForwardMode,
     LayerSpec,
     ReqToTokenPool,
+    SpecDecodeConfig,
     SpecInfo,
     SWAKVPool,
     SWAPageAllocator,
@@ -224,7 +225,7 @@ def test_draft_extend_v2_rejects_ragged_lengths():
     batch = sc.next_batch(ForwardMode.DRAFT_EXTEND_V2, [2, 2],
                           spec_info=SpecInfo(num_draft_tokens=2))
     batch.extend_seq_lens_cpu = torch.tensor([1, 3])
-    with pytest.raises(ValueError, match="same number of tokens per request"):
+    with pytest.raises(ValueError, match="fixed 2 tokens per request"):
         be.init_forward_metadata(batch)
 
 
@@ -256,7 +257,8 @@ def tree_masks(prefix_lens, parents):
 def test_swa_tree_verify_literal_mask(page_size):
     """Tree verify: the window is applied at path positions (prefix + depth); the expected
     output applies the literal per-token mask ``tree[i, j] and pos(j) ≥ pos(i) − w + 1``."""
-    cfg = BackendConfig(page_size=page_size, max_context_len=256, dtype=torch.float32, arch="swa")
+    cfg = BackendConfig(page_size=page_size, max_context_len=256, dtype=torch.float32, arch="swa",
+                        spec=SpecDecodeConfig(topk=2, num_draft_tokens=len(TREE_PARENTS)))
     layers = hybrid_layers(10, 2, 16, [3, None, 2, 6])
     prefixes = [7, page_size + 1, 0 + 4]
     sc = make_swa_scenario(cfg, layers, prefixes, seed=11 + page_size)
@@ -287,7 +289,8 @@ def test_swa_tree_verify_literal_mask(page_size):
 
 
 def test_tree_verify_without_mask_is_an_error():
-    cfg = BackendConfig(page_size=4, max_context_len=64, dtype=torch.float32, arch="swa")
+    cfg = BackendConfig(page_size=4, max_context_len=64, dtype=torch.float32, arch="swa",
+                        spec=SpecDecodeConfig(topk=2, num_draft_tokens=2))
     sc = make_swa_scenario(cfg, hybrid_layers(4, 2, 16, [3]), [3], seed=2)
     be = backend_for(sc)
     batch = sc.next_batch(ForwardMode.TARGET_VERIFY, [2], spec_info=SpecInfo(num_draft_tokens=2,

@@ -8,7 +8,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aiter_attn import AttentionBackend, BackendConfig, ForwardBatch, ForwardMode, SpecInfo
+from aiter_attn import (
+    AttentionBackend,
+    BackendConfig,
+    ForwardBatch,
+    ForwardMode,
+    SpecDecodeConfig,
+    SpecInfo,
+)
 
 from .test_swa import hybrid_layers, make_swa_scenario
 
@@ -36,9 +43,10 @@ def swa_steps(draw, *, modes=tuple(ForwardMode)):
                 free_first=free_first, seed=seed)
 
 
-def build(case, *, dtype=torch.float32):
+def build(case, *, dtype=torch.float32, tree=False):
+    spec_cfg = SpecDecodeConfig(topk=2, num_draft_tokens=case["new"][0]) if tree else None
     cfg = BackendConfig(page_size=case["page_size"], max_batch_size=8, max_context_len=64,
-                        dtype=dtype, arch="swa")
+                        dtype=dtype, arch="swa", spec=spec_cfg)
     layers = hybrid_layers(4, 2, 8, [case["window"], None])
     sc = make_swa_scenario(cfg, layers, case["prefixes"], seed=case["seed"], extra_tokens=16)
     if case["free_first"]:
@@ -116,7 +124,8 @@ def test_padded_and_fully_masked_rows_are_finite(case, pad, data):
     """Graph-style padding rows (request row 0, KV length 1, the null slot) and, for verify, a
     random tree-shaped mask with fully masked rows: every output is finite and a row with no
     visible key is exactly zero."""
-    sc, be, real = build(case)
+    tree = case["mode"] == ForwardMode.TARGET_VERIFY
+    sc, be, real = build(case, tree=tree)
     bs, n = real.batch_size, real.q_lens_cpu[0].item()
     seq = real.seq_lens_cpu.tolist() + [n] * pad  # padding rows hold only their own tokens
     spec = None
@@ -146,16 +155,17 @@ def test_padded_and_fully_masked_rows_are_finite(case, pad, data):
 @given(swa_steps(modes=(ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
                         ForwardMode.DRAFT_EXTEND_V2)), st.booleans())
 def test_decode_like_planning_is_sync_free(case, tree):
-    """SWA and VEC5D planning of DECODE / TARGET_VERIFY (chain and tree) / DRAFT_EXTEND_V2, and
-    the tree-mask windowing SWA execution does, complete with every device tensor on ``meta``
-    (any host read of device data raises there)."""
+    """SWA planning of DECODE / TARGET_VERIFY (chain and tree) / DRAFT_EXTEND_V2, eager and into
+    static buffers, and the tree-mask windowing SWA execution does, complete with every device
+    tensor on ``meta`` (any host read of device data raises there)."""
     import attrs
 
     from aiter_attn.strategies import swa as swa_strategies
     from aiter_attn.testing.nosync import meta_context, to_meta_batch
 
-    sc, be, batch = build(case)
-    if tree and batch.forward_mode == ForwardMode.TARGET_VERIFY:
+    tree = tree and case["mode"] == ForwardMode.TARGET_VERIFY
+    sc, be, batch = build(case, tree=tree)
+    if tree:
         n = batch.q_lens_cpu[0].item()
         total = n * batch.seq_lens_sum
         batch.spec_info = SpecInfo(num_draft_tokens=n, topk=2,
@@ -166,19 +176,19 @@ def test_decode_like_planning_is_sync_free(case, tree):
         pool.full_to_swa_index_mapping, device="meta"))
     ctx = meta_context(attrs.evolve(be.ctx, kv_pool=meta_pool))
     mode = batch.forward_mode
-    planners = {
-        ForwardMode.DECODE: (swa_strategies.SWADecodeMetadata, swa_strategies.DecodeModeMetadata),
-        ForwardMode.TARGET_VERIFY: (swa_strategies.SWAVerifyMetadata,
-                                    swa_strategies.VerifyModeMetadata),
-        ForwardMode.DRAFT_EXTEND_V2: (swa_strategies.SWADraftExtendV2Metadata,
-                                      swa_strategies.DraftExtendV2ModeMetadata),
+    planner = {
+        ForwardMode.DECODE: swa_strategies.SWADecodeMetadata,
+        ForwardMode.TARGET_VERIFY: (swa_strategies.SWAVerifyTreeMetadata if tree
+                                    else swa_strategies.SWAVerifyChainMetadata),
+        ForwardMode.DRAFT_EXTEND_V2: swa_strategies.SWADraftExtendV2Metadata,
     }[mode]
-    for planner in planners:  # SWA's, and the mode planner VEC5D uses
-        md = planner(ctx).plan(meta_batch)
+    # (VEC5D plans with the MHA/spec planners these wrap; their own tests run them on meta.)
+    for static in (False, True):
+        out = planner(ctx).buffer_spec(8, 64, 64).allocate("meta") if static else None
+        md = planner(ctx).plan(meta_batch, out=out)
+        assert md.extras["swa_pages"].block_table.device.type == "meta"
         assert md.pages.block_table.device.type == "meta"
         if md.mask is not None:
-            total = md.query.max_seqlen_q * batch.seq_lens_sum
-            wm = swa_strategies.window_tree_mask(md.mask, meta_batch, md.query, case["window"],
-                                                 total)
+            wm = swa_strategies.window_tree_mask(md.mask, meta_batch, md.query, case["window"])
             assert wm.custom_mask.device.type == "meta"
     assert md.query.cu_seqlens_q.shape == (batch.batch_size + 1,)

@@ -5,6 +5,7 @@ the 5-D attention op against the NHD one."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from aiter_attn import (
     LayerSpec,
     PageAllocator,
     ReqToTokenPool,
+    SpecDecodeConfig,
     SpecInfo,
     Vec5DKVPool,
     ops,
@@ -158,8 +160,10 @@ def test_vec5d_speculative_modes(page_size, v_layout):
     run_step(sc, be, ForwardMode.TARGET_VERIFY, [3, 3, 3], spec_info=chain, rtol=1e-5)
     run_step(sc, be, ForwardMode.DRAFT_EXTEND, [1, 3, 2], rtol=1e-5)
     run_step(sc, be, ForwardMode.DRAFT_EXTEND_V2, [3, 3, 3], spec_info=chain, rtol=1e-5)
-    # tree verify with the literal per-token mask
+    # tree verify with the literal per-token mask (a tree backend: spec.topk > 1)
     n = len(TREE_PARENTS)
+    sc.config = attrs.evolve(cfg, spec=SpecDecodeConfig(topk=2, num_draft_tokens=n))
+    be = AttentionBackend(sc.config, sc.req_pool, sc.kv_pool)
     held = [sc.allocator.tokens_held(r) for r in sc.rows]
     masks = tree_masks(held, TREE_PARENTS)
     tree = SpecInfo(num_draft_tokens=n, topk=2,

@@ -15,14 +15,19 @@ into the tree mask at the tokens' true positions (``batch.positions``), so a bra
 ``w`` most recent tokens of *its own path*; chain verify and every other mode use the kernel's
 window directly (there, index order is position order).
 
-The mode-generic part (:class:`ModePagedMetadata` and its per-mode subclasses, the tree-mask
-helpers) is shared with :mod:`aiter_attn.strategies.vec5d`.
+Planning reuses the MHA and speculative planners (:mod:`aiter_attn.strategies.mha`,
+:mod:`aiter_attn.strategies.spec`: query layouts, page tables, draft-token checks, tree masks
+and their static buffers) and adds the SWA table on top (:class:`SWATablesMixin`). Chain and
+tree verify are separate pairs chosen by ``BackendConfig.spec.topk``, as for MHA. The
+execution helpers (:func:`attend`, :func:`window_tree_mask`) are shared with
+:mod:`aiter_attn.strategies.vec5d`.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import attrs
 import torch
 
 from ..batch import ForwardBatch
@@ -33,204 +38,71 @@ from ..ops import paged_attention_request
 from ..registry import StrategyPair
 from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
 from .base import BufferSpec, ExecutionStrategy
-from .mha import PagedMetadata, plan_page_table, plan_query_layout
+from .mha import DecodeMetadata, ExtendMetadata
+from .spec import DraftExtendV2Metadata, VerifyChainMetadata, VerifyTreeMetadata
 
 __all__ = [
-    "ModePagedMetadata",
-    "DecodeModeMetadata",
-    "ExtendModeMetadata",
-    "VerifyModeMetadata",
-    "DraftExtendV2ModeMetadata",
     "SWATablesMixin",
     "SWADecodeMetadata",
     "SWAExtendMetadata",
-    "SWAVerifyMetadata",
+    "SWAVerifyChainMetadata",
+    "SWAVerifyTreeMetadata",
     "SWADraftExtendV2Metadata",
     "SWAExecution",
     "plan_swa_tables",
     "window_tree_mask",
-    "draft_token_count",
     "attend",
     "effective_window",
+    "chain_verify_only",
+    "tree_verify_only",
 ]
 
 
 # --------------------------------------------------------------------------------------------
-# Mode-generic planning (shared with vec5d)
+# Tree verify with a window
 # --------------------------------------------------------------------------------------------
 
-def draft_token_count(batch: ForwardBatch) -> int:
-    """Query tokens per request of a TARGET_VERIFY / DRAFT_EXTEND_V2 batch (host int)."""
-    spec = batch.spec_info
-    if spec is None:
-        raise ValueError(
-            f"{batch.forward_mode.name} needs batch.spec_info (a SpecInfo with num_draft_tokens"
-            "); build the batch with ForwardBatch.from_lengths(..., spec_info=SpecInfo(...))."
-        )
-    n = int(spec.num_draft_tokens)
-    if n < 1:
-        raise ValueError(f"spec_info.num_draft_tokens={n}; must be ≥ 1.")
-    return n
-
-
-class ModePagedMetadata(PagedMetadata):
-    """Query layout for the strategy's mode + page table (+ tree mask for verify).
-
-    Subclasses set ``cg_support`` and :meth:`uniform_q_len`, and may add ``extras`` through
-    :meth:`plan_extras` and buffers through :meth:`extra_buffers`.
-    """
-
-    def check_batch(self, batch: ForwardBatch) -> None:
-        """Mode-specific structural checks (host data only)."""
-
-    def extra_buffers(self, max_bs: int, max_tokens: int, max_seq_len: int) -> dict:
-        return {}
-
-    def buffer_spec(self, max_bs: int, max_tokens: int, max_seq_len: int) -> BufferSpec:
-        base = super().buffer_spec(max_bs, max_tokens, max_seq_len)
-        return base.merge(BufferSpec(self.extra_buffers(max_bs, max_tokens, max_seq_len)))
-
-    def plan_mask(self, batch: ForwardBatch, out: dict, query: QueryLayout) -> Optional[CustomMask]:
-        return None
-
-    def plan_extras(self, batch: ForwardBatch, out: dict, pages: PageTable, static: bool) -> dict:
-        return {}
-
-    def plan(self, batch: ForwardBatch, out: Optional[dict] = None) -> AttnMetadata:
-        self.check_batch(batch)
-        static = out is not None
-        if out is None:
-            out = self.eager_buffers(batch)
-        bs = batch.batch_size
-        query = plan_query_layout(batch, out["cu_seqlens_q"][: bs + 1], self.uniform_q_len(batch))
-        pages = plan_page_table(self.ctx, batch, out["block_table"][:bs], out["seqused_k"][:bs],
-                                static)
-        return AttnMetadata(
-            mode=batch.forward_mode, batch_size=bs, query=query, pages=pages,
-            mask=self.plan_mask(batch, out, query),
-            extras=self.plan_extras(batch, out, pages, static),
-        )
-
-
-class DecodeModeMetadata(ModePagedMetadata):
-    """DECODE/IDLE: one query token per request; no device→host sync."""
-
-    cg_support = CGSupport.ALWAYS
-
-    def uniform_q_len(self, batch):
-        return 1
-
-
-class ExtendModeMetadata(ModePagedMetadata):
-    """EXTEND / DRAFT_EXTEND: ragged query lengths from ``extend_seq_lens``."""
-
-    cg_support = CGSupport.NEVER
-
-
-class VerifyModeMetadata(ModePagedMetadata):
-    """TARGET_VERIFY: ``num_draft_tokens`` queries per request; chain (``topk == 1``) is causal
-    over the page table, a tree (``topk > 1``) adds ``spec_info.custom_mask``. No sync."""
-
-    cg_support = CGSupport.UNIFORM_BATCH
-
-    def uniform_q_len(self, batch):
-        return draft_token_count(batch)
-
-    def check_batch(self, batch):
-        n = draft_token_count(batch)
-        spec = batch.spec_info
-        if spec.topk > 1:
-            cm = spec.custom_mask
-            if cm is None:
-                raise ValueError(
-                    f"TARGET_VERIFY with topk={spec.topk} (a tree) needs spec_info.custom_mask "
-                    "(bool, per request a row-major [num_draft_tokens, seq_len] block); pass it, "
-                    "or topk=1 for a chain."
-                )
-            if not isinstance(cm, torch.Tensor) or cm.dtype not in (torch.bool, torch.uint8) \
-                    or cm.dim() != 1:
-                raise TypeError("spec_info.custom_mask must be a flat bool (or uint8) tensor.")
-            need = n * int(batch.seq_lens_cpu.sum())
-            if spec.mask_indptr is None and cm.numel() < need:
-                raise ValueError(
-                    f"spec_info.custom_mask has {cm.numel()} entries; the batch needs "
-                    f"num_draft_tokens × sum(seq_lens) = {need}."
-                )
-
-    def extra_buffers(self, max_bs, max_tokens, max_seq_len):
-        return {"mask_indptr": ((max_bs + 1,), torch.int64)}
-
-    def plan_mask(self, batch, out, query):
-        spec = batch.spec_info
-        if spec.topk <= 1:
-            return None
-        bs = batch.batch_size
-        indptr = spec.mask_indptr
-        if indptr is None:
-            indptr = out["mask_indptr"][: bs + 1]
-            indptr[:1].zero_()
-            torch.cumsum(batch.seq_lens.to(torch.int64) * query.max_seqlen_q, dim=0,
-                         out=indptr[1:])
-        return CustomMask(custom_mask=spec.custom_mask, mask_indptr=indptr)
-
-
-class DraftExtendV2ModeMetadata(ModePagedMetadata):
-    """DRAFT_EXTEND_V2: the same ``num_draft_tokens`` per request, causal; no sync."""
-
-    cg_support = CGSupport.UNIFORM_BATCH
-
-    def uniform_q_len(self, batch):
-        return draft_token_count(batch)
-
-    def check_batch(self, batch):
-        n = draft_token_count(batch)
-        lens = batch.extend_seq_lens_cpu
-        if lens is not None and lens.numel() and bool((lens != n).any()):
-            raise ValueError(
-                f"DRAFT_EXTEND_V2 takes the same number of tokens per request "
-                f"(spec_info.num_draft_tokens={n}); got extend_seq_lens_cpu={lens.tolist()}. "
-                "Use DRAFT_EXTEND for ragged lengths."
-            )
-
-
-def window_tree_mask(mask: CustomMask, batch: ForwardBatch, query: QueryLayout, window: int,
-                     total: int) -> CustomMask:
+def window_tree_mask(mask: CustomMask, batch: ForwardBatch, query: QueryLayout,
+                     window: int) -> CustomMask:
     """Fold HF ``sliding_window = window`` into a tree mask at the tokens' true positions.
 
-    For request ``b`` with ``L`` keys and ``n`` queries, key ``j < L - n`` (cached prefix) is at
-    position ``j``; key ``j ≥ L - n`` is draft token ``j - (L - n)`` at
+    For request ``b`` (``L`` keys, ``n`` queries, block ``[mask_indptr[b], mask_indptr[b+1])``
+    of the flat mask, row-major ``[n, L]``): key ``j < L - n`` (cached prefix) is at position
+    ``j``; key ``j ≥ L - n`` is draft token ``j - (L - n)``, at
     ``batch.positions[cu_q[b] + j - (L - n)]`` (prefix + depth in the tree); query ``i`` is at
     ``positions[cu_q[b] + i]``. The result keeps ``mask[i, j]`` where
-    ``pos(j) ≥ pos(i) - window + 1``. Without ``batch.positions`` index order is used.
-    Device only; ``total`` = ``n · sum(seq_lens)`` from the CPU mirror. Returns a new flat mask
-    with the same ``mask_indptr``.
+    ``pos(j) ≥ pos(i) - window + 1`` and is False past the last block. Without
+    ``batch.positions`` index order is used.
+
+    Graph-safe: one elementwise pass over the whole mask tensor (its size is a shape: the
+    static buffer under CUDA graphs), every index computed on the device; no host integer
+    from the batch. Returns a new mask of the same shape with the same ``mask_indptr``.
     """
-    dev = mask.custom_mask.device
     bs = batch.batch_size
+    if bs == 0:
+        return mask
+    dev = mask.custom_mask.device
     n = query.max_seqlen_q
+    ip = mask.mask_indptr.to(torch.int64)
     seq = batch.seq_lens.to(torch.int64)
-    blk = torch.zeros(bs + 1, dtype=torch.int64, device=dev)
-    torch.cumsum(seq * n, dim=0, out=blk[1:])
-    e = torch.arange(total, dtype=torch.int64, device=dev)
-    b = torch.searchsorted(blk[1:], e, right=True)
-    local = e - blk[b]
+    e = torch.arange(mask.custom_mask.numel(), dtype=torch.int64, device=dev)
+    b = torch.searchsorted(ip[1:], e, right=True)
+    valid = b < bs
+    b = b.clamp(max=bs - 1)
+    local = torch.where(valid, e - ip[b], torch.zeros_like(e))
     L = seq[b]
     i, j = local // L, local % L
     prefix = L - n
-    cu = query.cu_seqlens_q.to(torch.int64)
     if batch.positions is not None:
         pos = batch.positions.to(torch.int64)
-        q_pos = pos[cu[b] + i]
+        cu = query.cu_seqlens_q.to(torch.int64)
+        q_pos = pos[cu[b] + i.clamp(max=n - 1)]
         is_draft = j >= prefix
-        draft_idx = torch.where(is_draft, cu[b] + (j - prefix), torch.zeros_like(j))
-        k_pos = torch.where(is_draft, pos[draft_idx], j)
+        k_pos = torch.where(is_draft, pos[cu[b] + (j - prefix).clamp(min=0, max=n - 1)], j)
     else:
         q_pos, k_pos = prefix + i, j
-    flat = mask.mask_indptr.to(torch.int64)[b] + local
-    keep = mask.custom_mask.bool()[flat] & (k_pos >= q_pos - (window - 1))
-    out = torch.zeros(mask.custom_mask.shape, dtype=torch.bool, device=dev)
-    out[flat] = keep
-    return CustomMask(custom_mask=out, mask_indptr=mask.mask_indptr)
+    keep = valid & mask.custom_mask.reshape(-1).bool() & (k_pos >= q_pos - (window - 1))
+    return CustomMask(custom_mask=keep.view(mask.custom_mask.shape), mask_indptr=mask.mask_indptr)
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,39 +141,48 @@ def plan_swa_tables(pool, pages: PageTable, swa_block_table: torch.Tensor) -> Pa
 
 
 class SWATablesMixin:
-    """Adds the SWA page table (``extras["swa_pages"]``) to a :class:`ModePagedMetadata`."""
+    """Adds the SWA page table (``extras["swa_pages"]``) to any page-table planner: the base
+    planner runs unchanged, then its full table is translated (one gather, no sync) into the
+    static ``swa_block_table`` buffer (or a fresh one when eager)."""
 
     def __init__(self, ctx):
         super().__init__(ctx)
         self.pool = _require_swa_pool(ctx)
 
-    def extra_buffers(self, max_bs, max_tokens, max_seq_len):
+    def buffer_spec(self, max_bs: int, max_tokens: int, max_seq_len: int) -> BufferSpec:
         pages = max(-(-max_seq_len // self.ctx.config.page_size), 1)
-        bufs = dict(super().extra_buffers(max_bs, max_tokens, max_seq_len))
-        bufs["swa_block_table"] = ((max_bs, pages), torch.int32)
-        return bufs
+        return super().buffer_spec(max_bs, max_tokens, max_seq_len).merge(
+            BufferSpec({"swa_block_table": ((max_bs, pages), torch.int32)}))
 
-    def plan_extras(self, batch, out, pages, static):
-        extras = dict(super().plan_extras(batch, out, pages, static))
-        bs, width = batch.batch_size, pages.block_table.shape[1]
-        extras["swa_pages"] = plan_swa_tables(self.pool, pages, out["swa_block_table"][:bs, :width])
-        return extras
+    def plan(self, batch: ForwardBatch, out: Optional[dict] = None) -> AttnMetadata:
+        md = super().plan(batch, out)
+        full = md.pages.block_table
+        if out is None:
+            swa_bt = torch.zeros_like(full)
+        else:
+            swa_bt = out["swa_block_table"][: full.shape[0], : full.shape[1]]
+        swa_pages = plan_swa_tables(self.pool, md.pages, swa_bt)
+        return attrs.evolve(md, extras={**md.extras, "swa_pages": swa_pages})
 
 
-class SWADecodeMetadata(SWATablesMixin, DecodeModeMetadata):
-    """DECODE/IDLE on the hybrid pool."""
+class SWADecodeMetadata(SWATablesMixin, DecodeMetadata):
+    """DECODE/IDLE on the hybrid pool (no sync)."""
 
 
-class SWAExtendMetadata(SWATablesMixin, ExtendModeMetadata):
+class SWAExtendMetadata(SWATablesMixin, ExtendMetadata):
     """EXTEND / DRAFT_EXTEND on the hybrid pool."""
 
 
-class SWAVerifyMetadata(SWATablesMixin, VerifyModeMetadata):
-    """TARGET_VERIFY (chain and tree) on the hybrid pool."""
+class SWAVerifyChainMetadata(SWATablesMixin, VerifyChainMetadata):
+    """TARGET_VERIFY, chain (``topk == 1``), on the hybrid pool (no sync)."""
 
 
-class SWADraftExtendV2Metadata(SWATablesMixin, DraftExtendV2ModeMetadata):
-    """DRAFT_EXTEND_V2 on the hybrid pool."""
+class SWAVerifyTreeMetadata(SWATablesMixin, VerifyTreeMetadata):
+    """TARGET_VERIFY, tree (``topk > 1``, custom mask), on the hybrid pool (no sync)."""
+
+
+class SWADraftExtendV2Metadata(SWATablesMixin, DraftExtendV2Metadata):
+    """DRAFT_EXTEND_V2 on the hybrid pool (no sync)."""
 
 
 def attend(executor: ExecutionStrategy, op_request: KernelRequest, q, k_cache, v_cache,
@@ -316,8 +197,7 @@ def attend(executor: ExecutionStrategy, op_request: KernelRequest, q, k_cache, v
     window = layer.window_size()
     mask = md.mask
     if mask is not None and layer.sliding_window is not None:
-        total = md.query.max_seqlen_q * batch.seq_lens_sum
-        mask = window_tree_mask(mask, batch, md.query, layer.sliding_window, total)
+        mask = window_tree_mask(mask, batch, md.query, layer.sliding_window)
         window = (-1, -1)
     sel = executor.kernel_for(op_request, op_request)
     out = torch.empty(num_tokens, layer.num_q_heads, layer.v_head_dim, dtype=q.dtype,
@@ -385,21 +265,38 @@ class SWAExecution(ExecutionStrategy):
         return attend(self, request, q, k_cache, v_cache, layer, batch, metadata, pages, sinks)
 
 
-_SWA_MODES = (
+def chain_verify_only(config):
+    """``supports`` check of a chain-verify pair: rejects configs with tree drafts."""
+    if config.spec is not None and config.spec.topk > 1:
+        return f"BackendConfig.spec.topk={config.spec.topk} is a tree draft (custom mask)"
+    return None
+
+
+def tree_verify_only(config):
+    """``supports`` check of a tree-verify pair: needs ``BackendConfig.spec.topk > 1``."""
+    if config.spec is None or config.spec.topk <= 1:
+        return "chain verify (BackendConfig.spec.topk = 1) needs no custom mask"
+    return None
+
+
+_SWA_PAIRS = (
     ("swa.decode", {ForwardMode.DECODE, ForwardMode.IDLE}, SWADecodeMetadata, CGSupport.ALWAYS,
-     "one token per request; full + translated SWA page tables"),
+     None, "one token per request; full + translated SWA page tables"),
     ("swa.extend", {ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND}, SWAExtendMetadata,
-     CGSupport.NEVER, "ragged extend/draft-extend; SWA layers on their own pool"),
-    ("swa.verify", {ForwardMode.TARGET_VERIFY}, SWAVerifyMetadata, CGSupport.UNIFORM_BATCH,
-     "EAGLE verify: chain causal, tree mask with the window at path positions"),
+     CGSupport.NEVER, None, "ragged extend/draft-extend; SWA layers on their own pool"),
+    ("swa.verify.chain", {ForwardMode.TARGET_VERIFY}, SWAVerifyChainMetadata,
+     CGSupport.UNIFORM_BATCH, chain_verify_only, "EAGLE chain: causal, SWA tables"),
+    ("swa.verify.tree", {ForwardMode.TARGET_VERIFY}, SWAVerifyTreeMetadata,
+     CGSupport.UNIFORM_BATCH, tree_verify_only,
+     "EAGLE tree: custom mask, window at path positions, SWA tables"),
     ("swa.draft_extend_v2", {ForwardMode.DRAFT_EXTEND_V2}, SWADraftExtendV2Metadata,
-     CGSupport.UNIFORM_BATCH, "fixed draft tokens per request; SWA tables"),
+     CGSupport.UNIFORM_BATCH, None, "fixed draft tokens per request; SWA tables"),
 )
 
 
 @hookimpl
 def aiter_attn_register_strategies(register):
-    for name, modes, planner, cg, desc in _SWA_MODES:
+    for name, modes, planner, cg, supports, desc in _SWA_PAIRS:
         register(StrategyPair(name=name, arch=AttnArch.SWA, modes=modes, metadata=planner,
                               execution=SWAExecution, priority=10, cg_support=cg,
-                              description=desc))
+                              supports=supports, description=desc))

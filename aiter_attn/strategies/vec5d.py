@@ -2,8 +2,9 @@
 ``pa_decode_gluon``, for DECODE/IDLE, EXTEND/DRAFT_EXTEND, TARGET_VERIFY (chain and tree)
 and DRAFT_EXTEND_V2.
 
-Pages and slots are those of the NHD pool, so planning is the mode-generic planning of
-:mod:`aiter_attn.strategies.swa` over ``req_to_token`` (no SWA tables). Execution writes K/V
+Pages and slots are those of the NHD pool, so planning is exactly the MHA and speculative
+planning (:mod:`aiter_attn.strategies.mha`, :mod:`aiter_attn.strategies.spec`) over
+``req_to_token``; chain and tree verify are separate pairs chosen by ``BackendConfig.spec.topk``. Execution writes K/V
 with op ``write_kv_5d`` and attends with op ``paged_attention_5d``; both dispatch through the
 kernel registry. This module registers the float32 torch reference of ``paged_attention_5d``
 (:mod:`aiter_attn.kernels.reference_5d`, where the layout and its sources are documented) and
@@ -26,14 +27,9 @@ from ..registry import StrategyPair
 from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
 from ..validation import ATTN_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
 from .base import ExecutionStrategy
-from .swa import (
-    DecodeModeMetadata,
-    DraftExtendV2ModeMetadata,
-    ExtendModeMetadata,
-    VerifyModeMetadata,
-    attend,
-    effective_window,
-)
+from .mha import DecodeMetadata, ExtendMetadata
+from .spec import DraftExtendV2Metadata, VerifyChainMetadata, VerifyTreeMetadata
+from .swa import attend, chain_verify_only, effective_window, tree_verify_only
 
 __all__ = [
     "paged_attention_5d",
@@ -220,24 +216,26 @@ class Vec5DExecution(ExecutionStrategy):
                       metadata.pages, sinks)
 
 
-_VEC5D_MODES = (
-    ("vec5d.decode", {ForwardMode.DECODE, ForwardMode.IDLE}, DecodeModeMetadata,
-     CGSupport.ALWAYS, "one token per request over the 5-D pool (pa_decode_gluon's layout)"),
-    ("vec5d.extend", {ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND}, ExtendModeMetadata,
-     CGSupport.NEVER, "ragged extend/draft-extend over the 5-D pool"),
-    ("vec5d.verify", {ForwardMode.TARGET_VERIFY}, VerifyModeMetadata, CGSupport.UNIFORM_BATCH,
-     "EAGLE verify over the 5-D pool: chain causal, tree custom mask"),
-    ("vec5d.draft_extend_v2", {ForwardMode.DRAFT_EXTEND_V2}, DraftExtendV2ModeMetadata,
-     CGSupport.UNIFORM_BATCH, "fixed draft tokens per request over the 5-D pool"),
+_VEC5D_PAIRS = (
+    ("vec5d.decode", {ForwardMode.DECODE, ForwardMode.IDLE}, DecodeMetadata, CGSupport.ALWAYS,
+     None, "one token per request over the 5-D pool (pa_decode_gluon's layout)"),
+    ("vec5d.extend", {ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND}, ExtendMetadata,
+     CGSupport.NEVER, None, "ragged extend/draft-extend over the 5-D pool"),
+    ("vec5d.verify.chain", {ForwardMode.TARGET_VERIFY}, VerifyChainMetadata,
+     CGSupport.UNIFORM_BATCH, chain_verify_only, "EAGLE chain over the 5-D pool: causal"),
+    ("vec5d.verify.tree", {ForwardMode.TARGET_VERIFY}, VerifyTreeMetadata,
+     CGSupport.UNIFORM_BATCH, tree_verify_only, "EAGLE tree over the 5-D pool: custom mask"),
+    ("vec5d.draft_extend_v2", {ForwardMode.DRAFT_EXTEND_V2}, DraftExtendV2Metadata,
+     CGSupport.UNIFORM_BATCH, None, "fixed draft tokens per request over the 5-D pool"),
 )
 
 
 @hookimpl
 def aiter_attn_register_strategies(register):
-    for name, modes, planner, cg, desc in _VEC5D_MODES:
+    for name, modes, planner, cg, supports, desc in _VEC5D_PAIRS:
         register(StrategyPair(name=name, arch=AttnArch.VEC5D, modes=modes, metadata=planner,
                               execution=Vec5DExecution, priority=10, cg_support=cg,
-                              description=desc))
+                              supports=supports, description=desc))
 
 
 @hookimpl
