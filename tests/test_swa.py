@@ -377,3 +377,28 @@ def test_layer_in_swa_pool_without_window_is_an_error():
     bad = attrs.evolve(layers[0], sliding_window=None)
     with pytest.raises(ValueError, match="no sliding_window"):
         be.forward(q, k, v, bad, batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# the same path on the Triton kernels (interpreter on CPU hosts, the GPU otherwise)
+# ---------------------------------------------------------------------------------------------
+
+_INTERPRET = __import__("os").environ.get("TRITON_INTERPRET", "0") == "1"
+_DEVICE = "cuda" if torch.cuda.is_available() and not _INTERPRET else "cpu"
+
+
+@pytest.mark.skipif(_DEVICE == "cpu" and not _INTERPRET,
+                    reason="Triton kernels need a GPU or TRITON_INTERPRET=1 (scripts/test.sh)")
+def test_swa_on_triton_kernels_with_freed_pages():
+    """kernel_backend='triton': write_kv_swa, write_kv and paged_attention (windowed, over an
+    SWA table whose freed pages point at the null page) match the oracle."""
+    ps, window = 4, 5
+    cfg = BackendConfig(page_size=ps, max_context_len=64, dtype=torch.float16, arch="swa",
+                        kernel_backend="triton", device=_DEVICE)
+    layers = hybrid_layers(4, 2, 16, [window, None])
+    sc = make_swa_scenario(cfg, layers, [13, 6], seed=8, extra_tokens=8)
+    for row in sc.rows:
+        sc.allocator.free_swa_out_of_window(row, window)
+    be = backend_for(sc)
+    run_step(sc, be, ForwardMode.EXTEND, [3, 2])
+    run_step(sc, be, ForwardMode.DECODE, [1, 1])

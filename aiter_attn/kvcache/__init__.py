@@ -7,5 +7,5 @@ from .req_to_token import ReqToTokenPool
 from .swa import SWAKVPool, SWAPageAllocator
 from .vec5d import Vec5DKVPool
 
-__all__ = ["ReqToTokenPool", "PageAllocator", "MHAKVPool", "MLAKVPool", "SWAKVPool", "SWAPageAllocator",
-           "Vec5DKVPool"]
+__all__ = ["ReqToTokenPool", "PageAllocator", "MHAKVPool", "MLAKVPool", "SWAKVPool",
+           "SWAPageAllocator", "Vec5DKVPool"]
