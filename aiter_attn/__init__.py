@@ -14,6 +14,7 @@ from .kvcache import (
     Vec5DKVPool,
 )
 from .metadata import AttnMetadata, CustomMask, PageTable, QueryLayout, RaggedKV
+from .multistep import MultiStepDraftBackend
 from .registry import StrategyPair, StrategyRegistry, StrategySelectionError
 from .types import AttnArch, BackendConfig, CGSupport, ForwardMode, LayerSpec, SpecDecodeConfig
 
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ops",
     "AttentionBackend",
+    "MultiStepDraftBackend",
     "ForwardBatch",
     "SpecInfo",
     "CudaGraphManager",
