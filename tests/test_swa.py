@@ -353,6 +353,26 @@ def test_allocator_free_semantics():
         alloc.extend(req, row2, 30)
 
 
+def test_allocator_shared_prefix_keeps_shared_swa_pages():
+    """A prefix shared by two requests shares its SWA pages too (one translation per full
+    page); releasing one request with ``keep_pages`` leaves them mapped for the other."""
+    pool = SWAKVPool.create(num_full_pages=12, num_swa_pages=12, page_size=3, num_kv_heads=1,
+                            head_dim=4, layer_is_swa=[True], dtype=torch.float32)
+    req = ReqToTokenPool(3, 32)
+    alloc = SWAPageAllocator(pool, shuffle_seed=4)
+    a, b = req.alloc(), req.alloc()
+    alloc.extend(req, a, 8)
+    assert alloc.share_prefix(req, a, b, 7) == 6  # two whole pages
+    alloc.extend(req, b, 2)
+    shared = frozenset(alloc.pages_of(a)[:2])
+    assert alloc.swa_pages_of(b)[:2] == alloc.swa_pages_of(a)[:2]
+    assert alloc.free_swa_out_of_window(a, 1, keep_pages=shared) == 0  # only shared pages dead
+    alloc.release(req, a, keep_pages=shared)
+    m = pool.full_to_swa_index_mapping
+    assert bool((m[req.req_to_token[b, :8].long()] > 0).all())
+    assert alloc.free_pages == 12 - 1 - 3 and alloc.swa_free_pages == 12 - 1 - 3
+
+
 # ---------------------------------------------------------------------------------------------
 # bad input
 # ---------------------------------------------------------------------------------------------

@@ -138,7 +138,9 @@ class SWAPageAllocator:
 
     ``extend`` returns full slots (``out_cache_loc``) and keeps ``full_to_swa_index_mapping``
     in step; ``free_swa_out_of_window`` returns SWA pages no future query can see;
-    ``release`` frees both when a request finishes.
+    ``release`` frees both when a request finishes. It offers :class:`PageAllocator`'s methods
+    (``extend``, ``share_prefix``, ``release``, ``tokens_held``, ``pages_of``, ``free_pages``)
+    so an engine can use either.
 
     Args:
         pool: the :class:`SWAKVPool` whose translation table this allocator owns.
@@ -166,11 +168,21 @@ class SWAPageAllocator:
         return self.pool.page_size
 
     @property
+    def free_pages(self) -> int:
+        """Free pages of the full pool (as :attr:`PageAllocator.free_pages`)."""
+        return self.full.free_pages
+
+    @property
     def swa_free_pages(self) -> int:
+        """Free pages of the SWA pool."""
         return len(self._swa_free)
 
     def tokens_held(self, row: int) -> int:
         return self.full.tokens_held(row)
+
+    def pages_of(self, row: int) -> list[int]:
+        """Full pages of ``row`` (as :meth:`PageAllocator.pages_of`)."""
+        return self.full.pages_of(row)
 
     def swa_pages_of(self, row: int) -> list[int]:
         """SWA page of each full page of ``row`` (0 where freed)."""
