@@ -292,13 +292,13 @@ def run_every_plugin_path(vec5d: bool = True) -> None:
         x = M.vec5d_x(torch.bfloat16)
         k5 = torch.zeros(6, 2, 64 // x, 16, x, dtype=torch.bfloat16)
         v5 = torch.zeros(6, 2, 16 // x, 64, x, dtype=torch.bfloat16)
-        q5 = torch.randn(2, 8, 64).bfloat16()
-        A.aiter_paged_attention_vec5d(q5, k5, v5, torch.empty_like(q5),
-                                      seqused_k=torch.tensor([5, 30], dtype=torch.int32),
-                                      block_table=torch.tensor([[1, 2], [3, 4]],
-                                                               dtype=torch.int32),
-                                      softmax_scale=0.125, sliding_window=8,
-                                      sinks=torch.zeros(8))
+        q5 = torch.randn(4, 8, 64).bfloat16()
+        A.aiter_paged_attention_5d(
+            q5, k5, v5, torch.empty_like(q5), cu_seqlens_q=torch.tensor([0, 2, 4],
+                                                                        dtype=torch.int32),
+            seqused_k=torch.tensor([5, 30], dtype=torch.int32),
+            block_table=torch.tensor([[1, 2], [3, 4]], dtype=torch.int32), softmax_scale=0.125,
+            sinks=torch.zeros(8), max_seqlen_q=2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -350,6 +350,9 @@ def _check_calls_bind(tree, monkeypatch):
     assert all(a["q"].shape[1] % 16 == 0 for a in by["mla_decode_fwd"])
     persistent = [a for a in by["mla_decode_fwd"] if a.get("work_meta_data") is not None]
     assert persistent and all(a["num_kv_splits"] for a in persistent)
+    (gluon,) = by["pa_decode_gluon"]
+    assert gluon["query_length"] == 2 and gluon["key_cache"].dim() == 5
+    assert gluon["max_context_partition_num"] == 1 and gluon["sliding_window"] == 0
 
 
 def test_fp8_extend_route_follows_the_release(wheel, monkeypatch):

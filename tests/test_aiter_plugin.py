@@ -280,3 +280,31 @@ def test_custom_mask_is_refused_before_any_kernel():
                                 block_table=torch.zeros(1, 1, dtype=torch.int32),
                                 softmax_scale=1.0, custom_mask=torch.ones(1, dtype=torch.bool),
                                 mask_indptr=torch.tensor([0, 1]))
+
+
+def test_5d_kernel_hands_long_queries_to_the_next_kernel(monkeypatch):
+    """pa_decode_gluon takes ≤ 4 uniform query tokens; an extend over the 5-D layout goes to
+    the next registered paged_attention_5d implementation (the reference here)."""
+    from aiter_attn import plugins
+    from aiter_attn.kernels.reference_5d import paged_attention_5d_reference
+
+    def never(*a, **k):
+        raise AssertionError("pa_decode_gluon must not be called for an extend")
+
+    monkeypatch.setattr(A, "_call", never)
+    plugins.reset_plugins()
+    try:
+        x = M.vec5d_x(torch.float32)
+        g = torch.Generator().manual_seed(0)
+        k5 = torch.randn(6, 2, 16 // x, 16, x, generator=g)
+        v5 = torch.randn(6, 2, 16 // x, 16, x, generator=g)
+        q = torch.randn(7, 4, 16, generator=g)
+        kw = dict(cu_seqlens_q=torch.tensor([0, 2, 7], dtype=torch.int32),
+                  seqused_k=torch.tensor([5, 30], dtype=torch.int32),
+                  block_table=torch.tensor([[1, 2], [3, 4]], dtype=torch.int32),
+                  softmax_scale=0.25, max_seqlen_q=5)
+        got = A.aiter_paged_attention_5d(q, k5, v5, torch.empty(7, 4, 16), **kw)
+        want = paged_attention_5d_reference(q, k5, v5, torch.empty(7, 4, 16), **kw)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    finally:
+        plugins.reset_plugins()

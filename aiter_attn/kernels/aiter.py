@@ -16,7 +16,8 @@ mla_paged_attention     ``mla_decode_fwd`` (+ ``get_mla_metadata_info_v1`` /
                         padded to 16), ``mla_prefill_fwd`` (extend)
 varlen_attention        ``flash_attn_varlen_func`` (dense ragged q/k/v, MLA extend
                         without prefix)
-paged_attention_vec5d   ``pa_decode_gluon`` (5-D shuffled layout; newer releases only)
+paged_attention_5d      ``pa_decode_gluon`` (5-D shuffled layout, ≤ 4 query tokens per
+                        request; newer releases only)
 ======================  ==========================================================
 
 All argument marshalling is in :mod:`aiter_attn.kernels.aiter_marshal`.
@@ -49,7 +50,7 @@ __all__ = [
     "aiter_paged_attention",
     "aiter_mla_paged_attention",
     "aiter_varlen_attention",
-    "aiter_paged_attention_vec5d",
+    "aiter_paged_attention_5d",
     "aiter_attn_register_kernels",
 ]
 
@@ -282,18 +283,50 @@ def aiter_varlen_attention(q, k, v, out, *, cu_seqlens_q, cu_seqlens_k, max_seql
     return out
 
 
-def aiter_paged_attention_vec5d(q, k_cache, v_cache, out, *, seqused_k, block_table,
-                                softmax_scale, query_length=1, sliding_window=0, sinks=None,
-                                k_scale=None, v_scale=None, max_context_len=None):
-    """Decode over the 5-D layout with ``pa_decode_gluon`` (``query_length`` ≤ 4)."""
+def _fallback_5d(q, k_cache, v_cache, out, why: str, **kwargs):
+    """Run the best non-aiter ``paged_attention_5d`` implementation that serves this call."""
+    from ..plugins import kernel_registry
+    from .registry import KernelRequest
+
+    features = {f for f, on in (("sinks", kwargs.get("sinks") is not None),
+                                ("fp8", k_cache.dtype not in (torch.float16, torch.bfloat16)))
+                if on}
+    req = KernelRequest(op="paged_attention_5d", device=q.device.type, dtype=q.dtype,
+                        kv_dtype=k_cache.dtype, head_dim=q.shape[-1], v_head_dim=out.shape[-1],
+                        page_size=k_cache.shape[3], features=features)
+    for impl in kernel_registry().implementations("paged_attention_5d"):
+        if impl.name != "aiter" and impl.capabilities.reject_reason(req) is None:
+            log.debug("paged_attention_5d: %s; using %s", why, impl.name)
+            return impl.fn(q, k_cache, v_cache, out, **kwargs)
+    raise ValueError(f"aiter's pa_decode_gluon cannot serve this call ({why}) and no other "
+                     "paged_attention_5d kernel is registered; pick another backend.")
+
+
+def aiter_paged_attention_5d(q, k_cache, v_cache, out, *, cu_seqlens_q, seqused_k, block_table,
+                             softmax_scale, causal=True, window_size=(-1, -1), softcap=0.0,
+                             sinks=None, k_scale=None, v_scale=None, custom_mask=None,
+                             mask_indptr=None, max_seqlen_q=None, max_seqlen_k=None):
+    """``paged_attention_5d`` (the calling convention of ``paged_attention_5d_reference``) with
+    ``pa_decode_gluon``: decode/verify with a uniform query length ≤ 4 per request. Other
+    calls (longer or ragged queries) go to the next registered implementation; windows,
+    soft-cap and custom masks are excluded by the capabilities."""
+    kwargs = dict(cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,
+                  softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                  softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+                  custom_mask=custom_mask, mask_indptr=mask_indptr, max_seqlen_q=max_seqlen_q,
+                  max_seqlen_k=max_seqlen_k)
+    bs = block_table.shape[0]
+    max_q = _max_q(cu_seqlens_q, max_seqlen_q)
+    if not 1 <= max_q <= 4 or q.shape[0] != bs * max_q or not causal:
+        return _fallback_5d(q, k_cache, v_cache, out,
+                            f"{q.shape[0]} query tokens for {bs} requests, max {max_q}", **kwargs)
     fp8 = k_cache.dtype not in (torch.float16, torch.bfloat16)
-    max_ctx = max_context_len or block_table.shape[1] * k_cache.shape[3]
     _call(M.build_pa_decode_gluon_call(
         out, q, k_cache, v_cache, seqused_k=seqused_k, block_table=block_table,
-        softmax_scale=softmax_scale, query_length=query_length, max_context_len=max_ctx,
-        compute_type=out.dtype, k_scale=_scale_tensor(k_scale, q.device) if fp8 else None,
-        v_scale=_scale_tensor(v_scale, q.device) if fp8 else None, sinks=sinks,
-        sliding_window=sliding_window))
+        softmax_scale=softmax_scale, query_length=max_q,
+        max_context_len=block_table.shape[1] * k_cache.shape[3], compute_type=out.dtype,
+        k_scale=_scale_tensor(k_scale, q.device) if fp8 else None,
+        v_scale=_scale_tensor(v_scale, q.device) if fp8 else None, sinks=sinks))
     return out
 
 
@@ -334,9 +367,11 @@ def capabilities() -> dict:
         "varlen_attention": Capabilities(
             devices={"cuda"}, dtypes=act, max_head_dim=256,
             features={"window", "softcap", "non_causal", "v_head_dim_differs"}),
-        "paged_attention_vec5d": Capabilities(
+        # pa_decode_gluon: block sizes 16/64/1024; its sliding-window masking was not
+        # verified against our convention, so windows go to another kernel.
+        "paged_attention_5d": Capabilities(
             devices={"cuda"}, dtypes=act, kv_dtypes=act | fp8, page_sizes={16, 64, 1024},
-            features={"sinks", "window", "fp8"}, cg_support=CGSupport.UNIFORM_BATCH),
+            features={"sinks", "fp8"}, cg_support=CGSupport.UNIFORM_BATCH),
     }
 
 
@@ -347,11 +382,11 @@ _KERNELS = {
                             ("mla_decode_fwd", "mla_prefill_fwd", "get_mla_metadata_info_v1",
                              "get_mla_metadata_v1")),
     "varlen_attention": (aiter_varlen_attention, ("flash_attn_varlen_func",)),
-    "paged_attention_vec5d": (aiter_paged_attention_vec5d, ("pa_decode_gluon",)),
+    "paged_attention_5d": (aiter_paged_attention_5d, ("pa_decode_gluon",)),
 }
 
-#: above the portable Triton kernels on ROCm.
-PRIORITY = 100
+#: above the portable Triton kernels (100) on ROCm.
+PRIORITY = 150
 
 
 @hookimpl

@@ -506,18 +506,18 @@ def build_mla_prefill_call(q, kv_cache, o, *, qo_indptr, kv_indptr, kv_indices, 
 
 def build_pa_decode_gluon_call(
     out, q, k_cache, v_cache, *, seqused_k, block_table, softmax_scale, query_length,
-    max_context_len, compute_type, k_scale=None, v_scale=None, sinks=None, sliding_window=0,
+    max_context_len, compute_type, k_scale=None, v_scale=None, sinks=None,
     partition_size=PARTITION_SIZE,
 ) -> AiterCall:
     """Decode over the 5-D layout: K ``[pages, Hkv, D // x, page, x]``, V
-    ``[pages, Hkv, page // x, D, x]``; ``query_length`` ≤ 4 tokens per request;
-    ``sliding_window`` in HF convention (0 = off)."""
+    ``[pages, Hkv, page // x, D, x]`` (or 4-D ``[pages, Hkv, D, page]``); ``query_length`` ≤ 4
+    tokens per request, the same for every request. No sliding window (``sliding_window=0``):
+    we have not verified its convention against ours."""
     return AiterCall("pa_decode_gluon", kwargs=dict(
         output=out, query=q, key_cache=k_cache, value_cache=v_cache, context_lengths=seqused_k,
         block_tables=block_table, softmax_scale=float(softmax_scale),
         query_length=int(query_length),
         max_context_partition_num=max_num_partitions(max_context_len, partition_size),
         context_partition_size=int(partition_size), compute_type=compute_type,
-        query_scale=None, key_scale=k_scale, value_scale=v_scale, sinks=sinks,
-        sliding_window=int(sliding_window),
+        query_scale=None, key_scale=k_scale, value_scale=v_scale, sinks=sinks, sliding_window=0,
     ))
