@@ -96,8 +96,8 @@ def test_kv_writes_touch_only_the_batch_slots_in_both_pools(case, dtype):
     layers) and the SWA pool only at the translated slots (SWA layers); those hold the new K/V."""
     sc, be, batch = build(case, dtype=dtype)
     pool = sc.kv_pool
-    before = {name: [b.clone() for b in getattr(pool, name).k_buffers + getattr(pool, name).v_buffers]
-              for name in ("full", "swa")}
+    before = {name: [b.clone() for b in sub.k_buffers + sub.v_buffers]
+              for name, sub in (("full", pool.full), ("swa", pool.swa))}
     be.init_forward_metadata(batch)
     written = {}
     for layer in sc.layers:

@@ -92,7 +92,8 @@ def test_layout_element_placement(dtype, x, v_layout):
     assert pool.x == x
     kc, vc = pool.kv_buffers(0)
     assert kc.shape == (4, heads, dim // x, ps, x)
-    assert vc.shape == ((4, heads, ps // x, dim, x) if v_layout == "shuffled" else (4, heads, dim, ps))
+    shuffled = v_layout == "shuffled"
+    assert vc.shape == ((4, heads, ps // x, dim, x) if shuffled else (4, heads, dim, ps))
     slots = torch.tensor([ps * 2 + x + 1, ps * 3 + 0, ps * 1 + ps - 1])
     k = ((torch.arange(3 * heads * dim).view(3, heads, dim) % 13).float() - 6) / 2  # exact in fp8
     v = -k
@@ -102,7 +103,7 @@ def test_layout_element_placement(dtype, x, v_layout):
         for h in range(heads):
             for d in range(dim):
                 assert float(kc[page, h, d // x, o, d % x]) == float(k[t, h, d])
-                got_v = vc[page, h, o // x, d, o % x] if v_layout == "shuffled" else vc[page, h, d, o]
+                got_v = vc[page, h, o // x, d, o % x] if shuffled else vc[page, h, d, o]
                 assert float(got_v) == float(v[t, h, d])
     untouched = torch.ones(4 * ps, dtype=torch.bool)
     untouched[slots] = False

@@ -57,8 +57,9 @@ class SWAKVPool:
             counts[int(is_swa)] += 1
         if counts[0] != self.full.num_layers or counts[1] != self.swa.num_layers:
             raise ValueError(
-                f"layer_is_swa names {counts[0]} full and {counts[1]} SWA layers but the pools hold "
-                f"{self.full.num_layers} and {self.swa.num_layers}; build with SWAKVPool.create."
+                f"layer_is_swa names {counts[0]} full and {counts[1]} SWA layers but the pools "
+                f"hold {self.full.num_layers} and {self.swa.num_layers}; build with "
+                "SWAKVPool.create."
             )
         if self.full.page_size != self.swa.page_size:
             raise ValueError(
@@ -123,7 +124,8 @@ class SWAKVPool:
         """``(k_cache, v_cache)`` NHD pages of the pool that holds ``layer_id``."""
         return self.pool_of(layer_id).kv_buffers(self._sub_index[layer_id])
 
-    def translate(self, full_slots: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def translate(self, full_slots: torch.Tensor,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """int64 SWA slots of ``full_slots`` (any int dtype, any shape); on the device, no sync."""
         idx = full_slots.reshape(-1).long()
         if out is None:

@@ -102,5 +102,5 @@ class Vec5DKVPool:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
 
     def nhd_view(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of one layer's K/V as NHD pages ``[num_pages, page_size, H, D]`` (tests, debug)."""
+        """Copies of one layer's K/V as NHD pages ``[num_pages, page_size, H, D]`` (tests)."""
         return kv_nhd_from_5d(*self.kv_buffers(layer_id))
