@@ -142,7 +142,8 @@ def _paged_attn_kernel(
     SEARCH_SEQ: tl.constexpr, SPLIT: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    pid_q = tl.program_id(0)
+    # longest causal q-blocks (latest positions) first: better tail balance in prefill
+    pid_q = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_h = tl.program_id(1)
     split = tl.program_id(2)
     kvh = pid_h // NUM_HCHUNKS
@@ -352,34 +353,53 @@ class _Config:
         self.heads, self.block_q, self.num_splits = heads, block_q, num_splits
 
 
-#: Tuning overrides (benchmarks/tuning only): keys of :class:`_Config` → values.
+#: Tuning overrides (scripts/tune_triton_paged_attention.py and tests only): ``block_m``,
+#: ``block_n``, ``num_warps``, ``num_stages``, ``min_split_tokens``, ``num_splits``.
 TUNING_OVERRIDES: dict = {}
 
 
-def _choose_config(*, group, max_q, max_k, head_dim_pad, batch, num_kv_heads, device, page_size):
+def _choose_config(*, group, max_q, max_k, head_dim_pad, batch, num_kv_heads, device):
+    """Launch parameters (docs/triton_tuning.md has the measurements behind the defaults)."""
+    ov = tuple(sorted(TUNING_OVERRIDES.items()))
+    sms = _num_sms(device.index or 0) if device.type == "cuda" and not _interpreting() else 0
+    return _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads, sms, ov,
+                                 _interpreting())
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads, sms, ov,
+                          interpreting):
+    ov = dict(ov)
     decode_like = max_q * min(group, 64) <= 64
     if decode_like:
+        # memory-bound: wide key tiles keep ~190 KB of K/V in flight per SM (H200: BLOCK_N 128
+        # gave 4.0-4.3 TB/s where 64 gave 3.1-3.5)
         block_m = max(16, triton.next_power_of_2(min(group, 64) * max_q))
-        block_n = 64 if head_dim_pad <= 128 else 32
+        block_n = 128 if head_dim_pad <= 128 else 32
         num_warps, num_stages = 4, 3
     else:
+        # compute-bound: 128x128 tiles, 8 warps, 2 stages measured best on H200
         block_m = 128 if head_dim_pad <= 128 else 64
-        block_n = 64 if head_dim_pad <= 128 else 32
-        num_warps, num_stages = (8 if head_dim_pad >= 128 else 4), 3
-    ov = TUNING_OVERRIDES
-    block_m = ov.get("block_m", block_m)
+        block_n = 128 if head_dim_pad <= 128 else 32
+        num_warps = 8 if head_dim_pad >= 128 else 4
+        num_stages = 2 if head_dim_pad <= 128 else 3
+    if interpreting:
+        # the CPU interpreter pays per padded element: small tiles (and more of them, so the
+        # masked/unmasked tile split is exercised by short test sequences)
+        block_m, block_n = min(block_m, 32), 32
+    block_m = max(ov.get("block_m", block_m), 16)
     block_n = ov.get("block_n", block_n)
     num_warps = ov.get("num_warps", num_warps)
     num_stages = ov.get("num_stages", num_stages)
-    block_m = max(block_m, 16)
     heads = min(group, block_m)
     block_q = block_m // heads
     num_splits = 1
-    if decode_like and device.type == "cuda" and not _interpreting():
+    if decode_like and sms:
+        # flash-decoding: enough (request, kv head, split) programs for two waves of SMs,
+        # each split at least min_split_tokens keys
         ctas = batch * num_kv_heads * triton.cdiv(group, heads) * triton.cdiv(max_q, block_q)
-        target = 2 * _num_sms(device.index if device.index is not None else 0)
         min_tokens = ov.get("min_split_tokens", 256)
-        num_splits = max(1, min(triton.cdiv(target, ctas), triton.cdiv(max_k, min_tokens), 64))
+        num_splits = max(1, min(triton.cdiv(2 * sms, ctas), triton.cdiv(max_k, min_tokens), 64))
     num_splits = ov.get("num_splits", num_splits)
     return _Config(block_m, block_n, num_warps, num_stages, heads, block_q, num_splits)
 
@@ -430,9 +450,9 @@ def paged_attention_triton(
     max_k = int(max_seqlen_k) if max_seqlen_k is not None else block_table.shape[1] * page_size
     d_pad = max(16, triton.next_power_of_2(head_dim))
     dv_pad = max(16, triton.next_power_of_2(v_head_dim))
-    cfg = _choose_config(group=group, max_q=max_q, max_k=max(max_k, 1), head_dim_pad=d_pad,
-                         batch=batch, num_kv_heads=num_kv_heads, device=q.device,
-                         page_size=page_size)
+    cfg = _choose_config(group=group, max_q=max_q, max_k=max(max_k, 1),
+                         head_dim_pad=max(d_pad, dv_pad), batch=batch,
+                         num_kv_heads=num_kv_heads, device=q.device)
     num_hchunks = triton.cdiv(group, cfg.heads)
     q_blocks_per_seq = triton.cdiv(max_q, cfg.block_q)
     search_grid = triton.cdiv(num_tokens, cfg.block_q) + batch

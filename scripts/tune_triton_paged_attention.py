@@ -1,0 +1,291 @@
+"""Tune and time the Triton paged_attention kernel against cuDNN SDPA on dense KV (one GPU run).
+
+Usage (on a CUDA machine)::
+
+    PYTHONPATH=. python scripts/tune_triton_paged_attention.py [--sweep] [--out DIR]
+
+Shapes: GQA 32/8, head dim 128, bf16, page 16 (decode rows and causal prefill rows of
+docs PERFORMANCE.md). Decode reports TB/s of K+V read; prefill TFLOP/s = 4·S²·Hq·D/2 per
+sequence. ``--sweep`` also tries launch configurations (TUNING_OVERRIDES) and prints all.
+Every timed configuration is checked against the float32 reference first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+import torch.nn.functional as F
+
+from aiter_attn.kernels.reference import paged_attention_reference
+from aiter_attn.kernels.triton import paged_attention as pa
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+DECODE_ROWS = [(1, 4096), (16, 4096), (64, 4096), (256, 4096), (64, 16384), (8, 65536),
+               (1, 32768)]
+PREFILL_ROWS = [(1, 2048), (1, 8192), (1, 16384), (8, 2048)]
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def bench_graph(fn):
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return bench(g.replay)
+
+
+def paged_inputs(bs, ctx, q_len, dtype=torch.bfloat16, kv_dtype=None, seed=0):
+    """Paged K/V (block-permuted, null page 0) and the same K/V dense for SDPA."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    kv_dtype = kv_dtype or dtype
+    n_pages = ctx // PAGE
+    total = bs * n_pages + 1
+    perm = torch.randperm(total - 1, device="cuda", generator=g) + 1
+    bt = perm.view(bs, n_pages).int()
+    k_cache = torch.randn(total, PAGE, HKV, D, device="cuda", dtype=dtype, generator=g)
+    v_cache = torch.randn(total, PAGE, HKV, D, device="cuda", dtype=dtype, generator=g)
+    if kv_dtype != dtype:
+        k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    q = torch.randn(bs * q_len, HQ, D, device="cuda", dtype=dtype, generator=g)
+    cu = torch.arange(0, bs + 1, device="cuda", dtype=torch.int32) * q_len
+    seq = torch.full((bs,), ctx, device="cuda", dtype=torch.int32)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, bt=bt, cu=cu, seq=seq, q_len=q_len,
+                ctx=ctx, bs=bs)
+
+
+def dense_kv(inp):
+    bs, ctx = inp["bs"], inp["ctx"]
+    k = inp["k_cache"][inp["bt"].long()].reshape(bs, ctx, HKV, D).transpose(1, 2).contiguous()
+    v = inp["v_cache"][inp["bt"].long()].reshape(bs, ctx, HKV, D).transpose(1, 2).contiguous()
+    return k, v
+
+
+def ours_fn(inp, out, **kw):
+    q, kc, vc = inp["q"], inp["k_cache"], inp["v_cache"]
+
+    def fn():
+        pa.paged_attention_triton(
+            q, kc, vc, out, cu_seqlens_q=inp["cu"], seqused_k=inp["seq"], block_table=inp["bt"],
+            softmax_scale=D ** -0.5, causal=True, max_seqlen_q=inp["q_len"],
+            max_seqlen_k=inp["ctx"], **kw)
+    return fn
+
+
+def check(inp, out, **kw):
+    """Relative error of our output against the float32 reference (on a subset of requests)."""
+    nb = min(inp["bs"], 4)
+    nt = nb * inp["q_len"]
+    ref = torch.empty(nt, HQ, D, dtype=out.dtype, device="cuda")
+    paged_attention_reference(
+        inp["q"][:nt], inp["k_cache"], inp["v_cache"], ref, cu_seqlens_q=inp["cu"][: nb + 1],
+        seqused_k=inp["seq"][:nb], block_table=inp["bt"][:nb], softmax_scale=D ** -0.5, **kw)
+    return float((out[:nt].float() - ref.float()).norm() / ref.float().norm())
+
+
+def sdpa_fn(q4, k, v, causal, backend):
+    """SDPA with native GQA; if this backend refuses GQA, with K/V expanded per query head
+    (then the anchor reads 4x the bytes we count: its entry says so)."""
+    def fn():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q4, k, v, is_causal=causal, enable_gqa=True)
+    try:
+        fn()
+        return fn
+    except RuntimeError:
+        ke, ve = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
+
+        def fn_expanded():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q4, ke, ve, is_causal=causal)
+        fn_expanded.expanded = True
+        return fn_expanded
+
+
+def with_overrides(ov, f):
+    pa.TUNING_OVERRIDES.clear()
+    pa.TUNING_OVERRIDES.update(ov)
+    try:
+        return f()
+    finally:
+        pa.TUNING_OVERRIDES.clear()
+
+
+def run_decode(rows, configs, graphs=True, kv_dtype=None):
+    results = []
+    for bs, ctx in rows:
+        inp = paged_inputs(bs, ctx, 1, kv_dtype=kv_dtype)
+        kv_bytes = bs * ctx * HKV * D * 2 * inp["k_cache"].element_size()
+        row = dict(kind="decode", bs=bs, ctx=ctx, kv=str(inp["k_cache"].dtype), configs=[])
+        if kv_dtype is None:
+            k, v = dense_kv(inp)
+            q4 = inp["q"].view(bs, 1, HQ, D).transpose(1, 2)
+            for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION),
+                             ("fa2", SDPBackend.FLASH_ATTENTION)):
+                try:
+                    f = sdpa_fn(q4, k, v, False, be)
+                    ms = bench(f)
+                    row[name] = dict(ms=ms, tbps=kv_bytes / ms / 1e9,
+                                     expanded=getattr(f, "expanded", False))
+                    if graphs:
+                        gms = bench_graph(f)
+                        row[name].update(graph_ms=gms, graph_tbps=kv_bytes / gms / 1e9)
+                except Exception as exc:  # an anchor that cannot run on this shape
+                    row[name] = dict(error=repr(exc)[:200])
+            del k, v
+        out = torch.empty_like(inp["q"])
+        scales = {}
+        if kv_dtype is not None:
+            one = torch.ones(1, device="cuda")
+            scales = dict(k_scale=one, v_scale=one)
+        for ov in configs:
+            def go():
+                fn = ours_fn(inp, out, **scales)
+                fn()
+                err = check(inp, out, **scales)
+                ms = bench(fn)
+                gms = bench_graph(fn) if graphs and not ov else None
+                return dict(ov=ov, err=err, ms=ms, tbps=kv_bytes / ms / 1e9,
+                            graph_ms=gms, graph_tbps=kv_bytes / gms / 1e9 if gms else None)
+            try:
+                row["configs"].append(with_overrides(ov, go))
+            except Exception as exc:
+                row["configs"].append(dict(ov=ov, error=repr(exc)[:300]))
+        results.append(row)
+        del inp
+        torch.cuda.empty_cache()
+    return results
+
+
+def run_prefill(rows, configs):
+    results = []
+    for bs, s in rows:
+        inp = paged_inputs(bs, s, s)
+        flops = bs * 4 * s * s * HQ * D / 2
+        row = dict(kind="prefill", bs=bs, s=s, configs=[])
+        k, v = dense_kv(inp)
+        q4 = inp["q"].view(bs, s, HQ, D).transpose(1, 2)
+        for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION),
+                         ("fa2", SDPBackend.FLASH_ATTENTION)):
+            try:
+                f = sdpa_fn(q4, k, v, True, be)
+                ms = bench(f)
+                row[name] = dict(ms=ms, tflops=flops / ms / 1e9,
+                                 expanded=getattr(f, "expanded", False))
+            except Exception as exc:
+                row[name] = dict(error=repr(exc)[:200])
+        del k, v
+        out = torch.empty_like(inp["q"])
+        for ov in configs:
+            def go():
+                fn = ours_fn(inp, out)
+                fn()
+                err = check(inp, out) if s <= 8192 else None
+                ms = bench(fn)
+                return dict(ov=ov, err=err, ms=ms, tflops=flops / ms / 1e9)
+            try:
+                row["configs"].append(with_overrides(ov, go))
+            except Exception as exc:
+                row["configs"].append(dict(ov=ov, error=repr(exc)[:300]))
+        results.append(row)
+        del inp
+        torch.cuda.empty_cache()
+    return results
+
+
+DECODE_SWEEP = [{}] + [
+    dict(block_n=bn, num_warps=w, num_stages=st, min_split_tokens=mst)
+    for bn, w, st, mst in [
+        (64, 4, 2, 256), (64, 4, 4, 256), (128, 4, 3, 256), (128, 8, 3, 256), (32, 4, 4, 256),
+        (64, 4, 3, 128), (64, 4, 3, 512),
+    ]
+]
+PREFILL_SWEEP = [{}] + [
+    dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+    for bm, bn, w, st in [
+        (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+        (64, 128, 4, 3), (128, 64, 4, 3),
+    ]
+]
+
+
+def best(cfgs, key):
+    ok = [c for c in cfgs if "error" not in c]
+    return max(ok, key=lambda c: c[key]) if ok else None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--no-fp8", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    dec_cfgs = DECODE_SWEEP if args.sweep else [{}]
+    pre_cfgs = PREFILL_SWEEP if args.sweep else [{}]
+    dec = run_decode(DECODE_ROWS, dec_cfgs)
+    pre = run_prefill(PREFILL_ROWS if not args.sweep else [(1, 8192), (8, 2048)], pre_cfgs)
+    if args.sweep:
+        pre += run_prefill([(1, 2048), (1, 16384)], [{}])
+    fp8 = [] if args.no_fp8 else run_decode([(64, 16384), (8, 65536), (1, 32768)], [{}],
+                                            kv_dtype=torch.float8_e4m3fn)
+    results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                   triton=triton.__version__, decode=dec, prefill=pre, fp8_decode=fp8)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "triton_paged_attention.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+
+    print("\n== sweep (all configs) ==")
+    for r in dec + pre + fp8:
+        name = f"{r['kind']} {r['bs']}x{r.get('ctx', r.get('s'))} {r.get('kv', '')}"
+        for c in r["configs"]:
+            if "error" in c:
+                print(f"{name:34s} {c['ov']} ERROR {c['error'][:120]}")
+                continue
+            val = c.get("tbps") or c.get("tflops")
+            g = f" graph {c['graph_tbps']:.2f}" if c.get("graph_tbps") else ""
+            err = f"{c['err']:.1e}" if c.get("err") is not None else "-"
+            print(f"{name:34s} {str(c['ov']):75s} {val:8.2f}{g} err {err}")
+    print("\n== summary: default config (best of sweep) vs SDPA on dense KV ==")
+    print(f"{'row':26s} {'cudnn':>8s} {'fa2':>8s} {'ours':>8s} {'graph':>8s} {'best':>8s} "
+          f"{'ours/cudnn':>10s} {'best/cudnn':>10s}")
+    for r in dec + pre:
+        key = "tbps" if r["kind"] == "decode" else "tflops"
+        name = f"{r['kind']} {r['bs']}x{r.get('ctx', r.get('s'))}"
+        cd = r.get("cudnn", {}).get(key, float("nan"))
+        fa = r.get("fa2", {}).get(key, float("nan"))
+        d0 = r["configs"][0].get(key, float("nan"))
+        gr = r["configs"][0].get("graph_tbps") or float("nan")
+        b = best(r["configs"], key)
+        bv = b[key] if b else float("nan")
+        print(f"{name:26s} {cd:8.2f} {fa:8.2f} {d0:8.2f} {gr:8.2f} {bv:8.2f} {d0 / cd:10.2f} "
+              f"{bv / cd:10.2f}  best={b['ov'] if b else None}")
+    for r in fp8:
+        bf = next((x for x in dec if (x["bs"], x["ctx"]) == (r["bs"], r["ctx"])), None)
+        c = r["configs"][0]
+        if "error" in c or bf is None:
+            print(f"fp8 {r['bs']}x{r['ctx']}: {c.get('error', 'no bf16 row')}")
+            continue
+        speed = bf["configs"][0]["ms"] / c["ms"]
+        print(f"fp8 decode {r['bs']}x{r['ctx']}: {c['ms'] * 1e3:.1f} us, {c['tbps']:.2f} TB/s "
+              f"(fp8 bytes), {speed:.2f}x bf16 tokens/s, err {c['err']:.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
