@@ -144,6 +144,21 @@ def test_window_boundaries_hand_computed(window, kv_len, page_size):
         sc.commit_step()
 
 
+@pytest.mark.parametrize("window", [1, 2, 5])
+def test_window_convention_matches_transformers(window):
+    """``LayerSpec(sliding_window=w).window_size()`` read with flash-attn semantics marks the
+    same keys visible as transformers' own sliding-window causal mask for every (query, key)."""
+    masking = pytest.importorskip("transformers.masking_utils")
+    hf = masking.sliding_window_causal_mask_function(window)
+    left, right = LayerSpec(layer_id=0, num_q_heads=1, num_kv_heads=1, head_dim=8,
+                            sliding_window=window).window_size()
+    for q in range(9):
+        for k in range(9):
+            ours = k <= q and q - left <= k and (right < 0 or k <= q + right)
+            t = torch.tensor
+            assert ours == bool(hf(t(0), t(0), t(q), t(k))), (window, q, k)
+
+
 # ---------------------------------------------------------------------------------------------
 # backend vs the dense oracle: extend / decode / chunked extend
 # ---------------------------------------------------------------------------------------------
