@@ -36,9 +36,10 @@ import torch
 
 from .backend import AttentionBackend
 from .batch import ForwardBatch, SpecInfo
+from .registry import StrategySelectionError
 from .strategies.base import BufferSpec
 from .strategies.spec import DRAFT_DECODE_STEP
-from .types import BackendConfig, ForwardMode, SpecDecodeConfig
+from .types import AttnArch, BackendConfig, ForwardMode, SpecDecodeConfig
 
 __all__ = ["MultiStepDraftBackend", "draft_columns_needed"]
 
@@ -60,18 +61,22 @@ class MultiStepDraftBackend:
         config: backend settings; ``config.spec`` gives ``topk`` and ``num_steps`` unless passed.
         req_to_token, kv_pool: as for :class:`AttentionBackend` (the draft model's pools).
         topk / num_steps: override ``config.spec``.
+        step_strategy: the strategy pair each step backend is forced to (default
+            ``"<arch>.draft_decode_step"``, e.g. ``mha.draft_decode_step``); it must wrap the
+            views this object plans (see :class:`~aiter_attn.strategies.spec.DraftDecodeStepMetadata`).
         extra, strategies, kernels: handed to every step backend.
 
     Attributes:
         attn_backends: one :class:`AttentionBackend` per decode pass (forced to the
-            ``mha.draft_decode_step`` strategy, which wraps this object's views).
+            step strategy, which wraps this object's views).
         step_batches: the step ForwardBatches of the last plan (pass step ``i``'s to
             ``attn_backends[i].forward``).
     """
 
     def __init__(self, config: BackendConfig, req_to_token, kv_pool, *,
                  topk: Optional[int] = None, num_steps: Optional[int] = None,
-                 extra: Optional[dict] = None, strategies=None, kernels=None):
+                 step_strategy: Optional[str] = None, extra: Optional[dict] = None,
+                 strategies=None, kernels=None):
         spec = config.spec or SpecDecodeConfig()
         self.topk = int(topk if topk is not None else spec.topk)
         self.num_steps = int(num_steps if num_steps is not None else spec.num_steps)
@@ -79,11 +84,23 @@ class MultiStepDraftBackend:
             if value < 1:
                 raise ValueError(f"{name}={value}; must be ≥ 1 (SpecDecodeConfig.{name}).")
         self.config = config
+        if step_strategy is None:
+            step_strategy = (DRAFT_DECODE_STEP if config.arch == AttnArch.MHA
+                             else f"{config.arch.value}.draft_decode_step")
+        self.step_strategy = step_strategy
         self.attn_backends = [
             AttentionBackend(config, req_to_token, kv_pool, extra=extra, strategies=strategies,
-                             kernels=kernels, strategy=DRAFT_DECODE_STEP)
+                             kernels=kernels, strategy=step_strategy)
             for _ in range(self.num_steps - 1)
         ]
+        for backend in self.attn_backends[:1]:
+            try:  # an unknown or unfit step strategy raises here, not at the first step
+                backend.pair_for(ForwardMode.DECODE)
+            except StrategySelectionError as exc:
+                raise StrategySelectionError(
+                    f"multi-step draft decode on {config.arch.name} runs each step through "
+                    f"strategy {step_strategy!r}, which cannot be used: {exc} Pass "
+                    "step_strategy= a pair that wraps MultiStepDraftBackend's views.") from exc
         self.req_to_token = getattr(req_to_token, "req_to_token", req_to_token)
         self.page_size = config.page_size
         self.step_batches: list = []
@@ -173,8 +190,9 @@ class MultiStepDraftBackend:
         cu = out["draft_cu_seqlens_q"][: rows + 1]
         torch.arange(rows + 1, out=cu, dtype=cu.dtype)
         rpi = out["draft_req_pool_indices"][:rows]
-        rpi.copy_(batch.req_pool_indices.long().repeat_interleave(topk))
-        prefix = batch.seq_lens.long().repeat_interleave(topk)  # [rows]
+        # expand (not repeat_interleave): fixed sizes, certainly no device→host sync
+        rpi.copy_(batch.req_pool_indices.long().unsqueeze(1).expand(bs, topk).reshape(rows))
+        prefix = batch.seq_lens.long().unsqueeze(1).expand(bs, topk).reshape(rows)
         branch = torch.arange(rows, device=dev) % topk
         base = prefix - prefix % ps
         shift = branch * ((prefix % ps + self.num_steps + ps - 1) // ps) * ps  # [rows]

@@ -12,6 +12,7 @@ from aiter_attn import (AttentionBackend, BackendConfig, ForwardBatch, ForwardMo
                         SpecDecodeConfig)
 from aiter_attn.kvcache import PageAllocator, ReqToTokenPool
 from aiter_attn.multistep import MultiStepDraftBackend
+from aiter_attn.registry import StrategySelectionError
 from aiter_attn.strategies.mha import DecodeMetadata
 from aiter_attn.strategies.spec import DRAFT_DECODE_STEP
 from aiter_attn.testing import PagedScenario, dense_attention
@@ -191,6 +192,8 @@ def test_errors_name_the_limit():
         ms.init_forward_metadata_out_graph(_draft_batch(rows, [20, 5]))
     with pytest.raises(ValueError, match="topk=0"):
         MultiStepDraftBackend(cfg, req_pool, None, topk=0)
+    with pytest.raises(StrategySelectionError, match="runs each step through strategy 'nope'"):
+        MultiStepDraftBackend(cfg, req_pool, None, step_strategy="nope")
     plain = AttentionBackend(cfg, req_pool, None, strategy=DRAFT_DECODE_STEP)
     with pytest.raises(ValueError, match="MultiStepDraftBackend.init_forward_metadata"):
         plain.init_forward_metadata(_draft_batch(rows, [20, 5]))

@@ -38,7 +38,7 @@ def _setup(page_size, hq, hkv, d, dtype, *, topk=1, n=4, prefixes=(9, 1, 30), se
     cfg = BackendConfig(page_size=page_size, max_batch_size=8, max_context_len=256, dtype=dtype,
                         spec=SpecDecodeConfig(topk=topk, num_draft_tokens=n, num_steps=3))
     layers = [LayerSpec(layer_id=i, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
-              for i in range(2)]
+              for i in range(1)]
     sc = PagedScenario.make(cfg, layers, list(prefixes), seed=seed + page_size)
     return cfg, layers, sc, AttentionBackend(cfg, sc.req_pool, sc.kv_pool)
 
@@ -362,3 +362,81 @@ def test_build_tree_mask_hand_computed():
             0, 0,
             1, 0]
     assert out.tolist() == [bool(x) for x in want]
+
+
+@pytest.mark.gpu
+def test_plans_make_no_sync_on_cuda():
+    """On a GPU, with real CUDA tensors: chain / tree (both mask layouts) verify, draft extend
+    v2 and every multi-step draft step plan under ``set_sync_debug_mode("error")`` and the
+    host-read guard."""
+    from aiter_attn.multistep import MultiStepDraftBackend
+    from aiter_attn.testing.spec_cases import DraftLayout, reserve_draft_slots
+    from aiter_attn import ForwardBatch
+
+    n = 3
+    cfg = BackendConfig(page_size=16, max_batch_size=8, max_context_len=256,
+                        dtype=torch.float16, device="cuda",
+                        spec=SpecDecodeConfig(topk=2, num_draft_tokens=n, num_steps=3))
+    layers = [LayerSpec(layer_id=0, num_q_heads=4, num_kv_heads=2, head_dim=64)]
+    sc = PagedScenario.make(cfg, layers, [5, 40], seed=0)
+    tree_be = AttentionBackend(cfg, sc.req_pool, sc.kv_pool)
+    chain_cfg = attrs.evolve(cfg, spec=SpecDecodeConfig(topk=1, num_draft_tokens=n, num_steps=3))
+    chain_be = AttentionBackend(chain_cfg, sc.req_pool, sc.kv_pool)
+    trees = _trees(2, n, seed=0)
+    seq = _verify_seq_lens(sc, n)
+    batches = []
+    for be, mode, mask in ((tree_be, VERIFY, _mask_input(trees, seq, "full")),
+                           (tree_be, VERIFY, _mask_input(trees, seq, "tree")),
+                           (chain_be, VERIFY, None), (chain_be, V2, None)):
+        spec = SpecInfo(num_draft_tokens=n, topk=2 if mask is not None else 1,
+                        custom_mask=None if mask is None else mask.cuda())
+        batch = attrs.evolve(sc.next_batch(VERIFY, [n, n], spec_info=spec), forward_mode=mode)
+        batches.append((be.strategies_for(mode)[0], batch))
+    committed = [sc.allocator.tokens_held(r) for r in sc.rows]
+    reserve_draft_slots(sc.allocator, sc.req_pool, sc.rows, committed, DraftLayout(16, 2, 3))
+    ms = MultiStepDraftBackend(cfg, sc.req_pool, sc.kv_pool)
+    draft = ForwardBatch.from_lengths(forward_mode="decode", req_pool_indices=sc.rows,
+                                      seq_lens=committed, device="cuda",
+                                      out_cache_loc=torch.zeros(2, dtype=torch.int64))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with forbid_device_reads():
+            for planner, batch in batches:
+                planner.plan(batch)
+            ms.init_forward_metadata(draft)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@given(pb=paged_batches(mode=VERIFY, draft_tokens=3, max_bs=4, max_prefix=40),
+       pad=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_padded_and_fully_masked_rows_never_nan(pb, pad, seed):
+    """Tree verify with graph-style padding rows (null row 0, seq_len = q_len, dummy slot 0)
+    and random masks that blank whole rows: every output is finite and blank rows are 0."""
+    n = 3
+    g = torch.Generator().manual_seed(seed)
+    cfg = attrs.evolve(pb.config, spec=SpecDecodeConfig(topk=2, num_draft_tokens=n))
+    pool = MHAKVPool(pb.allocator.num_pages, cfg.page_size, 1, 8, 1, dtype=torch.float32)
+    for buf in pool.k_buffers + pool.v_buffers:
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    be = AttentionBackend(cfg, pb.req_pool, pool)
+    b = pb.batch
+    lens = b.seq_lens_cpu.tolist() + [n] * pad
+    masks = [torch.rand(n, L, generator=g) < 0.5 for L in lens]
+    masks[0][0] = False  # at least one blank row
+    batch = attrs.evolve(
+        b, req_pool_indices=torch.cat([b.req_pool_indices, torch.zeros(pad, dtype=torch.int64)]),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), seq_lens_cpu=torch.tensor(lens),
+        out_cache_loc=torch.cat([b.out_cache_loc, torch.zeros(pad * n, dtype=torch.int64)]),
+        positions=None, extend_seq_lens=None, extend_seq_lens_cpu=None,
+        spec_info=SpecInfo(num_draft_tokens=n, topk=2,
+                           custom_mask=torch.cat([m.reshape(-1) for m in masks])))
+    be.init_forward_metadata(batch)
+    layer = LayerSpec(layer_id=0, num_q_heads=3, num_kv_heads=1, head_dim=8)
+    t = batch.num_tokens
+    out = be.forward(torch.randn(t, 24, generator=g), torch.randn(t, 8, generator=g),
+                     torch.randn(t, 8, generator=g), layer, batch)
+    assert torch.isfinite(out).all()
+    blank = torch.cat([~m.any(dim=1) for m in masks])
+    assert bool((out[blank] == 0).all())
