@@ -8,6 +8,8 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from aiter_attn import (
     AttentionBackend,
@@ -230,3 +232,33 @@ def test_vec5d_backend_needs_vec5d_pool():
                                                                dtype=torch.float32))
     with pytest.raises(TypeError, match="Vec5DKVPool"):
         be.strategies_for(ForwardMode.DECODE)
+
+
+@given(st.sampled_from([torch.float32, torch.float16, torch.float8_e4m3fn]),
+       st.sampled_from(["shuffled", "hd_page"]), st.integers(1, 3), st.data())
+def test_5d_write_touches_only_its_slots(dtype, v_layout, pages_per_x, data):
+    """Through the backend's op (``write_kv_5d``): the written slots read back (as NHD) to the
+    quantised K/V and every other byte of both caches is unchanged."""
+    from aiter_attn.kernels.reference import quantize_to_cache
+
+    x = 16 // torch.empty((), dtype=dtype).element_size()
+    ps = x * pages_per_x if v_layout == "shuffled" else data.draw(st.integers(1, 7))
+    pool = Vec5DKVPool(5, ps, 2, 2 * x, 1, dtype=dtype, v_layout=v_layout)
+    kc, vc = pool.kv_buffers(0)
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 999)))
+    for buf in (kc, vc):
+        buf.copy_(torch.randn(buf.shape, generator=g).to(dtype))
+    n = data.draw(st.integers(0, 4 * ps))
+    slots = torch.randperm(5 * ps - ps, generator=g)[:n] + ps  # never the null page
+    k = torch.randn(n, 2, 2 * x, generator=g)
+    v = torch.randn(n, 2, 2 * x, generator=g)
+    k_before, v_before = pool.nhd_view(0)
+    write_kv_5d(kc, vc, slots, k, v, k_scale=0.5, v_scale=2.0)
+    k_after, v_after = pool.nhd_view(0)
+    mask = torch.ones(5 * ps, dtype=torch.bool)
+    mask[slots] = False
+    for before, after, new, scale in ((k_before, k_after, k, 0.5), (v_before, v_after, v, 2.0)):
+        b, a = before.reshape(5 * ps, -1), after.reshape(5 * ps, -1)
+        assert torch.equal(b[mask].view(torch.uint8), a[mask].view(torch.uint8))
+        want = quantize_to_cache(new, dtype, scale).reshape(n, 4 * x)
+        assert torch.equal(a[slots].view(torch.uint8), want.view(torch.uint8))
