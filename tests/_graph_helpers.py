@@ -131,9 +131,10 @@ class Rig:
         """Flat SGLang-layout mask: prefix visible; draft part a random tree (each token sees
         itself and a random subset of earlier drafts)."""
         blocks = []
+        idx = torch.arange(n)
+        below, diag = idx[:, None] > idx[None, :], idx[:, None] == idx[None, :]
         for L in seq_lens:
-            tri = torch.rand(n, n, generator=self.gen) < 0.5
-            tri = torch.tril(tri, -1) | torch.eye(n, dtype=torch.bool)
+            tri = ((torch.rand(n, n, generator=self.gen) < 0.5) & below) | diag
             blk = torch.ones(n, L, dtype=torch.bool)
             blk[:, L - n:] = tri
             blocks.append(blk.reshape(-1))

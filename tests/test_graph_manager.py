@@ -104,15 +104,8 @@ def test_decode_replay_matches_dense_oracle():
         sc.commit_step()
 
 
-_SWA_TREE_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="strategies/swa.py attend() folds the window into the tree mask at execution time "
-           "with a host total from batch.seq_lens_sum; under a graph that value is frozen at "
-           "capture, so replayed tree-verify outputs of windowed layers are wrong (the "
-           "no-capture mode feeds fn capture-time mirrors and shows it on the CPU)")
 SPEC_CASES = [
-    pytest.param(arch, mode, topk, id=f"{arch}-{mode.name.lower()}-topk{topk}",
-                 marks=[_SWA_TREE_BUG] if (arch, topk) == ("swa", 2) else [])
+    pytest.param(arch, mode, topk, id=f"{arch}-{mode.name.lower()}-topk{topk}")
     for arch in ("mha", "mla", "swa")
     for mode, topk in ((ForwardMode.TARGET_VERIFY, 1), (ForwardMode.TARGET_VERIFY, 2),
                        (ForwardMode.DRAFT_EXTEND_V2, 1))
@@ -144,6 +137,8 @@ def test_tree_part_mask_is_expanded_into_the_static_mask(arch):
     """A verify batch may send only the [bs, q, q] tree part; the graph expands it on the
     device and matches eager planning of the full-layout mask."""
     _require_pair(arch, ForwardMode.TARGET_VERIFY)
+    pytest.importorskip("aiter_attn.strategies.spec",
+                        reason="the tree-part expansion lives in strategies/spec.py (not landed)")
     spec = SpecDecodeConfig(topk=2, num_draft_tokens=3)
     rig = Rig.make(arch, page_size=7, hq=4, hkv=2, head_dim=16, spec=spec, seed=3)
     mgr = rig.manager()
@@ -390,3 +385,64 @@ def test_capture_size_ladder():
     assert next_capture_size([1, 2, 4, 8], 5) == 8
     with pytest.raises(ValueError, match="max_bs"):
         default_capture_sizes(0)
+
+
+# -- multi-step draft decode -------------------------------------------------------------------
+
+@pytest.mark.parametrize("page,topk,steps", [
+    pytest.param(1, 2, 3, id="page1-topk2-steps3"),
+    pytest.param(16, 2, 3, id="page16-topk2-steps3"),
+    pytest.param(7, 1, 4, id="page7-chain-steps4"),
+])
+def test_multi_step_draft_decode_replay_equals_eager(page, topk, steps):
+    multistep = pytest.importorskip("aiter_attn.multistep",
+                                    reason="aiter_attn/multistep.py has not landed")
+    from aiter_attn import ForwardBatch
+
+    spec = SpecDecodeConfig(num_steps=steps, topk=topk, num_draft_tokens=steps * topk + 1)
+    rig = Rig.make("mha", page_size=page, hq=4, hkv=2, head_dim=16, spec=spec, seed=page)
+    ms = multistep.MultiStepDraftBackend(rig.config, rig.req_pool, rig.kv_pool)
+    mgr = CudaGraphManager(ms, capture_sizes=[1, 2, 4], use_cuda_graph=False,
+                           token_inputs=rig.token_inputs())
+    layers = rig.layers
+
+    def fn(batch, inputs):
+        return tuple(torch.cat([
+            ms.attn_backends[i].forward(inputs[f"q{l.layer_id}"], inputs[f"k{l.layer_id}"],
+                                        inputs[f"v{l.layer_id}"], l, sb)
+            for i, sb in enumerate(ms.step_batches)], dim=1) for l in layers)
+
+    mgr.capture(fn)
+    for bs in (3, 1, 4, 2):
+        rows = [rig.join(int(torch.randint(1, 40, (1,), generator=rig.gen))) for _ in range(bs)]
+        committed = [rig.alloc.tokens_held(r) for r in rows]
+        need = multistep.draft_columns_needed(torch.tensor(committed), page, topk, steps)
+        for r, c, n in zip(rows, committed, need.tolist()):
+            rig.alloc.extend(rig.req_pool, r, n - c)  # the draft slots of every branch
+        batch = ForwardBatch.from_lengths(forward_mode="decode", req_pool_indices=rows,
+                                          seq_lens=committed,
+                                          out_cache_loc=torch.zeros(bs, dtype=torch.int64))
+        inputs = {k: torch.randn((bs * topk, *shape), generator=rig.gen)
+                  for k, (shape, _) in rig.token_inputs().items()}
+        before = rig.snapshot()
+        out = mgr.replay(batch, **inputs)
+        # padding rows of every step write the dummy slot only
+        dloc = mgr.strategy_buffers("decode")["draft_out_cache_loc"]
+        pbs = mgr.last_entry.bs
+        assert (dloc[:steps - 1, bs * topk:pbs * topk] == DUMMY_SLOT).all()
+        written = set(dloc[:steps - 1, :bs * topk].reshape(-1).tolist())
+        fake = attrs_batch_with_slots(batch, written)
+        assert rig.foreign_writes(before, fake) == []
+        for o in out:
+            assert o.shape[0] == bs * topk and torch.isfinite(o).all()
+        ms.init_forward_metadata(batch)  # eager plan into fresh buffers
+        eager = fn(batch, inputs)
+        _assert_same(out, eager, f"multi-step bs={bs}")
+        for r in rows:
+            rig.leave(r)
+
+
+def attrs_batch_with_slots(batch, slots):
+    import attrs
+
+    return attrs.evolve(batch, out_cache_loc=torch.tensor(sorted(slots), dtype=torch.int64))
