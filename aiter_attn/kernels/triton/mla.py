@@ -70,6 +70,7 @@ def _mla_fwd_kernel(
     HAS_MASK: tl.constexpr,
     SCALE_FROM_PTR: tl.constexpr,
     IEEE: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -115,11 +116,27 @@ def _mla_fwd_kernel(
     if HAS_MASK:
         mask_row = mask_ptr + tl.load(mask_indptr_ptr + b).to(tl.int64) + qi.to(tl.int64) * kv_len
 
+    # Page ids are fetched one tile ahead, so a tile's latent rows never wait on the load of
+    # their own page id (the loop carries the next tile's ids; the pipeliner overlaps the rest).
+    offs_t = tl.arange(0, BLOCK_N)
+    if TILE_IN_PAGE:  # page_size % BLOCK_N == 0 and tiles start at multiples of BLOCK_N
+        page_next = tl.load(bt_row + lo // PAGE_SIZE, mask=lo < hi, other=0)
+    else:
+        page_next = tl.load(bt_row + (lo + offs_t) // PAGE_SIZE, mask=lo + offs_t < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
+        offs_n = start + offs_t
         mask_n = offs_n < hi
-        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        row = page * stride_kvp + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kvs
+        nxt = start + BLOCK_N
+        if TILE_IN_PAGE:
+            page = page_next.to(tl.int64)
+            page_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < hi, other=0)
+            row = (page * stride_kvp + (start % PAGE_SIZE) * stride_kvs
+                   + offs_t.to(tl.int64) * stride_kvs)
+        else:
+            page = page_next.to(tl.int64)
+            page_next = tl.load(bt_row + (nxt + offs_t) // PAGE_SIZE, mask=nxt + offs_t < hi,
+                                other=0)
+            row = page * stride_kvp + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kvs
         c_nope = tl.load(kv_ptr + row[:, None] + offs_dv[None, :],
                          mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(q_nope.dtype)
         c_rope = tl.load(kv_ptr + row[:, None] + KV_LORA + offs_dr[None, :],
@@ -199,7 +216,7 @@ def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: to
         by_len = max(1, triton.cdiv(max(kv_bound, 1), 4 * block_n))
         num_kv_splits = max(1, min(64, triton.cdiv(target, programs), by_len))
     num_warps = 4 if block_h <= 16 else 8
-    num_stages = 2
+    num_stages = 3
     return block_h, block_n, int(num_kv_splits), num_warps, num_stages
 
 
@@ -312,6 +329,7 @@ def mla_paged_attention(
         BLOCK_DV=block_dv, BLOCK_DR=block_dr, BLOCK_H=bh, BLOCK_N=bn,
         BLOCK_B=next_pow2(batch), NUM_SPLITS=splits, CAUSAL=bool(causal), HAS_MASK=has_mask,
         SCALE_FROM_PTR=from_ptr, IEEE=q.dtype == torch.float32,
+        TILE_IN_PAGE=page_size % bn == 0,
         num_warps=warps, num_stages=stages,
     )
     if splits > 1:
