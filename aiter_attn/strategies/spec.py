@@ -233,13 +233,10 @@ class VerifyTreeMetadata(_UniformPagedMetadata):
 
     def eager_buffers(self, batch: ForwardBatch, mask_numel: int = 0) -> dict:
         """Buffers sized for ``batch``; the mask only when a tree part must be expanded."""
-        bs = max(batch.batch_size, 1)
-        spec = PagedMetadata.buffer_spec(self, bs, max(batch.num_tokens, 1),
-                                         max(batch.max_seq_len, 1))
-        bufs = spec.allocate(batch.device)
-        bufs["mask_indptr"] = torch.zeros(bs + 1, dtype=torch.int64, device=batch.device)
-        bufs["custom_mask"] = torch.empty(mask_numel, dtype=torch.bool, device=batch.device)
-        return bufs
+        spec = self.buffer_spec(max(batch.batch_size, 1), max(batch.num_tokens, 1),
+                                max(batch.max_seq_len, 1))
+        sized = {**spec.buffers, "custom_mask": ((mask_numel,), torch.bool)}
+        return BufferSpec(sized).allocate(batch.device)
 
 
 class DraftExtendV2Metadata(_UniformPagedMetadata):
