@@ -45,6 +45,10 @@ PREFILL_ROWS = [(1, 2048), (1, 8192), (1, 16384), (8, 2048)]
 MLA_ROWS = [(16, 64, 4096), (16, 128, 8192), (128, 16, 4096), (128, 64, 4096)]  # heads, bs, ctx
 FP8_ROWS = [(8, 65536), (64, 16384), (1, 32768)]
 ANCHORS = ("cudnn", "fa2", "flex", "aiter")
+#: MLA launch configs timed by --mla-sweep: (block_h, block_n, num_warps, num_stages, splits).
+MLA_SWEEP = [(16, 32, 4, 2, None), (16, 32, 4, 4, None), (16, 64, 4, 3, None),
+             (16, 32, 8, 3, None), (16, 32, 4, 3, "x2"), (32, 32, 8, 3, None),
+             (64, 16, 8, 3, None), (64, 32, 8, 2, None), (32, 64, 8, 2, None)]
 RTOL_BF16 = 2e-2
 RTOL_FP8 = 6e-2  # e4m3 cache: the reference reads the same dequantised values; q/P/out in bf16
 
@@ -183,15 +187,19 @@ def run_mla_rows(rows, args, results):
             case["impls"].append(rec)
             print("   ", summarize(rec, True), flush=True)
             if args.mla_sweep and kv == "bf16":
-                for bh, bn, nw, ns in ((16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 8, 2),
-                                       (32, 32, 8, 2), (64, 16, 8, 2), (64, 32, 8, 1),
-                                       (32, 64, 8, 1)):
+                for bh, bn, nw, ns, sp in MLA_SWEEP:
                     if bh > max(16, heads):
                         continue
-                    launch = dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns)
-                    r = bench_impl(f"ours{bh}/{bn}/{nw}/{ns}",
+                    if sp == "x2":  # twice the heuristic's split count
+                        from aiter_attn.kernels.triton.mla import mla_launch_config
+
+                        sp = 2 * mla_launch_config(heads, bs, ctx, x.q.device, block_h=bh,
+                                                   block_n=bn)[2]
+                    launch = dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns,
+                                  num_kv_splits=sp)
+                    r = bench_impl(f"ours{bh}/{bn}/{nw}/{ns}/{sp or 'auto'}",
                                    lambda inp, lk=launch: make_ours_mla(inp, **lk), x, expected,
-                                   lambda o: o[:rows_b], RTOL_BF16, args.rep, False)
+                                   lambda o: o[:rows_b], RTOL_BF16, args.rep // 2, False)
                     add_rates(r, x.bytes_moved, x.flops)
                     case["impls"].append(r)
                     print("   ", summarize(r, True), flush=True)

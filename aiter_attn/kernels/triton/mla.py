@@ -71,6 +71,7 @@ def _mla_fwd_kernel(
     SCALE_FROM_PTR: tl.constexpr,
     IEEE: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -137,10 +138,16 @@ def _mla_fwd_kernel(
             page_next = tl.load(bt_row + (nxt + offs_t) // PAGE_SIZE, mask=nxt + offs_t < hi,
                                 other=0)
             row = page * stride_kvp + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kvs
-        c_nope = tl.load(kv_ptr + row[:, None] + offs_dv[None, :],
-                         mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(q_nope.dtype)
-        c_rope = tl.load(kv_ptr + row[:, None] + KV_LORA + offs_dr[None, :],
-                         mask=mask_n[:, None] & mask_dr[None, :], other=0.0).to(q_nope.dtype)
+        if EVEN_D:  # row-only masks keep the 16-byte vector loads along the latent dim
+            c_nope = tl.load(kv_ptr + row[:, None] + offs_dv[None, :], mask=mask_n[:, None],
+                             other=0.0).to(q_nope.dtype)
+            c_rope = tl.load(kv_ptr + row[:, None] + KV_LORA + offs_dr[None, :],
+                             mask=mask_n[:, None], other=0.0).to(q_nope.dtype)
+        else:
+            c_nope = tl.load(kv_ptr + row[:, None] + offs_dv[None, :],
+                             mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(q_nope.dtype)
+            c_rope = tl.load(kv_ptr + row[:, None] + KV_LORA + offs_dr[None, :],
+                             mask=mask_n[:, None] & mask_dr[None, :], other=0.0).to(q_nope.dtype)
         s = _dot(q_nope, tl.trans(c_nope), IEEE) + _dot(q_rope, tl.trans(c_rope), IEEE)
         s = s * qk_scale
         visible = mask_n
@@ -330,6 +337,7 @@ def mla_paged_attention(
         BLOCK_B=next_pow2(batch), NUM_SPLITS=splits, CAUSAL=bool(causal), HAS_MASK=has_mask,
         SCALE_FROM_PTR=from_ptr, IEEE=q.dtype == torch.float32,
         TILE_IN_PAGE=page_size % bn == 0,
+        EVEN_D=block_dv == kv_lora_rank and block_dr == rope,
         num_warps=warps, num_stages=stages,
     )
     if splits > 1:
