@@ -13,6 +13,7 @@ from aiter_attn import (AttentionBackend, BackendConfig, CGSupport, ForwardMode,
                         MHAKVPool, SpecDecodeConfig, SpecInfo)
 from aiter_attn.plugins import kernel_registry, strategy_registry
 from aiter_attn.strategies.base import StrategyContext
+from aiter_attn.strategies.mha import DecodeMetadata
 from aiter_attn.strategies.spec import (DraftExtendV2Metadata, VerifyChainMetadata,
                                         VerifyTreeMetadata, tree_mask_layout)
 from aiter_attn.testing import PagedScenario
@@ -189,6 +190,11 @@ def test_spec_errors_are_clear():
     big = attrs.evolve(batch, spec_info=SpecInfo(num_draft_tokens=n + 1, topk=2))
     with pytest.raises(ValueError, match="> BackendConfig.spec.num_draft_tokens=3"):
         VerifyTreeMetadata(be.ctx).plan(big)
+    ok = attrs.evolve(batch, spec_info=SpecInfo(num_draft_tokens=n, topk=2,
+                                                custom_mask=torch.ones(2 * n * n, dtype=torch.bool)))
+    small = VerifyTreeMetadata(be.ctx).buffer_spec(2, 2 * n, 8).allocate("cpu")
+    with pytest.raises(ValueError, match="static custom_mask buffer of 48"):
+        VerifyTreeMetadata(be.ctx).plan(ok, out=small)
     none = attrs.evolve(batch, spec_info=None)
     with pytest.raises(ValueError, match="needs batch.spec_info"):
         VerifyChainMetadata(be.ctx).plan(none)
@@ -270,6 +276,16 @@ def test_uniform_plans_are_sync_free(planner_cls, mode, pb):
         out = planner.buffer_spec(8, 24, 256).allocate("meta")
         planner.plan(to_meta_batch(batch), out=out)
     assert md.query.max_seqlen_q == 3 and md.query.num_tokens == 3 * batch.batch_size
+
+
+@given(pb=paged_batches(mode=ForwardMode.DECODE))
+def test_decode_plan_is_sync_free_under_the_guard(pb):
+    """DECODE (the mode multi-step draft decode builds on) plans on meta tensors under the
+    host-read guard, eager and into static buffers."""
+    planner = DecodeMetadata(meta_context(_ctx(pb.config, pb.req_pool.req_to_token)))
+    with forbid_device_reads():
+        planner.plan(to_meta_batch(pb.batch))
+        planner.plan(to_meta_batch(pb.batch), out=planner.buffer_spec(8, 8, 256).allocate("meta"))
 
 
 def test_host_read_guard_is_not_vacuous():
