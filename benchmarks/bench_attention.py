@@ -333,11 +333,16 @@ def main(argv=None):
         plot(results, args.meta, os.path.join(args.out, "roofline.png"))
     except Exception as exc:
         print(f"roofline plot failed: {exc!r}")
+    report = "\n".join([
+        f"Device: {args.meta['device']}; torch {args.meta['torch']}, triton {args.meta['triton']}; "
+        f"ceilings measured in this run: copy {args.meta['copy_tbps']:.2f} TB/s, bf16 matmul "
+        f"{args.meta['matmul_tflops']:.0f} TFLOP/s; started {args.meta['started']}.",
+        "", "CUDA-graph replay (median):", "", table(results, "graph"),
+        "", "Eager (median, L2 flushed):", "", table(results, "eager"), ""])
+    with open(os.path.join(args.out, "bench_attention.md"), "w") as f:
+        f.write(report)
     print()
-    print(f"Device: {args.meta['device']}; ceilings measured now: copy "
-          f"{args.meta['copy_tbps']:.2f} TB/s, bf16 matmul {args.meta['matmul_tflops']:.0f} TFLOP/s")
-    print("\nCUDA-graph replay (median):\n" + table(results, "graph"))
-    print("\nEager (median, L2 flushed):\n" + table(results, "eager"))
+    print(report)
 
 
 if __name__ == "__main__":
