@@ -95,7 +95,9 @@ def make_flex(x):
     except Exception as exc:
         raise Unavailable(f"flex_attention import: {exc!r}")
     if "fn" not in _FLEX:
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+        # default dynamic=None: after the first shape change torch.compile switches to
+        # dynamic shapes, so the decode rows share one or two compiles instead of seven
+        _FLEX["fn"] = torch.compile(flex_attention)
     flex = _FLEX["fn"]
     q = x.q.view(x.bs, x.q_len, x.hq, x.d).transpose(1, 2)
     block_mask = None

@@ -146,6 +146,8 @@ def run_mha_rows(kind, rows, args, results):
         case = {"case": label, "kind": kind, "bs": bs, "ctx": n, "bytes": x.bytes_moved,
                 "flops": x.flops, "impls": []}
         impls = ["ours"] + ([] if kind == "fp8" else list(args.anchors))
+        if kind == "prefill" and "flex" in impls and not args.flex_prefill:
+            impls.remove("flex")  # PERFORMANCE.md's prefill anchors: cuDNN, FA2, aiter
         if kind == "fp8":
             impls += ["aiter"] if "aiter" in args.anchors else []
         for name in impls:
@@ -170,6 +172,7 @@ def run_mha_rows(kind, rows, args, results):
 
 
 def run_mla_rows(rows, args, results):
+    swept = set()  # sweep launch configs on the first row of each head count only
     for heads, bs, ctx in rows:
         for kv in ("bf16", "fp8"):
             label = f"mla H{heads} {bs}x{ctx // 1024}k {kv}"
@@ -186,7 +189,8 @@ def run_mla_rows(rows, args, results):
             add_rates(rec, x.bytes_moved, x.flops)
             case["impls"].append(rec)
             print("   ", summarize(rec, True), flush=True)
-            if args.mla_sweep and kv == "bf16":
+            if args.mla_sweep and kv == "bf16" and heads not in swept:
+                swept.add(heads)
                 for bh, bn, nw, ns, sp in MLA_SWEEP:
                     if bh > max(16, heads):
                         continue
@@ -295,6 +299,7 @@ def main(argv=None):
     p.add_argument("--no-graphs", dest="graphs", action="store_false")
     p.add_argument("--quick", action="store_true", help="a subset of rows")
     p.add_argument("--mla-sweep", action="store_true", help="also time MLA launch configs")
+    p.add_argument("--flex-prefill", action="store_true", help="flex_attention on prefill too")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_attention needs a CUDA GPU.")
