@@ -44,13 +44,14 @@ class Rig:
     @classmethod
     def make(cls, arch="mha", *, page_size=16, hq=10, hkv=2, head_dim=16, num_layers=2,
              max_context_len=128, max_bs=8, spec: Optional[SpecDecodeConfig] = None,
-             dtype=torch.float32, seed=0, num_pages=None, window=5):
+             dtype=torch.float32, seed=0, num_pages=None, window=5, device="cpu"):
         arch = AttnArch.parse(arch)
         g = torch.Generator().manual_seed(seed)
         cfg = BackendConfig(page_size=page_size, max_batch_size=max_bs,
-                            max_context_len=max_context_len, dtype=dtype, arch=arch, spec=spec)
+                            max_context_len=max_context_len, dtype=dtype, arch=arch, spec=spec,
+                            device=device)
         num_pages = num_pages or (max_bs + 2) * (-(-max_context_len // page_size)) + 2
-        req_pool = ReqToTokenPool(max_bs * 2 + 2, max_context_len)
+        req_pool = ReqToTokenPool(max_bs * 2 + 2, max_context_len, device)
         alloc = PageAllocator(num_pages, page_size, shuffle_seed=seed + 1)
         if arch == AttnArch.MLA:
             from aiter_attn.kvcache import MLAKVPool
@@ -60,7 +61,8 @@ class Rig:
             layers = [mla_layer_specs(i, num_heads=hq, kv_lora_rank=lora, qk_nope_head_dim=16,
                                       qk_rope_head_dim=rope, v_head_dim=16)[0]
                       for i in range(num_layers)]
-            pool = MLAKVPool(num_pages, page_size, lora, rope, num_layers, dtype=dtype)
+            pool = MLAKVPool(num_pages, page_size, lora, rope, num_layers, dtype=dtype,
+                             device=device)
             bufs = pool.latent_buffers
         elif arch == AttnArch.SWA:
             from aiter_attn.kvcache import SWAKVPool
@@ -71,22 +73,23 @@ class Rig:
                       for i in range(num_layers)]
             pool = SWAKVPool.create(num_full_pages=num_pages, num_swa_pages=num_pages,
                                     page_size=page_size, num_kv_heads=hkv, head_dim=head_dim,
-                                    layer_is_swa=is_swa, dtype=dtype)
+                                    layer_is_swa=is_swa, dtype=dtype, device=device)
             # a shuffled full→SWA page map, page 0 ↦ 0
             perm = torch.cat([torch.zeros(1, dtype=torch.int64),
                               torch.randperm(num_pages - 1, generator=g) + 1])
             slots = torch.arange(num_pages * page_size)
-            pool.full_to_swa_index_mapping.copy_(perm[slots // page_size] * page_size
-                                                 + slots % page_size)
+            pool.full_to_swa_index_mapping.copy_((perm[slots // page_size] * page_size
+                                                  + slots % page_size).to(device))
             bufs = (pool.full.k_buffers + pool.full.v_buffers + pool.swa.k_buffers
                     + pool.swa.v_buffers)
         else:
             layers = [LayerSpec(layer_id=i, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim)
                       for i in range(num_layers)]
-            pool = MHAKVPool(num_pages, page_size, hkv, head_dim, num_layers, dtype=dtype)
+            pool = MHAKVPool(num_pages, page_size, hkv, head_dim, num_layers, dtype=dtype,
+                             device=device)
             bufs = pool.k_buffers + pool.v_buffers
         for b in bufs:  # noise everywhere, the null page too
-            b.copy_(torch.randn(b.shape, generator=g).to(b.dtype))
+            b.copy_(torch.randn(b.shape, generator=g).to(device=device, dtype=b.dtype))
         be = AttentionBackend(cfg, req_pool, pool)
         return cls(arch, cfg, layers, req_pool, alloc, pool, be, g)
 
@@ -122,10 +125,13 @@ class Rig:
                 if tree_part:
                     mask = full_to_tree_part(mask, seq, n)
             spec = SpecInfo(num_draft_tokens=n, topk=sc.topk, custom_mask=mask)
+        dev = self.config.device
+        if spec is not None and spec.custom_mask is not None:
+            spec.custom_mask = spec.custom_mask.to(dev)
         return ForwardBatch.from_lengths(
             forward_mode=mode, req_pool_indices=rows, seq_lens=seq,
             out_cache_loc=torch.cat(locs) if locs else torch.zeros(0, dtype=torch.int64),
-            extend_seq_lens=[n] * len(rows), spec_info=spec)
+            extend_seq_lens=[n] * len(rows), spec_info=spec, device=dev)
 
     def tree_mask(self, seq_lens, n) -> torch.Tensor:
         """Flat SGLang-layout mask: prefix visible; draft part a random tree (each token sees
@@ -153,7 +159,7 @@ class Rig:
 
     def random_inputs(self, batch: ForwardBatch) -> dict:
         n = batch.num_tokens
-        return {name: torch.randn((n, *shape), generator=self.gen).to(dtype)
+        return {name: torch.randn((n, *shape), generator=self.gen).to(self.config.device, dtype)
                 for name, (shape, dtype) in self.token_inputs().items()}
 
     def step_fn(self):
@@ -187,17 +193,17 @@ class Rig:
     def foreign_writes(self, before: list, batch: ForwardBatch) -> list:
         """``(buffer index, slot)`` written since ``before`` that are neither this batch's
         slots nor the dummy slot 0 (SWA buffers: translated slots)."""
-        full = set(batch.out_cache_loc.tolist()) | {0}
+        full = set(batch.out_cache_loc.cpu().tolist()) | {0}
         allowed = [full] * len(before)
         if self.arch == AttnArch.SWA:
-            swa = set(self.kv_pool.translate(batch.out_cache_loc).tolist()) | {0}
+            swa = set(self.kv_pool.translate(batch.out_cache_loc).cpu().tolist()) | {0}
             n_full = len(self.kv_pool.full.k_buffers) * 2
             allowed = [full] * n_full + [swa] * (len(before) - n_full)
         bad = []
         for i, (a, b, ok) in enumerate(zip(before, self.kv_tensors(), allowed)):
             fa = a.reshape(a.shape[0] * a.shape[1], -1)
             fb = b.reshape(b.shape[0] * b.shape[1], -1)
-            for s in (fa != fb).any(dim=1).nonzero().flatten().tolist():
+            for s in (fa != fb).any(dim=1).nonzero().flatten().cpu().tolist():
                 if s not in ok:
                     bad.append((i, s))
         return bad
@@ -206,7 +212,7 @@ class Rig:
         from aiter_attn.graph import CudaGraphManager
 
         kw.setdefault("capture_sizes", [1, 2, 4, 8])
-        kw.setdefault("use_cuda_graph", False)
+        kw.setdefault("use_cuda_graph", self.config.device != "cpu")
         return CudaGraphManager(self.backend, token_inputs=self.token_inputs(), **kw)
 
 
