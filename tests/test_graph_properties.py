@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aiter_attn import ForwardMode, SpecDecodeConfig
-from aiter_attn.graph import graph_mode, metadata_signature
+from aiter_attn.graph import describe_signature, graph_mode
 
 from ._graph_helpers import Rig
 
@@ -28,7 +28,7 @@ CASES = [
 
 def _tensors_and_values(md):
     """``path → tensor`` and ``path → host value`` of a metadata tree."""
-    sig = metadata_signature(md)
+    sig = describe_signature(md)
     tensors = {}
 
     def walk(x, path):
@@ -142,7 +142,7 @@ def test_buffers_never_reallocated_across_replays(arch, mode, topk, sizes):
             batch = rig.batch(mode if n else "idle")
             mgr.replay(batch, **rig.random_inputs(batch))
             e = mgr.last_entry
-            sig = {k: v for k, v in metadata_signature(rig.backend.forward_metadata).items()}
+            sig = describe_signature(rig.backend.forward_metadata)
             sig["batch"] = [t.data_ptr() for t in (e.batch.req_pool_indices, e.batch.seq_lens,
                                                    e.batch.out_cache_loc)]
             assert seen.setdefault(e.bs, sig) == sig, f"bs={e.bs}: a planned tensor moved"

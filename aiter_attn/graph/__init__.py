@@ -7,7 +7,7 @@ from .buffers import (CAPTURABLE_MODES, DUMMY_SLOT, NULL_REQ_ROW, GraphLimits, S
                       default_capture_sizes)
 from .manager import CudaGraphManager, graph_mode
 from .padding import GraphLimitError, next_capture_size
-from .signature import GraphMetadataMismatch, metadata_signature
+from .signature import GraphMetadataMismatch, describe_signature, metadata_signature
 
 __all__ = [
     "CudaGraphManager",
@@ -21,5 +21,6 @@ __all__ = [
     "default_capture_sizes",
     "graph_mode",
     "metadata_signature",
+    "describe_signature",
     "next_capture_size",
 ]

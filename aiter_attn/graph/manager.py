@@ -32,7 +32,8 @@ draft decode; see :mod:`aiter_attn.graph.sources`).
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable, Mapping, Optional, Sequence
+from collections.abc import Mapping
+from typing import Callable, Iterable, Optional, Sequence
 
 import attrs
 import torch
@@ -41,7 +42,8 @@ from ..batch import ForwardBatch, SpecInfo
 from ..types import ForwardMode
 from .buffers import (CAPTURABLE_MODES, GraphLimits, StaticInputs, default_capture_sizes)
 from .padding import GraphLimitError, check_mask_fits, load_padded, next_capture_size
-from .signature import GraphMetadataMismatch, diff_signatures, metadata_signature
+from .signature import (GraphMetadataMismatch, describe_signature, diff_signatures,
+                        metadata_signature)
 from .sources import source_for
 
 __all__ = ["CudaGraphManager", "GraphLimitError", "GraphMetadataMismatch", "graph_mode"]
@@ -77,7 +79,8 @@ class _Entry:
     batch: ForwardBatch  # planned every replay: live CPU mirrors
     run_batch: ForwardBatch  # what fn sees: same device tensors, CPU mirrors frozen at capture
     inputs: dict
-    signature: Optional[dict] = None
+    signature: Optional[tuple] = None
+    described: Optional[dict] = None  # the capture's signature with names (error messages)
     graph: Optional[object] = None
     fn: Optional[StepFn] = None
     outputs: object = None
@@ -281,11 +284,11 @@ class CudaGraphManager:
         md = st.planner.plan(e.batch, st.buffers)
         sig = metadata_signature(md)
         if capturing or e.signature is None:
-            e.signature = sig
+            e.signature, e.described = sig, describe_signature(md)
             for m in _MIRRORS:
                 getattr(e.run_batch, m).copy_(getattr(e.batch, m))
         elif sig != e.signature:
-            diffs = diff_signatures(e.signature, sig)
+            diffs = diff_signatures(e.described, describe_signature(md))
             raise GraphMetadataMismatch(
                 f"planner {st.planner.name!r} planned metadata for {e.mode.name} bs={e.bs} that "
                 f"differs from capture: {'; '.join(diffs)}. Under out= a plan must write into "

@@ -11,25 +11,31 @@ fails loudly instead of replaying stale or foreign memory.
 from __future__ import annotations
 
 import enum
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 import torch
 
-__all__ = ["GraphMetadataMismatch", "metadata_signature", "diff_signatures"]
+__all__ = ["GraphMetadataMismatch", "metadata_signature", "describe_signature", "diff_signatures"]
 
 
 class GraphMetadataMismatch(RuntimeError):
     """A replay planned metadata that differs (addresses, shapes, host values) from capture."""
 
 
+_SCALARS = (bool, int, float, str, enum.Enum, torch.dtype, type(None))
+
+
+def _frozen(x: torch.Tensor):
+    if x.device.type == "cpu":  # host tensors (CPU mirrors) are never read by a graph
+        return ("host tensor", tuple(x.shape), x.dtype)
+    return ("tensor", x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, str(x.device))
+
+
 def _walk(x: Any, path: str, out: dict) -> None:
     if isinstance(x, torch.Tensor):
-        if x.device.type == "cpu":  # host tensors (CPU mirrors) are never read by a graph
-            out[path] = ("host tensor", tuple(x.shape), x.dtype)
-        else:
-            out[path] = ("tensor", x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype,
-                         str(x.device))
+        out[path] = _frozen(x)
     elif attrs.has(type(x)):
         for f in attrs.fields(type(x)):
             _walk(getattr(x, f.name), f"{path}.{f.name}", out)
@@ -40,15 +46,53 @@ def _walk(x: Any, path: str, out: dict) -> None:
         for i, v in enumerate(x):
             _walk(v, f"{path}[{i}]", out)
         out[f"{path}.__len__"] = len(x)
-    elif x is None or isinstance(x, (bool, int, float, str, enum.Enum, torch.dtype)):
+    elif isinstance(x, _SCALARS):
         out[path] = x
     else:  # opaque helper objects (kernel handles): only their type is part of the contract
         out[path] = ("object", type(x).__qualname__)
 
 
-def metadata_signature(metadata: Any) -> dict:
-    """``path → frozen value`` for every tensor (address, shape, stride, dtype, device) and
-    host scalar in ``metadata``."""
+def _fast(x: Any, out: list) -> None:
+    """The values of :func:`_walk` in the same order, without building paths (hot path)."""
+    if isinstance(x, torch.Tensor):
+        out.append(_frozen(x))
+    elif attrs.has(type(x)):
+        for name in _field_names(type(x)):
+            _fast(getattr(x, name), out)
+    elif isinstance(x, Mapping):
+        for k in sorted(x, key=str):
+            out.append(k)
+            _fast(x[k], out)
+    elif isinstance(x, (list, tuple)):
+        out.append(len(x))
+        for v in x:
+            _fast(v, out)
+    elif isinstance(x, _SCALARS):
+        out.append(x)
+    else:
+        out.append(("object", type(x).__qualname__))
+
+
+_FIELDS: dict = {}
+
+
+def _field_names(cls) -> tuple:
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(f.name for f in attrs.fields(cls))
+    return names
+
+
+def metadata_signature(metadata: Any) -> tuple:
+    """The frozen parts of ``metadata``: every device tensor's address, shape, stride, dtype
+    and device, every host scalar, and the structure around them (a hashable tuple)."""
+    out: list = []
+    _fast(metadata, out)
+    return tuple(out)
+
+
+def describe_signature(metadata: Any) -> dict:
+    """``path → frozen value``: :func:`metadata_signature` with names (for error messages)."""
     out: dict = {}
     _walk(metadata, "metadata", out)
     return out
