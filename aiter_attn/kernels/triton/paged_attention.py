@@ -314,6 +314,15 @@ def _reduce_splits_kernel(
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
+def _cdiv(a: int, b: int) -> int:
+    # plain ints: triton.cdiv is a JIT-callable and costs microseconds per host call
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -358,23 +367,24 @@ class _Config:
 TUNING_OVERRIDES: dict = {}
 
 
-def _choose_config(*, group, max_q, max_k, head_dim_pad, batch, num_kv_heads, device):
+def _choose_config(*, group, max_q, max_k, head_dim_pad, batch, num_kv_heads, device,
+                   fp32=False):
     """Launch parameters (docs/triton_tuning.md has the measurements behind the defaults)."""
     ov = tuple(sorted(TUNING_OVERRIDES.items()))
     sms = _num_sms(device.index or 0) if device.type == "cuda" and not _interpreting() else 0
     return _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads, sms, ov,
-                                 _interpreting())
+                                 _interpreting(), fp32)
 
 
 @functools.lru_cache(maxsize=4096)
 def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads, sms, ov,
-                          interpreting):
+                          interpreting, fp32):
     ov = dict(ov)
     decode_like = max_q * min(group, 64) <= 64
     if decode_like:
         # memory-bound: wide key tiles keep ~190 KB of K/V in flight per SM (H200: BLOCK_N 128
         # gave 4.0-4.3 TB/s where 64 gave 3.1-3.5)
-        block_m = max(16, triton.next_power_of_2(min(group, 64) * max_q))
+        block_m = max(16, _next_pow2(min(group, 64) * max_q))
         block_n = 128 if head_dim_pad <= 128 else 32
         num_warps, num_stages = 4, 3
     else:
@@ -383,6 +393,8 @@ def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads
         block_n = 128 if head_dim_pad <= 128 else 32
         num_warps = 8 if head_dim_pad >= 128 else 4
         num_stages = 2 if head_dim_pad <= 128 else 3
+        if fp32:  # 4-byte tiles: stay well inside 227 KB of shared memory
+            block_m, block_n, num_warps, num_stages = (64 if head_dim_pad <= 128 else 32), 32, 4, 2
     if interpreting:
         # the CPU interpreter pays per padded element: small tiles (and more of them, so the
         # masked/unmasked tile split is exercised by short test sequences)
@@ -397,9 +409,9 @@ def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads
     if decode_like and sms:
         # flash-decoding: enough (request, kv head, split) programs for two waves of SMs,
         # each split at least min_split_tokens keys
-        ctas = batch * num_kv_heads * triton.cdiv(group, heads) * triton.cdiv(max_q, block_q)
+        ctas = batch * num_kv_heads * _cdiv(group, heads) * _cdiv(max_q, block_q)
         min_tokens = ov.get("min_split_tokens", 256)
-        num_splits = max(1, min(triton.cdiv(2 * sms, ctas), triton.cdiv(max_k, min_tokens), 64))
+        num_splits = max(1, min(_cdiv(2 * sms, ctas), _cdiv(max_k, min_tokens), 64))
     num_splits = ov.get("num_splits", num_splits)
     return _Config(block_m, block_n, num_warps, num_stages, heads, block_q, num_splits)
 
@@ -430,8 +442,11 @@ def paged_attention_triton(
     Shapes: q ``[T, Hq, D]``; caches ``[pages, page_size, Hkv, D|Dv]`` (last dim contiguous);
     cu_seqlens_q int32 ``[B+1]``; seqused_k int32 ``[B]``; block_table int32 ``[B, W]``;
     out ``[T, Hq, Dv]``. ``k_scale``/``v_scale``: float or scalar tensor (device tensors are
-    read in the kernel). ``max_seqlen_q``/``max_seqlen_k`` are host hints; without them static
-    bounds are used (``T`` and ``W · page_size``). No host synchronisation.
+    read in the kernel; pass them on the device for graph capture). ``max_seqlen_q`` must be
+    an upper bound of every request's query count (it sizes the grid; under CUDA-graph replay
+    the captured value must still bound the replayed batch); ``max_seqlen_k`` only steers the
+    split count. Without them static bounds are used (``T`` and ``W · page_size``). No host
+    synchronisation; no allocation other than the split partials.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -439,7 +454,8 @@ def paged_attention_triton(
     batch = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or batch == 0:
         return out
-    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(2) != 1 or out.stride(2) != 1:
+    qs, ks, vs, os_ = q.stride(), k_cache.stride(), v_cache.stride(), out.stride()
+    if ks[3] != 1 or vs[3] != 1 or qs[2] != 1 or os_[2] != 1:
         raise ValueError(
             "paged_attention_triton needs the last (head-dim) axis of q, k_cache, v_cache and "
             "out to be contiguous; pass .contiguous() tensors."
@@ -448,14 +464,15 @@ def paged_attention_triton(
     max_q = int(max_seqlen_q) if max_seqlen_q is not None else num_tokens
     max_q = max(1, min(max_q, num_tokens))
     max_k = int(max_seqlen_k) if max_seqlen_k is not None else block_table.shape[1] * page_size
-    d_pad = max(16, triton.next_power_of_2(head_dim))
-    dv_pad = max(16, triton.next_power_of_2(v_head_dim))
+    d_pad = max(16, _next_pow2(head_dim))
+    dv_pad = max(16, _next_pow2(v_head_dim))
     cfg = _choose_config(group=group, max_q=max_q, max_k=max(max_k, 1),
                          head_dim_pad=max(d_pad, dv_pad), batch=batch,
-                         num_kv_heads=num_kv_heads, device=q.device)
-    num_hchunks = triton.cdiv(group, cfg.heads)
-    q_blocks_per_seq = triton.cdiv(max_q, cfg.block_q)
-    search_grid = triton.cdiv(num_tokens, cfg.block_q) + batch
+                         num_kv_heads=num_kv_heads, device=q.device,
+                         fp32=q.dtype == torch.float32 or k_cache.dtype == torch.float32)
+    num_hchunks = _cdiv(group, cfg.heads)
+    q_blocks_per_seq = _cdiv(max_q, cfg.block_q)
+    search_grid = _cdiv(num_tokens, cfg.block_q) + batch
     search = max_seqlen_q is None or batch * q_blocks_per_seq > search_grid
     grid_q = search_grid if search else batch * q_blocks_per_seq
 
@@ -495,10 +512,7 @@ def paged_attention_triton(
         mask_indptr if has_mask else cu_seqlens_q,
         float(softmax_scale), float(softcap), left, right, batch, q_blocks_per_seq,
         cfg.num_splits,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
+        qs[0], qs[1], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os_[0], os_[1],
         block_table.stride(0),
         *strides,
         GROUP=group, HEADS=cfg.heads, NUM_HCHUNKS=num_hchunks,
@@ -514,8 +528,8 @@ def paged_attention_triton(
     if split:
         _reduce_splits_kernel[(num_tokens, num_q_heads)](
             out, part_acc, part_ml, sinks if sinks is not None else part_ml,
-            cfg.num_splits, out.stride(0), out.stride(1), *strides,
-            DV=v_head_dim, DV_PAD=dv_pad, SPLITS_PAD=triton.next_power_of_2(cfg.num_splits),
+            cfg.num_splits, os_[0], os_[1], *strides,
+            DV=v_head_dim, DV_PAD=dv_pad, SPLITS_PAD=_next_pow2(cfg.num_splits),
             HAS_SINKS=sinks is not None, num_warps=4,
         )
     return out
