@@ -411,6 +411,27 @@ def test_mla_work_sizes_match_the_wheel_formula(wheel):
             assert [(s.shape, s.dtype) for s in ours] == norm, (bs, qlen, heads, kv, fast)
 
 
+def test_mla_plans_into_graph_manager_buffers(wheel, monkeypatch):
+    """Buffers a graph manager allocated from mla_buffer_spec are the ones aiter's metadata
+    and decode calls receive; no sizing call happens per step."""
+    calls = install_fake_aiter(monkeypatch, read_signatures(wheel), wheel.label)
+    fp8 = torch.float8_e4m3fnuz
+    spec = A.mla_buffer_spec(8, 1, 4, torch.bfloat16, fp8)  # sizes from aiter's info call
+    bufs = spec.allocate("cpu")
+    A.use_mla_workspace(bufs, 8, 1, 4, torch.bfloat16, fp8, "cpu")
+    calls.clear()
+    q, kv, out, kw = _mla(4, fp8, 1)
+    A.aiter_mla_paged_attention(q, kv, out, **kw)
+    names = [n for n, _ in calls]
+    assert names == ["get_mla_metadata_v1", "mla_decode_fwd"]
+    meta, dec = calls[0][1], calls[1][1]
+    info_key = "work_info" if "work_info" in meta else "work_info_set"
+    assert meta[info_key] is bufs["aiter_mla_work_info_set"]
+    assert meta["work_metadata_ptrs"] is bufs["aiter_mla_work_metadata"]
+    assert dec["work_info_set"] is bufs["aiter_mla_work_info_set"]
+    assert dec["reduce_partial_map"] is bufs["aiter_mla_reduce_partial_map"]
+
+
 def _mutate(sig: inspect.Signature, param: str, new_name=None) -> inspect.Signature:
     params = [p.replace(name=new_name) if p.name == param and new_name else p
               for p in sig.parameters.values() if new_name or p.name != param]

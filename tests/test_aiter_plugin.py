@@ -308,3 +308,23 @@ def test_5d_kernel_hands_long_queries_to_the_next_kernel(monkeypatch):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     finally:
         plugins.reset_plugins()
+
+
+def test_mla_buffer_spec_for_the_graph_manager():
+    spec = A.mla_buffer_spec(32, 1, 8, torch.bfloat16, E4M3FNUZ, cu_num=80)
+    names = sorted(spec.buffers)
+    assert names == sorted(A.MLA_BUFFER_PREFIX + n for n in (
+        "work_metadata", "work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map",
+        "reduce_partial_map"))
+    assert spec.buffers["aiter_mla_work_indptr"] == ((81,), torch.int32)
+    bufs = spec.allocate("cpu")
+    got = A.use_mla_workspace(bufs, 32, 1, 8, torch.bfloat16, E4M3FNUZ, "cpu")
+    assert got["work_info_set"] is bufs["aiter_mla_work_info_set"]
+    # a smaller batch reuses them; nothing is allocated
+    again = A.reserve_mla_workspace(4, 1, 8, torch.bfloat16, E4M3FNUZ, "cpu")
+    assert again["work_info_set"] is bufs["aiter_mla_work_info_set"]
+    A.reset_api()
+    # 16 heads with a bf16 cache use the non-persistent kernel: nothing to reserve
+    assert A.mla_buffer_spec(32, 1, 16, torch.bfloat16, torch.bfloat16, cu_num=80).buffers == {}
+    with pytest.raises(ValueError, match="buffers lack"):
+        A.use_mla_workspace({}, 4, 1, 8, torch.bfloat16, E4M3FNUZ, "cpu")

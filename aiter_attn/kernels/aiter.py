@@ -47,6 +47,9 @@ __all__ = [
     "accepted_params",
     "reset_api",
     "reserve_mla_workspace",
+    "mla_buffer_spec",
+    "use_mla_workspace",
+    "MLA_BUFFER_PREFIX",
     "aiter_paged_attention",
     "aiter_mla_paged_attention",
     "aiter_varlen_attention",
@@ -120,7 +123,7 @@ def accepted_params(name: str) -> Optional[frozenset]:
 
 
 def reset_api() -> None:
-    """Forget resolved functions (tests inject a fake ``aiter``)."""
+    """Forget resolved functions and workspaces (tests inject a fake ``aiter``)."""
     with _lock:
         _api.clear()
         _workspaces.clear()
@@ -145,26 +148,67 @@ def _workspace(key, nbytes: int, device) -> torch.Tensor:
     return buf
 
 
-def reserve_mla_workspace(max_batch: int, max_seqlen_q: int, num_heads: int, q_dtype,
-                          kv_dtype, device, *, cu_num: Optional[int] = None) -> dict:
-    """Allocate (once) the persistent-MLA work metadata for up to ``max_batch`` requests, so a
-    CUDA-graph manager can reserve it before capture. Returns the named buffers."""
+#: prefix of the persistent-MLA buffers in a graph manager's BufferSpec.
+MLA_BUFFER_PREFIX = "aiter_mla_"
+
+
+def _mla_key(device, plan, max_seqlen_q, q_dtype, kv_dtype):
+    return ("mla", str(torch.device(device)), plan.padded_heads, int(max_seqlen_q), q_dtype,
+            kv_dtype)
+
+
+def mla_buffer_spec(max_batch: int, max_seqlen_q: int, num_heads: int, q_dtype, kv_dtype, *,
+                    cu_num: Optional[int] = None):
+    """The persistent-MLA work metadata as a graph manager's
+    :class:`~aiter_attn.strategies.base.BufferSpec` (names prefixed ``aiter_mla_``), sized for
+    ``max_batch`` requests of ``max_seqlen_q`` query tokens. Empty when the layer does not use
+    the persistent kernel. Where aiter runs, its ``get_mla_metadata_info_v1`` gives the sizes;
+    elsewhere (planning on the CPU) ``cu_num`` compute units and the 0.1.7 formula do."""
+    from ..strategies.base import BufferSpec
+
     plan = M.mla_decode_plan(num_heads, kv_dtype, max_seqlen_q)
-    key = ("mla", str(device), plan.padded_heads, max_seqlen_q, q_dtype, kv_dtype)
+    if not plan.persistent:
+        return BufferSpec({})
+    info = None
+    if cu_num is None:
+        info = _call(M.build_mla_metadata_info_call(
+            max_batch, max_seqlen_q, plan, q_dtype, kv_dtype,
+            params=accepted_params("get_mla_metadata_info_v1")))
+    specs = M.mla_work_buffer_spec(max_batch, max_seqlen_q, plan.padded_heads, kv_dtype,
+                                   cu_num=cu_num or 1, fast_mode=plan.fast_mode, info=info)
+    return BufferSpec({MLA_BUFFER_PREFIX + s.name: (s.shape, s.dtype) for s in specs})
+
+
+def use_mla_workspace(buffers, max_batch: int, max_seqlen_q: int, num_heads: int, q_dtype,
+                      kv_dtype, device) -> dict:
+    """Make MLA layers of this shape plan their work metadata into ``buffers`` (allocated by a
+    graph manager from :func:`mla_buffer_spec`) for batches of up to ``max_batch``."""
+    plan = M.mla_decode_plan(num_heads, kv_dtype, max_seqlen_q)
+    names = ("work_metadata", "work_indptr", "work_info_set", "reduce_indptr",
+             "reduce_final_map", "reduce_partial_map")
+    missing = [MLA_BUFFER_PREFIX + n for n in names if MLA_BUFFER_PREFIX + n not in buffers]
+    if missing:
+        raise ValueError(f"buffers lack {missing}; allocate them from mla_buffer_spec(...).")
+    bufs = {n: buffers[MLA_BUFFER_PREFIX + n] for n in names}
+    bufs["_max_batch"] = int(max_batch)
+    with _lock:
+        _workspaces[_mla_key(device, plan, max_seqlen_q, q_dtype, kv_dtype)] = bufs
+    return bufs
+
+
+def reserve_mla_workspace(max_batch: int, max_seqlen_q: int, num_heads: int, q_dtype,
+                          kv_dtype, device) -> dict:
+    """The persistent-MLA work metadata for up to ``max_batch`` requests: the buffers given to
+    :func:`use_mla_workspace` if they are large enough, else allocated here (once per shape;
+    call it before graph capture to keep allocation out of the captured region)."""
+    plan = M.mla_decode_plan(num_heads, kv_dtype, max_seqlen_q)
+    key = _mla_key(device, plan, max_seqlen_q, q_dtype, kv_dtype)
     bufs = _workspaces.get(key)
     if bufs is not None and bufs["_max_batch"] >= max_batch:
         return bufs
-    call = M.build_mla_metadata_info_call(max_batch, max_seqlen_q, plan, q_dtype, kv_dtype,
-                                          params=accepted_params("get_mla_metadata_info_v1"))
-    info = _call(call)
-    if cu_num is None and torch.cuda.is_available():
-        cu_num = torch.cuda.get_device_properties(device).multi_processor_count
-    specs = M.mla_work_buffer_spec(max_batch, max_seqlen_q, plan.padded_heads, kv_dtype,
-                                   cu_num=cu_num or 1, fast_mode=plan.fast_mode, info=info)
-    bufs = M.allocate_buffers(specs, device)
-    bufs["_max_batch"] = max_batch
-    _workspaces[key] = bufs
-    return bufs
+    spec = mla_buffer_spec(max_batch, max_seqlen_q, num_heads, q_dtype, kv_dtype)
+    return use_mla_workspace(spec.allocate(device), max_batch, max_seqlen_q, num_heads, q_dtype,
+                             kv_dtype, device)
 
 
 def _max_q(cu_seqlens_q: torch.Tensor, max_seqlen_q: Optional[int]) -> int:

@@ -32,7 +32,7 @@ import torch
 
 __all__ = [
     "AiterCall",
-    "BufferSpec",
+    "WorkBuffer",
     "MLADecodePlan",
     "PARTITION_SIZE",
     "kv_cache_dtype_name",
@@ -82,8 +82,10 @@ class AiterCall:
 
 
 @attrs.frozen
-class BufferSpec:
-    """A static buffer to allocate once: ``torch.empty(shape, dtype=dtype, device=...)``."""
+class WorkBuffer:
+    """One static buffer to allocate once: ``torch.empty(shape, dtype=dtype, device=...)``.
+    (:func:`aiter_attn.kernels.aiter.mla_buffer_spec` turns a set of them into the graph
+    manager's :class:`~aiter_attn.strategies.base.BufferSpec`.)"""
 
     name: str
     shape: tuple
@@ -269,7 +271,7 @@ def mla_work_buffer_spec(
     cu_num: int,
     fast_mode: bool = False,
     info: Optional[tuple] = None,
-) -> tuple[BufferSpec, ...]:
+) -> tuple[WorkBuffer, ...]:
     """Static buffers of the persistent MLA decode kernel's work metadata.
 
     ``info`` is what aiter's ``get_mla_metadata_info_v1`` returned on the device (six
@@ -306,7 +308,7 @@ def mla_work_buffer_spec(
     specs = []
     for name, (shape, dtype) in zip(names, info):
         shape = tuple(shape) if isinstance(shape, (tuple, list)) else (int(shape),)
-        specs.append(BufferSpec(name, tuple(int(s) for s in shape), dtype))
+        specs.append(WorkBuffer(name, tuple(int(s) for s in shape), dtype))
     return tuple(specs)
 
 
