@@ -279,48 +279,81 @@ def load_plugins(
 
 def build_registries(pm: pluggy.PluginManager, *, requested: Iterable[str] = (),
                      report: Optional[LoadReport] = None):
-    """Run every plugin's registration hooks, in load order, into fresh registries.
+    """Run every plugin's registration hooks into fresh registries, plugins in load order.
 
-    Each plugin's registrations are staged and applied only if its hook returns; a hook that
-    raises skips that plugin (logged) unless it is in ``requested`` (then
-    :class:`PluginLoadError`). Returns ``(KernelRegistry, StrategyRegistry)``.
+    A plugin counts as a whole: if one of its hooks raises, or one of its registrations is
+    refused (a name taken without ``replace=True``, a wrong argument), none of its
+    registrations are kept and it is unregistered and logged, unless it is in ``requested``
+    (or ``report.requested``): then :class:`PluginLoadError`. Returns
+    ``(KernelRegistry, StrategyRegistry)``.
     """
     from .kernels.registry import Capabilities, KernelRegistry
     from .registry import StrategyRegistry
 
-    kernels, strategies = KernelRegistry(), StrategyRegistry()
     requested = frozenset(requested) | (report.requested if report else frozenset())
-    order = {name: i for i, (name, _) in enumerate(pm.list_name_plugin())}
+    names = [name for name, _ in pm.list_name_plugin()]
+    staged: dict = {name: [] for name in names}
+    failed: dict = {}
 
-    def run(hook, apply):
-        impls = sorted(hook.get_hookimpls(), key=lambda i: order.get(i.plugin_name, len(order)))
-        for impl in impls:
-            staged: list = []
+    def fail(name: str, msg: str, exc: Exception) -> None:
+        if name in requested:
+            raise PluginLoadError(f"plugin {name!r}: {msg}") from exc
+        log.warning("plugin %s skipped: %s", name, msg)
+        failed[name] = msg
+
+    # 1. call the hooks, recording what each plugin registers
+    for kind, hook in (("kernel", pm.hook.aiter_attn_register_kernels),
+                       ("strategy", pm.hook.aiter_attn_register_strategies)):
+        for impl in hook.get_hookimpls():
+            name = impl.plugin_name
+            if name in failed:
+                continue
+            calls: list = []
             try:
-                impl.function(register=lambda *a, **k: staged.append((a, k)))
-                for a, k in staged:
-                    apply(impl.plugin_name, *a, **k)
+                impl.function(register=lambda *a, **k: calls.append((kind, a, k)))
             except Exception as exc:
-                msg = f"its {hook.name} hook failed: {type(exc).__name__}: {exc}"
-                if impl.plugin_name in requested:
-                    raise PluginLoadError(f"plugin {impl.plugin_name!r}: {msg}") from exc
-                log.warning("plugin %s skipped: %s", impl.plugin_name, msg)
-                pm.unregister(name=impl.plugin_name)
-                if report is not None:
-                    report.skipped[impl.plugin_name] = msg
-                    if impl.plugin_name in report.loaded:
-                        report.loaded.remove(impl.plugin_name)
+                fail(name, f"its {hook.name} hook failed: {type(exc).__name__}: {exc}", exc)
+                continue
+            staged.setdefault(name, []).extend(calls)
 
-    def add_kernel(source, op, name, fn, capabilities=None, priority=0, *, replace=False):
-        kernels.register(op, name, fn, capabilities or Capabilities(), priority,
-                         source=source, replace=replace)
+    # 2. apply them in load order; a refused registration drops its plugin and starts over
+    while True:
+        kernels, strategies = KernelRegistry(), StrategyRegistry()
+        culprit = None
+        for name in names:
+            if name in failed:
+                continue
+            try:
+                for kind, a, k in staged.get(name, ()):
+                    if kind == "kernel":
+                        _apply_kernel(kernels, Capabilities, name, *a, **k)
+                    else:
+                        _apply_strategy(strategies, name, *a, **k)
+            except Exception as exc:
+                fail(name, f"a registration was refused: {type(exc).__name__}: {exc}", exc)
+                culprit = name
+                break
+        if culprit is None:
+            break
 
-    def add_strategy(source, pair, *, replace=False):
-        strategies.register(pair, replace=replace, source=source)
-
-    run(pm.hook.aiter_attn_register_kernels, add_kernel)
-    run(pm.hook.aiter_attn_register_strategies, add_strategy)
+    for name, msg in failed.items():
+        if pm.has_plugin(name):
+            pm.unregister(name=name)
+        if report is not None:
+            report.skipped[name] = msg
+            if name in report.loaded:
+                report.loaded.remove(name)
     return kernels, strategies
+
+
+def _apply_kernel(kernels, capabilities_type, source, op, name, fn, capabilities=None,
+                  priority=0, *, replace=False):
+    kernels.register(op, name, fn, capabilities or capabilities_type(), priority,
+                     source=source, replace=replace)
+
+
+def _apply_strategy(strategies, source, pair, *, replace=False):
+    strategies.register(pair, replace=replace, source=source)
 
 
 _lock = threading.RLock()

@@ -249,3 +249,23 @@ def test_ops_use_the_plugin_kernel(installed, global_state, monkeypatch):
     assert example.CALLS["paged_attention"] == before + 1
     with pytest.raises(KernelSelectionError, match="example: missing features \\['sinks'\\]"):
         ops.paged_attention(q, k, v, backend="example", **kw)
+
+
+def test_refused_registration_drops_the_whole_plugin(pm, monkeypatch):
+    """A plugin re-registering the built-in name without replace=True is refused as a whole:
+    its other (valid) kernel is not kept either."""
+    @hookimpl
+    def aiter_attn_register_kernels(register):
+        register("write_kv", "clash_ok", lambda *a, **k: None, Capabilities(), 5)
+        register("paged_attention", "reference", lambda *a, **k: None, Capabilities(), 5)
+
+    monkeypatch.setitem(sys.modules, "clash_plugin_mod",
+                        _module("clash", aiter_attn_register_kernels=aiter_attn_register_kernels))
+    src = [PluginSource("reference", "aiter_attn.kernels.reference", "core"),
+           PluginSource("clash", "clash_plugin_mod", "entry_point")]
+    report = load_plugins(pm, allow=None, sources=src)
+    kernels, _ = build_registries(pm, report=report)
+    assert "already registered" in report.skipped["clash"]
+    assert [i.name for i in kernels.implementations("write_kv")] == ["reference"]
+    assert kernels.implementations("paged_attention")[0].source == "reference"
+    assert report.loaded == ["reference"]
