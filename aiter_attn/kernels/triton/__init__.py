@@ -37,12 +37,12 @@ def triton_priority() -> int:
 @hookimpl
 def aiter_attn_register_kernels(register):
     """Register the Triton ops."""
-    from .paged_attention import paged_attention_triton, reject_reason
+    from .paged_attention import MAX_HEAD_DIM, paged_attention_triton, reject_reason
 
     register(
         "paged_attention", "triton", paged_attention_triton,
         Capabilities(
-            devices=TRITON_DEVICES, dtypes=_FLOAT_DTYPES, max_head_dim=256,
+            devices=TRITON_DEVICES, dtypes=_FLOAT_DTYPES, max_head_dim=MAX_HEAD_DIM,
             features={"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs",
                       "non_causal"},
             cg_support=CGSupport.ALWAYS, predicate=reject_reason,

@@ -41,7 +41,7 @@ __all__ = ["paged_attention_triton", "reject_reason", "MAX_HEAD_DIM", "MAX_GROUP
 
 MAX_HEAD_DIM = 256
 MAX_GROUP = 128
-_LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(1.4426950408889634)  # logits run in the log2 domain (exp2)
 _UNBOUNDED = 1 << 30  # window side "-1": far beyond any context length, no int32 overflow
 
 
@@ -97,9 +97,9 @@ def _attn_tiles(
         s = tl.dot(q, k.to(COMPUTE_DTYPE), input_precision=DOT_PRECISION)
         if HAS_SOFTCAP:
             # softcap·tanh(x/softcap) on natural-unit logits, then to the log2 domain
-            s = softcap * _tanh(s * qk_scale / softcap) * 1.4426950408889634
+            s = softcap * _tanh(s * qk_scale / softcap) * _LOG2E
         else:
-            s = s * (qk_scale * 1.4426950408889634)
+            s = s * (qk_scale * _LOG2E)
         if MASKED:
             vis = (kpos[None, :] < kv_len) & row_valid[:, None]
             if CAUSAL:
@@ -231,7 +231,7 @@ def _paged_attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     if HAS_SINKS and not SPLIT:
         # the sink is one more logit with no value: start the running max/sum with it
-        m_i = tl.load(Sinks + qh, mask=row_valid, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        m_i = tl.load(Sinks + qh, mask=row_valid, other=float("-inf")).to(tl.float32) * _LOG2E
         l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
     acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
 
@@ -290,7 +290,7 @@ def _reduce_splits_kernel(
     l = tl.load(ml_ptrs + 1, mask=s_mask, other=0.0)
     m_max = tl.max(m, 0)
     if HAS_SINKS:
-        sink = tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634
+        sink = tl.load(Sinks + h).to(tl.float32) * _LOG2E
         m_max = tl.maximum(m_max, sink)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_safe)
