@@ -146,6 +146,8 @@ class StaticInputs:
     positions: torch.Tensor
     custom_mask: torch.Tensor
     mask_indptr: torch.Tensor
+    #: ``(q_len, padded_bs)`` the ``extend_seq_lens`` buffers were last filled for
+    extend_state: tuple = attrs.field(default=(0, 0), eq=False)
 
     @classmethod
     def allocate(cls, limits: Iterable[GraphLimits], device) -> "StaticInputs":
@@ -177,7 +179,8 @@ class StaticInputs:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every buffer by name (tests compare their ``data_ptr`` across replays)."""
-        return {f.name: getattr(self, f.name) for f in attrs.fields(type(self))}
+        return {f.name: getattr(self, f.name) for f in attrs.fields(type(self))
+                if isinstance(getattr(self, f.name), torch.Tensor)}
 
     def batch_view(self, mode: ForwardMode, bs: int, q_len: int,
                    spec: Optional[SpecInfo] = None) -> ForwardBatch:

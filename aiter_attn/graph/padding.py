@@ -51,22 +51,26 @@ def load_padded(static: StaticInputs, batch: ForwardBatch, padded_bs: int, q_len
     bs, n = batch.batch_size, batch.num_tokens
     pad_tokens = (padded_bs - bs) * q_len
     static.req_pool_indices[:bs].copy_(batch.req_pool_indices)
-    static.req_pool_indices[bs:padded_bs].fill_(NULL_REQ_ROW)
     static.seq_lens[:bs].copy_(batch.seq_lens)
-    static.seq_lens[bs:padded_bs].fill_(fill)
     static.seq_lens_cpu[:bs].copy_(batch.seq_lens_cpu)
-    static.seq_lens_cpu[bs:padded_bs].fill_(fill)
-    # Modes sharing these buffers use different q_len: rewrite them every time.
-    static.extend_seq_lens[:padded_bs].fill_(q_len)
-    static.extend_seq_lens_cpu[:padded_bs].fill_(q_len)
-    torch.sub(static.seq_lens_cpu[:padded_bs], q_len, out=static.extend_prefix_lens_cpu[:padded_bs])
     static.out_cache_loc[:n].copy_(batch.out_cache_loc)
-    static.out_cache_loc[n:n + pad_tokens].fill_(DUMMY_SLOT)
     if batch.positions is not None:
         static.positions[:n].copy_(batch.positions)
     else:
         static.positions[:n].zero_()
-    static.positions[n:n + pad_tokens].zero_()
+    if padded_bs > bs:
+        static.req_pool_indices[bs:padded_bs].fill_(NULL_REQ_ROW)
+        static.seq_lens[bs:padded_bs].fill_(fill)
+        static.seq_lens_cpu[bs:padded_bs].fill_(fill)
+        static.out_cache_loc[n:n + pad_tokens].fill_(DUMMY_SLOT)
+        static.positions[n:n + pad_tokens].zero_()
+    # Modes sharing these buffers use different q_len; only this function writes them, so
+    # they are rewritten when (q_len, padded_bs) changes.
+    if static.extend_state != (q_len, padded_bs):
+        static.extend_seq_lens[:padded_bs].fill_(q_len)
+        static.extend_seq_lens_cpu[:padded_bs].fill_(q_len)
+        static.extend_state = (q_len, padded_bs)
+    torch.sub(static.seq_lens_cpu[:padded_bs], q_len, out=static.extend_prefix_lens_cpu[:padded_bs])
     spec = batch.spec_info
     if spec is not None and spec.custom_mask is not None:
         m = q_len * batch.seq_lens_sum  # host int from the CPU mirror
