@@ -19,6 +19,7 @@ import ast
 import inspect
 import math
 import os
+import re
 import sys
 import types
 import zipfile
@@ -111,17 +112,54 @@ def signature_from_snapshot(spec: str) -> inspect.Signature:
           default=_DEFAULT if tok.endswith("=") else P.empty) for tok in spec.split()])
 
 
+PYBIND_HEADERS = ("aiter_meta/csrc/include/rocm_ops.hpp", "csrc/include/rocm_ops.hpp")
+
+
+def pybind_signature(header: str, name: str):
+    """The signature pybind gives ``name``: the ``py::arg`` list of its ``m.def`` (``= x``
+    marks a default), or ``None`` if the header does not bind it with named arguments."""
+    m = re.search(r'm\.def\(\s*"%s"\s*,(.*?)\);' % re.escape(name), header, re.S)
+    if m is None:
+        return None
+    args = re.findall(r'py::arg\("(\w+)"\)\s*(=)?', m.group(1))
+    if not args:
+        return None
+    P = inspect.Parameter
+    return inspect.Signature([P(a, P.POSITIONAL_OR_KEYWORD,
+                                default=_DEFAULT if eq else P.empty) for a, eq in args])
+
+
+def _is_compile_ops(node: ast.FunctionDef) -> bool:
+    for dec in node.decorator_list:
+        target = dec.func if isinstance(dec, ast.Call) else dec
+        if getattr(target, "id", getattr(target, "attr", None)) == "compile_ops":
+            return True
+    return False
+
+
 def read_signatures(tree: SourceTree) -> dict:
     """``{function: (module, Signature, FunctionDef)}`` for the plugin's aiter functions that
-    this release defines (first module of ``AITER_FUNCTIONS`` that has it)."""
+    this release defines (first module of ``AITER_FUNCTIONS`` that has it).
+
+    A ``@compile_ops`` function is only a Python shell: aiter checks the call against, and
+    passes it to, the pybind function, so its signature comes from the ``py::arg`` list in
+    ``rocm_ops.hpp`` (the shell's own parameter list may differ, as in 0.1.7)."""
     found = {}
+    header = next((h for h in map(tree.read, PYBIND_HEADERS) if h), None)
     for name, modules in A.AITER_FUNCTIONS.items():
         for module in modules:
             src = tree.module_source(module)
             node = _find_def(ast.parse(src), name) if src else None
-            if node is not None:
-                found[name] = (module, signature_from_ast(node), node)
-                break
+            if node is None:
+                continue
+            sig = signature_from_ast(node)
+            if _is_compile_ops(node):
+                sig = pybind_signature(header or "", name)
+                assert sig is not None, (
+                    f"{name} in aiter {tree.label} is a @compile_ops shell but its pybind "
+                    f"binding (py::arg names) was not found in {PYBIND_HEADERS}")
+            found[name] = (module, sig, node)
+            break
     return found
 
 
@@ -316,6 +354,17 @@ def test_wheel_defines_every_required_function(wheel):
             f"{name} takes **kwargs: binding could not catch a renamed parameter")
 
 
+def test_compile_ops_functions_bind_to_their_pybind_signature(wheel):
+    """0.1.7's get_mla_metadata_v1 stub says (…, work_indptr, work_info, …) but the pybind
+    function it forwards to takes (…, work_info_set, work_indptr, …): the contract uses the
+    latter, which is what runs."""
+    _, sig, node = read_signatures(wheel)["get_mla_metadata_v1"]
+    if _is_compile_ops(node):
+        names = list(sig.parameters)
+        assert "work_info_set" in names and "work_info" not in names
+        assert names.index("work_info_set") < names.index("work_indptr")
+
+
 def _signatures_with_snapshot(tree):
     sigs = read_signatures(tree)
     sigs.setdefault("pa_decode_gluon", ("aiter.ops.triton.gluon.pa_decode_gluon",
@@ -425,8 +474,7 @@ def test_mla_plans_into_graph_manager_buffers(wheel, monkeypatch):
     names = [n for n, _ in calls]
     assert names == ["get_mla_metadata_v1", "mla_decode_fwd"]
     meta, dec = calls[0][1], calls[1][1]
-    info_key = "work_info" if "work_info" in meta else "work_info_set"
-    assert meta[info_key] is bufs["aiter_mla_work_info_set"]
+    assert meta["work_info_set"] is bufs["aiter_mla_work_info_set"]
     assert meta["work_metadata_ptrs"] is bufs["aiter_mla_work_metadata"]
     assert dec["work_info_set"] is bufs["aiter_mla_work_info_set"]
     assert dec["reduce_partial_map"] is bufs["aiter_mla_reduce_partial_map"]

@@ -211,7 +211,9 @@ def test_mla_metadata_call_follows_the_release():
             torch.ones(2, dtype=torch.int32), bufs, plan)
     old = M.build_mla_metadata_call(*args, max_seqlen_qo=1, q_dtype=torch.bfloat16,
                                     kv_dtype=E4M3FNUZ, params=frozenset({"work_info"}))
-    assert "work_info" in old.kwargs and "kv_last_page_lens" not in old.kwargs
+    # the pybind name, whatever the 0.1.7 Python stub says
+    assert "work_info_set" in old.kwargs and "work_info" not in old.kwargs
+    assert "kv_last_page_lens" not in old.kwargs
     new = M.build_mla_metadata_call(
         *args, max_seqlen_qo=1, q_dtype=torch.bfloat16, kv_dtype=E4M3FNUZ,
         params=frozenset({"work_info_set", "kv_last_page_lens", "page_size", "dtype_kv"}))

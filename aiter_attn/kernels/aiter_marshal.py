@@ -457,10 +457,11 @@ def build_mla_metadata_call(
         reduce_partial_map=buffers["reduce_partial_map"], kv_granularity=16,
         max_seqlen_qo=int(max_seqlen_qo), uni_seqlen_qo=int(max_seqlen_qo),
         fast_mode=plan.fast_mode, max_split_per_batch=plan.max_split_per_batch or -1,
+        # In amd-aiter 0.1.7 the Python stub calls this `work_info` (and lists it after
+        # work_indptr), but the stub is a @compile_ops shell: calls reach the pybind function,
+        # whose argument is `work_info_set` (before work_indptr). By keyword, both orders agree.
+        work_info_set=buffers["work_info_set"],
     )
-    # 0.1.7 calls the work table work_info; later releases work_info_set.
-    info_name = "work_info_set" if _has(params, "work_info_set") else "work_info"
-    kwargs[info_name] = buffers["work_info_set"]
     optional = dict(kv_last_page_lens=last_page_lens, page_size=1,
                     intra_batch_mode=plan.intra_batch_mode, dtype_q=q_dtype, dtype_kv=kv_dtype)
     kwargs.update({k: v for k, v in optional.items() if _has(params, k)})
