@@ -149,26 +149,7 @@ class CudaGraphManager:
         self.use_cuda_graph = bool(use_cuda_graph)
         self._check_null_row()
 
-        self._modes: dict[ForwardMode, _ModeState] = {}
-        shared: dict[str, tuple] = {}  # planner key → (planner, limits of its modes)
-        for m in self._resolve_modes(modes):
-            lim = GraphLimits.from_config(self.config, m, max_bs, max_num_tokens)
-            key = self.source.planner_key(m)
-            if key not in shared:
-                shared[key] = (self.source.planner(m), [])
-            shared[key][1].append(lim)
-        for planner, lims in shared.values():
-            declared = planner.buffer_spec(lims[0])
-            for lim in lims[1:]:
-                declared = declared.merge(planner.buffer_spec(lim))
-            bufs = declared.allocate(device)  # once; zero = null page / slot 0
-            for lim in lims:
-                spec = None
-                if lim.mode != ForwardMode.DECODE:
-                    spec = SpecInfo(num_draft_tokens=self.config.spec.num_draft_tokens,
-                                    topk=self.config.spec.topk)
-                self._modes[lim.mode] = _ModeState(lim, planner, bufs, spec,
-                                                   planner.rows_per_request_of(lim))
+        self._modes = self._prepare_modes(modes, max_bs, max_num_tokens, device)
         limits = [st.limits for st in self._modes.values()]
         self.static = StaticInputs.allocate(limits, device)
         rows = max(max(st.limits.max_num_tokens, st.limits.max_bs * st.rows_per_request)
@@ -190,6 +171,31 @@ class CudaGraphManager:
             raise ValueError(
                 "req_to_token row 0 holds slots; it must stay reserved and all zeros (padding "
                 "rows of captured batches point at it). Allocate rows with ReqToTokenPool.alloc().")
+
+    def _prepare_modes(self, modes, max_bs, max_num_tokens, device) -> dict:
+        """Per mode: bounds, planner and that planner's buffers (allocated once, shared by
+        the modes one planner serves)."""
+        states: dict[ForwardMode, _ModeState] = {}
+        shared: dict[str, tuple] = {}  # planner key → (planner, limits of its modes)
+        for m in self._resolve_modes(modes):
+            lim = GraphLimits.from_config(self.config, m, max_bs, max_num_tokens)
+            key = self.source.planner_key(m)
+            if key not in shared:
+                shared[key] = (self.source.planner(m), [])
+            shared[key][1].append(lim)
+        for planner, lims in shared.values():
+            declared = planner.buffer_spec(lims[0])
+            for lim in lims[1:]:
+                declared = declared.merge(planner.buffer_spec(lim))
+            bufs = declared.allocate(device)  # zero = null page / slot 0
+            for lim in lims:
+                spec = None
+                if lim.mode != ForwardMode.DECODE:
+                    spec = SpecInfo(num_draft_tokens=self.config.spec.num_draft_tokens,
+                                    topk=self.config.spec.topk)
+                states[lim.mode] = _ModeState(lim, planner, bufs, spec,
+                                              planner.rows_per_request_of(lim))
+        return states
 
     def _resolve_modes(self, modes) -> list[ForwardMode]:
         if modes is None:
