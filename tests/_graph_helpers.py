@@ -44,7 +44,7 @@ class Rig:
     @classmethod
     def make(cls, arch="mha", *, page_size=16, hq=10, hkv=2, head_dim=16, num_layers=2,
              max_context_len=128, max_bs=8, spec: Optional[SpecDecodeConfig] = None,
-             dtype=torch.float32, seed=0, num_pages=None, window=5, device="cpu"):
+             dtype=torch.float32, seed=0, num_pages=None, window=5, device="cpu", rope=8):
         arch = AttnArch.parse(arch)
         g = torch.Generator().manual_seed(seed)
         cfg = BackendConfig(page_size=page_size, max_batch_size=max_bs,
@@ -57,7 +57,7 @@ class Rig:
             from aiter_attn.kvcache import MLAKVPool
             from aiter_attn.strategies.mla import mla_layer_specs
 
-            lora, rope = head_dim, 8
+            lora = head_dim
             layers = [mla_layer_specs(i, num_heads=hq, kv_lora_rank=lora, qk_nope_head_dim=16,
                                       qk_rope_head_dim=rope, v_head_dim=16)[0]
                       for i in range(num_layers)]

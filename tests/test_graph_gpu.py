@@ -173,7 +173,7 @@ def test_replays_make_no_host_sync_and_match_eager(arch, mode, topk):
     rig = Rig.make(arch, page_size=16, hq=16 if arch == "mla" else 8, hkv=2,
                    head_dim=128 if arch != "mla" else 512, num_layers=2, max_context_len=512,
                    max_bs=32, spec=None if mode == "decode" else spec, dtype=torch.bfloat16,
-                   device="cuda", seed=7)
+                   device="cuda", seed=7, rope=64)
     mgr = rig.manager(capture_sizes=[1, 4, 8, 16, 32], modes=[mode])
     mgr.capture(rig.step_fn())
     for bs in (3, 16, 9, 32, 1):
