@@ -195,12 +195,13 @@ def test_replays_make_no_host_sync_and_match_eager(arch, mode, topk):
             assert_close_rel(g, e, RTOL_BF16, f"{arch} {mode} bs={bs} layer {i}")
 
 
-def test_multi_step_draft_decode_replays_sync_free():
+@pytest.mark.parametrize("arch", ["mha", "mla", "swa"])
+def test_multi_step_draft_decode_replays_sync_free(arch):
     multistep = pytest.importorskip("aiter_attn.multistep")
     spec = SpecDecodeConfig(num_steps=4, topk=2, num_draft_tokens=9)
-    rig = Rig.make("mha", page_size=16, hq=8, hkv=2, head_dim=128, num_layers=2,
-                   max_context_len=512, max_bs=16, spec=spec, dtype=torch.bfloat16,
-                   device="cuda", seed=9)
+    rig = Rig.make(arch, page_size=16, hq=16 if arch == "mla" else 8, hkv=2,
+                   head_dim=512 if arch == "mla" else 128, num_layers=2, max_context_len=512,
+                   max_bs=16, spec=spec, dtype=torch.bfloat16, device="cuda", seed=9, rope=64)
     ms = multistep.MultiStepDraftBackend(rig.config, rig.req_pool, rig.kv_pool)
     from aiter_attn.graph import CudaGraphManager
 
@@ -210,7 +211,7 @@ def test_multi_step_draft_decode_replays_sync_free():
     def fn(batch, inputs):
         return tuple(torch.cat([
             ms.attn_backends[i].forward(inputs[f"q{l.layer_id}"], inputs[f"k{l.layer_id}"],
-                                        inputs[f"v{l.layer_id}"], l, sb)
+                                        inputs.get(f"v{l.layer_id}"), l, sb)
             for i, sb in enumerate(ms.step_batches)], dim=1) for l in layers)
 
     mgr.capture(fn)
@@ -234,7 +235,7 @@ def test_multi_step_draft_decode_replays_sync_free():
         out = [o.clone() for o in out]
         ms.init_forward_metadata(batch)
         for i, (g, e) in enumerate(zip(out, fn(batch, inputs))):
-            assert_close_rel(g, e, RTOL_BF16, f"multi-step bs={bs} layer {i}")
+            assert_close_rel(g, e, RTOL_BF16, f"multi-step {arch} bs={bs} layer {i}")
         for r in rows:
             rig.leave(r)
 

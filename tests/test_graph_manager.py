@@ -389,18 +389,20 @@ def test_capture_size_ladder():
 
 # -- multi-step draft decode -------------------------------------------------------------------
 
-@pytest.mark.parametrize("page,topk,steps", [
-    pytest.param(1, 2, 3, id="page1-topk2-steps3"),
-    pytest.param(16, 2, 3, id="page16-topk2-steps3"),
-    pytest.param(7, 1, 4, id="page7-chain-steps4"),
+@pytest.mark.parametrize("arch,page,topk,steps", [
+    pytest.param("mha", 1, 2, 3, id="mha-page1-topk2-steps3"),
+    pytest.param("mha", 16, 2, 3, id="mha-page16-topk2-steps3"),
+    pytest.param("mha", 7, 1, 4, id="mha-page7-chain-steps4"),
+    pytest.param("mla", 16, 2, 3, id="mla-page16-topk2-steps3"),
+    pytest.param("swa", 7, 2, 3, id="swa-page7-topk2-steps3"),
 ])
-def test_multi_step_draft_decode_replay_equals_eager(page, topk, steps):
+def test_multi_step_draft_decode_replay_equals_eager(arch, page, topk, steps):
     multistep = pytest.importorskip("aiter_attn.multistep",
                                     reason="aiter_attn/multistep.py has not landed")
     from aiter_attn import ForwardBatch
 
     spec = SpecDecodeConfig(num_steps=steps, topk=topk, num_draft_tokens=steps * topk + 1)
-    rig = Rig.make("mha", page_size=page, hq=4, hkv=2, head_dim=16, spec=spec, seed=page)
+    rig = Rig.make(arch, page_size=page, hq=4, hkv=2, head_dim=16, spec=spec, seed=page)
     ms = multistep.MultiStepDraftBackend(rig.config, rig.req_pool, rig.kv_pool)
     mgr = CudaGraphManager(ms, capture_sizes=[1, 2, 4], use_cuda_graph=False,
                            token_inputs=rig.token_inputs())
@@ -409,7 +411,7 @@ def test_multi_step_draft_decode_replay_equals_eager(page, topk, steps):
     def fn(batch, inputs):
         return tuple(torch.cat([
             ms.attn_backends[i].forward(inputs[f"q{l.layer_id}"], inputs[f"k{l.layer_id}"],
-                                        inputs[f"v{l.layer_id}"], l, sb)
+                                        inputs.get(f"v{l.layer_id}"), l, sb)
             for i, sb in enumerate(ms.step_batches)], dim=1) for l in layers)
 
     mgr.capture(fn)
