@@ -12,6 +12,7 @@ import torch
 from aiter_attn import (
     AttentionBackend,
     BackendConfig,
+    ForwardBatch,
     ForwardMode,
     LayerSpec,
     ReqToTokenPool,
@@ -312,6 +313,105 @@ def test_tree_verify_without_mask_is_an_error():
                                                                              topk=2))
     with pytest.raises(ValueError, match="custom_mask"):
         be.init_forward_metadata(batch)
+
+
+def copy_partial_prefix_pages(sc, prefixes, layout):
+    """What SGLang's EAGLE worker does for page_size > 1 and topk > 1: copy the prefix's last
+    partial page into each branch's first draft page, in every layer (SWA layers through the
+    translation)."""
+    pool, r2t = sc.kv_pool, sc.req_pool.req_to_token
+    for row, p in zip(sc.rows, prefixes):
+        base = p - p % layout.page_size
+        if base == p or layout.topk == 1:
+            continue
+        src = r2t[row, base:p].long()
+        for k in range(1, layout.topk):
+            dst = r2t[row, [layout.column(p, k, t) for t in range(base, p)]].long()
+            for layer in sc.layers:
+                s, d = src, dst
+                if getattr(pool, "is_swa_layer", None) and pool.is_swa_layer(layer.layer_id):
+                    s, d = pool.translate(src), pool.translate(dst)
+                for buf in pool.kv_buffers(layer.layer_id):
+                    flat = buf.view(-1, *buf.shape[2:])
+                    flat[d] = flat[s]
+
+
+def run_multistep_draft(sc, prefixes, topk, steps, rtol, *, copy_pages=True):
+    """Plan every draft step with MultiStepDraftBackend (forced to ``<arch>.draft_decode_step``)
+    and compare each step of each branch with the dense oracle over prefix + that branch's
+    draft tokens so far (windows at their positions)."""
+    from aiter_attn.multistep import MultiStepDraftBackend
+    from aiter_attn.testing import dense_attention
+    from aiter_attn.testing.spec_cases import DraftLayout, reserve_draft_slots
+
+    layout = DraftLayout(sc.config.page_size, topk, steps)
+    reserve_draft_slots(sc.allocator, sc.req_pool, sc.rows, prefixes, layout)
+    if copy_pages:
+        copy_partial_prefix_pages(sc, prefixes, layout)
+    ms = MultiStepDraftBackend(sc.config, sc.req_pool, sc.kv_pool, topk=topk, num_steps=steps)
+    draft = ForwardBatch.from_lengths(forward_mode=ForwardMode.DECODE, req_pool_indices=sc.rows,
+                                      seq_lens=prefixes,
+                                      out_cache_loc=torch.zeros(len(prefixes), dtype=torch.int64))
+    g = torch.Generator().manual_seed(7)
+    branch_kv = {}
+    rows = [(b, k) for b in range(len(prefixes)) for k in range(topk)]
+    dtype = sc.config.dtype
+    for i, sb in enumerate(ms.init_forward_metadata(draft)):
+        be = ms.attn_backends[i]
+        assert be.pair_for(ForwardMode.DECODE).name.endswith(".draft_decode_step")
+        for layer in sc.layers:
+            n = len(rows)
+            q = torch.randn(n, layer.num_q_heads * layer.head_dim, generator=g).to(dtype)
+            k = torch.randn(n, layer.num_kv_heads * layer.head_dim, generator=g).to(dtype)
+            v = torch.randn(n, layer.num_kv_heads * layer.v_head_dim, generator=g).to(dtype)
+            out = be.forward(q, k, v, layer, sb)
+            expected = []
+            for r, (b, br) in enumerate(rows):
+                ks, vs = branch_kv.setdefault((layer.layer_id, b, br), ([], []))
+                ks.append(k[r].float().view(layer.num_kv_heads, layer.head_dim))
+                vs.append(v[r].float().view(layer.num_kv_heads, layer.v_head_dim))
+                kk = torch.cat([sc.dense_k[(layer.layer_id, b)], torch.stack(ks)])
+                vv = torch.cat([sc.dense_v[(layer.layer_id, b)], torch.stack(vs)])
+                expected.append(dense_attention(
+                    q[r].view(1, layer.num_q_heads, layer.head_dim), kk, vv,
+                    scale=layer.scaling, window=layer.window_size()).view(1, -1))
+            assert_close_rel(out, torch.cat(expected), rtol, f"step {i} layer {layer.layer_id}")
+
+
+@pytest.mark.parametrize("page_size,topk,steps", [
+    pytest.param(1, 3, 4, id="page1-topk3-steps4"),
+    pytest.param(5, 2, 3, id="page5-topk2-steps3-partial-pages"),
+    pytest.param(6, 1, 4, id="page6-chain-steps4"),
+])
+def test_swa_multistep_draft_decode(page_size, topk, steps):
+    cfg = BackendConfig(page_size=page_size, max_context_len=256, dtype=torch.float32, arch="swa",
+                        spec=SpecDecodeConfig(topk=topk, num_steps=steps, num_draft_tokens=4))
+    layers = hybrid_layers(10, 2, 16, [3, None, 5])
+    prefixes = [7, page_size, 2 * page_size + 3]
+    sc = make_swa_scenario(cfg, layers, prefixes, seed=page_size + topk, extra_tokens=64)
+    run_multistep_draft(sc, prefixes, topk, steps, 1e-5)
+
+
+def test_swa_draft_step_table_keeps_its_address_across_static_plans():
+    """Planned into the multi-step backend's static buffers twice (capture, then a replay with
+    other lengths), each step's SWA table is the same storage, refilled in place."""
+    from aiter_attn.multistep import MultiStepDraftBackend
+    from aiter_attn.testing.spec_cases import DraftLayout, reserve_draft_slots
+
+    cfg = BackendConfig(page_size=4, max_context_len=128, dtype=torch.float32, arch="swa",
+                        spec=SpecDecodeConfig(topk=2, num_steps=3))
+    sc = make_swa_scenario(cfg, hybrid_layers(4, 2, 16, [3, None]), [6, 9], seed=1)
+    reserve_draft_slots(sc.allocator, sc.req_pool, sc.rows, [6, 9], DraftLayout(4, 2, 3))
+    ms = MultiStepDraftBackend(cfg, sc.req_pool, sc.kv_pool)
+    ms.init_cuda_graph_state(max_bs=2, max_seq_len=32)
+    ptrs = []
+    for lens in ([6, 9], [5, 2]):
+        draft = ForwardBatch.from_lengths(forward_mode="decode", req_pool_indices=sc.rows,
+                                          seq_lens=lens, out_cache_loc=torch.zeros(2))
+        ms.init_forward_metadata_out_graph(draft)
+        ptrs.append([be.forward_metadata.extras["swa_pages"].block_table.data_ptr()
+                     for be in ms.attn_backends])
+    assert ptrs[0] == ptrs[1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from aiter_attn.strategies.vec5d import paged_attention_5d, write_kv_5d
 from aiter_attn.testing import PagedScenario
 from aiter_attn.testing.compare import assert_close_rel
 
-from .test_swa import TREE_PARENTS, tree_depths, tree_masks
+from .test_swa import TREE_PARENTS, run_multistep_draft, tree_depths, tree_masks
 
 RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.float8_e4m3fn: 1e-5}
 
@@ -174,6 +174,19 @@ def test_vec5d_speculative_modes(page_size, v_layout):
     depth = torch.tensor(tree_depths(TREE_PARENTS))
     run_step(sc, be, ForwardMode.TARGET_VERIFY, [n] * 3, spec_info=tree,
              positions=torch.cat([p + depth for p in held]), masks=masks, rtol=1e-5)
+
+
+@pytest.mark.parametrize("page_size,topk,v_layout", [
+    pytest.param(1, 3, "hd_page", id="page1-topk3-hd_page"),
+    pytest.param(8, 1, "shuffled", id="page8-chain-shuffled"),
+])
+def test_vec5d_multistep_draft_decode(page_size, topk, v_layout):
+    cfg = BackendConfig(page_size=page_size, max_context_len=256, dtype=torch.float32,
+                        arch="vec5d", spec=SpecDecodeConfig(topk=topk, num_steps=3))
+    layers = layers_of(10, 2, 16, windows=[None, 4])
+    prefixes = [5, page_size + 2]
+    sc = make_5d_scenario(cfg, layers, prefixes, seed=3, v_layout=v_layout)
+    run_multistep_draft(sc, prefixes, topk, 3, 1e-5, copy_pages=False)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,7 +39,12 @@ from ..registry import StrategyPair
 from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
 from .base import BufferSpec, ExecutionStrategy
 from .mha import DecodeMetadata, ExtendMetadata
-from .spec import DraftExtendV2Metadata, VerifyChainMetadata, VerifyTreeMetadata
+from .spec import (
+    DraftDecodeStepMetadata,
+    DraftExtendV2Metadata,
+    VerifyChainMetadata,
+    VerifyTreeMetadata,
+)
 
 __all__ = [
     "SWATablesMixin",
@@ -48,6 +53,7 @@ __all__ = [
     "SWAVerifyChainMetadata",
     "SWAVerifyTreeMetadata",
     "SWADraftExtendV2Metadata",
+    "SWADraftDecodeStepMetadata",
     "SWAExecution",
     "plan_swa_tables",
     "window_tree_mask",
@@ -143,11 +149,28 @@ def plan_swa_tables(pool, pages: PageTable, swa_block_table: torch.Tensor) -> Pa
 class SWATablesMixin:
     """Adds the SWA page table (``extras["swa_pages"]``) to any page-table planner: the base
     planner runs unchanged, then its full table is translated (one gather, no sync) into the
-    static ``swa_block_table`` buffer (or a fresh one when eager)."""
+    static ``swa_block_table`` buffer (or a fresh one when eager).
+
+    ``persistent_swa_table = True`` (planners that get no ``out``, such as a multi-step draft
+    step whose tables are views of the multi-step backend's buffers) keeps one table per
+    planner instance, reallocated only when a batch outgrows it, so a captured graph reads one
+    fixed address across replays.
+    """
+
+    persistent_swa_table = False
 
     def __init__(self, ctx):
         super().__init__(ctx)
         self.pool = _require_swa_pool(ctx)
+        self._swa_table: Optional[torch.Tensor] = None
+
+    def _own_swa_table(self, full: torch.Tensor) -> torch.Tensor:
+        rows, width = full.shape
+        buf = self._swa_table
+        if buf is None or buf.shape[0] < rows or buf.shape[1] < width or buf.device != full.device:
+            buf = torch.zeros(rows, width, dtype=torch.int32, device=full.device)
+            self._swa_table = buf
+        return buf[:rows, :width]
 
     def buffer_spec(self, max_bs: int, max_tokens: int, max_seq_len: int) -> BufferSpec:
         pages = max(-(-max_seq_len // self.ctx.config.page_size), 1)
@@ -157,10 +180,12 @@ class SWATablesMixin:
     def plan(self, batch: ForwardBatch, out: Optional[dict] = None) -> AttnMetadata:
         md = super().plan(batch, out)
         full = md.pages.block_table
-        if out is None:
-            swa_bt = torch.zeros_like(full)
-        else:
+        if out is not None:
             swa_bt = out["swa_block_table"][: full.shape[0], : full.shape[1]]
+        elif self.persistent_swa_table:
+            swa_bt = self._own_swa_table(full)
+        else:
+            swa_bt = torch.zeros_like(full)
         swa_pages = plan_swa_tables(self.pool, md.pages, swa_bt)
         return attrs.evolve(md, extras={**md.extras, "swa_pages": swa_pages})
 
@@ -183,6 +208,14 @@ class SWAVerifyTreeMetadata(SWATablesMixin, VerifyTreeMetadata):
 
 class SWADraftExtendV2Metadata(SWATablesMixin, DraftExtendV2Metadata):
     """DRAFT_EXTEND_V2 on the hybrid pool (no sync)."""
+
+
+class SWADraftDecodeStepMetadata(SWATablesMixin, DraftDecodeStepMetadata):
+    """One step of multi-step draft decode (:class:`aiter_attn.multistep.MultiStepDraftBackend`)
+    on the hybrid pool: the step's full table is the multi-step backend's view; its SWA
+    translation lives in a table this planner keeps (one per step backend)."""
+
+    persistent_swa_table = True
 
 
 def attend(executor: ExecutionStrategy, op_request: KernelRequest, q, k_cache, v_cache,
@@ -300,3 +333,9 @@ def aiter_attn_register_strategies(register):
         register(StrategyPair(name=name, arch=AttnArch.SWA, modes=modes, metadata=planner,
                               execution=SWAExecution, priority=10, cg_support=cg,
                               supports=supports, description=desc))
+    # Forced by MultiStepDraftBackend ("<arch>.draft_decode_step"), never auto-selected.
+    register(StrategyPair(
+        name="swa.draft_decode_step", arch=AttnArch.SWA, modes={ForwardMode.DECODE},
+        metadata=SWADraftDecodeStepMetadata, execution=SWAExecution, priority=-10,
+        cg_support=CGSupport.ALWAYS,
+        description="one multi-step draft-decode step; its SWA table translated per step"))

@@ -30,7 +30,12 @@ from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
 from ..validation import ATTN_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
 from .base import ExecutionStrategy
 from .mha import DecodeMetadata, ExtendMetadata
-from .spec import DraftExtendV2Metadata, VerifyChainMetadata, VerifyTreeMetadata
+from .spec import (
+    DraftDecodeStepMetadata,
+    DraftExtendV2Metadata,
+    VerifyChainMetadata,
+    VerifyTreeMetadata,
+)
 from .swa import attend, chain_verify_only, effective_window, tree_verify_only
 
 __all__ = [
@@ -238,6 +243,12 @@ def aiter_attn_register_strategies(register):
         register(StrategyPair(name=name, arch=AttnArch.VEC5D, modes=modes, metadata=planner,
                               execution=Vec5DExecution, priority=10, cg_support=cg,
                               supports=supports, description=desc))
+    # Forced by MultiStepDraftBackend ("<arch>.draft_decode_step"), never auto-selected.
+    register(StrategyPair(
+        name="vec5d.draft_decode_step", arch=AttnArch.VEC5D, modes={ForwardMode.DECODE},
+        metadata=DraftDecodeStepMetadata, execution=Vec5DExecution, priority=-10,
+        cg_support=CGSupport.ALWAYS,
+        description="one multi-step draft-decode step over the 5-D pool"))
 
 
 @hookimpl
