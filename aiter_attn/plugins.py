@@ -186,7 +186,8 @@ def register_plugin(pm: pluggy.PluginManager, name: str, plugin) -> None:
     try:
         pm.register(plugin, name=name)
     except pluggy.PluginValidationError as exc:
-        raise PluginValidationError(f"plugin {name!r} does not match the hook specs: {exc}") from exc
+        raise PluginValidationError(
+            f"plugin {name!r} does not match the hook specs: {exc}") from exc
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:

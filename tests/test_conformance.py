@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from aiter_attn import plugins
 from aiter_attn.cli import main

@@ -134,7 +134,8 @@ def mla_head_padding(num_heads: int) -> tuple[int, int]:
 
 
 def pad_heads(q: torch.Tensor, repeat: int) -> torch.Tensor:
-    """``[T, H, D] → [T, H·repeat, D]``: head ``h`` becomes heads ``h·repeat … h·repeat+repeat-1``."""
+    """``[T, H, D] → [T, H·repeat, D]``: head ``h`` becomes heads
+    ``h·repeat … h·repeat + repeat - 1``."""
     return q if repeat == 1 else q.repeat_interleave(repeat, dim=1)
 
 
