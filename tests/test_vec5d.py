@@ -139,9 +139,11 @@ def test_vec5d_extend_decode_chunked(dtype, page_size, hq, hkv, d, v_layout):
     run_step(sc, be, ForwardMode.EXTEND, [page_size + 2, 2, 1, 4], rtol=rtol)
 
 
-def test_vec5d_fp8_softcap_sinks():
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz],
+                         ids=["e4m3fn", "e4m3fnuz"])
+def test_vec5d_fp8_softcap_sinks(kv_dtype):
     cfg = BackendConfig(page_size=16, max_context_len=128, dtype=torch.float32,
-                        kv_cache_dtype=torch.float8_e4m3fn, arch="vec5d")
+                        kv_cache_dtype=kv_dtype, arch="vec5d")
     layers = layers_of(6, 2, 32, windows=[None, 5], logit_cap=15.0,
                        sinks=torch.linspace(-1, 1, 6), k_scale=0.5, v_scale=0.25)
     sc = make_5d_scenario(cfg, layers, [3, 17], seed=9)
