@@ -18,7 +18,7 @@ Where these come from (read, not copied):
   its docstring gives ``key_cache [num_blocks, num_kv_heads, head_size // x, kv_block_size, x]``
   and ``value_cache [num_blocks, num_kv_heads, head_size, kv_block_size]`` or, transposed,
   ``[num_blocks, num_kv_heads, kv_block_size // x, head_size, x]`` with ``x = 16 // itemsize``
-  (the function is not in the ``amd-aiter`` 0.1.7.post2 wheel; it is in the repository).
+  (read at commit ``e4048607``; the function is not in the ``amd-aiter`` 0.1.7.post2 wheel).
 * ``amd-aiter`` wheel, ``aiter_meta/csrc/kernels/cache_kernels.cu``, ``reshape_and_cache_kernel``
   (``asmLayout`` branch) and ``aiter/ops/cache.py`` ``reshape_and_cache(..., asm_layout=True)``:
   the writer's index arithmetic for both value layouts.
