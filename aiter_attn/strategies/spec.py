@@ -17,8 +17,8 @@ the last ``q_len`` keys of their request).
   ``q_len · Σ seq_len`` elements (or more: a static buffer read from its start) is the full
   layout, exactly ``batch · q_len²`` the tree part; when every prefix is empty the two
   layouts coincide. ``mask_indptr[b] = q_len · Σ_{c<b} seq_len_c`` is rebuilt on the device.
-  The kernel combines the mask with causality; a well-formed EAGLE tree lists every token
-  after its ancestors, so that equals the mask itself.
+  The mask is applied literally (the kernel runs non-causal when a mask is planned), as for
+  MLA and in the seed; a well-formed EAGLE tree is causal anyway.
 * **DRAFT_EXTEND**: ragged accepted tokens per request, causal (like EXTEND).
 * **DRAFT_EXTEND_V2**: a fixed ``num_draft_tokens`` per request (uniform, graph-capturable);
   ragged lengths raise a clear error (checked on the CPU mirror, never on the device).
@@ -279,47 +279,8 @@ class DraftDecodeStepMetadata(MetadataStrategy):
         )
 
 
-class SpecPagedExecution(PagedExecution):
-    """:class:`PagedExecution` that also hands a planned custom mask to the kernel."""
-
-    def run(self, q, k, v, layer: LayerSpec, batch: ForwardBatch, metadata: AttnMetadata, *,
-            save_kv_cache: bool = True, sinks=None):
-        if metadata.mask is None:
-            return super().run(q, k, v, layer, batch, metadata, save_kv_cache=save_kv_cache,
-                               sinks=sinks)
-        pool = self.ctx.kv_pool
-        k_cache, v_cache = pool.kv_buffers(layer.layer_id)
-        num_tokens = q.shape[0]
-        q = q.view(num_tokens, layer.num_q_heads, layer.head_dim)
-        if save_kv_cache and k is not None:
-            ops.write_kv(
-                k_cache, v_cache, batch.out_cache_loc,
-                k.view(num_tokens, layer.num_kv_heads, layer.head_dim),
-                v.view(num_tokens, layer.num_kv_heads, layer.v_head_dim),
-                k_scale=layer.k_scale, v_scale=layer.v_scale,
-            )
-        sinks = sinks if sinks is not None else layer.sinks
-        window = layer.window_size()
-        mask = metadata.mask
-        sel = self.kernel_for(
-            (layer, sinks is not None, "custom_mask"),
-            ops.paged_attention_request(q, k_cache, v_cache, window_size=window,
-                                        softcap=layer.logit_cap, sinks=sinks,
-                                        causal=not layer.is_cross_attention,
-                                        custom_mask=mask.custom_mask),
-        )
-        out = torch.empty(num_tokens, layer.num_q_heads, layer.v_head_dim, dtype=q.dtype,
-                          device=q.device)
-        sel.fn(
-            q, k_cache, v_cache, out,
-            cu_seqlens_q=metadata.query.cu_seqlens_q, seqused_k=metadata.pages.seqused_k,
-            block_table=metadata.pages.block_table, softmax_scale=layer.scaling,
-            causal=not layer.is_cross_attention, window_size=window, softcap=layer.logit_cap,
-            sinks=sinks, k_scale=layer.k_scale, v_scale=layer.v_scale,
-            custom_mask=mask.custom_mask, mask_indptr=mask.mask_indptr,
-            max_seqlen_q=metadata.query.max_seqlen_q, max_seqlen_k=metadata.pages.max_seqlen_k,
-        )
-        return out.view(num_tokens, layer.num_q_heads * layer.v_head_dim)
+#: Kept as a name for compatibility: PagedExecution hands a planned mask to the kernel itself.
+SpecPagedExecution = PagedExecution
 
 
 def _needs_chain(config: BackendConfig):
