@@ -24,13 +24,13 @@ from aiter_attn.plugins import (
     new_plugin_manager,
 )
 
-from .plugins.install import install_plugins
+from .plugins.install import shared_site
 
 
 @pytest.fixture(scope="session")
-def plugin_site(tmp_path_factory):
+def plugin_site():
     """The example and test plugin packages, pip-installed into a temporary folder."""
-    return install_plugins(tmp_path_factory.mktemp("aiter_attn_plugins"))
+    return shared_site()
 
 
 @pytest.fixture

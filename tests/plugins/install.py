@@ -4,12 +4,15 @@ environment: the folder only becomes visible when a test puts it on ``sys.path``
 
 from __future__ import annotations
 
+import atexit
+import functools
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-__all__ = ["PLUGINS_DIR", "install_plugins"]
+__all__ = ["PLUGINS_DIR", "install_plugins", "shared_site"]
 
 PLUGINS_DIR = Path(__file__).resolve().parent
 PACKAGES = ("aiter-attn-example-plugin", "aiter-attn-test-plugins")
@@ -29,3 +32,11 @@ def install_plugins(root: Path) -> Path:
         check=True,
     )
     return site
+
+
+@functools.lru_cache(maxsize=None)
+def shared_site() -> Path:
+    """One installation per test process (removed at exit), shared by the test modules."""
+    root = Path(tempfile.mkdtemp(prefix="aiter_attn_plugins_"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return install_plugins(root)
