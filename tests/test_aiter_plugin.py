@@ -246,6 +246,8 @@ def _req(op="paged_attention", **kw):
                  id="noncausal-sinks"),
     pytest.param("paged_attention", dict(kv_dtype=E5M2, features={"fp8"}), "kv dtype",
                  id="e5m2"),
+    pytest.param("paged_attention", dict(head_dim=84, v_head_dim=84), "not a multiple of 8",
+                 id="d84"),
     pytest.param("mla_paged_attention", dict(head_dim=576, v_head_dim=512,
                                              extra=(("heads", 12),)), "num_heads=12", id="mla-h12"),
     pytest.param("mla_paged_attention", dict(head_dim=192, v_head_dim=128), "576 (kv_lora_rank 512",

@@ -374,9 +374,13 @@ def aiter_paged_attention_5d(q, k_cache, v_cache, out, *, cu_seqlens_q, seqused_
     return out
 
 
-def _no_noncausal_specials(req) -> Optional[str]:
+def _paged_predicate(req) -> Optional[str]:
     if "non_causal" in req.features and req.features & {"sinks", "window"}:
         return "aiter serves sinks/windows only causally (unified_attention)"
+    for name, dim in (("head_dim", req.head_dim), ("v_head_dim", req.v_head_dim)):
+        # mha_batch_prefill_func pads other sizes internally, which breaks a caller's out=
+        if dim is not None and dim % 8:
+            return f"{name} {dim} is not a multiple of 8"
     return None
 
 
@@ -404,7 +408,7 @@ def capabilities() -> dict:
         "paged_attention": Capabilities(
             devices={"cuda"}, dtypes=act, kv_dtypes=act | fp8, max_head_dim=256,
             features={"sinks", "softcap", "window", "fp8", "non_causal"},
-            cg_support=CGSupport.UNIFORM_BATCH, predicate=_no_noncausal_specials),
+            cg_support=CGSupport.UNIFORM_BATCH, predicate=_paged_predicate),
         "mla_paged_attention": Capabilities(
             devices={"cuda"}, dtypes=act, kv_dtypes=act | fp8, features={"fp8"},
             cg_support=CGSupport.UNIFORM_BATCH, predicate=_mla_shape),

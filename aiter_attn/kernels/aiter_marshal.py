@@ -452,7 +452,9 @@ def build_mla_metadata_call(
     (decode, verify, draft-extend v2)."""
     kwargs = dict(
         seqlens_qo_indptr=qo_indptr, seqlens_kv_indptr=kv_indptr,
-        num_heads_per_head_k=plan.padded_heads, num_heads_k=1, is_causal=True,
+        # SGLang's AITER backend plans with is_causal=False for decode and verify alike (the
+        # decode kernel masks draft tokens itself); we follow the path it runs in production.
+        num_heads_per_head_k=plan.padded_heads, num_heads_k=1, is_causal=False,
         work_metadata_ptrs=buffers["work_metadata"], work_indptr=buffers["work_indptr"],
         reduce_indptr=buffers["reduce_indptr"], reduce_final_map=buffers["reduce_final_map"],
         reduce_partial_map=buffers["reduce_partial_map"], kv_granularity=16,
