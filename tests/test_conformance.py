@@ -133,6 +133,11 @@ def test_cli_verify_text_and_op_filter(capsys):
     assert "mla-decode-h4-page64" in out and "1 passed, 0 failed, 0 unsupported" in out
 
 
+def test_cli_verify_unusable_device(capsys):
+    assert main(["verify", "--backend", "reference", "--device", "nonsense"]) == 2
+    assert "is not usable here" in capsys.readouterr().out
+
+
 def test_cli_verify_unknown_backend(capsys):
     assert main(["verify", "--backend", "nonexistent"]) == 2
     assert "not registered" in capsys.readouterr().out

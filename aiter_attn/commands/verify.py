@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 __all__ = ["add_parser", "run"]
 
 
@@ -30,6 +32,11 @@ def run(args) -> int:
             print(json.dumps({"backend": args.backend, "ok": False, "error": msg}))
         else:
             print(msg)
+        return 2
+    try:
+        torch.empty(0, device=args.device)
+    except (RuntimeError, AssertionError, ValueError) as exc:  # e.g. no CUDA in this build
+        print(f"--device {args.device!r} is not usable here: {exc}")
         return 2
     all_names = {c.name for c in CASES}
     unknown = sorted(set(args.case or ()) - all_names)
