@@ -89,11 +89,11 @@ def run_step(sc, be, mode, new_lens, *, spec_info=None, positions=None, masks=No
         q, k, v = sc.step_inputs(layer)
         out = be.forward(q, k, v, layer, batch)
         assert out.shape == (batch.num_tokens, layer.num_q_heads * layer.v_head_dim)
-        if expected_masks is not None:
+        if expected_masks is not None:  # a tree mask is applied literally (non-causal)
             exp = sc.expected(attrs.evolve(layer, sliding_window=None), q,
-                              masks=expected_masks(layer))
+                              masks=expected_masks(layer), causal=False)
         else:
-            exp = sc.expected(layer, q, masks=masks)
+            exp = sc.expected(layer, q, masks=masks, causal=False if masks else None)
         assert_close_rel(out, exp, RTOL[dtype], f"{mode} layer {layer.layer_id} "
                                                 f"(window {layer.sliding_window})")
     sc.commit_step()
@@ -301,6 +301,34 @@ def test_swa_tree_verify_literal_mask(page_size):
         return out
 
     run_step(sc, be, ForwardMode.TARGET_VERIFY, [n] * 3, spec_info=spec, positions=positions,
+             expected_masks=literal)
+
+
+def test_tree_mask_is_applied_literally():
+    """The mask alone decides (non-causal): a query allowed to see a *later* draft token sees
+    it, on full and on SWA layers (there with the window at positions on top)."""
+    n = 3
+    cfg = BackendConfig(page_size=2, max_context_len=64, dtype=torch.float32, arch="swa",
+                        spec=SpecDecodeConfig(topk=2, num_draft_tokens=n))
+    layers = hybrid_layers(4, 2, 16, [4, None])
+    prefixes = [5, 2]
+    sc = make_swa_scenario(cfg, layers, prefixes, seed=6)
+    masks = [torch.ones(n, p + n, dtype=torch.bool).tril(p) for p in prefixes]
+    masks[0][0, -1] = True  # query 0 may see draft token 2
+    masks[1][2, 0] = False
+    spec = SpecInfo(num_draft_tokens=n, topk=2,
+                    custom_mask=torch.cat([m.reshape(-1) for m in masks]))
+
+    def literal(layer):
+        if layer.sliding_window is None:
+            return masks
+        out = []
+        for p, m in zip(prefixes, masks):
+            q = torch.arange(p, p + n).view(-1, 1)
+            out.append(m & (torch.arange(p + n).view(1, -1) >= q - (layer.sliding_window - 1)))
+        return out
+
+    run_step(sc, backend_for(sc), ForwardMode.TARGET_VERIFY, [n, n], spec_info=spec,
              expected_masks=literal)
 
 

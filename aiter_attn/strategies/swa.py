@@ -59,6 +59,7 @@ __all__ = [
     "window_tree_mask",
     "attend",
     "effective_window",
+    "effective_causal",
     "chain_verify_only",
     "tree_verify_only",
 ]
@@ -223,8 +224,9 @@ def attend(executor: ExecutionStrategy, op_request: KernelRequest, q, k_cache, v
     """One attention call of ``layer`` through the kernel chosen for ``op_request``'s op
     (``paged_attention`` semantics; the caches are in whatever layout that op takes).
 
-    Applies the layer's window (``(w - 1, 0)``), soft-cap, sinks and fp8 scales; with a tree
-    mask and a window, folds the window into the mask at the tokens' true positions.
+    Applies the layer's window (``(w - 1, 0)``), soft-cap, sinks and fp8 scales; a tree mask
+    is applied literally (non-causal), and a window is folded into it at the tokens' true
+    positions.
     """
     num_tokens = q.shape[0]
     window = layer.window_size()
@@ -239,13 +241,20 @@ def attend(executor: ExecutionStrategy, op_request: KernelRequest, q, k_cache, v
         q, k_cache, v_cache, out,
         cu_seqlens_q=md.query.cu_seqlens_q, seqused_k=pages.seqused_k,
         block_table=pages.block_table, softmax_scale=layer.scaling,
-        causal=not layer.is_cross_attention, window_size=window, softcap=layer.logit_cap,
+        causal=effective_causal(layer, md), window_size=window, softcap=layer.logit_cap,
         sinks=sinks, k_scale=layer.k_scale, v_scale=layer.v_scale,
         custom_mask=None if mask is None else mask.custom_mask,
         mask_indptr=None if mask is None else mask.mask_indptr,
         max_seqlen_q=md.query.max_seqlen_q, max_seqlen_k=pages.max_seqlen_k,
     )
     return out.view(num_tokens, layer.num_q_heads * layer.v_head_dim)
+
+
+def effective_causal(layer: LayerSpec, md: AttnMetadata) -> bool:
+    """Causal unless cross-attention or a tree mask is planned: a mask is applied literally
+    (the kernel runs non-causal and the mask alone says what each query sees), the project's
+    convention for MHA, MLA and the seed."""
+    return not layer.is_cross_attention and md.mask is None
 
 
 def effective_window(layer: LayerSpec, md: AttnMetadata) -> tuple[int, int]:
@@ -293,7 +302,7 @@ class SWAExecution(ExecutionStrategy):
         sinks = sinks if sinks is not None else layer.sinks
         request = paged_attention_request(
             q, k_cache, v_cache, window_size=effective_window(layer, metadata),
-            softcap=layer.logit_cap, sinks=sinks, causal=not layer.is_cross_attention,
+            softcap=layer.logit_cap, sinks=sinks, causal=effective_causal(layer, metadata),
             custom_mask=None if metadata.mask is None else metadata.mask.custom_mask)
         return attend(self, request, q, k_cache, v_cache, layer, batch, metadata, pages, sinks)
 

@@ -36,7 +36,13 @@ from .spec import (
     VerifyChainMetadata,
     VerifyTreeMetadata,
 )
-from .swa import attend, chain_verify_only, effective_window, tree_verify_only
+from .swa import (
+    attend,
+    chain_verify_only,
+    effective_causal,
+    effective_window,
+    tree_verify_only,
+)
 
 __all__ = [
     "paged_attention_5d",
@@ -217,7 +223,7 @@ class Vec5DExecution(ExecutionStrategy):
         sinks = sinks if sinks is not None else layer.sinks
         request = paged_attention_5d_request(
             q, k_cache, v_cache, window_size=effective_window(layer, metadata),
-            softcap=layer.logit_cap, sinks=sinks, causal=not layer.is_cross_attention,
+            softcap=layer.logit_cap, sinks=sinks, causal=effective_causal(layer, metadata),
             custom_mask=None if metadata.mask is None else metadata.mask.custom_mask)
         return attend(self, request, q, k_cache, v_cache, layer, batch, metadata,
                       metadata.pages, sinks)
