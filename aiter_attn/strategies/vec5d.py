@@ -8,7 +8,8 @@ planning (:mod:`aiter_attn.strategies.mha`, :mod:`aiter_attn.strategies.spec`) o
 ``BackendConfig.spec.topk``. Execution writes K/V with op ``write_kv_5d`` and attends with op
 ``paged_attention_5d``; both dispatch through the kernel registry. This module registers the
 float32 torch reference of ``paged_attention_5d`` (:mod:`aiter_attn.kernels.reference_5d`,
-where the layout and its sources are documented) and offers validated functional forms, :func:`paged_attention_5d` and :func:`write_kv_5d`.
+where the layout and its sources are documented) and offers validated functional forms,
+:func:`paged_attention_5d` and :func:`write_kv_5d`.
 Sliding-window layers of a VEC5D model use the one pool with the window applied (tree verify
 folds the window into the mask, as for SWA). A hybrid SWA pool in the 5-D layout (the seed
 allocates its SWA sub-pool 5-D too) is not provided: ``AttnArch`` names one of the two.
