@@ -133,6 +133,27 @@ def test_cli_verify_text_and_op_filter(capsys):
     assert "mla-decode-h4-page64" in out and "1 passed, 0 failed, 0 unsupported" in out
 
 
+def test_cli_verify_dtype_override(capsys):
+    assert main(["verify", "--backend", "reference", "--quick", "--dtype", "bfloat16",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] and all(r["bound"] == 2e-2 for r in data["results"])
+
+
+def test_with_dtype_keeps_fp8_caches():
+    import torch
+
+    from aiter_attn.testing.conformance import with_dtype
+
+    fp8 = next(c for c in CASES if c.name == "fp8e4m3fn-page16-scales")
+    plain = next(c for c in CASES if c.name == "sinks-page16")
+    assert with_dtype(fp8, torch.float16).kv_dtype == fp8.kv_dtype
+    assert with_dtype(plain, torch.float16).kv_dtype is None
+    assert with_dtype(plain, torch.float16).bound == 3e-3
+    with pytest.raises(ValueError, match="allowed"):
+        with_dtype(plain, torch.float64)
+
+
 def test_cli_verify_unusable_device(capsys):
     assert main(["verify", "--backend", "reference", "--device", "nonsense"]) == 2
     assert "is not usable here" in capsys.readouterr().out

@@ -43,8 +43,9 @@ def run(args) -> int:
     if unknown:
         print(f"unknown case(s) {unknown}; cases: {sorted(all_names)}")
         return 2
+    dtype = None if args.dtype is None else getattr(torch, args.dtype)
     report = run_conformance(args.backend, device=args.device, ops=args.op, quick=args.quick,
-                             names=args.case)
+                             names=args.case, dtype=dtype)
     failed = not report.ok or (args.strict and report.count("unsupported"))
     if args.json:
         data = report.to_dict()
@@ -65,6 +66,9 @@ def add_parser(sub) -> None:
     p.add_argument("--case", action="append", metavar="NAME", help="only this case (repeatable)")
     p.add_argument("--quick", action="store_true", help="a small subset (a few seconds)")
     p.add_argument("--device", default="cpu", help="device for the inputs (default: cpu)")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
+                   help="run every case with this activation dtype (fp8 caches stay fp8); "
+                        "for kernels that take no float32")
     p.add_argument("--strict", action="store_true", help="count unsupported cases as failures")
     p.add_argument("--json", action="store_true", help="machine-readable report")
     p.set_defaults(func=run)

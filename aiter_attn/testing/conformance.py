@@ -42,6 +42,7 @@ __all__ = [
     "build_case_inputs",
     "run_case",
     "run_conformance",
+    "with_dtype",
 ]
 
 #: relative-error bounds by activation dtype (fp8 caches are compared with their dequantised
@@ -396,6 +397,15 @@ def run_case(case: ConformanceCase, backend: str, device: str = "cpu") -> CaseRe
     return CaseResult(status="pass", rel_err=err, kernel=backend, seconds=dt, **res)
 
 
+def with_dtype(case: ConformanceCase, dtype: torch.dtype) -> ConformanceCase:
+    """``case`` with activations in ``dtype`` (the bound follows :data:`RTOL`); a 16-bit or
+    fp32 cache follows too, an fp8 cache stays fp8. For kernels that take no float32."""
+    if dtype not in RTOL:
+        raise ValueError(f"dtype={dtype}; allowed: {sorted(map(str, RTOL))}.")
+    kv = case.kv_dtype if case.kv_dtype not in (None, *RTOL) else None
+    return attrs.evolve(case, dtype=dtype, kv_dtype=kv, rtol=None)
+
+
 def run_conformance(
     backend: str,
     *,
@@ -404,10 +414,14 @@ def run_conformance(
     quick: bool = False,
     names: Optional[Iterable[str]] = None,
     cases: Optional[Sequence[ConformanceCase]] = None,
+    dtype: Optional[torch.dtype] = None,
 ) -> ConformanceReport:
     """Run the selected cases (default :data:`CASES`) on ``backend``; never raises for a
-    failing kernel: every outcome is in the report."""
+    failing kernel: every outcome is in the report. ``dtype`` runs every case with that
+    activation dtype (see :func:`with_dtype`)."""
     selected = _select(cases if cases is not None else CASES, ops=set(ops or ()), quick=quick,
                        names=set(names or ()))
+    if dtype is not None:
+        selected = [with_dtype(c, dtype) for c in selected]
     return ConformanceReport(backend, device, tuple(run_case(c, backend, device)
                                                     for c in selected))
