@@ -53,7 +53,8 @@ def test_generate_text_output_and_prompts_file(capsys, tmp_path):
     f = tmp_path / "prompts.txt"
     f.write_text("first prompt\n\nsecond prompt\n")
     rc = main(["generate", "--no-progress", "--random-config", "qwen2", "--prompts-file", str(f),
-               "--max-new-tokens", "4", "--temperature", "0.8", "--seed", "3"])
+               "--max-new-tokens", "4", "--temperature", "0.8", "--seed", "3",
+               "--batch-size", "1"])  # the second request waits for the first to finish
     text = capsys.readouterr().out
     assert rc == 0
     assert "--- [0] first prompt" in text and "--- [1] second prompt" in text

@@ -27,8 +27,8 @@ def _prompts(args) -> list[str]:
     if args.prompts_file:
         path = Path(args.prompts_file)
         if not path.is_file():
-            raise FileNotFoundError(f"--prompts-file={str(path)!r} does not exist; pass a text file "
-                                    "with one prompt per line.")
+            raise FileNotFoundError(f"--prompts-file={str(path)!r} does not exist; pass a text "
+                                    "file with one prompt per line.")
         prompts += [line.strip() for line in path.read_text().splitlines() if line.strip()]
     return prompts or [DEFAULT_PROMPT]
 
@@ -73,10 +73,12 @@ def _build(args, texts, loaded, device, dtype):
     prompts = [encode_prompt(tok, t, chat=not args.no_chat_template) for t in texts]
     max_ctx = max(len(p) for p in prompts) + args.max_new_tokens
     page = args.page_size
+    # Enough pages for the batch_size largest requests running at once, never more.
+    needs = sorted((-(-(len(p) + args.max_new_tokens) // page) * page for p in prompts),
+                   reverse=True)
     config = EngineConfig(
         page_size=page, max_batch_size=args.batch_size, max_context_len=max_ctx,
-        max_tokens_per_step=args.max_tokens_per_step,
-        kv_tokens=sum(-(-(len(p) + args.max_new_tokens) // page) * page for p in prompts),
+        max_tokens_per_step=args.max_tokens_per_step, kv_tokens=sum(needs[:args.batch_size]),
         prefix_caching=not args.no_prefix_caching, kernel_backend=args.backend,
     )
     model = LlamaFamilyModel.from_hf(loaded.hf_model, dtype=dtype, device=device,
@@ -192,7 +194,8 @@ def add_parser(sub) -> None:
     p.add_argument("--random-config", choices=sorted(RANDOM_CONFIGS), default=None,
                    help="a small random-weight model instead (seeded by --seed)")
     p.add_argument("--check", action="store_true",
-                   help="compare token ids with transformers' greedy generate; exit 1 on a mismatch")
+                   help="compare token ids with transformers' greedy generate; exit 1 if any "
+                        "differs")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

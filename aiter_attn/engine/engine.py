@@ -12,7 +12,6 @@ import time
 from typing import Callable, Iterable, Optional, Sequence
 
 import attrs
-import torch
 
 from ..types import ForwardMode
 from .kv_manager import KVCacheManager
@@ -21,6 +20,7 @@ from .request import Request, SamplingParams
 from .runner import ModelRunner
 from .sampler import sample_tokens
 from .scheduler import Scheduler
+from .spec_decode import make_spec_decoder
 
 __all__ = ["EngineConfig", "EngineStats", "TokenEvent", "Engine"]
 
@@ -41,6 +41,11 @@ class EngineConfig:
         prefix_caching: reuse computed whole pages of running requests with the same prefix.
         kernel_backend: force a kernel backend by name; ``None`` = best registered.
         shuffle_pages_seed: hand out pages in a seeded random order (tests).
+        swa_pool: sliding-window layers keep their KV in their own, smaller pool (hybrid SWA;
+            turns prefix caching off); ``False`` serves windows over the full pool.
+        speculative: ``"ngram"`` = draft by prompt lookup and verify with one TARGET_VERIFY
+            forward (:mod:`aiter_attn.engine.spec_decode`); ``None`` = plain decoding.
+        num_draft_tokens: most draft tokens proposed per request and step.
     """
 
     page_size: int = 16
@@ -52,6 +57,9 @@ class EngineConfig:
     prefix_caching: bool = True
     kernel_backend: Optional[str] = None
     shuffle_pages_seed: Optional[int] = None
+    swa_pool: bool = True
+    speculative: Optional[str] = None
+    num_draft_tokens: int = 4
 
     @property
     def num_pages(self) -> int:
@@ -113,8 +121,13 @@ class Engine:
         self.scheduler = Scheduler(self.kv, max_batch_size=config.max_batch_size,
                                    max_tokens_per_step=config.max_tokens_per_step,
                                    chunk_size=config.chunk_size or config.max_tokens_per_step)
-        self.runner = ModelRunner(model, self.kv, max_batch_size=config.max_batch_size,
-                                  kernel_backend=config.kernel_backend)
+        self.spec_decoder = make_spec_decoder(config)
+        self.runner = ModelRunner(
+            model, self.kv, max_batch_size=config.max_batch_size,
+            kernel_backend=config.kernel_backend, swa_pool=config.swa_pool,
+            chunk_tokens=max(config.chunk_size or config.max_tokens_per_step,
+                             config.num_draft_tokens + 1),
+            spec=self.spec_decoder.backend_spec if self.spec_decoder else None)
         self.requests: list[Request] = []
         self.stats = EngineStats()
 
@@ -125,7 +138,9 @@ class Engine:
         ids = [int(i) for i in prompt_ids]
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}.")
+            raise ValueError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}; "
+                "encode prompts with the model's own tokenizer.")
         req = Request(rid=len(self.requests), prompt_ids=ids, params=params)
         self.scheduler.add(req)
         self.requests.append(req)
@@ -139,7 +154,13 @@ class Engine:
         """Run one step; return the tokens it produced."""
         plan = self.scheduler.schedule()
         events: list[TokenEvent] = []
-        if plan.decode:
+        if plan.decode and self.spec_decoder is not None:
+            t0 = time.perf_counter()
+            per_req = self.spec_decoder.decode_step(self.runner, plan.decode)
+            self.stats.decode_seconds += time.perf_counter() - t0
+            self.stats.decode_tokens += sum(len(t) for t in per_req)
+            events += self._emit_many(plan.decode, per_req)
+        elif plan.decode:
             t0 = time.perf_counter()
             logits = self.runner.forward(ForwardMode.DECODE, [(r, 1) for r in plan.decode])
             tokens = sample_tokens(logits, plan.decode)
@@ -174,6 +195,16 @@ class Engine:
             if reason is not None:
                 self.scheduler.finish(req, reason)
             out.append(TokenEvent(req, tok, reason is not None))
+        return out
+
+    def _emit_many(self, reqs: Sequence[Request], tokens: list[list[int]]) -> list[TokenEvent]:
+        """Emit each request's tokens in order (speculative steps), up to its finish."""
+        out = []
+        for req, toks in zip(reqs, tokens):
+            for tok in toks:
+                out += self._emit([req], [tok])
+                if out[-1].finished:
+                    break
         return out
 
     def run(self, on_step: Optional[Callable[[list], None]] = None) -> list[Request]:

@@ -120,6 +120,8 @@ def load_model(model: Optional[str] = None, *, random_config: Optional[str] = No
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    if not progress:
+        hf_logging.disable_progress_bar()
     kw = {"gguf_file": gguf} if gguf else {}
     name = gguf or folder.name
     bar = _progress(3, f"loading {name}", progress)

@@ -132,8 +132,8 @@ class LlamaFamilyModel:
             t = sd.get(name)
             if t is None:
                 if required:
-                    raise KeyError(f"checkpoint has no tensor {name!r}; is it a {config.model_type} "
-                                   "causal LM checkpoint?")
+                    raise KeyError(f"checkpoint has no tensor {name!r}; is it a "
+                                   f"{config.model_type} causal LM checkpoint?")
                 return None
             return t.detach().to(device=device, dtype=dtype).contiguous()
 

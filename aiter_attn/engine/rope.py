@@ -57,7 +57,7 @@ class RotaryEmbedding:
         return cls(rotary.inv_freq, float(rotary.attention_scaling), max_positions, dtype, device)
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by their tokens' ``positions`` (int64 ``[T]``).
+        """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by ``positions`` (int64 ``[T]``).
 
         Half-split convention: ``x·cos + rotate_half(x)·sin``, ``rotate_half(x) = [-x2, x1]``.
         """

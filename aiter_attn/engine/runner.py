@@ -13,8 +13,8 @@ import torch
 
 from ..backend import AttentionBackend
 from ..batch import ForwardBatch
-from ..kvcache import MHAKVPool
-from ..types import BackendConfig, ForwardMode
+from ..types import BackendConfig, ForwardMode, SpecDecodeConfig
+from .arch import build_kv_setup
 from .kv_manager import KVCacheManager
 from .protocol import EngineModel
 
@@ -32,18 +32,29 @@ class ModelRunner:
     """
 
     def __init__(self, model: EngineModel, kv: KVCacheManager, *, max_batch_size: int,
-                 kernel_backend: Optional[str] = None):
+                 kernel_backend: Optional[str] = None, swa_pool: bool = True,
+                 chunk_tokens: int = 512, spec: Optional[SpecDecodeConfig] = None):
         layout = model.kv_layout
         device = str(model.device)
         self.model = model
         self.kv = kv
-        self.kv_pool = MHAKVPool(kv.num_pages, kv.page_size, layout.num_kv_heads, layout.head_dim,
-                                 layout.num_layers, dtype=layout.dtype, device=device,
-                                 v_head_dim=layout.v_head_dim)
+        # Pool and BackendConfig.arch come from the model's layer specs (engine/arch.py).
+        self.kv_setup = build_kv_setup(model, kv, device=device, swa_pool=swa_pool,
+                                       chunk_tokens=chunk_tokens)
+        self.kv_pool = self.kv_setup.pool
         self.config = BackendConfig(page_size=kv.page_size, max_batch_size=max_batch_size,
                                     max_context_len=kv.max_context_len, dtype=layout.dtype,
-                                    device=device, kernel_backend=kernel_backend)
-        self.backend = AttentionBackend(self.config, kv.req_pool, self.kv_pool)
+                                    device=device, kernel_backend=kernel_backend,
+                                    arch=self.kv_setup.arch, spec=spec,
+                                    **self.kv_setup.config_kw)
+        self.backend = AttentionBackend(self.config, kv.req_pool, self.kv_pool,
+                                        extra=self.kv_setup.extra)
+
+    def after_step(self, items: Sequence[tuple]) -> None:
+        """Architecture bookkeeping once ``items``' tokens are committed (SWA: free pages
+        that fell out of every window)."""
+        if self.kv_setup.after_step is not None:
+            self.kv_setup.after_step(items)
 
     def forward(self, mode: ForwardMode, items: Sequence[tuple]) -> torch.Tensor:
         """Feed ``items`` = ``((request, num_tokens), ...)`` and return float32 logits
@@ -71,4 +82,5 @@ class ModelRunner:
                                     logits_indices=last)
         for req, n in items:
             req.num_computed += n
+        self.after_step(items)
         return logits

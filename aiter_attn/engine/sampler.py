@@ -43,7 +43,10 @@ def sample_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> list[int
             continue
         if req.generator is None:
             g = torch.Generator()
-            g.manual_seed(p.seed if p.seed is not None else torch.seed())
+            if p.seed is not None:
+                g.manual_seed(p.seed)
+            else:
+                g.seed()  # non-deterministic, and leaves the global RNG alone
             req.generator = g
         probs = torch.softmax(logits[i].float().cpu() / p.temperature, dim=-1)
         probs = top_p_filter(probs, p.top_p)
