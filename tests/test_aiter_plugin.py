@@ -4,6 +4,8 @@ sizes, routing, call builders, capabilities and registration off ROCm."""
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import aiter_attn.kernels.aiter as A
 from aiter_attn.kernels import aiter_marshal as M
@@ -332,3 +334,28 @@ def test_mla_buffer_spec_for_the_graph_manager():
     assert A.mla_buffer_spec(32, 1, 16, torch.bfloat16, torch.bfloat16, cu_num=80).buffers == {}
     with pytest.raises(ValueError, match="buffers lack"):
         A.use_mla_workspace({}, 4, 1, 8, torch.bfloat16, E4M3FNUZ, "cpu")
+
+
+@st.composite
+def _tables(draw):
+    ps = draw(st.sampled_from([1, 3, 16, 48]))
+    bs = draw(st.integers(1, 5))
+    width = draw(st.integers(1, 4))
+    pages = draw(st.permutations(range(1, bs * width + 2)))[: bs * width]
+    lens = draw(st.lists(st.integers(0, width * ps), min_size=bs, max_size=bs))
+    return ps, torch.tensor(pages, dtype=torch.int32).view(bs, width), torch.tensor(
+        lens, dtype=torch.int32)
+
+
+@given(_tables())
+def test_token_kv_indices_properties(table):
+    """indptr is monotone and ends at the total; request b's indices are exactly the slots of
+    its first seqused_k[b] tokens, in order, inside its own pages (never the null page 0)."""
+    ps, bt, lens = table
+    indptr, idx = M.token_kv_indices(bt, lens, ps)
+    assert (indptr[1:] >= indptr[:-1]).all() and int(indptr[-1]) == int(lens.sum())
+    for b in range(bt.shape[0]):
+        got = idx[int(indptr[b]):int(indptr[b + 1])]
+        assert torch.equal(got // ps, bt[b].repeat_interleave(ps)[: int(lens[b])])
+        assert torch.equal(got % ps, torch.arange(int(lens[b]), dtype=torch.int32) % ps)
+        assert not (got // ps == 0).any()
