@@ -129,8 +129,20 @@ def add_rates(rec, bytes_moved, flops):
             rec[f"{mode}_tflops"] = flops / (ms * 1e-3) / 1e12
 
 
+def out_of_time(args, label) -> bool:
+    """True (and noted) once ``--budget-s`` has passed: remaining rows are skipped, the report
+    is still written."""
+    if args.budget_s and time.monotonic() - args.t0 > args.budget_s:
+        args.meta.setdefault("skipped_for_time", []).append(label)
+        print(f"== {label}: skipped (--budget-s {args.budget_s} reached)", flush=True)
+        return True
+    return False
+
+
 def run_mha_rows(kind, rows, args, results):
     for bs, n in rows:
+        if out_of_time(args, f"{kind} {bs}x{n // 1024}k"):
+            continue
         decode = kind in ("decode", "fp8")
         kv_dtype = torch.float8_e4m3fn if kind == "fp8" else None
         label = f"{kind} {bs}x{n // 1024}k"
@@ -176,6 +188,8 @@ def run_mla_rows(rows, args, results):
     for heads, bs, ctx in rows:
         for kv in ("bf16", "fp8"):
             label = f"mla H{heads} {bs}x{ctx // 1024}k {kv}"
+            if out_of_time(args, label):
+                continue
             print(f"== {label}", flush=True)
             x = make_mla(bs, ctx, heads=heads,
                          kv_dtype=torch.float8_e4m3fn if kv == "fp8" else None)
@@ -299,6 +313,8 @@ def main(argv=None):
     p.add_argument("--no-graphs", dest="graphs", action="store_false")
     p.add_argument("--quick", action="store_true", help="a subset of rows")
     p.add_argument("--mla-sweep", action="store_true", help="also time MLA launch configs")
+    p.add_argument("--budget-s", type=float, default=0,
+                   help="skip the remaining rows after this many seconds (0 = no limit)")
     p.add_argument("--flex-prefill", action="store_true", help="flex_attention on prefill too")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -319,6 +335,7 @@ def main(argv=None):
     print(f"ceilings: copy {args.meta['copy_tbps']:.2f} TB/s, bf16 matmul "
           f"{args.meta['matmul_tflops']:.0f} TFLOP/s", flush=True)
     results: list = []
+    args.t0 = time.monotonic()
     quick = args.quick
     try:
         if "decode" in groups:
