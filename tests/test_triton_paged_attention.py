@@ -320,3 +320,39 @@ def test_gpu_int64_offsets():
               softmax_scale=d ** -0.5, max_seqlen_q=2, max_seqlen_k=L)
     exp = dense_attention(q, k, v, scale=d ** -0.5)
     assert_close_rel(out, exp, RTOL[torch.float16], "int64 offsets")
+
+
+def test_backend_steps_through_triton_kernel(monkeypatch):
+    """AttentionBackend (MHA strategies: extend with prefix, then decode) with the registry
+    forced to this kernel for ``paged_attention`` (the reference for every other op), fp8 KV
+    with per-layer scales, sinks, soft-cap and a window, GQA 5:1 on 48-token pages."""
+    from aiter_attn import AttentionBackend, BackendConfig, ForwardMode, LayerSpec
+    from aiter_attn.plugins import kernel_registry
+    from aiter_attn.testing import PagedScenario
+
+    reg = kernel_registry()
+    select = reg.select
+
+    def triton_for_attention(request, backend=None):
+        return select(request, backend="triton" if request.op == "paged_attention"
+                      else "reference")
+
+    monkeypatch.setattr(reg, "select", triton_for_attention)
+    dtype = torch.float32 if DEVICE == "cpu" else torch.float16
+    g = torch.Generator().manual_seed(0)
+    layers = [LayerSpec(layer_id=i, num_q_heads=10, num_kv_heads=2, head_dim=32, logit_cap=3.0,
+                        sliding_window=20, sinks=torch.randn(10, generator=g),
+                        k_scale=ks, v_scale=vs)
+              for i, (ks, vs) in enumerate([(0.25, 0.5), (1.5, 0.75)])]
+    cfg = BackendConfig(page_size=48, max_batch_size=4, max_context_len=256, dtype=dtype,
+                        kv_cache_dtype=torch.float8_e4m3fn, device=DEVICE)
+    sc = PagedScenario.make(cfg, layers, [0, 48, 53], seed=7)
+    be = AttentionBackend(cfg, sc.req_pool, sc.kv_pool)
+    for mode, lens in ((ForwardMode.EXTEND, [9, 1, 30]), (ForwardMode.DECODE, [1, 1, 1])):
+        batch = sc.next_batch(mode, lens)
+        be.init_forward_metadata(batch)
+        for layer in layers:
+            q, k, v = sc.step_inputs(layer)
+            out = be.forward(q, k, v, layer, batch)
+            assert_close_rel(out, sc.expected(layer, q), RTOL[dtype], f"{mode.name} {layer}")
+        sc.commit_step()
