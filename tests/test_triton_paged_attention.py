@@ -151,6 +151,13 @@ def test_split_kv_reduction(monkeypatch, splits):
     _check(case, "split-KV")
     _check(case, "split-KV + sinks", sinks=sinks)
     _check(case, "split-KV + window", window_size=(40, 0))
+    g = torch.Generator().manual_seed(splits)
+    masks = [torch.rand(n, L, generator=g) < 0.7 for n, L in zip(case.q_lens, case.kv_lens)]
+    flat = torch.cat([m.reshape(-1) for m in masks])
+    indptr = torch.tensor([0] + torch.tensor([m.numel() for m in masks]).cumsum(0).tolist())
+    out = case.run(custom_mask=flat, mask_indptr=indptr, causal=False)
+    assert_close_rel(out, case.expected(causal=False, masks=masks), RTOL[case.dtype],
+                     "split-KV + tree mask")
 
 
 @pytest.mark.parametrize("w", [1, 4, 5, 6], ids=["w1", "w4", "w5", "w6"])
