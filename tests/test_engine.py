@@ -283,3 +283,20 @@ def test_engine_on_cuda_matches_transformers(name):
     theirs = hf_greedy(hf, p, max_new_tokens=16, stop_token_ids=frozenset(), device="cuda")
     diffs = compare_outputs(ours, theirs)
     assert not diffs, "; ".join(d.describe() for d in diffs)
+
+
+def test_prompts_added_together_share_after_the_first_prefill():
+    """Prompts with a common system-prompt-like prefix, queued at once: the first prefills, the
+    others wait for its shared pages and reuse them; outputs still match transformers."""
+    hf, tok, model = _model("qwen2")
+    g = torch.Generator().manual_seed(12)
+    system = torch.randint(3, 512, (21,), generator=g).tolist()
+    p = [system + torch.randint(3, 512, (k,), generator=g).tolist() for k in (4, 9, 2)]
+    eng = _engine(model, page_size=5, max_tokens_per_step=64)
+    reqs = [eng.add_request(q, SamplingParams(max_new_tokens=6)) for q in p]
+    eng.run()
+    assert [r.joined_step for r in reqs] == [0, 1, 1]
+    assert [r.cached_tokens for r in reqs] == [0, 20, 20]
+    assert reqs[1].shared_pages == reqs[2].shared_pages == reqs[0].pages[:4]
+    _assert_same([r.output_ids for r in reqs], hf, p, 6, frozenset())
+    _free_pages_all_back(eng)

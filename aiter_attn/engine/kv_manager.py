@@ -100,6 +100,18 @@ class KVCacheManager:
                 best, best_len = donor, n
         return best, best_len
 
+    def prefix_in_flight(self, req: Request) -> bool:
+        """True when a running request is still prefilling whole pages that ``req``'s prompt
+        shares with it (waiting a step or two then lets ``req`` reuse them)."""
+        if not self.prefix_caching:
+            return False
+        limit = len(req.prompt_ids) - 1
+        for donor in self._live.values():
+            n = _common_prefix(req.prompt_ids[:limit], donor.prompt_ids)
+            if n // self.page_size > min(n, donor.num_computed) // self.page_size:
+                return True
+        return False
+
     def try_admit(self, req: Request) -> bool:
         """Give ``req`` a row, its reused prefix and its page reservation; False if full."""
         if self.available_rows == 0:

@@ -3,7 +3,9 @@
 Every step, each running request whose prompt is fully fed decodes one token; the rest of the
 step's token budget goes to prefill chunks, first of requests already prefilling, then of
 waiting requests admitted in arrival order while rows and pages allow. Requests join and
-leave only between steps.
+leave only between steps. With prefix caching, a waiting request whose prompt shares whole
+pages with a request still prefilling them waits until those pages are computed, then reuses
+them.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             r = self.waiting[0]
-            if not self.kv.try_admit(r):
+            if self.kv.prefix_in_flight(r) or not self.kv.try_admit(r):
                 break
             self.waiting.popleft()
             r.status = RequestStatus.RUNNING
