@@ -208,22 +208,54 @@ def _mla_merge_kernel(
              res.to(out_ptr.dtype.element_ty), mask=mask_dv)
 
 
+#: Launch defaults, from the H200 sweep of ``benchmarks/bench_attention.py --mla-sweep``
+#: (2026-12-02 14:00 UTC; bf16, kv_lora 512 + rope 64, page 64): 16 heads: (16, 64, 4, 3) was
+#: fastest of 6 configs; 128 heads: (64, 32, 8, 2) within 5% of the best of 9 and reads each
+#: latent tile once per 64 heads.
+_DEFAULTS = {16: (64, 4, 3), 32: (32, 8, 3), 64: (32, 8, 2)}  # block_h -> (block_n, warps, stages)
+
+
+def _smem_budget(device: torch.device) -> Optional[int]:
+    """Shared memory one program may use on ``device`` (bytes), ``None`` without a GPU."""
+    if device.type != "cuda":
+        return None
+    try:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        props = triton.runtime.driver.active.utils.get_device_properties(index)
+        return int(props["max_shared_mem"]) - 4096
+    except Exception:  # an unknown driver: assume the smallest current budget
+        return 99 * 1024 - 4096
+
+
 def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: torch.device,
                       *, num_kv_splits: Optional[int] = None, block_h: Optional[int] = None,
-                      block_n: Optional[int] = None):
-    """``(block_h, block_n, num_splits, num_warps, num_stages)`` from host integers only."""
+                      block_n: Optional[int] = None, dim: int = 576, elem_size: int = 2):
+    """``(block_h, block_n, num_splits, num_warps, num_stages)`` from host integers only.
+
+    ``dim`` (padded latent width) and ``elem_size`` (bytes of the wider of the q and cache
+    dtypes) bound the pipelined tiles by the device's shared memory: ``block_n`` halves, then
+    stages drop, until ``stages · block_n · dim · elem_size`` fits.
+    """
     if block_h is None:
         block_h = 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
+    bn_default, num_warps, num_stages = _DEFAULTS.get(block_h, (32, 8, 2))
     if block_n is None:
-        block_n = 32 if block_h <= 32 else 16
+        block_n = bn_default
+        budget = _smem_budget(device)
+        if budget is not None:
+            while block_n > 16 and 2 * block_n * dim * elem_size > budget:
+                block_n //= 2
+    budget = _smem_budget(device)
+    if budget is not None:
+        num_stages = max(1, min(num_stages, budget // max(1, block_n * dim * elem_size)))
+        if elem_size >= 4:  # fp32 dots stage extra layout copies in shared memory
+            num_stages = min(num_stages, 2)
     head_blocks = triton.cdiv(num_heads, block_h)
     programs = max(1, head_blocks * num_tokens)
     if num_kv_splits is None:
         target = 2 * num_sms(device)
         by_len = max(1, triton.cdiv(max(kv_bound, 1), 4 * block_n))
         num_kv_splits = max(1, min(64, triton.cdiv(target, programs), by_len))
-    num_warps = 4 if block_h <= 16 else 8
-    num_stages = 3
     return block_h, block_n, int(num_kv_splits), num_warps, num_stages
 
 
@@ -295,14 +327,15 @@ def mla_paged_attention(
         return out
     page_size = kv_cache.shape[1]
     kv_bound = max_seqlen_k if max_seqlen_k is not None else block_table.shape[1] * page_size
+    block_dv = max(16, next_pow2(kv_lora_rank))
+    block_dr = max(16, next_pow2(max(rope, 1)))
     bh, bn, splits, warps, stages = mla_launch_config(
         num_heads, num_tokens, kv_bound, q.device, num_kv_splits=num_kv_splits,
-        block_h=block_h, block_n=block_n)
+        block_h=block_h, block_n=block_n, dim=block_dv + block_dr,
+        elem_size=max(q.element_size(), kv_cache.element_size()))
     warps = num_warps or warps
     stages = 1 if interpreting() else (num_stages or stages)
     head_blocks = triton.cdiv(num_heads, bh)
-    block_dv = max(16, next_pow2(kv_lora_rank))
-    block_dr = max(16, next_pow2(max(rope, 1)))
     scale_t, scale_v, from_ptr = scale_args(kv_scale, q.device)
     has_mask = custom_mask is not None
     if has_mask:
