@@ -110,6 +110,8 @@ def bench_impl(name, make, x, expected, select, rtol, rep, graphs):
         rec["missing"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         return rec
     torch.cuda.synchronize()
+    if getattr(fn, "layout", None):
+        rec["layout"] = fn.layout
     err = rel_err(select(result()), expected)
     rec["rel_err"] = err
     if not math.isfinite(err) or err > rtol:
