@@ -172,6 +172,23 @@ def test_fully_masked_row_is_zero_not_nan():
     assert_close_rel(out, case.expected(), 1e-5, "masked")
 
 
+def test_empty_requests_and_zero_length_rows_give_zeros_not_nan():
+    """A request with no queries is skipped; a graph padding row (seqused_k = 0, null page)
+    outputs zeros."""
+    case = MLACase([1, 1, 1], [9, 4, 17], page=4)
+    kw = case.kwargs()
+    kw["cu_seqlens_q"] = torch.tensor([0, 1, 1, 2, 3], dtype=torch.int32, device=case.device)
+    kw["seqused_k"] = torch.tensor([9, 4, 0, 17], dtype=torch.int32, device=case.device)
+    bt = case.block_table.to(case.device)
+    kw["block_table"] = torch.cat([bt[:2], torch.zeros_like(bt[:1]), bt[2:]])
+    out = torch.full((3, 16, 64), float("nan"), device=case.device)
+    _kernel()(case.q.to(case.device), case.kv_cache.to(case.device), out, num_kv_splits=2, **kw)
+    want = case.expected()
+    assert torch.isfinite(out).all()
+    assert (out[1] == 0).all()  # the zero-length row
+    assert_close_rel(out[[0, 2]], want[[0, 2]], 1e-5, "rows around the padding")
+
+
 def test_padded_heads_do_not_change_results():
     """Heads beyond a block (20 = 16 + 4) are computed like the others."""
     case = MLACase([1, 1], [21, 40], heads=20, page=8)

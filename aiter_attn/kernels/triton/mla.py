@@ -306,8 +306,10 @@ def mla_paged_attention(
             f"kv_cache has shape {tuple(kv_cache.shape)}; expected [num_pages, page_size, 1, "
             "kv_lora_rank + rope_dim] (one latent head)."
         )
-    if kv_cache.stride(-1) != 1:
-        raise ValueError("kv_cache must be contiguous in its last dim; pass kv_cache.contiguous().")
+    if kv_cache.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError(
+            "kv_cache and out must be contiguous in their last dim; pass .contiguous() tensors."
+        )
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seqused_k", seqused_k),
                     ("block_table", block_table)):
         if t.dtype not in INDEX_DTYPES:
