@@ -66,8 +66,8 @@ class _Printer:
 
 def _build(args, texts, loaded, device, dtype):
     """Tokenise the prompts, copy the model and queue every request on a new engine."""
-    from ..engine import (Engine, EngineConfig, LlamaFamilyModel, SamplingParams, encode_prompt,
-                          stop_token_ids)
+    from ..engine import Engine, EngineConfig, SamplingParams, encode_prompt, stop_token_ids
+    from ..engine.models import build_engine_model
 
     tok = loaded.tokenizer
     prompts = [encode_prompt(tok, t, chat=not args.no_chat_template) for t in texts]
@@ -80,9 +80,10 @@ def _build(args, texts, loaded, device, dtype):
         page_size=page, max_batch_size=args.batch_size, max_context_len=max_ctx,
         max_tokens_per_step=args.max_tokens_per_step, kv_tokens=sum(needs[:args.batch_size]),
         prefix_caching=not args.no_prefix_caching, kernel_backend=args.backend,
+        speculative=args.speculative, num_draft_tokens=args.num_draft_tokens,
     )
-    model = LlamaFamilyModel.from_hf(loaded.hf_model, dtype=dtype, device=device,
-                                     max_positions=max_ctx)
+    model = build_engine_model(loaded.hf_model, dtype=dtype, device=device,
+                               max_positions=max_ctx)
     stops = stop_token_ids(loaded.hf_model, tok)
     engine = Engine(model, config)
     for i, p in enumerate(prompts):
@@ -156,10 +157,22 @@ def run(args) -> int:
                     for t, r in zip(texts, reqs)],
         "stats": s.as_dict(),
     }
+    spec = engine.spec_decoder
+    if spec is not None:
+        result["speculative"] = {"mode": args.speculative, "num_draft_tokens": spec.k,
+                                 "verify_forwards": spec.stats.verify_forwards,
+                                 "proposed": spec.stats.proposed,
+                                 "accepted": spec.stats.accepted,
+                                 "acceptance_rate": spec.stats.acceptance_rate}
     if not args.json:
         out.write(f"prefill: {s.prefill_tokens} tokens, {s.prefill_tokens_per_s:.1f} tokens/s | "
                   f"decode: {s.decode_tokens} tokens, {s.decode_tokens_per_s:.1f} tokens/s | "
                   f"{s.steps} steps, {s.cached_tokens} prefix-cached tokens\n")
+        if spec is not None:
+            out.write(f"speculative {args.speculative}: {spec.stats.accepted}/"
+                      f"{spec.stats.proposed} draft tokens accepted "
+                      f"({spec.stats.acceptance_rate:.0%}) in {spec.stats.verify_forwards} "
+                      "verify forwards\n")
     rc = 0
     if args.check:
         result["check"] = check = _check(args, loaded, engine, prompts, stops, device)
@@ -204,6 +217,11 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES],
                    help="auto: float32 on CPU or with --check, else bfloat16")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--speculative", choices=["ngram"], default=None,
+                   help="speculative decoding: ngram = prompt-lookup drafts verified with one "
+                        "TARGET_VERIFY forward (greedy output unchanged)")
+    p.add_argument("--num-draft-tokens", type=int, default=4,
+                   help="most draft tokens per request and step (with --speculative)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")

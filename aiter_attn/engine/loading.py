@@ -16,7 +16,8 @@ from typing import Any, Optional
 
 import attrs
 
-from .model import SUPPORTED_MODEL_TYPES, UnsupportedArchitectureError, check_supported
+from .model import SUPPORTED_MODEL_TYPES, UnsupportedArchitectureError
+from .models import check_engine_supported
 
 __all__ = ["LoadedModel", "ModelNotFoundError", "UnsupportedArchitectureError",
            "DEFAULT_MODEL_PACKAGE", "default_model_path", "load_model"]
@@ -134,7 +135,7 @@ def load_model(model: Optional[str] = None, *, random_config: Optional[str] = No
             raise UnsupportedArchitectureError(
                 f"{name}: {exc} The engine supports {', '.join(SUPPORTED_MODEL_TYPES)}."
             ) from exc
-        check_supported(config)
+        check_engine_supported(config)
         bar.update(1)
         bar.set_postfix_str("tokenizer")
         tokenizer = None
