@@ -123,7 +123,10 @@ def write_kv_5d_reference(
 
 @hookimpl
 def aiter_attn_register_kernels(register):
-    """Register the SWA-translated and 5-D KV-write references (priority 0, any device)."""
-    caps = Capabilities(cg_support=CGSupport.ALWAYS, features={"fp8"})
+    """Register the SWA-translated and 5-D KV-write references (priority 0, any device).
+
+    They skip negative slots with boolean masks, which synchronise on CUDA, so they do not
+    claim graph capture; the Triton writes (priority 100 on CUDA) do."""
+    caps = Capabilities(cg_support=CGSupport.NEVER, features={"fp8"})
     register("write_kv_swa", "reference", write_kv_translated_reference, caps, priority=0)
     register("write_kv_5d", "reference", write_kv_5d_reference, caps, priority=0)
