@@ -35,6 +35,7 @@ class StrategyPair:
         cg_support: CUDA-graph support of the pair.
         supports: optional ``(config) -> reason | None`` check.
         description: one line for ``aiter-attn info``.
+        kernel_op: the kernel op its execution strategy launches (for reports and planning).
     """
 
     name: str
@@ -46,6 +47,7 @@ class StrategyPair:
     cg_support: CGSupport = CGSupport.NEVER
     supports: Optional[Callable] = attrs.field(default=None, eq=False)
     description: str = ""
+    kernel_op: str = "paged_attention"
 
     def reject_reason(self, mode: ForwardMode, arch: AttnArch, config: Optional[BackendConfig]):
         if arch != self.arch:

@@ -10,50 +10,75 @@ import torch
 
 from ..types import AttnArch, ForwardMode
 
-__all__ = ["add_parser", "collect_info", "mode_arch_table"]
+__all__ = ["add_parser", "collect_info", "mode_arch_table", "table_markdown"]
 
 #: why a cell is impossible by design (not merely unimplemented).
 IMPOSSIBLE: dict = {}
 
 
 def _kernel_for_cell(kernels, pair, device: str, dtype: torch.dtype):
+    """The kernel the pair's op would get here for a typical layer (head dim 128, page 16)."""
     from ..kernels.registry import KernelRequest
 
-    op = "mla_paged_attention" if pair.arch == AttnArch.MLA else "paged_attention"
+    op = pair.kernel_op
+    dims = dict(head_dim=576, v_head_dim=512, page_size=64) if op == "mla_paged_attention" else \
+        dict(head_dim=128, v_head_dim=128, page_size=16)
+    features = {"custom_mask"} if pair.name.endswith(".tree") else set()
     try:
         sel = kernels.select(KernelRequest(op=op, device=device, dtype=dtype, kv_dtype=dtype,
-                                           head_dim=128, v_head_dim=128, page_size=16))
-        return sel.impl.name
+                                           features=features, **dims))
+        return f"{op}:{sel.impl.name}"
     except ValueError as exc:
-        return f"none ({exc})"
+        return f"{op}: none ({exc})"
+
+
+#: Table rows: (label, mode, spec topk or None, forced strategy name template or None).
+_CELLS = [
+    ("EXTEND", ForwardMode.EXTEND, None, None),
+    ("DECODE", ForwardMode.DECODE, None, None),
+    ("IDLE", ForwardMode.IDLE, None, None),
+    ("TARGET_VERIFY chain", ForwardMode.TARGET_VERIFY, 1, None),
+    ("TARGET_VERIFY tree", ForwardMode.TARGET_VERIFY, 4, None),
+    ("DRAFT_EXTEND", ForwardMode.DRAFT_EXTEND, None, None),
+    ("DRAFT_EXTEND_V2", ForwardMode.DRAFT_EXTEND_V2, 1, None),
+    ("multi-step DRAFT", ForwardMode.DECODE, 1, "{arch}.draft_decode_step"),
+]
 
 
 def mode_arch_table(device: str | None = None, dtype: torch.dtype | None = None) -> list[dict]:
-    """One row per (mode, arch): strategy, kernel, or why none."""
+    """One row per (mode, arch) cell: strategy, CUDA-graph support, kernel, or why none."""
     from ..plugins import kernel_registry, strategy_registry
+    from ..types import BackendConfig, SpecDecodeConfig
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     strategies, kernels = strategy_registry(), kernel_registry()
     rows = []
     for arch in AttnArch:
-        for mode in ForwardMode:
-            pair, rejected = strategies.candidates(mode, arch)
-            row = {"mode": mode.name, "arch": arch.name}
-            if pair is None:
-                row["strategy"] = None
-                row["why"] = IMPOSSIBLE.get((mode, arch)) or (
-                    f"no registered strategy serves {mode.name} × {arch.name}")
+        for label, mode, topk, forced in _CELLS:
+            spec = None if topk is None else SpecDecodeConfig(topk=topk, num_draft_tokens=4)
+            cfg = BackendConfig(arch=arch, spec=spec, page_size=16)
+            row = {"mode": label, "arch": arch.name}
+            if forced is not None:
+                name = forced.format(arch=arch.value)
+                try:
+                    pair = strategies.select(mode, arch, cfg, name=name)
+                except ValueError as exc:
+                    pair, why = None, str(exc)
             else:
-                row["strategy"] = pair.name
-                row["cg_support"] = pair.cg_support.name
-                row["kernel"] = _kernel_for_cell(kernels, pair, device, dtype)
+                pair, rejected = strategies.candidates(mode, arch, cfg)
+                why = f"no registered strategy serves {label} × {arch.name}"
+            if pair is None:
+                row.update(strategy=None, why=IMPOSSIBLE.get((label, arch)) or why)
+            else:
+                row.update(strategy=pair.name, cg_support=pair.cg_support.name,
+                           kernel=_kernel_for_cell(kernels, pair, device, dtype))
             rows.append(row)
     return rows
 
 
 def collect_info() -> dict:
-    from ..plugins import kernel_registry, loaded_plugins
+    from ..plugins import kernel_registry, loaded_plugins, skipped_plugins
 
     try:
         import triton
@@ -83,6 +108,7 @@ def collect_info() -> dict:
         "triton": triton_version,
         "cuda_devices": devices,
         "plugins": loaded_plugins(),
+        "skipped_plugins": skipped_plugins(),
         "kernels": kernels,
         "table": mode_arch_table(),
     }
@@ -93,21 +119,40 @@ def _print_text(info: dict) -> None:
           f"triton {info['triton']}")
     print(f"devices: {', '.join(info['cuda_devices']) or 'cpu only'}")
     print(f"plugins: {', '.join(info['plugins'])}")
+    for name, reason in info["skipped_plugins"].items():
+        print(f"  skipped {name}: {reason}")
     print("\nkernels:")
     for k in info["kernels"]:
         print(f"  {k['op']:<24} {k['name']:<12} prio={k['priority']:<4} devices={k['devices']} "
               f"dtypes={k['dtypes']} pages={k['page_sizes']} cg={k['cg_support']} "
               f"features={','.join(k['features']) or '-'}")
     print("\nmode × architecture:")
-    print(f"  {'mode':<16} {'arch':<6} {'strategy':<22} kernel / why not")
+    print(f"  {'mode':<20} {'arch':<6} {'strategy':<24} {'cuda graph':<14} kernel / why not")
     for r in info["table"]:
         if r["strategy"]:
-            print(f"  {r['mode']:<16} {r['arch']:<6} {r['strategy']:<22} {r['kernel']}")
+            print(f"  {r['mode']:<20} {r['arch']:<6} {r['strategy']:<24} {r['cg_support']:<14} "
+                  f"{r['kernel']}")
         else:
-            print(f"  {r['mode']:<16} {r['arch']:<6} {'-':<22} {r['why']}")
+            print(f"  {r['mode']:<20} {r['arch']:<6} {'-':<24} {'-':<14} {r['why']}")
+
+
+def table_markdown(rows: list[dict]) -> str:
+    """The mode × architecture table as Markdown (``docs/modes.md`` embeds it)."""
+    lines = ["| mode | arch | strategy | CUDA graph | kernel op:impl (or why none) |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if r["strategy"]:
+            lines.append(f"| {r['mode']} | {r['arch']} | `{r['strategy']}` | {r['cg_support']} | "
+                         f"{r['kernel']} |")
+        else:
+            lines.append(f"| {r['mode']} | {r['arch']} | — | — | {r['why']} |")
+    return "\n".join(lines) + "\n"
 
 
 def run(args) -> int:
+    if args.markdown:
+        print(table_markdown(mode_arch_table(device=args.device)), end="")
+        return 0
     info = collect_info()
     if args.json:
         print(json.dumps(info, indent=2, default=str))
@@ -119,4 +164,7 @@ def run(args) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("info", help="show environment, plugins, kernels and the mode×arch table")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--markdown", action="store_true",
+                   help="print only the mode × architecture table as Markdown")
+    p.add_argument("--device", default=None, help="device type the table's kernels are for")
     p.set_defaults(func=run)

@@ -533,33 +533,38 @@ class MLAExecution(ExecutionStrategy):
 @hookimpl
 def aiter_attn_register_strategies(register):
     register(StrategyPair(
-        name="mla.decode", arch=AttnArch.MLA, modes={ForwardMode.DECODE, ForwardMode.IDLE},
+        name="mla.decode", arch=AttnArch.MLA, kernel_op="mla_paged_attention",
+        modes={ForwardMode.DECODE, ForwardMode.IDLE},
         metadata=MLADecodeMetadata, execution=MLAExecution, priority=10,
         cg_support=CGSupport.ALWAYS,
         description="absorbed MLA decode over the latent page table (heads 4/8 padded to 16 "
                     "when the kernel needs it)",
     ))
     register(StrategyPair(
-        name="mla.verify", arch=AttnArch.MLA, modes={ForwardMode.TARGET_VERIFY},
+        name="mla.verify", arch=AttnArch.MLA, kernel_op="mla_paged_attention",
+        modes={ForwardMode.TARGET_VERIFY},
         metadata=MLAVerifyMetadata, execution=MLAExecution, priority=10,
         cg_support=CGSupport.UNIFORM_BATCH,
         description="absorbed MLA verify: causal chain or literal tree mask",
     ))
     register(StrategyPair(
-        name="mla.draft_extend_v2", arch=AttnArch.MLA, modes={ForwardMode.DRAFT_EXTEND_V2},
+        name="mla.draft_extend_v2", arch=AttnArch.MLA, kernel_op="mla_paged_attention",
+        modes={ForwardMode.DRAFT_EXTEND_V2},
         metadata=MLADraftExtendV2Metadata, execution=MLAExecution, priority=10,
         cg_support=CGSupport.UNIFORM_BATCH,
         description="absorbed MLA draft extend with a fixed token count per request",
     ))
     register(StrategyPair(
-        name=MLA_DRAFT_DECODE_STEP, arch=AttnArch.MLA, modes={ForwardMode.DECODE},
+        name=MLA_DRAFT_DECODE_STEP, arch=AttnArch.MLA, kernel_op="mla_paged_attention",
+        modes={ForwardMode.DECODE},
         metadata=DraftDecodeStepMetadata, execution=MLAExecution, priority=-10,
         cg_support=CGSupport.ALWAYS,
         description="one multi-step draft-decode step (absorbed) over tables planned for all "
                     "steps by MultiStepDraftBackend",
     ))
     register(StrategyPair(
-        name="mla.extend", arch=AttnArch.MLA, modes=set(_EXTEND_MODES),
+        name="mla.extend", arch=AttnArch.MLA, kernel_op="mla_paged_attention",
+        modes=set(_EXTEND_MODES),
         metadata=MLAExtendMetadata, execution=MLAExecution, priority=10,
         cg_support=CGSupport.NEVER,
         description="MLA extend: absorbed over the latent pool, or expanded (prefix through "

@@ -248,11 +248,13 @@ _VEC5D_PAIRS = (
 def aiter_attn_register_strategies(register):
     for name, modes, planner, cg, supports, desc in _VEC5D_PAIRS:
         register(StrategyPair(name=name, arch=AttnArch.VEC5D, modes=modes, metadata=planner,
+                              kernel_op="paged_attention_5d",
                               execution=Vec5DExecution, priority=10, cg_support=cg,
                               supports=supports, description=desc))
     # Forced by MultiStepDraftBackend ("<arch>.draft_decode_step"), never auto-selected.
     register(StrategyPair(
-        name="vec5d.draft_decode_step", arch=AttnArch.VEC5D, modes={ForwardMode.DECODE},
+        name="vec5d.draft_decode_step", arch=AttnArch.VEC5D, kernel_op="paged_attention_5d",
+        modes={ForwardMode.DECODE},
         metadata=DraftDecodeStepMetadata, execution=Vec5DExecution, priority=-10,
         cg_support=CGSupport.ALWAYS,
         description="one multi-step draft-decode step over the 5-D pool"))
