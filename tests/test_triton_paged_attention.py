@@ -198,6 +198,17 @@ def test_fp8_e4m3fn_cache_with_scales(dtype):
     _check(case, "fp8 e4m3fn")
 
 
+def test_fp8_cache_bf16_queries_compute_in_fp16():
+    """bf16 queries on an fp8 cache run their dots in fp16 (one cvt per fp8 pair); only loads
+    and stores are bf16 here, which the interpreter handles. A query beyond fp16's range
+    saturates instead of turning the row into NaN."""
+    case = Case([1, 5, 1], [90, 21, 8], hq=8, hkv=2, d=64, page=16, dtype=torch.bfloat16,
+                kv_dtype=torch.float8_e4m3fn, k_scale=0.05, v_scale=0.25, seed=21)
+    _check(case, "bf16 q, fp8 e4m3fn cache")
+    case.q[0, 0, 0] = 1e6
+    assert torch.isfinite(case.run()).all()
+
+
 def test_v_head_dim_differs_and_head_dim_256():
     case = Case([3, 1], [20, 40], hq=4, hkv=2, d=48, dv=32, page=16, seed=4)
     _check(case, "Dv != D")

@@ -140,7 +140,8 @@ def _paged_attn_kernel(
     CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_SCALES: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr,
     SEARCH_SEQ: tl.constexpr, SPLIT: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr, CLAMP_Q: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     # longest causal q-blocks (latest positions) first: better tail balance in prefill
     pid_q = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -186,7 +187,12 @@ def _paged_attn_kernel(
     dv_mask = offs_dv < DV
     q_rows = (q_start + tok).to(tl.int64) * stride_qt + qh.to(tl.int64) * stride_qh
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :],
-                mask=row_valid[:, None] & d_mask[None, :], other=0.0).to(COMPUTE_DTYPE)
+                mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    if CLAMP_Q:
+        # bf16 queries on an fp8 cache compute in fp16 (e4m3/e5m2 -> f16 is one cvt per pair,
+        # -> bf16 needs another per element): saturate instead of overflowing to inf
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
+    q = q.to(COMPUTE_DTYPE)
 
     qk_scale = sm_scale
     if HAS_SCALES:
@@ -484,6 +490,9 @@ def paged_attention_triton(
     else:
         k_scale_t = v_scale_t = cu_seqlens_q  # unused
     compute = _TL_DTYPES[q.dtype]
+    clamp_q = is_fp8 and q.dtype == torch.bfloat16
+    if clamp_q:
+        compute = tl.float16  # see CLAMP_Q in the kernel
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
     left = window_size[0] if window_size[0] >= 0 else _UNBOUNDED
     right = window_size[1] if window_size[1] >= 0 else _UNBOUNDED
@@ -522,7 +531,7 @@ def paged_attention_triton(
         CAUSAL=bool(causal), HAS_SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
         HAS_SCALES=has_scales, HAS_CUSTOM_MASK=has_mask,
         SEARCH_SEQ=search, SPLIT=split,
-        COMPUTE_DTYPE=compute, DOT_PRECISION=dot_precision, NUM_STAGES=cfg.num_stages,
+        COMPUTE_DTYPE=compute, CLAMP_Q=clamp_q, DOT_PRECISION=dot_precision, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps,
     )
     if split:
