@@ -1,7 +1,8 @@
 """Triton ``paged_attention`` against the float64 dense oracle (and the registry contract).
 
 On CPU-only hosts the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
-``scripts/test.sh``) in float32/float16 on small shapes; on a GPU the same cases run compiled,
+``scripts/test.sh``) in float32/float16 on small shapes (bf16 only where it is just loaded and
+stored, never computed in); on a GPU the same cases run compiled,
 and the ``gpu`` tests add bf16/fp8, CUDA-sized shapes and int64 offsets.
 
 Relative-error bounds (‖out − oracle‖ / ‖oracle‖, oracle in float64 over the exact values the
