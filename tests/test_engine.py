@@ -153,7 +153,10 @@ def test_chunked_prefill_under_small_budget():
 def test_logits_match_transformers_forward():
     """One EXTEND forward over a whole prompt gives transformers' float32 logits for every
     token (relative error), through the paged backend with a block-permuted pool."""
+    from aiter_attn.engine import EngineModel
+
     hf, tok, model = _model("qwen2")
+    assert isinstance(model, EngineModel)  # the runner's only view of a model
     p = _prompts(1, seed=6, lo=33, hi=34)[0]
     eng = _engine(model, page_size=7)
     req = eng.add_request(p, SamplingParams(max_new_tokens=1))
