@@ -12,7 +12,7 @@ from aiter_attn.cli import main
 from aiter_attn.engine import (Engine, EngineConfig, SamplingParams, build_random_model,
                                compare_outputs, hf_greedy)
 from aiter_attn.engine.models import build_engine_model
-from aiter_attn.engine.spec_decode import NgramDrafter, SpecDecoder, make_spec_decoder
+from aiter_attn.engine.spec_decode import DraftTree, NgramDrafter, SpecDecoder, make_spec_decoder
 from aiter_attn.types import AttnArch
 
 _MAX_NEW = 16
@@ -116,3 +116,46 @@ def test_generate_cli_speculative_check(capsys):
     spec = out["speculative"]
     assert spec["mode"] == "ngram" and spec["num_draft_tokens"] == 3
     assert spec["proposed"] >= spec["accepted"] >= 0  # acceptance: the engine tests above
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param("llama", id="llama-MHA"),
+    pytest.param("mistral-swa", id="mistral-window8-SWA-hybrid-pool"),
+    pytest.param("deepseek_v2", id="deepseek_v2-MLA"),
+])
+def test_tree_drafts_accepting_a_side_branch_move_its_kv(name):
+    """Tree verify (topk = 2, custom mask): the first branch is always wrong and the second is
+    the true greedy continuation, so every accepted path goes through the side branch and its
+    KV must be copied into place; the output stays exactly greedy."""
+    hf, _ = build_random_model(name, seed=0)
+    model = build_engine_model(hf, max_positions=256)
+    prompts = _prompts(([5] * 20, [9, 10] * 6))
+    plain = Engine(model, EngineConfig(**_KW)).generate(prompts,
+                                                        SamplingParams(max_new_tokens=_MAX_NEW))
+    full = [p + o for p, o in zip(prompts, plain)]
+
+    class Oracle(NgramDrafter):
+        def propose_many(self, tokens, k, n_chains):
+            ref = next(f for f in full if f[:len(tokens)] == list(tokens))
+            right = ref[len(tokens):len(tokens) + k - 1]
+            return [[(right[0] + 1) % 512], right] if right else []
+
+    engine = Engine(model, EngineConfig(speculative="ngram-tree", num_draft_tokens=4, **_KW))
+    engine.spec_decoder.drafter = Oracle()
+    assert engine.runner.config.spec.topk == 2
+    ours = engine.generate(prompts, SamplingParams(max_new_tokens=_MAX_NEW))
+    stats = engine.spec_decoder.stats
+    assert stats.moved > 0 and stats.accepted > 0, stats
+    assert ours == plain
+    assert engine.kv.allocator.free_pages == engine.kv.num_pages - 1
+
+
+def test_draft_tree_hand_computed():
+    tree = DraftTree.from_chains(7, [[1, 2, 3], [1, 4], [5]], max_nodes=4)
+    assert tree.tokens == (7, 1, 2, 3, 4) and tree.parents == (-1, 0, 1, 2, 1)
+    assert tree.depths() == [0, 1, 2, 3, 2]
+    m = tree.ancestor_mask()
+    assert m[4].tolist() == [True, True, False, False, True]
+    assert m[3].tolist() == [True, True, True, True, False]
+    assert tree.accept([1, 4, 0, 0, 6]) == ([1, 4], 6)
+    assert tree.accept([9, 0, 0, 0, 0]) == ([], 9)

@@ -217,9 +217,10 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES],
                    help="auto: float32 on CPU or with --check, else bfloat16")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--speculative", choices=["ngram"], default=None,
+    p.add_argument("--speculative", choices=["ngram", "ngram-tree"], default=None,
                    help="speculative decoding: ngram = prompt-lookup drafts verified with one "
-                        "TARGET_VERIFY forward (greedy output unchanged)")
+                        "TARGET_VERIFY forward (chain); ngram-tree = two branches verified "
+                        "through a tree mask (greedy output unchanged either way)")
     p.add_argument("--num-draft-tokens", type=int, default=4,
                    help="most draft tokens per request and step (with --speculative)")
     p.add_argument("--no-prefix-caching", action="store_true")

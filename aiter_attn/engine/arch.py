@@ -41,6 +41,8 @@ class KVSetup:
         extra: ``AttentionBackend(extra=...)`` objects.
         after_step: called with the runner's ``items`` after each forward (SWA: return the
             SWA pages no future query can see), or ``None``.
+        copy_slots: ``(src, dst)`` int64 full slots → copy every layer's KV of ``src`` to
+            ``dst`` (tree speculative decoding moves an accepted branch into place).
     """
 
     arch: AttnArch
@@ -48,6 +50,18 @@ class KVSetup:
     config_kw: dict = attrs.field(factory=dict)
     extra: dict = attrs.field(factory=dict)
     after_step: Optional[Callable] = None
+    copy_slots: Optional[Callable] = None
+
+
+def _copy_buffers(buffers, src, dst) -> None:
+    """``buf[dst] = buf[src]`` over the flattened slots of every paged buffer."""
+    for buf in buffers:
+        flat = buf.view(-1, *buf.shape[2:])
+        flat[dst] = flat[src]
+
+
+def _mha_copy(pool):
+    return lambda src, dst: _copy_buffers([*pool.k_buffers, *pool.v_buffers], src, dst)
 
 
 def model_arch(model, *, swa_pool: bool = True) -> AttnArch:
@@ -76,7 +90,7 @@ def _mha(model, kv: KVCacheManager, *, device: str, **_) -> KVSetup:
     lay = model.kv_layout
     pool = MHAKVPool(kv.num_pages, kv.page_size, lay.num_kv_heads, lay.head_dim, lay.num_layers,
                      dtype=lay.dtype, device=device, v_head_dim=lay.v_head_dim)
-    return KVSetup(AttnArch.MHA, pool)
+    return KVSetup(AttnArch.MHA, pool, copy_slots=_mha_copy(pool))
 
 
 def _swa(model, kv: KVCacheManager, *, device: str, chunk_tokens: int, **_) -> KVSetup:
@@ -107,10 +121,14 @@ def _swa(model, kv: KVCacheManager, *, device: str, chunk_tokens: int, **_) -> K
                 alloc.free_swa_out_of_window(req.row, window,
                                              next_position=req.num_computed)
 
+    def copy_slots(src, dst) -> None:
+        _mha_copy(pool.full)(src, dst)
+        _mha_copy(pool.swa)(pool.translate(src), pool.translate(dst))
+
     log.info("hybrid SWA pool: %d of %d layers on %d SWA pages (full pool %d pages)",
              sum(flags), len(flags), n_swa, kv.num_pages)
     return KVSetup(AttnArch.SWA, pool, config_kw={"swa_window": window},
-                   after_step=free_out_of_window)
+                   after_step=free_out_of_window, copy_slots=copy_slots)
 
 
 def _mla(model, kv: KVCacheManager, *, device: str, **_) -> KVSetup:
@@ -119,7 +137,8 @@ def _mla(model, kv: KVCacheManager, *, device: str, **_) -> KVSetup:
     s0 = model.layer_specs[0]
     pool = MLAKVPool(kv.num_pages, kv.page_size, s0.kv_lora_rank, s0.qk_rope_head_dim,
                      len(model.layer_specs), dtype=model.kv_layout.dtype, device=device)
-    return KVSetup(AttnArch.MLA, pool)
+    return KVSetup(AttnArch.MLA, pool,
+                   copy_slots=lambda src, dst: _copy_buffers(pool.latent_buffers, src, dst))
 
 
 #: architecture → pool builder ``(model, kv, *, device, chunk_tokens) -> KVSetup``.
