@@ -27,11 +27,11 @@ _MODELS: dict = {}
 _MAX_NEW = 10
 
 
-def _model(name, **overrides):
-    key = (name, tuple(sorted(overrides.items())))
+def _model(name, wrap=False, **overrides):
+    key = (name, wrap, tuple(sorted(overrides.items())))
     if key not in _MODELS:
         hf, _ = build_random_model(name, seed=0, overrides=overrides or None)
-        _MODELS[key] = (hf, build_engine_model(hf, max_positions=256))
+        _MODELS[key] = (hf, build_engine_model(hf, wrap=wrap, max_positions=256))
     return _MODELS[key]
 
 
@@ -71,6 +71,9 @@ CASES = [
     pytest.param("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
                  AttnArch.SWA, id="qwen2-window8-layer1-own-decoder"),
     pytest.param("mistral-swa", {}, AttnArch.SWA, id="mistral-window8-own-decoder"),
+    pytest.param("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                               wrap=True),
+                 AttnArch.SWA, id="qwen2-window8-layer1-transformers-modules"),
     pytest.param("gemma2", {}, AttnArch.SWA, id="gemma2-softcap-alternating-window8"),
     pytest.param("gpt_oss", {}, AttnArch.SWA, id="gpt_oss-sinks-window8-moe-yarn"),
     pytest.param("deepseek_v2", {}, AttnArch.MLA, id="deepseek_v2-mla-moe"),

@@ -106,9 +106,10 @@ def _swa(model, kv: KVCacheManager, *, device: str, chunk_tokens: int, **_) -> K
                             page_size=kv.page_size, num_kv_heads=lay.num_kv_heads,
                             head_dim=lay.head_dim, layer_is_swa=flags, dtype=lay.dtype,
                             device=device, v_head_dim=lay.v_head_dim)
-    alloc = SWAPageAllocator(pool, shuffle_seed=kv.allocator.shuffle_seed)
     if kv.allocator.free_pages != kv.num_pages - 1:
-        raise ValueError("build the SWA pool before any request holds pages.")
+        raise ValueError("the hybrid SWA pool replaces the page allocator: build the runner "
+                         "before any request holds pages.")
+    alloc = SWAPageAllocator(pool, shuffle_seed=kv.allocator.shuffle_seed)
     kv.allocator = alloc
     if kv.prefix_caching:
         # A reused prefix's SWA pages may already be freed for its donor; recomputing is safe.

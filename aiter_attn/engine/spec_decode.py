@@ -11,6 +11,11 @@ with ``d_i = p_{i-1}`` is accepted, plus the bonus token ``p_a``: exactly the to
 decoding would have produced one at a time, so the output is unchanged and only the number of
 forwards drops.
 
+``"ngram-tree"`` (``topk = 2``) merges the latest matches with different continuations into a
+:class:`DraftTree` verified as a TARGET_VERIFY tree (custom mask: each node sees the prefix
+and its own path; positions are depths); the argmax is followed from the root, and an accepted
+node off its path position has its KV copied into place (``KVSetup.copy_slots``).
+
 KV of rejected drafts is rewound: the request's length in the page allocator goes back to the
 committed tokens (its pages stay with it; the next step overwrites those slots). Requests are
 grouped by draft length (TARGET_VERIFY needs a fixed count per request); requests without a
