@@ -456,3 +456,53 @@ def test_padded_and_fully_masked_rows_never_nan(pb, pad, seed):
     assert torch.isfinite(out).all()
     blank = torch.cat([~m.any(dim=1) for m in masks])
     assert bool((out[blank] == 0).all())
+
+
+def test_mha_tree_verify_with_window_follows_the_tree_path():
+    """MHA arch, windowed layers (Mistral-style, one pool): the window is folded into the tree
+    mask at the tokens' path positions (prefix + depth), like the SWA arch; the oracle applies
+    ``tree[i, j] and pos(j) ≥ pos(i) − w + 1`` literally."""
+    import attrs
+
+    from aiter_attn import AttentionBackend, BackendConfig, LayerSpec, SpecDecodeConfig, SpecInfo
+    from aiter_attn.testing import PagedScenario
+    from aiter_attn.testing.compare import assert_close_rel
+
+    parents = [-1, 0, 0, 1, 2]  # root, two children, a grandchild under each
+    n = len(parents)
+    depth = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    depth = torch.tensor(depth)
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            anc[i, j] = True
+            j = parents[j]
+    prefixes = [9, 3, 14]
+    cfg = BackendConfig(page_size=5, max_context_len=128, dtype=torch.float32,
+                        spec=SpecDecodeConfig(topk=2, num_draft_tokens=n))
+    layers = [LayerSpec(layer_id=i, num_q_heads=10, num_kv_heads=2, head_dim=16,
+                        sliding_window=w) for i, w in enumerate([3, None, 2])]
+    sc = PagedScenario.make(cfg, layers, prefixes, seed=5)
+    be = AttentionBackend(cfg, sc.req_pool, sc.kv_pool)
+    masks = [torch.cat([torch.ones(n, p, dtype=torch.bool), anc], 1) for p in prefixes]
+    batch = sc.next_batch(ForwardMode.TARGET_VERIFY, [n] * 3,
+                          spec_info=SpecInfo(num_draft_tokens=n, topk=2,
+                                             custom_mask=torch.cat([m.reshape(-1) for m in masks])))
+    batch.positions = torch.cat([p + depth for p in prefixes])
+    be.init_forward_metadata(batch)
+    for layer in layers:
+        q, k, v = sc.step_inputs(layer)
+        out = be.forward(q, k, v, layer, batch)
+        literal = []
+        for p, m in zip(prefixes, masks):
+            if layer.sliding_window is None:
+                literal.append(m)
+                continue
+            qpos = (p + depth).view(-1, 1)
+            kpos = torch.cat([torch.arange(p), p + depth]).view(1, -1)
+            literal.append(m & (kpos >= qpos - (layer.sliding_window - 1)))
+        exp = sc.expected(attrs.evolve(layer, sliding_window=None), q, masks=literal, causal=False)
+        assert_close_rel(out, exp, 1e-5, f"layer {layer.layer_id} window {layer.sliding_window}")

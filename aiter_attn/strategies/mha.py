@@ -19,6 +19,7 @@ from ..metadata import AttnMetadata, PageTable, QueryLayout
 from ..registry import StrategyPair
 from ..types import AttnArch, CGSupport, ForwardMode, LayerSpec
 from .base import BufferSpec, ExecutionStrategy, MetadataStrategy
+from .common import attend, effective_causal, effective_window
 
 __all__ = ["PagedMetadata", "DecodeMetadata", "ExtendMetadata", "PagedExecution",
            "plan_query_layout", "plan_page_table"]
@@ -100,7 +101,9 @@ class PagedExecution(ExecutionStrategy):
     """Write K/V into the NHD pool, then one ``paged_attention`` call.
 
     A planned custom mask (tree verify) is applied literally: the kernel runs non-causal and
-    the mask alone says which keys each query sees (the same convention as MLA and the seed).
+    the mask alone says which keys each query sees (the same convention as MLA and the seed);
+    a sliding window is folded into it at the tokens' true positions
+    (:func:`~aiter_attn.strategies.common.window_tree_mask`).
     """
 
     def run(self, q, k, v, layer: LayerSpec, batch: ForwardBatch, metadata: AttnMetadata, *,
@@ -117,29 +120,13 @@ class PagedExecution(ExecutionStrategy):
                 k_scale=layer.k_scale, v_scale=layer.v_scale,
             )
         sinks = sinks if sinks is not None else layer.sinks
-        window = layer.window_size()
         mask = metadata.mask
-        custom_mask = mask.custom_mask if mask is not None else None
-        mask_indptr = mask.mask_indptr if mask is not None else None
-        causal = not layer.is_cross_attention and mask is None
-        sel = self.kernel_for(
-            (layer, sinks is not None, mask is not None),
-            ops.paged_attention_request(q, k_cache, v_cache, window_size=window,
-                                        softcap=layer.logit_cap, sinks=sinks, causal=causal,
-                                        custom_mask=custom_mask),
-        )
-        out = torch.empty(num_tokens, layer.num_q_heads, layer.v_head_dim, dtype=q.dtype,
-                          device=q.device)
-        sel.fn(
-            q, k_cache, v_cache, out,
-            cu_seqlens_q=metadata.query.cu_seqlens_q, seqused_k=metadata.pages.seqused_k,
-            block_table=metadata.pages.block_table, softmax_scale=layer.scaling,
-            causal=causal, window_size=window, softcap=layer.logit_cap,
-            sinks=sinks, k_scale=layer.k_scale, v_scale=layer.v_scale,
-            custom_mask=custom_mask, mask_indptr=mask_indptr,
-            max_seqlen_q=metadata.query.max_seqlen_q, max_seqlen_k=metadata.pages.max_seqlen_k,
-        )
-        return out.view(num_tokens, layer.num_q_heads * layer.v_head_dim)
+        request = ops.paged_attention_request(
+            q, k_cache, v_cache, window_size=effective_window(layer, metadata),
+            softcap=layer.logit_cap, sinks=sinks, causal=effective_causal(layer, metadata),
+            custom_mask=None if mask is None else mask.custom_mask)
+        return attend(self, request, q, k_cache, v_cache, layer, batch, metadata,
+                      metadata.pages, sinks)
 
 
 @hookimpl

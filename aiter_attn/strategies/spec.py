@@ -37,12 +37,11 @@ from typing import Optional
 
 import torch
 
-from .. import ops
 from ..batch import ForwardBatch
 from ..hookspecs import hookimpl
 from ..metadata import AttnMetadata, CustomMask, PageTable, QueryLayout
 from ..registry import StrategyPair
-from ..types import AttnArch, BackendConfig, CGSupport, ForwardMode, LayerSpec
+from ..types import AttnArch, BackendConfig, CGSupport, ForwardMode
 from ..validation import check_tensor
 from .base import BufferSpec, MetadataStrategy
 from .mha import ExtendMetadata, PagedExecution, PagedMetadata, plan_page_table, plan_query_layout

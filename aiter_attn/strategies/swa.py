@@ -33,11 +33,12 @@ import torch
 from ..batch import ForwardBatch
 from ..hookspecs import hookimpl
 from ..kernels.registry import KernelRequest
-from ..metadata import AttnMetadata, CustomMask, PageTable, QueryLayout
+from ..metadata import AttnMetadata, PageTable
 from ..ops import paged_attention_request
 from ..registry import StrategyPair
 from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
 from .base import BufferSpec, ExecutionStrategy
+from .common import attend, effective_causal, effective_window, window_tree_mask
 from .mha import DecodeMetadata, ExtendMetadata
 from .spec import (
     DraftDecodeStepMetadata,
@@ -63,53 +64,6 @@ __all__ = [
     "chain_verify_only",
     "tree_verify_only",
 ]
-
-
-# --------------------------------------------------------------------------------------------
-# Tree verify with a window
-# --------------------------------------------------------------------------------------------
-
-def window_tree_mask(mask: CustomMask, batch: ForwardBatch, query: QueryLayout,
-                     window: int) -> CustomMask:
-    """Fold HF ``sliding_window = window`` into a tree mask at the tokens' true positions.
-
-    For request ``b`` (``L`` keys, ``n`` queries, block ``[mask_indptr[b], mask_indptr[b+1])``
-    of the flat mask, row-major ``[n, L]``): key ``j < L - n`` (cached prefix) is at position
-    ``j``; key ``j ≥ L - n`` is draft token ``j - (L - n)``, at
-    ``batch.positions[cu_q[b] + j - (L - n)]`` (prefix + depth in the tree); query ``i`` is at
-    ``positions[cu_q[b] + i]``. The result keeps ``mask[i, j]`` where
-    ``pos(j) ≥ pos(i) - window + 1`` and is False past the last block. Without
-    ``batch.positions`` index order is used.
-
-    Graph-safe: one elementwise pass over the whole mask tensor (its size is a shape: the
-    static buffer under CUDA graphs), every index computed on the device; no host integer
-    from the batch. Returns a new mask of the same shape with the same ``mask_indptr``.
-    """
-    bs = batch.batch_size
-    if bs == 0:
-        return mask
-    dev = mask.custom_mask.device
-    n = query.max_seqlen_q
-    ip = mask.mask_indptr.to(torch.int64)
-    seq = batch.seq_lens.to(torch.int64)
-    e = torch.arange(mask.custom_mask.numel(), dtype=torch.int64, device=dev)
-    b = torch.searchsorted(ip[1:], e, right=True)
-    valid = b < bs
-    b = b.clamp(max=bs - 1)
-    local = torch.where(valid, e - ip[b], torch.zeros_like(e))
-    L = seq[b]
-    i, j = local // L, local % L
-    prefix = L - n
-    if batch.positions is not None:
-        pos = batch.positions.to(torch.int64)
-        cu = query.cu_seqlens_q.to(torch.int64)
-        q_pos = pos[cu[b] + i.clamp(max=n - 1)]
-        is_draft = j >= prefix
-        k_pos = torch.where(is_draft, pos[cu[b] + (j - prefix).clamp(min=0, max=n - 1)], j)
-    else:
-        q_pos, k_pos = prefix + i, j
-    keep = valid & mask.custom_mask.reshape(-1).bool() & (k_pos >= q_pos - (window - 1))
-    return CustomMask(custom_mask=keep.view(mask.custom_mask.shape), mask_indptr=mask.mask_indptr)
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,51 +171,6 @@ class SWADraftDecodeStepMetadata(SWATablesMixin, DraftDecodeStepMetadata):
     translation lives in a table this planner keeps (one per step backend)."""
 
     persistent_swa_table = True
-
-
-def attend(executor: ExecutionStrategy, op_request: KernelRequest, q, k_cache, v_cache,
-           layer: LayerSpec, batch: ForwardBatch, md: AttnMetadata, pages: PageTable, sinks):
-    """One attention call of ``layer`` through the kernel chosen for ``op_request``'s op
-    (``paged_attention`` semantics; the caches are in whatever layout that op takes).
-
-    Applies the layer's window (``(w - 1, 0)``), soft-cap, sinks and fp8 scales; a tree mask
-    is applied literally (non-causal), and a window is folded into it at the tokens' true
-    positions.
-    """
-    num_tokens = q.shape[0]
-    window = layer.window_size()
-    mask = md.mask
-    if mask is not None and layer.sliding_window is not None:
-        mask = window_tree_mask(mask, batch, md.query, layer.sliding_window)
-        window = (-1, -1)
-    sel = executor.kernel_for(op_request, op_request)
-    out = torch.empty(num_tokens, layer.num_q_heads, layer.v_head_dim, dtype=q.dtype,
-                      device=q.device)
-    sel.fn(
-        q, k_cache, v_cache, out,
-        cu_seqlens_q=md.query.cu_seqlens_q, seqused_k=pages.seqused_k,
-        block_table=pages.block_table, softmax_scale=layer.scaling,
-        causal=effective_causal(layer, md), window_size=window, softcap=layer.logit_cap,
-        sinks=sinks, k_scale=layer.k_scale, v_scale=layer.v_scale,
-        custom_mask=None if mask is None else mask.custom_mask,
-        mask_indptr=None if mask is None else mask.mask_indptr,
-        max_seqlen_q=md.query.max_seqlen_q, max_seqlen_k=pages.max_seqlen_k,
-    )
-    return out.view(num_tokens, layer.num_q_heads * layer.v_head_dim)
-
-
-def effective_causal(layer: LayerSpec, md: AttnMetadata) -> bool:
-    """Causal unless cross-attention or a tree mask is planned: a mask is applied literally
-    (the kernel runs non-causal and the mask alone says what each query sees), the project's
-    convention for MHA, MLA and the seed."""
-    return not layer.is_cross_attention and md.mask is None
-
-
-def effective_window(layer: LayerSpec, md: AttnMetadata) -> tuple[int, int]:
-    """The ``window_size`` the kernel sees (``(-1, -1)`` when folded into a tree mask)."""
-    if md.mask is not None and layer.sliding_window is not None:
-        return (-1, -1)
-    return layer.window_size()
 
 
 class SWAExecution(ExecutionStrategy):
