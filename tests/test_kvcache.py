@@ -62,3 +62,22 @@ def test_pool_shapes_and_layer_check():
         assert "num_hidden_layers" in str(e)
     else:
         raise AssertionError("layer 3 accepted")
+
+
+def test_truncate_rewinds_length_and_reuses_slots():
+    """Rejected drafts: truncate moves the held length back; the next extend reuses the same
+    slots (pages stay with the row); out-of-range truncation raises."""
+    pool = ReqToTokenPool(3, 64)
+    alloc = PageAllocator(8, 4, shuffle_seed=1)
+    row = pool.alloc()
+    first = alloc.extend(pool, row, 7)
+    alloc.truncate(row, 5)
+    assert alloc.tokens_held(row) == 5
+    again = alloc.extend(pool, row, 2)
+    assert torch.equal(again, first[5:7])
+    try:
+        alloc.truncate(row, 9)
+    except ValueError as e:
+        assert "0..7" in str(e)
+    else:
+        raise AssertionError("truncate past the held length accepted")

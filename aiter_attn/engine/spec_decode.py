@@ -178,11 +178,7 @@ class SpecStats:
 def _rewind(allocator, row: int, num_tokens: int) -> None:
     """Set ``row``'s held length back to ``num_tokens`` (drops rejected drafts' slots; the
     row keeps its pages). Works for ``PageAllocator`` and ``SWAPageAllocator`` (its ``full``)."""
-    alloc = getattr(allocator, "full", allocator)
-    held = alloc.tokens_held(row)
-    if not 0 <= num_tokens <= held:
-        raise ValueError(f"rewind to {num_tokens} tokens outside 0..{held} held by row {row}.")
-    alloc._lens[row] = num_tokens  # PageAllocator keeps the length per row; pages stay owned
+    getattr(allocator, "full", allocator).truncate(row, num_tokens)
 
 
 class SpecDecoder:

@@ -84,6 +84,20 @@ class PageAllocator:
         pool.req_to_token[row, start:end] = slots.to(torch.int32)
         return slots
 
+    def truncate(self, row: int, num_tokens: int) -> None:
+        """Forget every token of ``row`` past ``num_tokens`` (rejected speculative drafts).
+
+        The row keeps its pages (the next ``extend`` reuses their slots); only the held length
+        moves back. Raises unless ``0 ≤ num_tokens ≤ tokens_held(row)``.
+        """
+        held = self._lens.get(row, 0)
+        if not 0 <= num_tokens <= held:
+            raise ValueError(
+                f"truncate(row={row}, num_tokens={num_tokens}): must be in 0..{held}, the "
+                "tokens the row holds."
+            )
+        self._lens[row] = num_tokens
+
     def share_prefix(self, pool: ReqToTokenPool, src_row: int, dst_row: int, num_tokens: int) -> int:
         """Let ``dst_row`` reuse the first whole pages of ``src_row`` (prefix caching).
 
