@@ -26,6 +26,8 @@ from aiter_attn.kvcache import MHAKVPool
 from aiter_attn.testing import PagedScenario
 from aiter_attn.testing.compare import assert_close_rel
 
+from ._triton_util import DEVICE, requires_triton
+
 RTOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
@@ -546,18 +548,13 @@ def test_layer_in_swa_pool_without_window_is_an_error():
 # the same path on the Triton kernels (interpreter on CPU hosts, the GPU otherwise)
 # ---------------------------------------------------------------------------------------------
 
-_INTERPRET = __import__("os").environ.get("TRITON_INTERPRET", "0") == "1"
-_DEVICE = "cuda" if torch.cuda.is_available() and not _INTERPRET else "cpu"
-
-
-@pytest.mark.skipif(_DEVICE == "cpu" and not _INTERPRET,
-                    reason="Triton kernels need a GPU or TRITON_INTERPRET=1 (scripts/test.sh)")
+@requires_triton
 def test_swa_on_triton_kernels_with_freed_pages():
     """kernel_backend='triton': write_kv_swa, write_kv and paged_attention (windowed, over an
     SWA table whose freed pages point at the null page) match the oracle."""
     ps, window = 4, 5
     cfg = BackendConfig(page_size=ps, max_context_len=64, dtype=torch.float16, arch="swa",
-                        kernel_backend="triton", device=_DEVICE)
+                        kernel_backend="triton", device=DEVICE)
     layers = hybrid_layers(4, 2, 16, [window, None])
     sc = make_swa_scenario(cfg, layers, [13, 6], seed=8, extra_tokens=8)
     for row in sc.rows:

@@ -12,8 +12,6 @@ On CPU-only hosts the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import given
@@ -26,14 +24,9 @@ from aiter_attn.testing.invariants import check_page_table, check_ragged_kv
 from aiter_attn.testing.strategies import paged_batches
 from aiter_attn.types import ForwardMode
 
-HAS_CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-DEVICE = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
+from ._triton_util import DEVICE, requires_triton
 
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cpu" and not INTERPRET,
-    reason="Triton kernels need a GPU or TRITON_INTERPRET=1 (scripts/test.sh sets it)",
-)
+pytestmark = requires_triton
 
 
 def _triton():

@@ -13,8 +13,6 @@ the query dtype, because the oracle sees the dequantised cache values.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -22,14 +20,9 @@ from aiter_attn.kernels.reference import quantize_to_cache
 from aiter_attn.testing.compare import assert_close_rel
 from aiter_attn.testing.oracle import dense_attention
 
-HAS_CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-DEVICE = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
+from ._triton_util import DEVICE, requires_triton
 
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cpu" and not INTERPRET,
-    reason="Triton kernels need a GPU or TRITON_INTERPRET=1 (scripts/test.sh sets it)",
-)
+pytestmark = requires_triton
 
 RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
 
