@@ -21,10 +21,10 @@ from aiter_attn import (
     SWAKVPool,
     SWAPageAllocator,
 )
-from aiter_attn.kernels.reference import quantize_to_cache
 from aiter_attn.kvcache import MHAKVPool
 from aiter_attn.testing import PagedScenario
 from aiter_attn.testing.compare import assert_close_rel
+from aiter_attn.testing.scenario import fill_noise, write_token_major
 
 from ._triton_util import DEVICE, requires_triton
 
@@ -37,11 +37,9 @@ RTOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 def write_prefix(pool, layer, slots, k, v):
     """Write K/V of ``layer`` at full ``slots`` (SWA layers through the translation)."""
-    kc, vc = pool.kv_buffers(layer.layer_id)
     if pool.is_swa_layer(layer.layer_id):
         slots = pool.translate(slots)
-    kc.view(-1, *kc.shape[2:])[slots] = quantize_to_cache(k, kc.dtype, layer.k_scale)
-    vc.view(-1, *vc.shape[2:])[slots] = quantize_to_cache(v, vc.dtype, layer.v_scale)
+    write_token_major(pool, layer, slots, k, v)
 
 
 def make_swa_scenario(cfg: BackendConfig, layers, prefix_lens, *, seed=0, num_swa_pages=None,
@@ -49,7 +47,7 @@ def make_swa_scenario(cfg: BackendConfig, layers, prefix_lens, *, seed=0, num_sw
     """Layers with a ``sliding_window`` live in the SWA pool; pools filled with noise."""
     g = torch.Generator().manual_seed(seed)
     ps = cfg.page_size
-    need = sum(-(-(p + extra_tokens) // ps) for p in prefix_lens) + 4
+    need = PagedScenario.pages_needed(prefix_lens, ps, extra_tokens)
     l0 = layers[0]
     pool = SWAKVPool.create(
         num_full_pages=2 * need, num_swa_pages=num_swa_pages or 2 * need, page_size=ps,
@@ -57,22 +55,10 @@ def make_swa_scenario(cfg: BackendConfig, layers, prefix_lens, *, seed=0, num_sw
         layer_is_swa=[lay.sliding_window is not None for lay in layers],
         dtype=cfg.kv_cache_dtype, device=cfg.device)
     for sub in (pool.full, pool.swa):
-        for buf in sub.k_buffers + sub.v_buffers:
-            buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
-    req_pool = ReqToTokenPool(len(prefix_lens) + 2, cfg.max_context_len, cfg.device)
+        fill_noise(sub.k_buffers + sub.v_buffers, g)
     alloc = SWAPageAllocator(pool, shuffle_seed=seed + 1)
-    rows = [req_pool.alloc() for _ in prefix_lens]
-    sc = PagedScenario(cfg, list(layers), req_pool, alloc, pool, rows, {}, {}, g)
-    for i, (row, plen) in enumerate(zip(rows, prefix_lens)):
-        slots = alloc.extend(req_pool, row, plen)
-        for layer in layers:
-            k = torch.randn(plen, layer.num_kv_heads, layer.head_dim, generator=g)
-            v = torch.randn(plen, layer.num_kv_heads, layer.v_head_dim, generator=g)
-            write_prefix(pool, layer, slots, k, v)
-            kc, _ = pool.kv_buffers(layer.layer_id)
-            sc.dense_k[(layer.layer_id, i)] = sc._roundtrip(k, kc.dtype, layer.k_scale)
-            sc.dense_v[(layer.layer_id, i)] = sc._roundtrip(v, kc.dtype, layer.v_scale)
-    return sc
+    return PagedScenario.from_pool(cfg, layers, pool, alloc, prefix_lens, generator=g,
+                                   write_prefix=write_prefix)
 
 
 def hybrid_layers(hq, hkv, d, windows, **kw):

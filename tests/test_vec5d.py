@@ -28,36 +28,31 @@ from aiter_attn.kvcache import MHAKVPool
 from aiter_attn.strategies.vec5d import paged_attention_5d, write_kv_5d
 from aiter_attn.testing import PagedScenario
 from aiter_attn.testing.compare import assert_close_rel
+from aiter_attn.testing.scenario import fill_noise
 
 from .test_swa import TREE_PARENTS, run_multistep_draft, tree_depths, tree_masks
 
 RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.float8_e4m3fn: 1e-5}
 
 
+def write_5d(pool, layer, slots, k, v):
+    """Write a prefix of ``layer`` into the 5-D layout through the reference writer."""
+    kc, vc = pool.kv_buffers(layer.layer_id)
+    write_kv_5d(kc, vc, slots, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale)
+
+
 def make_5d_scenario(cfg: BackendConfig, layers, prefix_lens, *, seed=0, v_layout="shuffled"):
     g = torch.Generator().manual_seed(seed)
     ps = cfg.page_size
-    need = sum(-(-(p + 64) // ps) for p in prefix_lens) + 4
+    num_pages = 2 * PagedScenario.pages_needed(prefix_lens, ps)
     l0 = layers[0]
-    pool = Vec5DKVPool(2 * need, ps, l0.num_kv_heads, l0.head_dim, len(layers),
+    pool = Vec5DKVPool(num_pages, ps, l0.num_kv_heads, l0.head_dim, len(layers),
                        dtype=cfg.kv_cache_dtype, device=cfg.device, v_head_dim=l0.v_head_dim,
                        v_layout=v_layout)
-    for buf in pool.k_buffers + pool.v_buffers:
-        buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
-    req_pool = ReqToTokenPool(len(prefix_lens) + 2, cfg.max_context_len, cfg.device)
-    alloc = PageAllocator(2 * need, ps, shuffle_seed=seed + 1)
-    rows = [req_pool.alloc() for _ in prefix_lens]
-    sc = PagedScenario(cfg, list(layers), req_pool, alloc, pool, rows, {}, {}, g)
-    for i, (row, plen) in enumerate(zip(rows, prefix_lens)):
-        slots = alloc.extend(req_pool, row, plen)
-        for layer in layers:
-            k = torch.randn(plen, layer.num_kv_heads, layer.head_dim, generator=g)
-            v = torch.randn(plen, layer.num_kv_heads, layer.v_head_dim, generator=g)
-            kc, vc = pool.kv_buffers(layer.layer_id)
-            write_kv_5d(kc, vc, slots, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale)
-            sc.dense_k[(layer.layer_id, i)] = sc._roundtrip(k, kc.dtype, layer.k_scale)
-            sc.dense_v[(layer.layer_id, i)] = sc._roundtrip(v, kc.dtype, layer.v_scale)
-    return sc
+    fill_noise(pool.k_buffers + pool.v_buffers, g)
+    alloc = PageAllocator(num_pages, ps, shuffle_seed=seed + 1)
+    return PagedScenario.from_pool(cfg, layers, pool, alloc, prefix_lens, generator=g,
+                                   write_prefix=write_5d)
 
 
 def layers_of(hq, hkv, d, n=2, windows=None, **kw):

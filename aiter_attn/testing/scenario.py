@@ -3,7 +3,7 @@ cached prefixes, and the dense K/V of every request for the float64 oracle."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import attrs
 import torch
@@ -13,7 +13,25 @@ from ..kvcache import MHAKVPool, PageAllocator, ReqToTokenPool
 from ..types import BackendConfig, ForwardMode, LayerSpec
 from .oracle import dense_attention
 
-__all__ = ["PagedScenario"]
+__all__ = ["PagedScenario", "fill_noise", "write_token_major"]
+
+
+def fill_noise(buffers: Sequence[torch.Tensor], generator: torch.Generator) -> None:
+    """Fill every slot of ``buffers`` (null page too) with N(0, 1) noise drawn from
+    ``generator``, cast to each buffer's dtype, so that a wrong page read shows."""
+    for buf in buffers:
+        buf.copy_(torch.randn(buf.shape, generator=generator).to(buf.dtype))
+
+
+def write_token_major(kv_pool, layer: LayerSpec, slots: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> None:
+    """Write k ``[n, Hkv, D]`` / v ``[n, Hkv, Dv]`` of ``layer`` at ``slots`` ``[n]`` (int64) of a
+    token-major pool (buffers ``[pages, page, Hkv, D]``), quantised like the cache stores them."""
+    from ..kernels.reference import quantize_to_cache
+
+    kc, vc = kv_pool.kv_buffers(layer.layer_id)
+    kc.view(-1, *kc.shape[2:])[slots] = quantize_to_cache(k, kc.dtype, layer.k_scale)
+    vc.view(-1, *vc.shape[2:])[slots] = quantize_to_cache(v, vc.dtype, layer.v_scale)
 
 
 @attrs.define(eq=False)
@@ -40,30 +58,46 @@ class PagedScenario:
     @classmethod
     def make(cls, config: BackendConfig, layers: Sequence[LayerSpec], prefix_lens: Sequence[int],
              *, seed: int = 0, num_pages: Optional[int] = None, kv_scale: float = 1.0):
+        """An ``MHAKVPool`` of ``num_pages`` (default: twice :meth:`pages_needed`) pages full of
+        noise, a block-permuted allocator, and ``prefix_lens`` cached tokens per request."""
         g = torch.Generator().manual_seed(seed)
         ps = config.page_size
-        need = sum(-(-(p + 64) // ps) for p in prefix_lens) + 4
-        num_pages = num_pages or need * 2
-        req_pool = ReqToTokenPool(len(prefix_lens) + 2, config.max_context_len, config.device)
-        alloc = PageAllocator(num_pages, ps, shuffle_seed=seed + 1)
+        num_pages = num_pages or 2 * cls.pages_needed(prefix_lens, ps)
         l0 = layers[0]
         pool = MHAKVPool(num_pages, ps, l0.num_kv_heads, l0.head_dim, len(layers),
                          dtype=config.kv_cache_dtype, device=config.device, v_head_dim=l0.v_head_dim)
-        # Fill every slot (null page too) with noise so a wrong page read shows.
-        for buf in pool.k_buffers + pool.v_buffers:
-            buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
+        fill_noise(pool.k_buffers + pool.v_buffers, g)
+        alloc = PageAllocator(num_pages, ps, shuffle_seed=seed + 1)
+        return cls.from_pool(config, layers, pool, alloc, prefix_lens, generator=g)
+
+    @staticmethod
+    def pages_needed(prefix_lens: Sequence[int], page_size: int, extra_tokens: int = 64) -> int:
+        """Pages for every prefix plus ``extra_tokens`` new tokens per request, plus 4 spare."""
+        return sum(-(-(p + extra_tokens) // page_size) for p in prefix_lens) + 4
+
+    @classmethod
+    def from_pool(cls, config: BackendConfig, layers: Sequence[LayerSpec], kv_pool, allocator,
+                  prefix_lens: Sequence[int], *, generator: torch.Generator,
+                  write_prefix: Optional[Callable] = None):
+        """A scenario over a caller-built pool and allocator (SWA, 5-D layouts, ...).
+
+        Allocates one request row per entry of ``prefix_lens`` and writes that many random
+        tokens per layer (k ``[L, Hkv, D]``, v ``[L, Hkv, Dv]`` float32, drawn from
+        ``generator``) through ``write_prefix(kv_pool, layer, slots, k, v)`` — by default
+        :func:`write_token_major` — keeping their cache-rounded dense copies for the oracle.
+        """
+        write_prefix = write_prefix or write_token_major
+        g = generator
+        req_pool = ReqToTokenPool(len(prefix_lens) + 2, config.max_context_len, config.device)
         rows = [req_pool.alloc() for _ in prefix_lens]
-        sc = cls(config, list(layers), req_pool, alloc, pool, rows, {}, {}, g)
+        sc = cls(config, list(layers), req_pool, allocator, kv_pool, rows, {}, {}, g)
         for i, (row, plen) in enumerate(zip(rows, prefix_lens)):
-            slots = alloc.extend(req_pool, row, plen)
+            slots = allocator.extend(req_pool, row, plen)
             for layer in layers:
                 k = torch.randn(plen, layer.num_kv_heads, layer.head_dim, generator=g)
                 v = torch.randn(plen, layer.num_kv_heads, layer.v_head_dim, generator=g)
-                from ..kernels.reference import quantize_to_cache
-
-                kc, vc = pool.kv_buffers(layer.layer_id)
-                kc.view(-1, *kc.shape[2:])[slots] = quantize_to_cache(k, kc.dtype, layer.k_scale)
-                vc.view(-1, *vc.shape[2:])[slots] = quantize_to_cache(v, vc.dtype, layer.v_scale)
+                write_prefix(kv_pool, layer, slots, k, v)
+                kc, vc = kv_pool.kv_buffers(layer.layer_id)
                 sc.dense_k[(layer.layer_id, i)] = sc._roundtrip(k, kc.dtype, layer.k_scale)
                 sc.dense_v[(layer.layer_id, i)] = sc._roundtrip(v, vc.dtype, layer.v_scale)
         return sc
