@@ -15,10 +15,11 @@ from aiter_attn.multistep import MultiStepDraftBackend
 from aiter_attn.registry import StrategySelectionError
 from aiter_attn.strategies.mha import DecodeMetadata
 from aiter_attn.strategies.spec import DRAFT_DECODE_STEP
-from aiter_attn.testing import PagedScenario, dense_attention
+from aiter_attn.testing import PagedScenario
 from aiter_attn.testing.compare import assert_close_rel
 from aiter_attn.testing.invariants import check_invariants
-from aiter_attn.testing.spec_cases import (DraftLayout, check_draft_step, forbid_device_reads,
+from aiter_attn.testing.spec_cases import (DraftLayout, check_draft_step, draft_branch_expected,
+                                           draft_step_inputs, forbid_device_reads,
                                            reserve_draft_slots)
 from aiter_attn.testing.strategies import page_sizes
 
@@ -70,22 +71,10 @@ def test_draft_steps_match_oracle(ps, topk, steps, prefixes, dtype):
         check_draft_step(sb, be.forward_metadata, i, draft, sc.req_pool.req_to_token, layout,
                          sc.allocator)
         for layer in layers:
-            n = len(rows)
-            q = torch.randn(n, layer.num_q_heads * layer.head_dim, generator=g).to(dtype)
-            k = torch.randn(n, layer.num_kv_heads * layer.head_dim, generator=g).to(dtype)
-            v = torch.randn(n, layer.num_kv_heads * layer.head_dim, generator=g).to(dtype)
+            q, k, v = draft_step_inputs(layer, len(rows), dtype, g)
             out = be.forward(q, k, v, layer, sb)
-            expected = []
-            for r, (b, br) in enumerate(rows):
-                ks, vs = branch_kv.setdefault((layer.layer_id, b, br), ([], []))
-                ks.append(k[r].float().view(layer.num_kv_heads, layer.head_dim))
-                vs.append(v[r].float().view(layer.num_kv_heads, layer.head_dim))
-                kk = torch.cat([sc.dense_k[(layer.layer_id, b)], torch.stack(ks)])
-                vv = torch.cat([sc.dense_v[(layer.layer_id, b)], torch.stack(vs)])
-                expected.append(dense_attention(
-                    q[r].view(1, layer.num_q_heads, layer.head_dim), kk, vv,
-                    scale=layer.scaling).view(1, -1))
-            assert_close_rel(out, torch.cat(expected), RTOL[dtype], f"step {i} layer {layer.layer_id}")
+            expected = draft_branch_expected(sc, layer, q, k, v, rows, branch_kv)
+            assert_close_rel(out, expected, RTOL[dtype], f"step {i} layer {layer.layer_id}")
 
 
 def test_chain_steps_equal_plain_decode_plans():

@@ -467,19 +467,11 @@ def test_mha_tree_verify_with_window_follows_the_tree_path():
     from aiter_attn import AttentionBackend, BackendConfig, LayerSpec, SpecDecodeConfig, SpecInfo
     from aiter_attn.testing import PagedScenario
     from aiter_attn.testing.compare import assert_close_rel
+    from aiter_attn.testing.spec_cases import tree_depths, tree_verify_masks, windowed_tree_masks
 
     parents = [-1, 0, 0, 1, 2]  # root, two children, a grandchild under each
     n = len(parents)
-    depth = []
-    for p in parents:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    depth = torch.tensor(depth)
-    anc = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            anc[i, j] = True
-            j = parents[j]
+    depth = torch.tensor(tree_depths(parents))
     prefixes = [9, 3, 14]
     cfg = BackendConfig(page_size=5, max_context_len=128, dtype=torch.float32,
                         spec=SpecDecodeConfig(topk=2, num_draft_tokens=n))
@@ -487,7 +479,7 @@ def test_mha_tree_verify_with_window_follows_the_tree_path():
                         sliding_window=w) for i, w in enumerate([3, None, 2])]
     sc = PagedScenario.make(cfg, layers, prefixes, seed=5)
     be = AttentionBackend(cfg, sc.req_pool, sc.kv_pool)
-    masks = [torch.cat([torch.ones(n, p, dtype=torch.bool), anc], 1) for p in prefixes]
+    masks = tree_verify_masks(prefixes, parents)
     batch = sc.next_batch(ForwardMode.TARGET_VERIFY, [n] * 3,
                           spec_info=SpecInfo(num_draft_tokens=n, topk=2,
                                              custom_mask=torch.cat([m.reshape(-1) for m in masks])))
@@ -496,13 +488,6 @@ def test_mha_tree_verify_with_window_follows_the_tree_path():
     for layer in layers:
         q, k, v = sc.step_inputs(layer)
         out = be.forward(q, k, v, layer, batch)
-        literal = []
-        for p, m in zip(prefixes, masks):
-            if layer.sliding_window is None:
-                literal.append(m)
-                continue
-            qpos = (p + depth).view(-1, 1)
-            kpos = torch.cat([torch.arange(p), p + depth]).view(1, -1)
-            literal.append(m & (kpos >= qpos - (layer.sliding_window - 1)))
+        literal = windowed_tree_masks(prefixes, masks, depth, layer.sliding_window)
         exp = sc.expected(attrs.evolve(layer, sliding_window=None), q, masks=literal, causal=False)
         assert_close_rel(out, exp, 1e-5, f"layer {layer.layer_id} window {layer.sliding_window}")

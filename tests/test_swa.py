@@ -25,6 +25,7 @@ from aiter_attn.kvcache import MHAKVPool
 from aiter_attn.testing import PagedScenario
 from aiter_attn.testing.compare import assert_close_rel
 from aiter_attn.testing.scenario import fill_noise, write_token_major
+from aiter_attn.testing.spec_cases import tree_depths, tree_verify_masks, windowed_tree_masks
 
 from ._triton_util import DEVICE, requires_triton
 
@@ -238,25 +239,6 @@ def test_draft_extend_v2_rejects_ragged_lengths():
 TREE_PARENTS = [-1, 0, 0, 1, 2]
 
 
-def tree_depths(parents):
-    depth = []
-    for p in parents:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    return depth
-
-
-def tree_masks(prefix_lens, parents):
-    """Per request bool [n, prefix + n]: prefix all visible, then ancestors and self."""
-    n = len(parents)
-    anc = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            anc[i, j] = True
-            j = parents[j]
-    return [torch.cat([torch.ones(n, p, dtype=torch.bool), anc], dim=1) for p in prefix_lens]
-
-
 @pytest.mark.parametrize("page_size", [1, 6], ids=["page1", "page6"])
 def test_swa_tree_verify_literal_mask(page_size):
     """Tree verify: the window is applied at path positions (prefix + depth); the expected
@@ -269,24 +251,13 @@ def test_swa_tree_verify_literal_mask(page_size):
     be = backend_for(sc)
     n = len(TREE_PARENTS)
     depth = torch.tensor(tree_depths(TREE_PARENTS))
-    masks = tree_masks(prefixes, TREE_PARENTS)
+    masks = tree_verify_masks(prefixes, TREE_PARENTS)
     spec = SpecInfo(num_draft_tokens=n, topk=2,
                     custom_mask=torch.cat([m.reshape(-1) for m in masks]))
     positions = torch.cat([p + depth for p in prefixes])
 
-    def key_positions(p):
-        return torch.cat([torch.arange(p), p + depth])
-
     def literal(layer):
-        out = []
-        for p, m in zip(prefixes, masks):
-            if layer.sliding_window is None:
-                out.append(m)
-                continue
-            qpos = (p + depth).view(-1, 1)
-            kpos = key_positions(p).view(1, -1)
-            out.append(m & (kpos >= qpos - (layer.sliding_window - 1)))
-        return out
+        return windowed_tree_masks(prefixes, masks, depth, layer.sliding_window)
 
     run_step(sc, be, ForwardMode.TARGET_VERIFY, [n] * 3, spec_info=spec, positions=positions,
              expected_masks=literal)
@@ -357,8 +328,8 @@ def run_multistep_draft(sc, prefixes, topk, steps, rtol, *, copy_pages=True):
     and compare each step of each branch with the dense oracle over prefix + that branch's
     draft tokens so far (windows at their positions)."""
     from aiter_attn.multistep import MultiStepDraftBackend
-    from aiter_attn.testing import dense_attention
-    from aiter_attn.testing.spec_cases import DraftLayout, reserve_draft_slots
+    from aiter_attn.testing.spec_cases import (DraftLayout, draft_branch_expected,
+                                               draft_step_inputs, reserve_draft_slots)
 
     layout = DraftLayout(sc.config.page_size, topk, steps)
     reserve_draft_slots(sc.allocator, sc.req_pool, sc.rows, prefixes, layout)
@@ -376,22 +347,10 @@ def run_multistep_draft(sc, prefixes, topk, steps, rtol, *, copy_pages=True):
         be = ms.attn_backends[i]
         assert be.pair_for(ForwardMode.DECODE).name.endswith(".draft_decode_step")
         for layer in sc.layers:
-            n = len(rows)
-            q = torch.randn(n, layer.num_q_heads * layer.head_dim, generator=g).to(dtype)
-            k = torch.randn(n, layer.num_kv_heads * layer.head_dim, generator=g).to(dtype)
-            v = torch.randn(n, layer.num_kv_heads * layer.v_head_dim, generator=g).to(dtype)
+            q, k, v = draft_step_inputs(layer, len(rows), dtype, g)
             out = be.forward(q, k, v, layer, sb)
-            expected = []
-            for r, (b, br) in enumerate(rows):
-                ks, vs = branch_kv.setdefault((layer.layer_id, b, br), ([], []))
-                ks.append(k[r].float().view(layer.num_kv_heads, layer.head_dim))
-                vs.append(v[r].float().view(layer.num_kv_heads, layer.v_head_dim))
-                kk = torch.cat([sc.dense_k[(layer.layer_id, b)], torch.stack(ks)])
-                vv = torch.cat([sc.dense_v[(layer.layer_id, b)], torch.stack(vs)])
-                expected.append(dense_attention(
-                    q[r].view(1, layer.num_q_heads, layer.head_dim), kk, vv,
-                    scale=layer.scaling, window=layer.window_size()).view(1, -1))
-            assert_close_rel(out, torch.cat(expected), rtol, f"step {i} layer {layer.layer_id}")
+            expected = draft_branch_expected(sc, layer, q, k, v, rows, branch_kv)
+            assert_close_rel(out, expected, rtol, f"step {i} layer {layer.layer_id}")
 
 
 @pytest.mark.parametrize("page_size,topk,steps", [

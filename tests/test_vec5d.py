@@ -29,8 +29,9 @@ from aiter_attn.strategies.vec5d import paged_attention_5d, write_kv_5d
 from aiter_attn.testing import PagedScenario
 from aiter_attn.testing.compare import assert_close_rel
 from aiter_attn.testing.scenario import fill_noise
+from aiter_attn.testing.spec_cases import tree_depths, tree_verify_masks
 
-from .test_swa import TREE_PARENTS, run_multistep_draft, tree_depths, tree_masks
+from .test_swa import TREE_PARENTS, run_multistep_draft
 
 RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.float8_e4m3fn: 1e-5}
 
@@ -166,7 +167,7 @@ def test_vec5d_speculative_modes(page_size, v_layout):
     sc.config = attrs.evolve(cfg, spec=SpecDecodeConfig(topk=2, num_draft_tokens=n))
     be = AttentionBackend(sc.config, sc.req_pool, sc.kv_pool)
     held = [sc.allocator.tokens_held(r) for r in sc.rows]
-    masks = tree_masks(held, TREE_PARENTS)
+    masks = tree_verify_masks(held, TREE_PARENTS)
     tree = SpecInfo(num_draft_tokens=n, topk=2,
                     custom_mask=torch.cat([m.reshape(-1) for m in masks]))
     depth = torch.tensor(tree_depths(TREE_PARENTS))

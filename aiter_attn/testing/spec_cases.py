@@ -25,11 +25,15 @@ from ..batch import ForwardBatch
 from ..metadata import AttnMetadata
 from ..multistep import draft_columns_needed
 from .invariants import InvariantError, check_indptr
+from .oracle import dense_attention
 
 __all__ = [
     "HostReadError",
     "forbid_device_reads",
     "tree_mask_from_parents",
+    "tree_depths",
+    "tree_verify_masks",
+    "windowed_tree_masks",
     "random_tree_parents",
     "full_verify_mask",
     "tree_parents",
@@ -37,6 +41,8 @@ __all__ = [
     "DraftLayout",
     "reserve_draft_slots",
     "check_draft_step",
+    "draft_step_inputs",
+    "draft_branch_expected",
 ]
 
 
@@ -84,6 +90,36 @@ def tree_mask_from_parents(parents: Sequence[int]) -> torch.Tensor:
             mask[i, j] = True
             j = parents[j]
     return mask
+
+
+def tree_depths(parents: Sequence[int]) -> list:
+    """Depth of every draft token below the root (``parents[i] < i``; the root has depth 0)."""
+    depth = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return depth
+
+
+def tree_verify_masks(prefix_lens: Sequence[int], parents: Sequence[int]) -> list:
+    """Per request bool ``[n, prefix + n]``: the prefix all visible, then ancestors and self
+    (:func:`full_verify_mask` of :func:`tree_mask_from_parents`)."""
+    tree = tree_mask_from_parents(parents)
+    return [full_verify_mask(tree, p + len(parents)) for p in prefix_lens]
+
+
+def windowed_tree_masks(prefix_lens: Sequence[int], masks: Sequence[torch.Tensor],
+                        depth: torch.Tensor, sliding_window) -> list:
+    """The literal per-token masks of a windowed tree verify: ``masks[b][i, j] and
+    pos(j) ≥ pos(i) − w + 1`` with draft token ``i`` at ``prefix + depth[i]`` and prefix key
+    ``j`` at ``j`` (``depth`` int ``[n]``); ``sliding_window=None`` returns ``masks`` as is."""
+    if sliding_window is None:
+        return list(masks)
+    out = []
+    for p, m in zip(prefix_lens, masks):
+        qpos = (p + depth).view(-1, 1)
+        kpos = torch.cat([torch.arange(p), p + depth]).view(1, -1)
+        out.append(m & (kpos >= qpos - (sliding_window - 1)))
+    return out
 
 
 def random_tree_parents(n: int, generator: torch.Generator) -> list:
@@ -204,3 +240,31 @@ def check_draft_step(step_batch: ForwardBatch, md: AttnMetadata, step: int,
     if rows and slots[:rows].unique().numel() != rows:
         raise InvariantError(f"step {step}: two rows write the same KV slot.")
 
+
+
+def draft_step_inputs(layer, n: int, dtype: torch.dtype, generator: torch.Generator):
+    """Random q ``[n, Hq·D]``, k ``[n, Hkv·D]``, v ``[n, Hkv·Dv]`` in ``dtype`` (drawn in that
+    order from ``generator``) for one draft step of ``layer``."""
+    q = torch.randn(n, layer.num_q_heads * layer.head_dim, generator=generator).to(dtype)
+    k = torch.randn(n, layer.num_kv_heads * layer.head_dim, generator=generator).to(dtype)
+    v = torch.randn(n, layer.num_kv_heads * layer.v_head_dim, generator=generator).to(dtype)
+    return q, k, v
+
+
+def draft_branch_expected(scenario, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          rows: Sequence[tuple], branch_kv: dict) -> torch.Tensor:
+    """float64 ``[len(rows), Hq·Dv]`` oracle of one draft step: row ``r = (b, branch)`` attends to
+    request ``b``'s cached prefix (``scenario.dense_k/v``) plus that branch's draft tokens so
+    far, window at positions. Appends this step's ``k[r]``/``v[r]`` to ``branch_kv`` (a dict
+    the caller keeps across steps, keyed ``(layer_id, b, branch)``)."""
+    hkv, d, dv = layer.num_kv_heads, layer.head_dim, layer.v_head_dim
+    expected = []
+    for r, (b, br) in enumerate(rows):
+        ks, vs = branch_kv.setdefault((layer.layer_id, b, br), ([], []))
+        ks.append(k[r].float().view(hkv, d))
+        vs.append(v[r].float().view(hkv, dv))
+        kk = torch.cat([scenario.dense_k[(layer.layer_id, b)], torch.stack(ks)])
+        vv = torch.cat([scenario.dense_v[(layer.layer_id, b)], torch.stack(vs)])
+        expected.append(dense_attention(q[r].view(1, layer.num_q_heads, d), kk, vv,
+                                        scale=layer.scaling, window=layer.window_size()).view(1, -1))
+    return torch.cat(expected)
