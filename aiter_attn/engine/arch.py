@@ -111,16 +111,14 @@ def _swa(model, kv: KVCacheManager, *, device: str, chunk_tokens: int, **_) -> K
                          "before any request holds pages.")
     alloc = SWAPageAllocator(pool, shuffle_seed=kv.allocator.shuffle_seed)
     kv.allocator = alloc
-    if kv.prefix_caching:
-        # A reused prefix's SWA pages may already be freed for its donor; recomputing is safe.
-        log.info("prefix caching is off with the hybrid SWA pool (window %d)", window)
-        kv.prefix_caching = False
+    # Prefix reuse checks the donor still holds the prefix's last window (kv_manager.py).
+    kv.swa_window = window
 
     def free_out_of_window(items) -> None:
         for req, _ in items:
             if req.row is not None:
-                alloc.free_swa_out_of_window(req.row, window,
-                                             next_position=req.num_computed)
+                alloc.free_swa_out_of_window(req.row, window, next_position=req.num_computed,
+                                             keep_pages=kv.swa_keep_pages(req))
 
     def copy_slots(src, dst) -> None:
         _mha_copy(pool.full)(src, dst)

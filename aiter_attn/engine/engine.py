@@ -15,6 +15,7 @@ import attrs
 
 from ..types import ForwardMode
 from .kv_manager import KVCacheManager
+from .graphs import graphs_enabled
 from .protocol import EngineModel
 from .request import Request, SamplingParams
 from .runner import ModelRunner
@@ -42,10 +43,15 @@ class EngineConfig:
         kernel_backend: force a kernel backend by name; ``None`` = best registered.
         shuffle_pages_seed: hand out pages in a seeded random order (tests).
         swa_pool: sliding-window layers keep their KV in their own, smaller pool (hybrid SWA;
-            turns prefix caching off); ``False`` serves windows over the full pool.
+            a prefix is reused only while its donor still holds the SWA pages of the prefix's
+            last window); ``False`` serves windows over the full pool.
         speculative: ``"ngram"`` = draft by prompt lookup and verify with one TARGET_VERIFY
             forward (:mod:`aiter_attn.engine.spec_decode`); ``None`` = plain decoding.
         num_draft_tokens: most draft tokens proposed per request and step.
+        cuda_graph: replay DECODE steps (and n-gram chain TARGET_VERIFY steps) through
+            captured CUDA graphs of the sizes 1, 2, 4, 8, … ``max_batch_size``
+            (:mod:`aiter_attn.engine.graphs`); ``None`` = on when the model is on CUDA. Forced
+            on for a CPU model it runs the same path in no-capture mode (tests).
     """
 
     page_size: int = 16
@@ -60,6 +66,7 @@ class EngineConfig:
     swa_pool: bool = True
     speculative: Optional[str] = None
     num_draft_tokens: int = 4
+    cuda_graph: Optional[bool] = None
 
     @property
     def num_pages(self) -> int:
@@ -127,7 +134,8 @@ class Engine:
             kernel_backend=config.kernel_backend, swa_pool=config.swa_pool,
             chunk_tokens=max(config.chunk_size or config.max_tokens_per_step,
                              config.num_draft_tokens + 1),
-            spec=self.spec_decoder.backend_spec if self.spec_decoder else None)
+            spec=self.spec_decoder.backend_spec if self.spec_decoder else None,
+            cuda_graph=graphs_enabled(config.cuda_graph, model.device))
         self.requests: list[Request] = []
         self.stats = EngineStats()
 

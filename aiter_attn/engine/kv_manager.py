@@ -5,6 +5,13 @@ running request never runs out of pages and nothing has to be preempted. Prefix 
 a new request reuse the whole, already computed pages of a running request whose tokens start
 the same way (``PageAllocator.share_prefix``); pages are reference counted here, and a page
 returns to the free list when its last holder finishes.
+
+With the hybrid SWA pool (``swa_window`` set by :mod:`aiter_attn.engine.arch`) a donor returns
+the SWA copies of pages that fell out of its window. A prefix of ``n`` tokens is then reused
+only if the donor still holds the SWA pages of its last ``swa_window`` tokens (what the new
+request's first query sees; otherwise nothing is reused and the prompt is recomputed), and a
+shared page keeps its SWA copy until it is out of the window of every request holding it
+(:meth:`KVCacheManager.swa_keep_pages`).
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ class KVCacheManager:
         self._live: dict[int, Request] = {}  # row -> running request
         self._refs: dict[int, int] = {}  # page -> holders
         self._reserved = 0  # pages promised to running requests, not yet handed out
+        #: largest sliding window of the hybrid SWA pool's layers (``None``: no SWA pool)
+        self.swa_window: Optional[int] = None
 
     # -- sizing ---------------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
@@ -96,9 +105,41 @@ class KVCacheManager:
         for donor in self._live.values():
             n = _common_prefix(req.prompt_ids[:limit], donor.tokens[: donor.num_computed])
             n = (n // self.page_size) * self.page_size
-            if n > best_len:
+            if n > best_len and self._swa_prefix_held(donor, n):
                 best, best_len = donor, n
         return best, best_len
+
+    def _swa_prefix_held(self, donor: Request, n: int) -> bool:
+        """True when ``donor`` still holds the SWA copy of every page overlapping the last
+        ``swa_window`` of its first ``n`` tokens (always true without an SWA pool). A query at
+        position ``p ≥ n`` sees keys ``≥ p - window + 1 ≥ n - window + 1``."""
+        if self.swa_window is None:
+            return True
+        first = max(n - self.swa_window + 1, 0) // self.page_size
+        swa_pages = self.allocator.swa_pages_of(donor.row)
+        return all(swa_pages[first:n // self.page_size])
+
+    def swa_keep_pages(self, req: Request) -> frozenset:
+        """Pages of ``req`` whose SWA copy another running holder still needs: shared pages
+        (same index in every holder) that are not yet out of that holder's window, given its
+        next query position ``num_computed``. Pass as ``keep_pages`` when freeing ``req``'s
+        out-of-window SWA pages."""
+        if self.swa_window is None or req.row is None:
+            return frozenset()
+        pages = self.allocator.pages_of(req.row)
+        shared = {p: i for i, p in enumerate(pages) if self._refs.get(p, 1) > 1}
+        if not shared:
+            return frozenset()
+        keep = set()
+        for other in self._live.values():
+            if other is req:
+                continue
+            first_visible = other.num_computed - self.swa_window + 1
+            for p in self.allocator.pages_of(other.row):
+                i = shared.get(p)
+                if i is not None and (i + 1) * self.page_size - 1 >= first_visible:
+                    keep.add(p)
+        return frozenset(keep)
 
     def prefix_in_flight(self, req: Request) -> bool:
         """True when a running request is still prefilling whole pages that ``req``'s prompt

@@ -15,6 +15,7 @@ from ..backend import AttentionBackend
 from ..batch import ForwardBatch
 from ..types import BackendConfig, ForwardMode, SpecDecodeConfig
 from .arch import build_kv_setup
+from .graphs import EngineGraphs
 from .kv_manager import KVCacheManager
 from .protocol import EngineModel
 
@@ -29,11 +30,15 @@ class ModelRunner:
         kv: rows/pages bookkeeping (its ``req_pool`` is the backend's ``req_to_token``).
         max_batch_size: most requests in one forward.
         kernel_backend: force a kernel backend by name (``None`` = registry's best).
+        cuda_graph: replay DECODE steps (and chain TARGET_VERIFY steps when ``spec`` has
+            ``topk == 1``) through :class:`~aiter_attn.engine.graphs.EngineGraphs`; on the CPU
+            this is the manager's no-capture mode.
     """
 
     def __init__(self, model: EngineModel, kv: KVCacheManager, *, max_batch_size: int,
                  kernel_backend: Optional[str] = None, swa_pool: bool = True,
-                 chunk_tokens: int = 512, spec: Optional[SpecDecodeConfig] = None):
+                 chunk_tokens: int = 512, spec: Optional[SpecDecodeConfig] = None,
+                 cuda_graph: bool = False):
         layout = model.kv_layout
         device = str(model.device)
         self.model = model
@@ -49,6 +54,21 @@ class ModelRunner:
                                     **self.kv_setup.config_kw)
         self.backend = AttentionBackend(self.config, kv.req_pool, self.kv_pool,
                                         extra=self.kv_setup.extra)
+        self.graphs: Optional[EngineGraphs] = None
+        if cuda_graph:
+            self.graphs = EngineGraphs(model, self.backend, max_batch_size=max_batch_size,
+                                       verify=spec is not None and spec.topk == 1)
+
+    def run_batch(self, batch: ForwardBatch, input_ids: torch.Tensor,
+                  logits_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits of one planned-or-not ``batch``: replayed through the graphs when they
+        serve its mode and shape (then every token's row; ``logits_indices`` is ignored, as
+        DECODE and verify want every row), else planned and run eagerly."""
+        if self.graphs is not None and self.graphs.serves(batch):
+            return self.graphs.run(batch, input_ids)
+        self.backend.init_forward_metadata(batch)
+        return self.model.forward(input_ids, batch.positions, batch, self.backend,
+                                  logits_indices=logits_indices)
 
     def after_step(self, items: Sequence[tuple]) -> None:
         """Architecture bookkeeping once ``items``' tokens are committed (SWA: free pages
@@ -75,11 +95,11 @@ class ModelRunner:
             out_cache_loc=torch.cat(slots),
             extend_seq_lens=new_lens if mode is ForwardMode.EXTEND else None, device=device,
         )
-        self.backend.init_forward_metadata(batch)
         input_ids = torch.tensor(ids, dtype=torch.int64).to(device)
-        last = (torch.cumsum(torch.tensor(new_lens), 0) - 1).to(device)
-        logits = self.model.forward(input_ids, batch.positions, batch, self.backend,
-                                    logits_indices=last)
+        last = None
+        if mode is not ForwardMode.DECODE:
+            last = (torch.cumsum(torch.tensor(new_lens), 0) - 1).to(device)
+        logits = self.run_batch(batch, input_ids, last)
         for req, n in items:
             req.num_computed += n
         self.after_step(items)

@@ -20,7 +20,9 @@ KV of rejected drafts is rewound: the request's length in the page allocator goe
 committed tokens (its pages stay with it; the next step overwrites those slots). Requests are
 grouped by draft length (TARGET_VERIFY needs a fixed count per request); requests without a
 draft, and sampling requests, take an ordinary DECODE forward. Drafts never exceed what the
-request may still generate, so the admission-time page reservation always covers them.
+request may still generate, so the admission-time page reservation always covers them. With
+``EngineConfig(cuda_graph=...)`` on, chain groups with the full ``k`` drafts replay captured
+TARGET_VERIFY graphs (``runner.run_batch``); shorter groups and trees run eagerly.
 """
 
 from __future__ import annotations
@@ -243,7 +245,7 @@ class SpecDecoder:
     @torch.inference_mode()
     def _verify(self, runner, reqs: Sequence, drafts: Sequence[list]) -> list[list[int]]:
         """One TARGET_VERIFY chain forward over ``reqs`` (all with drafts of one length)."""
-        kv, model, backend = runner.kv, runner.model, runner.backend
+        kv, model = runner.kv, runner.model
         q_len = len(drafts[0]) + 1
         ids, slots, seq_lens, starts = [], [], [], []
         for req, draft in zip(reqs, drafts):
@@ -260,9 +262,8 @@ class SpecDecoder:
             forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=[r.row for r in reqs],
             seq_lens=seq_lens, out_cache_loc=torch.cat(slots),
             spec_info=SpecInfo(num_draft_tokens=q_len, topk=1), device=device)
-        backend.init_forward_metadata(batch)
         input_ids = torch.tensor(ids, dtype=torch.int64).to(device)
-        logits = model.forward(input_ids, batch.positions, batch, backend)
+        logits = runner.run_batch(batch, input_ids)  # a graph replay when drafts are full
         preds = torch.argmax(logits, dim=-1).view(len(reqs), q_len).tolist()
         results = []
         for req, draft, pred, start in zip(reqs, drafts, preds, starts):
