@@ -8,6 +8,8 @@ from typing import Optional
 import attrs
 import torch
 
+from ._layers import check_layer_id, zeros_per_layer
+
 __all__ = ["MHAKVPool"]
 
 
@@ -33,14 +35,10 @@ class MHAKVPool:
         if self.v_head_dim is None:
             self.v_head_dim = self.head_dim
         shape = (self.num_pages, self.page_size, self.num_kv_heads)
-        self.k_buffers = [
-            torch.zeros(shape + (self.head_dim,), dtype=self.dtype, device=self.device)
-            for _ in range(self.num_layers)
-        ]
-        self.v_buffers = [
-            torch.zeros(shape + (self.v_head_dim,), dtype=self.dtype, device=self.device)
-            for _ in range(self.num_layers)
-        ]
+        self.k_buffers = zeros_per_layer(self.num_layers, shape + (self.head_dim,), self.dtype,
+                                         self.device)
+        self.v_buffers = zeros_per_layer(self.num_layers, shape + (self.v_head_dim,), self.dtype,
+                                         self.device)
 
     @property
     def num_slots(self) -> int:
@@ -48,9 +46,5 @@ class MHAKVPool:
 
     def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_cache, v_cache)`` of one layer, paged NHD."""
-        if not 0 <= layer_id < self.num_layers:
-            raise ValueError(
-                f"layer_id={layer_id} outside the pool's {self.num_layers} layers; size the pool "
-                "with the model's num_hidden_layers."
-            )
+        check_layer_id(layer_id, self.num_layers)
         return self.k_buffers[layer_id], self.v_buffers[layer_id]

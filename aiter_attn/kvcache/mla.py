@@ -12,6 +12,8 @@ from __future__ import annotations
 import attrs
 import torch
 
+from ._layers import check_layer_id, zeros_per_layer
+
 __all__ = ["MLAKVPool"]
 
 
@@ -48,9 +50,7 @@ class MLAKVPool:
 
     def __attrs_post_init__(self):
         shape = (self.num_pages, self.page_size, 1, self.latent_dim)
-        self.latent_buffers = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
-        ]
+        self.latent_buffers = zeros_per_layer(self.num_layers, shape, self.dtype, self.device)
 
     @property
     def latent_dim(self) -> int:
@@ -62,11 +62,7 @@ class MLAKVPool:
         return self.num_pages * self.page_size
 
     def _check_layer(self, layer_id: int) -> None:
-        if not 0 <= layer_id < self.num_layers:
-            raise ValueError(
-                f"layer_id={layer_id} outside the pool's {self.num_layers} layers; size the pool "
-                "with the model's num_hidden_layers."
-            )
+        check_layer_id(layer_id, self.num_layers)
 
     def kv_buffer(self, layer_id: int) -> torch.Tensor:
         """The latent cache of one layer: ``[num_pages, page_size, 1, latent_dim]``."""

@@ -22,6 +22,7 @@ import torch
 
 from ..kernels.reference_5d import V_LAYOUTS, vec_width
 from ..kernels.reference_extra import kv_nhd_from_5d
+from ._layers import check_layer_id, zeros_per_layer
 
 __all__ = ["Vec5DKVPool"]
 
@@ -78,10 +79,8 @@ class Vec5DKVPool:
             v_shape = (n, h, p // x, self.v_head_dim, x)
         else:
             v_shape = (n, h, self.v_head_dim, p)
-        self.k_buffers = [torch.zeros(k_shape, dtype=self.dtype, device=self.device)
-                          for _ in range(self.num_layers)]
-        self.v_buffers = [torch.zeros(v_shape, dtype=self.dtype, device=self.device)
-                          for _ in range(self.num_layers)]
+        self.k_buffers = zeros_per_layer(self.num_layers, k_shape, self.dtype, self.device)
+        self.v_buffers = zeros_per_layer(self.num_layers, v_shape, self.dtype, self.device)
 
     @property
     def x(self) -> int:
@@ -94,11 +93,7 @@ class Vec5DKVPool:
 
     def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_cache, v_cache)`` of one layer in the 5-D layout."""
-        if not 0 <= layer_id < self.num_layers:
-            raise ValueError(
-                f"layer_id={layer_id} outside the pool's {self.num_layers} layers; size the pool "
-                "with the model's num_hidden_layers."
-            )
+        check_layer_id(layer_id, self.num_layers)
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
 
     def nhd_view(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
