@@ -12,7 +12,8 @@ from ..metadata import AttnMetadata, CustomMask, PageTable, QueryLayout
 from ..types import LayerSpec
 from .base import ExecutionStrategy
 
-__all__ = ["attend", "effective_causal", "effective_window", "window_tree_mask"]
+__all__ = ["attend", "attend_layer", "effective_causal", "effective_window", "require_pool",
+           "window_tree_mask"]
 
 
 def window_tree_mask(mask: CustomMask, batch: ForwardBatch, query: QueryLayout,
@@ -87,6 +88,37 @@ def attend(executor: ExecutionStrategy, op_request: KernelRequest, q, k_cache, v
         max_seqlen_q=md.query.max_seqlen_q, max_seqlen_k=pages.max_seqlen_k,
     )
     return out.view(num_tokens, layer.num_q_heads * layer.v_head_dim)
+
+
+def attend_layer(executor: ExecutionStrategy, request_fn, q, k_cache, v_cache, layer: LayerSpec,
+                 batch: ForwardBatch, md: AttnMetadata, pages: PageTable, sinks=None):
+    """:func:`attend` with the kernel request built by ``request_fn`` (the op's
+    ``*_request(q, k_cache, v_cache, window_size=, softcap=, sinks=, causal=, custom_mask=)``)
+    from the layer's effective window and causality; ``sinks`` default to ``layer.sinks``.
+    Returns ``[num_tokens, Hq * Dv]`` in ``q``'s dtype."""
+    sinks = sinks if sinks is not None else layer.sinks
+    request = request_fn(
+        q, k_cache, v_cache, window_size=effective_window(layer, md),
+        softcap=layer.logit_cap, sinks=sinks, causal=effective_causal(layer, md),
+        custom_mask=None if md.mask is None else md.mask.custom_mask)
+    return attend(executor, request, q, k_cache, v_cache, layer, batch, md, pages, sinks)
+
+
+def require_pool(ctx, pool_cls: type, arch: str, hint: str = ""):
+    """``ctx.kv_pool`` if it is a ``pool_cls`` with ``BackendConfig.page_size``; else TypeError
+    (naming ``arch`` and ending with ``hint``) or ValueError (the two page sizes)."""
+    pool = ctx.kv_pool
+    if not isinstance(pool, pool_cls):
+        raise TypeError(
+            f"arch={arch} needs an aiter_attn.kvcache.{pool_cls.__name__} as kv_pool, got "
+            f"{type(pool).__name__}{hint}."
+        )
+    if pool.page_size != ctx.config.page_size:
+        raise ValueError(
+            f"{pool_cls.__name__} page_size={pool.page_size} != BackendConfig.page_size="
+            f"{ctx.config.page_size}; build both with the same page size."
+        )
+    return pool
 
 
 def effective_causal(layer: LayerSpec, md: AttnMetadata) -> bool:

@@ -19,7 +19,7 @@ from ..metadata import AttnMetadata, PageTable, QueryLayout
 from ..registry import StrategyPair
 from ..types import AttnArch, CGSupport, ForwardMode, LayerSpec
 from .base import BufferSpec, ExecutionStrategy, MetadataStrategy
-from .common import attend, effective_causal, effective_window
+from .common import attend_layer
 
 __all__ = ["PagedMetadata", "DecodeMetadata", "ExtendMetadata", "PagedExecution",
            "plan_query_layout", "plan_page_table"]
@@ -119,14 +119,8 @@ class PagedExecution(ExecutionStrategy):
                 v.view(num_tokens, layer.num_kv_heads, layer.v_head_dim),
                 k_scale=layer.k_scale, v_scale=layer.v_scale,
             )
-        sinks = sinks if sinks is not None else layer.sinks
-        mask = metadata.mask
-        request = ops.paged_attention_request(
-            q, k_cache, v_cache, window_size=effective_window(layer, metadata),
-            softcap=layer.logit_cap, sinks=sinks, causal=effective_causal(layer, metadata),
-            custom_mask=None if mask is None else mask.custom_mask)
-        return attend(self, request, q, k_cache, v_cache, layer, batch, metadata,
-                      metadata.pages, sinks)
+        return attend_layer(self, ops.paged_attention_request, q, k_cache, v_cache, layer,
+                            batch, metadata, metadata.pages, sinks)
 
 
 @hookimpl

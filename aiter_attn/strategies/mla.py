@@ -532,41 +532,35 @@ class MLAExecution(ExecutionStrategy):
 
 @hookimpl
 def aiter_attn_register_strategies(register):
-    register(StrategyPair(
-        name="mla.decode", arch=AttnArch.MLA, kernel_op="mla_paged_attention",
-        modes={ForwardMode.DECODE, ForwardMode.IDLE},
-        metadata=MLADecodeMetadata, execution=MLAExecution, priority=10,
-        cg_support=CGSupport.ALWAYS,
+    def pair(**kw) -> StrategyPair:
+        return StrategyPair(arch=AttnArch.MLA, kernel_op="mla_paged_attention",
+                            execution=MLAExecution, **kw)
+
+    register(pair(
+        name="mla.decode", modes={ForwardMode.DECODE, ForwardMode.IDLE},
+        metadata=MLADecodeMetadata, priority=10, cg_support=CGSupport.ALWAYS,
         description="absorbed MLA decode over the latent page table (heads 4/8 padded to 16 "
                     "when the kernel needs it)",
     ))
-    register(StrategyPair(
-        name="mla.verify", arch=AttnArch.MLA, kernel_op="mla_paged_attention",
-        modes={ForwardMode.TARGET_VERIFY},
-        metadata=MLAVerifyMetadata, execution=MLAExecution, priority=10,
-        cg_support=CGSupport.UNIFORM_BATCH,
+    register(pair(
+        name="mla.verify", modes={ForwardMode.TARGET_VERIFY},
+        metadata=MLAVerifyMetadata, priority=10, cg_support=CGSupport.UNIFORM_BATCH,
         description="absorbed MLA verify: causal chain or literal tree mask",
     ))
-    register(StrategyPair(
-        name="mla.draft_extend_v2", arch=AttnArch.MLA, kernel_op="mla_paged_attention",
-        modes={ForwardMode.DRAFT_EXTEND_V2},
-        metadata=MLADraftExtendV2Metadata, execution=MLAExecution, priority=10,
-        cg_support=CGSupport.UNIFORM_BATCH,
+    register(pair(
+        name="mla.draft_extend_v2", modes={ForwardMode.DRAFT_EXTEND_V2},
+        metadata=MLADraftExtendV2Metadata, priority=10, cg_support=CGSupport.UNIFORM_BATCH,
         description="absorbed MLA draft extend with a fixed token count per request",
     ))
-    register(StrategyPair(
-        name=MLA_DRAFT_DECODE_STEP, arch=AttnArch.MLA, kernel_op="mla_paged_attention",
-        modes={ForwardMode.DECODE},
-        metadata=DraftDecodeStepMetadata, execution=MLAExecution, priority=-10,
-        cg_support=CGSupport.ALWAYS,
+    register(pair(
+        name=MLA_DRAFT_DECODE_STEP, modes={ForwardMode.DECODE},
+        metadata=DraftDecodeStepMetadata, priority=-10, cg_support=CGSupport.ALWAYS,
         description="one multi-step draft-decode step (absorbed) over tables planned for all "
                     "steps by MultiStepDraftBackend",
     ))
-    register(StrategyPair(
-        name="mla.extend", arch=AttnArch.MLA, kernel_op="mla_paged_attention",
-        modes=set(_EXTEND_MODES),
-        metadata=MLAExtendMetadata, execution=MLAExecution, priority=10,
-        cg_support=CGSupport.NEVER,
+    register(pair(
+        name="mla.extend", modes=set(_EXTEND_MODES),
+        metadata=MLAExtendMetadata, priority=10, cg_support=CGSupport.NEVER,
         description="MLA extend: absorbed over the latent pool, or expanded (prefix through "
                     "kv_b_proj) with qk head dim ≠ v head dim",
     ))

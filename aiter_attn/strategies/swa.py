@@ -38,7 +38,8 @@ from ..ops import paged_attention_request
 from ..registry import StrategyPair
 from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
 from .base import BufferSpec, ExecutionStrategy
-from .common import attend, effective_causal, effective_window, window_tree_mask
+from .common import (attend, attend_layer, effective_causal, effective_window, require_pool,
+                     window_tree_mask)
 from .mha import DecodeMetadata, ExtendMetadata
 from .spec import (
     DraftDecodeStepMetadata,
@@ -73,17 +74,8 @@ __all__ = [
 def _require_swa_pool(ctx):
     from ..kvcache.swa import SWAKVPool
 
-    if not isinstance(ctx.kv_pool, SWAKVPool):
-        raise TypeError(
-            f"arch=SWA needs an aiter_attn.kvcache.SWAKVPool as kv_pool, got "
-            f"{type(ctx.kv_pool).__name__}; build it with SWAKVPool.create(layer_is_swa=...)."
-        )
-    if ctx.kv_pool.page_size != ctx.config.page_size:
-        raise ValueError(
-            f"SWAKVPool page_size={ctx.kv_pool.page_size} != BackendConfig.page_size="
-            f"{ctx.config.page_size}; build both with the same page size."
-        )
-    return ctx.kv_pool
+    return require_pool(ctx, SWAKVPool, "SWA",
+                        "; build it with SWAKVPool.create(layer_is_swa=...)")
 
 
 def plan_swa_tables(pool, pages: PageTable, swa_block_table: torch.Tensor) -> PageTable:
@@ -208,12 +200,8 @@ class SWAExecution(ExecutionStrategy):
                 k.view(num_tokens, layer.num_kv_heads, layer.head_dim),
                 v.view(num_tokens, layer.num_kv_heads, layer.v_head_dim),
                 k_scale=layer.k_scale, v_scale=layer.v_scale, **kw)
-        sinks = sinks if sinks is not None else layer.sinks
-        request = paged_attention_request(
-            q, k_cache, v_cache, window_size=effective_window(layer, metadata),
-            softcap=layer.logit_cap, sinks=sinks, causal=effective_causal(layer, metadata),
-            custom_mask=None if metadata.mask is None else metadata.mask.custom_mask)
-        return attend(self, request, q, k_cache, v_cache, layer, batch, metadata, pages, sinks)
+        return attend_layer(self, paged_attention_request, q, k_cache, v_cache, layer, batch,
+                            metadata, pages, sinks)
 
 
 def chain_verify_only(config):

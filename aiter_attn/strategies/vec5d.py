@@ -37,13 +37,8 @@ from .spec import (
     VerifyChainMetadata,
     VerifyTreeMetadata,
 )
-from .swa import (
-    attend,
-    chain_verify_only,
-    effective_causal,
-    effective_window,
-    tree_verify_only,
-)
+from .common import attend_layer, require_pool
+from .swa import chain_verify_only, tree_verify_only
 
 __all__ = [
     "paged_attention_5d",
@@ -198,16 +193,7 @@ class Vec5DExecution(ExecutionStrategy):
         super().__init__(ctx)
         from ..kvcache.vec5d import Vec5DKVPool
 
-        if not isinstance(ctx.kv_pool, Vec5DKVPool):
-            raise TypeError(
-                f"arch=VEC5D needs an aiter_attn.kvcache.Vec5DKVPool as kv_pool, got "
-                f"{type(ctx.kv_pool).__name__}."
-            )
-        if ctx.kv_pool.page_size != ctx.config.page_size:
-            raise ValueError(
-                f"Vec5DKVPool page_size={ctx.kv_pool.page_size} != BackendConfig.page_size="
-                f"{ctx.config.page_size}; build both with the same page size."
-            )
+        require_pool(ctx, Vec5DKVPool, "VEC5D")
 
     def run(self, q, k, v, layer: LayerSpec, batch: ForwardBatch, metadata: AttnMetadata, *,
             save_kv_cache: bool = True, sinks=None):
@@ -221,13 +207,8 @@ class Vec5DExecution(ExecutionStrategy):
             write.fn(k_cache, v_cache, batch.out_cache_loc, k3,
                      v.view(num_tokens, layer.num_kv_heads, layer.v_head_dim),
                      k_scale=layer.k_scale, v_scale=layer.v_scale)
-        sinks = sinks if sinks is not None else layer.sinks
-        request = paged_attention_5d_request(
-            q, k_cache, v_cache, window_size=effective_window(layer, metadata),
-            softcap=layer.logit_cap, sinks=sinks, causal=effective_causal(layer, metadata),
-            custom_mask=None if metadata.mask is None else metadata.mask.custom_mask)
-        return attend(self, request, q, k_cache, v_cache, layer, batch, metadata,
-                      metadata.pages, sinks)
+        return attend_layer(self, paged_attention_5d_request, q, k_cache, v_cache, layer, batch,
+                            metadata, metadata.pages, sinks)
 
 
 _VEC5D_PAIRS = (
