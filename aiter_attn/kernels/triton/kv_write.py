@@ -181,6 +181,20 @@ def _launch(k_cache, v_cache, slots, k, v, *, k_layout, v_layout, page_size, hea
     )
 
 
+def _launch_nhd(k_cache, v_cache, slots, k, v, *, k_scale, v_scale, table=None) -> None:
+    """Check that ``k_cache`` is NHD ``[pages, page_size, heads, dim]`` and launch the write
+    (through the slot translation ``table`` when given)."""
+    if k_cache.dim() != 4:
+        raise ValueError(
+            f"k_cache has shape {tuple(k_cache.shape)}; expected [pages, page_size, heads, dim]."
+        )
+    _launch(k_cache, v_cache, slots, k, v, k_layout=LAYOUT_NHD, v_layout=LAYOUT_NHD,
+            page_size=k_cache.shape[1], heads=k_cache.shape[2], head_dim=k_cache.shape[3],
+            v_heads=v_cache.shape[2] if v_cache is not None else 0,
+            v_head_dim=v_cache.shape[3] if v_cache is not None else 0, x=1,
+            k_scale=k_scale, v_scale=v_scale, table=table)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: Optional[torch.Tensor], slots: torch.Tensor,
              k: torch.Tensor, v: Optional[torch.Tensor], *, k_scale=None, v_scale=None) -> None:
     """Reshape-and-cache into NHD pages: ``cache[s // S, s % S] = quantise(x[t])`` for
@@ -194,15 +208,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: Optional[torch.Tensor], slots: torc
         k, v: ``[T, kv_heads, head_dim(_v)]``.
         k_scale, v_scale: fp8 quantisation scales (tensor read on the device, or a number).
     """
-    if k_cache.dim() != 4:
-        raise ValueError(
-            f"k_cache has shape {tuple(k_cache.shape)}; expected [pages, page_size, heads, dim]."
-        )
-    _launch(k_cache, v_cache, slots, k, v, k_layout=LAYOUT_NHD, v_layout=LAYOUT_NHD,
-            page_size=k_cache.shape[1], heads=k_cache.shape[2], head_dim=k_cache.shape[3],
-            v_heads=v_cache.shape[2] if v_cache is not None else 0,
-            v_head_dim=v_cache.shape[3] if v_cache is not None else 0, x=1,
-            k_scale=k_scale, v_scale=v_scale)
+    _launch_nhd(k_cache, v_cache, slots, k, v, k_scale=k_scale, v_scale=v_scale)
 
 
 def write_kv_translated(k_cache: torch.Tensor, v_cache: Optional[torch.Tensor],
@@ -226,15 +232,8 @@ def write_kv_translated(k_cache: torch.Tensor, v_cache: Optional[torch.Tensor],
             "full_to_swa must be an int32/int64 1-D tensor (SWA slot per full slot), got "
             f"{getattr(full_to_swa, 'dtype', type(full_to_swa).__name__)}."
         )
-    if k_cache.dim() != 4:
-        raise ValueError(
-            f"k_cache has shape {tuple(k_cache.shape)}; expected [pages, page_size, heads, dim]."
-        )
-    _launch(k_cache, v_cache, slots, k, v, k_layout=LAYOUT_NHD, v_layout=LAYOUT_NHD,
-            page_size=k_cache.shape[1], heads=k_cache.shape[2], head_dim=k_cache.shape[3],
-            v_heads=v_cache.shape[2] if v_cache is not None else 0,
-            v_head_dim=v_cache.shape[3] if v_cache is not None else 0, x=1,
-            k_scale=k_scale, v_scale=v_scale, table=full_to_swa)
+    _launch_nhd(k_cache, v_cache, slots, k, v, k_scale=k_scale, v_scale=v_scale,
+                table=full_to_swa)
 
 
 def write_kv_5d(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
