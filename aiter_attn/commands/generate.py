@@ -8,6 +8,7 @@ token ids are identical.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
@@ -81,6 +82,7 @@ def _build(args, texts, loaded, device, dtype):
         max_tokens_per_step=args.max_tokens_per_step, kv_tokens=sum(needs[:args.batch_size]),
         prefix_caching=not args.no_prefix_caching, kernel_backend=args.backend,
         speculative=args.speculative, num_draft_tokens=args.num_draft_tokens,
+        cuda_graph=args.cuda_graph,
     )
     model = build_engine_model(loaded.hf_model, dtype=dtype, device=device,
                                max_positions=max_ctx)
@@ -128,6 +130,16 @@ def _check(args, loaded, engine, prompts, stops, device) -> dict:
             "divergences": [d.describe() for d in diffs]}
 
 
+def _graph_info(engine) -> dict:
+    """Whether steps replayed graphs: ``enabled``, ``captured`` (real CUDA graphs, else the
+    no-capture mode), ``capture_sizes`` and replays per forward mode."""
+    graphs = engine.runner.graphs
+    if graphs is None:
+        return {"enabled": False}
+    return {"enabled": True, "captured": graphs.uses_cuda_graph,
+            "capture_sizes": graphs.manager.capture_sizes, "replays": dict(graphs.replays)}
+
+
 def run(args) -> int:
     from ..engine import ModelNotFoundError, UnsupportedArchitectureError, load_model
 
@@ -151,6 +163,7 @@ def run(args) -> int:
     result = {
         "model": loaded.name, "device": device, "dtype": dname,
         "backend": args.backend or "auto", "page_size": args.page_size,
+        "cuda_graph": _graph_info(engine),
         "results": [{"prompt": t, "prompt_tokens": len(r.prompt_ids), "output_ids": r.output_ids,
                      "text": tok.decode(r.output_ids, skip_special_tokens=True),
                      "finish_reason": r.finish_reason, "cached_tokens": r.cached_tokens}
@@ -223,6 +236,10 @@ def add_parser(sub) -> None:
                         "through a tree mask (greedy output unchanged either way)")
     p.add_argument("--num-draft-tokens", type=int, default=4,
                    help="most draft tokens per request and step (with --speculative)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay decode (and n-gram chain verify) steps through CUDA graphs "
+                        "captured for batch sizes 1, 2, 4, 8, … --batch-size; default: on with "
+                        "a CUDA device. Forced on the CPU it runs the same path without capture")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")

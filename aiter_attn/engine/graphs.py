@@ -61,6 +61,8 @@ class EngineGraphs:
     Attributes:
         manager: the :class:`CudaGraphManager`.
         replays: ``Counter`` of replayed steps per ``ForwardMode`` name.
+        padded: ``Counter`` of those replays that ran with padding rows (real batch smaller
+            than the captured size), per ``ForwardMode`` name.
     """
 
     def __init__(self, model, backend, *, max_batch_size: int, verify: bool = False):
@@ -79,6 +81,7 @@ class EngineGraphs:
             token_inputs={"input_ids": ((), torch.int64)})
         self._captured = False
         self.replays: Counter = Counter()
+        self.padded: Counter = Counter()
 
     @property
     def uses_cuda_graph(self) -> bool:
@@ -118,4 +121,6 @@ class EngineGraphs:
         with torch.inference_mode():
             logits = self.manager.replay(batch, input_ids=input_ids)
         self.replays[batch.forward_mode.name] += 1
+        if self.manager.last_entry.bs > batch.batch_size:
+            self.padded[batch.forward_mode.name] += 1
         return logits
