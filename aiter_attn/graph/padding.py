@@ -90,15 +90,9 @@ def mask_layout(custom_mask: torch.Tensor, batch: ForwardBatch, q_len: int) -> s
     """``"full"`` (SGLang's per-request ``[q_len, seq_len]`` blocks, ≥ ``q_len · Σ seq_len``
     elements) or ``"tree"`` (exactly ``batch · q_len²``: the draft part only, prefix visible),
     decided from sizes (host ints); see :class:`aiter_attn.SpecInfo`."""
-    numel, full = custom_mask.numel(), q_len * batch.seq_lens_sum
-    tree = batch.batch_size * q_len * q_len
-    if numel == full or (numel > full and numel != tree):
-        return "full"
-    if numel == tree:
-        return "tree"
-    raise ValueError(
-        f"spec_info.custom_mask has {numel} elements; expected q_len·Σseq_lens = {full} "
-        f"(per-request [q_len, seq_len] blocks) or batch·q_len² = {tree} (the tree part).")
+    from ..strategies.spec import mask_layout_of_size  # one rule for planning and padding
+
+    return mask_layout_of_size(custom_mask.numel(), batch, q_len)
 
 
 def check_mask_fits(static: StaticInputs, batch: ForwardBatch, padded_bs: int, q_len: int,

@@ -49,6 +49,7 @@ from .mha import ExtendMetadata, PagedExecution, PagedMetadata, plan_page_table,
 __all__ = [
     "resolve_num_draft_tokens",
     "tree_mask_layout",
+    "mask_layout_of_size",
     "build_tree_mask",
     "VerifyChainMetadata",
     "VerifyTreeMetadata",
@@ -104,7 +105,12 @@ def tree_mask_layout(custom_mask: torch.Tensor, batch: ForwardBatch, q_len: int)
     """
     check_tensor("spec_info.custom_mask", custom_mask, dtypes=_MASK_DTYPES,
                  hint="custom_mask is a flat bool mask (True = may attend).")
-    numel = custom_mask.numel()
+    return mask_layout_of_size(custom_mask.numel(), batch, q_len)
+
+
+def mask_layout_of_size(numel: int, batch: ForwardBatch, q_len: int) -> str:
+    """:func:`tree_mask_layout` from the mask's element count alone (no dtype check); shared
+    with graph replay padding. Raises ValueError naming both accepted sizes."""
     full = q_len * batch.seq_lens_sum
     tree = batch.batch_size * q_len * q_len
     if numel == full or (numel > full and numel != tree):
