@@ -11,6 +11,7 @@ capture on CUDA.
 """
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ import torch
 from aiter_attn.cli import main
 from aiter_attn.engine import (Engine, EngineConfig, SamplingParams, build_random_model,
                                compare_outputs, hf_greedy)
-from aiter_attn.engine.graphs import engine_capture_sizes, graphs_enabled
+from aiter_attn.engine.graphs import engine_capture_sizes, graph_capturable, graphs_enabled
 from aiter_attn.engine.models import build_engine_model
 from aiter_attn.engine.spec_decode import NgramDrafter
 from aiter_attn.kvcache import MHAKVPool, SWAKVPool
@@ -105,10 +106,7 @@ def test_decode_replays_match_transformers(name, overrides, pool_cls):
     _check_decode_case(name, overrides, pool_cls, "cpu")
 
 
-VERIFY_CASES = [
-    pytest.param("llama", MHAKVPool, id="llama-MHA-pool"),
-    pytest.param("mistral-swa", SWAKVPool, id="mistral-window8-SWA-pool"),
-]
+VERIFY_CASES = DECODE_CASES
 
 
 class _ReferenceDrafter(NgramDrafter):
@@ -131,8 +129,8 @@ class _ReferenceDrafter(NgramDrafter):
         return draft
 
 
-def _check_verify_case(name, pool_cls, device):
-    hf, model = _model(name, None, device)
+def _check_verify_case(name, overrides, pool_cls, device):
+    hf, model = _model(name, overrides, device)
     kw = dict(_KW, max_tokens_per_step=64)  # all three prefill at once, then verify together
     eng = Engine(model, EngineConfig(speculative="ngram", num_draft_tokens=3,
                                      cuda_graph=True if device == "cpu" else None, **kw))
@@ -154,11 +152,11 @@ def _check_verify_case(name, pool_cls, device):
     assert eng.kv.allocator.free_pages == eng.kv.num_pages - 1
 
 
-@pytest.mark.parametrize("name,pool_cls", VERIFY_CASES)
-def test_ngram_verify_replays_match_transformers(name, pool_cls):
+@pytest.mark.parametrize("name,overrides,pool_cls", VERIFY_CASES)
+def test_ngram_verify_replays_match_transformers(name, overrides, pool_cls):
     """Chain verifies with the full ``k`` drafts replay TARGET_VERIFY graphs; shorter drafts
     (near ``max_new_tokens``) run eagerly; greedy output unchanged."""
-    _check_verify_case(name, pool_cls, "cpu")
+    _check_verify_case(name, overrides, pool_cls, "cpu")
 
 
 def test_tree_verify_stays_eager_and_decode_replays():
@@ -186,14 +184,19 @@ def test_capture_sizes_follow_the_batch_size(max_bs, sizes):
 
 
 def test_cuda_graph_setting():
-    assert graphs_enabled(None, "cpu") is False
-    assert graphs_enabled(None, torch.device("cuda")) is True
-    assert graphs_enabled(True, "cpu") is True and graphs_enabled(False, "cuda") is False
+    """``None`` = on for a capturable model on CUDA only; explicit values win."""
+    _, model = _model("llama")
+    on_cuda = SimpleNamespace(device=torch.device("cuda"))
+    assert graph_capturable(model) and not graph_capturable(on_cuda)
+    assert graphs_enabled(None, model) is False  # on the CPU
+    assert graphs_enabled(None, on_cuda) is False  # not known capturable (e.g. MoE modules)
+    assert graphs_enabled(None, SimpleNamespace(device=torch.device("cuda"),
+                                                cuda_graph_capturable=True)) is True
+    assert graphs_enabled(True, model) is True and graphs_enabled(False, on_cuda) is False
     with pytest.raises(TypeError, match="cuda_graph='yes'"):
-        graphs_enabled("yes", "cpu")
+        graphs_enabled("yes", model)
     with pytest.raises(ValueError, match="max_batch_size=0"):
         engine_capture_sizes(0)
-    _, model = _model("llama")
     assert Engine(model, EngineConfig(**_KW)).runner.graphs is None  # CPU default: off
 
 
@@ -222,6 +225,6 @@ def test_decode_graphs_on_cuda_match_transformers(name, overrides, pool_cls):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,pool_cls", VERIFY_CASES)
-def test_ngram_verify_graphs_on_cuda_match_transformers(name, pool_cls):
-    _check_verify_case(name, pool_cls, "cuda")
+@pytest.mark.parametrize("name,overrides,pool_cls", VERIFY_CASES)
+def test_ngram_verify_graphs_on_cuda_match_transformers(name, overrides, pool_cls):
+    _check_verify_case(name, overrides, pool_cls, "cuda")

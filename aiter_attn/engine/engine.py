@@ -50,8 +50,9 @@ class EngineConfig:
         num_draft_tokens: most draft tokens proposed per request and step.
         cuda_graph: replay DECODE steps (and n-gram chain TARGET_VERIFY steps) through
             captured CUDA graphs of the sizes 1, 2, 4, 8, … ``max_batch_size``
-            (:mod:`aiter_attn.engine.graphs`); ``None`` = on when the model is on CUDA. Forced
-            on for a CPU model it runs the same path in no-capture mode (tests).
+            (:mod:`aiter_attn.engine.graphs`); ``None`` = on when the model is on CUDA and
+            known capturable (the engine's own decoder). Forced on for a CPU model it runs the
+            same path in no-capture mode (tests).
     """
 
     page_size: int = 16
@@ -135,7 +136,7 @@ class Engine:
             chunk_tokens=max(config.chunk_size or config.max_tokens_per_step,
                              config.num_draft_tokens + 1),
             spec=self.spec_decoder.backend_spec if self.spec_decoder else None,
-            cuda_graph=graphs_enabled(config.cuda_graph, model.device))
+            cuda_graph=graphs_enabled(config.cuda_graph, model))
         self.requests: list[Request] = []
         self.stats = EngineStats()
 

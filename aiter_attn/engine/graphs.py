@@ -1,14 +1,15 @@
 """CUDA graphs in the engine: DECODE (and n-gram chain TARGET_VERIFY) steps replay captured
 graphs through :class:`~aiter_attn.graph.CudaGraphManager`.
 
-:class:`EngineGraphs` owns one manager for the runner's backend, captured lazily on the first
-step it serves for the batch sizes :func:`engine_capture_sizes` derives from
+:class:`EngineGraphs` owns one manager for the runner's backend, captured when the runner is
+built (before any request holds pages) for the batch sizes :func:`engine_capture_sizes` derives from
 ``EngineConfig.max_batch_size``. A real batch is padded to the next captured size by the
 manager (padding rows read the null page and write slot 0 of it); only the real rows' logits
 come back. EXTEND steps, tree verifies and chain verifies with fewer drafts than captured stay
 eager (:meth:`EngineGraphs.serves` says which).
 
-On the CPU the manager runs in no-capture mode: it plans into the same static buffers and runs
+``EngineConfig(cuda_graph=None)`` turns graphs on for a model on CUDA whose forward is known to
+be capturable (:func:`graph_capturable`). On the CPU the manager runs in no-capture mode: it plans into the same static buffers and runs
 the step function eagerly on the static batch, so forcing ``EngineConfig(cuda_graph=True)``
 there exercises every piece of this path except the graph itself.
 """
@@ -26,18 +27,30 @@ from ..graph import CudaGraphManager
 from ..graph.buffers import default_capture_sizes
 from ..types import ForwardMode
 
-__all__ = ["EngineGraphs", "engine_capture_sizes", "graphs_enabled"]
+__all__ = ["EngineGraphs", "engine_capture_sizes", "graph_capturable", "graphs_enabled"]
 
 log = logging.getLogger(__name__)
 
 
-def graphs_enabled(cuda_graph: Optional[bool], device) -> bool:
-    """``EngineConfig.cuda_graph`` resolved: ``None`` = on when ``device`` is CUDA."""
+def graph_capturable(model) -> bool:
+    """Whether ``model``'s forward is known to be capturable (static shapes, no host sync):
+    its ``cuda_graph_capturable`` attribute if it has one, else True for the engine's own
+    :class:`~aiter_attn.engine.model.LlamaFamilyModel` only (transformers modules, e.g. MoE
+    routing, may sync)."""
+    from .model import LlamaFamilyModel
+
+    flag = getattr(model, "cuda_graph_capturable", None)
+    return bool(flag) if flag is not None else isinstance(model, LlamaFamilyModel)
+
+
+def graphs_enabled(cuda_graph: Optional[bool], model) -> bool:
+    """``EngineConfig.cuda_graph`` resolved for ``model``: ``None`` = on when the model is on
+    CUDA and :func:`graph_capturable`; ``True``/``False`` as given."""
     if cuda_graph is None:
-        return torch.device(device).type == "cuda"
+        return torch.device(model.device).type == "cuda" and graph_capturable(model)
     if not isinstance(cuda_graph, bool):
         raise TypeError(f"cuda_graph={cuda_graph!r} must be True, False or None (None = on "
-                        "when the model is on CUDA).")
+                        "when the model is on CUDA and capturable).")
     return cuda_graph
 
 

@@ -58,6 +58,7 @@ class ModelRunner:
         if cuda_graph:
             self.graphs = EngineGraphs(model, self.backend, max_batch_size=max_batch_size,
                                        verify=spec is not None and spec.topk == 1)
+            self.graphs.capture()
 
     def run_batch(self, batch: ForwardBatch, input_ids: torch.Tensor,
                   logits_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
