@@ -157,8 +157,10 @@ class Rig:
                 out[f"v{l.layer_id}"] = ((l.num_kv_heads * l.v_head_dim,), self.config.dtype)
         return out
 
-    def random_inputs(self, batch: ForwardBatch) -> dict:
-        n = batch.num_tokens
+    def random_inputs(self, batch: ForwardBatch, num_tokens: Optional[int] = None) -> dict:
+        """Random token inputs (:meth:`token_inputs`) for ``num_tokens`` rows (default: the
+        batch's tokens; multi-step drafting has one row per branch)."""
+        n = batch.num_tokens if num_tokens is None else num_tokens
         return {name: torch.randn((n, *shape), generator=self.gen).to(self.config.device, dtype)
                 for name, (shape, dtype) in self.token_inputs().items()}
 
@@ -171,6 +173,37 @@ class Rig:
                                     inputs.get(f"v{l.layer_id}"), l, batch)
                          for l in layers)
         return step
+
+    def multistep_step_fn(self, ms):
+        """The function a graph captures for ``MultiStepDraftBackend`` ``ms``: per layer, the
+        outputs of every draft step concatenated along dim 1."""
+        layers = self.layers
+
+        def fn(batch, inputs):
+            return tuple(torch.cat([
+                ms.attn_backends[i].forward(inputs[f"q{l.layer_id}"], inputs[f"k{l.layer_id}"],
+                                            inputs.get(f"v{l.layer_id}"), l, sb)
+                for i, sb in enumerate(ms.step_batches)], dim=1) for l in layers)
+        return fn
+
+    def join_drafting(self, bs: int, max_prefix: int):
+        """Join ``bs`` requests (prefix lengths drawn in ``[1, max_prefix)``), reserve the draft
+        slots of every branch (``config.spec``), and return ``(rows, batch)``: the DECODE batch
+        over their committed lengths that ``MultiStepDraftBackend`` plans from."""
+        from aiter_attn.multistep import draft_columns_needed
+
+        rows = [self.join(int(torch.randint(1, max_prefix, (1,), generator=self.gen)))
+                for _ in range(bs)]
+        committed = [self.alloc.tokens_held(r) for r in rows]
+        spec = self.config.spec
+        need = draft_columns_needed(torch.tensor(committed), self.config.page_size, spec.topk,
+                                    spec.num_steps)
+        for r, c, n in zip(rows, committed, need.tolist()):
+            self.alloc.extend(self.req_pool, r, n - c)  # the draft slots of every branch
+        batch = ForwardBatch.from_lengths(forward_mode="decode", req_pool_indices=rows,
+                                          seq_lens=committed, device=self.config.device,
+                                          out_cache_loc=torch.zeros(bs, dtype=torch.int64))
+        return rows, batch
 
     def eager(self, batch: ForwardBatch, inputs: dict, save_kv_cache: bool = True):
         self.backend.init_forward_metadata(batch)

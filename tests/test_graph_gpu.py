@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from aiter_attn import ForwardBatch, ForwardMode, SpecDecodeConfig
+from aiter_attn import ForwardBatch, SpecDecodeConfig
 from aiter_attn.testing.compare import assert_close_rel
 
 from ._graph_helpers import Rig
@@ -34,6 +34,19 @@ RTOL_BF16 = 8e-3
 #: Logits after 8 bf16 layers: those ulp-level differences compound through the residual
 #: stream (each layer re-rounds), so the bound is a few ulps.
 RTOL_LOGITS = 2e-2
+
+
+def _replay_sync_free(mgr, batch, inputs) -> list:
+    """``mgr.replay`` under ``set_sync_debug_mode("error")`` (any device→host sync raises);
+    returns copies of the outputs (the graph's static outputs are overwritten by the next
+    replay)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = mgr.replay(batch, **inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return [o.clone() for o in out]
 
 
 # -- the engine's decoder ---------------------------------------------------------------------
@@ -183,13 +196,7 @@ def test_replays_make_no_host_sync_and_match_eager(arch, mode, topk):
             rig.leave(rig.rows[-1])
         batch = rig.batch(mode)
         inputs = rig.random_inputs(batch)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = mgr.replay(batch, **inputs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        out = [o.clone() for o in out]
+        out = _replay_sync_free(mgr, batch, inputs)
         eager = rig.eager(batch, inputs, save_kv_cache=False)
         for i, (g, e) in enumerate(zip(out, eager)):
             assert_close_rel(g, e, RTOL_BF16, f"{arch} {mode} bs={bs} layer {i}")
@@ -206,33 +213,12 @@ def test_multi_step_draft_decode_replays_sync_free(arch):
     from aiter_attn.graph import CudaGraphManager
 
     mgr = CudaGraphManager(ms, capture_sizes=[1, 4, 16], token_inputs=rig.token_inputs())
-    layers = rig.layers
-
-    def fn(batch, inputs):
-        return tuple(torch.cat([
-            ms.attn_backends[i].forward(inputs[f"q{l.layer_id}"], inputs[f"k{l.layer_id}"],
-                                        inputs.get(f"v{l.layer_id}"), l, sb)
-            for i, sb in enumerate(ms.step_batches)], dim=1) for l in layers)
-
+    fn = rig.multistep_step_fn(ms)
     mgr.capture(fn)
     for bs in (3, 16, 1):
-        rows = [rig.join(int(torch.randint(1, 300, (1,), generator=rig.gen))) for _ in range(bs)]
-        committed = [rig.alloc.tokens_held(r) for r in rows]
-        need = multistep.draft_columns_needed(torch.tensor(committed), 16, 2, 4)
-        for r, c, n in zip(rows, committed, need.tolist()):
-            rig.alloc.extend(rig.req_pool, r, n - c)
-        batch = ForwardBatch.from_lengths(forward_mode="decode", req_pool_indices=rows,
-                                          seq_lens=committed, device="cuda",
-                                          out_cache_loc=torch.zeros(bs, dtype=torch.int64))
-        inputs = {k: torch.randn((bs * 2, *shape), generator=rig.gen).to("cuda", dtype)
-                  for k, (shape, dtype) in rig.token_inputs().items()}
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = mgr.replay(batch, **inputs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        out = [o.clone() for o in out]
+        rows, batch = rig.join_drafting(bs, 300)
+        inputs = rig.random_inputs(batch, num_tokens=bs * 2)  # one row per branch
+        out = _replay_sync_free(mgr, batch, inputs)
         ms.init_forward_metadata(batch)
         for i, (g, e) in enumerate(zip(out, fn(batch, inputs))):
             assert_close_rel(g, e, RTOL_BF16, f"multi-step {arch} bs={bs} layer {i}")

@@ -6,7 +6,7 @@ frozen parts between capture and replay is caught."""
 import pytest
 import torch
 
-from aiter_attn import (AttentionBackend, AttnArch, BackendConfig, CGSupport, ForwardMode,
+from aiter_attn import (AttentionBackend, BackendConfig, CGSupport, ForwardMode,
                         GraphLimitError, GraphMetadataMismatch, LayerSpec, SpecDecodeConfig)
 from aiter_attn.graph import (DUMMY_SLOT, NULL_REQ_ROW, CudaGraphManager, GraphLimits,
                               default_capture_sizes, next_capture_size)
@@ -399,33 +399,16 @@ def test_capture_size_ladder():
 def test_multi_step_draft_decode_replay_equals_eager(arch, page, topk, steps):
     multistep = pytest.importorskip("aiter_attn.multistep",
                                     reason="aiter_attn/multistep.py has not landed")
-    from aiter_attn import ForwardBatch
-
     spec = SpecDecodeConfig(num_steps=steps, topk=topk, num_draft_tokens=steps * topk + 1)
     rig = Rig.make(arch, page_size=page, hq=4, hkv=2, head_dim=16, spec=spec, seed=page)
     ms = multistep.MultiStepDraftBackend(rig.config, rig.req_pool, rig.kv_pool)
     mgr = CudaGraphManager(ms, capture_sizes=[1, 2, 4], use_cuda_graph=False,
                            token_inputs=rig.token_inputs())
-    layers = rig.layers
-
-    def fn(batch, inputs):
-        return tuple(torch.cat([
-            ms.attn_backends[i].forward(inputs[f"q{l.layer_id}"], inputs[f"k{l.layer_id}"],
-                                        inputs.get(f"v{l.layer_id}"), l, sb)
-            for i, sb in enumerate(ms.step_batches)], dim=1) for l in layers)
-
+    fn = rig.multistep_step_fn(ms)
     mgr.capture(fn)
     for bs in (3, 1, 4, 2):
-        rows = [rig.join(int(torch.randint(1, 40, (1,), generator=rig.gen))) for _ in range(bs)]
-        committed = [rig.alloc.tokens_held(r) for r in rows]
-        need = multistep.draft_columns_needed(torch.tensor(committed), page, topk, steps)
-        for r, c, n in zip(rows, committed, need.tolist()):
-            rig.alloc.extend(rig.req_pool, r, n - c)  # the draft slots of every branch
-        batch = ForwardBatch.from_lengths(forward_mode="decode", req_pool_indices=rows,
-                                          seq_lens=committed,
-                                          out_cache_loc=torch.zeros(bs, dtype=torch.int64))
-        inputs = {k: torch.randn((bs * topk, *shape), generator=rig.gen)
-                  for k, (shape, _) in rig.token_inputs().items()}
+        rows, batch = rig.join_drafting(bs, 40)
+        inputs = rig.random_inputs(batch, num_tokens=bs * topk)  # one row per branch
         before = rig.snapshot()
         out = mgr.replay(batch, **inputs)
         # padding rows of every step write the dummy slot only
