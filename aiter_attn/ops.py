@@ -22,6 +22,7 @@ __all__ = [
     "build_page_table",
     "build_ragged_kv_indices",
     "paged_attention_request",
+    "attention_features",
 ]
 
 
@@ -43,11 +44,12 @@ def _check_window(window_size):
         )
 
 
-def paged_attention_request(
-    q, k_cache, v_cache, *, window_size=(-1, -1), softcap=0.0, sinks=None, causal=True,
-    custom_mask=None,
-) -> KernelRequest:
-    """The kernel-registry key for a paged-attention call with these inputs."""
+def attention_features(*, kv_dtype: torch.dtype, head_dim: int, v_head_dim: int,
+                       window_size=(-1, -1), softcap=0.0, sinks=None, causal=True,
+                       custom_mask=None) -> set:
+    """The optional features an attention call uses (``KernelRequest.features``): ``sinks``,
+    ``softcap``, ``window``, ``fp8`` (cache dtype), ``custom_mask``, ``v_head_dim_differs``,
+    ``non_causal``. Shared by every paged-attention op's request builder."""
     features = set()
     if sinks is not None:
         features.add("sinks")
@@ -55,14 +57,26 @@ def paged_attention_request(
         features.add("softcap")
     if tuple(window_size) != (-1, -1):
         features.add("window")
-    if k_cache.dtype in FP8_DTYPES:
+    if kv_dtype in FP8_DTYPES:
         features.add("fp8")
     if custom_mask is not None:
         features.add("custom_mask")
-    if v_cache.shape[-1] != k_cache.shape[-1]:
+    if v_head_dim != head_dim:
         features.add("v_head_dim_differs")
     if not causal:
         features.add("non_causal")
+    return features
+
+
+def paged_attention_request(
+    q, k_cache, v_cache, *, window_size=(-1, -1), softcap=0.0, sinks=None, causal=True,
+    custom_mask=None,
+) -> KernelRequest:
+    """The kernel-registry key for a paged-attention call with these inputs."""
+    features = attention_features(
+        kv_dtype=k_cache.dtype, head_dim=k_cache.shape[-1], v_head_dim=v_cache.shape[-1],
+        window_size=window_size, softcap=softcap, sinks=sinks, causal=causal,
+        custom_mask=custom_mask)
     return KernelRequest(
         op="paged_attention",
         device=q.device.type,

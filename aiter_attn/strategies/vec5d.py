@@ -26,10 +26,12 @@ from ..hookspecs import hookimpl
 from ..kernels.reference_5d import paged_attention_5d_reference, v_layout_of, vec_width
 from ..kernels.registry import Capabilities, KernelRequest
 from ..metadata import AttnMetadata
+from ..ops import attention_features
 from ..registry import StrategyPair
 from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
 from ..validation import ATTN_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
 from .base import ExecutionStrategy
+from .common import attend_layer, require_pool
 from .mha import DecodeMetadata, ExtendMetadata
 from .spec import (
     DraftDecodeStepMetadata,
@@ -37,7 +39,6 @@ from .spec import (
     VerifyChainMetadata,
     VerifyTreeMetadata,
 )
-from .common import attend_layer, require_pool
 from .swa import chain_verify_only, tree_verify_only
 
 __all__ = [
@@ -86,22 +87,11 @@ def _v_head_dim(v_cache):
 def paged_attention_5d_request(q, k_cache, v_cache, *, window_size=(-1, -1), softcap=0.0,
                                sinks=None, causal=True, custom_mask=None) -> KernelRequest:
     """The kernel-registry key for a ``paged_attention_5d`` call with these inputs."""
-    features = set()
-    if sinks is not None:
-        features.add("sinks")
-    if softcap and softcap > 0:
-        features.add("softcap")
-    if tuple(window_size) != (-1, -1):
-        features.add("window")
-    if k_cache.dtype in FP8_DTYPES:
-        features.add("fp8")
-    if custom_mask is not None:
-        features.add("custom_mask")
     head_dim = k_cache.shape[2] * k_cache.shape[4]
-    if _v_head_dim(v_cache) != head_dim:
-        features.add("v_head_dim_differs")
-    if not causal:
-        features.add("non_causal")
+    features = attention_features(
+        kv_dtype=k_cache.dtype, head_dim=head_dim, v_head_dim=_v_head_dim(v_cache),
+        window_size=window_size, softcap=softcap, sinks=sinks, causal=causal,
+        custom_mask=custom_mask)
     return KernelRequest(
         op="paged_attention_5d", device=q.device.type, dtype=q.dtype, kv_dtype=k_cache.dtype,
         head_dim=head_dim, v_head_dim=_v_head_dim(v_cache), page_size=k_cache.shape[3],
