@@ -126,6 +126,16 @@ def with_overrides(ov, f):
         pa.TUNING_OVERRIDES.clear()
 
 
+def sweep(row, configs, measure):
+    """Append ``measure(ov)`` under each override set ``ov`` of ``configs`` to
+    ``row["configs"]`` (a failing config is recorded with its error, the sweep goes on)."""
+    for ov in configs:
+        try:
+            row["configs"].append(with_overrides(ov, lambda: measure(ov)))
+        except Exception as exc:
+            row["configs"].append(dict(ov=ov, error=repr(exc)[:300]))
+
+
 def run_decode(rows, configs, graphs=True, kv_dtype=None):
     results = []
     for bs, ctx in rows:
@@ -153,19 +163,15 @@ def run_decode(rows, configs, graphs=True, kv_dtype=None):
         if kv_dtype is not None:
             one = torch.ones(1, device="cuda")
             scales = dict(k_scale=one, v_scale=one)
-        for ov in configs:
-            def go():
-                fn = ours_fn(inp, out, **scales)
-                fn()
-                err = check(inp, out, **scales)
-                ms = bench(fn)
-                gms = bench_graph(fn) if graphs and not ov else None
-                return dict(ov=ov, err=err, ms=ms, tbps=kv_bytes / ms / 1e9,
-                            graph_ms=gms, graph_tbps=kv_bytes / gms / 1e9 if gms else None)
-            try:
-                row["configs"].append(with_overrides(ov, go))
-            except Exception as exc:
-                row["configs"].append(dict(ov=ov, error=repr(exc)[:300]))
+        def measure(ov):
+            fn = ours_fn(inp, out, **scales)
+            fn()
+            err = check(inp, out, **scales)
+            ms = bench(fn)
+            gms = bench_graph(fn) if graphs and not ov else None
+            return dict(ov=ov, err=err, ms=ms, tbps=kv_bytes / ms / 1e9,
+                        graph_ms=gms, graph_tbps=kv_bytes / gms / 1e9 if gms else None)
+        sweep(row, configs, measure)
         results.append(row)
         del inp
         torch.cuda.empty_cache()
@@ -191,17 +197,13 @@ def run_prefill(rows, configs):
                 row[name] = dict(error=repr(exc)[:200])
         del k, v
         out = torch.empty_like(inp["q"])
-        for ov in configs:
-            def go():
-                fn = ours_fn(inp, out)
-                fn()
-                err = check(inp, out) if s <= 8192 else None
-                ms = bench(fn)
-                return dict(ov=ov, err=err, ms=ms, tflops=flops / ms / 1e9)
-            try:
-                row["configs"].append(with_overrides(ov, go))
-            except Exception as exc:
-                row["configs"].append(dict(ov=ov, error=repr(exc)[:300]))
+        def measure(ov):
+            fn = ours_fn(inp, out)
+            fn()
+            err = check(inp, out) if s <= 8192 else None
+            ms = bench(fn)
+            return dict(ov=ov, err=err, ms=ms, tflops=flops / ms / 1e9)
+        sweep(row, configs, measure)
         results.append(row)
         del inp
         torch.cuda.empty_cache()
