@@ -2,16 +2,17 @@
 graphs through :class:`~aiter_attn.graph.CudaGraphManager`.
 
 :class:`EngineGraphs` owns one manager for the runner's backend, captured when the runner is
-built (before any request holds pages) for the batch sizes :func:`engine_capture_sizes` derives from
-``EngineConfig.max_batch_size``. A real batch is padded to the next captured size by the
-manager (padding rows read the null page and write slot 0 of it); only the real rows' logits
-come back. EXTEND steps, tree verifies and chain verifies with fewer drafts than captured stay
-eager (:meth:`EngineGraphs.serves` says which).
+built (before any request holds pages) for the batch sizes :func:`engine_capture_sizes`
+derives from ``EngineConfig.max_batch_size``. A real batch is padded to the next captured size
+by the manager (padding rows read the null page and write slot 0 of it); only the real rows'
+logits come back. EXTEND steps, tree verifies and chain verifies with fewer drafts than
+captured stay eager (:meth:`EngineGraphs.serves` says which).
 
-``EngineConfig(cuda_graph=None)`` turns graphs on for a model on CUDA whose forward is known to
-be capturable (:func:`graph_capturable`). On the CPU the manager runs in no-capture mode: it plans into the same static buffers and runs
-the step function eagerly on the static batch, so forcing ``EngineConfig(cuda_graph=True)``
-there exercises every piece of this path except the graph itself.
+``EngineConfig(cuda_graph=None)`` turns graphs on for a model on CUDA whose forward is known
+to be capturable (:func:`graph_capturable`). On the CPU the manager runs in no-capture mode:
+it plans into the same static buffers and runs the step function eagerly on the static batch
+(CPU mirrors frozen at capture), so forcing ``EngineConfig(cuda_graph=True)`` there exercises
+every piece of this path except the graph itself.
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ class EngineGraphs:
         return self.model.forward(inputs["input_ids"], batch.positions, batch, self.backend)
 
     def capture(self) -> None:
-        """Capture every mode and size (once; the first :meth:`run` calls it)."""
+        """Capture every mode and size (once; the runner calls it when it is built, and
+        :meth:`run` makes sure it happened)."""
         if self._captured:
             return
         with torch.inference_mode():

@@ -2,7 +2,8 @@
 
 A step's prefill chunks run as one EXTEND forward and its decoding requests as one DECODE
 forward (a mixed step is split in two). The runner knows nothing of the model class beyond
-the ``EngineModel`` protocol.
+the ``EngineModel`` protocol. With CUDA graphs on, DECODE (and full chain verify) batches
+are handed to :class:`~aiter_attn.engine.graphs.EngineGraphs` instead of being planned here.
 """
 
 from __future__ import annotations
@@ -62,9 +63,10 @@ class ModelRunner:
 
     def run_batch(self, batch: ForwardBatch, input_ids: torch.Tensor,
                   logits_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Logits of one planned-or-not ``batch``: replayed through the graphs when they
-        serve its mode and shape (then every token's row; ``logits_indices`` is ignored, as
-        DECODE and verify want every row), else planned and run eagerly."""
+        """float32 logits of an unplanned ``batch``. When the graphs serve it (DECODE, full
+        chain verify) it is replayed and every token's row comes back (``logits_indices`` is
+        not used: those modes want every row); otherwise it is planned
+        (``init_forward_metadata``) and run eagerly, keeping the ``logits_indices`` rows."""
         if self.graphs is not None and self.graphs.serves(batch):
             return self.graphs.run(batch, input_ids)
         self.backend.init_forward_metadata(batch)
