@@ -149,14 +149,18 @@ def _module(name, **attrs):
     return mod
 
 
+def _assert_rejected(pm, name, hook, match):
+    """Registering a plugin whose kernel hook is ``hook`` raises ``match`` and leaves no trace."""
+    with pytest.raises(PluginValidationError, match=match):
+        plugins.register_plugin(pm, name, _module(name, aiter_attn_register_kernels=hook))
+    assert not pm.has_plugin(name)
+
+
 def test_unmarked_hook_is_rejected(pm):
     def aiter_attn_register_kernels(register):
         pass
 
-    with pytest.raises(PluginValidationError, match="without the @hookimpl marker"):
-        plugins.register_plugin(pm, "unmarked", _module("unmarked", aiter_attn_register_kernels=
-                                                        aiter_attn_register_kernels))
-    assert not pm.has_plugin("unmarked")
+    _assert_rejected(pm, "unmarked", aiter_attn_register_kernels, "without the @hookimpl marker")
 
 
 def test_hook_with_wrong_arguments_is_rejected(pm):
@@ -164,10 +168,7 @@ def test_hook_with_wrong_arguments_is_rejected(pm):
     def aiter_attn_register_kernels(registrar):
         pass
 
-    with pytest.raises(PluginValidationError, match="does not match the hook specs"):
-        plugins.register_plugin(pm, "wrongargs", _module("wrongargs", aiter_attn_register_kernels=
-                                                         aiter_attn_register_kernels))
-    assert not pm.has_plugin("wrongargs")
+    _assert_rejected(pm, "wrongargs", aiter_attn_register_kernels, "does not match the hook specs")
 
 
 def _failing_plugin():
