@@ -116,9 +116,7 @@ def _require_pair(arch, mode):
     from aiter_attn.plugins import strategy_registry
 
     pair, reasons = strategy_registry().candidates(mode, arch)
-    if pair is None:
-        pytest.skip(f"no strategy serves {mode.name} × {arch.upper()} yet "
-                    f"(strategies/spec.py has not landed): {reasons}")
+    assert pair is not None, f"no strategy serves {mode.name} × {arch.upper()}: {reasons}"
 
 
 @pytest.mark.parametrize("arch,mode,topk", SPEC_CASES)
@@ -137,8 +135,6 @@ def test_tree_part_mask_is_expanded_into_the_static_mask(arch):
     """A verify batch may send only the [bs, q, q] tree part; the graph expands it on the
     device and matches eager planning of the full-layout mask."""
     _require_pair(arch, ForwardMode.TARGET_VERIFY)
-    pytest.importorskip("aiter_attn.strategies.spec",
-                        reason="the tree-part expansion lives in strategies/spec.py (not landed)")
     spec = SpecDecodeConfig(topk=2, num_draft_tokens=3)
     rig = Rig.make(arch, page_size=7, hq=4, hkv=2, head_dim=16, spec=spec, seed=3)
     mgr = rig.manager()
@@ -397,8 +393,8 @@ def test_capture_size_ladder():
     pytest.param("swa", 7, 2, 3, id="swa-page7-topk2-steps3"),
 ])
 def test_multi_step_draft_decode_replay_equals_eager(arch, page, topk, steps):
-    multistep = pytest.importorskip("aiter_attn.multistep",
-                                    reason="aiter_attn/multistep.py has not landed")
+    from aiter_attn import multistep
+
     spec = SpecDecodeConfig(num_steps=steps, topk=topk, num_draft_tokens=steps * topk + 1)
     rig = Rig.make(arch, page_size=page, hq=4, hkv=2, head_dim=16, spec=spec, seed=page)
     ms = multistep.MultiStepDraftBackend(rig.config, rig.req_pool, rig.kv_pool)

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aiter_attn import ForwardMode, SpecDecodeConfig
+from aiter_attn import SpecDecodeConfig
 from aiter_attn.graph import describe_signature, graph_mode
 
 from ._graph_helpers import Rig
@@ -72,9 +72,8 @@ def assert_static_matches_eager(static_md, eager_md, bs):
 def _require(arch, mode):
     from aiter_attn.plugins import strategy_registry
 
-    if strategy_registry().candidates(mode, arch)[0] is None:
-        pytest.skip(f"no strategy serves {mode} × {arch.upper()} yet (strategies/spec.py has "
-                    "not landed)")
+    pair, reasons = strategy_registry().candidates(mode, arch)
+    assert pair is not None, f"no strategy serves {mode} × {arch.upper()}: {reasons}"
 
 
 _RIGS: dict = {}
