@@ -73,3 +73,25 @@ def test_idle_returns_empty():
     q = torch.zeros(0, 4 * 16)
     out = be.forward(q, q[:, :32], q[:, :32], layers[0], batch)
     assert out.shape == (0, 64)
+
+
+def test_kernel_selection_once_per_layer(monkeypatch):
+    """Selection is cached per layer: later steps and calls build no kernel request at all
+    (the per-layer host cost on the hot path is a dict lookup)."""
+    from aiter_attn import ops
+
+    built = []
+    real = ops.paged_attention_request
+
+    def counting(*a, **kw):
+        built.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ops, "paged_attention_request", counting)
+    cfg = BackendConfig(page_size=4, max_context_len=128, dtype=torch.float32)
+    layers = _layers(4, 2, 16, n=3)
+    sc = PagedScenario.make(cfg, layers, [5, 9], seed=2)
+    be = AttentionBackend(cfg, sc.req_pool, sc.kv_pool)
+    for _ in range(3):
+        _run_step(sc, be, ForwardMode.DECODE, [1, 1], torch.float32)
+    assert len(built) == len(layers)

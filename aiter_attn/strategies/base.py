@@ -118,9 +118,15 @@ class ExecutionStrategy(abc.ABC):
         """Attention output ``[num_tokens, num_q_heads * v_head_dim]`` in ``q``'s dtype."""
 
     def kernel_for(self, key, request):
-        """Select a kernel once per ``key`` (usually the layer spec) and cache it."""
+        """Select a kernel once per ``key`` (usually the layer spec) and cache it.
+
+        ``request`` is a :class:`~aiter_attn.kernels.registry.KernelRequest` or a zero-argument
+        callable building one (so a cache hit builds nothing: the per-call host cost of a
+        layer stays a dict lookup).
+        """
         sel = self._kernels.get(key)
         if sel is None:
-            sel = self.ctx.kernels.select(request, backend=self.ctx.config.kernel_backend)
+            req = request() if callable(request) else request
+            sel = self.ctx.kernels.select(req, backend=self.ctx.config.kernel_backend)
             self._kernels[key] = sel
         return sel

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..batch import ForwardBatch
-from ..kernels.registry import KernelRequest
+from ..kernels.registry import Selection
 from ..metadata import AttnMetadata, CustomMask, PageTable, QueryLayout
 from ..types import LayerSpec
 from .base import ExecutionStrategy
@@ -59,10 +59,11 @@ def window_tree_mask(mask: CustomMask, batch: ForwardBatch, query: QueryLayout,
     return CustomMask(custom_mask=keep.view(mask.custom_mask.shape), mask_indptr=mask.mask_indptr)
 
 
-def attend(executor: ExecutionStrategy, op_request: KernelRequest, q, k_cache, v_cache,
+def attend(executor: ExecutionStrategy, op_request, q, k_cache, v_cache,
            layer: LayerSpec, batch: ForwardBatch, md: AttnMetadata, pages: PageTable, sinks):
     """One attention call of ``layer`` through the kernel chosen for ``op_request``'s op
     (``paged_attention`` semantics; the caches are in whatever layout that op takes).
+    ``op_request`` is a :class:`KernelRequest` or an already made ``Selection``.
 
     Applies the layer's window (``(w - 1, 0)``), soft-cap, sinks and fp8 scales; a tree mask
     is applied literally (non-causal), and a window is folded into it at the tokens' true
@@ -74,7 +75,8 @@ def attend(executor: ExecutionStrategy, op_request: KernelRequest, q, k_cache, v
     if mask is not None and layer.sliding_window is not None:
         mask = window_tree_mask(mask, batch, md.query, layer.sliding_window)
         window = (-1, -1)
-    sel = executor.kernel_for(op_request, op_request)
+    sel = (op_request if isinstance(op_request, Selection)
+           else executor.kernel_for(op_request, op_request))
     out = torch.empty(num_tokens, layer.num_q_heads, layer.v_head_dim, dtype=q.dtype,
                       device=q.device)
     sel.fn(
@@ -97,11 +99,18 @@ def attend_layer(executor: ExecutionStrategy, request_fn, q, k_cache, v_cache, l
     from the layer's effective window and causality; ``sinks`` default to ``layer.sinks``.
     Returns ``[num_tokens, Hq * Dv]`` in ``q``'s dtype."""
     sinks = sinks if sinks is not None else layer.sinks
-    request = request_fn(
-        q, k_cache, v_cache, window_size=effective_window(layer, md),
-        softcap=layer.logit_cap, sinks=sinks, causal=effective_causal(layer, md),
-        custom_mask=None if md.mask is None else md.mask.custom_mask)
-    return attend(executor, request, q, k_cache, v_cache, layer, batch, md, pages, sinks)
+    # Everything the request depends on, so a step's layers after the first reuse the choice.
+    key = (request_fn, layer, sinks is not None, md.mask is not None, q.dtype, q.device,
+           k_cache.dtype, tuple(k_cache.shape[1:]), tuple(v_cache.shape[1:]))
+
+    def request():
+        return request_fn(
+            q, k_cache, v_cache, window_size=effective_window(layer, md),
+            softcap=layer.logit_cap, sinks=sinks, causal=effective_causal(layer, md),
+            custom_mask=None if md.mask is None else md.mask.custom_mask)
+
+    sel = executor.kernel_for(key, request)
+    return attend(executor, sel, q, k_cache, v_cache, layer, batch, md, pages, sinks)
 
 
 def require_pool(ctx, pool_cls: type, arch: str, hint: str = ""):
