@@ -55,7 +55,6 @@ __all__ = [
     "VerifyTreeMetadata",
     "DraftExtendV2Metadata",
     "DraftDecodeStepMetadata",
-    "SpecPagedExecution",
     "DRAFT_DECODE_STEP",
 ]
 
@@ -284,10 +283,6 @@ class DraftDecodeStepMetadata(MetadataStrategy):
         )
 
 
-#: Kept as a name for compatibility: PagedExecution hands a planned mask to the kernel itself.
-SpecPagedExecution = PagedExecution
-
-
 def _needs_chain(config: BackendConfig):
     if config.spec is not None and config.spec.topk > 1:
         return f"BackendConfig.spec.topk={config.spec.topk} is a tree draft (custom mask)"
@@ -310,7 +305,7 @@ def aiter_attn_register_strategies(register):
     ))
     register(StrategyPair(
         name="mha.verify.tree", arch=AttnArch.MHA, modes={ForwardMode.TARGET_VERIFY},
-        metadata=VerifyTreeMetadata, execution=SpecPagedExecution, priority=10,
+        metadata=VerifyTreeMetadata, execution=PagedExecution, priority=10,
         cg_support=CGSupport.UNIFORM_BATCH, supports=_needs_tree,
         description="EAGLE tree (topk>1): page table + custom mask with mask_indptr",
     ))

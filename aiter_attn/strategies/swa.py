@@ -189,13 +189,17 @@ class SWAExecution(ExecutionStrategy):
         pages = metadata.extras["swa_pages"] if on_swa else metadata.pages
         if save_kv_cache and k is not None:
             op = "write_kv_swa" if on_swa else "write_kv"
-            request = KernelRequest(
-                op=op, device=k_cache.device.type, dtype=k.dtype, kv_dtype=k_cache.dtype,
-                head_dim=k_cache.shape[3], page_size=k_cache.shape[1],
-                features={"fp8"} if k_cache.dtype in FP8_DTYPES else (),
-            )
+
+            def request():
+                return KernelRequest(
+                    op=op, device=k_cache.device.type, dtype=k.dtype, kv_dtype=k_cache.dtype,
+                    head_dim=k_cache.shape[3], page_size=k_cache.shape[1],
+                    features={"fp8"} if k_cache.dtype in FP8_DTYPES else (),
+                )
+
             kw = {"full_to_swa": self.pool.full_to_swa_index_mapping} if on_swa else {}
-            self.kernel_for(request, request).fn(
+            # selected once per (op, layer, dtype): no request is built on later calls
+            self.kernel_for((op, layer, k.dtype), request).fn(
                 k_cache, v_cache, batch.out_cache_loc,
                 k.view(num_tokens, layer.num_kv_heads, layer.head_dim),
                 v.view(num_tokens, layer.num_kv_heads, layer.v_head_dim),
