@@ -154,6 +154,26 @@ def test_split_kv_reduction(monkeypatch, splits):
                      "split-KV + tree mask")
 
 
+@pytest.mark.parametrize("page,chunk", [
+    pytest.param(16, 2, id="page16-2pages-per-tile-chunk2"),
+    pytest.param(32, 4, id="page32-1page-per-tile-chunk4"),
+    pytest.param(1, 2, id="page1-32pages-per-tile-chunk2"),
+    pytest.param(64, 2, id="page64-2tiles-per-page-chunk2"),
+    pytest.param(128, 4, id="page128-4tiles-per-page-chunk4"),
+])
+def test_page_chunks(monkeypatch, page, chunk):
+    """The chunked block-table path (PAGE_CHUNK): the pages of ``chunk`` key tiles are read
+    once and each tile picks its own; contexts of several full and one partial chunk, with
+    splits whose tile ranges start mid-chunk."""
+    from aiter_attn.kernels.triton import paged_attention as mod
+
+    monkeypatch.setitem(mod.TUNING_OVERRIDES, "page_chunk", chunk)
+    case = Case([1, 40, 1], [300, 270, 33], hq=8, hkv=2, d=32, page=page, seed=page + chunk)
+    _check(case, "chunked page lookup")
+    monkeypatch.setitem(mod.TUNING_OVERRIDES, "num_splits", 3)
+    _check(case, "chunked page lookup, 3 splits")
+
+
 @pytest.mark.parametrize("w", [1, 4, 5, 6], ids=["w1", "w4", "w5", "w6"])
 def test_sliding_window_boundaries(w):
     """HF sliding_window=w is (w-1, 0); contexts of w-1, w, w+1 keys and a long one whose

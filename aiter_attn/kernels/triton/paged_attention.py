@@ -52,6 +52,56 @@ def _tanh(x):
 
 
 @triton.jit
+def _tile_step(
+    acc, m_i, l_i, q, qk_scale, softcap, K, V, k_rows, v_rows, kv_head_off_k, kv_head_off_v,
+    Mask, mask_row_off, kv_len, pos, row_valid, left, right, kpos,
+    offs_d, offs_dv, d_mask, dv_mask,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_CUSTOM_MASK: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One key tile: load K ``[D, BLOCK_N]`` / V ``[BLOCK_N, DV]`` at the int64 row offsets
+    ``k_rows``/``v_rows`` (token ``kpos``), update the online softmax ``(acc, m_i, l_i)``.
+
+    Logits are kept in the log2 domain (``qk_scale`` includes log2(e)). ``MASKED`` tiles apply
+    the length, causal, window and custom masks; unmasked tiles are known to be fully visible.
+    """
+    k_ptrs = K + kv_head_off_k + k_rows[None, :] + offs_d[:, None]
+    v_ptrs = V + kv_head_off_v + v_rows[:, None] + offs_dv[None, :]
+    if MASKED:
+        kin = kpos < kv_len
+        k = tl.load(k_ptrs, mask=d_mask[:, None] & kin[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=kin[:, None] & dv_mask[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=dv_mask[None, :], other=0.0)
+    s = tl.dot(q, k.to(COMPUTE_DTYPE), input_precision=DOT_PRECISION)
+    if HAS_SOFTCAP:
+        # softcap·tanh(x/softcap) on natural-unit logits, then to the log2 domain
+        s = softcap * _tanh(s * qk_scale / softcap) * _LOG2E
+    else:
+        s = s * (qk_scale * _LOG2E)
+    if MASKED:
+        vis = (kpos[None, :] < kv_len) & row_valid[:, None]
+        if CAUSAL:
+            vis = vis & (kpos[None, :] <= pos[:, None])
+        vis = vis & (kpos[None, :] >= pos[:, None] - left)
+        vis = vis & (kpos[None, :] <= pos[:, None] + right)
+        if HAS_CUSTOM_MASK:
+            mk = tl.load(Mask + mask_row_off[:, None] + kpos[None, :].to(tl.int64),
+                         mask=vis, other=0)
+            vis = vis & (mk != 0)
+        s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE), acc, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attn_tiles(
     acc, m_i, l_i, q, qk_scale, softcap,
     K, V, bt_row, stride_kp, stride_kt, stride_vp, stride_vt, kv_head_off_k, kv_head_off_v,
@@ -61,64 +111,79 @@ def _attn_tiles(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_CUSTOM_MASK: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr, PAGE_CHUNK: tl.constexpr,
 ):
     """Online-softmax update of ``(acc, m_i, l_i)`` over key tiles ``[t_start, t_end)``.
 
-    Logits are kept in the log2 domain (``qk_scale`` includes log2(e)). ``MASKED`` tiles apply
-    the length, causal, window and custom masks; unmasked tiles are known to be fully visible.
+    Page lookup, two ways:
+
+    * ``PAGE_CHUNK == 0``: each tile loads its tokens' pages from the block table. Simple, any
+      page size, but the K/V addresses then depend on a load in the same iteration, and
+      Triton's software pipeliner issues that tile's K/V copies only one iteration ahead,
+      at the end of the previous one (sm_90 TTGIR: ``async_wait {num = 0}`` at the loop top):
+      the copy latency is exposed in every iteration.
+    * ``PAGE_CHUNK = C > 0`` (page size divides ``BLOCK_N`` or is a multiple of it; unmasked
+      tiles): the pages of ``C`` tiles are loaded once into registers, and the inner loop picks
+      its tile's pages out of them with a select-and-sum, so no load feeds a K/V address
+      inside the pipelined loop and the copies run ``NUM_STAGES - 1`` tiles ahead
+      (``async_wait {num = 2}`` with 3 stages), as for a dense cache.
     """
     offs_n = tl.arange(0, BLOCK_N)
-    for t in tl.range(t_start, t_end, num_stages=NUM_STAGES):
-        kpos = t * BLOCK_N + offs_n
-        if TILE_IN_PAGE:
-            page = tl.load(bt_row + (t * BLOCK_N) // PAGE_SIZE).to(tl.int64)
-            in_page = ((t * BLOCK_N) % PAGE_SIZE + offs_n).to(tl.int64)
-            k_rows = page * stride_kp + in_page * stride_kt
-            v_rows = page * stride_vp + in_page * stride_vt
-        else:
-            if MASKED:
-                page = tl.load(bt_row + kpos // PAGE_SIZE, mask=kpos < kv_len, other=0)
+    if PAGE_CHUNK > 0:
+        offs_c = tl.arange(0, PAGE_CHUNK)
+        for c0 in range(t_start, t_end, PAGE_CHUNK):
+            n_in = tl.minimum(t_end - c0, PAGE_CHUNK)
+            tiles = c0 + offs_c
+            if TILE_IN_PAGE:
+                # one page per tile: [C] page ids
+                tile_pages = tl.load(bt_row + (tiles * BLOCK_N) // PAGE_SIZE,
+                                     mask=offs_c < n_in, other=0).to(tl.int64)
             else:
-                page = tl.load(bt_row + kpos // PAGE_SIZE)
-            page = page.to(tl.int64)
-            in_page = (kpos % PAGE_SIZE).to(tl.int64)
+                PPT: tl.constexpr = BLOCK_N // PAGE_SIZE
+                offs_pp = tl.arange(0, PPT)
+                # [C, PPT] page ids: tile c0+i spans pages (c0+i)·PPT … (c0+i)·PPT + PPT - 1
+                tile_pages = tl.load(bt_row + tiles[:, None] * PPT + offs_pp[None, :],
+                                     mask=(offs_c < n_in)[:, None], other=0).to(tl.int64)
+            for j in tl.range(0, n_in, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
+                t = c0 + j
+                kpos = t * BLOCK_N + offs_n
+                if TILE_IN_PAGE:
+                    page = tl.sum(tl.where(offs_c == j, tile_pages, 0), 0)
+                    in_page = ((t * BLOCK_N) % PAGE_SIZE + offs_n).to(tl.int64)
+                    k_rows = page * stride_kp + in_page * stride_kt
+                    v_rows = page * stride_vp + in_page * stride_vt
+                else:
+                    sel = tl.sum(tl.where((offs_c == j)[:, None], tile_pages, 0), 0)  # [PPT]
+                    page = tl.reshape(tl.broadcast_to(sel[:, None], (PPT, PAGE_SIZE)),
+                                      (BLOCK_N,))
+                    in_page = (offs_n % PAGE_SIZE).to(tl.int64)
+                    k_rows = page * stride_kp + in_page * stride_kt
+                    v_rows = page * stride_vp + in_page * stride_vt
+                acc, m_i, l_i = _tile_step(
+                    acc, m_i, l_i, q, qk_scale, softcap, K, V, k_rows, v_rows, kv_head_off_k,
+                    kv_head_off_v, Mask, mask_row_off, kv_len, pos, row_valid, left, right, kpos,
+                    offs_d, offs_dv, d_mask, dv_mask, MASKED, CAUSAL, HAS_SOFTCAP,
+                    HAS_CUSTOM_MASK, COMPUTE_DTYPE, DOT_PRECISION)
+    else:
+        for t in tl.range(t_start, t_end, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
+            kpos = t * BLOCK_N + offs_n
+            if TILE_IN_PAGE:
+                page = tl.load(bt_row + (t * BLOCK_N) // PAGE_SIZE).to(tl.int64)
+                in_page = ((t * BLOCK_N) % PAGE_SIZE + offs_n).to(tl.int64)
+            else:
+                if MASKED:
+                    page = tl.load(bt_row + kpos // PAGE_SIZE, mask=kpos < kv_len, other=0)
+                else:
+                    page = tl.load(bt_row + kpos // PAGE_SIZE)
+                page = page.to(tl.int64)
+                in_page = (kpos % PAGE_SIZE).to(tl.int64)
             k_rows = page * stride_kp + in_page * stride_kt
             v_rows = page * stride_vp + in_page * stride_vt
-        k_ptrs = K + kv_head_off_k + k_rows[None, :] + offs_d[:, None]
-        v_ptrs = V + kv_head_off_v + v_rows[:, None] + offs_dv[None, :]
-        if MASKED:
-            kin = kpos < kv_len
-            k = tl.load(k_ptrs, mask=d_mask[:, None] & kin[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=kin[:, None] & dv_mask[None, :], other=0.0)
-        else:
-            k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=dv_mask[None, :], other=0.0)
-        s = tl.dot(q, k.to(COMPUTE_DTYPE), input_precision=DOT_PRECISION)
-        if HAS_SOFTCAP:
-            # softcap·tanh(x/softcap) on natural-unit logits, then to the log2 domain
-            s = softcap * _tanh(s * qk_scale / softcap) * _LOG2E
-        else:
-            s = s * (qk_scale * _LOG2E)
-        if MASKED:
-            vis = (kpos[None, :] < kv_len) & row_valid[:, None]
-            if CAUSAL:
-                vis = vis & (kpos[None, :] <= pos[:, None])
-            vis = vis & (kpos[None, :] >= pos[:, None] - left)
-            vis = vis & (kpos[None, :] <= pos[:, None] + right)
-            if HAS_CUSTOM_MASK:
-                mk = tl.load(Mask + mask_row_off[:, None] + kpos[None, :].to(tl.int64),
-                             mask=vis, other=0)
-                vis = vis & (mk != 0)
-            s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE), acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+            acc, m_i, l_i = _tile_step(
+                acc, m_i, l_i, q, qk_scale, softcap, K, V, k_rows, v_rows, kv_head_off_k,
+                kv_head_off_v, Mask, mask_row_off, kv_len, pos, row_valid, left, right, kpos,
+                offs_d, offs_dv, d_mask, dv_mask, MASKED, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
+                COMPUTE_DTYPE, DOT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -141,7 +206,7 @@ def _paged_attn_kernel(
     HAS_SCALES: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr,
     SEARCH_SEQ: tl.constexpr, SPLIT: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr, CLAMP_Q: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr, PAGE_CHUNK: tl.constexpr,
 ):
     # longest causal q-blocks (latest positions) first: better tail balance in prefill
     pid_q = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -247,19 +312,19 @@ def _paged_attn_kernel(
         stride_vt, k_head, v_head, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
         s_lo, tl.minimum(tf_lo, s_hi), offs_d, offs_dv, d_mask, dv_mask,
         PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, True, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
-        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES)
+        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, False, 0)
     acc, m_i, l_i = _attn_tiles(
         acc, m_i, l_i, q, qk_scale, softcap, K, V, bt_row, stride_kp, stride_kt, stride_vp,
         stride_vt, k_head, v_head, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
         tl.maximum(tf_lo, s_lo), tl.minimum(tf_hi, s_hi), offs_d, offs_dv, d_mask, dv_mask,
         PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, False, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
-        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES)
+        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, WARP_SPEC, PAGE_CHUNK)
     acc, m_i, l_i = _attn_tiles(
         acc, m_i, l_i, q, qk_scale, softcap, K, V, bt_row, stride_kp, stride_kt, stride_vp,
         stride_vt, k_head, v_head, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
         tl.maximum(tf_hi, s_lo), s_hi, offs_d, offs_dv, d_mask, dv_mask,
         PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, True, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
-        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES)
+        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, False, 0)
 
     if HAS_SCALES:
         acc = acc * tl.load(VScale).to(tl.float32)
@@ -360,16 +425,20 @@ class _Config:
     """Launch parameters chosen from shapes and host hints only."""
 
     __slots__ = ("block_m", "block_n", "num_warps", "num_stages", "heads", "block_q",
-                 "num_splits")
+                 "num_splits", "warp_spec", "page_chunk")
 
-    def __init__(self, block_m, block_n, num_warps, num_stages, heads, block_q, num_splits):
+    def __init__(self, block_m, block_n, num_warps, num_stages, heads, block_q, num_splits,
+                 warp_spec=False, page_chunk=0):
         self.block_m, self.block_n = block_m, block_n
         self.num_warps, self.num_stages = num_warps, num_stages
         self.heads, self.block_q, self.num_splits = heads, block_q, num_splits
+        self.warp_spec, self.page_chunk = warp_spec, page_chunk
 
 
 #: Tuning overrides (scripts/tune_triton_paged_attention.py and tests only): ``block_m``,
-#: ``block_n``, ``num_warps``, ``num_stages``, ``min_split_tokens``, ``num_splits``.
+#: ``block_n``, ``num_warps``, ``num_stages``, ``min_split_tokens``, ``num_splits``, ``heads``
+#: (query heads packed per program), ``warp_spec`` (Triton's automatic warp specialisation of
+#: the unmasked key loop), ``page_chunk`` (key tiles per block-table load, 0 = per tile).
 TUNING_OVERRIDES: dict = {}
 
 
@@ -409,7 +478,7 @@ def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads
     block_n = ov.get("block_n", block_n)
     num_warps = ov.get("num_warps", num_warps)
     num_stages = ov.get("num_stages", num_stages)
-    heads = min(group, block_m)
+    heads = min(ov.get("heads", group), group, block_m)
     block_q = block_m // heads
     num_splits = 1
     if decode_like and sms:
@@ -419,7 +488,9 @@ def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads
         min_tokens = ov.get("min_split_tokens", 256)
         num_splits = max(1, min(_cdiv(2 * sms, ctas), _cdiv(max_k, min_tokens), 64))
     num_splits = ov.get("num_splits", num_splits)
-    return _Config(block_m, block_n, num_warps, num_stages, heads, block_q, num_splits)
+    return _Config(block_m, block_n, num_warps, num_stages, heads, block_q, num_splits,
+                   bool(ov.get("warp_spec", False)),
+                   _next_pow2(int(ov.get("page_chunk", 16))) if ov.get("page_chunk", 16) else 0)
 
 
 def paged_attention_triton(
@@ -510,6 +581,7 @@ def paged_attention_triton(
         part_acc = part_ml = out
         strides = (0, 0, 0, 0)
     tile_in_page = page_size % cfg.block_n == 0
+    page_chunk = cfg.page_chunk if tile_in_page or cfg.block_n % page_size == 0 else 0
 
     grid = (grid_q, num_kv_heads * num_hchunks, cfg.num_splits)
     _paged_attn_kernel[grid](
@@ -532,7 +604,7 @@ def paged_attention_triton(
         HAS_SCALES=has_scales, HAS_CUSTOM_MASK=has_mask,
         SEARCH_SEQ=search, SPLIT=split,
         COMPUTE_DTYPE=compute, CLAMP_Q=clamp_q, DOT_PRECISION=dot_precision, NUM_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps,
+        WARP_SPEC=cfg.warp_spec, PAGE_CHUNK=page_chunk, num_warps=cfg.num_warps,
     )
     if split:
         _reduce_splits_kernel[(num_tokens, num_q_heads)](
