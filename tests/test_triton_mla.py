@@ -118,6 +118,13 @@ CPU_CASES = [
     pytest.param(dict(q_lens=[1, 1], kv_lens=[65, 20], page=64, rank=512, rope=64),
                  {"num_kv_splits": 2}, id="R512-rope64-p64"),
     pytest.param(dict(q_lens=[2, 1], kv_lens=[33, 18], kv_scale=0.37), {}, id="kv-scale-tensor"),
+    # chunked page lookup: several chunks of 2 tiles, a partial one, splits starting mid-chunk
+    pytest.param(dict(q_lens=[1, 1, 2], kv_lens=[150, 9, 100], page=8),
+                 {"block_n": 16, "page_chunk": 2, "num_kv_splits": 2}, id="chunk2-p8-2pages-per-tile"),
+    pytest.param(dict(q_lens=[1, 3], kv_lens=[140, 77], page=32),
+                 {"block_n": 16, "page_chunk": 2, "num_kv_splits": 3}, id="chunk2-p32-2tiles-per-page"),
+    pytest.param(dict(q_lens=[1, 1], kv_lens=[70, 33], page=16),
+                 {"block_n": 16, "page_chunk": 0}, id="no-chunk-p16"),
 ]
 
 

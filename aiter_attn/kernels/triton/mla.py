@@ -46,6 +46,39 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _mla_tile(acc, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, offs_n, hi, mask_row,
+              offs_dv, offs_dr, mask_dv, mask_dr,
+              KV_LORA: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
+              EVEN_D: tl.constexpr):
+    """One latent tile: rows ``row`` (int64 offsets, ``[BLOCK_N]``) of keys ``offs_n``; keys
+    at or past ``hi`` are masked. Updates the online softmax ``(acc [H, R], m_i, l_i)``."""
+    mask_n = offs_n < hi
+    if EVEN_D:  # row-only masks keep the 16-byte vector loads along the latent dim
+        c_nope = tl.load(kv_ptr + row[:, None] + offs_dv[None, :], mask=mask_n[:, None],
+                         other=0.0).to(q_nope.dtype)
+        c_rope = tl.load(kv_ptr + row[:, None] + KV_LORA + offs_dr[None, :],
+                         mask=mask_n[:, None], other=0.0).to(q_nope.dtype)
+    else:
+        c_nope = tl.load(kv_ptr + row[:, None] + offs_dv[None, :],
+                         mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(q_nope.dtype)
+        c_rope = tl.load(kv_ptr + row[:, None] + KV_LORA + offs_dr[None, :],
+                         mask=mask_n[:, None] & mask_dr[None, :], other=0.0).to(q_nope.dtype)
+    s = _dot(q_nope, tl.trans(c_nope), IEEE) + _dot(q_rope, tl.trans(c_rope), IEEE)
+    s = s * qk_scale
+    visible = mask_n
+    if HAS_MASK:
+        bits = tl.load(mask_row + offs_n, mask=mask_n, other=0)
+        visible = visible & (bits != 0)
+    s = tl.where(visible[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.to(q_nope.dtype), c_nope, IEEE)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _mla_fwd_kernel(
     q_ptr, kv_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     cu_q_ptr, seqused_ptr, bt_ptr, mask_ptr, mask_indptr_ptr, scale_ptr,
@@ -72,6 +105,7 @@ def _mla_fwd_kernel(
     IEEE: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr,
     EVEN_D: tl.constexpr,
+    PAGE_CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -114,53 +148,67 @@ def _mla_fwd_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    mask_row = mask_ptr
     if HAS_MASK:
         mask_row = mask_ptr + tl.load(mask_indptr_ptr + b).to(tl.int64) + qi.to(tl.int64) * kv_len
 
-    # Page ids are fetched one tile ahead, so a tile's latent rows never wait on the load of
-    # their own page id (the loop carries the next tile's ids; the pipeliner overlaps the rest).
     offs_t = tl.arange(0, BLOCK_N)
-    if TILE_IN_PAGE:  # page_size % BLOCK_N == 0 and tiles start at multiples of BLOCK_N
-        page_next = tl.load(bt_row + lo // PAGE_SIZE, mask=lo < hi, other=0)
+    if PAGE_CHUNK > 0:
+        # The pages of PAGE_CHUNK tiles are read at once; each tile picks its own from
+        # registers, so no load feeds a latent-row address inside the pipelined inner loop
+        # and its copies run num_stages - 1 tiles ahead (see paged_attention._attn_tiles).
+        offs_c = tl.arange(0, PAGE_CHUNK)
+        t_lo = lo // BLOCK_N
+        t_hi = tl.cdiv(hi, BLOCK_N)
+        for c0 in range(t_lo, t_hi, PAGE_CHUNK):
+            n_in = tl.minimum(t_hi - c0, PAGE_CHUNK)
+            tiles = c0 + offs_c
+            if TILE_IN_PAGE:
+                tile_pages = tl.load(bt_row + (tiles * BLOCK_N) // PAGE_SIZE,
+                                     mask=offs_c < n_in, other=0).to(tl.int64)
+            else:
+                PPT: tl.constexpr = BLOCK_N // PAGE_SIZE
+                slots = tiles[:, None] * PPT + tl.arange(0, PPT)[None, :]
+                tile_pages = tl.load(bt_row + slots, mask=(offs_c < n_in)[:, None]
+                                     & (slots * PAGE_SIZE < hi), other=0).to(tl.int64)
+            for j in range(0, n_in):
+                start = (c0 + j) * BLOCK_N
+                if TILE_IN_PAGE:
+                    page = tl.sum(tl.where(offs_c == j, tile_pages, 0), 0)
+                    row = (page * stride_kvp + (start % PAGE_SIZE) * stride_kvs
+                           + offs_t.to(tl.int64) * stride_kvs)
+                else:
+                    sel = tl.sum(tl.where((offs_c == j)[:, None], tile_pages, 0), 0)
+                    page = tl.reshape(tl.broadcast_to(sel[:, None], (PPT, PAGE_SIZE)),
+                                      (BLOCK_N,))
+                    row = page * stride_kvp + (offs_t % PAGE_SIZE).to(tl.int64) * stride_kvs
+                acc, m_i, l_i = _mla_tile(
+                    acc, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, start + offs_t, hi,
+                    mask_row, offs_dv, offs_dr, mask_dv, mask_dr,
+                    KV_LORA, HAS_MASK, IEEE, EVEN_D)
     else:
-        page_next = tl.load(bt_row + (lo + offs_t) // PAGE_SIZE, mask=lo + offs_t < hi, other=0)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + offs_t
-        mask_n = offs_n < hi
-        nxt = start + BLOCK_N
-        if TILE_IN_PAGE:
-            page = page_next.to(tl.int64)
-            page_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < hi, other=0)
-            row = (page * stride_kvp + (start % PAGE_SIZE) * stride_kvs
-                   + offs_t.to(tl.int64) * stride_kvs)
+        # any page size: page ids are fetched one tile ahead (the loop carries them)
+        if TILE_IN_PAGE:  # page_size % BLOCK_N == 0 and tiles start at multiples of BLOCK_N
+            page_next = tl.load(bt_row + lo // PAGE_SIZE, mask=lo < hi, other=0)
         else:
-            page = page_next.to(tl.int64)
-            page_next = tl.load(bt_row + (nxt + offs_t) // PAGE_SIZE, mask=nxt + offs_t < hi,
+            page_next = tl.load(bt_row + (lo + offs_t) // PAGE_SIZE, mask=lo + offs_t < hi,
                                 other=0)
-            row = page * stride_kvp + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kvs
-        if EVEN_D:  # row-only masks keep the 16-byte vector loads along the latent dim
-            c_nope = tl.load(kv_ptr + row[:, None] + offs_dv[None, :], mask=mask_n[:, None],
-                             other=0.0).to(q_nope.dtype)
-            c_rope = tl.load(kv_ptr + row[:, None] + KV_LORA + offs_dr[None, :],
-                             mask=mask_n[:, None], other=0.0).to(q_nope.dtype)
-        else:
-            c_nope = tl.load(kv_ptr + row[:, None] + offs_dv[None, :],
-                             mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(q_nope.dtype)
-            c_rope = tl.load(kv_ptr + row[:, None] + KV_LORA + offs_dr[None, :],
-                             mask=mask_n[:, None] & mask_dr[None, :], other=0.0).to(q_nope.dtype)
-        s = _dot(q_nope, tl.trans(c_nope), IEEE) + _dot(q_rope, tl.trans(c_rope), IEEE)
-        s = s * qk_scale
-        visible = mask_n
-        if HAS_MASK:
-            bits = tl.load(mask_row + offs_n, mask=mask_n, other=0)
-            visible = visible & (bits != 0)
-        s = tl.where(visible[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(q_nope.dtype), c_nope, IEEE)
-        m_i = m_new
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + offs_t
+            nxt = start + BLOCK_N
+            if TILE_IN_PAGE:
+                page = page_next.to(tl.int64)
+                page_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < hi, other=0)
+                row = (page * stride_kvp + (start % PAGE_SIZE) * stride_kvs
+                       + offs_t.to(tl.int64) * stride_kvs)
+            else:
+                page = page_next.to(tl.int64)
+                page_next = tl.load(bt_row + (nxt + offs_t) // PAGE_SIZE,
+                                    mask=nxt + offs_t < hi, other=0)
+                row = page * stride_kvp + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kvs
+            acc, m_i, l_i = _mla_tile(
+                acc, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, offs_n, hi, mask_row,
+                offs_dv, offs_dr, mask_dv, mask_dr, KV_LORA, HAS_MASK, IEEE, EVEN_D)
 
     has = l_i > 0
     inv = tl.where(has, kv_scale / tl.where(has, l_i, 1.0), 0.0)
@@ -280,6 +328,7 @@ def mla_paged_attention(
     block_n: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
+    page_chunk: int = 16,
 ) -> torch.Tensor:
     """Absorbed MLA over a paged latent cache (Triton). Same contract as
     :func:`aiter_attn.kernels.reference.mla_paged_attention_reference`.
@@ -300,6 +349,9 @@ def mla_paged_attention(
             block table's capacity (no device read).
         num_kv_splits, block_h, block_n, num_warps, num_stages: override the launch
             heuristics (tests, tuning).
+        page_chunk: key tiles whose page ids are read in one load (0: one lookup per tile,
+            carried a tile ahead); used when the page size divides ``block_n`` or is a
+            multiple of it. Rounded up to a power of two.
     """
     if kv_cache.dim() != 4 or kv_cache.shape[2] != 1:
         raise ValueError(
@@ -373,6 +425,8 @@ def mla_paged_attention(
         SCALE_FROM_PTR=from_ptr, IEEE=q.dtype == torch.float32,
         TILE_IN_PAGE=page_size % bn == 0,
         EVEN_D=block_dv == kv_lora_rank and block_dr == rope,
+        PAGE_CHUNK=next_pow2(page_chunk) if page_chunk > 0 and (
+            page_size % bn == 0 or bn % page_size == 0) else 0,
         num_warps=warps, num_stages=stages,
     )
     if splits > 1:
