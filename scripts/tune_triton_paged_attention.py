@@ -134,6 +134,8 @@ def sweep(row, configs, measure):
             row["configs"].append(with_overrides(ov, lambda: measure(ov)))
         except Exception as exc:
             row["configs"].append(dict(ov=ov, error=repr(exc)[:300]))
+        print("  ", row["kind"], row["bs"], row.get("ctx", row.get("s")), row["configs"][-1],
+              flush=True)
 
 
 def run_decode(rows, configs, graphs=True, kv_dtype=None):
@@ -168,7 +170,7 @@ def run_decode(rows, configs, graphs=True, kv_dtype=None):
             fn()
             err = check(inp, out, **scales)
             ms = bench(fn)
-            gms = bench_graph(fn) if graphs and not ov else None
+            gms = bench_graph(fn) if graphs else None
             return dict(ov=ov, err=err, ms=ms, tbps=kv_bytes / ms / 1e9,
                         graph_ms=gms, graph_tbps=kv_bytes / gms / 1e9 if gms else None)
         sweep(row, configs, measure)
@@ -226,6 +228,101 @@ PREFILL_SWEEP = [{}] + [
 ]
 
 
+# --explore: the chunked block-table lookup (page_chunk, default 16) against the per-tile
+# lookup (page_chunk=0), and the launch shapes it makes worth trying
+EXPLORE_PREFILL = [dict(page_chunk=0), {}] + [
+    dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st, **extra)
+    for bm, bn, w, st, extra in [
+        (128, 128, 8, 3, {}), (128, 64, 8, 3, {}), (128, 64, 4, 3, {}), (128, 64, 8, 4, {}),
+        (128, 128, 8, 3, dict(heads=1)), (128, 128, 8, 3, dict(page_chunk=64)),
+        (128, 128, 8, 3, dict(warp_spec=True)),
+    ]
+]
+EXPLORE_DECODE = [dict(page_chunk=0), {}, dict(num_stages=4), dict(block_n=64, num_stages=4),
+                  dict(min_split_tokens=128)]
+EXPLORE_FP8 = [dict(page_chunk=0), {}, dict(block_n=256, num_stages=3),
+               dict(block_n=256, num_warps=8, num_stages=3), dict(block_n=256, num_stages=2),
+               dict(num_stages=4)]
+EXPLORE_MLA = [dict(page_chunk=0), {}, dict(block_n=32, num_warps=8, num_stages=3),
+               dict(block_n=64, num_warps=8, num_stages=2), dict(block_n=64, num_warps=4,
+                                                                   num_stages=4),
+               dict(block_h=32, block_n=32, num_warps=8, num_stages=3)]
+
+
+def run_mla(rows, configs):
+    """MLA decode (kv_lora 512 + rope 64, page 64), graph-replayed, per launch override."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from _inputs import make_mla
+    from aiter_attn.kernels.reference import mla_paged_attention_reference
+    from aiter_attn.kernels.triton.mla import mla_paged_attention
+
+    results = []
+    for heads, bs, ctx, kv in rows:
+        x = make_mla(bs, ctx, heads=heads, kv_dtype=torch.float8_e4m3fn if kv == "fp8" else None)
+        row = dict(kind="mla", heads=heads, bs=bs, ctx=ctx, kv=kv, bytes=x.bytes_moved,
+                   flops=x.flops, configs=[])
+        kw = dict(kv_lora_rank=x.rank, cu_seqlens_q=x.cu_seqlens_q, seqused_k=x.seqused_k,
+                  block_table=x.block_table, softmax_scale=x.scale, causal=True,
+                  kv_scale=x.kv_scale, max_seqlen_q=1, max_seqlen_k=ctx)
+        nb = min(bs, 2)
+        ref = torch.empty(nb, heads, x.rank, dtype=x.q.dtype, device="cuda")
+        mla_paged_attention_reference(
+            x.q[:nb], x.kv_cache, ref, **dict(kw, cu_seqlens_q=x.cu_seqlens_q[:nb + 1],
+                                               seqused_k=x.seqused_k[:nb],
+                                               block_table=x.block_table[:nb]))
+        out = torch.empty(bs, heads, x.rank, dtype=x.q.dtype, device="cuda")
+        for ov in configs:
+            try:
+                def fn(ov=ov):
+                    mla_paged_attention(x.q, x.kv_cache, out, **kw, **ov)
+                fn()
+                err = float((out[:nb].float() - ref.float()).norm() / ref.float().norm())
+                gms = bench_graph(fn)
+                row["configs"].append(dict(ov=ov, err=err, graph_ms=gms,
+                                           graph_tbps=x.bytes_moved / gms / 1e9,
+                                           tflops=x.flops / gms / 1e9))
+            except Exception as exc:
+                row["configs"].append(dict(ov=ov, error=repr(exc)[:300]))
+            print("  mla", heads, bs, ctx, kv, row["configs"][-1], flush=True)
+        results.append(row)
+        del x
+        torch.cuda.empty_cache()
+    return results
+
+
+def explore(out_dir):
+    """One GPU call: old vs chunked page lookup and launch shapes, every config graph-timed
+    for decode/MLA (eager, L2-flushed, for prefill). Prints one line per config."""
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+               triton=triton.__version__)
+    res["prefill"] = run_prefill([(1, 8192), (8, 2048)], EXPLORE_PREFILL)
+    res["decode"] = run_decode([(16, 4096), (64, 4096), (256, 4096), (8, 65536), (1, 32768)],
+                               EXPLORE_DECODE)
+    res["fp8_decode"] = run_decode([(64, 16384), (8, 65536), (1, 32768)], EXPLORE_FP8,
+                                   kv_dtype=torch.float8_e4m3fn)
+    res["mla"] = run_mla([(16, 64, 4096, "bf16"), (16, 128, 8192, "bf16"),
+                          (128, 64, 4096, "bf16"), (16, 64, 4096, "fp8")], EXPLORE_MLA)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "explore.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    for group in ("prefill", "decode", "fp8_decode", "mla"):
+        for r in res[group]:
+            name = f"{r['kind']} {r.get('heads', '')} {r['bs']}x{r.get('ctx', r.get('s'))} " \
+                   f"{r.get('kv', '')}"
+            ref = {k: r[k][("tflops" if group == "prefill" else "graph_tbps"
+                             if "graph_tbps" in r[k] else "tbps")]
+                   for k in ("cudnn",) if k in r and "error" not in r[k]}
+            for c in r["configs"]:
+                if "error" in c:
+                    print(f"{name:28s} {str(c['ov']):70s} ERROR {c['error'][:150]}")
+                    continue
+                vals = " ".join(f"{k}={c[k]:.3f}" for k in ("tflops", "tbps", "graph_tbps")
+                                if c.get(k) is not None)
+                print(f"{name:28s} {str(c['ov']):70s} {vals} err={c.get('err') or 0:.1e} "
+                      f"cudnn={ref}")
+    return 0
+
+
 def best(cfgs, key):
     ok = [c for c in cfgs if "error" not in c]
     return max(ok, key=lambda c: c[key]) if ok else None
@@ -236,7 +333,11 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--no-fp8", action="store_true")
+    ap.add_argument("--explore", action="store_true",
+                    help="page-lookup and launch-shape exploration (see EXPLORE_*)")
     args = ap.parse_args()
+    if args.explore:
+        return explore(args.out)
     torch.manual_seed(0)
     dec_cfgs = DECODE_SWEEP if args.sweep else [{}]
     pre_cfgs = PREFILL_SWEEP if args.sweep else [{}]
