@@ -139,6 +139,18 @@ def test_mla_matches_oracle_and_reference(case_kw, launch, dtype):
     assert_close_rel(out, ref.float(), RTOL[dtype], "triton vs reference")
 
 
+def test_fp8_cache_bf16_queries_compute_in_fp16():
+    """bf16 queries on an fp8 latent cache run both dots in fp16 (one cvt per fp8 pair);
+    only loads and stores are bf16, which the interpreter handles. A query beyond fp16's
+    range saturates instead of turning its row into NaN."""
+    case = MLACase([1, 3], [70, 21], page=16, dtype=torch.bfloat16,
+                   kv_dtype=torch.float8_e4m3fn, kv_scale=0.05, seed=9)
+    out = case.run()
+    assert_close_rel(out, case.expected(), RTOL[torch.bfloat16], "bf16 q, fp8 e4m3fn cache")
+    case.q[0, 0, 0] = 1e6
+    assert torch.isfinite(case.run()).all()
+
+
 def test_mla_128_heads_two_head_blocks():
     """DeepSeek-V3's 128 heads: several head blocks share each latent tile."""
     case = MLACase([1, 2], [40, 64], page=64, heads=128, dtype=torch.float16)

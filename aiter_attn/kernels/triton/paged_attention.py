@@ -443,17 +443,42 @@ TUNING_OVERRIDES: dict = {}
 
 
 def _choose_config(*, group, max_q, max_k, head_dim_pad, batch, num_kv_heads, device,
-                   fp32=False):
+                   fp32=False, fp8_kv=False):
     """Launch parameters (docs/triton_tuning.md has the measurements behind the defaults)."""
     ov = tuple(sorted(TUNING_OVERRIDES.items()))
-    sms = _num_sms(device.index or 0) if device.type == "cuda" and not _interpreting() else 0
+    on_gpu = device.type == "cuda" and not _interpreting()
+    sms = _num_sms(device.index or 0) if on_gpu else 0
+    smem = _smem_budget(device.index or 0) if on_gpu else 0
     return _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads, sms, ov,
-                                 _interpreting(), fp32)
+                                 _interpreting(), fp32, fp8_kv, smem)
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_budget(device_index: int) -> int:
+    """Shared memory one program may use (bytes), less a margin for Triton's own buffers."""
+    try:
+        props = triton.runtime.driver.active.utils.get_device_properties(device_index)
+        return int(props["max_shared_mem"]) - 2048
+    except Exception:  # unknown driver: assume the smallest current budget (64 KiB, AMD LDS)
+        return 64 * 1024 - 2048
+
+
+def _fit_smem(block_m, block_n, num_stages, head_dim_pad, elem, budget):
+    """Drop pipeline stages (to 2), then halve ``block_n`` (to 16) until the K/V ring
+    (``stages · block_n · 2 · head_dim · elem``) and the q tile fit in ``budget`` bytes."""
+    def need(bn, st):
+        return st * bn * 2 * head_dim_pad * elem + block_m * head_dim_pad * elem
+    while budget and need(block_n, num_stages) > budget and (num_stages > 2 or block_n > 16):
+        if num_stages > 2:
+            num_stages -= 1
+        else:
+            block_n //= 2
+    return block_n, num_stages
 
 
 @functools.lru_cache(maxsize=4096)
 def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads, sms, ov,
-                          interpreting, fp32):
+                          interpreting, fp32, fp8_kv, smem):
     ov = dict(ov)
     decode_like = max_q * min(group, 64) <= 64
     if decode_like:
@@ -462,14 +487,21 @@ def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads
         block_m = max(16, _next_pow2(min(group, 64) * max_q))
         block_n = 128 if head_dim_pad <= 128 else 32
         num_warps, num_stages = 4, 3
+        # per-tile page lookup for 2-byte caches (H200, bf16: 3.2-4.3 TB/s, the chunked lookup
+        # 2.8-4.3); chunked for fp8, whose tiles are compute-heavier (2.3 -> 3.0 TB/s, 64x16k)
+        page_chunk = 16 if fp8_kv else 0
     else:
-        # compute-bound: 128x128 tiles, 8 warps, 2 stages measured best on H200
+        # compute-bound: 128-row tiles, 8 warps, 3 stages with the chunked page lookup (H200:
+        # 1x8k 329 -> 379 TFLOP/s with 128-key tiles; 8x2k 258 -> 290 with 64-key tiles)
         block_m = 128 if head_dim_pad <= 128 else 64
-        block_n = 128 if head_dim_pad <= 128 else 32
+        block_n = (128 if max_k >= 4096 else 64) if head_dim_pad <= 128 else 32
         num_warps = 8 if head_dim_pad >= 128 else 4
-        num_stages = 2 if head_dim_pad <= 128 else 3
+        num_stages = 3
+        page_chunk = 16
         if fp32:  # 4-byte tiles: stay well inside 227 KB of shared memory
             block_m, block_n, num_warps, num_stages = (64 if head_dim_pad <= 128 else 32), 32, 4, 2
+    block_n, num_stages = _fit_smem(block_m, block_n, num_stages, head_dim_pad,
+                                    4 if fp32 else 2, smem)
     if interpreting:
         # the CPU interpreter pays per padded element: small tiles (and more of them, so the
         # masked/unmasked tile split is exercised by short test sequences)
@@ -490,7 +522,8 @@ def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads
     num_splits = ov.get("num_splits", num_splits)
     return _Config(block_m, block_n, num_warps, num_stages, heads, block_q, num_splits,
                    bool(ov.get("warp_spec", False)),
-                   _next_pow2(int(ov.get("page_chunk", 16))) if ov.get("page_chunk", 16) else 0)
+                   _next_pow2(int(ov.get("page_chunk", page_chunk))) if ov.get("page_chunk",
+                                                                               page_chunk) else 0)
 
 
 def paged_attention_triton(
@@ -546,7 +579,8 @@ def paged_attention_triton(
     cfg = _choose_config(group=group, max_q=max_q, max_k=max(max_k, 1),
                          head_dim_pad=max(d_pad, dv_pad), batch=batch,
                          num_kv_heads=num_kv_heads, device=q.device,
-                         fp32=q.dtype == torch.float32 or k_cache.dtype == torch.float32)
+                         fp32=q.dtype == torch.float32 or k_cache.dtype == torch.float32,
+                         fp8_kv=k_cache.dtype in FP8_DTYPES)
     num_hchunks = _cdiv(group, cfg.heads)
     q_blocks_per_seq = _cdiv(max_q, cfg.block_q)
     search_grid = _cdiv(num_tokens, cfg.block_q) + batch
