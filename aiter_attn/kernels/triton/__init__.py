@@ -37,18 +37,24 @@ def triton_priority() -> int:
 @hookimpl
 def aiter_attn_register_kernels(register):
     """Register the Triton ops."""
-    from .paged_attention import MAX_HEAD_DIM, paged_attention_triton, reject_reason
-
-    register(
-        "paged_attention", "triton", paged_attention_triton,
-        Capabilities(
-            devices=TRITON_DEVICES, dtypes=_FLOAT_DTYPES, max_head_dim=MAX_HEAD_DIM,
-            features={"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs",
-                      "non_causal"},
-            cg_support=CGSupport.ALWAYS, predicate=reject_reason,
-        ),
-        priority=triton_priority(),
+    from .paged_attention import (
+        MAX_HEAD_DIM,
+        paged_attention_5d_triton,
+        paged_attention_triton,
+        reject_reason,
     )
+
+    attn_caps = Capabilities(
+        devices=TRITON_DEVICES, dtypes=_FLOAT_DTYPES, max_head_dim=MAX_HEAD_DIM,
+        features={"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs",
+                  "non_causal"},
+        cg_support=CGSupport.ALWAYS, predicate=reject_reason,
+    )
+    register("paged_attention", "triton", paged_attention_triton, attn_caps,
+             priority=triton_priority())
+    # the same kernel over the vectorised 5-D layout (only the cache addressing differs)
+    register("paged_attention_5d", "triton", paged_attention_5d_triton, attn_caps,
+             priority=triton_priority())
     from .index import build_page_table, build_ragged_kv_indices
     from .kv_write import write_kv, write_kv_5d, write_kv_translated
     from .mla import mla_paged_attention

@@ -37,7 +37,8 @@ import triton.language as tl
 
 from ...types import FP8_DTYPES
 
-__all__ = ["paged_attention_triton", "reject_reason", "MAX_HEAD_DIM", "MAX_GROUP"]
+__all__ = ["paged_attention_triton", "paged_attention_5d_triton", "reject_reason", "MAX_HEAD_DIM",
+           "MAX_GROUP"]
 
 MAX_HEAD_DIM = 256
 MAX_GROUP = 128
@@ -49,6 +50,19 @@ _UNBOUNDED = 1 << 30  # window side "-1": far beyond any context length, no int3
 def _tanh(x):
     # Portable tanh (works in the interpreter and on every backend): 1 - 2 / (e^{2x} + 1).
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _kv_rows(page, in_page, stride_kp, stride_kt, stride_vp, stride_vt, VX: tl.constexpr):
+    """Element offsets of tokens (``page``, ``in_page``; int64 ``[BLOCK_N]``) in K and V,
+    head and head-dim terms excluded. ``VX > 1``: the 5-D shuffled V layout, where token
+    ``o`` of a page sits at ``(o // VX) · stride_vt + o % VX``."""
+    k_rows = page * stride_kp + in_page * stride_kt
+    if VX > 1:
+        v_rows = page * stride_vp + (in_page // VX) * stride_vt + in_page % VX
+    else:
+        v_rows = page * stride_vp + in_page * stride_vt
+    return k_rows, v_rows
 
 
 @triton.jit
@@ -112,6 +126,7 @@ def _attn_tiles(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_CUSTOM_MASK: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr, PAGE_CHUNK: tl.constexpr,
+    VX: tl.constexpr,
 ):
     """Online-softmax update of ``(acc, m_i, l_i)`` over key tiles ``[t_start, t_end)``.
 
@@ -150,15 +165,15 @@ def _attn_tiles(
                 if TILE_IN_PAGE:
                     page = tl.sum(tl.where(offs_c == j, tile_pages, 0), 0)
                     in_page = ((t * BLOCK_N) % PAGE_SIZE + offs_n).to(tl.int64)
-                    k_rows = page * stride_kp + in_page * stride_kt
-                    v_rows = page * stride_vp + in_page * stride_vt
+                    k_rows, v_rows = _kv_rows(page, in_page, stride_kp, stride_kt, stride_vp,
+                                              stride_vt, VX)
                 else:
                     sel = tl.sum(tl.where((offs_c == j)[:, None], tile_pages, 0), 0)  # [PPT]
                     page = tl.reshape(tl.broadcast_to(sel[:, None], (PPT, PAGE_SIZE)),
                                       (BLOCK_N,))
                     in_page = (offs_n % PAGE_SIZE).to(tl.int64)
-                    k_rows = page * stride_kp + in_page * stride_kt
-                    v_rows = page * stride_vp + in_page * stride_vt
+                    k_rows, v_rows = _kv_rows(page, in_page, stride_kp, stride_kt, stride_vp,
+                                              stride_vt, VX)
                 acc, m_i, l_i = _tile_step(
                     acc, m_i, l_i, q, qk_scale, softcap, K, V, k_rows, v_rows, kv_head_off_k,
                     kv_head_off_v, Mask, mask_row_off, kv_len, pos, row_valid, left, right, kpos,
@@ -177,8 +192,8 @@ def _attn_tiles(
                     page = tl.load(bt_row + kpos // PAGE_SIZE)
                 page = page.to(tl.int64)
                 in_page = (kpos % PAGE_SIZE).to(tl.int64)
-            k_rows = page * stride_kp + in_page * stride_kt
-            v_rows = page * stride_vp + in_page * stride_vt
+            k_rows, v_rows = _kv_rows(page, in_page, stride_kp, stride_kt, stride_vp, stride_vt,
+                                      VX)
             acc, m_i, l_i = _tile_step(
                 acc, m_i, l_i, q, qk_scale, softcap, K, V, k_rows, v_rows, kv_head_off_k,
                 kv_head_off_v, Mask, mask_row_off, kv_len, pos, row_valid, left, right, kpos,
@@ -193,8 +208,8 @@ def _paged_attn_kernel(
     CuQ, SeqK, BlockTable, Sinks, KScale, VScale, Mask, MaskIndptr,
     sm_scale, softcap, left, right, num_seqs, q_blocks_per_seq, num_splits,
     stride_qt, stride_qh,
-    stride_kp, stride_kt, stride_kh,
-    stride_vp, stride_vt, stride_vh,
+    stride_kp, stride_kt, stride_kh, stride_kd,
+    stride_vp, stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh,
     stride_bt,
     stride_ps, stride_pt, stride_mls, stride_mlt,
@@ -207,6 +222,7 @@ def _paged_attn_kernel(
     SEARCH_SEQ: tl.constexpr, SPLIT: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr, CLAMP_Q: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr, PAGE_CHUNK: tl.constexpr,
+    KX: tl.constexpr, VX: tl.constexpr,
 ):
     # longest causal q-blocks (latest positions) first: better tail balance in prefill
     pid_q = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -250,6 +266,13 @@ def _paged_attn_kernel(
     offs_dv = tl.arange(0, DV_PAD)
     d_mask = offs_d < D
     dv_mask = offs_dv < DV
+    # head-dim offsets in the cache: NHD (KX = 1, stride_kd = 1) or the 5-D K layout, where
+    # dim d sits at (d // KX) · stride_kd + d % KX; V: d · stride_vd (1, or the 5-D strides)
+    if KX > 1:
+        k_doff = (offs_d // KX) * stride_kd + offs_d % KX
+    else:
+        k_doff = offs_d
+    v_doff = offs_dv * stride_vd
     q_rows = (q_start + tok).to(tl.int64) * stride_qt + qh.to(tl.int64) * stride_qh
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :],
                 mask=row_valid[:, None] & d_mask[None, :], other=0.0)
@@ -310,21 +333,21 @@ def _paged_attn_kernel(
     acc, m_i, l_i = _attn_tiles(
         acc, m_i, l_i, q, qk_scale, softcap, K, V, bt_row, stride_kp, stride_kt, stride_vp,
         stride_vt, k_head, v_head, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
-        s_lo, tl.minimum(tf_lo, s_hi), offs_d, offs_dv, d_mask, dv_mask,
+        s_lo, tl.minimum(tf_lo, s_hi), k_doff, v_doff, d_mask, dv_mask,
         PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, True, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
-        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, False, 0)
+        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, False, 0, VX)
     acc, m_i, l_i = _attn_tiles(
         acc, m_i, l_i, q, qk_scale, softcap, K, V, bt_row, stride_kp, stride_kt, stride_vp,
         stride_vt, k_head, v_head, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
-        tl.maximum(tf_lo, s_lo), tl.minimum(tf_hi, s_hi), offs_d, offs_dv, d_mask, dv_mask,
+        tl.maximum(tf_lo, s_lo), tl.minimum(tf_hi, s_hi), k_doff, v_doff, d_mask, dv_mask,
         PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, False, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
-        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, WARP_SPEC, PAGE_CHUNK)
+        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, WARP_SPEC, PAGE_CHUNK, VX)
     acc, m_i, l_i = _attn_tiles(
         acc, m_i, l_i, q, qk_scale, softcap, K, V, bt_row, stride_kp, stride_kt, stride_vp,
         stride_vt, k_head, v_head, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
-        tl.maximum(tf_hi, s_lo), s_hi, offs_d, offs_dv, d_mask, dv_mask,
+        tl.maximum(tf_hi, s_lo), s_hi, k_doff, v_doff, d_mask, dv_mask,
         PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, True, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
-        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, False, 0)
+        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, False, 0, VX)
 
     if HAS_SCALES:
         acc = acc * tl.load(VScale).to(tl.float32)
@@ -558,17 +581,85 @@ def paged_attention_triton(
     split count. Without them static bounds are used (``T`` and ``W · page_size``). No host
     synchronisation; no allocation other than the split partials.
     """
-    num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
-    v_head_dim = v_cache.shape[3]
+    ks, vs = k_cache.stride(), v_cache.stride()
+    if ks[3] != 1 or vs[3] != 1:
+        raise ValueError(
+            "paged_attention_triton needs the last (head-dim) axis of k_cache and v_cache to be "
+            "contiguous; pass .contiguous() tensors."
+        )
+    layout = _CacheLayout(page_size=page_size, num_kv_heads=num_kv_heads,
+                          v_head_dim=v_cache.shape[3],
+                          k_strides=(ks[0], ks[1], ks[2], 1), v_strides=(vs[0], vs[1], vs[2], 1),
+                          kx=1, vx=1)
+    return _launch(q, k_cache, v_cache, out, layout, cu_seqlens_q=cu_seqlens_q,
+                   seqused_k=seqused_k, block_table=block_table, softmax_scale=softmax_scale,
+                   causal=causal, window_size=window_size, softcap=softcap, sinks=sinks,
+                   k_scale=k_scale, v_scale=v_scale, custom_mask=custom_mask,
+                   mask_indptr=mask_indptr, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+
+def paged_attention_5d_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    **kwargs,
+) -> torch.Tensor:
+    """``paged_attention_5d`` (the vectorised 5-D layout, see
+    :mod:`aiter_attn.kernels.reference_5d`) with the same kernel: only the cache addressing
+    differs. k_cache ``[pages, Hkv, D // x, page_size, x]``; v_cache shuffled
+    ``[pages, Hkv, page_size // x, Dv, x]`` or hd_page ``[pages, Hkv, Dv, page_size]``.
+    Keyword arguments as :func:`paged_attention_triton`.
+    """
+    ks, vs = k_cache.stride(), v_cache.stride()
+    _, num_kv_heads, _, page_size, kx = k_cache.shape
+    if ks[4] != 1 or vs[-1] != 1:
+        raise ValueError(
+            "paged_attention_5d_triton needs the innermost axis of k_cache and v_cache to be "
+            "contiguous; pass .contiguous() tensors."
+        )
+    if v_cache.dim() == 5:  # shuffled: token o at (o // x) * vs[2] + o % x, dim d at d * vs[3]
+        layout = _CacheLayout(page_size=page_size, num_kv_heads=num_kv_heads,
+                              v_head_dim=v_cache.shape[3],
+                              k_strides=(ks[0], ks[3], ks[1], ks[2]),
+                              v_strides=(vs[0], vs[2], vs[1], vs[3]), kx=kx, vx=v_cache.shape[4])
+    else:  # hd_page: token o at o, dim d at d * vs[2]
+        layout = _CacheLayout(page_size=page_size, num_kv_heads=num_kv_heads,
+                              v_head_dim=v_cache.shape[2],
+                              k_strides=(ks[0], ks[3], ks[1], ks[2]),
+                              v_strides=(vs[0], vs[3], vs[1], vs[2]), kx=kx, vx=1)
+    return _launch(q, k_cache, v_cache, out, layout, **kwargs)
+
+
+class _CacheLayout:
+    """How the kernel addresses a cache: strides ``(page, token, head, dim-group)`` of K and
+    ``(page, token-group, head, dim)`` of V in elements, and the vector widths ``kx``/``vx``
+    (1 for NHD pages; ``x`` for the 5-D layout's interleaved axis)."""
+
+    __slots__ = ("page_size", "num_kv_heads", "v_head_dim", "k_strides", "v_strides", "kx", "vx")
+
+    def __init__(self, *, page_size, num_kv_heads, v_head_dim, k_strides, v_strides, kx, vx):
+        self.page_size, self.num_kv_heads, self.v_head_dim = page_size, num_kv_heads, v_head_dim
+        self.k_strides, self.v_strides, self.kx, self.vx = k_strides, v_strides, kx, vx
+
+
+def _launch(q, k_cache, v_cache, out, layout: _CacheLayout, *, cu_seqlens_q, seqused_k,
+            block_table, softmax_scale, causal=True, window_size=(-1, -1), softcap=0.0,
+            sinks=None, k_scale=None, v_scale=None, custom_mask=None, mask_indptr=None,
+            max_seqlen_q=None, max_seqlen_k=None):
+    """Launch the kernel (and the split reduction) for any :class:`_CacheLayout`."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = layout.page_size, layout.num_kv_heads
+    v_head_dim = layout.v_head_dim
     batch = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or batch == 0:
         return out
-    qs, ks, vs, os_ = q.stride(), k_cache.stride(), v_cache.stride(), out.stride()
-    if ks[3] != 1 or vs[3] != 1 or qs[2] != 1 or os_[2] != 1:
+    qs, os_ = q.stride(), out.stride()
+    if qs[2] != 1 or os_[2] != 1:
         raise ValueError(
-            "paged_attention_triton needs the last (head-dim) axis of q, k_cache, v_cache and "
-            "out to be contiguous; pass .contiguous() tensors."
+            "paged_attention_triton needs the last (head-dim) axis of q and out to be "
+            "contiguous; pass .contiguous() tensors."
         )
     group = num_q_heads // num_kv_heads
     max_q = int(max_seqlen_q) if max_seqlen_q is not None else num_tokens
@@ -627,7 +718,7 @@ def paged_attention_triton(
         mask_indptr if has_mask else cu_seqlens_q,
         float(softmax_scale), float(softcap), left, right, batch, q_blocks_per_seq,
         cfg.num_splits,
-        qs[0], qs[1], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os_[0], os_[1],
+        qs[0], qs[1], *layout.k_strides, *layout.v_strides, os_[0], os_[1],
         block_table.stride(0),
         *strides,
         GROUP=group, HEADS=cfg.heads, NUM_HCHUNKS=num_hchunks,
@@ -638,7 +729,8 @@ def paged_attention_triton(
         HAS_SCALES=has_scales, HAS_CUSTOM_MASK=has_mask,
         SEARCH_SEQ=search, SPLIT=split,
         COMPUTE_DTYPE=compute, CLAMP_Q=clamp_q, DOT_PRECISION=dot_precision, NUM_STAGES=cfg.num_stages,
-        WARP_SPEC=cfg.warp_spec, PAGE_CHUNK=page_chunk, num_warps=cfg.num_warps,
+        WARP_SPEC=cfg.warp_spec, PAGE_CHUNK=page_chunk, KX=layout.kx, VX=layout.vx,
+        num_warps=cfg.num_warps,
     )
     if split:
         _reduce_splits_kernel[(num_tokens, num_q_heads)](
