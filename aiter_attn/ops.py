@@ -181,6 +181,7 @@ def paged_attention(
         check_tensor("custom_mask", custom_mask, dtypes=(torch.bool, torch.uint8), ndim=1)
         check_tensor("mask_indptr", mask_indptr, dtypes=INDEX_DTYPES, ndim=1,
                      shape=(cu_seqlens_q.shape[0],))
+    check_same_device("q", q, sinks=sinks, custom_mask=custom_mask, mask_indptr=mask_indptr)
     req = paged_attention_request(q, k_cache, v_cache, window_size=window_size, softcap=softcap,
                                   sinks=sinks, causal=causal, custom_mask=custom_mask)
     sel: Selection = _registry().select(req, backend=backend)

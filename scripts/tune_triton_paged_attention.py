@@ -323,6 +323,28 @@ def explore(out_dir):
     return 0
 
 
+SPLITS = [{}] + [dict(num_splits=n) for n in (1, 2, 4, 6, 8, 16)]
+
+
+def explore_splits(out_dir):
+    """Split-count (wave quantisation) sweep for decode, fp8 launch shapes, MLA splits and the
+    fp16-dot fp8 MLA path; every config graph-replayed."""
+    res = dict(device=torch.cuda.get_device_name())
+    res["decode"] = run_decode([(1, 4096), (16, 4096), (8, 65536), (1, 32768)], SPLITS)
+    res["fp8_decode"] = run_decode(
+        [(8, 65536), (64, 16384)],
+        [{}, dict(num_splits=8), dict(num_splits=16), dict(num_splits=32), dict(num_warps=8),
+         dict(block_n=64, num_stages=4)], kv_dtype=torch.float8_e4m3fn)
+    res["mla"] = run_mla([(16, 64, 4096, "bf16")],
+                         [{}] + [dict(num_kv_splits=n) for n in (2, 4, 6, 8)])
+    res["mla"] += run_mla([(16, 64, 4096, "fp8"), (128, 64, 4096, "fp8"),
+                           (128, 64, 4096, "bf16")], [{}])
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "explore_splits.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    return 0
+
+
 def best(cfgs, key):
     ok = [c for c in cfgs if "error" not in c]
     return max(ok, key=lambda c: c[key]) if ok else None
@@ -335,9 +357,13 @@ def main():
     ap.add_argument("--no-fp8", action="store_true")
     ap.add_argument("--explore", action="store_true",
                     help="page-lookup and launch-shape exploration (see EXPLORE_*)")
+    ap.add_argument("--explore-splits", action="store_true",
+                    help="split-count / fp8 / MLA follow-up exploration")
     args = ap.parse_args()
     if args.explore:
         return explore(args.out)
+    if args.explore_splits:
+        return explore_splits(args.out)
     torch.manual_seed(0)
     dec_cfgs = DECODE_SWEEP if args.sweep else [{}]
     pre_cfgs = PREFILL_SWEEP if args.sweep else [{}]

@@ -211,7 +211,9 @@ def test_generate_cli_flag(capsys, flag, enabled):
     info = out["cuda_graph"]
     assert info["enabled"] is enabled
     if enabled:
-        assert info["captured"] is False and info["capture_sizes"] == [1, 2, 3]
+        # real capture on a GPU; on the CPU the manager plans statically but captures nothing
+        assert info["captured"] is torch.cuda.is_available()
+        assert info["capture_sizes"] == [1, 2, 3]
         assert info["replays"]["DECODE"] > 0
 
 

@@ -61,6 +61,9 @@ def test_op_rejects_mixed_devices(op_args):
         meta = torch.empty(3, 4, 8, device="meta")
         with pytest.raises(ValueError, match="is on meta"):
             _call(op_args, q=meta)
+    # a LayerSpec's sinks left on another device than the queries: named before any kernel
+    with pytest.raises(ValueError, match="sinks is on meta"):
+        _call(op_args, sinks=torch.zeros(4, device="meta"))
 
 
 def test_unknown_backend_names_available(op_args):

@@ -96,4 +96,4 @@ def test_5d_through_op_selects_triton():
         x = vec_width(case.k_cache.dtype)
         k5, v5 = kv_5d_from_nhd(case.k_cache, case.v_cache, x)
         req = paged_attention_5d_request(case.q.cuda(), k5.cuda(), v5.cuda())
-        assert kernel_registry().select(req).name == "triton"
+        assert kernel_registry().select(req).impl.name == "triton"

@@ -373,7 +373,7 @@ def test_backend_steps_through_triton_kernel(monkeypatch):
     dtype = torch.float32 if DEVICE == "cpu" else torch.float16
     g = torch.Generator().manual_seed(0)
     layers = [LayerSpec(layer_id=i, num_q_heads=10, num_kv_heads=2, head_dim=32, logit_cap=3.0,
-                        sliding_window=20, sinks=torch.randn(10, generator=g),
+                        sliding_window=20, sinks=torch.randn(10, generator=g).to(DEVICE),
                         k_scale=ks, v_scale=vs)
               for i, (ks, vs) in enumerate([(0.25, 0.5), (1.5, 0.75)])]
     cfg = BackendConfig(page_size=48, max_batch_size=4, max_context_len=256, dtype=dtype,

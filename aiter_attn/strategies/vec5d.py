@@ -132,7 +132,8 @@ def paged_attention_5d(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_ta
     check_tensor("seqused_k", seqused_k, dtypes=INDEX_DTYPES, ndim=1, shape=(bs,))
     check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2, shape=(bs, None))
     check_same_device("q", q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q,
-                      seqused_k=seqused_k, block_table=block_table, out=out)
+                      seqused_k=seqused_k, block_table=block_table, out=out, sinks=sinks,
+                      custom_mask=custom_mask, mask_indptr=mask_indptr)
     if (custom_mask is None) != (mask_indptr is None):
         raise ValueError("custom_mask and mask_indptr go together; pass both or neither.")
     req = paged_attention_5d_request(q, k_cache, v_cache, window_size=window_size,

@@ -30,8 +30,9 @@ def write_token_major(kv_pool, layer: LayerSpec, slots: torch.Tensor, k: torch.T
     from ..kernels.reference import quantize_to_cache
 
     kc, vc = kv_pool.kv_buffers(layer.layer_id)
-    kc.view(-1, *kc.shape[2:])[slots] = quantize_to_cache(k, kc.dtype, layer.k_scale)
-    vc.view(-1, *vc.shape[2:])[slots] = quantize_to_cache(v, vc.dtype, layer.v_scale)
+    slots = slots.to(kc.device)  # k/v may come from a CPU generator; the pool may be on a GPU
+    kc.view(-1, *kc.shape[2:])[slots] = quantize_to_cache(k.to(kc.device), kc.dtype, layer.k_scale)
+    vc.view(-1, *vc.shape[2:])[slots] = quantize_to_cache(v.to(vc.device), vc.dtype, layer.v_scale)
 
 
 @attrs.define(eq=False)
