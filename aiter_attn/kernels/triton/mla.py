@@ -49,7 +49,7 @@ def _dot(a, b, IEEE: tl.constexpr):
 def _mla_tile(acc, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, offs_n, hi, mask_row,
               offs_dv, offs_dr, mask_dv, mask_dr,
               KV_LORA: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
-              EVEN_D: tl.constexpr):
+              EVEN_D: tl.constexpr, SPLIT_V_LOAD: tl.constexpr):
     """One latent tile: rows ``row`` (int64 offsets, ``[BLOCK_N]``) of keys ``offs_n``; keys
     at or past ``hi`` are masked. Updates the online softmax ``(acc [H, R], m_i, l_i)``."""
     mask_n = offs_n < hi
@@ -74,7 +74,20 @@ def _mla_tile(acc, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, offs_n, hi, 
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(p.to(q_nope.dtype), c_nope, IEEE)
+    if SPLIT_V_LOAD:
+        # a converted (fp8 -> fp16) tile used by two dots is not software-pipelined by Triton
+        # (sm_90 PTX: plain ld.global for it, cp.async only for the rope part); a second load
+        # of the same rows (an L2 hit) for the values gives each load a single use, and both
+        # are pipelined through shared memory
+        if EVEN_D:
+            c_val = tl.load(kv_ptr + row[:, None] + offs_dv[None, :], mask=mask_n[:, None],
+                            other=0.0).to(q_nope.dtype)
+        else:
+            c_val = tl.load(kv_ptr + row[:, None] + offs_dv[None, :],
+                            mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(q_nope.dtype)
+    else:
+        c_val = c_nope
+    acc = acc * alpha[:, None] + _dot(p.to(q_nope.dtype), c_val, IEEE)
     return acc, m_new, l_i
 
 
@@ -107,6 +120,7 @@ def _mla_fwd_kernel(
     EVEN_D: tl.constexpr,
     PAGE_CHUNK: tl.constexpr,
     FP16_DOTS: tl.constexpr,
+    SPLIT_V_LOAD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -191,7 +205,7 @@ def _mla_fwd_kernel(
                 acc, m_i, l_i = _mla_tile(
                     acc, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, start + offs_t, hi,
                     mask_row, offs_dv, offs_dr, mask_dv, mask_dr,
-                    KV_LORA, HAS_MASK, IEEE, EVEN_D)
+                    KV_LORA, HAS_MASK, IEEE, EVEN_D, SPLIT_V_LOAD)
     else:
         # any page size: page ids are fetched one tile ahead (the loop carries them)
         if TILE_IN_PAGE:  # page_size % BLOCK_N == 0 and tiles start at multiples of BLOCK_N
@@ -214,7 +228,8 @@ def _mla_fwd_kernel(
                 row = page * stride_kvp + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kvs
             acc, m_i, l_i = _mla_tile(
                 acc, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, offs_n, hi, mask_row,
-                offs_dv, offs_dr, mask_dv, mask_dr, KV_LORA, HAS_MASK, IEEE, EVEN_D)
+                offs_dv, offs_dr, mask_dv, mask_dr, KV_LORA, HAS_MASK, IEEE, EVEN_D,
+                SPLIT_V_LOAD)
 
     has = l_i > 0
     inv = tl.where(has, kv_scale / tl.where(has, l_i, 1.0), 0.0)
@@ -317,9 +332,11 @@ def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: to
     head_blocks = triton.cdiv(num_heads, block_h)
     programs = max(1, head_blocks * num_tokens)
     if num_kv_splits is None:
-        target = 2 * num_sms(device)
+        # one program per SM fits (the latent ring fills shared memory): split so that the
+        # programs make at most one full wave (H200, 16 heads 64x4k: 2 splits 3.17 TB/s,
+        # 4 splits 2.95, the former 2-wave target's 5 splits 2.55)
         by_len = max(1, triton.cdiv(max(kv_bound, 1), 4 * block_n))
-        num_kv_splits = max(1, min(64, triton.cdiv(target, programs), by_len))
+        num_kv_splits = max(1, min(64, num_sms(device) // programs, by_len))
     return block_h, block_n, int(num_kv_splits), num_warps, num_stages
 
 
@@ -345,6 +362,7 @@ def mla_paged_attention(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     page_chunk: Optional[int] = None,
+    split_v_load: Optional[bool] = None,
 ) -> torch.Tensor:
     """Absorbed MLA over a paged latent cache (Triton). Same contract as
     :func:`aiter_attn.kernels.reference.mla_paged_attention_reference`.
@@ -365,6 +383,9 @@ def mla_paged_attention(
             block table's capacity (no device read).
         num_kv_splits, block_h, block_n, num_warps, num_stages: override the launch
             heuristics (tests, tuning).
+        split_v_load: load the value part of each latent tile a second time (an L2 hit)
+            instead of reusing the converted key tile, so that Triton pipelines both loads;
+            default: on when the cache dtype differs from q's (fp8 caches).
         page_chunk: key tiles whose page ids are read in one load (0: one lookup per tile,
             carried a tile ahead); used when the page size divides ``block_n`` or is a
             multiple of it. Rounded up to a power of two. Default: 0 for head blocks of ≤ 16
@@ -449,6 +470,7 @@ def mla_paged_attention(
         PAGE_CHUNK=next_pow2(page_chunk) if page_chunk > 0 and (
             page_size % bn == 0 or bn % page_size == 0) else 0,
         FP16_DOTS=is_fp8(kv_cache.dtype) and q.dtype == torch.bfloat16,
+        SPLIT_V_LOAD=kv_cache.dtype != q.dtype if split_v_load is None else split_v_load,
         num_warps=warps, num_stages=stages,
     )
     if splits > 1:
