@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Optional
 
 import torch
+import triton
 import triton.language as tl
 
 from ...types import FP8_DTYPES
@@ -43,6 +45,24 @@ def triton_devices() -> frozenset:
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _max_shared_mem(index: int) -> int:
+    try:
+        props = triton.runtime.driver.active.utils.get_device_properties(index)
+        return int(props["max_shared_mem"])
+    except Exception:  # an unknown driver: assume the smallest current budget (AMD LDS)
+        return 64 * 1024
+
+
+def max_shared_mem(device: torch.device) -> Optional[int]:
+    """Shared memory one program may use on ``device`` in bytes (a cached host query: the
+    driver call costs far more than a launch when repeated per call); ``None`` off-GPU."""
+    if device.type != "cuda":
+        return None
+    return _max_shared_mem(device.index if device.index is not None
+                           else torch.cuda.current_device())
 
 
 def num_sms(device: torch.device) -> int:

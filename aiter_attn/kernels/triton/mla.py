@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ...validation import INDEX_DTYPES
-from ._kvutil import interpreting, is_fp8, next_pow2, num_sms, scale_args
+from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms, scale_args
 
 __all__ = ["mla_paged_attention", "mla_launch_config"]
 
@@ -285,15 +285,10 @@ _DEFAULTS = {16: (64, 4, 3), 32: (32, 8, 3), 64: (64, 8, 2)}  # block_h -> (bloc
 
 
 def _smem_budget(device: torch.device) -> Optional[int]:
-    """Shared memory one program may use on ``device`` (bytes), ``None`` without a GPU."""
-    if device.type != "cuda":
-        return None
-    try:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        props = triton.runtime.driver.active.utils.get_device_properties(index)
-        return int(props["max_shared_mem"]) - 4096
-    except Exception:  # an unknown driver: assume the smallest current budget
-        return 99 * 1024 - 4096
+    """Shared memory one program may use on ``device`` (bytes, less a margin for Triton's own
+    buffers), ``None`` without a GPU."""
+    total = max_shared_mem(device)
+    return None if total is None else total - 4096
 
 
 def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: torch.device,

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ...types import FP8_DTYPES
+from ._kvutil import max_shared_mem
 
 __all__ = ["paged_attention_triton", "paged_attention_5d_triton", "reject_reason", "MAX_HEAD_DIM",
            "MAX_GROUP"]
@@ -471,19 +472,9 @@ def _choose_config(*, group, max_q, max_k, head_dim_pad, batch, num_kv_heads, de
     ov = tuple(sorted(TUNING_OVERRIDES.items()))
     on_gpu = device.type == "cuda" and not _interpreting()
     sms = _num_sms(device.index or 0) if on_gpu else 0
-    smem = _smem_budget(device.index or 0) if on_gpu else 0
+    smem = max_shared_mem(device) - 2048 if on_gpu else 0  # margin for Triton's own buffers
     return _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads, sms, ov,
                                  _interpreting(), fp32, fp8_kv, smem)
-
-
-@functools.lru_cache(maxsize=None)
-def _smem_budget(device_index: int) -> int:
-    """Shared memory one program may use (bytes), less a margin for Triton's own buffers."""
-    try:
-        props = triton.runtime.driver.active.utils.get_device_properties(device_index)
-        return int(props["max_shared_mem"]) - 2048
-    except Exception:  # unknown driver: assume the smallest current budget (64 KiB, AMD LDS)
-        return 64 * 1024 - 2048
 
 
 def _fit_smem(block_m, block_n, num_stages, head_dim_pad, elem, budget):
