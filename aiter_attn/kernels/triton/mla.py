@@ -79,12 +79,10 @@ def _mla_tile(acc, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, offs_n, hi, 
         # (sm_90 PTX: plain ld.global for it, cp.async only for the rope part); a second load
         # of the same rows (an L2 hit) for the values gives each load a single use, and both
         # are pipelined through shared memory
-        if EVEN_D:
-            c_val = tl.load(kv_ptr + row[:, None] + offs_dv[None, :], mask=mask_n[:, None],
-                            other=0.0).to(q_nope.dtype)
-        else:
-            c_val = tl.load(kv_ptr + row[:, None] + offs_dv[None, :],
-                            mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(q_nope.dtype)
+        # (the 2-D mask keeps this load distinct from the key load above: with identical
+        # operands the compiler merges the two back into one, and pipelines neither)
+        c_val = tl.load(kv_ptr + row[:, None] + offs_dv[None, :],
+                        mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(q_nope.dtype)
     else:
         c_val = c_nope
     acc = acc * alpha[:, None] + _dot(p.to(q_nope.dtype), c_val, IEEE)

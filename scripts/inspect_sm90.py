@@ -1,0 +1,125 @@
+"""Compile our Triton attention kernels for sm_90 on any host (no GPU needed) and report how
+Triton pipelined them: shared memory, ``cp.async`` / plain global loads, tensor-core ops and
+the ``async_wait`` counts of each loop (``num = 0`` at a loop top means no copy is in flight
+while the tile computes). Triton's wheel carries ptxas, so this runs on the CPU-only machine.
+
+Usage::
+
+    python scripts/inspect_sm90.py paged '{"kv": "bf16", "BLOCK_M": 128, "BLOCK_N": 128,
+        "warps": 8, "stages": 3, "PAGE_CHUNK": 16}' [--dump DIR]
+    python scripts/inspect_sm90.py mla '{"kv": "fp8e4nv", "BLOCK_H": 16, "BLOCK_N": 64,
+        "warps": 4, "stages": 3}'
+
+The JSON sets the kernel's constexprs (see the kernels' signatures) and launch options;
+``kv``/``q`` are Triton type names (bf16, fp16, fp8e4nv). ``--dump`` writes TTGIR and PTX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+_TL = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
+
+
+def _compile(fn, ptr_types, scalars_f32, no_div, const, warps, stages):
+    names = fn.arg_names
+    sig = {}
+    for n in names:
+        if n in const:
+            sig[n] = "constexpr"
+        elif n in ptr_types:
+            sig[n] = "*" + ptr_types[n]
+        else:
+            sig[n] = "fp32" if n in scalars_f32 else "i32"
+    # integer arguments that are multiples of 16 at launch get Triton's divisibility hint
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n] != "constexpr" and n not in no_div and n not in scalars_f32}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+
+
+def compile_paged(kv="bf16", q="bf16", warps=8, stages=3, **const):
+    from aiter_attn.kernels.triton import paged_attention as pa
+
+    fp8 = kv.startswith("fp8")
+    c = dict(GROUP=4, HEADS=4, NUM_HCHUNKS=1, BLOCK_M=128, BLOCK_N=128, D=128, D_PAD=128,
+             DV=128, DV_PAD=128, PAGE_SIZE=16, CAUSAL=True, HAS_SOFTCAP=False, HAS_SINKS=False,
+             HAS_SCALES=fp8, HAS_CUSTOM_MASK=False, SEARCH_SEQ=False, SPLIT=False,
+             COMPUTE_DTYPE=tl.float16 if fp8 and q == "bf16" else _TL[q],
+             CLAMP_Q=fp8 and q == "bf16", DOT_PRECISION="tf32", NUM_STAGES=stages,
+             WARP_SPEC=False, PAGE_CHUNK=16, KX=1, VX=1)
+    # head-dim strides of NHD caches are 1: Triton's launcher specialises integer arguments
+    # equal to 1 into constants, so they are constexprs here too
+    c.update(stride_kd=1, stride_vd=1)
+    c.update(const)
+    c.setdefault("BLOCK_Q", c["BLOCK_M"] // c["HEADS"])
+    c["TILE_IN_PAGE"] = c["PAGE_SIZE"] % c["BLOCK_N"] == 0
+    ptrs = dict(Q=q, K=kv, V=kv, O=q, PartAcc="fp32", PartML="fp32", CuQ="i32", SeqK="i32",
+                BlockTable="i32", Sinks="fp32", KScale="fp32", VScale="fp32", Mask="u8",
+                MaskIndptr="i32")
+    return _compile(pa._paged_attn_kernel, ptrs, {"sm_scale", "softcap"},
+                    {"left", "right", "num_seqs", "q_blocks_per_seq", "num_splits"},
+                    c, warps, stages)
+
+
+def compile_mla(kv="bf16", q="bf16", warps=4, stages=3, **const):
+    from aiter_attn.kernels.triton import mla
+
+    fp8 = kv.startswith("fp8")
+    c = dict(PAGE_SIZE=64, KV_LORA=512, ROPE=64, BLOCK_DV=512, BLOCK_DR=64, BLOCK_H=16,
+             BLOCK_N=64, BLOCK_B=64, NUM_SPLITS=1, CAUSAL=False, HAS_MASK=False,
+             SCALE_FROM_PTR=False, IEEE=False, EVEN_D=True, PAGE_CHUNK=0,
+             FP16_DOTS=fp8 and q == "bf16", SPLIT_V_LOAD=fp8)
+    c.update(const)
+    c["TILE_IN_PAGE"] = c["PAGE_SIZE"] % c["BLOCK_N"] == 0
+    ptrs = dict(q_ptr=q, kv_ptr=kv, out_ptr=q, part_o_ptr="fp32", part_lse_ptr="fp32",
+                cu_q_ptr="i32", seqused_ptr="i32", bt_ptr="i32", mask_ptr="u8",
+                mask_indptr_ptr="i64", scale_ptr="fp32")
+    return _compile(mla._mla_fwd_kernel, ptrs, {"qk_scale_log2", "kv_scale_val"},
+                    {"num_heads", "batch", "num_head_blocks"}, c, warps, stages)
+
+
+def report(kernel) -> dict:
+    ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+    return {
+        "shared_bytes": kernel.metadata.shared,
+        "cp.async (16 B)": len(re.findall(r"cp\.async\.cg", ptx)),
+        "ld.global": len(re.findall(r"ld\.global", ptx)),
+        "local-memory ops (spills)": len(re.findall(r"(ld|st)\.local", ptx)),
+        "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+        "mma.sync": len(re.findall(r"mma\.sync", ptx)),
+        "async_wait per loop": re.findall(r"async_wait.*?\{num = (\d+)", ttgir),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kernel", choices=("paged", "mla"))
+    ap.add_argument("config", nargs="?", default="{}", help="JSON constexprs / options")
+    ap.add_argument("--dump", help="write k.ttgir and k.ptx into this folder")
+    args = ap.parse_args(argv)
+    cfg = json.loads(args.config)
+    k = (compile_paged if args.kernel == "paged" else compile_mla)(**cfg)
+    for key, val in report(k).items():
+        print(f"{key:28s} {val}")
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
+        for ext in ("ttgir", "ptx"):
+            with open(os.path.join(args.dump, "k." + ext), "w") as f:
+                f.write(k.asm[ext])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
