@@ -108,11 +108,16 @@ def main(argv=None) -> int:
     ap.add_argument("kernel", choices=("paged", "mla"))
     ap.add_argument("config", nargs="?", default="{}", help="JSON constexprs / options")
     ap.add_argument("--dump", help="write k.ttgir and k.ptx into this folder")
+    ap.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = ap.parse_args(argv)
     cfg = json.loads(args.config)
     k = (compile_paged if args.kernel == "paged" else compile_mla)(**cfg)
-    for key, val in report(k).items():
-        print(f"{key:28s} {val}")
+    rep = report(k)
+    if args.json:
+        print(json.dumps(rep))
+    else:
+        for key, val in rep.items():
+            print(f"{key:28s} {val}")
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
         for ext in ("ttgir", "ptx"):
