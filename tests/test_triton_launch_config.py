@@ -1,0 +1,58 @@
+"""Launch heuristics of the Triton kernels (host integers only; no kernel runs): shared-memory
+fitting never exceeds the device budget, split counts stay in range, and the regimes pick
+the page lookup that the H200 measurements chose (docs/triton_tuning.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aiter_attn.kernels.triton import mla
+from aiter_attn.kernels.triton import paged_attention as pa
+
+
+@given(block_m=st.sampled_from([16, 32, 64, 128]), block_n=st.sampled_from([32, 64, 128]),
+       stages=st.integers(2, 4), head_dim=st.sampled_from([64, 128, 256]),
+       elem=st.sampled_from([2, 4]), budget=st.integers(48 * 1024, 228 * 1024))
+def test_fit_smem_fits_or_stops_at_the_floor(block_m, block_n, stages, head_dim, elem, budget):
+    bn, st_ = pa._fit_smem(block_m, block_n, stages, head_dim, elem, budget)
+    need = st_ * bn * 2 * head_dim * elem + block_m * head_dim * elem
+    assert need <= budget or (bn == 16 and st_ == 2)
+    assert bn <= block_n and st_ <= stages  # only ever shrinks
+
+
+def _cfg(**kw):
+    base = dict(group=4, head_dim_pad=128, num_kv_heads=8, sms=132, ov=(), interpreting=False,
+                fp32=False, fp8_kv=False, smem=227 * 1024)
+    base.update(kw)
+    return pa._choose_config_cached(base["group"], base["max_q"], base["max_k"],
+                                    base["head_dim_pad"], base["batch"], base["num_kv_heads"],
+                                    base["sms"], base["ov"], base["interpreting"], base["fp32"],
+                                    base["fp8_kv"], base["smem"])
+
+
+def test_regimes_pick_the_measured_page_lookup():
+    prefill = _cfg(max_q=8192, max_k=8192, batch=1)
+    assert (prefill.page_chunk, prefill.num_stages, prefill.block_n) == (16, 3, 128)
+    assert _cfg(max_q=2048, max_k=2048, batch=8).block_n == 64
+    decode = _cfg(max_q=1, max_k=4096, batch=64)
+    assert decode.page_chunk == 0 and decode.num_splits >= 1
+    fp8 = _cfg(max_q=1, max_k=65536, batch=8, fp8_kv=True)
+    assert fp8.page_chunk == 16
+    assert fp8.num_splits * 8 * 8 <= 4 * 132  # whole waves: 8 requests x 8 KV heads
+    small_smem = _cfg(max_q=8192, max_k=8192, batch=1, smem=64 * 1024)
+    assert small_smem.num_stages * small_smem.block_n * 2 * 128 * 2 + 128 * 128 * 2 <= 64 * 1024
+
+
+@pytest.mark.parametrize("heads,tokens", [(16, 64), (16, 128), (128, 64), (16, 1)])
+def test_mla_splits_fill_at_most_one_wave(monkeypatch, heads, tokens):
+    monkeypatch.setattr(mla, "_smem_budget", lambda device: 227 * 1024 - 4096)
+    monkeypatch.setattr(mla, "num_sms", lambda device: 132)
+    bh, bn, splits, warps, stages = mla.mla_launch_config(heads, tokens, 8192,
+                                                          torch.device("cpu"))
+    programs = tokens * -(-heads // bh)
+    assert 1 <= splits <= 64
+    assert programs * splits <= max(132, programs)
+    assert stages * bn * 576 * 2 <= 227 * 1024 - 4096
