@@ -20,6 +20,7 @@ __all__ = [
     "mla_paged_attention",
     "write_kv",
     "build_page_table",
+    "build_page_tables_swa",
     "build_ragged_kv_indices",
     "paged_attention_request",
     "attention_features",
@@ -293,6 +294,19 @@ def build_page_table(req_to_token, req_pool_indices, seq_lens, page_size, out, *
     req = KernelRequest(op="build_page_table", device=out.device.type, page_size=page_size)
     return _registry().select(req, backend=backend).fn(
         req_to_token, req_pool_indices, seq_lens, page_size, out
+    )
+
+
+def build_page_tables_swa(req_to_token, req_pool_indices, seq_lens, page_size, full_to_swa, out,
+                          out_swa, *, backend=None):
+    """:func:`build_page_table` into ``out`` and, in the same pass, the SWA pool's table into
+    ``out_swa`` (same shape): ``full_to_swa[page · page_size] // page_size`` per entry (0 past
+    each request's pages). ``full_to_swa``: the hybrid pool's int64 ``[full_slots]`` mapping.
+    See :func:`aiter_attn.kernels.reference.build_page_tables_swa_reference`."""
+    check_same_device("out", out, full_to_swa=full_to_swa, out_swa=out_swa)
+    req = KernelRequest(op="build_page_tables_swa", device=out.device.type, page_size=page_size)
+    return _registry().select(req, backend=backend).fn(
+        req_to_token, req_pool_indices, seq_lens, page_size, full_to_swa, out, out_swa
     )
 
 

@@ -467,6 +467,34 @@ def test_allocator_shared_prefix_keeps_shared_swa_pages():
 # bad input
 # ---------------------------------------------------------------------------------------------
 
+def test_swa_tables_come_from_one_fused_pass(monkeypatch):
+    """Every SWA planner that builds its own page table builds the SWA table in the same
+    pass (op ``build_page_tables_swa``, no separate ``build_page_table``), and the result
+    equals translating the full table afterwards."""
+    from aiter_attn import ops
+    from aiter_attn.strategies.swa import plan_swa_tables
+
+    calls = []
+    fused, plain = ops.build_page_tables_swa, ops.build_page_table
+    monkeypatch.setattr(ops, "build_page_tables_swa",
+                        lambda *a, **k: calls.append("fused") or fused(*a, **k))
+    monkeypatch.setattr(ops, "build_page_table",
+                        lambda *a, **k: calls.append("plain") or plain(*a, **k))
+    cfg = BackendConfig(page_size=4, max_context_len=64, dtype=torch.float32, arch="swa")
+    layers = hybrid_layers(4, 2, 16, [5, None])
+    sc = make_swa_scenario(cfg, layers, [13, 6], seed=3, extra_tokens=8)
+    for row in sc.rows:  # some SWA pages freed: their entries must be the null page
+        sc.allocator.free_swa_out_of_window(row, 5)
+    be = backend_for(sc)
+    for mode, lens in ((ForwardMode.EXTEND, [3, 2]), (ForwardMode.DECODE, [1, 1])):
+        calls.clear()
+        run_step(sc, be, mode, lens)
+        assert calls == ["fused"], (mode, calls)
+        md = be.forward_metadata
+        again = plan_swa_tables(sc.kv_pool, md.pages, torch.empty_like(md.pages.block_table))
+        assert torch.equal(md.extras["swa_pages"].block_table, again.block_table)
+
+
 def test_swa_backend_needs_swa_pool():
     cfg = BackendConfig(page_size=4, max_context_len=64, dtype=torch.float32, arch="swa")
     req = ReqToTokenPool(3, 64)

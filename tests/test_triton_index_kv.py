@@ -59,6 +59,49 @@ def test_page_table_equals_reference(pb, spare, idx_dtype):
     check_page_table(got, b.seq_lens, b.req_pool_indices, pb.req_pool.req_to_token, ps)
 
 
+@given(pb=paged_batches(mode=ForwardMode.DECODE, max_bs=5), spare=st.integers(0, 2),
+       freed=st.floats(0.0, 0.5), seed=st.integers(0, 2**16))
+def test_page_tables_swa_equal_reference(pb, spare, freed, seed):
+    """Full and SWA tables from one Triton pass equal the reference (full table, then the
+    translation ``full_to_swa[page · P] // P``), with some SWA pages freed (mapping 0) and
+    the null page past each request's length in both."""
+    index, _ = _triton()
+    b, ps = pb.batch, pb.config.page_size
+    g = torch.Generator().manual_seed(seed)
+    r2t = pb.req_pool.req_to_token
+    full_slots = int(r2t.max()) + ps + 1
+    n_swa_pages = full_slots // ps + 2
+    # page-granular mapping: every slot of full page p -> slot of SWA page perm[p] (or freed)
+    swa_page = torch.randperm(n_swa_pages, generator=g)[: full_slots // ps + 1] + 1
+    swa_page[torch.rand(swa_page.shape, generator=g) < freed] = 0
+    slot = torch.arange(full_slots)
+    f2s = swa_page[slot // ps] * ps + slot % ps
+    f2s[:ps] = 0  # the null page maps to the null page
+    width = max(-(-int(n) // ps) for n in b.seq_lens_cpu) + spare
+    want, want_swa = (torch.full((b.batch_size, width), 77, dtype=torch.int32) for _ in "ab")
+    R.build_page_tables_swa_reference(r2t, b.req_pool_indices, b.seq_lens, ps, f2s, want,
+                                      want_swa)
+    got, got_swa = (torch.full((b.batch_size, width), -77, dtype=torch.int32, device=DEVICE)
+                    for _ in "ab")
+    index.build_page_tables_swa(r2t.to(DEVICE), b.req_pool_indices.to(DEVICE),
+                                b.seq_lens.to(DEVICE), ps, f2s.to(DEVICE), got, got_swa)
+    assert torch.equal(got.cpu(), want) and torch.equal(got_swa.cpu(), want_swa)
+    # hand check of the convention on the first request's first page
+    if int(b.seq_lens_cpu[0]) > 0:
+        page = int(want[0, 0])
+        assert int(want_swa[0, 0]) == int(swa_page[page]) and page > 0
+
+
+def test_page_tables_swa_rejects_mismatched_out_swa():
+    index, _ = _triton()
+    r2t = torch.arange(64, dtype=torch.int32).view(2, 32).to(DEVICE)
+    args = (r2t, torch.tensor([0, 1], device=DEVICE), torch.tensor([5, 9], device=DEVICE), 4,
+            torch.zeros(64, dtype=torch.int64, device=DEVICE),
+            torch.zeros(2, 3, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="out_swa has shape"):
+        index.build_page_tables_swa(*args, torch.zeros(2, 4, dtype=torch.int32, device=DEVICE))
+
+
 @given(pb=paged_batches(mode=ForwardMode.EXTEND, max_bs=5), slack=st.integers(0, 5))
 def test_ragged_indices_equal_reference(pb, slack):
     """kv_indptr/kv_indices equal the reference; entries past the total stay untouched."""
@@ -239,8 +282,9 @@ def test_registry_lists_triton_for_every_op():
     from aiter_attn.plugins import kernel_registry
 
     reg = kernel_registry()
-    for op in ("build_page_table", "build_ragged_kv_indices", "write_kv", "write_kv_swa",
-               "write_kv_5d", "mla_paged_attention"):
+    for op in ("build_page_table", "build_page_tables_swa", "build_ragged_kv_indices",
+               "write_kv", "write_kv_swa", "write_kv_5d", "mla_paged_attention",
+               "paged_attention_5d"):
         names = [i.name for i in reg.implementations(op)]
         assert "triton" in names and "reference" in names, (op, names)
 
@@ -297,8 +341,8 @@ def test_gpu_registry_prefers_triton_for_index_and_writes():
     from aiter_attn.plugins import kernel_registry
 
     reg = kernel_registry()
-    for op in ("build_page_table", "build_ragged_kv_indices", "write_kv", "write_kv_swa",
-               "write_kv_5d"):
+    for op in ("build_page_table", "build_page_tables_swa", "build_ragged_kv_indices",
+               "write_kv", "write_kv_swa", "write_kv_5d"):
         sel = reg.select(KernelRequest(op=op, device="cuda", kv_dtype=torch.float8_e4m3fn,
                                        features={"fp8"}))
         assert sel.impl.name == "triton", (op, sel)

@@ -16,6 +16,7 @@ from .registry import Capabilities
 __all__ = [
     "paged_attention_reference",
     "mla_paged_attention_reference",
+    "build_page_tables_swa_reference",
     "write_kv_reference",
     "build_page_table_reference",
     "build_ragged_kv_indices_reference",
@@ -209,6 +210,28 @@ def build_page_table_reference(
     return out
 
 
+def build_page_tables_swa_reference(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    full_to_swa: torch.Tensor,
+    out: torch.Tensor,
+    out_swa: torch.Tensor,
+) -> torch.Tensor:
+    """The full page table (as :func:`build_page_table_reference`) and its SWA translation
+    ``out_swa[b, i] = full_to_swa[out[b, i] · page_size] // page_size`` (0 past each
+    request's pages, and where the SWA copy was freed). full_to_swa int64 ``[full_slots]``;
+    out_swa like out. Returns ``out``."""
+    build_page_table_reference(req_to_token, req_pool_indices, seq_lens, page_size, out)
+    first_slot = out.to(torch.int64) * page_size
+    out_swa.copy_(torch.div(full_to_swa[first_slot], page_size, rounding_mode="floor"))
+    n_pages = (seq_lens.long() + page_size - 1) // page_size
+    idx = torch.arange(out.shape[1], device=out.device).unsqueeze(0)
+    out_swa.masked_fill_(idx >= n_pages.unsqueeze(1), 0)
+    return out
+
+
 def build_ragged_kv_indices_reference(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
@@ -249,5 +272,7 @@ def aiter_attn_register_kernels(register):
     index_caps = Capabilities(cg_support=CGSupport.ALWAYS, features={"fp8"})
     register("write_kv", "reference", write_kv_reference, index_caps, priority=0)
     register("build_page_table", "reference", build_page_table_reference, index_caps, priority=0)
+    register("build_page_tables_swa", "reference", build_page_tables_swa_reference, index_caps,
+             priority=0)
     register("build_ragged_kv_indices", "reference", build_ragged_kv_indices_reference,
              index_caps, priority=0)

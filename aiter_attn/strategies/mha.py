@@ -46,11 +46,17 @@ def plan_query_layout(batch: ForwardBatch, cu_seqlens_q: torch.Tensor, uniform_q
 
 
 def plan_page_table(ctx, batch: ForwardBatch, block_table: torch.Tensor, seqused_k: torch.Tensor,
-                    static: bool) -> PageTable:
-    """Fill ``block_table`` (int32 ``[bs, W]`` view) and ``seqused_k`` from ``req_to_token``."""
+                    static: bool, *, full_to_swa: Optional[torch.Tensor] = None,
+                    swa_block_table: Optional[torch.Tensor] = None) -> PageTable:
+    """Fill ``block_table`` (int32 ``[bs, W]`` view) and ``seqused_k`` from ``req_to_token``;
+    with ``full_to_swa`` also ``swa_block_table`` (same shape), in the same kernel pass."""
     page_size = ctx.config.page_size
-    ops.build_page_table(ctx.req_to_token, batch.req_pool_indices, batch.seq_lens, page_size,
-                         block_table)
+    if full_to_swa is not None:
+        ops.build_page_tables_swa(ctx.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                                  page_size, full_to_swa, block_table, swa_block_table)
+    else:
+        ops.build_page_table(ctx.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                             page_size, block_table)
     seqused_k.copy_(batch.seq_lens)
     max_k = block_table.shape[1] * page_size if static else batch.max_seq_len
     return PageTable(block_table=block_table, seqused_k=seqused_k, max_seqlen_k=max_k,
@@ -77,9 +83,16 @@ class PagedMetadata(MetadataStrategy):
             out = self.eager_buffers(batch)
         bs = batch.batch_size
         query = plan_query_layout(batch, out["cu_seqlens_q"][: bs + 1], self.uniform_q_len(batch))
-        pages = plan_page_table(self.ctx, batch, out["block_table"][:bs], out["seqused_k"][:bs],
-                                static)
+        pages = self.plan_pages(batch, out, static)
         return AttnMetadata(mode=batch.forward_mode, batch_size=bs, query=query, pages=pages)
+
+    def plan_pages(self, batch: ForwardBatch, out: dict, static: bool) -> PageTable:
+        """This step's page table, planned into ``out``'s ``block_table``/``seqused_k``
+        buffers (static or eager). Mixins that need more tables from the same pass (the SWA
+        pool's) override this."""
+        bs = batch.batch_size
+        return plan_page_table(self.ctx, batch, out["block_table"][:bs], out["seqused_k"][:bs],
+                               static)
 
 
 class DecodeMetadata(PagedMetadata):

@@ -44,7 +44,7 @@ from ..registry import StrategyPair
 from ..types import AttnArch, BackendConfig, CGSupport, ForwardMode
 from ..validation import check_tensor
 from .base import BufferSpec, MetadataStrategy
-from .mha import ExtendMetadata, PagedExecution, PagedMetadata, plan_page_table, plan_query_layout
+from .mha import ExtendMetadata, PagedExecution, PagedMetadata, plan_query_layout
 
 __all__ = [
     "resolve_num_draft_tokens",
@@ -220,8 +220,7 @@ class VerifyTreeMetadata(_UniformPagedMetadata):
         else:
             out = self.eager_buffers(batch, mask_numel=total if layout == "tree" else 0)
         query = plan_query_layout(batch, out["cu_seqlens_q"][: bs + 1], n)
-        pages = plan_page_table(self.ctx, batch, out["block_table"][:bs], out["seqused_k"][:bs],
-                                static)
+        pages = self.plan_pages(batch, out, static)
         mask_indptr = out["mask_indptr"][: bs + 1]
         _fill_mask_indptr(batch.seq_lens, n, mask_indptr)
         if layout == "tree":

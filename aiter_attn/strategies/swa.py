@@ -40,7 +40,7 @@ from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
 from .base import BufferSpec, ExecutionStrategy
 from .common import (attend, attend_layer, effective_causal, effective_window, require_pool,
                      window_tree_mask)
-from .mha import DecodeMetadata, ExtendMetadata
+from .mha import DecodeMetadata, ExtendMetadata, plan_page_table
 from .spec import (
     DraftDecodeStepMetadata,
     DraftExtendV2Metadata,
@@ -124,16 +124,33 @@ class SWATablesMixin:
         return super().buffer_spec(max_bs, max_tokens, max_seq_len).merge(
             BufferSpec({"swa_block_table": ((max_bs, pages), torch.int32)}))
 
+    def plan_pages(self, batch: ForwardBatch, out: dict, static: bool) -> PageTable:
+        """Both tables in one pass (op ``build_page_tables_swa``): the full table into
+        ``out["block_table"]``, its SWA translation into ``out["swa_block_table"]``."""
+        bs = batch.batch_size
+        full_bt = out["block_table"][:bs]
+        swa_bt = out["swa_block_table"][:bs, : full_bt.shape[1]]
+        pages = plan_page_table(self.ctx, batch, full_bt, out["seqused_k"][:bs], static,
+                                full_to_swa=self.pool.full_to_swa_index_mapping,
+                                swa_block_table=swa_bt)
+        self._fused_swa_pages = attrs.evolve(pages, block_table=swa_bt)
+        return pages
+
     def plan(self, batch: ForwardBatch, out: Optional[dict] = None) -> AttnMetadata:
+        self._fused_swa_pages = None
         md = super().plan(batch, out)
-        full = md.pages.block_table
-        if out is not None:
-            swa_bt = out["swa_block_table"][: full.shape[0], : full.shape[1]]
-        elif self.persistent_swa_table:
-            swa_bt = self._own_swa_table(full)
-        else:
-            swa_bt = torch.zeros_like(full)
-        swa_pages = plan_swa_tables(self.pool, md.pages, swa_bt)
+        swa_pages, self._fused_swa_pages = self._fused_swa_pages, None
+        if swa_pages is None:
+            # a planner whose full table comes from elsewhere (a multi-step draft step's view):
+            # translate it (one gather, no sync)
+            full = md.pages.block_table
+            if out is not None:
+                swa_bt = out["swa_block_table"][: full.shape[0], : full.shape[1]]
+            elif self.persistent_swa_table:
+                swa_bt = self._own_swa_table(full)
+            else:
+                swa_bt = torch.zeros_like(full)
+            swa_pages = plan_swa_tables(self.pool, md.pages, swa_bt)
         return attrs.evolve(md, extras={**md.extras, "swa_pages": swa_pages})
 
 

@@ -55,7 +55,7 @@ def aiter_attn_register_kernels(register):
     # the same kernel over the vectorised 5-D layout (only the cache addressing differs)
     register("paged_attention_5d", "triton", paged_attention_5d_triton, attn_caps,
              priority=triton_priority())
-    from .index import build_page_table, build_ragged_kv_indices
+    from .index import build_page_table, build_page_tables_swa, build_ragged_kv_indices
     from .kv_write import write_kv, write_kv_5d, write_kv_translated
     from .mla import mla_paged_attention
 
@@ -68,6 +68,8 @@ def aiter_attn_register_kernels(register):
     index_caps = Capabilities(devices=TRITON_DEVICES, features={"fp8"},
                               cg_support=CGSupport.ALWAYS)
     register("build_page_table", "triton", build_page_table, index_caps, triton_priority())
+    register("build_page_tables_swa", "triton", build_page_tables_swa, index_caps,
+             triton_priority())
     register("build_ragged_kv_indices", "triton", build_ragged_kv_indices, index_caps,
              triton_priority())
     register("write_kv", "triton", write_kv, index_caps, triton_priority())

@@ -13,15 +13,16 @@ import triton.language as tl
 from ...validation import INDEX_DTYPES
 from ._kvutil import next_pow2
 
-__all__ = ["build_page_table", "build_ragged_kv_indices"]
+__all__ = ["build_page_table", "build_page_tables_swa", "build_ragged_kv_indices"]
 
 
 @triton.jit
 def _page_table_kernel(
-    r2t_ptr, rpi_ptr, seq_ptr, out_ptr,
-    stride_r2t, stride_out, width, r2t_cols,
+    r2t_ptr, rpi_ptr, seq_ptr, out_ptr, f2s_ptr, swa_ptr,
+    stride_r2t, stride_out, stride_swa, width, r2t_cols,
     PAGE_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
+    TRANSLATE: tl.constexpr,
 ):
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -34,6 +35,45 @@ def _page_table_kernel(
     page = tl.where(live, tok // PAGE_SIZE, 0)
     tl.store(out_ptr + b.to(tl.int64) * stride_out + cols, page.to(out_ptr.dtype.element_ty),
              mask=in_row)
+    if TRANSLATE:
+        # the same pass writes the SWA pool's table: the SWA slot of each page's first slot
+        swa_slot = tl.load(f2s_ptr + page.to(tl.int64) * PAGE_SIZE, mask=live, other=0)
+        swa_page = tl.where(live, swa_slot // PAGE_SIZE, 0)
+        tl.store(swa_ptr + b.to(tl.int64) * stride_swa + cols,
+                 swa_page.to(swa_ptr.dtype.element_ty), mask=in_row)
+
+
+def _check_table_args(req_to_token, req_pool_indices, seq_lens, page_size, out):
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size={page_size!r}; must be a positive int.")
+    for name, t in (("req_to_token", req_to_token), ("req_pool_indices", req_pool_indices),
+                    ("seq_lens", seq_lens), ("out", out)):
+        if t.dtype not in INDEX_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; allowed: int32, int64.")
+    if out.dim() != 2 or out.shape[0] != seq_lens.shape[0]:
+        raise ValueError(
+            f"out has shape {tuple(out.shape)}; expected [batch={seq_lens.shape[0]}, max_pages]."
+        )
+    if req_to_token.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("req_to_token and out must be contiguous along their last dim.")
+
+
+def _launch_tables(req_to_token, req_pool_indices, seq_lens, page_size, out, full_to_swa=None,
+                   out_swa=None):
+    batch, width = out.shape
+    if batch == 0 or width == 0:
+        return out
+    block = min(1024, max(16, next_pow2(width)))
+    grid = (batch, triton.cdiv(width, block))
+    translate = full_to_swa is not None
+    _page_table_kernel[grid](
+        req_to_token, req_pool_indices, seq_lens, out,
+        full_to_swa if translate else out, out_swa if translate else out,
+        req_to_token.stride(0), out.stride(0), out_swa.stride(0) if translate else 0, width,
+        req_to_token.shape[1],
+        PAGE_SIZE=page_size, BLOCK=block, TRANSLATE=translate, num_warps=4,
+    )
+    return out
 
 
 def build_page_table(
@@ -50,29 +90,34 @@ def build_page_table(
     out int32/int64 ``[B, W]`` (written whole, returned). Same result as
     :func:`aiter_attn.kernels.reference.build_page_table_reference`.
     """
-    if not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size={page_size!r}; must be a positive int.")
-    for name, t in (("req_to_token", req_to_token), ("req_pool_indices", req_pool_indices),
-                    ("seq_lens", seq_lens), ("out", out)):
-        if t.dtype not in INDEX_DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; allowed: int32, int64.")
-    if out.dim() != 2 or out.shape[0] != seq_lens.shape[0]:
+    _check_table_args(req_to_token, req_pool_indices, seq_lens, page_size, out)
+    return _launch_tables(req_to_token, req_pool_indices, seq_lens, page_size, out)
+
+
+def build_page_tables_swa(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    full_to_swa: torch.Tensor,
+    out: torch.Tensor,
+    out_swa: torch.Tensor,
+) -> torch.Tensor:
+    """The full page table (as :func:`build_page_table`) and, in the same pass, the SWA pool's
+    ``out_swa[b, i] = full_to_swa[out[b, i] · page_size] // page_size`` (0 past each request's
+    pages). full_to_swa int64 ``[full_slots]``; out_swa int32/int64 shaped like out. Same
+    result as :func:`aiter_attn.kernels.reference.build_page_tables_swa_reference`."""
+    _check_table_args(req_to_token, req_pool_indices, seq_lens, page_size, out)
+    if out_swa.shape != out.shape or out_swa.dtype not in INDEX_DTYPES or out_swa.stride(1) != 1:
         raise ValueError(
-            f"out has shape {tuple(out.shape)}; expected [batch={seq_lens.shape[0]}, max_pages]."
-        )
-    if req_to_token.stride(1) != 1 or out.stride(1) != 1:
-        raise ValueError("req_to_token and out must be contiguous along their last dim.")
-    batch, width = out.shape
-    if batch == 0 or width == 0:
-        return out
-    block = min(1024, max(16, next_pow2(width)))
-    grid = (batch, triton.cdiv(width, block))
-    _page_table_kernel[grid](
-        req_to_token, req_pool_indices, seq_lens, out,
-        req_to_token.stride(0), out.stride(0), width, req_to_token.shape[1],
-        PAGE_SIZE=page_size, BLOCK=block, num_warps=4,
-    )
-    return out
+            f"out_swa has shape {tuple(out_swa.shape)} and dtype {out_swa.dtype}; expected "
+            f"{tuple(out.shape)}, int32/int64, contiguous along its last dim (like out).")
+    if full_to_swa.dim() != 1 or full_to_swa.dtype not in INDEX_DTYPES:
+        raise ValueError(
+            f"full_to_swa has shape {tuple(full_to_swa.shape)} and dtype {full_to_swa.dtype}; "
+            "expected the pool's int64 [full_slots] full_to_swa_index_mapping.")
+    return _launch_tables(req_to_token, req_pool_indices, seq_lens, page_size, out,
+                          full_to_swa, out_swa)
 
 
 @triton.jit
