@@ -21,6 +21,7 @@ from .reference import quantize_to_cache
 from .registry import Capabilities
 
 __all__ = [
+    "build_tree_mask_reference",
     "write_kv_translated_reference",
     "write_kv_5d_reference",
     "kv_5d_from_nhd",
@@ -121,6 +122,37 @@ def write_kv_5d_reference(
         v_cache[p, :, :, o] = vq
 
 
+def build_tree_mask_reference(seq_lens: torch.Tensor, tree: torch.Tensor, q_len: int,
+                    mask_indptr: torch.Tensor, out: torch.Tensor, total: int) -> torch.Tensor:
+    """Expand the tree part to SGLang's full layout with torch ops (device, no host sync).
+
+    For request ``b`` with ``L = seq_lens[b]`` keys and prefix ``P = L - q_len``:
+    ``out[mask_indptr[b] + i·L + j] = j < P  or  tree[b, i, j - P]``.
+
+    Args:
+        seq_lens: int32 ``[batch]`` KV lengths (draft tokens included).
+        tree: bool/uint8 with ``batch · q_len²`` elements (``[batch, q_len, q_len]``).
+        mask_indptr: int64 ``[batch + 1]``, already filled (see :func:`_fill_mask_indptr`).
+        out: bool ``[≥ total]``.
+        total: host int ``q_len · Σ seq_lens`` (from the CPU mirror).
+    """
+    if total == 0:
+        return out
+    dev = seq_lens.device
+    bs = seq_lens.shape[0]
+    lens = seq_lens.long()
+    req = torch.repeat_interleave(torch.arange(bs, device=dev), lens * q_len, output_size=total)
+    local = torch.arange(total, device=dev) - mask_indptr[req]
+    kv_len = lens[req]
+    i = torch.div(local, kv_len, rounding_mode="floor")
+    j_tree = local - i * kv_len - (kv_len - q_len)
+    flat = tree.reshape(-1)
+    # Padding rows (graph replay) may point past a shorter tree tensor: clamp, never fault.
+    idx = ((req * q_len + i) * q_len + j_tree.clamp(min=0)).clamp(max=max(flat.numel() - 1, 0))
+    torch.logical_or(j_tree < 0, flat[idx].bool(), out=out[:total])
+    return out
+
+
 @hookimpl
 def aiter_attn_register_kernels(register):
     """Register the SWA-translated and 5-D KV-write references (priority 0, any device).
@@ -130,3 +162,6 @@ def aiter_attn_register_kernels(register):
     caps = Capabilities(cg_support=CGSupport.NEVER, features={"fp8"})
     register("write_kv_swa", "reference", write_kv_translated_reference, caps, priority=0)
     register("write_kv_5d", "reference", write_kv_5d_reference, caps, priority=0)
+    # device ops with host-int sizes only: capture-safe
+    register("build_tree_mask", "reference", build_tree_mask_reference,
+             Capabilities(cg_support=CGSupport.ALWAYS), priority=0)

@@ -39,6 +39,7 @@ import torch
 
 from ..batch import ForwardBatch
 from ..hookspecs import hookimpl
+from ..kernels.registry import KernelRequest
 from ..metadata import AttnMetadata, CustomMask, PageTable, QueryLayout
 from ..registry import StrategyPair
 from ..types import AttnArch, BackendConfig, CGSupport, ForwardMode
@@ -124,33 +125,17 @@ def mask_layout_of_size(numel: int, batch: ForwardBatch, q_len: int) -> str:
 
 def build_tree_mask(seq_lens: torch.Tensor, tree: torch.Tensor, q_len: int,
                     mask_indptr: torch.Tensor, out: torch.Tensor, total: int) -> torch.Tensor:
-    """Expand the tree part to SGLang's full layout on the device (no host sync).
+    """Expand the tree part to SGLang's full layout on the device (no host sync), through
+    the kernel registry (op ``build_tree_mask``: one Triton kernel on GPUs).
 
     For request ``b`` with ``L = seq_lens[b]`` keys and prefix ``P = L - q_len``:
-    ``out[mask_indptr[b] + i·L + j] = j < P  or  tree[b, i, j - P]``.
-
-    Args:
-        seq_lens: int32 ``[batch]`` KV lengths (draft tokens included).
-        tree: bool/uint8 with ``batch · q_len²`` elements (``[batch, q_len, q_len]``).
-        mask_indptr: int64 ``[batch + 1]``, already filled (see :func:`_fill_mask_indptr`).
-        out: bool ``[≥ total]``.
-        total: host int ``q_len · Σ seq_lens`` (from the CPU mirror).
+    ``out[mask_indptr[b] + i·L + j] = j < P  or  tree[b, i, j - P]``. Arguments as
+    :func:`aiter_attn.kernels.reference_extra.build_tree_mask_reference`.
     """
-    if total == 0:
-        return out
-    dev = seq_lens.device
-    bs = seq_lens.shape[0]
-    lens = seq_lens.long()
-    req = torch.repeat_interleave(torch.arange(bs, device=dev), lens * q_len, output_size=total)
-    local = torch.arange(total, device=dev) - mask_indptr[req]
-    kv_len = lens[req]
-    i = torch.div(local, kv_len, rounding_mode="floor")
-    j_tree = local - i * kv_len - (kv_len - q_len)
-    flat = tree.reshape(-1)
-    # Padding rows (graph replay) may point past a shorter tree tensor: clamp, never fault.
-    idx = ((req * q_len + i) * q_len + j_tree.clamp(min=0)).clamp(max=max(flat.numel() - 1, 0))
-    torch.logical_or(j_tree < 0, flat[idx].bool(), out=out[:total])
-    return out
+    from ..plugins import kernel_registry
+
+    req = KernelRequest(op="build_tree_mask", device=out.device.type)
+    return kernel_registry().select(req).fn(seq_lens, tree, q_len, mask_indptr, out, total)
 
 
 def _fill_mask_indptr(seq_lens: torch.Tensor, q_len: int, mask_indptr: torch.Tensor) -> None:

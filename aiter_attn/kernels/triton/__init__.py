@@ -75,3 +75,8 @@ def aiter_attn_register_kernels(register):
     register("write_kv", "triton", write_kv, index_caps, triton_priority())
     register("write_kv_swa", "triton", write_kv_translated, index_caps, triton_priority())
     register("write_kv_5d", "triton", write_kv_5d, index_caps, triton_priority())
+    from .masks import build_tree_mask
+
+    register("build_tree_mask", "triton", build_tree_mask,
+             Capabilities(devices=TRITON_DEVICES, cg_support=CGSupport.ALWAYS),
+             triton_priority())
