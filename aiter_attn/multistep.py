@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from . import ops
 from .backend import AttentionBackend
 from .batch import ForwardBatch, SpecInfo
 from .registry import StrategySelectionError
@@ -183,34 +184,14 @@ class MultiStepDraftBackend:
         steps = self.num_passes
         if out is None:
             out = self.buffer_spec(bs, batch.max_seq_len).allocate(batch.device)
-        width = out["draft_block_table"].shape[2]
-        dev = batch.device
         r2t = self.req_to_token
 
         cu = out["draft_cu_seqlens_q"][: rows + 1]
-        torch.arange(rows + 1, out=cu, dtype=cu.dtype)
         rpi = out["draft_req_pool_indices"][:rows]
-        # expand (not repeat_interleave): fixed sizes, certainly no device→host sync
-        rpi.copy_(batch.req_pool_indices.long().unsqueeze(1).expand(bs, topk).reshape(rows))
-        prefix = batch.seq_lens.long().unsqueeze(1).expand(bs, topk).reshape(rows)
-        branch = torch.arange(rows, device=dev) % topk
-        base = prefix - prefix % ps
-        shift = branch * ((prefix % ps + self.num_steps + ps - 1) // ps) * ps  # [rows]
-
-        step = torch.arange(steps, device=dev).unsqueeze(1)  # [S, 1]
-        kv_len = prefix.unsqueeze(0) + step + 1  # [S, rows]
-        out["draft_seqused_k"][:steps, :rows].copy_(kv_len)
-        out["draft_positions"][:steps, :rows].copy_(kv_len - 1)
-        # the step's token sits at column P + i ≥ base: always in the branch's own pages
-        tok_col = (kv_len - 1 + shift).clamp(max=r2t.shape[1] - 1)
-        out["draft_out_cache_loc"][:steps, :rows].copy_(r2t[rpi.unsqueeze(0), tok_col])
-
-        first_col = torch.arange(width, device=dev) * ps  # [W]
-        col = torch.where(first_col < base.unsqueeze(1), first_col, first_col + shift.unsqueeze(1))
-        pages = r2t[rpi.unsqueeze(1), col.clamp(max=r2t.shape[1] - 1)] // ps  # [rows, W]
-        n_pages = (kv_len + ps - 1) // ps  # [S, rows]
-        used = torch.arange(width, device=dev) < n_pages.unsqueeze(2)  # [S, rows, W]
-        out["draft_block_table"][:steps, :rows].copy_(torch.where(used, pages.unsqueeze(0), 0))
+        ops.build_draft_decode_indices(
+            r2t, batch.req_pool_indices, batch.seq_lens, ps, topk, self.num_steps,
+            cu, rpi, out["draft_seqused_k"][:steps, :rows], out["draft_positions"][:steps, :rows],
+            out["draft_out_cache_loc"][:steps, :rows], out["draft_block_table"][:steps, :rows])
 
         prefix_cpu = batch.seq_lens_cpu.long().repeat_interleave(topk)
         self.step_batches = [

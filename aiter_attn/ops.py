@@ -21,6 +21,7 @@ __all__ = [
     "write_kv",
     "build_page_table",
     "build_page_tables_swa",
+    "build_draft_decode_indices",
     "build_ragged_kv_indices",
     "paged_attention_request",
     "attention_features",
@@ -308,6 +309,35 @@ def build_page_tables_swa(req_to_token, req_pool_indices, seq_lens, page_size, f
     return _registry().select(req, backend=backend).fn(
         req_to_token, req_pool_indices, seq_lens, page_size, full_to_swa, out, out_swa
     )
+
+
+def build_draft_decode_indices(req_to_token, req_pool_indices, seq_lens, page_size, topk,
+                               num_steps, cu_seqlens_q, draft_req_pool_indices, seqused_k,
+                               positions, out_cache_loc, block_table, *, backend=None):
+    """The indices of every multi-step draft-decode pass in one device pass (no host sync):
+    per-row query offsets and request rows, and per step the KV lengths, positions, the slots
+    of this step's draft tokens and each branch's page table. See
+    :func:`aiter_attn.kernels.reference_extra.build_draft_decode_indices_reference`."""
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size={page_size!r}; must be a positive int.")
+    rows = seq_lens.shape[0] * topk
+    steps = block_table.shape[0]
+    for name, t, shape in (("cu_seqlens_q", cu_seqlens_q, (rows + 1,)),
+                           ("draft_req_pool_indices", draft_req_pool_indices, (rows,)),
+                           ("seqused_k", seqused_k, (steps, rows)),
+                           ("positions", positions, (steps, rows)),
+                           ("out_cache_loc", out_cache_loc, (steps, rows))):
+        check_tensor(name, t, dtypes=INDEX_DTYPES, shape=shape,
+                     hint="views of MultiStepDraftBackend's buffers sized for this batch.")
+    check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=3,
+                 shape=(steps, rows, None))
+    check_same_device("block_table", block_table, req_to_token=req_to_token,
+                      req_pool_indices=req_pool_indices, seq_lens=seq_lens)
+    req = KernelRequest(op="build_draft_decode_indices", device=block_table.device.type,
+                        page_size=page_size)
+    return _registry().select(req, backend=backend).fn(
+        req_to_token, req_pool_indices, seq_lens, page_size, topk, num_steps, cu_seqlens_q,
+        draft_req_pool_indices, seqused_k, positions, out_cache_loc, block_table)
 
 
 def build_ragged_kv_indices(req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices,

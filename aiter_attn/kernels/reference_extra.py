@@ -22,6 +22,7 @@ from .registry import Capabilities
 
 __all__ = [
     "build_tree_mask_reference",
+    "build_draft_decode_indices_reference",
     "write_kv_translated_reference",
     "write_kv_5d_reference",
     "kv_5d_from_nhd",
@@ -153,6 +154,64 @@ def build_tree_mask_reference(seq_lens: torch.Tensor, tree: torch.Tensor, q_len:
     return out
 
 
+def build_draft_decode_indices_reference(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    topk: int,
+    num_steps: int,
+    cu_seqlens_q: torch.Tensor,
+    draft_req_pool_indices: torch.Tensor,
+    seqused_k: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    block_table: torch.Tensor,
+) -> None:
+    """Every multi-step draft-decode pass's indices at once, with torch ops (device, no sync).
+
+    Rows ``r = b · topk + k`` (branch ``k`` of request ``b``, ``P = seq_lens[b]`` committed
+    tokens), steps ``s < S``: ``cu_seqlens_q = arange(rows + 1)``; ``draft_req_pool_indices[r]
+    = req_pool_indices[b]``; ``seqused_k[s, r] = P + s + 1``; ``positions = seqused_k - 1``;
+    ``out_cache_loc[s, r]`` = the slot of branch ``k``'s token ``s``; ``block_table[s, r]``
+    branch ``k``'s pages (its own copy of the last partial prefix page), 0 past
+    ``ceil((P + s + 1) / page_size)``. Branch ``k``'s logical column ``c ≥ base = P − P % ps``
+    lives at ``c + k · nnp · ps`` with ``nnp = ceil((P % ps + num_steps) / ps)``
+    (:mod:`aiter_attn.multistep` has the layout). Shapes: ``[rows + 1]``, ``[rows]``,
+    ``[S, rows]`` ×3 (int32/int64), ``[S, rows, W]`` int32.
+    """
+    bs = seq_lens.shape[0]
+    rows = bs * topk
+    steps, width = block_table.shape[0], block_table.shape[2]
+    dev = block_table.device
+    ps = page_size
+    r2t = req_to_token
+    torch.arange(rows + 1, out=cu_seqlens_q, dtype=cu_seqlens_q.dtype)
+    # expand (not repeat_interleave): fixed sizes, certainly no device→host sync
+    rpi = draft_req_pool_indices
+    rpi.copy_(req_pool_indices.long().unsqueeze(1).expand(bs, topk).reshape(rows))
+    rpi_l = rpi.long()
+    prefix = seq_lens.long().unsqueeze(1).expand(bs, topk).reshape(rows)
+    branch = torch.arange(rows, device=dev) % topk
+    base = prefix - prefix % ps
+    shift = branch * ((prefix % ps + num_steps + ps - 1) // ps) * ps  # [rows]
+
+    step = torch.arange(steps, device=dev).unsqueeze(1)  # [S, 1]
+    kv_len = prefix.unsqueeze(0) + step + 1  # [S, rows]
+    seqused_k.copy_(kv_len)
+    positions.copy_(kv_len - 1)
+    # the step's token sits at column P + s ≥ base: always in the branch's own pages
+    tok_col = (kv_len - 1 + shift).clamp(max=r2t.shape[1] - 1)
+    out_cache_loc.copy_(r2t[rpi_l.unsqueeze(0), tok_col])
+
+    first_col = torch.arange(width, device=dev) * ps  # [W]
+    col = torch.where(first_col < base.unsqueeze(1), first_col, first_col + shift.unsqueeze(1))
+    pages = r2t[rpi_l.unsqueeze(1), col.clamp(max=r2t.shape[1] - 1)] // ps  # [rows, W]
+    n_pages = (kv_len + ps - 1) // ps  # [S, rows]
+    used = torch.arange(width, device=dev) < n_pages.unsqueeze(2)  # [S, rows, W]
+    block_table.copy_(torch.where(used, pages.unsqueeze(0), 0))
+
+
 @hookimpl
 def aiter_attn_register_kernels(register):
     """Register the SWA-translated and 5-D KV-write references (priority 0, any device).
@@ -164,4 +223,6 @@ def aiter_attn_register_kernels(register):
     register("write_kv_5d", "reference", write_kv_5d_reference, caps, priority=0)
     # device ops with host-int sizes only: capture-safe
     register("build_tree_mask", "reference", build_tree_mask_reference,
+             Capabilities(cg_support=CGSupport.ALWAYS), priority=0)
+    register("build_draft_decode_indices", "reference", build_draft_decode_indices_reference,
              Capabilities(cg_support=CGSupport.ALWAYS), priority=0)

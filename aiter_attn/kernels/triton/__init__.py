@@ -55,7 +55,12 @@ def aiter_attn_register_kernels(register):
     # the same kernel over the vectorised 5-D layout (only the cache addressing differs)
     register("paged_attention_5d", "triton", paged_attention_5d_triton, attn_caps,
              priority=triton_priority())
-    from .index import build_page_table, build_page_tables_swa, build_ragged_kv_indices
+    from .index import (
+        build_draft_decode_indices,
+        build_page_table,
+        build_page_tables_swa,
+        build_ragged_kv_indices,
+    )
     from .kv_write import write_kv, write_kv_5d, write_kv_translated
     from .mla import mla_paged_attention
 
@@ -69,6 +74,8 @@ def aiter_attn_register_kernels(register):
                               cg_support=CGSupport.ALWAYS)
     register("build_page_table", "triton", build_page_table, index_caps, triton_priority())
     register("build_page_tables_swa", "triton", build_page_tables_swa, index_caps,
+             triton_priority())
+    register("build_draft_decode_indices", "triton", build_draft_decode_indices, index_caps,
              triton_priority())
     register("build_ragged_kv_indices", "triton", build_ragged_kv_indices, index_caps,
              triton_priority())

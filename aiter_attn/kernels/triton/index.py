@@ -13,7 +13,8 @@ import triton.language as tl
 from ...validation import INDEX_DTYPES
 from ._kvutil import next_pow2
 
-__all__ = ["build_page_table", "build_page_tables_swa", "build_ragged_kv_indices"]
+__all__ = ["build_page_table", "build_page_tables_swa", "build_ragged_kv_indices",
+           "build_draft_decode_indices"]
 
 
 @triton.jit
@@ -187,3 +188,70 @@ def build_ragged_kv_indices(
         BLOCK_B=max(16, next_pow2(batch)), BLOCK=1024, num_warps=4,
     )
     return kv_indptr, kv_indices
+
+
+@triton.jit
+def _draft_decode_kernel(
+    r2t_ptr, rpi_ptr, seq_ptr, cu_ptr, drpi_ptr, seqk_ptr, pos_ptr, loc_ptr, bt_ptr,
+    stride_r2t, r2t_cols, rows, width, topk, num_steps,
+    stride_sk, stride_pos, stride_loc, stride_bt_s, stride_bt_r,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    b = r // topk
+    branch = (r % topk).to(tl.int64)
+    req = tl.load(rpi_ptr + b).to(tl.int64)
+    prefix = tl.load(seq_ptr + b).to(tl.int64)
+    base = prefix - prefix % PAGE_SIZE
+    # branch k's columns at or past base are shifted by k whole branch-page runs
+    shift = branch * ((prefix % PAGE_SIZE + num_steps + PAGE_SIZE - 1) // PAGE_SIZE) * PAGE_SIZE
+    kv_len = prefix + s + 1
+    if s == 0:
+        tl.store(cu_ptr + r, r.to(cu_ptr.dtype.element_ty))
+        tl.store(drpi_ptr + r, req.to(drpi_ptr.dtype.element_ty))
+        if r == rows - 1:
+            tl.store(cu_ptr + rows, rows.to(cu_ptr.dtype.element_ty))
+    tl.store(seqk_ptr + s * stride_sk + r, kv_len.to(seqk_ptr.dtype.element_ty))
+    tl.store(pos_ptr + s * stride_pos + r, (kv_len - 1).to(pos_ptr.dtype.element_ty))
+    row = r2t_ptr + req * stride_r2t
+    tok_col = tl.minimum(kv_len - 1 + shift, r2t_cols - 1)
+    tl.store(loc_ptr + s * stride_loc + r, tl.load(row + tok_col).to(loc_ptr.dtype.element_ty))
+    n_pages = (kv_len + PAGE_SIZE - 1) // PAGE_SIZE
+    bt_row = bt_ptr + s.to(tl.int64) * stride_bt_s + r.to(tl.int64) * stride_bt_r
+    for w0 in range(0, width, BLOCK):
+        w = w0 + tl.arange(0, BLOCK).to(tl.int64)
+        in_row = w < width
+        first = w * PAGE_SIZE
+        col = tl.minimum(tl.where(first < base, first, first + shift), r2t_cols - 1)
+        used = in_row & (w < n_pages)
+        page = tl.load(row + col, mask=used, other=0) // PAGE_SIZE
+        tl.store(bt_row + w, tl.where(used, page, 0).to(bt_ptr.dtype.element_ty), mask=in_row)
+
+
+def build_draft_decode_indices(req_to_token, req_pool_indices, seq_lens, page_size, topk,
+                               num_steps, cu_seqlens_q, draft_req_pool_indices, seqused_k,
+                               positions, out_cache_loc, block_table) -> None:
+    """All multi-step draft-decode indices in one kernel (one program per row and step).
+    Same result as
+    :func:`aiter_attn.kernels.reference_extra.build_draft_decode_indices_reference`."""
+    rows = seq_lens.shape[0] * topk
+    steps, width = block_table.shape[0], block_table.shape[2]
+    if rows == 0 or steps == 0:
+        return None
+    for name, t in (("req_to_token", req_to_token), ("seqused_k", seqused_k),
+                    ("positions", positions), ("out_cache_loc", out_cache_loc),
+                    ("block_table", block_table)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous along its last dim.")
+    block = min(1024, max(16, next_pow2(width)))
+    _draft_decode_kernel[(rows, steps)](
+        req_to_token, req_pool_indices, seq_lens, cu_seqlens_q, draft_req_pool_indices,
+        seqused_k, positions, out_cache_loc, block_table,
+        req_to_token.stride(0), req_to_token.shape[1], rows, width, topk, num_steps,
+        seqused_k.stride(0), positions.stride(0), out_cache_loc.stride(0),
+        block_table.stride(0), block_table.stride(1),
+        PAGE_SIZE=page_size, BLOCK=block, num_warps=4,
+    )
+    return None
