@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aiter_attn.kernels.triton import mla
-from aiter_attn.kernels.triton import paged_attention as pa
+from aiter_attn.kernels.triton import _launch_config as pa
 
 
 @given(block_m=st.sampled_from([16, 32, 64, 128]), block_n=st.sampled_from([32, 64, 128]),

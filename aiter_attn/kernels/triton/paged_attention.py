@@ -27,8 +27,6 @@ The host wrapper reads no tensor values: the grid comes from shapes and the call
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import Optional
 
 import torch
@@ -36,10 +34,11 @@ import triton
 import triton.language as tl
 
 from ...types import FP8_DTYPES
-from ._kvutil import max_shared_mem
+from ._kvutil import next_pow2
+from ._launch_config import TUNING_OVERRIDES, _cdiv, choose_config
 
 __all__ = ["paged_attention_triton", "paged_attention_5d_triton", "reject_reason", "MAX_HEAD_DIM",
-           "MAX_GROUP"]
+           "MAX_GROUP", "TUNING_OVERRIDES"]
 
 MAX_HEAD_DIM = 256
 MAX_GROUP = 128
@@ -409,24 +408,6 @@ def _reduce_splits_kernel(
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def _cdiv(a: int, b: int) -> int:
-    # plain ints: triton.cdiv is a JIT-callable and costs microseconds per host call
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _supported_kv_dtypes() -> set:
     kv = {torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2}
     if torch.version.hip is not None:  # the fnuz fp8 formats exist in Triton only on AMD
@@ -443,107 +424,6 @@ def reject_reason(request) -> Optional[str]:
     if request.kv_dtype is not None and request.kv_dtype not in _supported_kv_dtypes():
         return f"kv dtype {request.kv_dtype} is not supported by Triton on this platform"
     return None
-
-
-class _Config:
-    """Launch parameters chosen from shapes and host hints only."""
-
-    __slots__ = ("block_m", "block_n", "num_warps", "num_stages", "heads", "block_q",
-                 "num_splits", "warp_spec", "page_chunk")
-
-    def __init__(self, block_m, block_n, num_warps, num_stages, heads, block_q, num_splits,
-                 warp_spec=False, page_chunk=0):
-        self.block_m, self.block_n = block_m, block_n
-        self.num_warps, self.num_stages = num_warps, num_stages
-        self.heads, self.block_q, self.num_splits = heads, block_q, num_splits
-        self.warp_spec, self.page_chunk = warp_spec, page_chunk
-
-
-#: Tuning overrides (scripts/tune_triton_paged_attention.py and tests only): ``block_m``,
-#: ``block_n``, ``num_warps``, ``num_stages``, ``min_split_tokens``, ``num_splits``, ``heads``
-#: (query heads packed per program), ``warp_spec`` (Triton's automatic warp specialisation of
-#: the unmasked key loop), ``page_chunk`` (key tiles per block-table load, 0 = per tile).
-TUNING_OVERRIDES: dict = {}
-
-
-def _choose_config(*, group, max_q, max_k, head_dim_pad, batch, num_kv_heads, device,
-                   fp32=False, fp8_kv=False):
-    """Launch parameters (docs/triton_tuning.md has the measurements behind the defaults)."""
-    ov = tuple(sorted(TUNING_OVERRIDES.items()))
-    on_gpu = device.type == "cuda" and not _interpreting()
-    sms = _num_sms(device.index or 0) if on_gpu else 0
-    smem = max_shared_mem(device) - 2048 if on_gpu else 0  # margin for Triton's own buffers
-    return _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads, sms, ov,
-                                 _interpreting(), fp32, fp8_kv, smem)
-
-
-def _fit_smem(block_m, block_n, num_stages, head_dim_pad, elem, budget):
-    """Drop pipeline stages (to 2), then halve ``block_n`` (to 16) until the K/V ring
-    (``stages · block_n · 2 · head_dim · elem``) and the q tile fit in ``budget`` bytes."""
-    def need(bn, st):
-        return st * bn * 2 * head_dim_pad * elem + block_m * head_dim_pad * elem
-    while budget and need(block_n, num_stages) > budget and (num_stages > 2 or block_n > 16):
-        if num_stages > 2:
-            num_stages -= 1
-        else:
-            block_n //= 2
-    return block_n, num_stages
-
-
-@functools.lru_cache(maxsize=4096)
-def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads, sms, ov,
-                          interpreting, fp32, fp8_kv, smem):
-    ov = dict(ov)
-    decode_like = max_q * min(group, 64) <= 64
-    if decode_like:
-        # memory-bound: wide key tiles keep ~190 KB of K/V in flight per SM (H200: BLOCK_N 128
-        # gave 4.0-4.3 TB/s where 64 gave 3.1-3.5)
-        block_m = max(16, _next_pow2(min(group, 64) * max_q))
-        block_n = 128 if head_dim_pad <= 128 else 32
-        num_warps, num_stages = 4, 3
-        # per-tile page lookup for 2-byte caches (H200, bf16: 3.2-4.3 TB/s, the chunked lookup
-        # 2.8-4.3); chunked for fp8, whose tiles are compute-heavier (2.3 -> 3.0 TB/s, 64x16k)
-        page_chunk = 16 if fp8_kv else 0
-    else:
-        # compute-bound: 128-row tiles, 8 warps, 3 stages with the chunked page lookup (H200:
-        # 1x8k 329 -> 379 TFLOP/s with 128-key tiles; 8x2k 258 -> 290 with 64-key tiles)
-        block_m = 128 if head_dim_pad <= 128 else 64
-        block_n = (128 if max_k >= 4096 else 64) if head_dim_pad <= 128 else 32
-        num_warps = 8 if head_dim_pad >= 128 else 4
-        num_stages = 3
-        page_chunk = 16
-        if fp32:  # 4-byte tiles: stay well inside 227 KB of shared memory
-            block_m, block_n, num_warps, num_stages = (64 if head_dim_pad <= 128 else 32), 32, 4, 2
-    block_n, num_stages = _fit_smem(block_m, block_n, num_stages, head_dim_pad,
-                                    4 if fp32 else 2, smem)
-    if interpreting:
-        # the CPU interpreter pays per padded element: small tiles (and more of them, so the
-        # masked/unmasked tile split is exercised by short test sequences)
-        block_m, block_n = min(block_m, 32), 32
-    block_m = max(ov.get("block_m", block_m), 16)
-    block_n = ov.get("block_n", block_n)
-    num_warps = ov.get("num_warps", num_warps)
-    num_stages = ov.get("num_stages", num_stages)
-    heads = min(ov.get("heads", group), group, block_m)
-    block_q = block_m // heads
-    num_splits = 1
-    if decode_like and sms:
-        # flash-decoding: enough (request, kv head, split) programs for two waves of SMs,
-        # each split at least min_split_tokens keys
-        ctas = batch * num_kv_heads * _cdiv(group, heads) * _cdiv(max_q, block_q)
-        min_tokens = ov.get("min_split_tokens", 256)
-        # fp8 tiles are compute-heavier: with less than one wave of programs aim for four
-        # (H200 fp8 8x64k: 5 splits 1.70 TB/s, 8 splits 2.55, 16 splits 2.50)
-        if fp8_kv and ctas < sms:  # whole waves: 8 splits at 8x64k (512 programs) beat 9
-            target = (4 * sms) // ctas
-        else:
-            target = _cdiv(2 * sms, ctas)
-        num_splits = max(1, min(target, _cdiv(max_k, min_tokens), 64))
-    num_splits = ov.get("num_splits", num_splits)
-    return _Config(block_m, block_n, num_warps, num_stages, heads, block_q, num_splits,
-                   bool(ov.get("warp_spec", False)),
-                   _next_pow2(int(ov.get("page_chunk", page_chunk))) if ov.get("page_chunk",
-                                                                               page_chunk) else 0)
 
 
 def paged_attention_triton(
@@ -662,9 +542,9 @@ def _launch(q, k_cache, v_cache, out, layout: _CacheLayout, *, cu_seqlens_q, seq
     max_q = int(max_seqlen_q) if max_seqlen_q is not None else num_tokens
     max_q = max(1, min(max_q, num_tokens))
     max_k = int(max_seqlen_k) if max_seqlen_k is not None else block_table.shape[1] * page_size
-    d_pad = max(16, _next_pow2(head_dim))
-    dv_pad = max(16, _next_pow2(v_head_dim))
-    cfg = _choose_config(group=group, max_q=max_q, max_k=max(max_k, 1),
+    d_pad = max(16, next_pow2(head_dim))
+    dv_pad = max(16, next_pow2(v_head_dim))
+    cfg = choose_config(group=group, max_q=max_q, max_k=max(max_k, 1),
                          head_dim_pad=max(d_pad, dv_pad), batch=batch,
                          num_kv_heads=num_kv_heads, device=q.device,
                          fp32=q.dtype == torch.float32 or k_cache.dtype == torch.float32,
@@ -733,7 +613,7 @@ def _launch(q, k_cache, v_cache, out, layout: _CacheLayout, *, cu_seqlens_q, seq
         _reduce_splits_kernel[(num_tokens, num_q_heads)](
             out, part_acc, part_ml, sinks if sinks is not None else part_ml,
             cfg.num_splits, os_[0], os_[1], *strides,
-            DV=v_head_dim, DV_PAD=dv_pad, SPLITS_PAD=_next_pow2(cfg.num_splits),
+            DV=v_head_dim, DV_PAD=dv_pad, SPLITS_PAD=next_pow2(cfg.num_splits),
             HAS_SINKS=sinks is not None, num_warps=4,
         )
     return out

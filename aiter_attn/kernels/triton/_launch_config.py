@@ -1,0 +1,121 @@
+"""Launch configuration of the Triton ``paged_attention`` kernel, from host integers only.
+
+Shapes, the caller's ``max_seqlen_q``/``max_seqlen_k`` hints, the device's SM count and
+shared memory (queried once per device) pick the tile shapes, warps, pipeline depth, split
+count and page lookup. ``docs/triton_tuning.md`` has the H200 measurements behind each
+default; :data:`TUNING_OVERRIDES` lets the tuning script and tests try others.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ._kvutil import interpreting, max_shared_mem, next_pow2, num_sms
+
+__all__ = ["TUNING_OVERRIDES", "LaunchConfig", "choose_config"]
+
+
+def _cdiv(a: int, b: int) -> int:
+    # plain ints: triton.cdiv is a JIT-callable and costs microseconds per host call
+    return -(-a // b)
+
+
+class LaunchConfig:
+    """Launch parameters chosen from shapes and host hints only."""
+
+    __slots__ = ("block_m", "block_n", "num_warps", "num_stages", "heads", "block_q",
+                 "num_splits", "warp_spec", "page_chunk")
+
+    def __init__(self, block_m, block_n, num_warps, num_stages, heads, block_q, num_splits,
+                 warp_spec=False, page_chunk=0):
+        self.block_m, self.block_n = block_m, block_n
+        self.num_warps, self.num_stages = num_warps, num_stages
+        self.heads, self.block_q, self.num_splits = heads, block_q, num_splits
+        self.warp_spec, self.page_chunk = warp_spec, page_chunk
+
+
+#: Tuning overrides (scripts/tune_triton_paged_attention.py and tests only): ``block_m``,
+#: ``block_n``, ``num_warps``, ``num_stages``, ``min_split_tokens``, ``num_splits``, ``heads``
+#: (query heads packed per program), ``warp_spec`` (Triton's automatic warp specialisation of
+#: the unmasked key loop), ``page_chunk`` (key tiles per block-table load, 0 = per tile).
+TUNING_OVERRIDES: dict = {}
+
+
+def choose_config(*, group, max_q, max_k, head_dim_pad, batch, num_kv_heads, device,
+                  fp32=False, fp8_kv=False) -> LaunchConfig:
+    """Launch parameters (docs/triton_tuning.md has the measurements behind the defaults)."""
+    ov = tuple(sorted(TUNING_OVERRIDES.items()))
+    on_gpu = device.type == "cuda" and not interpreting()
+    sms = num_sms(device) if on_gpu else 0
+    smem = max_shared_mem(device) - 2048 if on_gpu else 0  # margin for Triton's own buffers
+    return _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads, sms, ov,
+                                 interpreting(), fp32, fp8_kv, smem)
+
+
+def _fit_smem(block_m, block_n, num_stages, head_dim_pad, elem, budget):
+    """Drop pipeline stages (to 2), then halve ``block_n`` (to 16) until the K/V ring
+    (``stages · block_n · 2 · head_dim · elem``) and the q tile fit in ``budget`` bytes."""
+    def need(bn, st):
+        return st * bn * 2 * head_dim_pad * elem + block_m * head_dim_pad * elem
+    while budget and need(block_n, num_stages) > budget and (num_stages > 2 or block_n > 16):
+        if num_stages > 2:
+            num_stages -= 1
+        else:
+            block_n //= 2
+    return block_n, num_stages
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads, sms, ov,
+                          interpreting, fp32, fp8_kv, smem):
+    ov = dict(ov)
+    decode_like = max_q * min(group, 64) <= 64
+    if decode_like:
+        # memory-bound: wide key tiles keep ~190 KB of K/V in flight per SM (H200: BLOCK_N 128
+        # gave 4.0-4.3 TB/s where 64 gave 3.1-3.5)
+        block_m = max(16, next_pow2(min(group, 64) * max_q))
+        block_n = 128 if head_dim_pad <= 128 else 32
+        num_warps, num_stages = 4, 3
+        # per-tile page lookup for 2-byte caches (H200, bf16: 3.2-4.3 TB/s, the chunked lookup
+        # 2.8-4.3); chunked for fp8, whose tiles are compute-heavier (2.3 -> 3.0 TB/s, 64x16k)
+        page_chunk = 16 if fp8_kv else 0
+    else:
+        # compute-bound: 128-row tiles, 8 warps, 3 stages with the chunked page lookup (H200:
+        # 1x8k 329 -> 379 TFLOP/s with 128-key tiles; 8x2k 258 -> 290 with 64-key tiles)
+        block_m = 128 if head_dim_pad <= 128 else 64
+        block_n = (128 if max_k >= 4096 else 64) if head_dim_pad <= 128 else 32
+        num_warps = 8 if head_dim_pad >= 128 else 4
+        num_stages = 3
+        page_chunk = 16
+        if fp32:  # 4-byte tiles: stay well inside 227 KB of shared memory
+            block_m, block_n, num_warps, num_stages = (64 if head_dim_pad <= 128 else 32), 32, 4, 2
+    block_n, num_stages = _fit_smem(block_m, block_n, num_stages, head_dim_pad,
+                                    4 if fp32 else 2, smem)
+    if interpreting:
+        # the CPU interpreter pays per padded element: small tiles (and more of them, so the
+        # masked/unmasked tile split is exercised by short test sequences)
+        block_m, block_n = min(block_m, 32), 32
+    block_m = max(ov.get("block_m", block_m), 16)
+    block_n = ov.get("block_n", block_n)
+    num_warps = ov.get("num_warps", num_warps)
+    num_stages = ov.get("num_stages", num_stages)
+    heads = min(ov.get("heads", group), group, block_m)
+    block_q = block_m // heads
+    num_splits = 1
+    if decode_like and sms:
+        # flash-decoding: enough (request, kv head, split) programs for two waves of SMs,
+        # each split at least min_split_tokens keys
+        ctas = batch * num_kv_heads * _cdiv(group, heads) * _cdiv(max_q, block_q)
+        min_tokens = ov.get("min_split_tokens", 256)
+        # fp8 tiles are compute-heavier: with less than one wave of programs aim for four
+        # (H200 fp8 8x64k: 5 splits 1.70 TB/s, 8 splits 2.55, 16 splits 2.50)
+        if fp8_kv and ctas < sms:  # whole waves: 8 splits at 8x64k (512 programs) beat 9
+            target = (4 * sms) // ctas
+        else:
+            target = _cdiv(2 * sms, ctas)
+        num_splits = max(1, min(target, _cdiv(max_k, min_tokens), 64))
+    num_splits = ov.get("num_splits", num_splits)
+    return LaunchConfig(block_m, block_n, num_warps, num_stages, heads, block_q, num_splits,
+                   bool(ov.get("warp_spec", False)),
+                   next_pow2(int(ov.get("page_chunk", page_chunk))) if ov.get("page_chunk",
+                                                                               page_chunk) else 0)
