@@ -211,8 +211,8 @@ def _draft_decode_kernel(
     if s == 0:
         tl.store(cu_ptr + r, r.to(cu_ptr.dtype.element_ty))
         tl.store(drpi_ptr + r, req.to(drpi_ptr.dtype.element_ty))
-        if r == rows - 1:
-            tl.store(cu_ptr + rows, rows.to(cu_ptr.dtype.element_ty))
+        if r == rows - 1:  # (r + 1, not rows: an argument equal to 1 arrives as a constant)
+            tl.store(cu_ptr + r + 1, (r + 1).to(cu_ptr.dtype.element_ty))
     tl.store(seqk_ptr + s * stride_sk + r, kv_len.to(seqk_ptr.dtype.element_ty))
     tl.store(pos_ptr + s * stride_pos + r, (kv_len - 1).to(pos_ptr.dtype.element_ty))
     row = r2t_ptr + req * stride_r2t
