@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ...validation import INDEX_DTYPES
 from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms, scale_args
+from ._paging import load_chunk_pages, tile_pages_of
 
 __all__ = ["mla_paged_attention", "mla_launch_config"]
 
@@ -172,36 +173,19 @@ def _mla_fwd_kernel(
 
     offs_t = tl.arange(0, BLOCK_N)
     if PAGE_CHUNK > 0:
-        # The pages of PAGE_CHUNK tiles are read at once; each tile picks its own from
-        # registers, so no load feeds a latent-row address inside the pipelined inner loop
-        # and its copies run num_stages - 1 tiles ahead (see paged_attention._attn_tiles).
-        offs_c = tl.arange(0, PAGE_CHUNK)
-        t_lo = lo // BLOCK_N
+        # the chunked block-table lookup (see ._paging): latent copies pipeline num_stages - 1
+        # tiles ahead
         t_hi = tl.cdiv(hi, BLOCK_N)
-        for c0 in range(t_lo, t_hi, PAGE_CHUNK):
+        for c0 in range(lo // BLOCK_N, t_hi, PAGE_CHUNK):
             n_in = tl.minimum(t_hi - c0, PAGE_CHUNK)
-            tiles = c0 + offs_c
-            if TILE_IN_PAGE:
-                tile_pages = tl.load(bt_row + (tiles * BLOCK_N) // PAGE_SIZE,
-                                     mask=offs_c < n_in, other=0).to(tl.int64)
-            else:
-                PPT: tl.constexpr = BLOCK_N // PAGE_SIZE
-                slots = tiles[:, None] * PPT + tl.arange(0, PPT)[None, :]
-                tile_pages = tl.load(bt_row + slots, mask=(offs_c < n_in)[:, None]
-                                     & (slots * PAGE_SIZE < hi), other=0).to(tl.int64)
+            chunk_pages = load_chunk_pages(bt_row, c0, n_in, hi, BLOCK_N, PAGE_SIZE, PAGE_CHUNK,
+                                           TILE_IN_PAGE)
             for j in range(0, n_in):
-                start = (c0 + j) * BLOCK_N
-                if TILE_IN_PAGE:
-                    page = tl.sum(tl.where(offs_c == j, tile_pages, 0), 0)
-                    row = (page * stride_kvp + (start % PAGE_SIZE) * stride_kvs
-                           + offs_t.to(tl.int64) * stride_kvs)
-                else:
-                    sel = tl.sum(tl.where((offs_c == j)[:, None], tile_pages, 0), 0)
-                    page = tl.reshape(tl.broadcast_to(sel[:, None], (PPT, PAGE_SIZE)),
-                                      (BLOCK_N,))
-                    row = page * stride_kvp + (offs_t % PAGE_SIZE).to(tl.int64) * stride_kvs
+                page, in_page = tile_pages_of(chunk_pages, j, c0 + j, BLOCK_N, PAGE_SIZE,
+                                              PAGE_CHUNK, TILE_IN_PAGE)
                 acc, m_i, l_i = _mla_tile(
-                    acc, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, start + offs_t, hi,
+                    acc, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr,
+                    page * stride_kvp + in_page * stride_kvs, (c0 + j) * BLOCK_N + offs_t, hi,
                     mask_row, offs_dv, offs_dr, mask_dv, mask_dr,
                     KV_LORA, HAS_MASK, IEEE, EVEN_D, SPLIT_V_LOAD)
     else:

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from ...types import FP8_DTYPES
 from ._kvutil import next_pow2
+from ._paging import load_chunk_pages, tile_pages_of
 from ._launch_config import TUNING_OVERRIDES, _cdiv, choose_config
 
 __all__ = ["paged_attention_triton", "paged_attention_5d_triton", "reject_reason", "MAX_HEAD_DIM",
@@ -138,47 +139,27 @@ def _attn_tiles(
       at the end of the previous one (sm_90 TTGIR: ``async_wait {num = 0}`` at the loop top):
       the copy latency is exposed in every iteration.
     * ``PAGE_CHUNK = C > 0`` (page size divides ``BLOCK_N`` or is a multiple of it; unmasked
-      tiles): the pages of ``C`` tiles are loaded once into registers, and the inner loop picks
-      its tile's pages out of them with a select-and-sum, so no load feeds a K/V address
-      inside the pipelined loop and the copies run ``NUM_STAGES - 1`` tiles ahead
+      tiles): the chunked lookup of :mod:`._paging`, so no load feeds a K/V address inside
+      the pipelined loop and the copies run ``NUM_STAGES - 1`` tiles ahead
       (``async_wait {num = 2}`` with 3 stages), as for a dense cache.
     """
     offs_n = tl.arange(0, BLOCK_N)
     if PAGE_CHUNK > 0:
-        offs_c = tl.arange(0, PAGE_CHUNK)
         for c0 in range(t_start, t_end, PAGE_CHUNK):
             n_in = tl.minimum(t_end - c0, PAGE_CHUNK)
-            tiles = c0 + offs_c
-            if TILE_IN_PAGE:
-                # one page per tile: [C] page ids
-                tile_pages = tl.load(bt_row + (tiles * BLOCK_N) // PAGE_SIZE,
-                                     mask=offs_c < n_in, other=0).to(tl.int64)
-            else:
-                PPT: tl.constexpr = BLOCK_N // PAGE_SIZE
-                offs_pp = tl.arange(0, PPT)
-                # [C, PPT] page ids: tile c0+i spans pages (c0+i)·PPT … (c0+i)·PPT + PPT - 1
-                tile_pages = tl.load(bt_row + tiles[:, None] * PPT + offs_pp[None, :],
-                                     mask=(offs_c < n_in)[:, None], other=0).to(tl.int64)
+            chunk_pages = load_chunk_pages(bt_row, c0, n_in, kv_len, BLOCK_N, PAGE_SIZE,
+                                           PAGE_CHUNK, TILE_IN_PAGE)
             for j in tl.range(0, n_in, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
                 t = c0 + j
-                kpos = t * BLOCK_N + offs_n
-                if TILE_IN_PAGE:
-                    page = tl.sum(tl.where(offs_c == j, tile_pages, 0), 0)
-                    in_page = ((t * BLOCK_N) % PAGE_SIZE + offs_n).to(tl.int64)
-                    k_rows, v_rows = _kv_rows(page, in_page, stride_kp, stride_kt, stride_vp,
-                                              stride_vt, VX)
-                else:
-                    sel = tl.sum(tl.where((offs_c == j)[:, None], tile_pages, 0), 0)  # [PPT]
-                    page = tl.reshape(tl.broadcast_to(sel[:, None], (PPT, PAGE_SIZE)),
-                                      (BLOCK_N,))
-                    in_page = (offs_n % PAGE_SIZE).to(tl.int64)
-                    k_rows, v_rows = _kv_rows(page, in_page, stride_kp, stride_kt, stride_vp,
-                                              stride_vt, VX)
+                page, in_page = tile_pages_of(chunk_pages, j, t, BLOCK_N, PAGE_SIZE,
+                                              PAGE_CHUNK, TILE_IN_PAGE)
+                k_rows, v_rows = _kv_rows(page, in_page, stride_kp, stride_kt, stride_vp,
+                                          stride_vt, VX)
                 acc, m_i, l_i = _tile_step(
                     acc, m_i, l_i, q, qk_scale, softcap, K, V, k_rows, v_rows, kv_head_off_k,
-                    kv_head_off_v, Mask, mask_row_off, kv_len, pos, row_valid, left, right, kpos,
-                    offs_d, offs_dv, d_mask, dv_mask, MASKED, CAUSAL, HAS_SOFTCAP,
-                    HAS_CUSTOM_MASK, COMPUTE_DTYPE, DOT_PRECISION)
+                    kv_head_off_v, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
+                    t * BLOCK_N + offs_n, offs_d, offs_dv, d_mask, dv_mask, MASKED, CAUSAL,
+                    HAS_SOFTCAP, HAS_CUSTOM_MASK, COMPUTE_DTYPE, DOT_PRECISION)
     else:
         for t in tl.range(t_start, t_end, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
             kpos = t * BLOCK_N + offs_n
