@@ -22,6 +22,7 @@ __all__ = [
     "build_page_table",
     "build_page_tables_swa",
     "build_draft_decode_indices",
+    "build_tree_mask",
     "build_ragged_kv_indices",
     "paged_attention_request",
     "attention_features",
@@ -338,6 +339,16 @@ def build_draft_decode_indices(req_to_token, req_pool_indices, seq_lens, page_si
     return _registry().select(req, backend=backend).fn(
         req_to_token, req_pool_indices, seq_lens, page_size, topk, num_steps, cu_seqlens_q,
         draft_req_pool_indices, seqused_k, positions, out_cache_loc, block_table)
+
+
+def build_tree_mask(seq_lens, tree, q_len, mask_indptr, out, total, *, backend=None):
+    """Expand a tree-verify mask's draft part to SGLang's full layout on the device (no host
+    sync): for request ``b`` with ``L = seq_lens[b]`` keys and prefix ``P = L - q_len``,
+    ``out[mask_indptr[b] + i·L + j] = j < P  or  tree[b, i, j - P]``. Arguments as
+    :func:`aiter_attn.kernels.reference_extra.build_tree_mask_reference`."""
+    req = KernelRequest(op="build_tree_mask", device=out.device.type)
+    return _registry().select(req, backend=backend).fn(seq_lens, tree, q_len, mask_indptr, out,
+                                                        total)
 
 
 def build_ragged_kv_indices(req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices,

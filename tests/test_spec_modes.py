@@ -366,7 +366,7 @@ def test_mask_layout_detection():
 
 def test_build_tree_mask_hand_computed():
     """Tree part → SGLang's full layout: prefix columns visible, then the tree part verbatim."""
-    from aiter_attn.strategies.spec import build_tree_mask
+    from aiter_attn.ops import build_tree_mask
 
     seq_lens = torch.tensor([4, 2], dtype=torch.int32)
     tree = torch.tensor([[[1, 0], [0, 1]], [[0, 0], [1, 0]]], dtype=torch.uint8)

@@ -75,11 +75,11 @@ def load_padded(static: StaticInputs, batch: ForwardBatch, padded_bs: int, q_len
     if spec is not None and spec.custom_mask is not None:
         m = q_len * batch.seq_lens_sum  # host int from the CPU mirror
         if mask_layout(spec.custom_mask, batch, q_len) == "tree":
-            from ..strategies.spec import build_tree_mask  # the one expansion, shared
+            from ..ops import build_tree_mask  # the planners' expansion, shared
+            from ..strategies.spec import fill_mask_indptr
 
             indptr = static.mask_indptr[: bs + 1]
-            indptr[:1].zero_()
-            torch.cumsum(batch.seq_lens.to(torch.int64) * q_len, dim=0, out=indptr[1:])
+            fill_mask_indptr(batch.seq_lens, q_len, indptr)
             build_tree_mask(batch.seq_lens, spec.custom_mask, q_len, indptr, static.custom_mask, m)
         else:
             static.custom_mask[:m].copy_(spec.custom_mask.reshape(-1)[:m])

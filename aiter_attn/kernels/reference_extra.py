@@ -133,7 +133,7 @@ def build_tree_mask_reference(seq_lens: torch.Tensor, tree: torch.Tensor, q_len:
     Args:
         seq_lens: int32 ``[batch]`` KV lengths (draft tokens included).
         tree: bool/uint8 with ``batch · q_len²`` elements (``[batch, q_len, q_len]``).
-        mask_indptr: int64 ``[batch + 1]``, already filled (see :func:`_fill_mask_indptr`).
+        mask_indptr: int64 ``[batch + 1]``, already filled (see :func:`aiter_attn.strategies.spec.fill_mask_indptr`).
         out: bool ``[≥ total]``.
         total: host int ``q_len · Σ seq_lens`` (from the CPU mirror).
     """

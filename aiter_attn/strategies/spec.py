@@ -39,8 +39,8 @@ import torch
 
 from ..batch import ForwardBatch
 from ..hookspecs import hookimpl
-from ..kernels.registry import KernelRequest
 from ..metadata import AttnMetadata, CustomMask, PageTable, QueryLayout
+from ..ops import build_tree_mask
 from ..registry import StrategyPair
 from ..types import AttnArch, BackendConfig, CGSupport, ForwardMode
 from ..validation import check_tensor
@@ -52,6 +52,7 @@ __all__ = [
     "tree_mask_layout",
     "mask_layout_of_size",
     "build_tree_mask",
+    "fill_mask_indptr",
     "VerifyChainMetadata",
     "VerifyTreeMetadata",
     "DraftExtendV2Metadata",
@@ -123,22 +124,8 @@ def mask_layout_of_size(numel: int, batch: ForwardBatch, q_len: int) -> str:
         f"batch·q_len² = {tree} (the tree part only). Send one of those layouts.")
 
 
-def build_tree_mask(seq_lens: torch.Tensor, tree: torch.Tensor, q_len: int,
-                    mask_indptr: torch.Tensor, out: torch.Tensor, total: int) -> torch.Tensor:
-    """Expand the tree part to SGLang's full layout on the device (no host sync), through
-    the kernel registry (op ``build_tree_mask``: one Triton kernel on GPUs).
-
-    For request ``b`` with ``L = seq_lens[b]`` keys and prefix ``P = L - q_len``:
-    ``out[mask_indptr[b] + i·L + j] = j < P  or  tree[b, i, j - P]``. Arguments as
-    :func:`aiter_attn.kernels.reference_extra.build_tree_mask_reference`.
-    """
-    from ..plugins import kernel_registry
-
-    req = KernelRequest(op="build_tree_mask", device=out.device.type)
-    return kernel_registry().select(req).fn(seq_lens, tree, q_len, mask_indptr, out, total)
-
-
-def _fill_mask_indptr(seq_lens: torch.Tensor, q_len: int, mask_indptr: torch.Tensor) -> None:
+def fill_mask_indptr(seq_lens: torch.Tensor, q_len: int, mask_indptr: torch.Tensor) -> None:
+    """``mask_indptr`` (int64 ``[B + 1]``) ← offsets of each request's ``[q_len, L]`` mask block."""
     mask_indptr[:1].zero_()
     torch.cumsum(seq_lens.to(mask_indptr.dtype) * q_len, dim=0, out=mask_indptr[1:])
 
@@ -207,7 +194,7 @@ class VerifyTreeMetadata(_UniformPagedMetadata):
         query = plan_query_layout(batch, out["cu_seqlens_q"][: bs + 1], n)
         pages = self.plan_pages(batch, out, static)
         mask_indptr = out["mask_indptr"][: bs + 1]
-        _fill_mask_indptr(batch.seq_lens, n, mask_indptr)
+        fill_mask_indptr(batch.seq_lens, n, mask_indptr)
         if layout == "tree":
             mask = build_tree_mask(batch.seq_lens, spec.custom_mask, n, mask_indptr,
                                    out["custom_mask"], total)
