@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -11,35 +10,18 @@ import triton
 import triton.language as tl
 
 from ...types import FP8_DTYPES
+from . import _interpreting as interpreting  # one TRITON_INTERPRET check, in the package
 
 __all__ = [
     "is_fp8",
     "fp8_max",
     "tl_dtype",
     "interpreting",
+    "max_shared_mem",
     "num_sms",
     "next_pow2",
     "scale_args",
-    "triton_devices",
-    "TRITON_PRIORITY_CPU",
-    "TRITON_PRIORITY_CUDA",
 ]
-
-#: Priority of the Triton kernels on CUDA (the reference registers at 0).
-TRITON_PRIORITY_CUDA = 100
-#: Priority on CPU under ``TRITON_INTERPRET=1``: below the reference, so it is only picked
-#: when asked for by name (tests, conformance).
-TRITON_PRIORITY_CPU = -10
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def triton_devices() -> frozenset:
-    """Devices these kernels can run on here: CUDA, plus CPU under the interpreter."""
-    return frozenset({"cuda", "cpu"}) if interpreting() else frozenset({"cuda"})
 
 
 @functools.lru_cache(maxsize=None)
