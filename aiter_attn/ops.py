@@ -93,7 +93,8 @@ def paged_attention_request(
     )
 
 
-def _validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, out):
+def _validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, out,
+                    **optional_tensors):
     check_tensor("q", q, dtypes=ATTN_DTYPES, ndim=3,
                  hint="q is [num_tokens, num_q_heads, head_dim].")
     kv_dtypes = ATTN_DTYPES + tuple(FP8_DTYPES)
@@ -123,7 +124,7 @@ def _validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, o
                      shape=(q.shape[0], q.shape[1], v_cache.shape[3]),
                      hint="out is [num_tokens, num_q_heads, head_dim_v] in q's dtype.")
     check_same_device("q", q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q,
-                      seqused_k=seqused_k, block_table=block_table, out=out)
+                      seqused_k=seqused_k, block_table=block_table, out=out, **optional_tensors)
 
 
 def paged_attention(
@@ -171,7 +172,8 @@ def paged_attention(
     Returns:
         ``[num_tokens, num_q_heads, head_dim_v]`` in q's dtype.
     """
-    _validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, out)
+    _validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, out,
+                    sinks=sinks, custom_mask=custom_mask, mask_indptr=mask_indptr)
     _check_window(window_size)
     if softcap < 0:
         raise ValueError(f"softcap={softcap}; must be ≥ 0 (0 disables soft-capping).")
@@ -184,7 +186,6 @@ def paged_attention(
         check_tensor("custom_mask", custom_mask, dtypes=(torch.bool, torch.uint8), ndim=1)
         check_tensor("mask_indptr", mask_indptr, dtypes=INDEX_DTYPES, ndim=1,
                      shape=(cu_seqlens_q.shape[0],))
-    check_same_device("q", q, sinks=sinks, custom_mask=custom_mask, mask_indptr=mask_indptr)
     req = paged_attention_request(q, k_cache, v_cache, window_size=window_size, softcap=softcap,
                                   sinks=sinks, causal=causal, custom_mask=custom_mask)
     sel: Selection = _registry().select(req, backend=backend)
