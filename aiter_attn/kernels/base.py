@@ -173,9 +173,10 @@ class AttentionKernel:
             merged by :class:`~aiter_attn.graph.CudaGraphManager` into its static buffers.
         plan(md, out=None): one step's :class:`KernelPlan` from
             :class:`~aiter_attn.metadata.AttnMetadata` (``out``: static buffers or ``None``).
-        run(q, cache, plan, params, out): launch. ``q`` ``[T, Hq, D]``, ``cache`` the op's
-            cache tensors (``(k_cache, v_cache)``), ``params`` :class:`LayerParams`, ``out``
-            ``[T, Hq, Dv]``. Returns ``out``.
+        run(q, cache, plan, params, out, lse=None): launch. ``q`` ``[T, Hq, D]``, ``cache``
+            the op's cache tensors (``(k_cache, v_cache)``), ``params`` :class:`LayerParams`,
+            ``out`` ``[T, Hq, Dv]``; ``lse`` optional float32 ``[T, Hq]`` (kernels declaring
+            the ``lse`` feature). Returns ``out``.
     """
 
     name: str = "?"
@@ -198,13 +199,14 @@ class AttentionKernel:
     def plan(self, md, out: Optional[dict] = None) -> KernelPlan:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def run(self, q, cache, plan, params: LayerParams, out):  # pragma: no cover - abstract
+    def run(self, q, cache, plan, params: LayerParams, out,
+            lse=None):  # pragma: no cover - abstract
         raise NotImplementedError
 
     def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seqused_k, block_table,
                  softmax_scale, causal=True, window_size=(-1, -1), softcap=0.0, sinks=None,
                  k_scale=None, v_scale=None, custom_mask=None, mask_indptr=None,
-                 max_seqlen_q=None, max_seqlen_k=None):
+                 max_seqlen_q=None, max_seqlen_k=None, lse=None):
         """The functional keyword convention (one-off calls): plan from the arguments, run."""
         md = _adhoc_metadata(q, k_cache, cu_seqlens_q, seqused_k, block_table, custom_mask,
                              mask_indptr, max_seqlen_q, max_seqlen_k, self.op)
@@ -214,7 +216,7 @@ class AttentionKernel:
             scale=softmax_scale, device=q.device, window=window_size, softcap=softcap,
             causal=causal, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
             fp8=k_cache.dtype in FP8_DTYPES)
-        return self.run(q, (k_cache, v_cache), self.plan(md), params, out)
+        return self.run(q, (k_cache, v_cache), self.plan(md), params, out, lse=lse)
 
 
 def _page_size_of(k_cache, op: str) -> int:
@@ -293,9 +295,10 @@ class FunctionKernel(AttentionKernel):
             mask_indptr=None if mask is None else mask.mask_indptr,
             max_seqlen_q=mq, max_seqlen_k=mk)
 
-    def run(self, q, cache, plan, params, out):
+    def run(self, q, cache, plan, params, out, lse=None):
         k_cache, v_cache = cache
         causal = params.causal and not plan.mask_literal
+        extra = {} if lse is None else {"lse": lse}  # functions without the feature lack it
         return type(self).fn(
             q, k_cache, v_cache, out,
             cu_seqlens_q=plan.cu_seqlens_q, seqused_k=plan.seqused_k,
@@ -303,7 +306,7 @@ class FunctionKernel(AttentionKernel):
             window_size=params.window, softcap=params.softcap, sinks=params.sinks,
             k_scale=params.k_scale, v_scale=params.v_scale, custom_mask=plan.custom_mask,
             mask_indptr=plan.mask_indptr, max_seqlen_q=plan.max_seqlen_q,
-            max_seqlen_k=plan.max_seqlen_k)
+            max_seqlen_k=plan.max_seqlen_k, **extra)
 
     def __call__(self, q, k_cache, v_cache, out, **kwargs):
         return type(self).fn(q, k_cache, v_cache, out, **kwargs)

@@ -223,17 +223,16 @@ class TritonPagedAttention(AttentionKernel):
                 "contiguous; pass .contiguous() tensors.")
         return (ks[0], ks[1], ks[2], 1), (vs[0], vs[1], vs[2], 1), 1, 1
 
-    def _kw(self, plan: TritonPlan, params):
-        layout_kx, layout_vx = self._kxvx
+    @staticmethod
+    def _kw(plan: TritonPlan, key):
+        causal, softcap, sinks, scales, (kx, vx), write_lse = key
         kw = dict(plan.cfg_kw)
-        kw.update(CAUSAL=params.causal and not plan.mask_literal,
-                  HAS_SOFTCAP=params.softcap > 0, HAS_SINKS=params.sinks is not None,
-                  HAS_SCALES=params.has_scales, KX=layout_kx, VX=layout_vx)
-        plan.kw_cache[(params.causal, params.softcap > 0, params.sinks is not None,
-                       params.has_scales, self._kxvx)] = kw
+        kw.update(CAUSAL=causal and not plan.mask_literal, HAS_SOFTCAP=softcap, HAS_SINKS=sinks,
+                  HAS_SCALES=scales, KX=kx, VX=vx, WRITE_LSE=write_lse)
+        plan.kw_cache[key] = kw
         return kw
 
-    def run(self, q, cache, plan: TritonPlan, params, out):
+    def run(self, q, cache, plan: TritonPlan, params, out, lse=None):
         """Launch (and the split reduction). O(1) checks; allocates nothing."""
         k_cache, v_cache = cache
         if q.shape[0] != plan.num_tokens:
@@ -248,11 +247,12 @@ class TritonPagedAttention(AttentionKernel):
         if layout is None:
             layout = self._layouts[key] = self._layout(k_cache, v_cache)
         k_strides, v_strides, kx, vx = layout
-        self._kxvx = (kx, vx)
-        kw = plan.kw_cache.get((params.causal, params.softcap > 0, params.sinks is not None,
-                                params.has_scales, self._kxvx))
+        write_lse = lse is not None
+        key = (params.causal, params.softcap > 0, params.sinks is not None, params.has_scales,
+               (kx, vx), write_lse)
+        kw = plan.kw_cache.get(key)
         if kw is None:
-            kw = self._kw(plan, params)
+            kw = self._kw(plan, key)
         qs, os_ = q.stride(), out.stride()
         if qs[2] != 1 or os_[2] != 1:
             raise ValueError(
@@ -269,17 +269,21 @@ class TritonPagedAttention(AttentionKernel):
         split = plan.num_splits > 1
         part_acc = plan.part_acc if split else out
         part_ml = plan.part_ml if split else out
+        if write_lse:
+            lse_t, ls = lse, lse.stride()
+        else:
+            lse_t, ls = out, (0, 0)
         _paged_attn_kernel[plan.grid](
-            q, k_cache, v_cache, out, part_acc, part_ml, *plan.args, sinks, ks_t, vs_t,
+            q, k_cache, v_cache, out, part_acc, part_ml, lse_t, *plan.args, sinks, ks_t, vs_t,
             mask_t, mask_ip, params.scale, params.softcap, left, right, *plan.ints,
             qs[0], qs[1], *k_strides, *v_strides, os_[0], os_[1], plan.bt_stride,
-            *plan.part_strides, **kw)
+            *plan.part_strides, ls[0], ls[1], **kw)
         if split:
             _reduce_splits_kernel[(plan.num_tokens, out.shape[1])](
-                out, part_acc, part_ml, sinks if params.sinks is not None else part_ml,
-                plan.num_splits, os_[0], os_[1], *plan.part_strides,
+                out, part_acc, part_ml, sinks if params.sinks is not None else part_ml, lse_t,
+                plan.num_splits, os_[0], os_[1], *plan.part_strides, ls[0], ls[1],
                 DV=kw["DV"], DV_PAD=plan.dv_pad, SPLITS_PAD=next_pow2(plan.num_splits),
-                HAS_SINKS=params.sinks is not None, num_warps=4)
+                HAS_SINKS=params.sinks is not None, WRITE_LSE=write_lse, num_warps=4)
         return out
 
 

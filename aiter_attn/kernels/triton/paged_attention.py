@@ -185,7 +185,7 @@ def _attn_tiles(
 
 @triton.jit
 def _paged_attn_kernel(
-    Q, K, V, O, PartAcc, PartML,
+    Q, K, V, O, PartAcc, PartML, Lse,
     CuQ, SeqK, BlockTable, Sinks, KScale, VScale, Mask, MaskIndptr,
     sm_scale, softcap, left, right, num_seqs, q_blocks_per_seq, num_splits,
     stride_qt, stride_qh,
@@ -193,7 +193,7 @@ def _paged_attn_kernel(
     stride_vp, stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh,
     stride_bt,
-    stride_ps, stride_pt, stride_mls, stride_mlt,
+    stride_ps, stride_pt, stride_mls, stride_mlt, stride_lt, stride_lh,
     GROUP: tl.constexpr, HEADS: tl.constexpr, NUM_HCHUNKS: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
@@ -203,7 +203,7 @@ def _paged_attn_kernel(
     SEARCH_SEQ: tl.constexpr, SPLIT: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr, CLAMP_Q: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr, PAGE_CHUNK: tl.constexpr,
-    KX: tl.constexpr, VX: tl.constexpr,
+    KX: tl.constexpr, VX: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     # longest causal q-blocks (latest positions) first: better tail balance in prefill
     pid_q = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -346,16 +346,23 @@ def _paged_attn_kernel(
         o = acc / l_safe[:, None]
         o_rows = (q_start + tok).to(tl.int64) * stride_ot + qh.to(tl.int64) * stride_oh
         tl.store(O + o_rows[:, None] + offs_dv[None, :], o.to(O.dtype.element_ty), mask=out_mask)
+        if WRITE_LSE:
+            # natural-log LSE of the visible logits (and the sink); -inf with nothing visible
+            lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) / _LOG2E, float("-inf"))
+            lse_rows = (q_start + tok).to(tl.int64) * stride_lt + qh.to(tl.int64) * stride_lh
+            tl.store(Lse + lse_rows, lse, mask=row_valid)
 
 
 @triton.jit
 def _reduce_splits_kernel(
-    O, PartAcc, PartML, Sinks, num_splits,
-    stride_ot, stride_oh, stride_ps, stride_pt, stride_mls, stride_mlt,
+    O, PartAcc, PartML, Sinks, Lse, num_splits,
+    stride_ot, stride_oh, stride_ps, stride_pt, stride_mls, stride_mlt, stride_lt, stride_lh,
     DV: tl.constexpr, DV_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     """Merge split partials of one (token, head): ``o = Σ_s 2^{m_s - M} acc_s / Σ_s 2^{m_s - M} l_s``
-    with the sink as one more term of the denominator."""
+    with the sink as one more term of the denominator (splits summed in index order, no
+    atomics); ``WRITE_LSE``: ``lse = ln 2 · (M + log2 denom)``, ``-inf`` when empty."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -380,6 +387,10 @@ def _reduce_splits_kernel(
     o = tl.sum(acc * w[:, None], 0)
     o = o / tl.where(denom > 0.0, denom, 1.0)
     tl.store(O + t * stride_ot + h * stride_oh + offs_dv, o.to(O.dtype.element_ty), mask=dv_mask)
+    if WRITE_LSE:
+        lse = tl.where(denom > 0.0, (m_safe + tl.log2(tl.where(denom > 0.0, denom, 1.0))) / _LOG2E,
+                       float("-inf"))
+        tl.store(Lse + t * stride_lt + h * stride_lh, lse)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,6 +438,7 @@ def paged_attention_triton(
     mask_indptr: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
+    lse: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Paged attention with the contract of ``ops.paged_attention`` (see the module docstring).
 
@@ -437,7 +449,9 @@ def paged_attention_triton(
     an upper bound of every request's query count (it sizes the grid; under CUDA-graph replay
     the captured value must still bound the replayed batch); ``max_seqlen_k`` only steers the
     split count. Without them static bounds are used (``T`` and ``W · page_size``). No host
-    synchronisation; no allocation other than the split partials.
+    synchronisation; no allocation other than the split partials. ``lse``: optional float32
+    ``[T, Hq]`` that also receives the natural-log LSE per (token, head), sinks included
+    (``-inf`` for a fully masked row).
     """
     from .attention import TritonPagedAttention
 
@@ -447,7 +461,7 @@ def paged_attention_triton(
                   block_table=block_table, softmax_scale=softmax_scale, causal=causal,
                   window_size=window_size, softcap=softcap, sinks=sinks, k_scale=k_scale,
                   v_scale=v_scale, custom_mask=custom_mask, mask_indptr=mask_indptr,
-                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, lse=lse)
 
 
 def paged_attention_5d_triton(
