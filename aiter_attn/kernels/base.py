@@ -36,6 +36,8 @@ __all__ = [
     "FunctionKernel",
     "StepPlans",
     "ATTENTION_OPS",
+    "mask_literal",
+    "plan_hints",
 ]
 
 #: Ops whose implementations are attention kernels (``run(q, (k_cache, v_cache), plan,
