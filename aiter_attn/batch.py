@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 import attrs
 import torch
 
+from .contract import contract_of
 from .types import ForwardMode
 
 __all__ = ["ForwardBatch", "SpecInfo"]
@@ -86,10 +87,10 @@ class ForwardBatch:
     @property
     def q_lens_cpu(self) -> torch.Tensor:
         """int64 ``[batch]`` query tokens per request, on the CPU (no sync)."""
-        mode = self.forward_mode
-        if mode in (ForwardMode.DECODE, ForwardMode.IDLE):
+        c = contract_of(self.forward_mode)
+        if c.tokens == "one":
             return torch.ones(self.batch_size, dtype=torch.int64)
-        if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
+        if c.tokens == "draft":
             n = self.spec_info.num_draft_tokens if self.spec_info is not None else 1
             return torch.full((self.batch_size,), n, dtype=torch.int64)
         return self.extend_seq_lens_cpu.to(torch.int64)
@@ -128,7 +129,7 @@ class ForwardBatch:
         seq_cpu = torch.as_tensor(list(seq_lens), dtype=torch.int64)
         bs = int(seq_cpu.shape[0])
         if extend_seq_lens is None:
-            if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2) and spec_info:
+            if contract_of(mode).tokens == "draft" and spec_info:
                 ext = torch.full((bs,), spec_info.num_draft_tokens, dtype=torch.int64)
             else:
                 ext = torch.ones(bs, dtype=torch.int64)

@@ -8,13 +8,17 @@ over; an explicit choice that cannot serve raises with all reasons.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 import attrs
 
 from .types import AttnArch, BackendConfig, CGSupport, ForwardMode
 
-__all__ = ["StrategyPair", "StrategyRegistry", "StrategySelectionError"]
+if TYPE_CHECKING:  # pragma: no cover
+    from .contract import ModeContract
+
+__all__ = ["StrategyPair", "StrategyRegistry", "StrategySelectionError", "Cell",
+           "register_cells"]
 
 
 def _modes(value):
@@ -36,6 +40,8 @@ class StrategyPair:
         supports: optional ``(config) -> reason | None`` check.
         description: one line for ``aiter-attn info``.
         kernel_op: the kernel op its execution strategy launches (for reports and planning).
+        contracts: per-mode :class:`~aiter_attn.contract.ModeContract` overrides (e.g. a
+            tree-verify pair always plans a mask); other modes get the default contract.
     """
 
     name: str
@@ -48,6 +54,17 @@ class StrategyPair:
     supports: Optional[Callable] = attrs.field(default=None, eq=False)
     description: str = ""
     kernel_op: str = "paged_attention"
+    contracts: Mapping = attrs.field(factory=dict, eq=False,
+                                     converter=lambda d: {ForwardMode.parse(k): v
+                                                          for k, v in dict(d).items()})
+
+    def contract(self, mode) -> "ModeContract":
+        """The mode contract this pair serves ``mode`` under (tokens per request and their
+        slack, mask layout, what capture needs)."""
+        from .contract import contract_of
+
+        mode = ForwardMode.parse(mode)
+        return self.contracts.get(mode) or contract_of(mode)
 
     def reject_reason(self, mode: ForwardMode, arch: AttnArch, config: Optional[BackendConfig]):
         if arch != self.arch:
@@ -57,6 +74,32 @@ class StrategyPair:
         if self.supports is not None and config is not None:
             return self.supports(config)
         return None
+
+
+@attrs.frozen(kw_only=True)
+class Cell:
+    """One row of a family's declarative table of cells: the pair serving ``modes`` (the
+    family's architecture, execution strategy and kernel op come from
+    :func:`register_cells`)."""
+
+    name: str
+    modes: frozenset = attrs.field(converter=_modes)
+    metadata: Callable = attrs.field(eq=False)
+    cg_support: CGSupport = CGSupport.NEVER
+    description: str = ""
+    supports: Optional[Callable] = attrs.field(default=None, eq=False)
+    priority: int = 10
+    contracts: Mapping = attrs.field(factory=dict, eq=False)
+
+
+def register_cells(register, *, arch, execution, cells, kernel_op: str = "paged_attention"):
+    """Register one family's table: a :class:`StrategyPair` per :class:`Cell` (the one
+    registration style every family uses)."""
+    for c in cells:
+        register(StrategyPair(
+            name=c.name, arch=arch, modes=c.modes, metadata=c.metadata, execution=execution,
+            priority=c.priority, cg_support=c.cg_support, supports=c.supports,
+            description=c.description, kernel_op=kernel_op, contracts=c.contracts))
 
 
 class StrategySelectionError(ValueError):

@@ -16,20 +16,21 @@ __all__ = ["add_parser", "collect_info", "mode_arch_table", "table_markdown"]
 IMPOSSIBLE: dict = {}
 
 
-def _kernel_for_cell(kernels, pair, device: str, dtype: torch.dtype):
-    """The kernel the pair's op would get here for a typical layer (head dim 128, page 16)."""
+def _kernel_for_cell(kernels, pair, mode, cfg, device: str, dtype: torch.dtype):
+    """``(text, kernel cg_support or None)``: the kernel the pair's op would get here for a
+    typical layer (head dim 128, page 16), with the mask its mode contract plans."""
     from ..kernels.registry import KernelRequest
 
     op = pair.kernel_op
     dims = dict(head_dim=576, v_head_dim=512, page_size=64) if op == "mla_paged_attention" else \
         dict(head_dim=128, v_head_dim=128, page_size=16)
-    features = {"custom_mask"} if pair.name.endswith(".tree") else set()
+    features = {"custom_mask"} if pair.contract(mode).has_mask(cfg) else set()
     try:
         sel = kernels.select(KernelRequest(op=op, device=device, dtype=dtype, kv_dtype=dtype,
                                            features=features, **dims))
-        return f"{op}:{sel.impl.name}"
+        return f"{op}:{sel.impl.name}", sel.impl.capabilities.cg_support
     except ValueError as exc:
-        return f"{op}: none ({exc})"
+        return f"{op}: none ({exc})", None
 
 
 #: Table rows: (label, mode, spec topk or None, forced strategy name template or None).
@@ -71,8 +72,12 @@ def mode_arch_table(device: str | None = None, dtype: torch.dtype | None = None)
             if pair is None:
                 row.update(strategy=None, why=IMPOSSIBLE.get((label, arch)) or why)
             else:
-                row.update(strategy=pair.name, cg_support=pair.cg_support.name,
-                           kernel=_kernel_for_cell(kernels, pair, device, dtype))
+                kernel, kcg = _kernel_for_cell(kernels, pair, mode, cfg, device, dtype)
+                c = pair.contract(mode)
+                cell = pair.cg_support if kcg is None else min(pair.cg_support, kcg)
+                row.update(strategy=pair.name, cg_support=pair.cg_support.name, kernel=kernel,
+                           cell_cg_support=cell.name, tokens_per_request=c.tokens,
+                           kv_slack=c.kv_slack, mask="tree" if c.has_mask(cfg) else "none")
             rows.append(row)
     return rows
 

@@ -22,6 +22,7 @@ import attrs
 import torch
 
 from ..batch import ForwardBatch, SpecInfo
+from ..contract import ModeContract, capturable_modes, contract_of
 from ..types import BackendConfig, ForwardMode
 
 __all__ = [
@@ -39,8 +40,8 @@ NULL_REQ_ROW = 0
 #: KV slot padding tokens write to: slot 0 of the null page 0, never a live request's slot.
 DUMMY_SLOT = 0
 
-#: Modes a graph can be captured for (IDLE replays the DECODE graphs).
-CAPTURABLE_MODES = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2)
+#: Modes a graph can be captured for (IDLE replays the DECODE graphs): from the mode contracts.
+CAPTURABLE_MODES = capturable_modes()
 
 
 def default_capture_sizes(max_bs: int) -> list[int]:
@@ -53,17 +54,6 @@ def default_capture_sizes(max_bs: int) -> list[int]:
     if not sizes or sizes[-1] != max_bs:
         sizes.append(max_bs)
     return sorted(set(sizes))
-
-
-def _query_tokens_per_request(config: BackendConfig, mode: ForwardMode) -> int:
-    if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
-        if config.spec is None:
-            raise ValueError(
-                f"forward_mode={mode.name} needs speculative settings; set "
-                "BackendConfig(spec=SpecDecodeConfig(num_draft_tokens=...))."
-            )
-        return config.spec.num_draft_tokens
-    return 1
 
 
 @attrs.frozen(kw_only=True)
@@ -92,16 +82,19 @@ class GraphLimits:
 
     @classmethod
     def from_config(cls, config: BackendConfig, mode: ForwardMode, max_bs: int,
-                    max_num_tokens: Optional[int] = None) -> "GraphLimits":
-        """Bounds for ``mode`` with up to ``max_bs`` requests.
+                    max_num_tokens: Optional[int] = None,
+                    contract: Optional[ModeContract] = None) -> "GraphLimits":
+        """Bounds for ``mode`` with up to ``max_bs`` requests, from its
+        :class:`~aiter_attn.contract.ModeContract` (the strategy pair's, or the default).
 
         ``max_num_tokens`` (SGLang's argument) may only raise the token bound above
         ``max_bs · q_len``, never lower it.
         """
         mode = ForwardMode.parse(mode)
-        if mode == ForwardMode.IDLE:
-            mode = ForwardMode.DECODE
-        if mode not in CAPTURABLE_MODES:
+        contract = contract or contract_of(mode)
+        if contract.graph_mode is not None:
+            mode = contract.graph_mode
+        if not contract.capturable or mode not in CAPTURABLE_MODES:
             allowed = ", ".join(m.name for m in CAPTURABLE_MODES + (ForwardMode.IDLE,))
             raise ValueError(
                 f"forward_mode={mode.name} cannot be captured in a CUDA graph (its query "
@@ -109,11 +102,10 @@ class GraphLimits:
             )
         if max_bs < 1:
             raise ValueError(f"max_bs={max_bs}; must be ≥ 1 (the largest captured batch size).")
-        q_len = _query_tokens_per_request(config, mode)
+        q_len = contract.q_len(config)
         tokens = max(max_bs * q_len, max_num_tokens or 0)
-        slack = q_len if mode != ForwardMode.DECODE else 0
-        max_seq_len = config.max_context_len + slack
-        tree = mode == ForwardMode.TARGET_VERIFY and config.spec is not None and config.spec.topk > 1
+        max_seq_len = config.max_context_len + contract.slack(config)
+        tree = contract.has_mask(config)
         return cls(mode=mode, max_bs=max_bs, q_len=q_len, max_num_tokens=tokens,
                    max_seq_len=max_seq_len, mask_numel=tokens * max_seq_len if tree else 0)
 
@@ -194,7 +186,7 @@ class StaticInputs:
         n = bs * q_len
         spec_view = None
         if spec is not None:
-            has_mask = spec.topk > 1 and mode == ForwardMode.TARGET_VERIFY
+            has_mask = contract_of(mode).has_mask(topk=spec.topk)
             spec_view = SpecInfo(num_draft_tokens=spec.num_draft_tokens, topk=spec.topk,
                                  custom_mask=self.custom_mask if has_mask else None,
                                  mask_indptr=None)

@@ -178,7 +178,8 @@ class CudaGraphManager:
         states: dict[ForwardMode, _ModeState] = {}
         shared: dict[str, tuple] = {}  # planner key → (planner, limits of its modes)
         for m in self._resolve_modes(modes):
-            lim = GraphLimits.from_config(self.config, m, max_bs, max_num_tokens)
+            lim = GraphLimits.from_config(self.config, m, max_bs, max_num_tokens,
+                                          contract=self.source.contract(m))
             key = self.source.planner_key(m)
             if key not in shared:
                 shared[key] = (self.source.planner(m), [])
@@ -190,7 +191,7 @@ class CudaGraphManager:
             bufs = declared.allocate(device)  # zero = null page / slot 0
             for lim in lims:
                 spec = None
-                if lim.mode != ForwardMode.DECODE:
+                if self.source.contract(lim.mode).tokens == "draft":
                     spec = SpecInfo(num_draft_tokens=self.config.spec.num_draft_tokens,
                                     topk=self.config.spec.topk)
                 states[lim.mode] = _ModeState(lim, planner, bufs, spec,

@@ -20,16 +20,18 @@ import torch
 
 from ..batch import ForwardBatch
 from ..strategies.base import BufferSpec
+from ..contract import capturable_modes, contract_of
 from ..types import BackendConfig, CGSupport, ForwardMode
 from .buffers import GraphLimits
 
 __all__ = ["BackendSource", "MultiStepSource", "source_for"]
 
 
-def _min_support(mode: ForwardMode) -> CGSupport:
-    if mode == ForwardMode.DECODE:
-        return CGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-    return CGSupport.UNIFORM_BATCH
+def _min_support(mode: ForwardMode, pair=None) -> CGSupport:
+    """What capturing ``mode`` needs: its contract's ``capture_needs`` (the pair's contract
+    when given)."""
+    contract = pair.contract(mode) if pair is not None else contract_of(mode)
+    return contract.capture_needs if contract.capture_needs is not None else CGSupport.ALWAYS
 
 
 class _StrategyPlanner:
@@ -39,11 +41,11 @@ class _StrategyPlanner:
 
     def __init__(self, backend, mode: ForwardMode):
         pair = backend.pair_for(mode)
-        if pair.cg_support < _min_support(mode):
+        if pair.cg_support < _min_support(mode, pair):
             raise ValueError(
                 f"strategy {pair.name!r} serving {mode.name} × {backend.config.arch.name} declares "
                 f"cg_support={pair.cg_support.name}; capturing {mode.name} needs "
-                f"{_min_support(mode).name} or stronger. Leave {mode.name} out of modes.")
+                f"{_min_support(mode, pair).name} or stronger. Leave {mode.name} out of modes.")
         self.backend = backend
         self.name = pair.name
         self.mode = mode
@@ -63,7 +65,7 @@ class _StrategyPlanner:
 
     def check_capturable(self) -> None:
         """Raise if a bound kernel of this cell cannot run under CUDA-graph capture."""
-        need = _min_support(self.mode)
+        need = _min_support(self.mode, self.backend.pair_for(self.mode))
         for group in self.executor.groups.values():
             k = group.kernel
             if k.cg_support < need:
@@ -98,11 +100,20 @@ class BackendSource:
         """DECODE, plus the speculative modes a capturable strategy serves when spec is set."""
         modes = [ForwardMode.DECODE]
         if self.config.spec is not None:
-            for m in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
+            for m in capturable_modes():
+                if contract_of(m).tokens != "draft":
+                    continue
                 pair, _ = self.backend.strategies.candidates(m, self.config.arch, self.config)
-                if pair is not None and pair.cg_support >= _min_support(m):
+                if pair is not None and pair.cg_support >= _min_support(m, pair):
                     modes.append(m)
         return modes
+
+    def contract(self, mode: ForwardMode):
+        """The mode contract of the pair serving ``mode`` (what the graph limits read)."""
+        try:
+            return self.backend.pair_for(mode).contract(mode)
+        except ValueError:  # no pair serves it: the manager reports that when it plans
+            return contract_of(mode)
 
     def planner(self, mode: ForwardMode) -> _StrategyPlanner:
         return _StrategyPlanner(self.backend, mode)
@@ -171,6 +182,9 @@ class MultiStepSource:
 
     def planner_key(self, mode: ForwardMode) -> str:
         return _MultiStepPlanner.name
+
+    def contract(self, mode: ForwardMode):
+        return contract_of(mode)
 
 
 def source_for(backend) -> "BackendSource | MultiStepSource":

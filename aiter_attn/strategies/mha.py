@@ -17,7 +17,7 @@ from ..batch import ForwardBatch
 from ..hookspecs import hookimpl
 from ..metadata import AttnMetadata, PageTable, QueryLayout
 from ..kernels.registry import KernelRequest
-from ..registry import StrategyPair
+from ..registry import Cell, register_cells
 from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
 from .base import BufferSpec, ExecutionStrategy, MetadataStrategy
 from .common import attend_layer
@@ -150,17 +150,17 @@ class PagedExecution(ExecutionStrategy):
                             batch, metadata, metadata.pages, sinks)
 
 
+#: The MHA family's cells (speculative ones are in :mod:`.spec`).
+CELLS = (
+    Cell(name="mha.decode", modes={ForwardMode.DECODE, ForwardMode.IDLE},
+         metadata=DecodeMetadata, cg_support=CGSupport.ALWAYS,
+         description="one token per request; page table over the pool"),
+    Cell(name="mha.extend", modes={ForwardMode.EXTEND}, metadata=ExtendMetadata,
+         cg_support=CGSupport.NEVER,
+         description="ragged prefill/extend with cached prefix; page table over the pool"),
+)
+
+
 @hookimpl
 def aiter_attn_register_strategies(register):
-    register(StrategyPair(
-        name="mha.decode", arch=AttnArch.MHA, modes={ForwardMode.DECODE, ForwardMode.IDLE},
-        metadata=DecodeMetadata, execution=PagedExecution, priority=10,
-        cg_support=CGSupport.ALWAYS,
-        description="one token per request; page table over the pool",
-    ))
-    register(StrategyPair(
-        name="mha.extend", arch=AttnArch.MHA, modes={ForwardMode.EXTEND},
-        metadata=ExtendMetadata, execution=PagedExecution, priority=10,
-        cg_support=CGSupport.NEVER,
-        description="ragged prefill/extend with cached prefix; page table over the pool",
-    ))
+    register_cells(register, arch=AttnArch.MHA, execution=PagedExecution, cells=CELLS)

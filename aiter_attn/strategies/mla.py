@@ -62,7 +62,7 @@ from ..batch import ForwardBatch
 from ..hookspecs import hookimpl
 from ..kernels.registry import KernelRequest, KernelSelectionError, Selection
 from ..metadata import AttnMetadata
-from ..registry import StrategyPair
+from ..registry import Cell, register_cells
 from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
 from .base import BufferSpec, ExecutionStrategy, MetadataStrategy
 from .mha import DecodeMetadata, PagedMetadata, plan_page_table, plan_query_layout
@@ -530,37 +530,30 @@ class MLAExecution(ExecutionStrategy):
         return out.view(num_tokens, heads * dv)
 
 
+#: The MLA family's cells.
+CELLS = (
+    Cell(name="mla.decode", modes={ForwardMode.DECODE, ForwardMode.IDLE},
+         metadata=MLADecodeMetadata, cg_support=CGSupport.ALWAYS,
+         description="absorbed MLA decode over the latent page table (heads 4/8 padded to 16 "
+                     "when the kernel needs it)"),
+    Cell(name="mla.verify", modes={ForwardMode.TARGET_VERIFY}, metadata=MLAVerifyMetadata,
+         cg_support=CGSupport.UNIFORM_BATCH,
+         description="absorbed MLA verify: causal chain or literal tree mask"),
+    Cell(name="mla.draft_extend_v2", modes={ForwardMode.DRAFT_EXTEND_V2},
+         metadata=MLADraftExtendV2Metadata, cg_support=CGSupport.UNIFORM_BATCH,
+         description="absorbed MLA draft extend with a fixed token count per request"),
+    Cell(name=MLA_DRAFT_DECODE_STEP, modes={ForwardMode.DECODE},
+         metadata=DraftDecodeStepMetadata, cg_support=CGSupport.ALWAYS, priority=-10,
+         description="one multi-step draft-decode step (absorbed) over tables planned for all "
+                     "steps by MultiStepDraftBackend"),
+    Cell(name="mla.extend", modes=set(_EXTEND_MODES), metadata=MLAExtendMetadata,
+         cg_support=CGSupport.NEVER,
+         description="MLA extend: absorbed over the latent pool, or expanded (prefix through "
+                     "kv_b_proj) with qk head dim ≠ v head dim"),
+)
+
+
 @hookimpl
 def aiter_attn_register_strategies(register):
-    def pair(**kw) -> StrategyPair:
-        return StrategyPair(arch=AttnArch.MLA, kernel_op="mla_paged_attention",
-                            execution=MLAExecution, **kw)
-
-    register(pair(
-        name="mla.decode", modes={ForwardMode.DECODE, ForwardMode.IDLE},
-        metadata=MLADecodeMetadata, priority=10, cg_support=CGSupport.ALWAYS,
-        description="absorbed MLA decode over the latent page table (heads 4/8 padded to 16 "
-                    "when the kernel needs it)",
-    ))
-    register(pair(
-        name="mla.verify", modes={ForwardMode.TARGET_VERIFY},
-        metadata=MLAVerifyMetadata, priority=10, cg_support=CGSupport.UNIFORM_BATCH,
-        description="absorbed MLA verify: causal chain or literal tree mask",
-    ))
-    register(pair(
-        name="mla.draft_extend_v2", modes={ForwardMode.DRAFT_EXTEND_V2},
-        metadata=MLADraftExtendV2Metadata, priority=10, cg_support=CGSupport.UNIFORM_BATCH,
-        description="absorbed MLA draft extend with a fixed token count per request",
-    ))
-    register(pair(
-        name=MLA_DRAFT_DECODE_STEP, modes={ForwardMode.DECODE},
-        metadata=DraftDecodeStepMetadata, priority=-10, cg_support=CGSupport.ALWAYS,
-        description="one multi-step draft-decode step (absorbed) over tables planned for all "
-                    "steps by MultiStepDraftBackend",
-    ))
-    register(pair(
-        name="mla.extend", modes=set(_EXTEND_MODES),
-        metadata=MLAExtendMetadata, priority=10, cg_support=CGSupport.NEVER,
-        description="MLA extend: absorbed over the latent pool, or expanded (prefix through "
-                    "kv_b_proj) with qk head dim ≠ v head dim",
-    ))
+    register_cells(register, arch=AttnArch.MLA, execution=MLAExecution, cells=CELLS,
+                   kernel_op="mla_paged_attention")

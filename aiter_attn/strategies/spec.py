@@ -41,7 +41,7 @@ from ..batch import ForwardBatch
 from ..hookspecs import hookimpl
 from ..metadata import AttnMetadata, CustomMask, PageTable, QueryLayout
 from ..ops import build_tree_mask
-from ..registry import StrategyPair
+from ..registry import Cell, register_cells
 from ..types import AttnArch, BackendConfig, CGSupport, ForwardMode
 from ..validation import check_tensor
 from .base import BufferSpec, MetadataStrategy
@@ -266,35 +266,26 @@ def _needs_tree(config: BackendConfig):
     return None
 
 
+#: The MHA family's speculative cells.
+CELLS = (
+    Cell(name="mha.verify.chain", modes={ForwardMode.TARGET_VERIFY},
+         metadata=VerifyChainMetadata, cg_support=CGSupport.UNIFORM_BATCH, supports=_needs_chain,
+         description="EAGLE chain (topk=1): num_draft_tokens per request, causal, page table"),
+    Cell(name="mha.verify.tree", modes={ForwardMode.TARGET_VERIFY},
+         metadata=VerifyTreeMetadata, cg_support=CGSupport.UNIFORM_BATCH, supports=_needs_tree,
+         description="EAGLE tree (topk>1): page table + custom mask with mask_indptr"),
+    Cell(name="mha.draft_extend", modes={ForwardMode.DRAFT_EXTEND}, metadata=ExtendMetadata,
+         cg_support=CGSupport.NEVER,
+         description="draft model over ragged accepted tokens; causal, page table"),
+    Cell(name="mha.draft_extend_v2", modes={ForwardMode.DRAFT_EXTEND_V2},
+         metadata=DraftExtendV2Metadata, cg_support=CGSupport.UNIFORM_BATCH,
+         description="draft extend, fixed num_draft_tokens per request; causal, page table"),
+    Cell(name=DRAFT_DECODE_STEP, modes={ForwardMode.DECODE}, metadata=DraftDecodeStepMetadata,
+         cg_support=CGSupport.ALWAYS, priority=-10,
+         description="one multi-step draft-decode step over tables planned for all steps"),
+)
+
+
 @hookimpl
 def aiter_attn_register_strategies(register):
-    register(StrategyPair(
-        name="mha.verify.chain", arch=AttnArch.MHA, modes={ForwardMode.TARGET_VERIFY},
-        metadata=VerifyChainMetadata, execution=PagedExecution, priority=10,
-        cg_support=CGSupport.UNIFORM_BATCH, supports=_needs_chain,
-        description="EAGLE chain (topk=1): num_draft_tokens per request, causal, page table",
-    ))
-    register(StrategyPair(
-        name="mha.verify.tree", arch=AttnArch.MHA, modes={ForwardMode.TARGET_VERIFY},
-        metadata=VerifyTreeMetadata, execution=PagedExecution, priority=10,
-        cg_support=CGSupport.UNIFORM_BATCH, supports=_needs_tree,
-        description="EAGLE tree (topk>1): page table + custom mask with mask_indptr",
-    ))
-    register(StrategyPair(
-        name="mha.draft_extend", arch=AttnArch.MHA, modes={ForwardMode.DRAFT_EXTEND},
-        metadata=ExtendMetadata, execution=PagedExecution, priority=10,
-        cg_support=CGSupport.NEVER,
-        description="draft model over ragged accepted tokens; causal, page table",
-    ))
-    register(StrategyPair(
-        name="mha.draft_extend_v2", arch=AttnArch.MHA, modes={ForwardMode.DRAFT_EXTEND_V2},
-        metadata=DraftExtendV2Metadata, execution=PagedExecution, priority=10,
-        cg_support=CGSupport.UNIFORM_BATCH,
-        description="draft extend, fixed num_draft_tokens per request; causal, page table",
-    ))
-    register(StrategyPair(
-        name=DRAFT_DECODE_STEP, arch=AttnArch.MHA, modes={ForwardMode.DECODE},
-        metadata=DraftDecodeStepMetadata, execution=PagedExecution, priority=-10,
-        cg_support=CGSupport.ALWAYS,
-        description="one multi-step draft-decode step over tables planned for all steps",
-    ))
+    register_cells(register, arch=AttnArch.MHA, execution=PagedExecution, cells=CELLS)

@@ -35,7 +35,7 @@ from ..hookspecs import hookimpl
 from ..kernels.registry import KernelRequest
 from ..metadata import AttnMetadata, PageTable
 from ..ops import paged_attention_request
-from ..registry import StrategyPair
+from ..registry import Cell, register_cells
 from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
 from .base import BufferSpec, ExecutionStrategy
 from .common import (attend, attend_layer, effective_causal, effective_window, require_pool,
@@ -240,30 +240,31 @@ def tree_verify_only(config):
     return None
 
 
-_SWA_PAIRS = (
-    ("swa.decode", {ForwardMode.DECODE, ForwardMode.IDLE}, SWADecodeMetadata, CGSupport.ALWAYS,
-     None, "one token per request; full + translated SWA page tables"),
-    ("swa.extend", {ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND}, SWAExtendMetadata,
-     CGSupport.NEVER, None, "ragged extend/draft-extend; SWA layers on their own pool"),
-    ("swa.verify.chain", {ForwardMode.TARGET_VERIFY}, SWAVerifyChainMetadata,
-     CGSupport.UNIFORM_BATCH, chain_verify_only, "EAGLE chain: causal, SWA tables"),
-    ("swa.verify.tree", {ForwardMode.TARGET_VERIFY}, SWAVerifyTreeMetadata,
-     CGSupport.UNIFORM_BATCH, tree_verify_only,
-     "EAGLE tree: custom mask, window at path positions, SWA tables"),
-    ("swa.draft_extend_v2", {ForwardMode.DRAFT_EXTEND_V2}, SWADraftExtendV2Metadata,
-     CGSupport.UNIFORM_BATCH, None, "fixed draft tokens per request; SWA tables"),
+#: The SWA family's cells.
+CELLS = (
+    Cell(name="swa.decode", modes={ForwardMode.DECODE, ForwardMode.IDLE},
+         metadata=SWADecodeMetadata, cg_support=CGSupport.ALWAYS,
+         description="one token per request; full + translated SWA page tables"),
+    Cell(name="swa.extend", modes={ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND},
+         metadata=SWAExtendMetadata, cg_support=CGSupport.NEVER,
+         description="ragged extend/draft-extend; SWA layers on their own pool"),
+    Cell(name="swa.verify.chain", modes={ForwardMode.TARGET_VERIFY},
+         metadata=SWAVerifyChainMetadata, cg_support=CGSupport.UNIFORM_BATCH,
+         supports=chain_verify_only, description="EAGLE chain: causal, SWA tables"),
+    Cell(name="swa.verify.tree", modes={ForwardMode.TARGET_VERIFY},
+         metadata=SWAVerifyTreeMetadata, cg_support=CGSupport.UNIFORM_BATCH,
+         supports=tree_verify_only,
+         description="EAGLE tree: custom mask, window at path positions, SWA tables"),
+    Cell(name="swa.draft_extend_v2", modes={ForwardMode.DRAFT_EXTEND_V2},
+         metadata=SWADraftExtendV2Metadata, cg_support=CGSupport.UNIFORM_BATCH,
+         description="fixed draft tokens per request; SWA tables"),
+    # Forced by MultiStepDraftBackend ("<arch>.draft_decode_step"), never auto-selected.
+    Cell(name="swa.draft_decode_step", modes={ForwardMode.DECODE},
+         metadata=SWADraftDecodeStepMetadata, cg_support=CGSupport.ALWAYS, priority=-10,
+         description="one multi-step draft-decode step; its SWA table translated per step"),
 )
 
 
 @hookimpl
 def aiter_attn_register_strategies(register):
-    for name, modes, planner, cg, supports, desc in _SWA_PAIRS:
-        register(StrategyPair(name=name, arch=AttnArch.SWA, modes=modes, metadata=planner,
-                              execution=SWAExecution, priority=10, cg_support=cg,
-                              supports=supports, description=desc))
-    # Forced by MultiStepDraftBackend ("<arch>.draft_decode_step"), never auto-selected.
-    register(StrategyPair(
-        name="swa.draft_decode_step", arch=AttnArch.SWA, modes={ForwardMode.DECODE},
-        metadata=SWADraftDecodeStepMetadata, execution=SWAExecution, priority=-10,
-        cg_support=CGSupport.ALWAYS,
-        description="one multi-step draft-decode step; its SWA table translated per step"))
+    register_cells(register, arch=AttnArch.SWA, execution=SWAExecution, cells=CELLS)

@@ -28,7 +28,7 @@ from ..kernels.reference_5d import paged_attention_5d_reference, v_layout_of, ve
 from ..kernels.registry import Capabilities, KernelRequest
 from ..metadata import AttnMetadata
 from ..ops import _lse_buffer, attention_features
-from ..registry import StrategyPair
+from ..registry import Cell, register_cells
 from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
 from ..validation import ATTN_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
 from .base import ExecutionStrategy
@@ -212,34 +212,34 @@ class Vec5DExecution(ExecutionStrategy):
                             metadata, metadata.pages, sinks)
 
 
-_VEC5D_PAIRS = (
-    ("vec5d.decode", {ForwardMode.DECODE, ForwardMode.IDLE}, DecodeMetadata, CGSupport.ALWAYS,
-     None, "one token per request over the 5-D pool (pa_decode_gluon's layout)"),
-    ("vec5d.extend", {ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND}, ExtendMetadata,
-     CGSupport.NEVER, None, "ragged extend/draft-extend over the 5-D pool"),
-    ("vec5d.verify.chain", {ForwardMode.TARGET_VERIFY}, VerifyChainMetadata,
-     CGSupport.UNIFORM_BATCH, chain_verify_only, "EAGLE chain over the 5-D pool: causal"),
-    ("vec5d.verify.tree", {ForwardMode.TARGET_VERIFY}, VerifyTreeMetadata,
-     CGSupport.UNIFORM_BATCH, tree_verify_only, "EAGLE tree over the 5-D pool: custom mask"),
-    ("vec5d.draft_extend_v2", {ForwardMode.DRAFT_EXTEND_V2}, DraftExtendV2Metadata,
-     CGSupport.UNIFORM_BATCH, None, "fixed draft tokens per request over the 5-D pool"),
+#: The VEC5D family's cells.
+CELLS = (
+    Cell(name="vec5d.decode", modes={ForwardMode.DECODE, ForwardMode.IDLE},
+         metadata=DecodeMetadata, cg_support=CGSupport.ALWAYS,
+         description="one token per request over the 5-D pool (pa_decode_gluon's layout)"),
+    Cell(name="vec5d.extend", modes={ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND},
+         metadata=ExtendMetadata, cg_support=CGSupport.NEVER,
+         description="ragged extend/draft-extend over the 5-D pool"),
+    Cell(name="vec5d.verify.chain", modes={ForwardMode.TARGET_VERIFY},
+         metadata=VerifyChainMetadata, cg_support=CGSupport.UNIFORM_BATCH,
+         supports=chain_verify_only, description="EAGLE chain over the 5-D pool: causal"),
+    Cell(name="vec5d.verify.tree", modes={ForwardMode.TARGET_VERIFY},
+         metadata=VerifyTreeMetadata, cg_support=CGSupport.UNIFORM_BATCH,
+         supports=tree_verify_only, description="EAGLE tree over the 5-D pool: custom mask"),
+    Cell(name="vec5d.draft_extend_v2", modes={ForwardMode.DRAFT_EXTEND_V2},
+         metadata=DraftExtendV2Metadata, cg_support=CGSupport.UNIFORM_BATCH,
+         description="fixed draft tokens per request over the 5-D pool"),
+    # Forced by MultiStepDraftBackend ("<arch>.draft_decode_step"), never auto-selected.
+    Cell(name="vec5d.draft_decode_step", modes={ForwardMode.DECODE},
+         metadata=DraftDecodeStepMetadata, cg_support=CGSupport.ALWAYS, priority=-10,
+         description="one multi-step draft-decode step over the 5-D pool"),
 )
 
 
 @hookimpl
 def aiter_attn_register_strategies(register):
-    for name, modes, planner, cg, supports, desc in _VEC5D_PAIRS:
-        register(StrategyPair(name=name, arch=AttnArch.VEC5D, modes=modes, metadata=planner,
-                              kernel_op="paged_attention_5d",
-                              execution=Vec5DExecution, priority=10, cg_support=cg,
-                              supports=supports, description=desc))
-    # Forced by MultiStepDraftBackend ("<arch>.draft_decode_step"), never auto-selected.
-    register(StrategyPair(
-        name="vec5d.draft_decode_step", arch=AttnArch.VEC5D, kernel_op="paged_attention_5d",
-        modes={ForwardMode.DECODE},
-        metadata=DraftDecodeStepMetadata, execution=Vec5DExecution, priority=-10,
-        cg_support=CGSupport.ALWAYS,
-        description="one multi-step draft-decode step over the 5-D pool"))
+    register_cells(register, arch=AttnArch.VEC5D, execution=Vec5DExecution, cells=CELLS,
+                   kernel_op="paged_attention_5d")
 
 
 @hookimpl
