@@ -15,6 +15,7 @@ from aiter_attn import plugins
 from aiter_attn.cli import main
 from aiter_attn.kernels.reference import paged_attention_reference
 from aiter_attn.kernels.registry import Capabilities
+from aiter_attn.types import CGSupport
 from aiter_attn.testing.conformance import (
     CASES,
     ConformanceCase,
@@ -72,7 +73,8 @@ def test_bad_case_definition_is_rejected():
 
 
 def _register(registry, name, fn, **caps):
-    registry.register("paged_attention", name, fn, Capabilities(**caps), priority=-1,
+    registry.register("paged_attention", name, fn, Capabilities(**{"cg_support": CGSupport.NEVER, **caps}),
+                      priority=-1,
                       source="test")
 
 
