@@ -21,6 +21,7 @@ from aiter_attn.testing.conformance import (
     ATTENTION_OPS,
     CASES,
     INDEX_OPS,
+    OPS,
     WRITE_OPS,
     prepare,
     run_case,
@@ -63,9 +64,11 @@ def test_scales_windows_softcaps_and_sinks_vary():
     assert any(c.num_kv_heads > 1 and c.num_q_heads // c.num_kv_heads == 5 for c in attn)
 
 
-def test_every_write_and_index_op_has_cases():
-    for op in WRITE_OPS + INDEX_OPS:
+def test_every_op_has_cases_and_lse_is_covered():
+    for op in OPS:
         assert any(c.op == op for c in CASES), op
+    for op in ATTENTION_OPS:  # return_lse / out_lse on every attention op
+        assert any(c.op == op and c.lse for c in CASES), op
 
 
 def test_traps_sit_where_no_correct_kernel_reads():
@@ -153,7 +156,7 @@ def test_write_op_touching_other_slots_fails(fresh_registry):
 def test_self_test_catches_every_mutant():
     rows = self_test(quick=True)
     assert len(rows) == len(MUTANTS)
-    assert {m.op for m in MUTANTS} == set(ATTENTION_OPS + WRITE_OPS + INDEX_OPS)
+    assert {m.op for m in MUTANTS} == set(OPS)
     for m, report, missed in rows:
         assert not missed, (m.name, [(r.name, r.status) for r in report.results])
 

@@ -20,6 +20,7 @@ __all__ = [
     "ATTENTION_OPS",
     "WRITE_OPS",
     "INDEX_OPS",
+    "NUMERIC_OPS",
     "OPS",
     "ConformanceCase",
     "default_cases",
@@ -31,11 +32,13 @@ __all__ = [
 RTOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 ATTENTION_OPS = ("paged_attention", "paged_attention_5d", "mla_paged_attention")
+#: ops compared with a float64 oracle by relative error (the others compare exactly).
+NUMERIC_OPS = ATTENTION_OPS + ("merge_attention_states",)
 WRITE_OPS = ("write_kv", "write_kv_swa", "write_kv_5d")
 INDEX_OPS = ("build_page_table", "build_page_tables_swa", "build_ragged_kv_indices",
              "build_tree_mask", "build_draft_decode_indices")
 #: every op the suite checks.
-OPS = ATTENTION_OPS + WRITE_OPS + INDEX_OPS
+OPS = NUMERIC_OPS + WRITE_OPS + INDEX_OPS
 
 _E4M3FN = getattr(torch, "float8_e4m3fn", None)
 _E4M3FNUZ = getattr(torch, "float8_e4m3fnuz", None)
@@ -62,6 +65,7 @@ class ConformanceCase:
         scale: ``softmax_scale`` (``None``: ``1/sqrt(head_dim)``).
         k_scale / v_scale: fp8 (de)quantisation scales.
         causal, window, softcap, sinks, custom_mask: the attention features.
+        lse: also ask for the log-sum-exp (``out_lse``), compared with the oracle's.
         v_layout: 5-D value layout, ``"shuffled"`` or ``"hd_page"`` (5-D ops).
         q_len / topk / num_steps: tree-mask draft tokens; draft-decode branches and steps.
         rtol: relative-error bound (default from :data:`RTOL`; exact ops compare exactly).
@@ -87,6 +91,7 @@ class ConformanceCase:
     softcap: float = 0.0
     sinks: bool = False
     custom_mask: bool = False
+    lse: bool = False
     v_layout: str = "shuffled"
     q_len: int = 1
     topk: int = 1
@@ -109,7 +114,7 @@ class ConformanceCase:
 
     @property
     def bound(self) -> float:
-        if self.op not in ATTENTION_OPS:
+        if self.op not in NUMERIC_OPS:
             return 0.0  # integers and copied bytes: exact
         return self.rtol if self.rtol is not None else RTOL[self.dtype]
 
@@ -190,6 +195,23 @@ def default_cases() -> tuple:
         cases.append(C(name="mla-fp8-decode-h16-page1", q_lens=(1, 1), kv_lens=(17, 9),
                        num_q_heads=16, page_size=1, kv_dtype=_E4M3FN, k_scale=0.5,
                        v_scale=0.5, scale=0.12, **mla))
+    # log-sum-exp outputs (return_lse / out_lse) and merging two partial states
+    cases += [
+        C(name="lse-extend-page16-gqa5:1-window-sinks", q_lens=(1, 6, 3), kv_lens=(40, 20, 9),
+          num_q_heads=10, num_kv_heads=2, window=(11, 0), sinks=True, scale=0.2, lse=True,
+          quick=True),
+        C(name="lse-softcap-noncausal", q_lens=(3, 2), kv_lens=(17, 30), causal=False,
+          softcap=5.0, lse=True),
+        C(name="5d-lse-decode-page16", op="paged_attention_5d", q_lens=(1, 1),
+          kv_lens=(33, 7), scale=0.15, lse=True),
+        C(name="mla-lse-decode-h16-page1", op="mla_paged_attention", q_lens=(1, 2),
+          kv_lens=(12, 30), num_q_heads=16, num_kv_heads=1, head_dim=576, v_head_dim=512,
+          page_size=1, scale=0.11, lse=True),
+        C(name="merge-states-with-empty-parts", op="merge_attention_states", q_lens=(5, 2),
+          kv_lens=(5, 2), num_q_heads=6, head_dim=48, quick=True),
+        C(name="merge-states-fp16", op="merge_attention_states", q_lens=(3,), kv_lens=(3,),
+          num_q_heads=4, head_dim=64, dtype=torch.float16),
+    ]
     # KV writes: this step's tokens to their slots; every other byte must stay as it was
     cases += [
         C(name="write_kv-page16-gqa", op="write_kv", q_lens=(3, 1, 7), kv_lens=(19, 16, 7),

@@ -91,6 +91,24 @@ def _stale_on_replay(q, k, v, out, **kw):
     return R.paged_attention_reference(q, k, v, out, **kw)
 
 
+def _lse_log2(q, k, v, out, **kw):
+    """Returns the LSE in base 2 (what an exp2-based kernel keeps internally)."""
+    res = R.paged_attention_reference(q, k, v, out, **kw)
+    if kw.get("lse") is not None:
+        kw["lse"].mul_(1.4426950408889634)  # log2(e)
+    return res
+
+
+def _merge_nan_on_empty(o_a, lse_a, o_b, lse_b, out, out_lse):
+    """The textbook formula: NaN where both parts are empty, and reads the empty part's o."""
+    m = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    out.copy_(((w_a.unsqueeze(-1) * o_a.float() + w_b.unsqueeze(-1) * o_b.float())
+               / (w_a + w_b).unsqueeze(-1)).to(out.dtype))
+    out_lse.copy_(m + torch.log(w_a + w_b))
+    return out, out_lse
+
+
 def _mla_ignores_scale(q, kv, out, **kw):
     kw["softmax_scale"] = q.shape[-1] ** -0.5
     return R.mla_paged_attention_reference(q, kv, out, **kw)
@@ -170,6 +188,11 @@ MUTANTS = (
     M("mutant-stale-on-replay", "paged_attention", _stale_on_replay,
       "declares graph support but keeps the lengths of its first call per buffer",
       ("decode-page16-gqa5:1-d80",), CGSupport.ALWAYS),
+    M("mutant-lse-log2", "paged_attention", _lse_log2,
+      "returns the log-sum-exp in base 2", ("lse-extend-page16-gqa5:1-window-sinks",)),
+    M("mutant-merge-nan-on-empty", "merge_attention_states", _merge_nan_on_empty,
+      "textbook merge: reads empty parts, NaN when both are empty",
+      ("merge-states-with-empty-parts",)),
     M("mutant-mla-ignores-scale", "mla_paged_attention", _mla_ignores_scale,
       "MLA kernel ignoring softmax_scale", ("mla-decode-h16-page1",)),
     M("mutant-5d-ignores-scale", "paged_attention_5d", _5d_ignores_scale,

@@ -9,7 +9,9 @@ What one case checks (``run_case``), in order:
    may change;
 3. attention: the return value is ``out`` itself (or a view of its storage), ``out`` is
    finite everywhere (it starts as NaN; NaN traps sit in the null page and past every
-   request's length) and within the case's relative-error bound of the float64 oracle;
+   request's length) and within the case's relative-error bound of the float64 oracle; with
+   ``out_lse`` the return value is ``(out, out_lse)`` and the LSE matches the oracle's
+   (exactly ``-inf`` where nothing is visible); ``merge_attention_states`` likewise;
    KV writes and index builders: their outputs equal the torch reference byte for byte (a
    KV write's untouched slots included);
 4. a kernel that declares graph support (``cg_support`` other than ``NEVER``) runs a second
