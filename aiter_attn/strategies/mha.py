@@ -137,9 +137,10 @@ class PagedExecution(ExecutionStrategy):
         q = q.view(num_tokens, layer.num_q_heads, layer.head_dim)
         if save_kv_cache and k is not None:
             # the write kernel is chosen once per (cache, input) dtype pair: no request is
-            # built and nothing is validated on later calls
+            # built and nothing is validated on later calls; a backend with no KV write of
+            # its own (an attention-only plugin) falls back to the best registered one
             write = self.kernel_for(("write_kv", k_cache.dtype, k.dtype),
-                                    lambda: write_kv_request(k_cache, k))
+                                    lambda: write_kv_request(k_cache, k), fallback=True)
             write.fn(
                 k_cache, v_cache, batch.out_cache_loc,
                 k.view(num_tokens, layer.num_kv_heads, layer.head_dim),
