@@ -82,7 +82,7 @@ def _build(args, texts, loaded, device, dtype):
         max_tokens_per_step=args.max_tokens_per_step, kv_tokens=sum(needs[:args.batch_size]),
         prefix_caching=not args.no_prefix_caching, kernel_backend=args.backend,
         speculative=args.speculative, num_draft_tokens=args.num_draft_tokens,
-        cuda_graph=args.cuda_graph,
+        cuda_graph=args.cuda_graph, debug_checks=args.check,
     )
     model = build_engine_model(loaded.hf_model, dtype=dtype, device=device,
                                max_positions=max_ctx)
@@ -221,7 +221,7 @@ def add_parser(sub) -> None:
                    help="a small random-weight model instead (seeded by --seed)")
     p.add_argument("--check", action="store_true",
                    help="compare token ids with transformers' greedy generate; exit 1 if any "
-                        "differs")
+                        "differs (also checks every kernel's index values)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

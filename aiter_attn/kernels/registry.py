@@ -17,6 +17,7 @@ import attrs
 import torch
 
 from ..types import CGSupport
+from ..validation import checked_kernel, debug_checks_enabled
 
 __all__ = [
     "Capabilities",
@@ -24,6 +25,7 @@ __all__ = [
     "KernelRequest",
     "Selection",
     "KernelRegistry",
+    "CheckedRegistry",
     "KernelSelectionError",
     "FEATURES",
 ]
@@ -141,6 +143,16 @@ class Selection:
     def fn(self) -> Callable:
         return self.impl.fn
 
+    def checked(self) -> "Selection":
+        """This selection in the checked mode: its kernel runs the op's value checks first
+        (:func:`aiter_attn.validation.checked_kernel`; they sync). Idempotent."""
+        if hasattr(self.impl.fn, "unchecked"):
+            return self
+        fn = checked_kernel(self.impl.op, self.impl.fn)
+        if fn is self.impl.fn:
+            return self
+        return attrs.evolve(self, impl=attrs.evolve(self.impl, fn=fn))
+
 
 class KernelSelectionError(ValueError):
     """No implementation can serve a request; the message lists every candidate's reason."""
@@ -200,8 +212,13 @@ class KernelRegistry:
         """Pick the best implementation for ``request`` (cached per request and backend).
 
         ``backend`` (or ``AITER_ATTN_BACKEND``) forces one by name; if it cannot serve, raises
-        :class:`KernelSelectionError` with the reason.
+        :class:`KernelSelectionError` with the reason. Under ``AITER_ATTN_DEBUG=1`` the
+        selection is :meth:`Selection.checked`.
         """
+        sel = self._select(request, backend)
+        return sel.checked() if debug_checks_enabled() else sel
+
+    def _select(self, request: KernelRequest, backend: Optional[str]) -> Selection:
         if backend is None:
             backend = os.environ.get("AITER_ATTN_BACKEND") or None
         key = (request, backend)
@@ -242,3 +259,18 @@ class KernelRegistry:
             log.debug("op %s: chose %s; rejected %s", request.op, chosen.name, rejected)
         self._cache[key] = sel
         return sel
+
+
+class CheckedRegistry:
+    """A view of a :class:`KernelRegistry` whose selections are :meth:`Selection.checked`
+    (what ``BackendConfig(debug_checks=True)`` gives one backend); everything else is the
+    registry's own."""
+
+    def __init__(self, registry):
+        self.registry = registry
+
+    def select(self, request: KernelRequest, backend: Optional[str] = None) -> Selection:
+        return self.registry.select(request, backend=backend).checked()
+
+    def __getattr__(self, name):
+        return getattr(self.registry, name)

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from ...types import FP8_DTYPES
+from ...validation import check_scale, unit_stride
 from ._kvutil import next_pow2
 from ._paging import load_chunk_pages, tile_pages_of
 from ._launch_config import TUNING_OVERRIDES, _cdiv, choose_config
@@ -507,6 +508,9 @@ def _launch(q, k_cache, v_cache, out, layout: _CacheLayout, *, cu_seqlens_q, seq
             sinks=None, k_scale=None, v_scale=None, custom_mask=None, mask_indptr=None,
             max_seqlen_q=None, max_seqlen_k=None):
     """Launch the kernel (and the split reduction) for any :class:`_CacheLayout`."""
+    # index inputs are read with unit stride along their last axis: materialise strided views
+    cu_seqlens_q, seqused_k, block_table, sinks, custom_mask, mask_indptr = map(
+        unit_stride, (cu_seqlens_q, seqused_k, block_table, sinks, custom_mask, mask_indptr))
     num_tokens, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = layout.page_size, layout.num_kv_heads
     v_head_dim = layout.v_head_dim
@@ -603,6 +607,7 @@ def _launch(q, k_cache, v_cache, out, layout: _CacheLayout, *, cu_seqlens_q, seq
 def _scale_tensor(scale, device) -> torch.Tensor:
     """A 1-element float32 device tensor for a k/v scale (``None`` → 1). Device tensors pass
     through without a sync; Python floats become a small (non-graph-captured) upload."""
+    check_scale("scale", scale)  # one number: a per-head tensor is refused, never truncated
     if scale is None:
         return torch.ones(1, dtype=torch.float32, device=device)
     if isinstance(scale, torch.Tensor):
