@@ -139,8 +139,9 @@ class AttentionBackend:
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> AttnMetadata:
         """Plan this step's metadata (eager). Validates the batch first."""
         validate_batch(forward_batch, self.config, self.ctx.req_to_token)
-        planner, _ = self.strategies_for(forward_batch.forward_mode)
+        planner, executor = self.strategies_for(forward_batch.forward_mode)
         md = planner.plan(forward_batch)
+        executor.plan_kernels(md, forward_batch)  # once per step for every bound layer group
         if self._debug:
             from .testing.invariants import check_invariants
 
@@ -177,6 +178,14 @@ class AttentionBackend:
         return 1
 
     # -- CUDA graphs: delegated to aiter_attn.graph.CudaGraphManager --------------------
+    def graph_support(self, mode):
+        """A cell's CUDA-graph support: the weaker of its strategy pair's and its bound
+        kernels' (the pair's alone until a layer has bound a kernel)."""
+        pair = self.pair_for(mode)
+        _, executor = self.strategies_for(mode)
+        k = executor.kernel_cg_support()
+        return pair.cg_support if k is None else min(pair.cg_support, k)
+
     def bind_forward_metadata(self, forward_batch: ForwardBatch, metadata: AttnMetadata) -> None:
         """Make ``metadata`` (planned into static buffers by the graph manager) current."""
         self.forward_metadata, self._batch = metadata, forward_batch

@@ -27,6 +27,7 @@ __all__ = [
     "check_slot_values",
     "debug_checks_enabled",
     "checked_kernel",
+    "CheckedKernel",
     "unit_stride",
     "require_unit_stride",
     "ATTN_DTYPES",
@@ -352,3 +353,58 @@ def checked_kernel(op: str, fn: Callable) -> Callable:
 
     checked.unchecked = fn
     return checked
+
+
+class CheckedKernel:
+    """A bound attention kernel object (``plan``/``run``, see
+    :class:`aiter_attn.kernels.base.AttentionKernel`) in the checked mode.
+
+    ``plan(md)`` remembers the step's metadata; ``run`` (first call per plan and cache) checks
+    its index values against the cache with :func:`check_paged_index_values` before the
+    kernel launches; the functional ``__call__`` checks its arguments. Everything else is the
+    wrapped kernel's (``unchecked``).
+    """
+
+    _KEEP = 64  # plans remembered (a step plans each layer group once)
+
+    def __init__(self, kernel):
+        self.unchecked = kernel
+        self._plans: dict = {}
+
+    def __getattr__(self, name):
+        return getattr(self.unchecked, name)
+
+    def plan(self, md, out=None):
+        plan = self.unchecked.plan(md, out)
+        if len(self._plans) >= self._KEEP:
+            self._plans.pop(next(iter(self._plans)))
+        self._plans[id(plan)] = [plan, md, set()]
+        return plan
+
+    def run(self, q, cache, plan, params, out, **kwargs):
+        entry = self._plans.get(id(plan))
+        if entry is not None and entry[0] is plan:
+            _, md, seen = entry
+            k_cache = cache[0]
+            if (q.shape[0], k_cache.shape) not in seen:
+                self._check(md, q, k_cache, params)
+                seen.add((q.shape[0], k_cache.shape))
+        return self.unchecked.run(q, cache, plan, params, out, **kwargs)
+
+    def _check(self, md, q, k_cache, params) -> None:
+        from .kernels.base import mask_literal, plan_hints
+
+        op = getattr(self.unchecked, "op", "paged_attention")
+        mask = md.mask
+        check_paged_index_values(
+            num_tokens=q.shape[0], num_pages=k_cache.shape[0], page_size=md.pages.page_size,
+            cu_seqlens_q=md.query.cu_seqlens_q, seqused_k=md.pages.seqused_k,
+            block_table=md.pages.block_table, causal=params.causal and not mask_literal(md),
+            window_size=params.window, custom_mask=None if mask is None else mask.custom_mask,
+            mask_indptr=None if mask is None else mask.mask_indptr,
+            max_seqlen_q=plan_hints(md)[0], op=op)
+
+    def __call__(self, q, k_cache, v_cache, out, **kwargs):
+        op = getattr(self.unchecked, "op", "paged_attention")
+        _VALUE_CHECKS[op](q, k_cache, v_cache, out, **kwargs)
+        return self.unchecked(q, k_cache, v_cache, out, **kwargs)

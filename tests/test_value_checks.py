@@ -24,7 +24,7 @@ from aiter_attn.kernels.reference_5d import vec_width
 from aiter_attn.plugins import kernel_registry
 from aiter_attn.strategies.vec5d import paged_attention_5d
 from aiter_attn.testing import PagedScenario
-from aiter_attn.validation import DEBUG_ENV
+from aiter_attn.validation import DEBUG_ENV, CheckedKernel
 
 from ._index_case import attn_kwargs, mla_case, paged_case
 from ._triton_util import DEVICE, requires_triton
@@ -209,14 +209,16 @@ def test_backend_config_debug_checks_engine_path(monkeypatch, debug_checks):
     batch = sc.next_batch(ForwardMode.EXTEND, [3, 2])
     md = be.init_forward_metadata(batch)
     q, k, v = sc.step_inputs(layer)
+    _, executor = be.strategies_for(ForwardMode.EXTEND)
     if not debug_checks:
         be.forward(q, k, v, layer, batch)
-        _, executor = be.strategies_for(ForwardMode.EXTEND)
-        assert all(not hasattr(s.fn, "unchecked") for s in executor._kernels.values())
+        kernels = [g.kernel for g in executor.groups.values()]
+        assert kernels and not any(isinstance(k_, CheckedKernel) for k_ in kernels)
         return
     md.pages.block_table[1, 0] = 2 ** 30
     with pytest.raises(ValueError, match=r"block_table\[1, 0\]=1073741824 is not a page"):
         be.forward(q, k, v, layer, batch)
+    assert all(isinstance(g.kernel, CheckedKernel) for g in executor.groups.values())
 
 
 # ---------------------------------------------------------------------- non-finite scalars

@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from ..types import CGSupport
-from ..validation import checked_kernel, debug_checks_enabled
+from ..validation import CheckedKernel, checked_kernel, debug_checks_enabled
 
 __all__ = [
     "Capabilities",
@@ -32,9 +32,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Feature names a request may need and a kernel may declare.
+#: Feature names a request may need and a kernel may declare. ``lse``: the kernel also writes
+#: the float32 log-sum-exp per (token, head) (``return_lse=True``; natural log of the exp-sum of
+#: the scaled, soft-capped logits, sinks included; ``-inf`` for a fully masked row).
 FEATURES = frozenset(
-    {"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs", "non_causal"}
+    {"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs", "non_causal",
+     "lse"}
 )
 
 
@@ -122,7 +125,14 @@ class KernelRequest:
 
 @attrs.frozen(kw_only=True)
 class KernelImpl:
-    """One registered implementation of an op."""
+    """One registered implementation of an op.
+
+    Attributes:
+        fn: the functional convenience (the op's keyword calling convention).
+        kernel_cls: for attention ops, the :class:`~aiter_attn.kernels.base.AttentionKernel`
+            class that :meth:`bind` instantiates (a registered function is adapted by
+            :class:`~aiter_attn.kernels.base.FunctionKernel`); ``None`` for other ops.
+    """
 
     op: str
     name: str
@@ -130,6 +140,14 @@ class KernelImpl:
     capabilities: Capabilities = Capabilities()
     priority: int = 0
     source: str = "builtin"  # the plugin that registered it
+    kernel_cls: Optional[type] = attrs.field(default=None, eq=False)
+
+    def bind(self, request: Optional["KernelRequest"] = None):
+        """A kernel object for ``request`` (attention ops): plan/run from here on."""
+        if self.kernel_cls is None:
+            raise TypeError(f"op {self.op!r} ({self.name}) is a plain function, not a kernel "
+                            "object; call impl.fn.")
+        return self.kernel_cls(request)
 
 
 @attrs.frozen
@@ -138,20 +156,24 @@ class Selection:
 
     impl: KernelImpl
     rejected: tuple = ()  # ((name, reason), ...)
+    check_values: bool = False  # the checked mode (see :meth:`checked`)
 
     @property
     def fn(self) -> Callable:
+        if self.check_values:
+            return checked_kernel(self.impl.op, self.impl.fn)
         return self.impl.fn
 
+    def bind(self, request: Optional["KernelRequest"] = None):
+        """The chosen implementation bound as a kernel object (see :meth:`KernelImpl.bind`);
+        in the checked mode wrapped in :class:`~aiter_attn.validation.CheckedKernel`."""
+        kernel = self.impl.bind(request)
+        return CheckedKernel(kernel) if self.check_values else kernel
+
     def checked(self) -> "Selection":
-        """This selection in the checked mode: its kernel runs the op's value checks first
-        (:func:`aiter_attn.validation.checked_kernel`; they sync). Idempotent."""
-        if hasattr(self.impl.fn, "unchecked"):
-            return self
-        fn = checked_kernel(self.impl.op, self.impl.fn)
-        if fn is self.impl.fn:
-            return self
-        return attrs.evolve(self, impl=attrs.evolve(self.impl, fn=fn))
+        """This selection in the checked mode: its kernel (``fn`` and :meth:`bind`) runs the
+        op's value checks first (:mod:`aiter_attn.validation`; they sync). Idempotent."""
+        return self if self.check_values else attrs.evolve(self, check_values=True)
 
 
 class KernelSelectionError(ValueError):
@@ -164,6 +186,7 @@ class KernelRegistry:
     def __init__(self):
         self._impls: dict[str, dict[str, KernelImpl]] = {}
         self._cache: dict = {}
+        self._bound: dict = {}
         self._lock = threading.Lock()
 
     def register(
@@ -179,16 +202,38 @@ class KernelRegistry:
     ) -> KernelImpl:
         """Register ``fn`` as backend ``name`` of ``op``.
 
-        A name already registered for the op raises unless ``replace=True`` (a plugin that
-        deliberately overrides a built-in says so).
+        For the attention ops (:data:`~aiter_attn.kernels.base.ATTENTION_OPS`) ``fn`` may be
+        an :class:`~aiter_attn.kernels.base.AttentionKernel` subclass (plan/run) or a
+        function in the keyword convention (adapted). A name already registered for the op
+        raises unless ``replace=True`` (a plugin that deliberately overrides a built-in says
+        so).
         """
+        from .base import ATTENTION_OPS, AttentionKernel, function_kernel
+
         if not isinstance(capabilities, Capabilities):
             raise TypeError(
                 f"capabilities must be aiter_attn.kernels.registry.Capabilities, "
                 f"got {type(capabilities).__name__}."
             )
+        kernel_cls = None
+        if isinstance(fn, type) and issubclass(fn, AttentionKernel):
+            if op not in ATTENTION_OPS:
+                raise TypeError(f"{fn.__name__} is a kernel object but op {op!r} takes a "
+                                f"function; kernel objects serve {sorted(ATTENTION_OPS)}.")
+            base = fn
+        elif op in ATTENTION_OPS:
+            base = function_kernel(fn, op)
+        else:
+            base = None
+        if base is not None:
+            # one subclass per registration: the name and capabilities travel with it
+            kernel_cls = type(base.__name__, (base,),
+                              {"name": name, "op": op, "capabilities": capabilities})
+            if fn is base:
+                fn = kernel_cls()  # the functional convenience: plan + run in one call
         impl = KernelImpl(
-            op=op, name=name, fn=fn, capabilities=capabilities, priority=priority, source=source
+            op=op, name=name, fn=fn, capabilities=capabilities, priority=priority, source=source,
+            kernel_cls=kernel_cls,
         )
         with self._lock:
             table = self._impls.setdefault(op, {})
@@ -199,6 +244,7 @@ class KernelRegistry:
                 )
             table[name] = impl
             self._cache.clear()
+            self._bound.clear()
         return impl
 
     def ops(self) -> list[str]:
@@ -207,6 +253,20 @@ class KernelRegistry:
     def implementations(self, op: str) -> list[KernelImpl]:
         """Implementations of ``op``, best first."""
         return sorted(self._impls.get(op, {}).values(), key=lambda i: (-i.priority, i.name))
+
+    def bound(self, key, request, backend: Optional[str] = None):
+        """A kernel object bound for ``request``, cached on the caller's cheap hashable ``key``
+        (which must determine the request). ``request`` is a :class:`KernelRequest` or a
+        zero-argument callable building one, so a cache hit builds and hashes nothing."""
+        if backend is None:
+            backend = os.environ.get("AITER_ATTN_BACKEND") or None
+        full = (key, backend, debug_checks_enabled())  # the checked mode binds its own
+        hit = self._bound.get(full)
+        if hit is None:
+            req = request() if callable(request) else request
+            hit = self.select(req, backend=backend).bind(req)
+            self._bound[full] = hit
+        return hit
 
     def select(self, request: KernelRequest, backend: Optional[str] = None) -> Selection:
         """Pick the best implementation for ``request`` (cached per request and backend).
