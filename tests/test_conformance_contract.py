@@ -250,3 +250,18 @@ def test_triton_kernel_objects_survive_replan_and_replay():
                  "5d-decode-page16-gqa4:1"):
         r = run_case(_case(name), "triton")
         assert r.status == "pass", (name, r.reason)
+
+
+@pytest.mark.gpu
+def test_verify_on_cuda_captures_and_replays():
+    """On a GPU the second run of every graph-capable kernel is a real CUDA-graph capture and
+    replay: the Triton and reference kernels pass, every mutant is still caught."""
+    from aiter_attn.testing.conformance import run_conformance
+
+    for backend in ("triton", "reference"):
+        report = run_conformance(backend, device="cuda")
+        bad = [(r.name, r.reason) for r in report.results if r.status == "fail"]
+        assert not bad, backend
+        assert report.count("pass") >= len(CASES) - 3, backend
+    for m, report, missed in self_test("cuda", quick=True):
+        assert not missed, m.name
