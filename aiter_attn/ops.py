@@ -1,5 +1,7 @@
 """Functional ops: the kernel contract. Each validates its inputs (no device sync), selects an
-implementation from the kernel registry (cached per request) and runs it.
+implementation from the kernel registry (cached per request) and runs it; the attention ops
+select a kernel object once per cheap key and call it (plan + run in one call: see
+:mod:`aiter_attn.kernels.base`).
 
 ``backend=None`` picks the best registered implementation; ``"reference"`` / ``"triton"`` / a
 plugin's name forces one (and raises with reasons if it cannot serve).
@@ -12,7 +14,7 @@ from typing import Optional
 import attrs
 import torch
 
-from .kernels.registry import KernelRequest, Selection
+from .kernels.registry import KernelRequest
 from .types import FP8_DTYPES
 from .validation import ATTN_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
 
@@ -237,17 +239,28 @@ def paged_attention(
         check_tensor("mask_indptr", mask_indptr, dtypes=INDEX_DTYPES, ndim=1,
                      shape=(cu_seqlens_q.shape[0],))
     lse = _lse_buffer(return_lse, out_lse, q)
-    req = paged_attention_request(q, k_cache, v_cache, window_size=window_size, softcap=softcap,
-                                  sinks=sinks, causal=causal, custom_mask=custom_mask)
-    req = with_call_features(req, lse=lse is not None, batch_invariant=batch_invariant)
-    sel: Selection = _registry().select(req, backend=backend)
+    window_size = tuple(window_size)
+    # select once per cheap key (everything the request depends on), then plan + run
+
+    def request():
+        req = paged_attention_request(q, k_cache, v_cache, window_size=window_size,
+                                      softcap=softcap, sinks=sinks, causal=causal,
+                                      custom_mask=custom_mask)
+        # batch_invariant travels in the request: the bound kernel plans accordingly
+        return with_call_features(req, lse=lse is not None, batch_invariant=batch_invariant)
+
+    key = ("paged_attention", q.dtype, q.device.type, q.shape[1], q.shape[2], k_cache.dtype,
+           k_cache.shape[1], k_cache.shape[2], v_cache.shape[3], window_size != (-1, -1),
+           softcap > 0, sinks is not None, bool(causal), custom_mask is not None,
+           lse is not None, bool(batch_invariant))
+    kernel = _registry().bound(key, request, backend=backend)
     if out is None:
         out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[3], dtype=q.dtype, device=q.device)
-    extra = call_extras(lse, batch_invariant)
-    out = sel.fn(
+    extra = call_extras(lse, False)
+    out = kernel(
         q, k_cache, v_cache, out,
         cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,
-        softmax_scale=float(softmax_scale), causal=causal, window_size=tuple(window_size),
+        softmax_scale=float(softmax_scale), causal=causal, window_size=window_size,
         softcap=float(softcap), sinks=sinks, k_scale=k_scale, v_scale=v_scale,
         custom_mask=custom_mask, mask_indptr=mask_indptr,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **extra,

@@ -148,21 +148,35 @@ def _mla_sub(case: MLACase, rows):
 
 def test_selection_view_binds_flag_and_rejects_undeclared_kernels():
     calls = []
+
+    def fn(name):
+        return lambda *a, **k: calls.append((name, k.get("batch_invariant")))
+
     reg = KernelRegistry()
-    reg.register("paged_attention", "fast", lambda *a, **k: calls.append(("fast", k)),
-                 Capabilities(), priority=10)
-    reg.register("paged_attention", "steady", lambda *a, **k: calls.append(("steady", k)),
+    reg.register("paged_attention", "fast", fn("fast"), Capabilities(), priority=10)
+    reg.register("paged_attention", "steady", fn("steady"),
                  Capabilities(features={"batch_invariant"}), priority=0)
-    reg.register("write_kv", "w", lambda *a, **k: calls.append(("w", k)), Capabilities())
+    reg.register("mla_paged_attention", "mla", fn("mla"),
+                 Capabilities(features={"batch_invariant"}))
+    reg.register("write_kv", "w", fn("w"), Capabilities())
     view = BatchInvariantKernels(reg)
-    sel = view.select(KernelRequest(op="paged_attention"))
+    req = KernelRequest(op="paged_attention")
+    sel = view.select(req)
     assert sel.impl.name == "steady"
     assert "missing features ['batch_invariant']" in dict(sel.rejected)["fast"]
-    sel.fn(1)
-    assert calls[-1] == ("steady", {"batch_invariant": True})
+    kernel = sel.bind(req)  # bound to the request with the feature: passes the flag on
+    assert "batch_invariant" in kernel.request.features
+    kernel(None, None, None, None)
+    assert calls[-1] == ("steady", True)
+    assert view.bound("k", lambda: req).request.features == {"batch_invariant"}
+    view.select(KernelRequest(op="mla_paged_attention")).fn(1)  # plain function: flag bound
+    assert calls[-1] == ("mla", True)
     view.select(KernelRequest(op="write_kv")).fn(1)  # other ops: unchanged
-    assert calls[-1] == ("w", {})
+    assert calls[-1] == ("w", None)
     assert view.ops() == reg.ops()
+    # the default registry: the plain bound kernel passes nothing
+    reg.select(req).bind(req)(None, None, None, None)
+    assert calls[-1] == ("fast", None)
 
 
 def test_backend_config_threads_the_mode():

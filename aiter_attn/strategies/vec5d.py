@@ -148,8 +148,10 @@ def paged_attention_5d(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_ta
     if out is None:
         out = torch.empty(q.shape[0], q.shape[1], _v_head_dim(v_cache), dtype=q.dtype,
                           device=q.device)
-    extra = call_extras(lse, batch_invariant)
-    out = sel.fn(q, k_cache, v_cache, out, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+    extra = call_extras(lse, False)
+    # batch-invariant: a kernel bound to the request with the feature (it plans accordingly)
+    fn = sel.bind(req) if batch_invariant else sel.fn
+    out = fn(q, k_cache, v_cache, out, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
                  block_table=block_table, softmax_scale=float(softmax_scale), causal=causal,
                  window_size=tuple(window_size), softcap=float(softcap), sinks=sinks,
                  k_scale=k_scale, v_scale=v_scale, custom_mask=custom_mask,

@@ -37,12 +37,8 @@ def triton_priority() -> int:
 @hookimpl
 def aiter_attn_register_kernels(register):
     """Register the Triton ops."""
-    from .paged_attention import (
-        MAX_HEAD_DIM,
-        paged_attention_5d_triton,
-        paged_attention_triton,
-        reject_reason,
-    )
+    from .attention import TritonPagedAttention, TritonPagedAttention5D
+    from .paged_attention import MAX_HEAD_DIM, reject_reason
 
     attn_caps = Capabilities(
         devices=TRITON_DEVICES, dtypes=_FLOAT_DTYPES, max_head_dim=MAX_HEAD_DIM,
@@ -50,10 +46,11 @@ def aiter_attn_register_kernels(register):
                   "non_causal", "lse", "batch_invariant"},
         cg_support=CGSupport.ALWAYS, predicate=reject_reason,
     )
-    register("paged_attention", "triton", paged_attention_triton, attn_caps,
+    # plan/run kernel objects (kernels/triton/attention.py)
+    register("paged_attention", "triton", TritonPagedAttention, attn_caps,
              priority=triton_priority())
     # the same kernel over the vectorised 5-D layout (only the cache addressing differs)
-    register("paged_attention_5d", "triton", paged_attention_5d_triton, attn_caps,
+    register("paged_attention_5d", "triton", TritonPagedAttention5D, attn_caps,
              priority=triton_priority())
     from .index import (
         build_draft_decode_indices,

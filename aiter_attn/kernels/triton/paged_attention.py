@@ -486,23 +486,16 @@ def paged_attention_triton(
     rest of the batch and of the hints (fixed tiles, fixed-size splits, fixed-order reduction;
     see :mod:`._launch_config`).
     """
-    _, page_size, num_kv_heads, _ = k_cache.shape
-    ks, vs = k_cache.stride(), v_cache.stride()
-    if ks[3] != 1 or vs[3] != 1:
-        raise ValueError(
-            "paged_attention_triton needs the last (head-dim) axis of k_cache and v_cache to be "
-            "contiguous; pass .contiguous() tensors."
-        )
-    layout = _CacheLayout(page_size=page_size, num_kv_heads=num_kv_heads,
-                          v_head_dim=v_cache.shape[3],
-                          k_strides=(ks[0], ks[1], ks[2], 1), v_strides=(vs[0], vs[1], vs[2], 1),
-                          kx=1, vx=1)
-    return _launch(q, k_cache, v_cache, out, layout, cu_seqlens_q=cu_seqlens_q,
-                   seqused_k=seqused_k, block_table=block_table, softmax_scale=softmax_scale,
-                   causal=causal, window_size=window_size, softcap=softcap, sinks=sinks,
-                   k_scale=k_scale, v_scale=v_scale, custom_mask=custom_mask,
-                   mask_indptr=mask_indptr, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                   lse=lse, batch_invariant=batch_invariant)
+    from .attention import TritonPagedAttention, invariant_request
+
+    kernel = TritonPagedAttention(invariant_request(
+        TritonPagedAttention.request_for(q, k_cache, v_cache), batch_invariant))
+    kernel.name = "triton"
+    return kernel(q, k_cache, v_cache, out, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+                  block_table=block_table, softmax_scale=softmax_scale, causal=causal,
+                  window_size=window_size, softcap=softcap, sinks=sinks, k_scale=k_scale,
+                  v_scale=v_scale, custom_mask=custom_mask, mask_indptr=mask_indptr,
+                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, lse=lse)
 
 
 def paged_attention_5d_triton(
@@ -518,147 +511,10 @@ def paged_attention_5d_triton(
     ``[pages, Hkv, page_size // x, Dv, x]`` or hd_page ``[pages, Hkv, Dv, page_size]``.
     Keyword arguments as :func:`paged_attention_triton`.
     """
-    ks, vs = k_cache.stride(), v_cache.stride()
-    _, num_kv_heads, _, page_size, kx = k_cache.shape
-    if ks[4] != 1 or vs[-1] != 1:
-        raise ValueError(
-            "paged_attention_5d_triton needs the innermost axis of k_cache and v_cache to be "
-            "contiguous; pass .contiguous() tensors."
-        )
-    if v_cache.dim() == 5:  # shuffled: token o at (o // x) * vs[2] + o % x, dim d at d * vs[3]
-        layout = _CacheLayout(page_size=page_size, num_kv_heads=num_kv_heads,
-                              v_head_dim=v_cache.shape[3],
-                              k_strides=(ks[0], ks[3], ks[1], ks[2]),
-                              v_strides=(vs[0], vs[2], vs[1], vs[3]), kx=kx, vx=v_cache.shape[4])
-    else:  # hd_page: token o at o, dim d at d * vs[2]
-        layout = _CacheLayout(page_size=page_size, num_kv_heads=num_kv_heads,
-                              v_head_dim=v_cache.shape[2],
-                              k_strides=(ks[0], ks[3], ks[1], ks[2]),
-                              v_strides=(vs[0], vs[3], vs[1], vs[2]), kx=kx, vx=1)
-    return _launch(q, k_cache, v_cache, out, layout, **kwargs)
+    from .attention import TritonPagedAttention5D, invariant_request
 
-
-class _CacheLayout:
-    """How the kernel addresses a cache: strides ``(page, token, head, dim-group)`` of K and
-    ``(page, token-group, head, dim)`` of V in elements, and the vector widths ``kx``/``vx``
-    (1 for NHD pages; ``x`` for the 5-D layout's interleaved axis)."""
-
-    __slots__ = ("page_size", "num_kv_heads", "v_head_dim", "k_strides", "v_strides", "kx", "vx")
-
-    def __init__(self, *, page_size, num_kv_heads, v_head_dim, k_strides, v_strides, kx, vx):
-        self.page_size, self.num_kv_heads, self.v_head_dim = page_size, num_kv_heads, v_head_dim
-        self.k_strides, self.v_strides, self.kx, self.vx = k_strides, v_strides, kx, vx
-
-
-def _launch(q, k_cache, v_cache, out, layout: _CacheLayout, *, cu_seqlens_q, seqused_k,
-            block_table, softmax_scale, causal=True, window_size=(-1, -1), softcap=0.0,
-            sinks=None, k_scale=None, v_scale=None, custom_mask=None, mask_indptr=None,
-            max_seqlen_q=None, max_seqlen_k=None, lse=None, batch_invariant=False):
-    """Launch the kernel (and the split reduction) for any :class:`_CacheLayout`."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    page_size, num_kv_heads = layout.page_size, layout.num_kv_heads
-    v_head_dim = layout.v_head_dim
-    batch = cu_seqlens_q.shape[0] - 1
-    if num_tokens == 0 or batch == 0:
-        return out
-    write_lse = lse is not None
-    lse_t = lse if write_lse else out
-    lse_strides = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
-    qs, os_ = q.stride(), out.stride()
-    if qs[2] != 1 or os_[2] != 1:
-        raise ValueError(
-            "paged_attention_triton needs the last (head-dim) axis of q and out to be "
-            "contiguous; pass .contiguous() tensors."
-        )
-    group = num_q_heads // num_kv_heads
-    max_q = int(max_seqlen_q) if max_seqlen_q is not None else num_tokens
-    max_q = max(1, min(max_q, num_tokens))
-    max_k = int(max_seqlen_k) if max_seqlen_k is not None else block_table.shape[1] * page_size
-    d_pad = max(16, next_pow2(head_dim))
-    dv_pad = max(16, next_pow2(v_head_dim))
-    cfg = choose_config(group=group, max_q=max_q, max_k=max(max_k, 1),
-                         head_dim_pad=max(d_pad, dv_pad), batch=batch,
-                         num_kv_heads=num_kv_heads, device=q.device,
-                         fp32=q.dtype == torch.float32 or k_cache.dtype == torch.float32,
-                         fp8_kv=k_cache.dtype in FP8_DTYPES, batch_invariant=batch_invariant)
-    num_hchunks = _cdiv(group, cfg.heads)
-    q_blocks_per_seq = _cdiv(max_q, cfg.block_q)
-    search_grid = _cdiv(num_tokens, cfg.block_q) + batch
-    search = max_seqlen_q is None or batch * q_blocks_per_seq > search_grid
-    grid_q = search_grid if search else batch * q_blocks_per_seq
-
-    is_fp8 = k_cache.dtype in FP8_DTYPES
-    has_scales = k_scale is not None or v_scale is not None
-    if has_scales:
-        k_scale_t = _scale_tensor(k_scale, q.device)
-        v_scale_t = _scale_tensor(v_scale, q.device)
-    else:
-        k_scale_t = v_scale_t = cu_seqlens_q  # unused
-    compute = _TL_DTYPES[q.dtype]
-    clamp_q = is_fp8 and q.dtype == torch.bfloat16
-    if clamp_q:
-        compute = tl.float16  # see CLAMP_Q in the kernel
-    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    left = window_size[0] if window_size[0] >= 0 else _UNBOUNDED
-    right = window_size[1] if window_size[1] >= 0 else _UNBOUNDED
-    has_mask = custom_mask is not None
-    mask_t = custom_mask.view(torch.uint8) if has_mask and custom_mask.dtype == torch.bool \
-        else custom_mask
-    split = cfg.num_splits > 1 or cfg.batch_invariant
-    if split:
-        part_acc = torch.empty(cfg.num_splits, num_tokens, num_q_heads, dv_pad,
-                               dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(cfg.num_splits, num_tokens, num_q_heads, 2,
-                              dtype=torch.float32, device=q.device)
-        strides = (part_acc.stride(0), part_acc.stride(1), part_ml.stride(0), part_ml.stride(1))
-    else:
-        part_acc = part_ml = out
-        strides = (0, 0, 0, 0)
-    tile_in_page = page_size % cfg.block_n == 0
-    page_chunk = cfg.page_chunk if tile_in_page or cfg.block_n % page_size == 0 else 0
-
-    grid = (grid_q, num_kv_heads * num_hchunks, cfg.num_splits)
-    _paged_attn_kernel[grid](
-        q, k_cache, v_cache, out, part_acc, part_ml, lse_t,
-        cu_seqlens_q, seqused_k, block_table,
-        sinks if sinks is not None else cu_seqlens_q,
-        k_scale_t, v_scale_t,
-        mask_t if has_mask else cu_seqlens_q,
-        mask_indptr if has_mask else cu_seqlens_q,
-        float(softmax_scale), float(softcap), left, right, batch, q_blocks_per_seq,
-        cfg.num_splits, cfg.split_tiles,
-        qs[0], qs[1], *layout.k_strides, *layout.v_strides, os_[0], os_[1],
-        block_table.stride(0),
-        *strides, *lse_strides,
-        GROUP=group, HEADS=cfg.heads, NUM_HCHUNKS=num_hchunks,
-        BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        D=head_dim, D_PAD=d_pad, DV=v_head_dim, DV_PAD=dv_pad,
-        PAGE_SIZE=page_size, TILE_IN_PAGE=tile_in_page,
-        CAUSAL=bool(causal), HAS_SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
-        HAS_SCALES=has_scales, HAS_CUSTOM_MASK=has_mask,
-        SEARCH_SEQ=search, SPLIT=split,
-        COMPUTE_DTYPE=compute, CLAMP_Q=clamp_q, DOT_PRECISION=dot_precision, NUM_STAGES=cfg.num_stages,
-        WARP_SPEC=cfg.warp_spec, PAGE_CHUNK=page_chunk, KX=layout.kx, VX=layout.vx,
-        WRITE_LSE=write_lse, FIXED_SPLITS=cfg.batch_invariant, num_warps=cfg.num_warps,
-    )
-    if split:
-        _reduce_splits_kernel[(num_tokens, num_q_heads)](
-            out, part_acc, part_ml, sinks if sinks is not None else part_ml, lse_t,
-            cfg.num_splits, os_[0], os_[1], *strides, *lse_strides,
-            DV=v_head_dim, DV_PAD=dv_pad, SPLITS_PAD=next_pow2(cfg.num_splits),
-            HAS_SINKS=sinks is not None, WRITE_LSE=write_lse, FIXED_ORDER=cfg.batch_invariant,
-            num_warps=4,
-        )
-    return out
-
-
-def _scale_tensor(scale, device) -> torch.Tensor:
-    """A 1-element float32 device tensor for a k/v scale (``None`` → 1). Device tensors pass
-    through without a sync; Python floats become a small (non-graph-captured) upload."""
-    if scale is None:
-        return torch.ones(1, dtype=torch.float32, device=device)
-    if isinstance(scale, torch.Tensor):
-        if scale.device != device:
-            scale = scale.to(device)
-        return scale.reshape(-1)[:1].float()
-    return torch.full((1,), float(scale), dtype=torch.float32, device=device)
+    kernel = TritonPagedAttention5D(invariant_request(
+        TritonPagedAttention5D.request_for(q, k_cache, v_cache),
+        kwargs.pop("batch_invariant", False)))
+    kernel.name = "triton"
+    return kernel(q, k_cache, v_cache, out, **kwargs)
