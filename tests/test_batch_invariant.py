@@ -15,6 +15,7 @@ from aiter_attn.kernels.batch_invariant import BatchInvariantKernels
 from aiter_attn.kernels.registry import Capabilities, KernelRegistry, KernelRequest
 from aiter_attn.kernels.triton import paged_attention as pa_mod
 from aiter_attn.testing.compare import assert_close_rel
+from aiter_attn.types import CGSupport
 
 from ._triton_util import DEVICE, requires_triton
 from .test_lse import _mla_oracle, _oracle
@@ -147,18 +148,19 @@ def _mla_sub(case: MLACase, rows):
 
 
 def test_selection_view_binds_flag_and_rejects_undeclared_kernels():
+    NEVER = CGSupport.NEVER
     calls = []
 
     def fn(name):
         return lambda *a, **k: calls.append((name, k.get("batch_invariant")))
 
     reg = KernelRegistry()
-    reg.register("paged_attention", "fast", fn("fast"), Capabilities(), priority=10)
+    reg.register("paged_attention", "fast", fn("fast"), Capabilities(cg_support=NEVER), priority=10)
     reg.register("paged_attention", "steady", fn("steady"),
-                 Capabilities(features={"batch_invariant"}), priority=0)
+                 Capabilities(features={"batch_invariant"}, cg_support=NEVER), priority=0)
     reg.register("mla_paged_attention", "mla", fn("mla"),
-                 Capabilities(features={"batch_invariant"}))
-    reg.register("write_kv", "w", fn("w"), Capabilities())
+                 Capabilities(features={"batch_invariant"}, cg_support=NEVER))
+    reg.register("write_kv", "w", fn("w"), Capabilities(cg_support=NEVER))
     view = BatchInvariantKernels(reg)
     req = KernelRequest(op="paged_attention")
     sel = view.select(req)
@@ -304,3 +306,46 @@ def test_gpu_mla_same_bits_in_any_batch():
                 backend="triton", batch_invariant=True, **extra)[:1].cpu()
             base = out if base is None else base
             assert torch.equal(out, base), (rows, hints)
+
+
+@pytest.mark.parametrize("arch", ["mha", "swa"])
+def test_backend_decode_same_bits_in_any_batch(monkeypatch, arch):
+    """Through ``AttentionBackend(BackendConfig(batch_invariant=True, kernel_backend="triton"))``
+    (strategies bind the kernel to the invariant request): a decode request's per-layer
+    attention output is bitwise the same alone and among other requests."""
+    import attrs
+
+    from aiter_attn import AttentionBackend, ForwardBatch, ForwardMode
+
+    from ._graph_helpers import Rig
+
+    monkeypatch.setitem(pa_mod.TUNING_OVERRIDES, "split_tokens", 64)
+    rig = Rig.make(arch, page_size=16, hq=10, hkv=2, head_dim=16, max_context_len=320,
+                   max_bs=4, device=DEVICE)
+    cfg = attrs.evolve(rig.config, batch_invariant=True, kernel_backend="triton")
+    be = AttentionBackend(cfg, rig.req_pool, rig.kv_pool, extra=rig.backend.ctx.extra)
+    rows = [rig.join(n) for n in (150, 300, 9, 70)]
+    locs = {r: rig.alloc.extend(rig.req_pool, r, 1) for r in rows}
+    seq = {r: rig.alloc.tokens_held(r) for r in rows}
+    g = torch.Generator().manual_seed(0)
+    qkv = {r: [torch.randn(1, 10 * 16, generator=g), torch.randn(1, 2 * 16, generator=g),
+               torch.randn(1, 2 * 16, generator=g)] for r in rows}
+    target = rows[0]
+    base = None
+    for sub in ([target], [target, rows[2]], [target] + rows[1:][::-1]):
+        batch = ForwardBatch.from_lengths(
+            forward_mode=ForwardMode.DECODE, req_pool_indices=sub, seq_lens=[seq[r] for r in sub],
+            out_cache_loc=torch.cat([locs[r] for r in sub]), extend_seq_lens=[1] * len(sub),
+            device=DEVICE)
+        be.init_forward_metadata(batch)
+        outs = []
+        for layer in rig.layers:
+            q, k, v = (torch.cat([qkv[r][i] for r in sub]).to(DEVICE) for i in range(3))
+            outs.append(be.forward(q, k, v, layer, batch)[:1].cpu())
+        if base is None:
+            base = outs
+        for o, b in zip(outs, base):
+            assert torch.equal(o, b), sub
+    _, execution = be.strategies_for(ForwardMode.DECODE)
+    kernels = [g.kernel for g in execution.groups.values()]
+    assert kernels and all(k.name == "triton" and k.batch_invariant for k in kernels)

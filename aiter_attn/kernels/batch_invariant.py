@@ -48,10 +48,13 @@ class BatchInvariantKernels:
     def __init__(self, registry):
         self.registry = registry
 
-    def select(self, request: KernelRequest, backend: Optional[str] = None) -> Selection:
+    def select(self, request: KernelRequest, backend: Optional[str] = None,
+               **kwargs) -> Selection:
+        """:meth:`KernelRegistry.select` (its keyword options passed on) of the invariant
+        request for the attention ops."""
         if request.op not in INVARIANT_OPS:
-            return self.registry.select(request, backend=backend)
-        sel = self.registry.select(invariant(request), backend=backend)
+            return self.registry.select(request, backend=backend, **kwargs)
+        sel = self.registry.select(invariant(request), backend=backend, **kwargs)
         impl = sel.impl
         if impl.kernel_cls is None:  # a plain function (mla_paged_attention): bind the flag
             impl = attrs.evolve(impl, fn=functools.partial(impl.fn, batch_invariant=True))
