@@ -226,10 +226,15 @@ class BackendConfig:
         swa_window: largest sliding window among SWA layers (sizes the SWA page table).
         debug_checks: the checked mode for this backend: every kernel call first reads its
             index inputs back and raises a clear ``ValueError`` on bad values (page ids
-            outside the pool, ``cu_seqlens_q``/``seqused_k`` that disagree with q), and the
-            planned metadata's invariants are checked. Syncs: for debugging
+            outside the pool, ``cu_seqlens_q``/``seqused_k`` that disagree with q). Syncs: for
+            debugging
             (``aiter-attn generate --check``); ``AITER_ATTN_DEBUG=1`` does the same
             process-wide. Eager calls only: a captured CUDA graph replays unchecked.
+        batch_invariant: a request's attention output is bitwise identical whatever else
+            shares its batch, whatever the batch size, eager or replayed from a CUDA graph
+            (fixed tiles and split sizes, fixed-order reductions, no atomics); only kernels
+            declaring the ``batch_invariant`` feature are selected. Costs speed
+            (docs/modes.md).
     """
 
     page_size: int = attrs.field(default=1, validator=_positive)
@@ -244,6 +249,7 @@ class BackendConfig:
     kernel_backend: Optional[str] = None
     swa_window: Optional[int] = None
     debug_checks: bool = False
+    batch_invariant: bool = False
 
     def __attrs_post_init__(self):
         if self.kv_cache_dtype is None:

@@ -55,6 +55,10 @@ class EngineConfig:
             same path in no-capture mode (tests).
         debug_checks: run the backend in its checked mode (``BackendConfig.debug_checks``):
             every kernel call checks its index values first (syncs; ``generate --check``).
+        batch_invariant: attention in batch-invariant mode (``BackendConfig.batch_invariant``):
+            a request's attention output does not depend on what else is in its step's batch
+            (``aiter-attn generate --deterministic``). The model's other layers are as they
+            are.
     """
 
     page_size: int = 16
@@ -71,6 +75,7 @@ class EngineConfig:
     num_draft_tokens: int = 4
     cuda_graph: Optional[bool] = None
     debug_checks: bool = False
+    batch_invariant: bool = False
 
     @property
     def num_pages(self) -> int:
@@ -136,6 +141,7 @@ class Engine:
         self.runner = ModelRunner(
             model, self.kv, max_batch_size=config.max_batch_size,
             kernel_backend=config.kernel_backend, swa_pool=config.swa_pool,
+            batch_invariant=config.batch_invariant,
             chunk_tokens=max(config.chunk_size or config.max_tokens_per_step,
                              config.num_draft_tokens + 1),
             spec=self.spec_decoder.backend_spec if self.spec_decoder else None,
