@@ -137,8 +137,9 @@ class AttentionBackend:
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> AttnMetadata:
         """Plan this step's metadata (eager). Validates the batch first."""
         validate_batch(forward_batch, self.config, self.ctx.req_to_token)
-        planner, _ = self.strategies_for(forward_batch.forward_mode)
+        planner, executor = self.strategies_for(forward_batch.forward_mode)
         md = planner.plan(forward_batch)
+        executor.plan_kernels(md, forward_batch)  # once per step for every bound layer group
         if self._debug:
             from .testing.invariants import check_invariants
 
@@ -175,6 +176,14 @@ class AttentionBackend:
         return 1
 
     # -- CUDA graphs: delegated to aiter_attn.graph.CudaGraphManager --------------------
+    def graph_support(self, mode):
+        """A cell's CUDA-graph support: the weaker of its strategy pair's and its bound
+        kernels' (the pair's alone until a layer has bound a kernel)."""
+        pair = self.pair_for(mode)
+        _, executor = self.strategies_for(mode)
+        k = executor.kernel_cg_support()
+        return pair.cg_support if k is None else min(pair.cg_support, k)
+
     def bind_forward_metadata(self, forward_batch: ForwardBatch, metadata: AttnMetadata) -> None:
         """Make ``metadata`` (planned into static buffers by the graph manager) current."""
         self.forward_metadata, self._batch = metadata, forward_batch
@@ -211,9 +220,13 @@ class AttentionBackend:
                                           spec_info, seq_lens_cpu=seq_lens_cpu, **kw)
 
     def _check_qkv(self, q, k, v, layer: LayerSpec, batch: ForwardBatch) -> None:
+        """O(1) checks of one layer call (dtype, element counts, device): the hot path."""
         n = batch.num_tokens
-        check_tensor("q", q, dtypes=(self.config.dtype,),
-                     hint=f"q must be in the backend's dtype {self.config.dtype}.")
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}.")
+        if q.dtype != self.config.dtype:
+            raise TypeError(f"q has dtype {q.dtype}; q must be in the backend's dtype "
+                            f"{self.config.dtype}.")
         if q.numel() != n * layer.num_q_heads * layer.head_dim:
             raise ValueError(
                 f"q has shape {tuple(q.shape)}; expected {n} tokens × {layer.num_q_heads} heads × "

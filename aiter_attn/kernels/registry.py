@@ -30,9 +30,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Feature names a request may need and a kernel may declare.
+#: Feature names a request may need and a kernel may declare. ``lse``: the kernel also writes
+#: the float32 log-sum-exp per (token, head) (``return_lse=True``; natural log of the exp-sum of
+#: the scaled, soft-capped logits, sinks included; ``-inf`` for a fully masked row).
 FEATURES = frozenset(
-    {"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs", "non_causal"}
+    {"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs", "non_causal",
+     "lse"}
 )
 
 
@@ -120,7 +123,14 @@ class KernelRequest:
 
 @attrs.frozen(kw_only=True)
 class KernelImpl:
-    """One registered implementation of an op."""
+    """One registered implementation of an op.
+
+    Attributes:
+        fn: the functional convenience (the op's keyword calling convention).
+        kernel_cls: for attention ops, the :class:`~aiter_attn.kernels.base.AttentionKernel`
+            class that :meth:`bind` instantiates (a registered function is adapted by
+            :class:`~aiter_attn.kernels.base.FunctionKernel`); ``None`` for other ops.
+    """
 
     op: str
     name: str
@@ -128,6 +138,14 @@ class KernelImpl:
     capabilities: Capabilities = Capabilities()
     priority: int = 0
     source: str = "builtin"  # the plugin that registered it
+    kernel_cls: Optional[type] = attrs.field(default=None, eq=False)
+
+    def bind(self, request: Optional["KernelRequest"] = None):
+        """A kernel object for ``request`` (attention ops): plan/run from here on."""
+        if self.kernel_cls is None:
+            raise TypeError(f"op {self.op!r} ({self.name}) is a plain function, not a kernel "
+                            "object; call impl.fn.")
+        return self.kernel_cls(request)
 
 
 @attrs.frozen
@@ -141,6 +159,10 @@ class Selection:
     def fn(self) -> Callable:
         return self.impl.fn
 
+    def bind(self, request: Optional["KernelRequest"] = None):
+        """The chosen implementation bound as a kernel object (see :meth:`KernelImpl.bind`)."""
+        return self.impl.bind(request)
+
 
 class KernelSelectionError(ValueError):
     """No implementation can serve a request; the message lists every candidate's reason."""
@@ -152,6 +174,7 @@ class KernelRegistry:
     def __init__(self):
         self._impls: dict[str, dict[str, KernelImpl]] = {}
         self._cache: dict = {}
+        self._bound: dict = {}
         self._lock = threading.Lock()
 
     def register(
@@ -167,16 +190,38 @@ class KernelRegistry:
     ) -> KernelImpl:
         """Register ``fn`` as backend ``name`` of ``op``.
 
-        A name already registered for the op raises unless ``replace=True`` (a plugin that
-        deliberately overrides a built-in says so).
+        For the attention ops (:data:`~aiter_attn.kernels.base.ATTENTION_OPS`) ``fn`` may be
+        an :class:`~aiter_attn.kernels.base.AttentionKernel` subclass (plan/run) or a
+        function in the keyword convention (adapted). A name already registered for the op
+        raises unless ``replace=True`` (a plugin that deliberately overrides a built-in says
+        so).
         """
+        from .base import ATTENTION_OPS, AttentionKernel, function_kernel
+
         if not isinstance(capabilities, Capabilities):
             raise TypeError(
                 f"capabilities must be aiter_attn.kernels.registry.Capabilities, "
                 f"got {type(capabilities).__name__}."
             )
+        kernel_cls = None
+        if isinstance(fn, type) and issubclass(fn, AttentionKernel):
+            if op not in ATTENTION_OPS:
+                raise TypeError(f"{fn.__name__} is a kernel object but op {op!r} takes a "
+                                f"function; kernel objects serve {sorted(ATTENTION_OPS)}.")
+            base = fn
+        elif op in ATTENTION_OPS:
+            base = function_kernel(fn, op)
+        else:
+            base = None
+        if base is not None:
+            # one subclass per registration: the name and capabilities travel with it
+            kernel_cls = type(base.__name__, (base,),
+                              {"name": name, "op": op, "capabilities": capabilities})
+            if fn is base:
+                fn = kernel_cls()  # the functional convenience: plan + run in one call
         impl = KernelImpl(
-            op=op, name=name, fn=fn, capabilities=capabilities, priority=priority, source=source
+            op=op, name=name, fn=fn, capabilities=capabilities, priority=priority, source=source,
+            kernel_cls=kernel_cls,
         )
         with self._lock:
             table = self._impls.setdefault(op, {})
@@ -187,6 +232,7 @@ class KernelRegistry:
                 )
             table[name] = impl
             self._cache.clear()
+            self._bound.clear()
         return impl
 
     def ops(self) -> list[str]:
@@ -195,6 +241,19 @@ class KernelRegistry:
     def implementations(self, op: str) -> list[KernelImpl]:
         """Implementations of ``op``, best first."""
         return sorted(self._impls.get(op, {}).values(), key=lambda i: (-i.priority, i.name))
+
+    def bound(self, key, request, backend: Optional[str] = None):
+        """A kernel object bound for ``request``, cached on the caller's cheap hashable ``key``
+        (which must determine the request). ``request`` is a :class:`KernelRequest` or a
+        zero-argument callable building one, so a cache hit builds and hashes nothing."""
+        if backend is None:
+            backend = os.environ.get("AITER_ATTN_BACKEND") or None
+        hit = self._bound.get((key, backend))
+        if hit is None:
+            req = request() if callable(request) else request
+            hit = self.select(req, backend=backend).bind(req)
+            self._bound[(key, backend)] = hit
+        return hit
 
     def select(self, request: KernelRequest, backend: Optional[str] = None) -> Selection:
         """Pick the best implementation for ``request`` (cached per request and backend).

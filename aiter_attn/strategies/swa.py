@@ -222,7 +222,8 @@ class SWAExecution(ExecutionStrategy):
                 v.view(num_tokens, layer.num_kv_heads, layer.v_head_dim),
                 k_scale=layer.k_scale, v_scale=layer.v_scale, **kw)
         return attend_layer(self, paged_attention_request, q, k_cache, v_cache, layer, batch,
-                            metadata, pages, sinks)
+                            metadata, pages, sinks,
+                            pages_key="swa_pages" if on_swa else None)
 
 
 def chain_verify_only(config):
