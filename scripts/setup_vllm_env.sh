@@ -22,12 +22,19 @@ ready() {
   [ -x "$PY" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$VLLM_SPEC $TORCH_SPEC $PWD" ] \
     && "$PY" - <<'PY' 2>/dev/null
 import importlib.metadata as md, sys
-import vllm, aiter_attn.integrations.vllm  # noqa: F401
+import importlib.util
+import aiter_attn.integrations.vllm  # noqa: F401  (light: imports no vLLM)
+if importlib.util.find_spec("vllm") is None:  # importing vLLM itself takes 10+ s
+    sys.exit(1)
 eps = [e.name for e in md.entry_points(group="vllm.general_plugins")]
 sys.exit(0 if "aiter_attn" in eps else 1)
 PY
 }
 
+# one builder at a time (two test workers may ask at once); the others then find it ready
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"
+flock 9
 if ready; then
   echo "$PY"
   exit 0

@@ -57,10 +57,8 @@ def _run(cmd, env, log: Path, timeout=560):
         pytest.fail(f"{' '.join(map(str, cmd[1:3]))} failed (rc={proc.returncode}):\n{tail}")
 
 
-@pytest.fixture(scope="module")
-def served(vllm_python, tmp_path_factory):
+def _serve_both(vllm_python, tmp):
     """``(with_plugin, without_plugin)``: the driver's results from both vLLM processes."""
-    tmp = tmp_path_factory.mktemp("vllm")
     models = tmp / "models"
     _run([vllm_python, str(DRIVER), "prepare", str(models)], _env(), tmp / "prepare.log")
     on, off = tmp / "on.json", tmp / "off.json"
@@ -75,11 +73,9 @@ def served(vllm_python, tmp_path_factory):
     return json.loads(on.read_text()), json.loads(off.read_text())
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_token_identical_to_vllm_cpu_attention(served, model):
+def _check_tokens(on, off):
     """Same greedy token ids with our backend as with vLLM's CPU_ATTN, on a cold cache and
     again on prefix-cache hits."""
-    on, off = served[0][model], served[1][model]
     assert on["tokens"] == off["tokens"]
     assert on["tokens_cached"] == off["tokens_cached"]
     assert on["tokens_cached"] == on["tokens"]  # cached prefixes give the same answer
@@ -87,11 +83,9 @@ def test_token_identical_to_vllm_cpu_attention(served, model):
     assert len(on["tokens"]) >= 8 and all(len(t) == 12 for t in on["tokens"])
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_layers_built_by_our_backend(served, model):
+def _check_layers(model, on, off):
     """Every attention layer on every rank is our impl with the plugin, vLLM's without, and
     sees the layer's window / sinks and this rank's heads."""
-    on, off = served[0][model]["layers"], served[1][model]["layers"]
     tp = 2 if model.endswith("tp=2") else 1
     assert len(on) == len(off) == tp
     for rank_on, rank_off in zip(on, off):
@@ -109,9 +103,21 @@ def test_layers_built_by_our_backend(served, model):
         assert all((layer["heads"], layer["kv_heads"]) == (2, 1) for layer in layers)
 
 
-def test_smollm2_answers_in_text(served):
-    text = served[0]["smollm2"]["text"]
-    assert "Paris" in text[0]
+def test_served_token_identical_to_vllm_cpu_attention(vllm_python, tmp_path):
+    """One test (one pair of vLLM processes, whichever xdist worker runs it): for every model,
+    token ids identical to vLLM's CPU_ATTN and every layer built by the expected backend."""
+    with_plugin, without = _serve_both(vllm_python, tmp_path)
+    failures = []
+    for model in MODELS:
+        for check, args in ((_check_tokens, (with_plugin[model], without[model])),
+                            (_check_layers, (model, with_plugin[model]["layers"],
+                                             without[model]["layers"]))):
+            try:
+                check(*args)
+            except AssertionError as exc:
+                failures.append(f"{model}: {check.__name__}: {exc}")
+    assert not failures, "\n".join(failures)
+    assert "Paris" in with_plugin["smollm2"]["text"][0]  # SmolLM2 answers in text
 
 
 def test_broken_plugin_leaves_vllm_backends(vllm_python):
