@@ -4,6 +4,7 @@ attention against the reference on an equivalent plain cache. The served end-to-
 tests/test_vllm_e2e.py (in the vLLM virtualenv)."""
 
 import logging
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -206,3 +207,41 @@ def test_register_disabled_by_env(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="vllm.plugins.aiter_attn"):
         plugin.register()
     assert "not registering" in caplog.text
+
+
+@pytest.mark.skipif(not (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()),
+                    reason="Triton needs a GPU or TRITON_INTERPRET=1 (scripts/test.sh sets it)")
+def test_triton_kernels_read_and_write_vllm_layout_in_place(monkeypatch):
+    """The Triton write and attention kernels (the GPU path) on vLLM's interleaved K|V cells,
+    through strided views, equal the reference on a plain copy (float32; GQA 3:1, page 16,
+    a padding slot)."""
+    monkeypatch.setenv("AITER_ATTN_BACKEND", "triton")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(1)
+    hq, hkv, d, page = 3, 1, 32, 16
+    kv = _vllm_cache(5, hkv, page, d, d).to(dev)
+    params = core.AttnLayerParams(num_heads=hq, num_kv_heads=hkv, head_size=d, head_size_v=d,
+                                  scale=d ** -0.5, window_size=(7, 0))
+    table = torch.tensor([[3, 1], [4, 0]], dtype=torch.int32, device=dev)
+    q_lens, kv_lens = [4, 1], [20, 9]
+    slots = torch.tensor([1 * page + 0, 1 * page + 1, 1 * page + 2, 1 * page + 3, 4 * page + 8,
+                          -1], device=dev)  # request 0 tokens 16..19, request 1 token 8, pad
+    key, value = torch.randn(6, hkv, d, device=dev), torch.randn(6, hkv, d, device=dev)
+    expected_kv = kv.clone()
+    monkeypatch.setenv("AITER_ATTN_BACKEND", "reference")
+    core.write_kv_cache(params, expected_kv, key, value, slots)
+    monkeypatch.setenv("AITER_ATTN_BACKEND", "triton")
+    core.write_kv_cache(params, kv, key, value, slots)
+    assert torch.equal(kv, expected_kv)
+    common = _common(q_lens, kv_lens, block_table=table, slot_mapping=slots)
+    common.query_start_loc, common.seq_lens = (common.query_start_loc.to(dev),
+                                               common.seq_lens.to(dev))
+    md = core.metadata_from_common(common)
+    query = torch.randn(5, hq, d, device=dev)
+    out = torch.zeros(5, hq, d, device=dev)
+    core.run_attention(params, md, query, kv, out)
+    k_plain, v_plain = (t.contiguous() for t in core.kv_cache_views(kv, d, d))
+    ref = ops.paged_attention(query, k_plain, v_plain, cu_seqlens_q=md.cu_seqlens_q,
+                              seqused_k=md.seqused_k, block_table=table, softmax_scale=d ** -0.5,
+                              window_size=(7, 0), backend="reference")
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
