@@ -55,7 +55,9 @@ class Capabilities:
         max_head_dim: upper bound on head dims when ``head_dims`` is ``None``.
         page_sizes: accepted page sizes.
         features: subset of :data:`FEATURES`.
-        cg_support: how far it runs under CUDA-graph capture.
+        cg_support: how far it runs under CUDA-graph capture (required, no default: a kernel
+            that claims capture gets a second run in the same buffers from ``aiter-attn
+            verify``, one that does not is kept out of captured steps).
         predicate: optional extra check ``(request) -> reason or None``.
     """
 
@@ -66,10 +68,17 @@ class Capabilities:
     max_head_dim: Optional[int] = None
     page_sizes: Optional[frozenset] = attrs.field(default=None, converter=_frozenset_or_none)
     features: frozenset = attrs.field(default=frozenset(), converter=frozenset)
-    cg_support: CGSupport = CGSupport.ALWAYS
+    cg_support: CGSupport = None  # required: checked below with a message that says why
     predicate: Optional[Callable] = attrs.field(default=None, eq=False)
 
     def __attrs_post_init__(self):
+        if not isinstance(self.cg_support, CGSupport):
+            raise TypeError(
+                f"Capabilities(cg_support={self.cg_support!r}): state how far the kernel runs "
+                "under CUDA-graph capture: cg_support=CGSupport.NEVER (eager only), "
+                "CGSupport.UNIFORM_BATCH (captured batches with one query length) or "
+                "CGSupport.ALWAYS (any captured batch). There is no default."
+            )
         unknown = self.features - FEATURES
         if unknown:
             raise ValueError(
@@ -135,7 +144,7 @@ class KernelImpl:
     op: str
     name: str
     fn: Callable = attrs.field(eq=False)
-    capabilities: Capabilities = Capabilities()
+    capabilities: Capabilities
     priority: int = 0
     source: str = "builtin"  # the plugin that registered it
     kernel_cls: Optional[type] = attrs.field(default=None, eq=False)
@@ -182,13 +191,14 @@ class KernelRegistry:
         op: str,
         name: str,
         fn: Callable,
-        capabilities: Capabilities = Capabilities(),
+        capabilities: Capabilities,
         priority: int = 0,
         *,
         source: str = "builtin",
         replace: bool = False,
     ) -> KernelImpl:
-        """Register ``fn`` as backend ``name`` of ``op``.
+        """Register ``fn`` as backend ``name`` of ``op`` with its ``capabilities`` (which
+        state ``cg_support``).
 
         For the attention ops (:data:`~aiter_attn.kernels.base.ATTENTION_OPS`) ``fn`` may be
         an :class:`~aiter_attn.kernels.base.AttentionKernel` subclass (plan/run) or a
@@ -255,14 +265,25 @@ class KernelRegistry:
             self._bound[(key, backend)] = hit
         return hit
 
-    def select(self, request: KernelRequest, backend: Optional[str] = None) -> Selection:
+    def select(self, request: KernelRequest, backend: Optional[str] = None, *,
+               fallback: bool = False) -> Selection:
         """Pick the best implementation for ``request`` (cached per request and backend).
 
         ``backend`` (or ``AITER_ATTN_BACKEND``) forces one by name; if it cannot serve, raises
-        :class:`KernelSelectionError` with the reason.
+        :class:`KernelSelectionError` with the reason, unless ``fallback=True``: then the
+        best implementation that can serve is chosen instead (the KV writes of a strategy
+        whose backend is a plugin that registers attention only).
         """
         if backend is None:
             backend = os.environ.get("AITER_ATTN_BACKEND") or None
+        if fallback and backend is not None:
+            try:
+                return self.select(request, backend)
+            except KernelSelectionError as exc:
+                sel = self.select(request, None)
+                log.debug("op %s: backend %r cannot serve it (%s); using %s", request.op,
+                          backend, exc, sel.impl.name)
+                return sel
         key = (request, backend)
         hit = self._cache.get(key)
         if hit is not None:

@@ -204,7 +204,8 @@ class Vec5DExecution(ExecutionStrategy):
         if save_kv_cache and k is not None:
             k3 = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
             write = self.kernel_for(("write_kv_5d", layer, k.dtype),
-                                    lambda: write_kv_5d_request(k_cache, v_cache, k3))
+                                    lambda: write_kv_5d_request(k_cache, v_cache, k3),
+                                    fallback=True)
             write.fn(k_cache, v_cache, batch.out_cache_loc, k3,
                      v.view(num_tokens, layer.num_kv_heads, layer.v_head_dim),
                      k_scale=layer.k_scale, v_scale=layer.v_scale)
