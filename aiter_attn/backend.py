@@ -105,6 +105,10 @@ class AttentionBackend:
         self.config = config
         self.strategies = strategies if strategies is not None else plugins.strategy_registry()
         kernels = kernels if kernels is not None else plugins.kernel_registry()
+        if config.batch_invariant:
+            from .kernels.batch_invariant import BatchInvariantKernels
+
+            kernels = BatchInvariantKernels(kernels)
         self.ctx = StrategyContext(config=config, req_to_token=req_to_token, kv_pool=kv_pool,
                                    kernels=kernels, extra=dict(extra or {}))
         self._forced = strategy

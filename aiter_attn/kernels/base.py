@@ -299,6 +299,7 @@ class FunctionKernel(AttentionKernel):
         k_cache, v_cache = cache
         causal = params.causal and not plan.mask_literal
         extra = {} if lse is None else {"lse": lse}  # functions without the feature lack it
+        extra.update(self._flags())
         return type(self).fn(
             q, k_cache, v_cache, out,
             cu_seqlens_q=plan.cu_seqlens_q, seqused_k=plan.seqused_k,
@@ -309,7 +310,15 @@ class FunctionKernel(AttentionKernel):
             max_seqlen_k=plan.max_seqlen_k, **extra)
 
     def __call__(self, q, k_cache, v_cache, out, **kwargs):
-        return type(self).fn(q, k_cache, v_cache, out, **kwargs)
+        return type(self).fn(q, k_cache, v_cache, out, **kwargs, **self._flags())
+
+    def _flags(self) -> dict:
+        """``batch_invariant=True`` when bound to a request with that feature (only functions
+        declaring it are selected for such requests); nothing otherwise."""
+        req = self.request
+        if req is not None and "batch_invariant" in req.features:
+            return {"batch_invariant": True}
+        return {}
 
 
 def function_kernel(fn, op: str) -> type:

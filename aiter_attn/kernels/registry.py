@@ -33,9 +33,11 @@ log = logging.getLogger(__name__)
 #: Feature names a request may need and a kernel may declare. ``lse``: the kernel also writes
 #: the float32 log-sum-exp per (token, head) (``return_lse=True``; natural log of the exp-sum of
 #: the scaled, soft-capped logits, sinks included; ``-inf`` for a fully masked row).
+#: ``batch_invariant``: the kernel takes ``batch_invariant=True`` and then computes each row's
+#: output bitwise independently of the rest of the batch (``BackendConfig.batch_invariant``).
 FEATURES = frozenset(
     {"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs", "non_causal",
-     "lse"}
+     "lse", "batch_invariant"}
 )
 
 
