@@ -221,3 +221,47 @@ def test_triton_passes_the_quick_suite_with_every_check():
     report = run_conformance("triton", quick=True)
     bad = [(r.name, r.reason) for r in report.results if r.status != "pass"]
     assert not bad
+
+
+def test_cli_verify_backend_without_a_kernel_for_the_device(fresh_registry, capsys):
+    _register(fresh_registry, "gpuonly", paged_attention_reference, devices={"cuda"})
+    assert main(["verify", "--backend", "gpuonly"]) == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "runs on ['cuda'], not on 'cpu'" in out[0]
+
+
+def test_kernel_object_is_driven_like_a_replay(fresh_registry):
+    """A kernel object whose plan keeps a private copy of the lengths passes a functional call
+    but fails the re-plan + replay of its first plan (cg_support ALWAYS)."""
+    m = next(m for m in MUTANTS if m.name == "mutant-plan-copies-lengths")
+    _register(fresh_registry, "plan-copy-never", m.fn)
+    _register(fresh_registry, "plan-copy-always", m.fn, cg=CGSupport.ALWAYS)
+    case = _case("decode-page16-gqa5:1-d80")
+    assert run_case(case, "plan-copy-never").status == "pass"
+    r = run_case(case, "plan-copy-always")
+    assert r.status == "fail" and "re-planned into the same static buffers" in r.reason
+
+
+@requires_triton
+def test_triton_kernel_objects_survive_replan_and_replay():
+    """The Triton attention kernels (cg_support ALWAYS) through plan/run with static buffers,
+    including split-K decode and the LSE."""
+    for name in ("decode-page16-gqa5:1-d80", "lse-extend-page16-gqa5:1-window-sinks",
+                 "5d-decode-page16-gqa4:1"):
+        r = run_case(_case(name), "triton")
+        assert r.status == "pass", (name, r.reason)
+
+
+@pytest.mark.gpu
+def test_verify_on_cuda_captures_and_replays():
+    """On a GPU the second run of every graph-capable kernel is a real CUDA-graph capture and
+    replay: the Triton and reference kernels pass, every mutant is still caught."""
+    from aiter_attn.testing.conformance import run_conformance
+
+    for backend in ("triton", "reference"):
+        report = run_conformance(backend, device="cuda")
+        bad = [(r.name, r.reason) for r in report.results if r.status == "fail"]
+        assert not bad, backend
+        assert report.count("pass") >= len(CASES) - 3, backend
+    for m, report, missed in self_test("cuda", quick=True):
+        assert not missed, m.name

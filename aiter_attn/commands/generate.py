@@ -121,7 +121,8 @@ def _build(args, texts, loaded, device, dtype):
         max_tokens_per_step=args.max_tokens_per_step, kv_tokens=sum(needs[:args.batch_size]),
         prefix_caching=not args.no_prefix_caching, kernel_backend=args.backend,
         speculative=args.speculative, num_draft_tokens=args.num_draft_tokens or 4,
-        cuda_graph=args.cuda_graph,
+        cuda_graph=args.cuda_graph, batch_invariant=args.deterministic,
+        debug_checks=args.check,
     )
     model = build_engine_model(loaded.hf_model, dtype=dtype, device=device,
                                max_positions=max_ctx)
@@ -214,7 +215,7 @@ def run(args) -> int:
     result = {
         "model": loaded.name, "device": device, "dtype": dname,
         "backend": args.backend or "auto", "page_size": args.page_size,
-        "context_limit": limit, "threads": threads,
+        "context_limit": limit, "threads": threads, "deterministic": args.deterministic,
         "cuda_graph": _graph_info(engine),
         "results": [{"prompt": t, "prompt_tokens": len(r.prompt_ids), "output_ids": r.output_ids,
                      "text": tok.decode(r.output_ids, skip_special_tokens=True),
@@ -273,7 +274,7 @@ def add_parser(sub) -> None:
                    help="a small random-weight model instead (seeded by --seed)")
     p.add_argument("--check", action="store_true",
                    help="compare token ids with transformers' greedy generate; exit 1 if any "
-                        "differs")
+                        "differs (also checks every kernel's index values)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -300,6 +301,10 @@ def add_parser(sub) -> None:
     p.add_argument("--allow-long-context", action="store_true",
                    help="run prompts past the model's trained context (refused otherwise)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant attention: a request's attention output does not "
+                        "depend on the other requests in its batch (BackendConfig."
+                        "batch_invariant; docs/modes.md)")
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     p.set_defaults(func=_run_checked, _parser=p)

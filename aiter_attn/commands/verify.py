@@ -23,6 +23,21 @@ def _known_backends() -> dict:
     return names
 
 
+def _device_mismatch(backend: str, kind: str) -> str:
+    """Why ``backend`` cannot run on device type ``kind`` at all ("" if some kernel can)."""
+    from ..plugins import kernel_registry
+
+    reg = kernel_registry()
+    impls = [i for op in reg.ops() for i in reg.implementations(op) if i.name == backend]
+    if any(i.capabilities.devices is None or kind in i.capabilities.devices for i in impls):
+        return ""
+    where = sorted({d for i in impls for d in i.capabilities.devices})
+    hint = (" (TRITON_INTERPRET=1 runs Triton kernels in Triton's CPU interpreter)"
+            if backend == "triton" else "")
+    return (f"backend {backend!r} runs on {where}, not on {kind!r}{hint}; pass --device "
+            f"{where[0]} on a machine that has one.")
+
+
 def _usage_error(args, msg: str) -> int:
     if args.json:
         print(json.dumps({"backend": args.backend, "ok": False, "error": msg}))
@@ -75,6 +90,9 @@ def run(args) -> int:
         return _usage_error(args, (
             f"backend {args.backend!r} is not registered; registered: {sorted(known)}. "
             "Is its plugin installed and allowed (AITER_ATTN_PLUGINS)? See `aiter-attn info`."))
+    reason = _device_mismatch(args.backend, torch.device(args.device).type)
+    if reason:
+        return _usage_error(args, reason)
     all_names = {c.name for c in CASES}
     unknown = sorted(set(args.case or ()) - all_names)
     if unknown:

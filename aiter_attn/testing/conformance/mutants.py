@@ -20,6 +20,7 @@ import torch
 from ...hookspecs import hookimpl
 from ...kernels import reference as R
 from ...kernels import reference_extra as RE
+from ...kernels.base import AttentionKernel, FunctionPlan, mask_literal, plan_hints
 from ...kernels.reference_5d import paged_attention_5d_reference
 from ...kernels.registry import FEATURES, Capabilities
 from ...types import CGSupport
@@ -109,6 +110,33 @@ def _merge_nan_on_empty(o_a, lse_a, o_b, lse_b, out, out_lse):
     return out, out_lse
 
 
+class _PlanCopiesLengths(AttentionKernel):
+    """A kernel object whose plan keeps a private copy of ``seqused_k`` instead of reading
+    the metadata's tensor (or placing its copy in the static buffers): after a re-plan, the
+    captured run still sees the capture's lengths."""
+
+    def plan(self, md, out=None):
+        mq, mk = plan_hints(md)
+        mask = md.mask
+        return FunctionPlan(
+            num_tokens=md.query.num_tokens, mask_literal=mask_literal(md),
+            cu_seqlens_q=md.query.cu_seqlens_q, seqused_k=md.pages.seqused_k.clone(),
+            block_table=md.pages.block_table,
+            custom_mask=None if mask is None else mask.custom_mask,
+            mask_indptr=None if mask is None else mask.mask_indptr,
+            max_seqlen_q=mq, max_seqlen_k=mk)
+
+    def run(self, q, cache, plan, params, out, lse=None):
+        extra = {} if lse is None else {"lse": lse}
+        return R.paged_attention_reference(
+            q, *cache, out, cu_seqlens_q=plan.cu_seqlens_q, seqused_k=plan.seqused_k,
+            block_table=plan.block_table, softmax_scale=params.scale,
+            causal=params.causal and not plan.mask_literal, window_size=params.window,
+            softcap=params.softcap, sinks=params.sinks, k_scale=params.k_scale,
+            v_scale=params.v_scale, custom_mask=plan.custom_mask,
+            mask_indptr=plan.mask_indptr, **extra)
+
+
 def _mla_ignores_scale(q, kv, out, **kw):
     kw["softmax_scale"] = q.shape[-1] ** -0.5
     return R.mla_paged_attention_reference(q, kv, out, **kw)
@@ -187,6 +215,9 @@ MUTANTS = (
       "reads the slots past seqused_k (masked lanes times zero)", ("decode-page16-gqa5:1-d80",)),
     M("mutant-stale-on-replay", "paged_attention", _stale_on_replay,
       "declares graph support but keeps the lengths of its first call per buffer",
+      ("decode-page16-gqa5:1-d80",), CGSupport.ALWAYS),
+    M("mutant-plan-copies-lengths", "paged_attention", _PlanCopiesLengths,
+      "kernel object whose plan keeps its own copy of seqused_k (stale on replay)",
       ("decode-page16-gqa5:1-d80",), CGSupport.ALWAYS),
     M("mutant-lse-log2", "paged_attention", _lse_log2,
       "returns the log-sum-exp in base 2", ("lse-extend-page16-gqa5:1-window-sinks",)),

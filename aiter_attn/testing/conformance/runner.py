@@ -17,7 +17,11 @@ What one case checks (``run_case``), in order:
 4. a kernel that declares graph support (``cg_support`` other than ``NEVER``) runs a second
    time with the same buffers holding new values (shorter requests where no host size
    depends on them): captured in a CUDA graph and replayed on a CUDA device, called again
-   elsewhere; steps 2–3 apply to that run too.
+   elsewhere; steps 2–3 apply to that run too. Kernel objects (the plan/run ops
+   ``paged_attention``, ``paged_attention_5d``) are driven the way the strategies and the
+   graph manager drive them: bound once, planned into a static buffer dict and run; then,
+   with the new values in the same tensors, planned again into the same dict while the
+   *first* plan runs (what a replay does).
 """
 
 from __future__ import annotations
@@ -186,6 +190,81 @@ def _graph_rerun(case, prep, backend, device, cg) -> tuple:
     return second.judge(prep.tensors, ret)
 
 
+def _kernel_request(case, t):
+    """The registry request of the attention call on the tensors ``t`` (``lse`` included)."""
+    if case.op == "paged_attention_5d":
+        from ...strategies.vec5d import paged_attention_5d_request as make
+    else:
+        from ...ops import paged_attention_request as make
+    req = make(t["q"], t["k_cache"], t["v_cache"], window_size=tuple(case.window),
+               softcap=case.softcap, sinks=t.get("sinks"), causal=case.causal,
+               custom_mask=t.get("custom_mask"))
+    return attrs.evolve(req, features=req.features | {"lse"}) if case.lse else req
+
+
+def _plan_run_rerun(case, prep, impl, device, cg) -> tuple:
+    """Step 4 for kernel objects (module docstring). Returns ``(rel_err, reason)``."""
+    from ...kernels.base import LayerParams, _adhoc_metadata
+    from ...types import FP8_DTYPES, CGSupport
+
+    t = prep.tensors
+    kernel = impl.bind(_kernel_request(case, t))
+    static: dict = {}
+    params = LayerParams.create(
+        scale=case.softmax_scale, device=t["q"].device, window=tuple(case.window),
+        softcap=case.softcap, causal=case.causal, sinks=t.get("sinks"),
+        k_scale=t.get("k_scale"), v_scale=t.get("v_scale"),
+        fp8=t["k_cache"].dtype in FP8_DTYPES)
+
+    def plan():
+        md = _adhoc_metadata(t["q"], t["k_cache"], t["cu_seqlens_q"], t["seqused_k"],
+                             t["block_table"], t.get("custom_mask"), t.get("mask_indptr"),
+                             max(case.q_lens), max(case.kv_lens), case.op)
+        return kernel.plan(md, out=static)
+
+    def run(kp):
+        ret = kernel.run(t["q"], (t["k_cache"], t["v_cache"]), kp, params, t["out"],
+                         lse=t.get("out_lse"))
+        return (ret, t["out_lse"]) if "out_lse" in t else ret
+
+    for name in prep.outputs:
+        t[name].fill_(float("nan"))
+    kp = plan()
+    snap = _snapshot(prep)
+    ret = run(kp)  # eager (and, on CUDA, the warm-up before capture)
+    reason = _changed(prep, snap)
+    err, reason = (None, reason) if reason else prep.judge(t, ret)
+    if reason:
+        return err, f"planned into static buffers and run: {reason}"
+    graph = None
+    if torch.device(device).type == "cuda" and (cg == CGSupport.ALWAYS
+                                                or len(set(case.q_lens)) == 1):
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                ret = run(kp)
+        except Exception as exc:
+            return None, (f"CUDA-graph capture of run() failed although the kernel declares "
+                          f"cg_support={cg.name}: {type(exc).__name__}: {exc}")
+    second = prepare(case, device, variant=1)
+    for name, x in t.items():
+        x.copy_(second.tensors[name])
+    snap = _snapshot(prep)
+    plan()  # re-planned into the same static buffers; the first plan is what runs
+    if graph is not None:
+        graph.replay()
+        torch.cuda.synchronize()
+    else:
+        ret = run(kp)
+    reason = _changed(prep, snap)
+    if reason:
+        return None, reason
+    err, reason = second.judge(t, ret)
+    return err, (f"the first plan, re-planned into the same static buffers, run on new "
+                 f"values: {reason}" if reason else "")
+
+
 def run_case(case: ConformanceCase, backend: str, device: str = "cpu") -> CaseResult:
     """Run ``case`` through its op with ``backend=`` forced and check the contract (see the
     module docstring); never raises for a failing kernel."""
@@ -220,7 +299,10 @@ def run_case(case: ConformanceCase, backend: str, device: str = "cpu") -> CaseRe
     cg = impl.capabilities.cg_support if impl is not None else CGSupport.NEVER
     if cg != CGSupport.NEVER:
         try:
-            err2, reason = _graph_rerun(case, prep, backend, device, cg)
+            if impl.kernel_cls is not None:
+                err2, reason = _plan_run_rerun(case, prep, impl, device, cg)
+            else:
+                err2, reason = _graph_rerun(case, prep, backend, device, cg)
         except Exception as exc:
             err2, reason = None, f"raised {type(exc).__name__}: {exc}"
         if reason:
