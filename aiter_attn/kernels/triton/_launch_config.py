@@ -36,10 +36,10 @@ class LaunchConfig:
     """Launch parameters chosen from shapes and host hints only."""
 
     __slots__ = ("block_m", "block_n", "num_warps", "num_stages", "heads", "block_q",
-                 "num_splits", "warp_spec", "page_chunk", "split_tiles")
+                 "num_splits", "warp_spec", "page_chunk", "split_tiles", "fused_reduce")
 
     def __init__(self, block_m, block_n, num_warps, num_stages, heads, block_q, num_splits,
-                 warp_spec=False, page_chunk=0, split_tiles=0):
+                 warp_spec=False, page_chunk=0, split_tiles=0, fused_reduce=False):
         self.block_m, self.block_n = block_m, block_n
         self.num_warps, self.num_stages = num_warps, num_stages
         self.heads, self.block_q, self.num_splits = heads, block_q, num_splits
@@ -47,6 +47,10 @@ class LaunchConfig:
         #: > 0: batch-invariant splits of this many key tiles each, at absolute tile
         #: multiples (the split path always runs, the reduction sums in a fixed order)
         self.split_tiles = split_tiles
+        #: split path in one launch: the last split program of a tile reduces it (a
+        #: per-tile atomic counter); never in batch-invariant mode. Off by default until
+        #: measured (``TUNING_OVERRIDES["fused_reduce"] = True`` turns it on)
+        self.fused_reduce = fused_reduce
 
     @property
     def batch_invariant(self) -> bool:
@@ -57,7 +61,8 @@ class LaunchConfig:
 #: ``block_n``, ``num_warps``, ``num_stages``, ``min_split_tokens``, ``num_splits``, ``heads``
 #: (query heads packed per program), ``warp_spec`` (Triton's automatic warp specialisation of
 #: the unmasked key loop), ``page_chunk`` (key tiles per block-table load, 0 = per tile),
-#: ``split_tokens`` (keys per split in batch-invariant mode).
+#: ``split_tokens`` (keys per split in batch-invariant mode), ``fused_reduce`` (the split
+#: reduction inside the attention launch: the last split of a tile reduces it).
 TUNING_OVERRIDES: dict = {}
 
 
@@ -174,4 +179,5 @@ def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads
     return LaunchConfig(block_m, block_n, num_warps, num_stages, heads, block_q, num_splits,
                    bool(ov.get("warp_spec", False)),
                    next_pow2(int(ov.get("page_chunk", page_chunk))) if ov.get("page_chunk",
-                                                                               page_chunk) else 0)
+                                                                               page_chunk) else 0,
+                   fused_reduce=bool(ov.get("fused_reduce", False)))

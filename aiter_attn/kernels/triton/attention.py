@@ -51,6 +51,9 @@ class TritonPlan(KernelPlan):
         split: the split path runs (partials + reduction): more than one split, or
             batch-invariant mode (always).
         fixed_order: batch-invariant: fixed-size splits, reduction in index order.
+        counters: fused reduction (``LaunchConfig.fused_reduce``): int32 per-tile counters of
+            finished splits (zero between launches); ``None``: the reduction is a second
+            launch.
         part_acc / part_ml: split partials (``None`` without the split path).
         part_strides: their strides (zeros without splits).
         cfg_kw: the launch configuration's constexprs (tile shapes, warps, stages).
@@ -68,6 +71,7 @@ class TritonPlan(KernelPlan):
     num_splits: int = 1
     split: bool = False
     fixed_order: bool = False
+    counters: Optional[torch.Tensor] = attrs.field(default=None, **_T)
     dv_pad: int = 16
     cfg_kw: dict = attrs.field(factory=dict, **_T)
     kw_cache: dict = attrs.field(factory=dict, **_T)
@@ -210,6 +214,13 @@ class TritonPagedAttention(AttentionKernel):
         else:
             part_acc = part_ml = None
             part_strides = (0, 0, 0, 0)
+        # the fused reduction (one launch) needs zeroed counters: eager plans allocate them;
+        # graph plans keep the two launches for now (a static counter buffer is the next step)
+        fused = bool(cfg.fused_reduce and split and not cfg.batch_invariant and out is None
+                     and part_acc is not None)
+        grid_h = self.kv_heads * num_hchunks
+        counters = (torch.zeros(grid_q * grid_h, dtype=torch.int32, device=device)
+                    if fused else None)
         page_size = pages.page_size
         tile_in_page = page_size % cfg.block_n == 0
         page_chunk = cfg.page_chunk if tile_in_page or cfg.block_n % page_size == 0 else 0
@@ -226,6 +237,7 @@ class TritonPagedAttention(AttentionKernel):
             D=self.head_dim, D_PAD=self.d_pad, DV=self.v_head_dim, DV_PAD=self.dv_pad,
             PAGE_SIZE=page_size, TILE_IN_PAGE=tile_in_page, HAS_CUSTOM_MASK=mask is not None,
             SEARCH_SEQ=search, SPLIT=split, FIXED_SPLITS=cfg.batch_invariant,
+            FUSED_REDUCE=fused,
             COMPUTE_DTYPE=self.compute,
             CLAMP_Q=self.clamp_q, DOT_PRECISION=self.dot_precision,
             NUM_STAGES=cfg.num_stages, WARP_SPEC=cfg.warp_spec, PAGE_CHUNK=page_chunk,
@@ -237,7 +249,7 @@ class TritonPagedAttention(AttentionKernel):
             ints=(batch, q_blocks_per_seq, splits, cfg.split_tiles),
             bt_stride=block_table.stride(0),
             part_acc=part_acc, part_ml=part_ml, part_strides=part_strides, num_splits=splits,
-            split=split, fixed_order=cfg.batch_invariant,
+            split=split, fixed_order=cfg.batch_invariant, counters=counters,
             dv_pad=self.dv_pad, cfg_kw=cfg_kw)
 
     def _layout(self, k_cache, v_cache):
@@ -292,7 +304,9 @@ class TritonPagedAttention(AttentionKernel):
             lse_t, ls = lse, lse.stride()
         else:
             lse_t, ls = out, (0, 0)
-        args = (q, k_cache, v_cache, out, part_acc, part_ml, lse_t, *plan.args, sinks, ks_t,
+        counters = plan.counters if plan.counters is not None else cu
+        args = (q, k_cache, v_cache, out, part_acc, part_ml, lse_t, counters, *plan.args, sinks,
+                ks_t,
                 vs_t, mask_t, mask_ip, params.scale, params.softcap, left, right, *plan.ints,
                 qs[0], qs[1], *k_strides, *v_strides, os_[0], os_[1], plan.bt_stride,
                 *plan.part_strides, ls[0], ls[1])
@@ -320,7 +334,7 @@ class TritonPagedAttention(AttentionKernel):
             return out
         args, kw = self._launch_args(q, cache, plan, params, out, lse)
         _paged_attn_kernel[plan.grid](*args, **kw)
-        if plan.split:
+        if plan.split and plan.counters is None:
             self._reduce(plan, params, out, args, kw, lse)
         return out
 
@@ -330,7 +344,7 @@ class TritonPagedAttention(AttentionKernel):
         args, kw = self._launch_args(q, cache, plan, params, out, None)
         grid = plan.grid
         launcher = _paged_attn_kernel[grid]
-        if plan.split:
+        if plan.split and plan.counters is None:
             def launch():
                 launcher(*args, **kw)
                 self._reduce(plan, params, out, args, kw, None)

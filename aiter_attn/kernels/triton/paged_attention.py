@@ -184,8 +184,53 @@ def _attn_tiles(
 
 
 @triton.jit
+def _reduce_rows(O, Lse, PartAcc, PartML, Sinks, row_tok, qh, row_valid, offs_dv, dv_mask,
+                 num_splits, stride_ot, stride_oh, stride_ps, stride_pt, stride_mls, stride_mlt,
+                 stride_lt, stride_lh, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                 HAS_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """The split reduction of ``_reduce_splits_kernel`` for the ``BLOCK_M`` rows
+    ``(row_tok, qh)`` of one program (the fused path: run by the last split to finish).
+    Splits in index order; partials read through L2 (``.cg``: written by other SMs)."""
+    ml0 = PartML + row_tok * stride_mlt + qh.to(tl.int64) * 2
+    acc0 = PartAcc + row_tok[:, None] * stride_pt + qh.to(tl.int64)[:, None] * DV_PAD \
+        + offs_dv[None, :]
+    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    ml_ptr = ml0
+    for _ in range(0, num_splits):
+        m_max = tl.maximum(m_max, tl.load(ml_ptr, mask=row_valid, other=float("-inf"),
+                                          cache_modifier=".cg"))
+        ml_ptr += stride_mls
+    if HAS_SINKS:
+        sink = tl.load(Sinks + qh, mask=row_valid, other=float("-inf")).to(tl.float32) * _LOG2E
+        m_max = tl.maximum(m_max, sink)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    o = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+    ml_ptr = ml0
+    acc_ptr = acc0
+    o_mask = row_valid[:, None] & dv_mask[None, :]
+    for _ in range(0, num_splits):
+        m_s = tl.load(ml_ptr, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(ml_ptr + 1, mask=row_valid, other=0.0, cache_modifier=".cg")
+        w = tl.exp2(m_s - m_safe)
+        denom += l_s * w
+        o += tl.load(acc_ptr, mask=o_mask, other=0.0, cache_modifier=".cg") * w[:, None]
+        ml_ptr += stride_mls
+        acc_ptr += stride_ps
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m_safe)
+    safe = tl.where(denom > 0.0, denom, 1.0)
+    o = o / safe[:, None]
+    o_rows = row_tok * stride_ot + qh.to(tl.int64) * stride_oh
+    tl.store(O + o_rows[:, None] + offs_dv[None, :], o.to(O.dtype.element_ty), mask=o_mask)
+    if WRITE_LSE:
+        lse = tl.where(denom > 0.0, (m_safe + tl.log2(safe)) / _LOG2E, float("-inf"))
+        tl.store(Lse + row_tok * stride_lt + qh.to(tl.int64) * stride_lh, lse, mask=row_valid)
+
+
+@triton.jit
 def _paged_attn_kernel(
-    Q, K, V, O, PartAcc, PartML, Lse,
+    Q, K, V, O, PartAcc, PartML, Lse, Counters,
     CuQ, SeqK, BlockTable, Sinks, KScale, VScale, Mask, MaskIndptr,
     sm_scale, softcap, left, right, num_seqs, q_blocks_per_seq, num_splits, split_tiles,
     stride_qt, stride_qh,
@@ -204,6 +249,7 @@ def _paged_attn_kernel(
     COMPUTE_DTYPE: tl.constexpr, CLAMP_Q: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr, PAGE_CHUNK: tl.constexpr,
     KX: tl.constexpr, VX: tl.constexpr, WRITE_LSE: tl.constexpr, FIXED_SPLITS: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
 ):
     # longest causal q-blocks (latest positions) first: better tail balance in prefill
     pid_q = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -349,6 +395,20 @@ def _paged_attn_kernel(
             + qh.to(tl.int64) * 2
         tl.store(PartML + ml_rows, m_i, mask=row_valid)
         tl.store(PartML + ml_rows + 1, l_i, mask=row_valid)
+        if FUSED_REDUCE:
+            # one launch: the last split of this (q-block, head-chunk) tile to finish reduces
+            # it. A per-tile counter (zero before the launch, zero again after it) counts the
+            # finished splits; the barrier and the acq_rel atomic order every thread's partial
+            # stores before the count, and the last program's reads after it.
+            tl.debug_barrier()
+            cidx = tl.program_id(0) * tl.num_programs(1) + pid_h
+            done = tl.atomic_add(Counters + cidx, 1, sem="acq_rel")
+            if done == num_splits - 1:
+                _reduce_rows(O, Lse, PartAcc, PartML, Sinks, (q_start + tok).to(tl.int64), qh,
+                             row_valid, offs_dv, dv_mask, num_splits, stride_ot, stride_oh,
+                             stride_ps, stride_pt, stride_mls, stride_mlt, stride_lt,
+                             stride_lh, DV_PAD, BLOCK_M, HAS_SINKS, WRITE_LSE)
+                tl.atomic_xchg(Counters + cidx, 0, sem="relaxed")
     else:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
