@@ -220,9 +220,13 @@ class AttentionBackend:
                                           spec_info, seq_lens_cpu=seq_lens_cpu, **kw)
 
     def _check_qkv(self, q, k, v, layer: LayerSpec, batch: ForwardBatch) -> None:
+        """O(1) checks of one layer call (dtype, element counts, device): the hot path."""
         n = batch.num_tokens
-        check_tensor("q", q, dtypes=(self.config.dtype,),
-                     hint=f"q must be in the backend's dtype {self.config.dtype}.")
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}.")
+        if q.dtype != self.config.dtype:
+            raise TypeError(f"q has dtype {q.dtype}; q must be in the backend's dtype "
+                            f"{self.config.dtype}.")
         if q.numel() != n * layer.num_q_heads * layer.head_dim:
             raise ValueError(
                 f"q has shape {tuple(q.shape)}; expected {n} tokens × {layer.num_q_heads} heads × "

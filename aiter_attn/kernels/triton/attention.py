@@ -232,16 +232,9 @@ class TritonPagedAttention(AttentionKernel):
         plan.kw_cache[key] = kw
         return kw
 
-    def run(self, q, cache, plan: TritonPlan, params, out, lse=None):
-        """Launch (and the split reduction). O(1) checks; allocates nothing."""
+    def _launch_args(self, q, cache, plan: TritonPlan, params, out, lse):
+        """``(args, kw)`` of the attention kernel's launch (O(1) checks, no allocation)."""
         k_cache, v_cache = cache
-        if q.shape[0] != plan.num_tokens:
-            if plan.num_tokens == 0:
-                return out
-            raise ValueError(f"{self.name}: q has {q.shape[0]} tokens but the plan was made for "
-                             f"{plan.num_tokens}; plan this step's metadata first.")
-        if plan.num_tokens == 0:
-            return out
         key = (k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride())
         layout = self._layouts.get(key)
         if layout is None:
@@ -273,18 +266,49 @@ class TritonPagedAttention(AttentionKernel):
             lse_t, ls = lse, lse.stride()
         else:
             lse_t, ls = out, (0, 0)
-        _paged_attn_kernel[plan.grid](
-            q, k_cache, v_cache, out, part_acc, part_ml, lse_t, *plan.args, sinks, ks_t, vs_t,
-            mask_t, mask_ip, params.scale, params.softcap, left, right, *plan.ints,
-            qs[0], qs[1], *k_strides, *v_strides, os_[0], os_[1], plan.bt_stride,
-            *plan.part_strides, ls[0], ls[1], **kw)
-        if split:
-            _reduce_splits_kernel[(plan.num_tokens, out.shape[1])](
-                out, part_acc, part_ml, sinks if params.sinks is not None else part_ml, lse_t,
-                plan.num_splits, os_[0], os_[1], *plan.part_strides, ls[0], ls[1],
-                DV=kw["DV"], DV_PAD=plan.dv_pad, SPLITS_PAD=next_pow2(plan.num_splits),
-                HAS_SINKS=params.sinks is not None, WRITE_LSE=write_lse, num_warps=4)
+        args = (q, k_cache, v_cache, out, part_acc, part_ml, lse_t, *plan.args, sinks, ks_t,
+                vs_t, mask_t, mask_ip, params.scale, params.softcap, left, right, *plan.ints,
+                qs[0], qs[1], *k_strides, *v_strides, os_[0], os_[1], plan.bt_stride,
+                *plan.part_strides, ls[0], ls[1])
+        return args, kw
+
+    def _reduce(self, plan: TritonPlan, params, out, args, kw, lse):
+        os_ = out.stride()
+        ls = lse.stride() if lse is not None else (0, 0)
+        _reduce_splits_kernel[(plan.num_tokens, out.shape[1])](
+            out, plan.part_acc, plan.part_ml,
+            params.sinks if params.sinks is not None else plan.part_ml, args[6],
+            plan.num_splits, os_[0], os_[1], *plan.part_strides, ls[0], ls[1],
+            DV=kw["DV"], DV_PAD=plan.dv_pad, SPLITS_PAD=next_pow2(plan.num_splits),
+            HAS_SINKS=params.sinks is not None, WRITE_LSE=lse is not None, num_warps=4)
+
+    def run(self, q, cache, plan: TritonPlan, params, out, lse=None):
+        """Launch (and the split reduction). O(1) checks; allocates nothing."""
+        if q.shape[0] != plan.num_tokens:
+            if plan.num_tokens == 0:
+                return out
+            raise ValueError(f"{self.name}: q has {q.shape[0]} tokens but the plan was made for "
+                             f"{plan.num_tokens}; plan this step's metadata first.")
+        if plan.num_tokens == 0:
+            return out
+        args, kw = self._launch_args(q, cache, plan, params, out, lse)
+        _paged_attn_kernel[plan.grid](*args, **kw)
+        if plan.num_splits > 1:
+            self._reduce(plan, params, out, args, kw, lse)
         return out
+
+    def bare_launch(self, q, cache, plan: TritonPlan, params, out):
+        """A zero-argument callable that launches this plan's kernel(s) with every argument
+        prebuilt: the launch floor the host benchmark compares :meth:`run` with."""
+        args, kw = self._launch_args(q, cache, plan, params, out, None)
+        grid = plan.grid
+        launcher = _paged_attn_kernel[grid]
+        if plan.num_splits > 1:
+            def launch():
+                launcher(*args, **kw)
+                self._reduce(plan, params, out, args, kw, None)
+            return launch
+        return lambda: launcher(*args, **kw)
 
 
 class TritonPagedAttention5D(TritonPagedAttention):
