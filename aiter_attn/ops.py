@@ -16,7 +16,14 @@ import torch
 
 from .kernels.registry import KernelRequest
 from .types import FP8_DTYPES
-from .validation import ATTN_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
+from .validation import (
+    ATTN_DTYPES,
+    INDEX_DTYPES,
+    check_attention_scalars,
+    check_same_device,
+    check_scale,
+    check_tensor,
+)
 
 __all__ = [
     "paged_attention",
@@ -30,6 +37,8 @@ __all__ = [
     "build_ragged_kv_indices",
     "paged_attention_request",
     "attention_features",
+    "with_call_features",
+    "call_extras",
 ]
 
 
@@ -95,6 +104,24 @@ def paged_attention_request(
         features=features,
         extra=(("q_heads", q.shape[1]), ("kv_heads", k_cache.shape[2])),
     )
+
+
+def with_call_features(req: KernelRequest, *, lse: bool = False,
+                       batch_invariant: bool = False) -> KernelRequest:
+    """``req`` with the per-call features ``lse`` / ``batch_invariant`` added when asked."""
+    extra = ({"lse"} if lse else set()) | ({"batch_invariant"} if batch_invariant else set())
+    return attrs.evolve(req, features=req.features | extra) if extra else req
+
+
+def call_extras(lse, batch_invariant) -> dict:
+    """Keyword arguments a kernel gets only when the call uses them (kernels that do not
+    declare the feature never see them)."""
+    extra = {}
+    if lse is not None:
+        extra["lse"] = lse
+    if batch_invariant:
+        extra["batch_invariant"] = True
+    return extra
 
 
 def _lse_buffer(return_lse, out_lse, q):
@@ -168,6 +195,7 @@ def paged_attention(
     backend: Optional[str] = None,
     return_lse: bool = False,
     out_lse: Optional[torch.Tensor] = None,
+    batch_invariant: bool = False,
 ):
     """Attention of ragged queries over a paged KV cache (decode, prefill, extend, mixed).
 
@@ -184,7 +212,9 @@ def paged_attention(
         window_size: flash-attn ``(left, right)``; HF ``sliding_window=w`` ⇒ ``(w-1, 0)``.
         softcap: logits ← ``softcap·tanh(logits/softcap)`` when > 0.
         sinks: float32 ``[num_q_heads]``: an extra unscaled logit per head with no value.
-        k_scale, v_scale: scalar dequant scales for fp8 caches.
+        k_scale, v_scale: dequantisation scales for fp8 caches: a number or a 0-d / 1-element
+            tensor (per-head / per-sequence descale tensors are refused, see
+            :func:`aiter_attn.validation.check_scale`).
         out: optional ``[num_tokens, num_q_heads, head_dim_v]`` output buffer.
         custom_mask, mask_indptr: tree-verify mask (bool flat, int64 ``[batch + 1]``).
         backend: force an implementation by name.
@@ -194,6 +224,10 @@ def paged_attention(
             Only kernels declaring the ``lse`` feature are selected.
         out_lse: optional float32 ``[num_tokens, num_q_heads]`` buffer for it (implies
             ``return_lse``).
+        batch_invariant: each row's output bitwise independent of the other requests in the
+            batch, of the batch size and of the ``max_seqlen_*`` hints (fixed tiles, splits of
+            a fixed key count, fixed-order reduction, no atomics). Only kernels declaring the
+            ``batch_invariant`` feature are selected.
 
     Returns:
         ``[num_tokens, num_q_heads, head_dim_v]`` in q's dtype; with ``return_lse`` (or
@@ -202,8 +236,8 @@ def paged_attention(
     _validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, out,
                     sinks=sinks, custom_mask=custom_mask, mask_indptr=mask_indptr)
     _check_window(window_size)
-    if softcap < 0:
-        raise ValueError(f"softcap={softcap}; must be ≥ 0 (0 disables soft-capping).")
+    softmax_scale, softcap = check_attention_scalars(softmax_scale, softcap, k_scale=k_scale,
+                                                     v_scale=v_scale)
     if sinks is not None:
         check_tensor("sinks", sinks, ndim=1, shape=(q.shape[1],),
                      hint="sinks is float32 [num_q_heads].")
@@ -221,18 +255,17 @@ def paged_attention(
         req = paged_attention_request(q, k_cache, v_cache, window_size=window_size,
                                       softcap=softcap, sinks=sinks, causal=causal,
                                       custom_mask=custom_mask)
-        if lse is not None:
-            req = attrs.evolve(req, features=req.features | {"lse"})
-        return req
+        # batch_invariant travels in the request: the bound kernel plans accordingly
+        return with_call_features(req, lse=lse is not None, batch_invariant=batch_invariant)
 
     key = ("paged_attention", q.dtype, q.device.type, q.shape[1], q.shape[2], k_cache.dtype,
            k_cache.shape[1], k_cache.shape[2], v_cache.shape[3], window_size != (-1, -1),
            softcap > 0, sinks is not None, bool(causal), custom_mask is not None,
-           lse is not None)
+           lse is not None, bool(batch_invariant))
     kernel = _registry().bound(key, request, backend=backend)
     if out is None:
         out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[3], dtype=q.dtype, device=q.device)
-    extra = {} if lse is None else {"lse": lse}
+    extra = call_extras(lse, False)
     out = kernel(
         q, k_cache, v_cache, out,
         cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,
@@ -263,6 +296,7 @@ def mla_paged_attention(
     backend: Optional[str] = None,
     return_lse: bool = False,
     out_lse: Optional[torch.Tensor] = None,
+    batch_invariant: bool = False,
 ):
     """Absorbed MLA over a latent paged cache.
 
@@ -285,12 +319,15 @@ def mla_paged_attention(
         raise ValueError(f"kv_lora_rank={kv_lora_rank}; must be in 1..{q.shape[2]} (q's last dim).")
     _validate_paged(q, kv_cache, kv_cache[..., :kv_lora_rank], cu_seqlens_q, seqused_k,
                     block_table, out)
+    softmax_scale, _ = check_attention_scalars(softmax_scale, kv_scale=kv_scale)
     lse = _lse_buffer(return_lse, out_lse, q)
     features = {"fp8"} if kv_cache.dtype in FP8_DTYPES else set()
     if custom_mask is not None:
         features.add("custom_mask")
     if lse is not None:
         features.add("lse")
+    if batch_invariant:
+        features.add("batch_invariant")
     req = KernelRequest(
         op="mla_paged_attention", device=q.device.type, dtype=q.dtype, kv_dtype=kv_cache.dtype,
         head_dim=q.shape[2], v_head_dim=kv_lora_rank, page_size=kv_cache.shape[1],
@@ -299,7 +336,7 @@ def mla_paged_attention(
     sel = _registry().select(req, backend=backend)
     if out is None:
         out = torch.empty(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype, device=q.device)
-    extra = {} if lse is None else {"lse": lse}
+    extra = call_extras(lse, batch_invariant)
     out = sel.fn(
         q, kv_cache, out, kv_lora_rank=kv_lora_rank, cu_seqlens_q=cu_seqlens_q,
         seqused_k=seqused_k, block_table=block_table, softmax_scale=float(softmax_scale),
@@ -386,6 +423,8 @@ def write_kv(
     if v is not None:
         check_tensor("v", v, ndim=3, shape=(slots.shape[0], v_cache.shape[2], v_cache.shape[3]),
                      hint="v is [num_tokens, num_kv_heads, head_dim_v] matching the cache.")
+    check_scale("k_scale", k_scale)
+    check_scale("v_scale", v_scale)
     req = KernelRequest(
         op="write_kv", device=k_cache.device.type, dtype=k.dtype, kv_dtype=k_cache.dtype,
         head_dim=k_cache.shape[3], page_size=k_cache.shape[1],

@@ -42,7 +42,8 @@ def _registry(cg=CGSupport.ALWAYS):
     reference.aiter_attn_register_kernels(reg.register)
     reg.register("paged_attention", "spy", SpyKernel, Capabilities(features=_ALL, cg_support=cg),
                  priority=1000)
-    reg.register("write_kv", "spy", _spy_write, Capabilities(features={"fp8"}), priority=1000)
+    reg.register("write_kv", "spy", _spy_write,
+                 Capabilities(features={"fp8"}, cg_support=CGSupport.ALWAYS), priority=1000)
     return reg
 
 
@@ -143,7 +144,7 @@ def test_registered_function_is_adapted_to_plan_run():
 def test_kernel_class_only_for_attention_ops():
     reg = KernelRegistry()
     with pytest.raises(TypeError, match="kernel object"):
-        reg.register("write_kv", "spy", SpyKernel)
+        reg.register("write_kv", "spy", SpyKernel, Capabilities(cg_support=CGSupport.ALWAYS))
 
 
 def test_graph_support_is_min_of_pair_and_kernel():

@@ -17,6 +17,7 @@ import attrs
 import torch
 
 from ..types import CGSupport
+from ..validation import CheckedKernel, checked_kernel, debug_checks_enabled
 
 __all__ = [
     "Capabilities",
@@ -24,6 +25,7 @@ __all__ = [
     "KernelRequest",
     "Selection",
     "KernelRegistry",
+    "CheckedRegistry",
     "KernelSelectionError",
     "FEATURES",
 ]
@@ -33,9 +35,11 @@ log = logging.getLogger(__name__)
 #: Feature names a request may need and a kernel may declare. ``lse``: the kernel also writes
 #: the float32 log-sum-exp per (token, head) (``return_lse=True``; natural log of the exp-sum of
 #: the scaled, soft-capped logits, sinks included; ``-inf`` for a fully masked row).
+#: ``batch_invariant``: the kernel takes ``batch_invariant=True`` and then computes each row's
+#: output bitwise independently of the rest of the batch (``BackendConfig.batch_invariant``).
 FEATURES = frozenset(
     {"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs", "non_causal",
-     "lse"}
+     "lse", "batch_invariant"}
 )
 
 
@@ -55,7 +59,9 @@ class Capabilities:
         max_head_dim: upper bound on head dims when ``head_dims`` is ``None``.
         page_sizes: accepted page sizes.
         features: subset of :data:`FEATURES`.
-        cg_support: how far it runs under CUDA-graph capture.
+        cg_support: how far it runs under CUDA-graph capture (required, no default: a kernel
+            that claims capture gets a second run in the same buffers from ``aiter-attn
+            verify``, one that does not is kept out of captured steps).
         predicate: optional extra check ``(request) -> reason or None``.
     """
 
@@ -66,10 +72,17 @@ class Capabilities:
     max_head_dim: Optional[int] = None
     page_sizes: Optional[frozenset] = attrs.field(default=None, converter=_frozenset_or_none)
     features: frozenset = attrs.field(default=frozenset(), converter=frozenset)
-    cg_support: CGSupport = CGSupport.ALWAYS
+    cg_support: CGSupport = None  # required: checked below with a message that says why
     predicate: Optional[Callable] = attrs.field(default=None, eq=False)
 
     def __attrs_post_init__(self):
+        if not isinstance(self.cg_support, CGSupport):
+            raise TypeError(
+                f"Capabilities(cg_support={self.cg_support!r}): state how far the kernel runs "
+                "under CUDA-graph capture: cg_support=CGSupport.NEVER (eager only), "
+                "CGSupport.UNIFORM_BATCH (captured batches with one query length) or "
+                "CGSupport.ALWAYS (any captured batch). There is no default."
+            )
         unknown = self.features - FEATURES
         if unknown:
             raise ValueError(
@@ -135,7 +148,7 @@ class KernelImpl:
     op: str
     name: str
     fn: Callable = attrs.field(eq=False)
-    capabilities: Capabilities = Capabilities()
+    capabilities: Capabilities
     priority: int = 0
     source: str = "builtin"  # the plugin that registered it
     kernel_cls: Optional[type] = attrs.field(default=None, eq=False)
@@ -154,14 +167,24 @@ class Selection:
 
     impl: KernelImpl
     rejected: tuple = ()  # ((name, reason), ...)
+    check_values: bool = False  # the checked mode (see :meth:`checked`)
 
     @property
     def fn(self) -> Callable:
+        if self.check_values:
+            return checked_kernel(self.impl.op, self.impl.fn)
         return self.impl.fn
 
     def bind(self, request: Optional["KernelRequest"] = None):
-        """The chosen implementation bound as a kernel object (see :meth:`KernelImpl.bind`)."""
-        return self.impl.bind(request)
+        """The chosen implementation bound as a kernel object (see :meth:`KernelImpl.bind`);
+        in the checked mode wrapped in :class:`~aiter_attn.validation.CheckedKernel`."""
+        kernel = self.impl.bind(request)
+        return CheckedKernel(kernel) if self.check_values else kernel
+
+    def checked(self) -> "Selection":
+        """This selection in the checked mode: its kernel (``fn`` and :meth:`bind`) runs the
+        op's value checks first (:mod:`aiter_attn.validation`; they sync). Idempotent."""
+        return self if self.check_values else attrs.evolve(self, check_values=True)
 
 
 class KernelSelectionError(ValueError):
@@ -182,13 +205,14 @@ class KernelRegistry:
         op: str,
         name: str,
         fn: Callable,
-        capabilities: Capabilities = Capabilities(),
+        capabilities: Capabilities,
         priority: int = 0,
         *,
         source: str = "builtin",
         replace: bool = False,
     ) -> KernelImpl:
-        """Register ``fn`` as backend ``name`` of ``op``.
+        """Register ``fn`` as backend ``name`` of ``op`` with its ``capabilities`` (which
+        state ``cg_support``).
 
         For the attention ops (:data:`~aiter_attn.kernels.base.ATTENTION_OPS`) ``fn`` may be
         an :class:`~aiter_attn.kernels.base.AttentionKernel` subclass (plan/run) or a
@@ -248,21 +272,39 @@ class KernelRegistry:
         zero-argument callable building one, so a cache hit builds and hashes nothing."""
         if backend is None:
             backend = os.environ.get("AITER_ATTN_BACKEND") or None
-        hit = self._bound.get((key, backend))
+        full = (key, backend, debug_checks_enabled())  # the checked mode binds its own
+        hit = self._bound.get(full)
         if hit is None:
             req = request() if callable(request) else request
             hit = self.select(req, backend=backend).bind(req)
-            self._bound[(key, backend)] = hit
+            self._bound[full] = hit
         return hit
 
-    def select(self, request: KernelRequest, backend: Optional[str] = None) -> Selection:
+    def select(self, request: KernelRequest, backend: Optional[str] = None, *,
+               fallback: bool = False) -> Selection:
         """Pick the best implementation for ``request`` (cached per request and backend).
 
         ``backend`` (or ``AITER_ATTN_BACKEND``) forces one by name; if it cannot serve, raises
-        :class:`KernelSelectionError` with the reason.
+        :class:`KernelSelectionError` with the reason, unless ``fallback=True``: then the
+        best implementation that can serve is chosen instead (the KV writes of a strategy
+        whose backend is a plugin that registers attention only). Under
+        ``AITER_ATTN_DEBUG=1`` the selection is :meth:`Selection.checked`.
         """
+        sel = self._select(request, backend, fallback)
+        return sel.checked() if debug_checks_enabled() else sel
+
+    def _select(self, request: KernelRequest, backend: Optional[str],
+                fallback: bool) -> Selection:
         if backend is None:
             backend = os.environ.get("AITER_ATTN_BACKEND") or None
+        if fallback and backend is not None:
+            try:
+                return self.select(request, backend)
+            except KernelSelectionError as exc:
+                sel = self.select(request, None)
+                log.debug("op %s: backend %r cannot serve it (%s); using %s", request.op,
+                          backend, exc, sel.impl.name)
+                return sel
         key = (request, backend)
         hit = self._cache.get(key)
         if hit is not None:
@@ -301,3 +343,19 @@ class KernelRegistry:
             log.debug("op %s: chose %s; rejected %s", request.op, chosen.name, rejected)
         self._cache[key] = sel
         return sel
+
+
+class CheckedRegistry:
+    """A view of a :class:`KernelRegistry` whose selections are :meth:`Selection.checked`
+    (what ``BackendConfig(debug_checks=True)`` gives one backend); everything else is the
+    registry's own."""
+
+    def __init__(self, registry):
+        self.registry = registry
+
+    def select(self, request: KernelRequest, backend: Optional[str] = None,
+               **kwargs) -> Selection:
+        return self.registry.select(request, backend=backend, **kwargs).checked()
+
+    def __getattr__(self, name):
+        return getattr(self.registry, name)

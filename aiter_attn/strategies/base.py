@@ -236,16 +236,18 @@ class ExecutionStrategy(abc.ABC):
     ) -> torch.Tensor:
         """Attention output ``[num_tokens, num_q_heads * v_head_dim]`` in ``q``'s dtype."""
 
-    def kernel_for(self, key, request):
+    def kernel_for(self, key, request, *, fallback: bool = False):
         """Select a kernel once per ``key`` (usually the layer spec) and cache it.
 
         ``request`` is a :class:`~aiter_attn.kernels.registry.KernelRequest` or a zero-argument
         callable building one (so a cache hit builds nothing: the per-call host cost of a
-        layer stays a dict lookup).
+        layer stays a dict lookup). ``fallback=True`` (KV writes): when the configured
+        ``kernel_backend`` cannot serve the op, use the best registered implementation.
         """
         sel = self._kernels.get(key)
         if sel is None:
             req = request() if callable(request) else request
-            sel = self.ctx.kernels.select(req, backend=self.ctx.config.kernel_backend)
+            sel = self.ctx.kernels.select(req, backend=self.ctx.config.kernel_backend,
+                                          fallback=fallback)
             self._kernels[key] = sel
         return sel

@@ -43,7 +43,7 @@ def aiter_attn_register_kernels(register):
     attn_caps = Capabilities(
         devices=TRITON_DEVICES, dtypes=_FLOAT_DTYPES, max_head_dim=MAX_HEAD_DIM,
         features={"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs",
-                  "non_causal", "lse"},
+                  "non_causal", "lse", "batch_invariant"},
         cg_support=CGSupport.ALWAYS, predicate=reject_reason,
     )
     # plan/run kernel objects (kernels/triton/attention.py)
@@ -64,7 +64,7 @@ def aiter_attn_register_kernels(register):
     register(
         "mla_paged_attention", "triton", mla_paged_attention,
         Capabilities(devices=TRITON_DEVICES, dtypes=_FLOAT_DTYPES, max_head_dim=1024,
-                     features={"fp8", "custom_mask", "lse"}, cg_support=CGSupport.ALWAYS),
+                     features={"fp8", "custom_mask", "lse", "batch_invariant"}, cg_support=CGSupport.ALWAYS),
         priority=triton_priority(),
     )
     index_caps = Capabilities(devices=TRITON_DEVICES, features={"fp8"},

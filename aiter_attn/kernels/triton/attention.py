@@ -18,13 +18,22 @@ import torch
 import triton.language as tl
 
 from ...types import FP8_DTYPES
+from ...validation import unit_stride
 from ..base import AttentionKernel, KernelPlan, mask_literal, plan_hints
 from ._kvutil import next_pow2
 from ._launch_config import _cdiv, choose_config
 from .paged_attention import (_TL_DTYPES, _UNBOUNDED, _paged_attn_kernel,
                               _reduce_splits_kernel)
 
-__all__ = ["TritonPagedAttention", "TritonPagedAttention5D", "TritonPlan"]
+__all__ = ["TritonPagedAttention", "TritonPagedAttention5D", "TritonPlan", "invariant_request"]
+
+
+def invariant_request(request, batch_invariant: bool):
+    """``request`` with the ``batch_invariant`` feature when asked (the bound kernel then
+    plans batch-invariant launches: see :mod:`._launch_config`)."""
+    if not batch_invariant:
+        return request
+    return attrs.evolve(request, features=request.features | {"batch_invariant"})
 
 _T = dict(eq=False, repr=False)
 
@@ -37,9 +46,12 @@ class TritonPlan(KernelPlan):
         grid: the attention kernel's grid.
         args: ``(cu_seqlens_q, seqused_k, block_table)`` tensors.
         mask: ``(mask_uint8, mask_indptr)`` or ``None``.
-        ints: ``(batch, q_blocks_per_seq, num_splits)``.
+        ints: ``(batch, q_blocks_per_seq, num_splits, split_tiles)``.
         bt_stride: block_table's row stride.
-        part_acc / part_ml: split partials (``None`` without splits).
+        split: the split path runs (partials + reduction): more than one split, or
+            batch-invariant mode (always).
+        fixed_order: batch-invariant: fixed-size splits, reduction in index order.
+        part_acc / part_ml: split partials (``None`` without the split path).
         part_strides: their strides (zeros without splits).
         cfg_kw: the launch configuration's constexprs (tile shapes, warps, stages).
         kw_cache: per-layer-flag constexpr dicts, built on first use.
@@ -54,6 +66,8 @@ class TritonPlan(KernelPlan):
     part_ml: Optional[torch.Tensor] = attrs.field(default=None, **_T)
     part_strides: tuple = (0, 0, 0, 0)
     num_splits: int = 1
+    split: bool = False
+    fixed_order: bool = False
     dv_pad: int = 16
     cfg_kw: dict = attrs.field(factory=dict, **_T)
     kw_cache: dict = attrs.field(factory=dict, **_T)
@@ -89,7 +103,9 @@ class TritonPagedAttention(AttentionKernel):
             compute = tl.float16  # see CLAMP_Q in the kernel
         self.compute = compute
         self.dot_precision = "ieee" if self.dtype == torch.float32 else "tf32"
-        self._ws_name = (f"triton.{self.op}.partials.{self.q_heads}h{self.dv_pad}")
+        self.batch_invariant = "batch_invariant" in request.features
+        self._ws_name = (f"triton.{self.op}.partials.{self.q_heads}h{self.dv_pad}"
+                         + (".bi" if self.batch_invariant else ""))
 
     @classmethod
     def request_for(cls, q, k_cache, v_cache):
@@ -108,15 +124,16 @@ class TritonPagedAttention(AttentionKernel):
         return choose_config(group=self.group, max_q=max_q, max_k=max(max_k, 1),
                              head_dim_pad=max(self.d_pad, self.dv_pad), batch=batch,
                              num_kv_heads=self.kv_heads, device=device, fp32=self.fp32,
-                             fp8_kv=self.fp8)
+                             fp8_kv=self.fp8, batch_invariant=self.batch_invariant)
 
     def _workspace_rows(self, max_bs, q_len, max_k, device) -> int:
         """Split-partial rows (``splits · tokens``) any batch of up to ``max_bs`` requests of
         ``q_len`` queries needs: the static workspace under CUDA graphs."""
         rows = 0
         for bs in range(1, max_bs + 1):
-            splits = self._config(q_len, max_k, bs, device).num_splits
-            if splits > 1:
+            cfg = self._config(q_len, max_k, bs, device)
+            splits = cfg.num_splits
+            if splits > 1 or cfg.batch_invariant:
                 rows = max(rows, splits * bs * q_len)
         return rows
 
@@ -167,7 +184,10 @@ class TritonPagedAttention(AttentionKernel):
     def plan(self, md, out: Optional[dict] = None) -> TritonPlan:
         """The launch of one step (host integers only: no sync)."""
         query, pages = md.query, md.pages
-        cu, block_table = query.cu_seqlens_q, pages.block_table
+        # index inputs are read with unit stride along their last axis: materialise strided
+        # views (the graph manager's static buffers never are; eager plans may copy)
+        cu, seqused_k, block_table = map(
+            unit_stride, (query.cu_seqlens_q, pages.seqused_k, pages.block_table))
         num_tokens = query.num_tokens
         batch = cu.shape[0] - 1
         hint_q, hint_k = plan_hints(md)
@@ -182,7 +202,8 @@ class TritonPagedAttention(AttentionKernel):
         search = hint_q is None or batch * q_blocks_per_seq > search_grid
         grid_q = search_grid if search else batch * q_blocks_per_seq
         splits = cfg.num_splits
-        if splits > 1 and num_tokens and batch:
+        split = splits > 1 or cfg.batch_invariant
+        if split and num_tokens and batch:
             part_acc, part_ml = self._partials(splits, num_tokens, md, out, device)
             part_strides = (part_acc.stride(0), part_acc.stride(1), part_ml.stride(0),
                             part_ml.stride(1))
@@ -196,22 +217,27 @@ class TritonPagedAttention(AttentionKernel):
         mask_t = None
         if mask is not None:
             m = mask.custom_mask
-            mask_t = (m.view(torch.uint8) if m.dtype == torch.bool else m, mask.mask_indptr)
+            m = unit_stride(m)
+            mask_t = (m.view(torch.uint8) if m.dtype == torch.bool else m,
+                      unit_stride(mask.mask_indptr))
         cfg_kw = dict(
             GROUP=self.group, HEADS=cfg.heads, NUM_HCHUNKS=num_hchunks,
             BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             D=self.head_dim, D_PAD=self.d_pad, DV=self.v_head_dim, DV_PAD=self.dv_pad,
             PAGE_SIZE=page_size, TILE_IN_PAGE=tile_in_page, HAS_CUSTOM_MASK=mask is not None,
-            SEARCH_SEQ=search, SPLIT=splits > 1, COMPUTE_DTYPE=self.compute,
+            SEARCH_SEQ=search, SPLIT=split, FIXED_SPLITS=cfg.batch_invariant,
+            COMPUTE_DTYPE=self.compute,
             CLAMP_Q=self.clamp_q, DOT_PRECISION=self.dot_precision,
             NUM_STAGES=cfg.num_stages, WARP_SPEC=cfg.warp_spec, PAGE_CHUNK=page_chunk,
             num_warps=cfg.num_warps)
         return TritonPlan(
             num_tokens=num_tokens if batch else 0, mask_literal=mask_literal(md),
             grid=(grid_q, self.kv_heads * num_hchunks, splits),
-            args=(cu, pages.seqused_k, block_table), mask=mask_t,
-            ints=(batch, q_blocks_per_seq, splits), bt_stride=block_table.stride(0),
+            args=(cu, seqused_k, block_table), mask=mask_t,
+            ints=(batch, q_blocks_per_seq, splits, cfg.split_tiles),
+            bt_stride=block_table.stride(0),
             part_acc=part_acc, part_ml=part_ml, part_strides=part_strides, num_splits=splits,
+            split=split, fixed_order=cfg.batch_invariant,
             dv_pad=self.dv_pad, cfg_kw=cfg_kw)
 
     def _layout(self, k_cache, v_cache):
@@ -259,7 +285,7 @@ class TritonPagedAttention(AttentionKernel):
         w = params.window
         left = w[0] if w[0] >= 0 else _UNBOUNDED
         right = w[1] if w[1] >= 0 else _UNBOUNDED
-        split = plan.num_splits > 1
+        split = plan.split
         part_acc = plan.part_acc if split else out
         part_ml = plan.part_ml if split else out
         if write_lse:
@@ -280,7 +306,8 @@ class TritonPagedAttention(AttentionKernel):
             params.sinks if params.sinks is not None else plan.part_ml, args[6],
             plan.num_splits, os_[0], os_[1], *plan.part_strides, ls[0], ls[1],
             DV=kw["DV"], DV_PAD=plan.dv_pad, SPLITS_PAD=next_pow2(plan.num_splits),
-            HAS_SINKS=params.sinks is not None, WRITE_LSE=lse is not None, num_warps=4)
+            HAS_SINKS=params.sinks is not None, WRITE_LSE=lse is not None,
+            FIXED_ORDER=plan.fixed_order, num_warps=4)
 
     def run(self, q, cache, plan: TritonPlan, params, out, lse=None):
         """Launch (and the split reduction). O(1) checks; allocates nothing."""
@@ -293,7 +320,7 @@ class TritonPagedAttention(AttentionKernel):
             return out
         args, kw = self._launch_args(q, cache, plan, params, out, lse)
         _paged_attn_kernel[plan.grid](*args, **kw)
-        if plan.num_splits > 1:
+        if plan.split:
             self._reduce(plan, params, out, args, kw, lse)
         return out
 
@@ -303,7 +330,7 @@ class TritonPagedAttention(AttentionKernel):
         args, kw = self._launch_args(q, cache, plan, params, out, None)
         grid = plan.grid
         launcher = _paged_attn_kernel[grid]
-        if plan.num_splits > 1:
+        if plan.split:
             def launch():
                 launcher(*args, **kw)
                 self._reduce(plan, params, out, args, kw, None)

@@ -187,7 +187,7 @@ def _attn_tiles(
 def _paged_attn_kernel(
     Q, K, V, O, PartAcc, PartML, Lse,
     CuQ, SeqK, BlockTable, Sinks, KScale, VScale, Mask, MaskIndptr,
-    sm_scale, softcap, left, right, num_seqs, q_blocks_per_seq, num_splits,
+    sm_scale, softcap, left, right, num_seqs, q_blocks_per_seq, num_splits, split_tiles,
     stride_qt, stride_qh,
     stride_kp, stride_kt, stride_kh, stride_kd,
     stride_vp, stride_vt, stride_vh, stride_vd,
@@ -203,7 +203,7 @@ def _paged_attn_kernel(
     SEARCH_SEQ: tl.constexpr, SPLIT: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr, CLAMP_Q: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr, PAGE_CHUNK: tl.constexpr,
-    KX: tl.constexpr, VX: tl.constexpr, WRITE_LSE: tl.constexpr,
+    KX: tl.constexpr, VX: tl.constexpr, WRITE_LSE: tl.constexpr, FIXED_SPLITS: tl.constexpr,
 ):
     # longest causal q-blocks (latest positions) first: better tail balance in prefill
     pid_q = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -286,7 +286,15 @@ def _paged_attn_kernel(
     else:
         tf_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N), t_lo), t_hi)
         tf_hi = tl.maximum(tl.minimum(full_hi // BLOCK_N, t_hi), tf_lo)
-    if SPLIT:
+    if FIXED_SPLITS:
+        # batch-invariant: split s owns the absolute tiles [s·split_tiles, (s+1)·split_tiles)
+        # (the last launched split also whatever lies past it); a request's boundaries are
+        # its own, whatever the batch launched
+        s_lo = tl.maximum(split * split_tiles, t_lo)
+        s_hi = tl.minimum(split * split_tiles + split_tiles, t_hi)
+        if split == num_splits - 1:
+            s_hi = t_hi
+    elif SPLIT:
         per_split = tl.cdiv(t_hi - t_lo, num_splits)
         s_lo = t_lo + split * per_split
         s_hi = tl.minimum(s_lo + per_split, t_hi)
@@ -358,33 +366,55 @@ def _reduce_splits_kernel(
     O, PartAcc, PartML, Sinks, Lse, num_splits,
     stride_ot, stride_oh, stride_ps, stride_pt, stride_mls, stride_mlt, stride_lt, stride_lh,
     DV: tl.constexpr, DV_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, FIXED_ORDER: tl.constexpr,
 ):
     """Merge split partials of one (token, head): ``o = Σ_s 2^{m_s - M} acc_s / Σ_s 2^{m_s - M} l_s``
-    with the sink as one more term of the denominator (splits summed in index order, no
-    atomics); ``WRITE_LSE``: ``lse = ln 2 · (M + log2 denom)``, ``-inf`` when empty."""
+    with the sink as one more term of the denominator (no atomics); ``WRITE_LSE``:
+    ``lse = ln 2 · (M + log2 denom)``, ``-inf`` when empty. ``FIXED_ORDER``
+    (batch-invariant): the sums run split by split in index order, so splits past a request's
+    keys (exact zeros) leave its bits unchanged whatever number of splits was launched."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    s_mask = offs_s < num_splits
-    ml_ptrs = PartML + t * stride_mlt + h * 2 + offs_s.to(tl.int64) * stride_mls
-    m = tl.load(ml_ptrs, mask=s_mask, other=float("-inf"))
-    l = tl.load(ml_ptrs + 1, mask=s_mask, other=0.0)
-    m_max = tl.max(m, 0)
+    offs_dv = tl.arange(0, DV_PAD)
+    dv_mask = offs_dv < DV
+    ml_base = PartML + t * stride_mlt + h * 2
+    acc_base = PartAcc + t * stride_pt + h * DV_PAD + offs_dv
+    if FIXED_ORDER:
+        m_max = tl.load(ml_base)
+        ml_ptr = ml_base
+        for _ in range(1, num_splits):
+            ml_ptr += stride_mls
+            m_max = tl.maximum(m_max, tl.load(ml_ptr))
+    else:
+        offs_s = tl.arange(0, SPLITS_PAD)
+        s_mask = offs_s < num_splits
+        ml_ptrs = ml_base + offs_s.to(tl.int64) * stride_mls
+        m = tl.load(ml_ptrs, mask=s_mask, other=float("-inf"))
+        l = tl.load(ml_ptrs + 1, mask=s_mask, other=0.0)
+        m_max = tl.max(m, 0)
     if HAS_SINKS:
         sink = tl.load(Sinks + h).to(tl.float32) * _LOG2E
         m_max = tl.maximum(m_max, sink)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_safe)
-    denom = tl.sum(l * w, 0)
+    if FIXED_ORDER:
+        denom = tl.zeros([1], tl.float32).sum(0)
+        o = tl.zeros([DV_PAD], tl.float32)
+        ml_ptr = ml_base
+        acc_ptr = acc_base
+        for _ in range(0, num_splits):  # pointers advance: no int32 split·stride products
+            w_s = tl.exp2(tl.load(ml_ptr) - m_safe)
+            denom += tl.load(ml_ptr + 1) * w_s
+            o += tl.load(acc_ptr, mask=dv_mask, other=0.0) * w_s
+            ml_ptr += stride_mls
+            acc_ptr += stride_ps
+    else:
+        w = tl.exp2(m - m_safe)
+        denom = tl.sum(l * w, 0)
+        acc_ptrs = acc_base[None, :] + offs_s.to(tl.int64)[:, None] * stride_ps
+        acc = tl.load(acc_ptrs, mask=s_mask[:, None] & dv_mask[None, :], other=0.0)
+        o = tl.sum(acc * w[:, None], 0)
     if HAS_SINKS:
         denom += tl.exp2(sink - m_safe)
-    offs_dv = tl.arange(0, DV_PAD)
-    dv_mask = offs_dv < DV
-    acc_ptrs = PartAcc + offs_s.to(tl.int64)[:, None] * stride_ps + t * stride_pt + h * DV_PAD \
-        + offs_dv[None, :]
-    acc = tl.load(acc_ptrs, mask=s_mask[:, None] & dv_mask[None, :], other=0.0)
-    o = tl.sum(acc * w[:, None], 0)
     o = o / tl.where(denom > 0.0, denom, 1.0)
     tl.store(O + t * stride_ot + h * stride_oh + offs_dv, o.to(O.dtype.element_ty), mask=dv_mask)
     if WRITE_LSE:
@@ -439,6 +469,7 @@ def paged_attention_triton(
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
     lse: Optional[torch.Tensor] = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Paged attention with the contract of ``ops.paged_attention`` (see the module docstring).
 
@@ -451,11 +482,14 @@ def paged_attention_triton(
     split count. Without them static bounds are used (``T`` and ``W · page_size``). No host
     synchronisation; no allocation other than the split partials. ``lse``: optional float32
     ``[T, Hq]`` that also receives the natural-log LSE per (token, head), sinks included
-    (``-inf`` for a fully masked row).
+    (``-inf`` for a fully masked row). ``batch_invariant``: each row's bits independent of the
+    rest of the batch and of the hints (fixed tiles, fixed-size splits, fixed-order reduction;
+    see :mod:`._launch_config`).
     """
-    from .attention import TritonPagedAttention
+    from .attention import TritonPagedAttention, invariant_request
 
-    kernel = TritonPagedAttention(TritonPagedAttention.request_for(q, k_cache, v_cache))
+    kernel = TritonPagedAttention(invariant_request(
+        TritonPagedAttention.request_for(q, k_cache, v_cache), batch_invariant))
     kernel.name = "triton"
     return kernel(q, k_cache, v_cache, out, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
                   block_table=block_table, softmax_scale=softmax_scale, causal=causal,
@@ -477,8 +511,10 @@ def paged_attention_5d_triton(
     ``[pages, Hkv, page_size // x, Dv, x]`` or hd_page ``[pages, Hkv, Dv, page_size]``.
     Keyword arguments as :func:`paged_attention_triton`.
     """
-    from .attention import TritonPagedAttention5D
+    from .attention import TritonPagedAttention5D, invariant_request
 
-    kernel = TritonPagedAttention5D(TritonPagedAttention5D.request_for(q, k_cache, v_cache))
+    kernel = TritonPagedAttention5D(invariant_request(
+        TritonPagedAttention5D.request_for(q, k_cache, v_cache),
+        kwargs.pop("batch_invariant", False)))
     kernel.name = "triton"
     return kernel(q, k_cache, v_cache, out, **kwargs)
