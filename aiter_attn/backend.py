@@ -8,17 +8,17 @@ and the facade delegates.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Optional
 
 import torch
 
 from .batch import ForwardBatch
+from .kernels.registry import CheckedRegistry
 from .metadata import AttnMetadata
 from .registry import StrategyPair
 from .strategies.base import StrategyContext
 from .types import BackendConfig, ForwardMode, LayerSpec
-from .validation import check_tensor
+from .validation import check_tensor, debug_checks_enabled
 
 __all__ = ["AttentionBackend", "validate_batch"]
 
@@ -109,6 +109,8 @@ class AttentionBackend:
             from .kernels.batch_invariant import BatchInvariantKernels
 
             kernels = BatchInvariantKernels(kernels)
+        if config.debug_checks:  # every kernel this backend selects checks its index values
+            kernels = CheckedRegistry(kernels)
         self.ctx = StrategyContext(config=config, req_to_token=req_to_token, kv_pool=kv_pool,
                                    kernels=kernels, extra=dict(extra or {}))
         self._forced = strategy
@@ -116,7 +118,7 @@ class AttentionBackend:
         self._instances: dict = {}
         self.forward_metadata: Optional[AttnMetadata] = None
         self._batch: Optional[ForwardBatch] = None
-        self._debug = os.environ.get("AITER_ATTN_DEBUG") == "1"
+        self._debug = debug_checks_enabled()  # + deep metadata invariants (testing.invariants)
         self.graph_manager = None
 
     # -- selection -----------------------------------------------------------------------

@@ -16,7 +16,14 @@ import torch
 
 from .kernels.registry import KernelRequest
 from .types import FP8_DTYPES
-from .validation import ATTN_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
+from .validation import (
+    ATTN_DTYPES,
+    INDEX_DTYPES,
+    check_attention_scalars,
+    check_same_device,
+    check_scale,
+    check_tensor,
+)
 
 __all__ = [
     "paged_attention",
@@ -205,7 +212,9 @@ def paged_attention(
         window_size: flash-attn ``(left, right)``; HF ``sliding_window=w`` ⇒ ``(w-1, 0)``.
         softcap: logits ← ``softcap·tanh(logits/softcap)`` when > 0.
         sinks: float32 ``[num_q_heads]``: an extra unscaled logit per head with no value.
-        k_scale, v_scale: scalar dequant scales for fp8 caches.
+        k_scale, v_scale: dequantisation scales for fp8 caches: a number or a 0-d / 1-element
+            tensor (per-head / per-sequence descale tensors are refused, see
+            :func:`aiter_attn.validation.check_scale`).
         out: optional ``[num_tokens, num_q_heads, head_dim_v]`` output buffer.
         custom_mask, mask_indptr: tree-verify mask (bool flat, int64 ``[batch + 1]``).
         backend: force an implementation by name.
@@ -227,8 +236,8 @@ def paged_attention(
     _validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, out,
                     sinks=sinks, custom_mask=custom_mask, mask_indptr=mask_indptr)
     _check_window(window_size)
-    if softcap < 0:
-        raise ValueError(f"softcap={softcap}; must be ≥ 0 (0 disables soft-capping).")
+    softmax_scale, softcap = check_attention_scalars(softmax_scale, softcap, k_scale=k_scale,
+                                                     v_scale=v_scale)
     if sinks is not None:
         check_tensor("sinks", sinks, ndim=1, shape=(q.shape[1],),
                      hint="sinks is float32 [num_q_heads].")
@@ -310,6 +319,7 @@ def mla_paged_attention(
         raise ValueError(f"kv_lora_rank={kv_lora_rank}; must be in 1..{q.shape[2]} (q's last dim).")
     _validate_paged(q, kv_cache, kv_cache[..., :kv_lora_rank], cu_seqlens_q, seqused_k,
                     block_table, out)
+    softmax_scale, _ = check_attention_scalars(softmax_scale, kv_scale=kv_scale)
     lse = _lse_buffer(return_lse, out_lse, q)
     features = {"fp8"} if kv_cache.dtype in FP8_DTYPES else set()
     if custom_mask is not None:
@@ -413,6 +423,8 @@ def write_kv(
     if v is not None:
         check_tensor("v", v, ndim=3, shape=(slots.shape[0], v_cache.shape[2], v_cache.shape[3]),
                      hint="v is [num_tokens, num_kv_heads, head_dim_v] matching the cache.")
+    check_scale("k_scale", k_scale)
+    check_scale("v_scale", v_scale)
     req = KernelRequest(
         op="write_kv", device=k_cache.device.type, dtype=k.dtype, kv_dtype=k_cache.dtype,
         head_dim=k_cache.shape[3], page_size=k_cache.shape[1],

@@ -13,6 +13,8 @@ from typing import Optional
 import attrs
 import torch
 
+from .validation import check_finite, check_scale
+
 __all__ = [
     "ForwardMode",
     "AttnArch",
@@ -111,6 +113,10 @@ def _positive(instance, attribute, value):
         raise ValueError(f"{attribute.name}={value!r} must be a positive integer.")
 
 
+def _scalar_scale(instance, attribute, value):
+    check_scale(attribute.name, value)  # one number per layer: per-head tensors are refused
+
+
 def _window_converter(value):
     if value is None:
         return None
@@ -132,7 +138,9 @@ class LayerSpec:
         sliding_window: HF convention: each query sees the ``w`` most recent keys, itself
             included; ``None`` (or ≤ 0) means full attention. See :meth:`window_size`.
         sinks: float32 ``[num_q_heads]`` per-head sink logits (gpt-oss) or ``None``.
-        k_scale / v_scale: fp8 dequantisation scales (floats); 1.0 when the cache is not fp8.
+        k_scale / v_scale: fp8 dequantisation scales: one number per layer (a float or a
+            1-element tensor); 1.0 when the cache is not fp8. Per-head tensors are refused
+            (:func:`aiter_attn.validation.check_scale`).
         is_cross_attention: encoder-decoder cross attention (keys from the encoder cache).
         kv_lora_rank / qk_rope_head_dim: MLA dimensions (0 for non-MLA layers).
     """
@@ -146,8 +154,8 @@ class LayerSpec:
     logit_cap: float = 0.0
     sliding_window: Optional[int] = attrs.field(default=None, converter=_window_converter)
     sinks: Optional[torch.Tensor] = attrs.field(default=None, eq=False, hash=False, repr=False)
-    k_scale: float = 1.0
-    v_scale: float = 1.0
+    k_scale: float = attrs.field(default=1.0, validator=_scalar_scale)
+    v_scale: float = attrs.field(default=1.0, validator=_scalar_scale)
     is_cross_attention: bool = False
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
@@ -162,8 +170,8 @@ class LayerSpec:
                 f"num_q_heads={self.num_q_heads} is not a multiple of num_kv_heads="
                 f"{self.num_kv_heads}; GQA needs whole groups of query heads per KV head."
             )
-        if self.logit_cap < 0:
-            raise ValueError(f"logit_cap={self.logit_cap} must be ≥ 0 (0 disables soft-capping).")
+        check_finite("scaling", self.scaling, hint="It multiplies q·k (default head_dim ** -0.5).")
+        check_finite("logit_cap", self.logit_cap, minimum=0.0, hint="0 disables soft-capping.")
         if self.sinks is not None and tuple(self.sinks.shape) != (self.num_q_heads,):
             raise ValueError(
                 f"sinks has shape {tuple(self.sinks.shape)}; expected ({self.num_q_heads},), "
@@ -216,6 +224,12 @@ class BackendConfig:
         tp_size: tensor-parallel ranks the model's heads are split over.
         kernel_backend: force a kernel backend by name ("reference", "triton", a plugin's).
         swa_window: largest sliding window among SWA layers (sizes the SWA page table).
+        debug_checks: the checked mode for this backend: every kernel call first reads its
+            index inputs back and raises a clear ``ValueError`` on bad values (page ids
+            outside the pool, ``cu_seqlens_q``/``seqused_k`` that disagree with q). Syncs: for
+            debugging
+            (``aiter-attn generate --check``); ``AITER_ATTN_DEBUG=1`` does the same
+            process-wide. Eager calls only: a captured CUDA graph replays unchecked.
         batch_invariant: a request's attention output is bitwise identical whatever else
             shares its batch, whatever the batch size, eager or replayed from a CUDA graph
             (fixed tiles and split sizes, fixed-order reductions, no atomics); only kernels
@@ -234,6 +248,7 @@ class BackendConfig:
     tp_size: int = attrs.field(default=1, validator=_positive)
     kernel_backend: Optional[str] = None
     swa_window: Optional[int] = None
+    debug_checks: bool = False
     batch_invariant: bool = False
 
     def __attrs_post_init__(self):

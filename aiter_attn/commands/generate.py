@@ -122,6 +122,7 @@ def _build(args, texts, loaded, device, dtype):
         prefix_caching=not args.no_prefix_caching, kernel_backend=args.backend,
         speculative=args.speculative, num_draft_tokens=args.num_draft_tokens or 4,
         cuda_graph=args.cuda_graph, batch_invariant=args.deterministic,
+        debug_checks=args.check,
     )
     model = build_engine_model(loaded.hf_model, dtype=dtype, device=device,
                                max_positions=max_ctx)
@@ -273,7 +274,7 @@ def add_parser(sub) -> None:
                    help="a small random-weight model instead (seeded by --seed)")
     p.add_argument("--check", action="store_true",
                    help="compare token ids with transformers' greedy generate; exit 1 if any "
-                        "differs")
+                        "differs (also checks every kernel's index values)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

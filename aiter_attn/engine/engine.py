@@ -63,6 +63,8 @@ class EngineConfig:
             ``False`` = a DECODE forward and an EXTEND forward. Pure decode steps stay DECODE
             either way. Not used with ``speculative`` (verify has its own forward) nor with
             ``batch_invariant`` (a decode row's numerics must not depend on prefills joining).
+        debug_checks: run the backend in its checked mode (``BackendConfig.debug_checks``):
+            every kernel call checks its index values first (syncs; ``generate --check``).
         batch_invariant: attention in batch-invariant mode (``BackendConfig.batch_invariant``):
             a request's attention output does not depend on what else is in its step's batch
             (``aiter-attn generate --deterministic``). The model's other layers are as they
@@ -82,6 +84,7 @@ class EngineConfig:
     speculative: Optional[str] = None
     num_draft_tokens: int = 4
     cuda_graph: Optional[bool] = None
+    debug_checks: bool = False
     batch_invariant: bool = False
     mixed_steps: bool = True
 
@@ -155,7 +158,8 @@ class Engine:
             chunk_tokens=max(config.chunk_size or config.max_tokens_per_step,
                              config.num_draft_tokens + 1),
             spec=self.spec_decoder.backend_spec if self.spec_decoder else None,
-            cuda_graph=graphs_enabled(config.cuda_graph, model))
+            cuda_graph=graphs_enabled(config.cuda_graph, model),
+            debug_checks=config.debug_checks)
         self.requests: list[Request] = []
         self.stats = EngineStats()
 

@@ -36,6 +36,7 @@ import torch
 
 from ..hookspecs import hookimpl
 from ..types import CGSupport
+from ..validation import check_scale, unit_stride
 from . import aiter_marshal as M
 from .registry import Capabilities
 
@@ -219,6 +220,7 @@ def _max_q(cu_seqlens_q: torch.Tensor, max_seqlen_q: Optional[int]) -> int:
 
 
 def _scale_tensor(scale, device) -> torch.Tensor:
+    check_scale("scale", scale)  # one number: a per-head tensor is refused, never truncated
     if isinstance(scale, torch.Tensor):
         return scale.reshape(1).to(device=device, dtype=torch.float32)
     return torch.tensor([1.0 if scale is None else float(scale)], dtype=torch.float32,
@@ -237,6 +239,8 @@ def aiter_paged_attention(q, k_cache, v_cache, out, *, cu_seqlens_q, seqused_k, 
     if custom_mask is not None:
         raise ValueError("the aiter backend takes no custom_mask (tree verify); its capabilities "
                          "exclude it, so pick another backend for this call.")
+    cu_seqlens_q, seqused_k, block_table = map(unit_stride,
+                                               (cu_seqlens_q, seqused_k, block_table))
     fp8 = k_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32)
     max_q = _max_q(cu_seqlens_q, max_seqlen_q)
     route = M.route_paged_attention(
@@ -283,6 +287,8 @@ def aiter_mla_paged_attention(q, kv_cache, out, *, kv_lora_rank, cu_seqlens_q, s
     query length ≤ 4 given by ``max_seqlen_q``), ``mla_prefill_fwd`` otherwise."""
     if custom_mask is not None or not causal:
         raise ValueError("the aiter MLA backend serves causal attention without custom masks.")
+    cu_seqlens_q, seqused_k, block_table = map(unit_stride,
+                                               (cu_seqlens_q, seqused_k, block_table))
     bs = block_table.shape[0]
     page_size = kv_cache.shape[1]
     max_q = _max_q(cu_seqlens_q, max_seqlen_q)
@@ -354,6 +360,8 @@ def aiter_paged_attention_5d(q, k_cache, v_cache, out, *, cu_seqlens_q, seqused_
     ``pa_decode_gluon``: decode/verify with a uniform query length ≤ 4 per request. Other
     calls (longer or ragged queries) go to the next registered implementation; windows,
     soft-cap and custom masks are excluded by the capabilities."""
+    cu_seqlens_q, seqused_k, block_table = map(unit_stride,
+                                               (cu_seqlens_q, seqused_k, block_table))
     kwargs = dict(cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,
                   softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                   softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,

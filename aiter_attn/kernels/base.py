@@ -28,6 +28,7 @@ import attrs
 import torch
 
 from ..types import CGSupport
+from ..validation import check_scale, unit_stride
 
 __all__ = [
     "LayerParams",
@@ -44,8 +45,9 @@ ATTENTION_OPS = frozenset({"paged_attention", "paged_attention_5d"})
 
 
 def _scale_tensor(value, device) -> torch.Tensor:
+    check_scale("scale", value)  # one number: a per-head tensor is refused, never truncated
     if isinstance(value, torch.Tensor):
-        return value.to(device=device, dtype=torch.float32).reshape(-1)[:1]
+        return value.to(device=device, dtype=torch.float32).reshape(1)
     return torch.full((1,), float(value), dtype=torch.float32, device=device)
 
 
@@ -85,7 +87,11 @@ class LayerParams:
     def create(cls, *, scale, device, window=(-1, -1), softcap=0.0, causal=True, sinks=None,
                k_scale=None, v_scale=None, fp8=False, num_q_heads=0, num_kv_heads=0,
                head_dim=0, v_head_dim=0) -> "LayerParams":
-        """Normalise the constants once: floats, tuples, device scale tensors."""
+        """Normalise the constants once: floats, tuples, device scale tensors (k/v scales
+        must be single numbers), sinks with unit stride (the kernels index them so)."""
+        check_scale("k_scale", k_scale)
+        check_scale("v_scale", v_scale)
+        sinks = unit_stride(sinks)
         has_scales = bool(fp8) or any(
             s is not None and (isinstance(s, torch.Tensor) or float(s) != 1.0)
             for s in (k_scale, v_scale))
@@ -116,7 +122,7 @@ class LayerParams:
             head_dim=layer.head_dim, v_head_dim=layer.v_head_dim)
 
     def with_sinks(self, sinks) -> "LayerParams":
-        return attrs.evolve(self, sinks=sinks)
+        return attrs.evolve(self, sinks=unit_stride(sinks))
 
 
 @attrs.frozen(kw_only=True)

@@ -38,7 +38,7 @@ class _InvariantSelection(Selection):
     """A selection whose ``bind`` binds to the batch-invariant form of the request."""
 
     def bind(self, request: Optional[KernelRequest] = None):
-        return self.impl.bind(invariant(request))
+        return super().bind(invariant(request))  # (checked-mode wrapping included)
 
 
 class BatchInvariantKernels:
@@ -58,7 +58,7 @@ class BatchInvariantKernels:
         impl = sel.impl
         if impl.kernel_cls is None:  # a plain function (mla_paged_attention): bind the flag
             impl = attrs.evolve(impl, fn=functools.partial(impl.fn, batch_invariant=True))
-        return _InvariantSelection(impl, sel.rejected)
+        return _InvariantSelection(impl, sel.rejected, sel.check_values)
 
     def bound(self, key, request, backend: Optional[str] = None):
         """:meth:`KernelRegistry.bound` of the batch-invariant request."""

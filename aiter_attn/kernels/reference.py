@@ -11,6 +11,7 @@ import torch
 
 from ..hookspecs import hookimpl
 from ..types import CGSupport, FP8_DTYPES
+from ..validation import check_paged_index_values, check_scale
 from .registry import Capabilities
 
 __all__ = [
@@ -25,11 +26,12 @@ __all__ = [
 ]
 
 
-def _scale_value(scale) -> float:
+def _scale_value(scale, name: str = "scale") -> float:
+    check_scale(name, scale)  # one number: a per-head tensor is refused, never truncated
     if scale is None:
         return 1.0
     if isinstance(scale, torch.Tensor):
-        return float(scale.float().reshape(-1)[0])
+        return float(scale.float().reshape(()))
     return float(scale)
 
 
@@ -37,6 +39,7 @@ def quantize_to_cache(x: torch.Tensor, dtype: torch.dtype, scale) -> torch.Tenso
     """Cast ``x`` to the cache dtype; fp8 divides by ``scale`` and saturates to the dtype's range."""
     if dtype in FP8_DTYPES:
         s = scale if isinstance(scale, torch.Tensor) else torch.tensor(_scale_value(scale))
+        check_scale("scale", s)
         y = x.float() / s.to(x.device).float()
         fmax = torch.finfo(dtype).max
         return y.clamp(-fmax, fmax).to(dtype)
@@ -91,8 +94,16 @@ def paged_attention_reference(
     request is computed alone, with torch ops whose shapes are its own.
 
     Shapes: q ``[T, Hq, D]``; caches ``[pages, page_size, Hkv, D|Dv]``; out ``[T, Hq, Dv]``.
+    Index inputs may be strided views. Their values are checked first
+    (:func:`aiter_attn.validation.check_paged_index_values`: a bad page id, ``cu_seqlens_q``
+    or ``seqused_k`` raises ``ValueError``).
     """
-    ks, vs = _scale_value(k_scale), _scale_value(v_scale)
+    check_paged_index_values(
+        num_tokens=q.shape[0], num_pages=k_cache.shape[0], page_size=k_cache.shape[1],
+        cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table, causal=causal,
+        window_size=window_size, custom_mask=custom_mask, mask_indptr=mask_indptr,
+        max_seqlen_q=max_seqlen_q)
+    ks, vs = _scale_value(k_scale, "k_scale"), _scale_value(v_scale, "v_scale")
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     cu = cu_seqlens_q.tolist()
@@ -122,7 +133,7 @@ def paged_attention_reference(
             visible &= key <= pos + right
         if custom_mask is not None:
             start = int(mask_indptr[b])
-            visible &= custom_mask[start : start + n * kv_len].view(n, kv_len).bool()
+            visible &= custom_mask[start : start + n * kv_len].reshape(n, kv_len).bool()
         s = s.masked_fill(~visible, float("-inf"))
         if sinks is not None:
             sink = sinks.float().view(num_q_heads, 1, 1).expand(num_q_heads, n, 1)

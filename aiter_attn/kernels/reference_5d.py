@@ -41,6 +41,7 @@ from typing import Optional
 
 import torch
 
+from ..validation import check_paged_index_values
 from .reference import paged_attention_reference
 from .reference_extra import kv_nhd_from_5d
 
@@ -90,8 +91,14 @@ def paged_attention_5d_reference(
     reference with every other argument unchanged (``lse`` too). q ``[T, Hq, D]``; out
     ``[T, Hq, Dv]``.
     """
+    check_paged_index_values(
+        num_tokens=q.shape[0], num_pages=k_cache.shape[0], page_size=k_cache.shape[3],
+        cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table, causal=causal,
+        window_size=window_size, custom_mask=custom_mask, mask_indptr=mask_indptr,
+        max_seqlen_q=max_seqlen_q, op="paged_attention_5d")
     bs, width = block_table.shape
-    pages = block_table.reshape(-1).long()
+    # entries past each request's pages are never read: any value may sit there
+    pages = block_table.reshape(-1).long().clamp(0, k_cache.shape[0] - 1)
     k_nhd, v_nhd = kv_nhd_from_5d(k_cache[pages], v_cache[pages])
     local = torch.arange(bs * width, dtype=torch.int32, device=block_table.device).view(bs, width)
     return paged_attention_reference(

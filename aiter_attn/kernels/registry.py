@@ -17,6 +17,7 @@ import attrs
 import torch
 
 from ..types import CGSupport
+from ..validation import CheckedKernel, checked_kernel, debug_checks_enabled
 
 __all__ = [
     "Capabilities",
@@ -24,6 +25,7 @@ __all__ = [
     "KernelRequest",
     "Selection",
     "KernelRegistry",
+    "CheckedRegistry",
     "KernelSelectionError",
     "FEATURES",
 ]
@@ -165,14 +167,24 @@ class Selection:
 
     impl: KernelImpl
     rejected: tuple = ()  # ((name, reason), ...)
+    check_values: bool = False  # the checked mode (see :meth:`checked`)
 
     @property
     def fn(self) -> Callable:
+        if self.check_values:
+            return checked_kernel(self.impl.op, self.impl.fn)
         return self.impl.fn
 
     def bind(self, request: Optional["KernelRequest"] = None):
-        """The chosen implementation bound as a kernel object (see :meth:`KernelImpl.bind`)."""
-        return self.impl.bind(request)
+        """The chosen implementation bound as a kernel object (see :meth:`KernelImpl.bind`);
+        in the checked mode wrapped in :class:`~aiter_attn.validation.CheckedKernel`."""
+        kernel = self.impl.bind(request)
+        return CheckedKernel(kernel) if self.check_values else kernel
+
+    def checked(self) -> "Selection":
+        """This selection in the checked mode: its kernel (``fn`` and :meth:`bind`) runs the
+        op's value checks first (:mod:`aiter_attn.validation`; they sync). Idempotent."""
+        return self if self.check_values else attrs.evolve(self, check_values=True)
 
 
 class KernelSelectionError(ValueError):
@@ -260,11 +272,12 @@ class KernelRegistry:
         zero-argument callable building one, so a cache hit builds and hashes nothing."""
         if backend is None:
             backend = os.environ.get("AITER_ATTN_BACKEND") or None
-        hit = self._bound.get((key, backend))
+        full = (key, backend, debug_checks_enabled())  # the checked mode binds its own
+        hit = self._bound.get(full)
         if hit is None:
             req = request() if callable(request) else request
             hit = self.select(req, backend=backend).bind(req)
-            self._bound[(key, backend)] = hit
+            self._bound[full] = hit
         return hit
 
     def select(self, request: KernelRequest, backend: Optional[str] = None, *,
@@ -274,8 +287,14 @@ class KernelRegistry:
         ``backend`` (or ``AITER_ATTN_BACKEND``) forces one by name; if it cannot serve, raises
         :class:`KernelSelectionError` with the reason, unless ``fallback=True``: then the
         best implementation that can serve is chosen instead (the KV writes of a strategy
-        whose backend is a plugin that registers attention only).
+        whose backend is a plugin that registers attention only). Under
+        ``AITER_ATTN_DEBUG=1`` the selection is :meth:`Selection.checked`.
         """
+        sel = self._select(request, backend, fallback)
+        return sel.checked() if debug_checks_enabled() else sel
+
+    def _select(self, request: KernelRequest, backend: Optional[str],
+                fallback: bool) -> Selection:
         if backend is None:
             backend = os.environ.get("AITER_ATTN_BACKEND") or None
         if fallback and backend is not None:
@@ -324,3 +343,19 @@ class KernelRegistry:
             log.debug("op %s: chose %s; rejected %s", request.op, chosen.name, rejected)
         self._cache[key] = sel
         return sel
+
+
+class CheckedRegistry:
+    """A view of a :class:`KernelRegistry` whose selections are :meth:`Selection.checked`
+    (what ``BackendConfig(debug_checks=True)`` gives one backend); everything else is the
+    registry's own."""
+
+    def __init__(self, registry):
+        self.registry = registry
+
+    def select(self, request: KernelRequest, backend: Optional[str] = None,
+               **kwargs) -> Selection:
+        return self.registry.select(request, backend=backend, **kwargs).checked()
+
+    def __getattr__(self, name):
+        return getattr(self.registry, name)

@@ -29,7 +29,14 @@ from ..metadata import AttnMetadata
 from ..ops import _lse_buffer, attention_features, call_extras, with_call_features
 from ..registry import StrategyPair
 from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
-from ..validation import ATTN_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
+from ..validation import (
+    ATTN_DTYPES,
+    INDEX_DTYPES,
+    check_attention_scalars,
+    check_same_device,
+    check_scale,
+    check_tensor,
+)
 from .base import ExecutionStrategy
 from .common import attend_layer, require_pool
 from .mha import DecodeMetadata, ExtendMetadata
@@ -139,6 +146,8 @@ def paged_attention_5d(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_ta
                       custom_mask=custom_mask, mask_indptr=mask_indptr)
     if (custom_mask is None) != (mask_indptr is None):
         raise ValueError("custom_mask and mask_indptr go together; pass both or neither.")
+    softmax_scale, softcap = check_attention_scalars(softmax_scale, softcap, k_scale=k_scale,
+                                                     v_scale=v_scale)
     lse = _lse_buffer(return_lse, out_lse, q)
     req = paged_attention_5d_request(q, k_cache, v_cache, window_size=window_size,
                                      softcap=softcap, sinks=sinks, causal=causal,
@@ -183,6 +192,8 @@ def write_kv_5d(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None,
                  hint="k is [num_tokens, num_kv_heads, head_dim] matching the cache.")
     check_tensor("v", v, ndim=3, shape=(slots.shape[0], k_cache.shape[1], _v_head_dim(v_cache)),
                  hint="v is [num_tokens, num_kv_heads, head_dim_v] matching the cache.")
+    check_scale("k_scale", k_scale)
+    check_scale("v_scale", v_scale)
     sel = _registry().select(write_kv_5d_request(k_cache, v_cache, k), backend=backend)
     sel.fn(k_cache, v_cache, slots, k, v, k_scale=k_scale, v_scale=v_scale)
 

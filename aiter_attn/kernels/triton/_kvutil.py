@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from ...types import FP8_DTYPES
+from ...validation import check_scale
 from . import _interpreting as interpreting  # one TRITON_INTERPRET check, in the package
 
 __all__ = [
@@ -64,17 +65,14 @@ def scale_args(scale, device: torch.device):
     A tensor scale is read by the kernel itself (no host read: CUDA-graph safe); a Python
     number or ``None`` (= 1.0) is passed by value.
     """
+    check_scale("scale", scale)  # one number: a per-head tensor is refused, never truncated
     if isinstance(scale, torch.Tensor):
-        if scale.numel() < 1:
-            raise ValueError("a scale tensor must hold at least one element (a scalar).")
         if scale.device != device:
             raise ValueError(
                 f"scale tensor is on {scale.device} but the cache is on {device}; move it."
             )
         return scale.reshape(-1).to(torch.float32), 1.0, True
     value = 1.0 if scale is None else float(scale)
-    if not value > 0:
-        raise ValueError(f"scale={scale!r}; a quantisation scale must be a positive number.")
     # The kernel does not read the pointer then: an uninitialised placeholder launches nothing.
     return torch.empty(1, dtype=torch.float32, device=device), value, False
 

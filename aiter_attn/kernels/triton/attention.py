@@ -18,6 +18,7 @@ import torch
 import triton.language as tl
 
 from ...types import FP8_DTYPES
+from ...validation import unit_stride
 from ..base import AttentionKernel, KernelPlan, mask_literal, plan_hints
 from ._kvutil import next_pow2
 from ._launch_config import _cdiv, choose_config
@@ -183,7 +184,10 @@ class TritonPagedAttention(AttentionKernel):
     def plan(self, md, out: Optional[dict] = None) -> TritonPlan:
         """The launch of one step (host integers only: no sync)."""
         query, pages = md.query, md.pages
-        cu, block_table = query.cu_seqlens_q, pages.block_table
+        # index inputs are read with unit stride along their last axis: materialise strided
+        # views (the graph manager's static buffers never are; eager plans may copy)
+        cu, seqused_k, block_table = map(
+            unit_stride, (query.cu_seqlens_q, pages.seqused_k, pages.block_table))
         num_tokens = query.num_tokens
         batch = cu.shape[0] - 1
         hint_q, hint_k = plan_hints(md)
@@ -213,7 +217,9 @@ class TritonPagedAttention(AttentionKernel):
         mask_t = None
         if mask is not None:
             m = mask.custom_mask
-            mask_t = (m.view(torch.uint8) if m.dtype == torch.bool else m, mask.mask_indptr)
+            m = unit_stride(m)
+            mask_t = (m.view(torch.uint8) if m.dtype == torch.bool else m,
+                      unit_stride(mask.mask_indptr))
         cfg_kw = dict(
             GROUP=self.group, HEADS=cfg.heads, NUM_HCHUNKS=num_hchunks,
             BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -227,7 +233,7 @@ class TritonPagedAttention(AttentionKernel):
         return TritonPlan(
             num_tokens=num_tokens if batch else 0, mask_literal=mask_literal(md),
             grid=(grid_q, self.kv_heads * num_hchunks, splits),
-            args=(cu, pages.seqused_k, block_table), mask=mask_t,
+            args=(cu, seqused_k, block_table), mask=mask_t,
             ints=(batch, q_blocks_per_seq, splits, cfg.split_tiles),
             bt_stride=block_table.stride(0),
             part_acc=part_acc, part_ml=part_ml, part_strides=part_strides, num_splits=splits,

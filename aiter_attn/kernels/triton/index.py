@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...validation import INDEX_DTYPES
+from ...validation import INDEX_DTYPES, require_unit_stride, unit_stride
 from ._kvutil import next_pow2
 
 __all__ = ["build_page_table", "build_page_tables_swa", "build_ragged_kv_indices",
@@ -55,8 +55,7 @@ def _check_table_args(req_to_token, req_pool_indices, seq_lens, page_size, out):
         raise ValueError(
             f"out has shape {tuple(out.shape)}; expected [batch={seq_lens.shape[0]}, max_pages]."
         )
-    if req_to_token.stride(1) != 1 or out.stride(1) != 1:
-        raise ValueError("req_to_token and out must be contiguous along their last dim.")
+    require_unit_stride("out", out)
 
 
 def _launch_tables(req_to_token, req_pool_indices, seq_lens, page_size, out, full_to_swa=None,
@@ -92,6 +91,8 @@ def build_page_table(
     :func:`aiter_attn.kernels.reference.build_page_table_reference`.
     """
     _check_table_args(req_to_token, req_pool_indices, seq_lens, page_size, out)
+    req_to_token, req_pool_indices, seq_lens = map(
+        unit_stride, (req_to_token, req_pool_indices, seq_lens))
     return _launch_tables(req_to_token, req_pool_indices, seq_lens, page_size, out)
 
 
@@ -109,7 +110,8 @@ def build_page_tables_swa(
     pages). full_to_swa int64 ``[full_slots]``; out_swa int32/int64 shaped like out. Same
     result as :func:`aiter_attn.kernels.reference.build_page_tables_swa_reference`."""
     _check_table_args(req_to_token, req_pool_indices, seq_lens, page_size, out)
-    if out_swa.shape != out.shape or out_swa.dtype not in INDEX_DTYPES or out_swa.stride(1) != 1:
+    if out_swa.shape != out.shape or out_swa.dtype not in INDEX_DTYPES or (
+            out_swa.shape[1] > 1 and out_swa.stride(1) != 1):
         raise ValueError(
             f"out_swa has shape {tuple(out_swa.shape)} and dtype {out_swa.dtype}; expected "
             f"{tuple(out.shape)}, int32/int64, contiguous along its last dim (like out).")
@@ -117,6 +119,8 @@ def build_page_tables_swa(
         raise ValueError(
             f"full_to_swa has shape {tuple(full_to_swa.shape)} and dtype {full_to_swa.dtype}; "
             "expected the pool's int64 [full_slots] full_to_swa_index_mapping.")
+    req_to_token, req_pool_indices, seq_lens, full_to_swa = map(
+        unit_stride, (req_to_token, req_pool_indices, seq_lens, full_to_swa))
     return _launch_tables(req_to_token, req_pool_indices, seq_lens, page_size, out,
                           full_to_swa, out_swa)
 
@@ -177,8 +181,10 @@ def build_ragged_kv_indices(
             f"total={total} tokens but kv_indices holds {kv_indices.shape[0]}; size it from "
             "the batch's seq_lens_sum (or the graph manager's bound)."
         )
-    if req_to_token.stride(1) != 1:
-        raise ValueError("req_to_token must be contiguous along its last dim.")
+    require_unit_stride("kv_indptr", kv_indptr)
+    require_unit_stride("kv_indices", kv_indices)
+    req_to_token, req_pool_indices, seq_lens = map(
+        unit_stride, (req_to_token, req_pool_indices, seq_lens))
     if batch == 0:
         kv_indptr[:1].zero_()
         return kv_indptr, kv_indices
@@ -240,11 +246,13 @@ def build_draft_decode_indices(req_to_token, req_pool_indices, seq_lens, page_si
     steps, width = block_table.shape[0], block_table.shape[2]
     if rows == 0 or steps == 0:
         return None
-    for name, t in (("req_to_token", req_to_token), ("seqused_k", seqused_k),
-                    ("positions", positions), ("out_cache_loc", out_cache_loc),
-                    ("block_table", block_table)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous along its last dim.")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q),
+                    ("draft_req_pool_indices", draft_req_pool_indices),
+                    ("seqused_k", seqused_k), ("positions", positions),
+                    ("out_cache_loc", out_cache_loc), ("block_table", block_table)):
+        require_unit_stride(name, t)  # outputs
+    req_to_token, req_pool_indices, seq_lens = map(
+        unit_stride, (req_to_token, req_pool_indices, seq_lens))
     block = min(1024, max(16, next_pow2(width)))
     _draft_decode_kernel[(rows, steps)](
         req_to_token, req_pool_indices, seq_lens, cu_seqlens_q, draft_req_pool_indices,

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ...types import FP8_DTYPES
-from ...validation import INDEX_DTYPES
+from ...validation import INDEX_DTYPES, unit_stride
 from ._kvutil import fp8_max, next_pow2, scale_args
 
 __all__ = ["write_kv", "write_kv_translated", "write_kv_5d", "LAYOUT_NHD", "LAYOUT_5D"]
@@ -147,6 +147,7 @@ def _launch(k_cache, v_cache, slots, k, v, *, k_layout, v_layout, page_size, hea
             raise TypeError(f"v_cache dtype {v_cache.dtype} differs from k_cache {k_cache.dtype}.")
     if num_tokens == 0:
         return
+    slots, table = unit_stride(slots), unit_stride(table)  # read with unit stride
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v is not None and v.stride(-1) != 1:

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ...validation import require_unit_stride, unit_stride
+
 __all__ = ["build_tree_mask"]
 
 
@@ -50,7 +52,9 @@ def build_tree_mask(seq_lens: torch.Tensor, tree: torch.Tensor, q_len: int,
     bs = seq_lens.shape[0]
     if total == 0 or bs == 0 or q_len == 0:
         return out
-    flat = tree.reshape(-1)
+    require_unit_stride("out", out)
+    seq_lens, mask_indptr = unit_stride(seq_lens), unit_stride(mask_indptr)
+    flat = unit_stride(tree.reshape(-1))  # a strided tree may reshape to a strided view
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     dst = out.view(torch.uint8) if out.dtype == torch.bool else out

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...validation import INDEX_DTYPES
+from ...validation import INDEX_DTYPES, unit_stride
 from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms, scale_args
 from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS
 from ._paging import load_chunk_pages, tile_pages_of
@@ -439,6 +439,9 @@ def mla_paged_attention(
         )
     if q.stride(-1) != 1:
         q = q.contiguous()
+    # index inputs are read with unit stride along their last axis: materialise strided views
+    cu_seqlens_q, seqused_k, block_table, custom_mask, mask_indptr = map(
+        unit_stride, (cu_seqlens_q, seqused_k, block_table, custom_mask, mask_indptr))
     num_tokens, num_heads = q.shape[0], q.shape[1]
     batch = seqused_k.shape[0]
     if num_tokens == 0 or batch == 0:
