@@ -154,3 +154,27 @@ def test_mixed_steps_off_where_decode_has_its_own_forward(kw):
     ours, steps = _run_with_arrivals(eng, prompts, late)
     assert any(d and p for d, p, _ in steps) and eng.stats.mixed_steps == 0
     _assert_same(hf, prompts + late, ours)
+
+
+def test_mixed_bench_smoke(tmp_path):
+    """``bench_attention.py --smoke --only mixed`` runs the mixed workload on the CPU in both
+    modes (numbers mean nothing here; the lead runs it on the GPU)."""
+    import json
+    import os
+    import sys
+
+    bench_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             "benchmarks")
+    sys.path.insert(0, bench_dir)
+    try:
+        import bench_attention
+
+        rows = bench_attention.main(["--smoke", "--only", "mixed", "--out", str(tmp_path)])
+    finally:
+        sys.path.remove(bench_dir)
+    assert [r["row"].split(" bs=")[0] for r in rows] == [
+        "engine mixed one-forward", "engine mixed two-forwards"]
+    assert rows[0]["mixed_steps"] > 0 and rows[1]["mixed_steps"] == 0
+    assert rows[0]["steps"] == rows[1]["steps"] and rows[0]["vs_two_forwards"] > 0
+    assert len(json.loads((tmp_path / "bench_mixed.json").read_text())["rows"]) == 2
+    assert "| engine mixed one-forward" in (tmp_path / "bench_mixed.md").read_text()
