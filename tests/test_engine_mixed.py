@@ -26,11 +26,12 @@ ARCHS = [
 ]
 
 
-def _model(name, overrides=None):
-    key = (name, tuple(sorted((overrides or {}).items())))
+def _model(name, overrides=None, device="cpu"):
+    key = (name, tuple(sorted((overrides or {}).items())), device)
     if key not in _MODELS:
         hf, _ = build_random_model(name, seed=0, overrides=overrides or None)
-        _MODELS[key] = (hf, build_engine_model(hf, max_positions=256))
+        hf = hf.to(device)
+        _MODELS[key] = (hf, build_engine_model(hf, device=device, max_positions=256))
     return _MODELS[key]
 
 
@@ -79,8 +80,9 @@ def _run_with_arrivals(eng, prompts, late):
     return [r.output_ids for r in reqs], steps
 
 
-def _assert_same(hf, prompts, ours):
-    theirs = hf_greedy(hf, prompts, max_new_tokens=_MAX_NEW, stop_token_ids=frozenset())
+def _assert_same(hf, prompts, ours, device="cpu"):
+    theirs = hf_greedy(hf, prompts, max_new_tokens=_MAX_NEW, stop_token_ids=frozenset(),
+                       device=device)
     diffs = compare_outputs(ours, theirs)
     assert not diffs, "; ".join(d.describe() for d in diffs)
 
@@ -154,6 +156,23 @@ def test_mixed_steps_off_where_decode_has_its_own_forward(kw):
     ours, steps = _run_with_arrivals(eng, prompts, late)
     assert any(d and p for d, p, _ in steps) and eng.stats.mixed_steps == 0
     _assert_same(hf, prompts + late, ours)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,overrides", ARCHS[:2])
+def test_mixed_steps_on_cuda_with_graphs_match_transformers(name, overrides):
+    """float32 on the GPU, real CUDA graphs for pure decode steps, mixed steps as one eager
+    EXTEND forward: token-identical to transformers on the same GPU."""
+    hf, model = _model(name, overrides, "cuda")
+    eng = Engine(model, EngineConfig(**_KW))
+    assert eng.runner.graphs is not None and eng.runner.graphs.uses_cuda_graph
+    prompts = _prompts((23, 9, 17), seed=6)
+    late = _prompts((30, 5, 12), seed=10)
+    ours, steps = _run_with_arrivals(eng, prompts, late)
+    pure_decode = sum(1 for d, p, _ in steps if d and not p)
+    assert eng.stats.mixed_steps == sum(1 for d, p, _ in steps if d and p) > 0
+    assert eng.runner.graphs.replays[ForwardMode.DECODE.name] == pure_decode > 0
+    _assert_same(hf, prompts + late, ours, "cuda")
 
 
 def test_mixed_bench_smoke(tmp_path):
