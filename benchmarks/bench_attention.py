@@ -18,6 +18,9 @@ The ``host`` group (``benchmarks/_host.py``) measures host cost instead: eager
 ``ops.paged_attention`` against torch SDPA (median of ≥ 2,000 calls), and the engine against
 transformers ``generate`` (Llama-3.2-1B-shaped random bf16 model, batch 8 and 32, 512 + 128
 tokens, eager and CUDA-graph decode); ``--smoke`` runs it on the CPU with tiny shapes.
+The ``mixed`` group (``benchmarks/_mixed.py``, not in the default ``--only``) measures engine
+steps/s with requests arriving while 32 others decode, mixed steps as one forward against
+two (``--smoke --only mixed``: the CPU harness check).
 
 Usage (on the GPU machine)::
 
@@ -25,6 +28,7 @@ Usage (on the GPU machine)::
     python benchmarks/bench_attention.py --only decode,mla --quick
     python benchmarks/bench_attention.py --only host --out "$OUT"  # host cost + engine
     python benchmarks/bench_attention.py --smoke --out /tmp/x      # CPU: the harness runs
+    python benchmarks/bench_attention.py --only mixed --out "$OUT" # engine mixed steps
 
 Writes ``bench_attention.json`` and ``roofline.png`` to ``--out`` and prints the table last.
 """
@@ -45,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _host import host_table, run_host  # noqa: E402
+from _mixed import mixed_table, run_mixed  # noqa: E402
 from _inputs import make_mha, make_mla  # noqa: E402
 from _runners import RUNNERS, Unavailable, configure_aiter, make_ours_mla  # noqa: E402
 
@@ -321,11 +326,19 @@ def _write_host(rows, out_dir, meta) -> None:
     print(host_table(rows), flush=True)
 
 
+def _write_mixed(rows, out_dir, meta) -> None:
+    with open(os.path.join(out_dir, "bench_mixed.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
+    with open(os.path.join(out_dir, "bench_mixed.md"), "w") as f:
+        f.write(mixed_table(rows) + "\n")
+    print(mixed_table(rows), flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--only", default="decode,prefill,mla,fp8,host",
-                   help="comma list of row groups: decode, prefill, mla, fp8, host")
+                   help="comma list of row groups: decode, prefill, mla, fp8, host, mixed")
     p.add_argument("--anchors", default=",".join(ANCHORS))
     p.add_argument("--aiter-wheel", default=None)
     p.add_argument("--rep", type=int, default=60, help="ms of timed repetitions per measurement")
@@ -342,6 +355,10 @@ def main(argv=None):
                    help="the host group only, tiny shapes on the CPU (proves the harness runs)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.smoke and "mixed" in args.only.split(","):
+        rows = run_mixed(smoke=True)
+        _write_mixed(rows, args.out, {"smoke": True})
+        return rows
     if args.smoke:
         rows = run_host(smoke=True, n=args.host_calls)
         _write_host(rows, args.out, {"smoke": True})
@@ -373,6 +390,11 @@ def main(argv=None):
                                  batches=tuple(int(b) for b in args.host_batches.split(",")),
                                  kernel_backend="triton")
             _write_host(host_rows, args.out, args.meta)
+    except Exception:
+        traceback.print_exc()
+    try:
+        if "mixed" in groups:
+            _write_mixed(run_mixed(), args.out, args.meta)
     except Exception:
         traceback.print_exc()
     try:

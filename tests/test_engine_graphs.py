@@ -83,7 +83,10 @@ def _run_with_late_join(engine, prompts, late):
 
 def _check_decode_case(name, overrides, pool_cls, device):
     hf, model = _model(name, overrides, device)
-    eng = Engine(model, EngineConfig(cuda_graph=True if device == "cpu" else None, **_KW))
+    # Two forwards per mixed step, so every step with decoding requests replays a DECODE
+    # graph (sizes 1..4, padded); one-forward mixed steps: tests/test_engine_mixed.py.
+    eng = Engine(model, EngineConfig(cuda_graph=True if device == "cpu" else None,
+                                     mixed_steps=False, **_KW))
     graphs = eng.runner.graphs
     assert graphs is not None and graphs.uses_cuda_graph == (device == "cuda")
     assert isinstance(eng.runner.kv_pool, pool_cls)

@@ -116,7 +116,17 @@ def collect_info() -> dict:
         "skipped_plugins": skipped_plugins(),
         "kernels": kernels,
         "table": mode_arch_table(),
+        "engine_steps": ENGINE_STEPS_NOTE,
     }
+
+
+#: How the reference engine maps its steps onto the table's cells (``aiter_attn.engine``).
+ENGINE_STEPS_NOTE = (
+    "Engine steps (`aiter_attn.engine`): a pure decode step is one DECODE forward "
+    "(CUDA-graph replayed); a mixed step (requests decoding while others prefill) is one "
+    "EXTEND forward whose decoding requests are extend rows of query length 1, so one "
+    "attention launch per layer (`EngineConfig(mixed_steps=False)`, speculative decoding "
+    "and batch-invariant mode run a DECODE forward and an EXTEND forward instead).")
 
 
 def _print_text(info: dict) -> None:
@@ -139,6 +149,7 @@ def _print_text(info: dict) -> None:
                   f"{r['kernel']}")
         else:
             print(f"  {r['mode']:<20} {r['arch']:<6} {'-':<24} {'-':<14} {r['why']}")
+    print(f"\n{info['engine_steps']}")
 
 
 def table_markdown(rows: list[dict]) -> str:
@@ -151,6 +162,7 @@ def table_markdown(rows: list[dict]) -> str:
                          f"{r['kernel']} |")
         else:
             lines.append(f"| {r['mode']} | {r['arch']} | — | — | {r['why']} |")
+    lines += ["", ENGINE_STEPS_NOTE]
     return "\n".join(lines) + "\n"
 
 

@@ -1,8 +1,13 @@
 """The reference engine: continuous batching of requests over one model and paged KV cache.
 
-``Engine.add_request`` queues a prompt; ``Engine.step`` plans and runs one step (a DECODE
-forward for running requests and an EXTEND forward for prefill chunks), samples, and frees
-the pages of requests that finished; ``Engine.run`` steps until every request is done.
+``Engine.add_request`` queues a prompt; ``Engine.step`` plans and runs one step, samples, and
+frees the pages of requests that finished; ``Engine.run`` steps until every request is done.
+
+A step's forwards: a pure decode step is one DECODE forward (CUDA-graph replayed when graphs
+are on); a pure prefill step is one EXTEND forward; a *mixed* step (requests decoding while
+others prefill) is one EXTEND forward whose decoding requests are extend rows of length 1
+(``EngineConfig.mixed_steps``), or a DECODE forward plus an EXTEND forward with
+``mixed_steps=False``, with n-gram speculative decoding, or in batch-invariant mode.
 """
 
 from __future__ import annotations
@@ -53,6 +58,11 @@ class EngineConfig:
             (:mod:`aiter_attn.engine.graphs`); ``None`` = on when the model is on CUDA and
             known capturable (the engine's own decoder). Forced on for a CPU model it runs the
             same path in no-capture mode (tests).
+        mixed_steps: run a step with both decoding requests and prefill chunks as one EXTEND
+            forward (decode rows are extend rows of length 1: one attention launch per layer);
+            ``False`` = a DECODE forward and an EXTEND forward. Pure decode steps stay DECODE
+            either way. Not used with ``speculative`` (verify has its own forward) nor with
+            ``batch_invariant`` (a decode row's numerics must not depend on prefills joining).
         debug_checks: run the backend in its checked mode (``BackendConfig.debug_checks``):
             every kernel call checks its index values first (syncs; ``generate --check``).
         batch_invariant: attention in batch-invariant mode (``BackendConfig.batch_invariant``):
@@ -76,6 +86,7 @@ class EngineConfig:
     cuda_graph: Optional[bool] = None
     debug_checks: bool = False
     batch_invariant: bool = False
+    mixed_steps: bool = True
 
     @property
     def num_pages(self) -> int:
@@ -85,13 +96,15 @@ class EngineConfig:
 
 @attrs.define
 class EngineStats:
-    """Token counts and wall time per phase (forward + sampling)."""
+    """Token counts and wall time per phase (forward + sampling). A one-forward mixed step's
+    time is split between the phases by token count; ``mixed_steps`` counts those steps."""
 
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     steps: int = 0
+    mixed_steps: int = 0
     cached_tokens: int = 0
 
     @property
@@ -173,6 +186,8 @@ class Engine:
         """Run one step; return the tokens it produced."""
         plan = self.scheduler.schedule()
         events: list[TokenEvent] = []
+        if plan.decode and plan.prefill and self._one_forward_mixed:
+            return self._mixed_step(plan)
         if plan.decode and self.spec_decoder is not None:
             t0 = time.perf_counter()
             per_req = self.spec_decoder.decode_step(self.runner, plan.decode)
@@ -188,9 +203,7 @@ class Engine:
             events += self._emit(plan.decode, tokens)
         if plan.prefill:
             t0 = time.perf_counter()
-            joined_now = self.scheduler.step_index - 1
-            self.stats.cached_tokens += sum(r.cached_tokens for r, _ in plan.prefill
-                                            if r.joined_step == joined_now)
+            self._count_cached(plan)
             logits = self.runner.forward(ForwardMode.EXTEND, plan.prefill)
             done = [i for i, (r, _) in enumerate(plan.prefill) if r.num_pending == 0]
             reqs = [plan.prefill[i][0] for i in done]
@@ -200,6 +213,38 @@ class Engine:
             events += self._emit(reqs, tokens)
         self.stats.steps += 1
         return events
+
+    @property
+    def _one_forward_mixed(self) -> bool:
+        c = self.config
+        return c.mixed_steps and c.speculative is None and not c.batch_invariant
+
+    def _count_cached(self, plan) -> None:
+        joined_now = self.scheduler.step_index - 1
+        self.stats.cached_tokens += sum(r.cached_tokens for r, _ in plan.prefill
+                                        if r.joined_step == joined_now)
+
+    def _mixed_step(self, plan) -> list[TokenEvent]:
+        """One EXTEND forward over the decoding requests (rows of length 1, first) and the
+        prefill chunks; samples every decode row and each prefill row whose prompt is done."""
+        t0 = time.perf_counter()
+        self._count_cached(plan)
+        items = [(r, 1) for r in plan.decode] + list(plan.prefill)
+        logits = self.runner.forward(ForwardMode.EXTEND, items)
+        nd = len(plan.decode)
+        done = list(range(nd)) + [nd + i for i, (r, _) in enumerate(plan.prefill)
+                                  if r.num_pending == 0]
+        reqs = [items[i][0] for i in done]
+        tokens = sample_tokens(logits[done], reqs)
+        dt = time.perf_counter() - t0
+        n_pre = sum(n for _, n in plan.prefill)
+        self.stats.decode_seconds += dt * nd / (nd + n_pre)
+        self.stats.prefill_seconds += dt * n_pre / (nd + n_pre)
+        self.stats.decode_tokens += nd
+        self.stats.prefill_tokens += n_pre
+        self.stats.mixed_steps += 1
+        self.stats.steps += 1
+        return self._emit(reqs[:nd], tokens[:nd]) + self._emit(reqs[nd:], tokens[nd:])
 
     def _emit(self, reqs: Iterable[Request], tokens: list[int]) -> list[TokenEvent]:
         out = []

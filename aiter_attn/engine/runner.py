@@ -1,7 +1,8 @@
 """One forward of the model over the paged KV cache: builds the step's ``ForwardBatch``.
 
-A step's prefill chunks run as one EXTEND forward and its decoding requests as one DECODE
-forward (a mixed step is split in two). The runner knows nothing of the model class beyond
+A pure decode step is one DECODE forward; a step with prefill chunks is one EXTEND forward,
+its decoding requests (if any) riding along as extend rows of length 1 (or a separate DECODE
+forward with ``EngineConfig(mixed_steps=False)``). The runner knows nothing of the model class beyond
 the ``EngineModel`` protocol. With CUDA graphs on, DECODE (and full chain verify) batches
 are handed to :class:`~aiter_attn.engine.graphs.EngineGraphs` instead of being planned here.
 """
