@@ -127,6 +127,7 @@ def reset_api() -> None:
     with _lock:
         _api.clear()
         _workspaces.clear()
+        _retired.clear()
     _params_of.cache_clear()
 
 
@@ -135,14 +136,19 @@ def _call(call: M.AiterCall):
 
 
 # --------------------------------------------------------------------------------------------
-# workspaces: grown on demand in eager mode; reserve them before graph capture
+# workspaces: grown on demand in eager mode; reserve them before graph capture. A workspace
+# that is outgrown is kept alive (``_retired``), never freed: a graph captured with it keeps
+# reading valid memory at its captured address whatever eager batches run in between.
 
 _workspaces: dict = {}
+_retired: list = []
 
 
 def _workspace(key, nbytes: int, device) -> torch.Tensor:
     buf = _workspaces.get(key)
     if buf is None or buf.numel() < nbytes:
+        if buf is not None:
+            _retired.append(buf)
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         _workspaces[key] = buf
     return buf
@@ -191,8 +197,11 @@ def use_mla_workspace(buffers, max_batch: int, max_seqlen_q: int, num_heads: int
         raise ValueError(f"buffers lack {missing}; allocate them from mla_buffer_spec(...).")
     bufs = {n: buffers[MLA_BUFFER_PREFIX + n] for n in names}
     bufs["_max_batch"] = int(max_batch)
+    key = _mla_key(device, plan, max_seqlen_q, q_dtype, kv_dtype)
     with _lock:
-        _workspaces[_mla_key(device, plan, max_seqlen_q, q_dtype, kv_dtype)] = bufs
+        if key in _workspaces:
+            _retired.append(_workspaces[key])  # a captured graph may still read them
+        _workspaces[key] = bufs
     return bufs
 
 
