@@ -1,12 +1,13 @@
 """The aiter plugin's contract with the real ``amd-aiter`` package, checked on the CPU.
 
-CI downloads the ``amd-aiter`` wheel (pure Python, ~40 MB) without installing or importing
-it (``.ci/run``: ``pip download --no-deps amd-aiter -d .whl``). This test reads the source of
-every aiter function the plugin calls straight out of the wheel with ``ast``, builds an
-``inspect.Signature`` from each definition, installs a fake ``aiter`` package whose functions
-carry those signatures and record their calls, runs the plugin's kernels on CPU tensors, and
-binds every recorded call to the real signature. A renamed or missing parameter fails (see the
-mutation self-tests at the end). Without the wheel the test fails; it never skips.
+The README's test command downloads the ``amd-aiter`` wheel (pure Python, ~40 MB) without
+installing or importing it (``scripts/fetch_test_deps.sh``: ``pip download --no-deps -d
+.whl``). This test reads the source of every aiter function the plugin calls straight out of
+the wheel with ``ast``, builds an ``inspect.Signature`` from each definition, installs a fake
+``aiter`` package whose functions carry those signatures and record their calls, runs the
+plugin's kernels on CPU tensors, and binds every recorded call to the real signature. A renamed
+or missing parameter fails (see the mutation self-tests at the end). Without the wheel the test
+fails; it never skips.
 
 The wheel is found through ``$AITER_ATTN_AITER_WHEEL`` (a ``.whl`` file or an unpacked source
 tree) or ``<repo>/.whl/amd_aiter-*.whl``. ``$AITER_ATTN_AITER_EXTRA_SRC`` (``os.pathsep``
@@ -177,7 +178,7 @@ def wheel() -> SourceTree:
     if path is None or not path.exists():
         pytest.fail(
             "the amd-aiter wheel is required for the aiter contract test (it must not skip): "
-            "run `pip download --no-deps amd-aiter -d .whl` in the repository root (.ci/run "
+            "run `./scripts/fetch_test_deps.sh` in the repository root (./scripts/test.sh "
             "does) or point AITER_ATTN_AITER_WHEEL at a wheel or unpacked source tree.",
             pytrace=False)
     return SourceTree(path)
