@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from ..hookspecs import hookimpl
-from ..types import CGSupport
+from ..types import CGSupport, kv_dequant_scales
 from . import aiter_marshal as M
 from .registry import Capabilities
 
@@ -251,6 +251,7 @@ def aiter_paged_attention(q, k_cache, v_cache, out, *, cu_seqlens_q, seqused_k, 
     route = M.route_paged_attention(
         max_q, causal=causal, has_sinks=sinks is not None, window=window_size, is_fp8=fp8,
         prefill_params=accepted_params("mha_batch_prefill_func"))
+    k_scale, v_scale = kv_dequant_scales(k_cache.dtype, k_scale, v_scale)  # fp8 only
     ks = _scale_tensor(k_scale, q.device) if fp8 else None
     vs = _scale_tensor(v_scale, q.device) if fp8 else None
     if route == "unified_attention":
@@ -271,7 +272,7 @@ def aiter_paged_attention(q, k_cache, v_cache, out, *, cu_seqlens_q, seqused_k, 
             softmax_scale=softmax_scale, kv_indptr=kv_indptr, kv_indices=kv_indices,
             kv_last_page_lens=ones, max_num_partitions=M.max_num_partitions(max_ctx),
             softcap=softcap, k_scale=_scale_tensor(k_scale, q.device),
-            v_scale=_scale_tensor(v_scale, q.device)))
+            v_scale=_scale_tensor(v_scale, q.device)))  # 1.0 unless the cache is fp8
         return out
     max_k = max_seqlen_k if max_seqlen_k is not None else block_table.shape[1] * page_size
     res = _call(M.build_mha_batch_prefill_call(
@@ -297,12 +298,18 @@ def aiter_mla_paged_attention(q, kv_cache, out, *, kv_lora_rank, cu_seqlens_q, s
     max_q = _max_q(cu_seqlens_q, max_seqlen_q)
     kv_indptr, kv_indices = M.token_kv_indices(block_table, seqused_k, page_size)
     ones = torch.ones(bs, dtype=torch.int32, device=q.device)
+    fp8 = kv_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32)
+    kv_scale, _ = kv_dequant_scales(kv_cache.dtype, kv_scale, kv_scale)  # fp8 only
     if max_q > 4:
+        # mla_prefill_fwd takes no descale: fold it (keys: into the softmax scale; values:
+        # into the output). Extend is never captured, so reading a tensor scale here is allowed.
+        ks = 1.0 if kv_scale is None else float(kv_scale)
         _call(M.build_mla_prefill_call(
             q, kv_cache, out, qo_indptr=cu_seqlens_q, kv_indptr=kv_indptr, kv_indices=kv_indices,
-            last_page_lens=ones, max_seqlen_q=max_q, softmax_scale=softmax_scale))
+            last_page_lens=ones, max_seqlen_q=max_q, softmax_scale=softmax_scale * ks))
+        if ks != 1.0:
+            out.mul_(ks)
         return out
-    fp8 = kv_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32)
     plan = M.mla_decode_plan(q.shape[1], kv_cache.dtype, max_q)
     bufs = None
     if plan.persistent:
@@ -374,6 +381,7 @@ def aiter_paged_attention_5d(q, k_cache, v_cache, out, *, cu_seqlens_q, seqused_
         return _fallback_5d(q, k_cache, v_cache, out,
                             f"{q.shape[0]} query tokens for {bs} requests, max {max_q}", **kwargs)
     fp8 = k_cache.dtype not in (torch.float16, torch.bfloat16)
+    k_scale, v_scale = kv_dequant_scales(k_cache.dtype, k_scale, v_scale)  # fp8 only
     _call(M.build_pa_decode_gluon_call(
         out, q, k_cache, v_cache, seqused_k=seqused_k, block_table=block_table,
         softmax_scale=softmax_scale, query_length=max_q,

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...types import FP8_DTYPES
+from ...types import FP8_DTYPES, kv_dequant_scales
 from ._kvutil import next_pow2
 from ._paging import load_chunk_pages, tile_pages_of
 from ._launch_config import TUNING_OVERRIDES, _cdiv, choose_config
@@ -537,6 +537,8 @@ def _launch(q, k_cache, v_cache, out, layout: _CacheLayout, *, cu_seqlens_q, seq
     grid_q = search_grid if search else batch * q_blocks_per_seq
 
     is_fp8 = k_cache.dtype in FP8_DTYPES
+    # k/v scales dequantise fp8 caches only (aiter_attn.types.kv_dequant_scales)
+    k_scale, v_scale = kv_dequant_scales(k_cache.dtype, k_scale, v_scale)
     has_scales = k_scale is not None or v_scale is not None
     if has_scales:
         k_scale_t = _scale_tensor(k_scale, q.device)
