@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import attrs
 import torch
 
 from .kernels.registry import KernelRequest, Selection
@@ -18,6 +19,7 @@ from .validation import ATTN_DTYPES, INDEX_DTYPES, check_same_device, check_tens
 __all__ = [
     "paged_attention",
     "mla_paged_attention",
+    "merge_attention_states",
     "write_kv",
     "build_page_table",
     "build_page_tables_swa",
@@ -93,6 +95,20 @@ def paged_attention_request(
     )
 
 
+def _lse_buffer(return_lse, out_lse, q):
+    """The float32 ``[T, H]`` LSE buffer of a ``return_lse`` call (``out_lse`` checked, or a new
+    one), or ``None`` without ``return_lse``/``out_lse``."""
+    if out_lse is None:
+        if not return_lse:
+            return None
+        return torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+    check_tensor("out_lse", out_lse, dtypes=(torch.float32,), ndim=2,
+                 shape=(q.shape[0], q.shape[1]),
+                 hint="out_lse is float32 [num_tokens, num_q_heads].")
+    check_same_device("q", q, out_lse=out_lse)
+    return out_lse
+
+
 def _validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, out,
                     **optional_tensors):
     check_tensor("q", q, dtypes=ATTN_DTYPES, ndim=3,
@@ -148,7 +164,9 @@ def paged_attention(
     custom_mask: Optional[torch.Tensor] = None,
     mask_indptr: Optional[torch.Tensor] = None,
     backend: Optional[str] = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+    out_lse: Optional[torch.Tensor] = None,
+):
     """Attention of ragged queries over a paged KV cache (decode, prefill, extend, mixed).
 
     Args:
@@ -168,9 +186,16 @@ def paged_attention(
         out: optional ``[num_tokens, num_q_heads, head_dim_v]`` output buffer.
         custom_mask, mask_indptr: tree-verify mask (bool flat, int64 ``[batch + 1]``).
         backend: force an implementation by name.
+        return_lse: also return the float32 ``[num_tokens, num_q_heads]`` log-sum-exp of each
+            row (natural log of Σ exp over the visible scaled, soft-capped logits and the sink:
+            the flash-attn convention; ``-inf`` for a fully masked row, whose output is 0).
+            Only kernels declaring the ``lse`` feature are selected.
+        out_lse: optional float32 ``[num_tokens, num_q_heads]`` buffer for it (implies
+            ``return_lse``).
 
     Returns:
-        ``[num_tokens, num_q_heads, head_dim_v]`` in q's dtype.
+        ``[num_tokens, num_q_heads, head_dim_v]`` in q's dtype; with ``return_lse`` (or
+        ``out_lse``) the pair ``(out, lse)``.
     """
     _validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, out,
                     sinks=sinks, custom_mask=custom_mask, mask_indptr=mask_indptr)
@@ -186,19 +211,24 @@ def paged_attention(
         check_tensor("custom_mask", custom_mask, dtypes=(torch.bool, torch.uint8), ndim=1)
         check_tensor("mask_indptr", mask_indptr, dtypes=INDEX_DTYPES, ndim=1,
                      shape=(cu_seqlens_q.shape[0],))
+    lse = _lse_buffer(return_lse, out_lse, q)
     req = paged_attention_request(q, k_cache, v_cache, window_size=window_size, softcap=softcap,
                                   sinks=sinks, causal=causal, custom_mask=custom_mask)
+    if lse is not None:
+        req = attrs.evolve(req, features=req.features | {"lse"})
     sel: Selection = _registry().select(req, backend=backend)
     if out is None:
         out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[3], dtype=q.dtype, device=q.device)
-    return sel.fn(
+    extra = {} if lse is None else {"lse": lse}
+    out = sel.fn(
         q, k_cache, v_cache, out,
         cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,
         softmax_scale=float(softmax_scale), causal=causal, window_size=tuple(window_size),
         softcap=float(softcap), sinks=sinks, k_scale=k_scale, v_scale=v_scale,
         custom_mask=custom_mask, mask_indptr=mask_indptr,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **extra,
     )
+    return out if lse is None else (out, lse)
 
 
 def mla_paged_attention(
@@ -218,17 +248,20 @@ def mla_paged_attention(
     custom_mask: Optional[torch.Tensor] = None,
     mask_indptr: Optional[torch.Tensor] = None,
     backend: Optional[str] = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+    out_lse: Optional[torch.Tensor] = None,
+):
     """Absorbed MLA over a latent paged cache.
 
     Args:
         q: ``[num_tokens, num_heads, kv_lora_rank + rope_dim]`` (q_nope absorbed + q_rope).
         kv_cache: ``[num_pages, page_size, 1, kv_lora_rank + rope_dim]``; values are its first
             ``kv_lora_rank`` dims.
-        Others as in :func:`paged_attention`.
+        Others as in :func:`paged_attention` (``return_lse``/``out_lse`` included).
 
     Returns:
-        ``[num_tokens, num_heads, kv_lora_rank]`` in q's dtype.
+        ``[num_tokens, num_heads, kv_lora_rank]`` in q's dtype; with ``return_lse`` the pair
+        ``(out, lse)``, lse float32 ``[num_tokens, num_heads]``.
     """
     check_tensor("q", q, dtypes=ATTN_DTYPES, ndim=3,
                  hint="q is [num_tokens, num_heads, kv_lora_rank + rope_dim].")
@@ -239,9 +272,12 @@ def mla_paged_attention(
         raise ValueError(f"kv_lora_rank={kv_lora_rank}; must be in 1..{q.shape[2]} (q's last dim).")
     _validate_paged(q, kv_cache, kv_cache[..., :kv_lora_rank], cu_seqlens_q, seqused_k,
                     block_table, out)
+    lse = _lse_buffer(return_lse, out_lse, q)
     features = {"fp8"} if kv_cache.dtype in FP8_DTYPES else set()
     if custom_mask is not None:
         features.add("custom_mask")
+    if lse is not None:
+        features.add("lse")
     req = KernelRequest(
         op="mla_paged_attention", device=q.device.type, dtype=q.dtype, kv_dtype=kv_cache.dtype,
         head_dim=q.shape[2], v_head_dim=kv_lora_rank, page_size=kv_cache.shape[1],
@@ -250,12 +286,68 @@ def mla_paged_attention(
     sel = _registry().select(req, backend=backend)
     if out is None:
         out = torch.empty(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype, device=q.device)
-    return sel.fn(
+    extra = {} if lse is None else {"lse": lse}
+    out = sel.fn(
         q, kv_cache, out, kv_lora_rank=kv_lora_rank, cu_seqlens_q=cu_seqlens_q,
         seqused_k=seqused_k, block_table=block_table, softmax_scale=float(softmax_scale),
         causal=causal, kv_scale=kv_scale, custom_mask=custom_mask, mask_indptr=mask_indptr,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **extra,
     )
+    return out if lse is None else (out, lse)
+
+
+def merge_attention_states(
+    o_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    o_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    out_lse: Optional[torch.Tensor] = None,
+    *,
+    backend: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial attention results over disjoint key sets into the result over their
+    union, exactly (up to rounding): with ``M = max(lse_a, lse_b)`` and ``w = exp(lse − M)``,
+    ``out = (w_a·o_a + w_b·o_b) / (w_a + w_b)``, ``out_lse = M + ln(w_a + w_b)``.
+
+    A part with ``lse = -inf`` (nothing visible) has weight 0 and its ``o`` is ignored; both
+    ``-inf`` give ``out = 0``, ``out_lse = -inf`` (no NaN). Sinks belong to exactly one of
+    the two parts (the part computed with them).
+
+    Args:
+        o_a, o_b: ``[num_tokens, num_heads, head_dim]`` (fp16/bf16/fp32, same dtype), e.g.
+            ``paged_attention(..., return_lse=True)`` outputs.
+        lse_a, lse_b: float32 ``[num_tokens, num_heads]`` natural-log LSEs.
+        out: optional ``[num_tokens, num_heads, head_dim]`` in o_a's dtype (may be o_a or o_b).
+        out_lse: optional float32 ``[num_tokens, num_heads]`` (may be lse_a or lse_b).
+        backend: force an implementation by name.
+
+    Returns:
+        ``(out, out_lse)``.
+    """
+    check_tensor("o_a", o_a, dtypes=ATTN_DTYPES, ndim=3,
+                 hint="o_a is [num_tokens, num_heads, head_dim].")
+    shape = tuple(o_a.shape)
+    check_tensor("o_b", o_b, dtypes=(o_a.dtype,), ndim=3, shape=shape,
+                 hint="o_b is [num_tokens, num_heads, head_dim] like o_a.")
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        check_tensor(name, t, dtypes=(torch.float32,), ndim=2, shape=shape[:2],
+                     hint=f"{name} is float32 [num_tokens, num_heads] (return_lse=True output).")
+    if out is not None:
+        check_tensor("out", out, dtypes=(o_a.dtype,), ndim=3, shape=shape,
+                     hint="out is [num_tokens, num_heads, head_dim] in o_a's dtype.")
+    if out_lse is not None:
+        check_tensor("out_lse", out_lse, dtypes=(torch.float32,), ndim=2, shape=shape[:2],
+                     hint="out_lse is float32 [num_tokens, num_heads].")
+    check_same_device("o_a", o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b, out=out, out_lse=out_lse)
+    req = KernelRequest(op="merge_attention_states", device=o_a.device.type, dtype=o_a.dtype,
+                        head_dim=shape[2])
+    sel = _registry().select(req, backend=backend)
+    if out is None:
+        out = torch.empty_like(o_a)
+    if out_lse is None:
+        out_lse = torch.empty(shape[:2], dtype=torch.float32, device=o_a.device)
+    return sel.fn(o_a, lse_a, o_b, lse_b, out, out_lse)
 
 
 def write_kv(

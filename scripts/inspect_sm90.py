@@ -58,7 +58,7 @@ def compile_paged(kv="bf16", q="bf16", warps=8, stages=3, **const):
              HAS_SCALES=fp8, HAS_CUSTOM_MASK=False, SEARCH_SEQ=False, SPLIT=False,
              COMPUTE_DTYPE=tl.float16 if fp8 and q == "bf16" else _TL[q],
              CLAMP_Q=fp8 and q == "bf16", DOT_PRECISION="tf32", NUM_STAGES=stages,
-             WARP_SPEC=False, PAGE_CHUNK=16, KX=1, VX=1)
+             WARP_SPEC=False, PAGE_CHUNK=16, KX=1, VX=1, WRITE_LSE=False)
     # head-dim strides of NHD caches are 1: Triton's launcher specialises integer arguments
     # equal to 1 into constants, so they are constexprs here too
     c.update(stride_kd=1, stride_vd=1)
@@ -67,7 +67,7 @@ def compile_paged(kv="bf16", q="bf16", warps=8, stages=3, **const):
     c["TILE_IN_PAGE"] = c["PAGE_SIZE"] % c["BLOCK_N"] == 0
     ptrs = dict(Q=q, K=kv, V=kv, O=q, PartAcc="fp32", PartML="fp32", CuQ="i32", SeqK="i32",
                 BlockTable="i32", Sinks="fp32", KScale="fp32", VScale="fp32", Mask="u8",
-                MaskIndptr="i32")
+                MaskIndptr="i32", Lse="fp32")
     return _compile(pa._paged_attn_kernel, ptrs, {"sm_scale", "softcap"},
                     {"left", "right", "num_seqs", "q_blocks_per_seq", "num_splits"},
                     c, warps, stages)
@@ -80,12 +80,12 @@ def compile_mla(kv="bf16", q="bf16", warps=4, stages=3, **const):
     c = dict(PAGE_SIZE=64, KV_LORA=512, ROPE=64, BLOCK_DV=512, BLOCK_DR=64, BLOCK_H=16,
              BLOCK_N=64, BLOCK_B=64, NUM_SPLITS=1, CAUSAL=False, HAS_MASK=False,
              SCALE_FROM_PTR=False, IEEE=False, EVEN_D=True, PAGE_CHUNK=0,
-             FP16_DOTS=fp8 and q == "bf16", SPLIT_V_LOAD=fp8)
+             FP16_DOTS=fp8 and q == "bf16", SPLIT_V_LOAD=fp8, WRITE_LSE=False)
     c.update(const)
     c["TILE_IN_PAGE"] = c["PAGE_SIZE"] % c["BLOCK_N"] == 0
     ptrs = dict(q_ptr=q, kv_ptr=kv, out_ptr=q, part_o_ptr="fp32", part_lse_ptr="fp32",
                 cu_q_ptr="i32", seqused_ptr="i32", bt_ptr="i32", mask_ptr="u8",
-                mask_indptr_ptr="i64", scale_ptr="fp32")
+                mask_indptr_ptr="i64", scale_ptr="fp32", lse_ptr="fp32")
     return _compile(mla._mla_fwd_kernel, ptrs, {"qk_scale_log2", "kv_scale_val"},
                     {"num_heads", "batch", "num_head_blocks"}, c, warps, stages)
 

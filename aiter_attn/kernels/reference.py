@@ -16,6 +16,7 @@ from .registry import Capabilities
 __all__ = [
     "paged_attention_reference",
     "mla_paged_attention_reference",
+    "merge_attention_states_reference",
     "build_page_tables_swa_reference",
     "write_kv_reference",
     "build_page_table_reference",
@@ -70,6 +71,7 @@ def paged_attention_reference(
     mask_indptr: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
+    lse: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Paged attention in float32.
 
@@ -80,6 +82,10 @@ def paged_attention_reference(
     ``s ← c·tanh(s/c)``. With sinks, softmax runs over ``[s, sink_h]`` and the sink column has
     no value. A row with no visible key (and no sink) outputs zeros. ``k_scale``/``v_scale``
     multiply the keys/values read from an fp8 cache; on any other cache they do not apply.
+
+    With ``lse`` (float32 ``[T, Hq]``), also writes ``lse[t, h] = ln Σ exp(s)`` over the visible
+    (scaled, soft-capped) logits and the sink: the flash-attn convention; ``-inf`` for a row
+    with nothing visible and no sink.
 
     Shapes: q ``[T, Hq, D]``; caches ``[pages, page_size, Hkv, D|Dv]``; out ``[T, Hq, Dv]``.
     """
@@ -120,6 +126,8 @@ def paged_attention_reference(
         if sinks is not None:
             sink = sinks.float().view(num_q_heads, 1, 1).expand(num_q_heads, n, 1)
             s = torch.cat([s, sink], dim=-1)
+        if lse is not None:
+            lse[q0:q1] = torch.logsumexp(s, dim=-1).transpose(0, 1).to(lse.dtype)  # [n, Hq]
         row_max = s.amax(dim=-1, keepdim=True)
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
         p = torch.exp(s - row_max)
@@ -146,10 +154,12 @@ def mla_paged_attention_reference(
     mask_indptr: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
+    lse: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Absorbed MLA: one latent KV head; keys are the whole ``kv_lora_rank + rope`` vector, values
     its first ``kv_lora_rank`` dims. q ``[T, H, kv_lora + rope]``, kv_cache
-    ``[pages, page_size, 1, kv_lora + rope]``, out ``[T, H, kv_lora]``."""
+    ``[pages, page_size, 1, kv_lora + rope]``, out ``[T, H, kv_lora]``; optional ``lse``
+    float32 ``[T, H]`` as in :func:`paged_attention_reference`."""
     return paged_attention_reference(
         q,
         kv_cache,
@@ -164,7 +174,39 @@ def mla_paged_attention_reference(
         v_scale=kv_scale,
         custom_mask=custom_mask,
         mask_indptr=mask_indptr,
+        lse=lse,
     )
+
+
+def merge_attention_states_reference(
+    o_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    o_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    out: torch.Tensor,
+    out_lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attention results over disjoint key sets, in float32.
+
+    With ``M = max(lse_a, lse_b)``, ``w_x = exp(lse_x − M)``:
+    ``out = (w_a·o_a + w_b·o_b) / (w_a + w_b)`` and ``out_lse = M + ln(w_a + w_b)``. A side
+    with ``lse = −inf`` (nothing visible) has weight 0 and its ``o`` is never read into the
+    result (so even a NaN there cannot leak); both sides ``−inf`` give ``out = 0`` and
+    ``out_lse = −inf``.
+
+    Shapes: o_a, o_b, out ``[T, H, D]``; lse_a, lse_b, out_lse float32 ``[T, H]``.
+    """
+    la, lb = lse_a.float(), lse_b.float()
+    m = torch.maximum(la, lb)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    wa, wb = torch.exp(la - m), torch.exp(lb - m)
+    den = wa + wb
+    ta = torch.where((wa > 0).unsqueeze(-1), wa.unsqueeze(-1) * o_a.float(), 0.0)
+    tb = torch.where((wb > 0).unsqueeze(-1), wb.unsqueeze(-1) * o_b.float(), 0.0)
+    safe = torch.where(den > 0, den, torch.ones_like(den))
+    out.copy_(((ta + tb) / safe.unsqueeze(-1)).to(out.dtype))
+    out_lse.copy_(torch.where(den > 0, m + torch.log(safe), float("-inf")).to(out_lse.dtype))
+    return out, out_lse
 
 
 def write_kv_reference(
@@ -266,12 +308,15 @@ def aiter_attn_register_kernels(register):
     """Register the references: any device, any dtype, every feature; lowest priority."""
     everything = Capabilities(
         features={"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs",
-                  "non_causal"},
+                  "non_causal", "lse"},
         cg_support=CGSupport.NEVER,
     )
     register("paged_attention", "reference", paged_attention_reference, everything, priority=0)
     register("mla_paged_attention", "reference", mla_paged_attention_reference, everything,
              priority=0)
+    # torch ops on device tensors only, no host reads: capture-safe
+    register("merge_attention_states", "reference", merge_attention_states_reference,
+             Capabilities(cg_support=CGSupport.ALWAYS), priority=0)
     index_caps = Capabilities(cg_support=CGSupport.ALWAYS, features={"fp8"})
     register("write_kv", "reference", write_kv_reference, index_caps, priority=0)
     register("build_page_table", "reference", build_page_table_reference, index_caps, priority=0)

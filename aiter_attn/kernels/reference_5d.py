@@ -80,12 +80,14 @@ def paged_attention_5d_reference(
     mask_indptr: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
+    lse: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``paged_attention`` semantics over the 5-D layout, in float32.
 
     Gathers the ``batch × max_pages`` pages named by ``block_table``, converts them to NHD
     pages (``[B·W, P, H, D]``), renumbers the table to ``arange(B·W)`` and calls the NHD
-    reference with every other argument unchanged. q ``[T, Hq, D]``; out ``[T, Hq, Dv]``.
+    reference with every other argument unchanged (``lse`` too). q ``[T, Hq, D]``; out
+    ``[T, Hq, Dv]``.
     """
     bs, width = block_table.shape
     pages = block_table.reshape(-1).long()
@@ -96,5 +98,5 @@ def paged_attention_5d_reference(
         block_table=local, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
         custom_mask=custom_mask, mask_indptr=mask_indptr, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
+        max_seqlen_k=max_seqlen_k, lse=lse,
     )

@@ -30,9 +30,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Feature names a request may need and a kernel may declare.
+#: Feature names a request may need and a kernel may declare. ``lse``: the kernel also writes
+#: the float32 log-sum-exp per (token, head) (``return_lse=True``; natural log of the exp-sum of
+#: the scaled, soft-capped logits, sinks included; ``-inf`` for a fully masked row).
 FEATURES = frozenset(
-    {"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs", "non_causal"}
+    {"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs", "non_causal",
+     "lse"}
 )
 
 

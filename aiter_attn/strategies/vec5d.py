@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import attrs
 import torch
 
 from ..batch import ForwardBatch
@@ -26,7 +27,7 @@ from ..hookspecs import hookimpl
 from ..kernels.reference_5d import paged_attention_5d_reference, v_layout_of, vec_width
 from ..kernels.registry import Capabilities, KernelRequest
 from ..metadata import AttnMetadata
-from ..ops import attention_features
+from ..ops import _lse_buffer, attention_features
 from ..registry import StrategyPair
 from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
 from ..validation import ATTN_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
@@ -105,7 +106,8 @@ def paged_attention_5d(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_ta
                        softmax_scale, causal=True, window_size=(-1, -1), softcap=0.0, sinks=None,
                        k_scale=None, v_scale=None, out=None, max_seqlen_q=None,
                        max_seqlen_k=None, custom_mask=None, mask_indptr=None,
-                       backend: Optional[str] = None) -> torch.Tensor:
+                       backend: Optional[str] = None, return_lse: bool = False,
+                       out_lse: Optional[torch.Tensor] = None):
     """:func:`aiter_attn.ops.paged_attention` over the 5-D layout.
 
     Args:
@@ -113,10 +115,12 @@ def paged_attention_5d(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_ta
         k_cache: ``[num_pages, num_kv_heads, head_dim // x, page_size, x]``.
         v_cache: ``[num_pages, num_kv_heads, page_size // x, head_dim_v, x]`` (shuffled) or
             ``[num_pages, num_kv_heads, head_dim_v, page_size]`` (hd_page).
-        Others exactly as in :func:`aiter_attn.ops.paged_attention`.
+        Others exactly as in :func:`aiter_attn.ops.paged_attention` (``return_lse`` and
+        ``out_lse`` included).
 
     Returns:
-        ``[num_tokens, num_q_heads, head_dim_v]`` in q's dtype.
+        ``[num_tokens, num_q_heads, head_dim_v]`` in q's dtype; with ``return_lse`` the pair
+        ``(out, lse)``, lse float32 ``[num_tokens, num_q_heads]``.
     """
     check_tensor("q", q, dtypes=ATTN_DTYPES, ndim=3,
                  hint="q is [num_tokens, num_q_heads, head_dim].")
@@ -136,18 +140,24 @@ def paged_attention_5d(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_ta
                       custom_mask=custom_mask, mask_indptr=mask_indptr)
     if (custom_mask is None) != (mask_indptr is None):
         raise ValueError("custom_mask and mask_indptr go together; pass both or neither.")
+    lse = _lse_buffer(return_lse, out_lse, q)
     req = paged_attention_5d_request(q, k_cache, v_cache, window_size=window_size,
                                      softcap=softcap, sinks=sinks, causal=causal,
                                      custom_mask=custom_mask)
+    if lse is not None:
+        req = attrs.evolve(req, features=req.features | {"lse"})
     sel = _registry().select(req, backend=backend)
     if out is None:
         out = torch.empty(q.shape[0], q.shape[1], _v_head_dim(v_cache), dtype=q.dtype,
                           device=q.device)
-    return sel.fn(q, k_cache, v_cache, out, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
-                  block_table=block_table, softmax_scale=float(softmax_scale), causal=causal,
-                  window_size=tuple(window_size), softcap=float(softcap), sinks=sinks,
-                  k_scale=k_scale, v_scale=v_scale, custom_mask=custom_mask,
-                  mask_indptr=mask_indptr, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    extra = {} if lse is None else {"lse": lse}
+    out = sel.fn(q, k_cache, v_cache, out, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+                 block_table=block_table, softmax_scale=float(softmax_scale), causal=causal,
+                 window_size=tuple(window_size), softcap=float(softcap), sinks=sinks,
+                 k_scale=k_scale, v_scale=v_scale, custom_mask=custom_mask,
+                 mask_indptr=mask_indptr, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                 **extra)
+    return out if lse is None else (out, lse)
 
 
 def write_kv_5d_request(k_cache, v_cache, k) -> KernelRequest:
@@ -241,7 +251,7 @@ def aiter_attn_register_kernels(register):
     """
     everything = Capabilities(
         features={"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs",
-                  "non_causal"},
+                  "non_causal", "lse"},
         cg_support=CGSupport.NEVER,
     )
     register("paged_attention_5d", "reference", paged_attention_5d_reference, everything,

@@ -21,12 +21,15 @@ def dense_attention(
     softcap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
     mask: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+):
     """One request in float64.
 
     q ``[n, Hq, D]`` are the last ``n`` of the ``L`` positions of k ``[L, Hkv, D]`` /
     v ``[L, Hkv, Dv]``; ``mask`` bool ``[n, L]`` (True = visible) is applied literally.
-    Returns float64 ``[n, Hq, Dv]``; rows with nothing visible (and no sinks) are zero.
+    Returns float64 ``[n, Hq, Dv]``; rows with nothing visible (and no sinks) are zero. With
+    ``return_lse``, also the float64 ``[n, Hq]`` natural-log LSE of each row's visible logits
+    and sink (``-inf`` with neither): ``(out, lse)``.
     """
     n, hq, _ = q.shape
     L, hkv = k.shape[0], k.shape[1]
@@ -52,10 +55,11 @@ def dense_attention(
     if sinks is not None:
         logits = torch.cat([logits, sinks.double().cpu().view(hq, 1, 1).expand(hq, n, 1)], -1)
     out = torch.zeros(n, hq, v.shape[-1], dtype=torch.float64)
+    lse = torch.logsumexp(logits, dim=-1).transpose(0, 1).contiguous()  # [n, Hq]
     for i in range(n):
         row = logits[:, i]  # [Hq, L (+1)]
         if not torch.isfinite(row).any():
             continue  # nothing visible, no sink: zeros
         w = torch.softmax(row, dim=-1)[:, :L]
         out[i] = torch.einsum("hl,lhd->hd", w, vd)
-    return out
+    return (out, lse) if return_lse else out

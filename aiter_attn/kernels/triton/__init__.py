@@ -47,7 +47,7 @@ def aiter_attn_register_kernels(register):
     attn_caps = Capabilities(
         devices=TRITON_DEVICES, dtypes=_FLOAT_DTYPES, max_head_dim=MAX_HEAD_DIM,
         features={"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs",
-                  "non_causal"},
+                  "non_causal", "lse"},
         cg_support=CGSupport.ALWAYS, predicate=reject_reason,
     )
     register("paged_attention", "triton", paged_attention_triton, attn_caps,
@@ -67,7 +67,7 @@ def aiter_attn_register_kernels(register):
     register(
         "mla_paged_attention", "triton", mla_paged_attention,
         Capabilities(devices=TRITON_DEVICES, dtypes=_FLOAT_DTYPES, max_head_dim=1024,
-                     features={"fp8", "custom_mask"}, cg_support=CGSupport.ALWAYS),
+                     features={"fp8", "custom_mask", "lse"}, cg_support=CGSupport.ALWAYS),
         priority=triton_priority(),
     )
     index_caps = Capabilities(devices=TRITON_DEVICES, features={"fp8"},
@@ -83,6 +83,12 @@ def aiter_attn_register_kernels(register):
     register("write_kv_swa", "triton", write_kv_translated, index_caps, triton_priority())
     register("write_kv_5d", "triton", write_kv_5d, index_caps, triton_priority())
     from .masks import build_tree_mask
+    from .merge import merge_attention_states
+
+    register("merge_attention_states", "triton", merge_attention_states,
+             Capabilities(devices=TRITON_DEVICES, dtypes=_FLOAT_DTYPES,
+                          cg_support=CGSupport.ALWAYS),
+             triton_priority())
 
     register("build_tree_mask", "triton", build_tree_mask,
              Capabilities(devices=TRITON_DEVICES, cg_support=CGSupport.ALWAYS),

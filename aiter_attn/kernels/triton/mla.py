@@ -93,7 +93,7 @@ def _mla_tile(acc, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, offs_n, hi, 
 
 @triton.jit
 def _mla_fwd_kernel(
-    q_ptr, kv_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, kv_ptr, out_ptr, part_o_ptr, part_lse_ptr, lse_ptr,
     cu_q_ptr, seqused_ptr, bt_ptr, mask_ptr, mask_indptr_ptr, scale_ptr,
     qk_scale_log2, kv_scale_val,
     num_heads, batch, num_head_blocks,
@@ -103,6 +103,7 @@ def _mla_fwd_kernel(
     stride_bt,
     stride_pt, stride_ph, stride_ps,
     stride_lt, stride_lh,
+    stride_ot_lse, stride_oh_lse,
     PAGE_SIZE: tl.constexpr,
     KV_LORA: tl.constexpr,
     ROPE: tl.constexpr,
@@ -121,6 +122,7 @@ def _mla_fwd_kernel(
     PAGE_CHUNK: tl.constexpr,
     FP16_DOTS: tl.constexpr,
     SPLIT_V_LOAD: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -221,6 +223,11 @@ def _mla_fwd_kernel(
     if NUM_SPLITS == 1:
         o_ptrs = out_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
         tl.store(o_ptrs + offs_dv[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        if WRITE_LSE:  # natural log; -inf with nothing visible
+            lse_out = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634,
+                               float("-inf"))
+            tl.store(lse_ptr + t.to(tl.int64) * stride_ot_lse + offs_h * stride_oh_lse, lse_out,
+                     mask=mask_h)
     else:
         p_ptrs = (part_o_ptr + t.to(tl.int64) * stride_pt + offs_h[:, None] * stride_ph
                   + split * stride_ps)
@@ -232,14 +239,16 @@ def _mla_fwd_kernel(
 
 @triton.jit
 def _mla_merge_kernel(
-    out_ptr, part_o_ptr, part_lse_ptr,
+    out_ptr, part_o_ptr, part_lse_ptr, lse_ptr,
     stride_ot, stride_oh,
     stride_pt, stride_ph, stride_ps,
     stride_lt, stride_lh,
+    stride_ot_lse, stride_oh_lse,
     KV_LORA: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -258,6 +267,10 @@ def _mla_merge_kernel(
     res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0, den, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_dv,
              res.to(out_ptr.dtype.element_ty), mask=mask_dv)
+    if WRITE_LSE:  # splits' log2 LSEs merged, in index order; natural log out
+        lse_out = tl.where(den > 0, (m + tl.log2(tl.where(den > 0, den, 1.0))) / 1.4426950408889634,
+                           float("-inf"))
+        tl.store(lse_ptr + t * stride_ot_lse + h * stride_oh_lse, lse_out)
 
 
 #: Launch defaults, from the H200 sweep of ``benchmarks/bench_attention.py --mla-sweep``
@@ -341,6 +354,7 @@ def mla_paged_attention(
     num_stages: Optional[int] = None,
     page_chunk: Optional[int] = None,
     split_v_load: Optional[bool] = None,
+    lse: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Absorbed MLA over a paged latent cache (Triton). Same contract as
     :func:`aiter_attn.kernels.reference.mla_paged_attention_reference`.
@@ -370,6 +384,8 @@ def mla_paged_attention(
             multiple of it. Rounded up to a power of two. Default: 0 for head blocks of ≤ 16
             (memory-bound; H200 16 heads 128x8k: 4.0 TB/s vs 2.7 chunked), else 16
             (compute-bound; 128 heads 64x4k: 227 vs 168 TFLOP/s with 64-key tiles).
+        lse: optional float32 ``[T, H]``: also receives the natural-log LSE of each row's
+            scaled logits (``-inf`` with nothing visible), the flash-attn convention.
     """
     if kv_cache.dim() != 4 or kv_cache.shape[2] != 1:
         raise ValueError(
@@ -430,9 +446,12 @@ def mla_paged_attention(
     else:
         part_o = out.new_empty(1, 1, 1, 1, dtype=torch.float32)
         part_lse = out.new_empty(1, 1, 1, dtype=torch.float32)
+    write_lse = lse is not None
+    lse_t = lse if write_lse else part_lse
+    lse_strides = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
     grid = (num_tokens * head_blocks, splits)
     _mla_fwd_kernel[grid](
-        q, kv_cache, out, part_o, part_lse,
+        q, kv_cache, out, part_o, part_lse, lse_t,
         cu_seqlens_q, seqused_k, block_table, mask_arg, mask_ind, scale_t,
         float(softmax_scale) * _LOG2E, scale_v,
         num_heads, batch, head_blocks,
@@ -442,6 +461,7 @@ def mla_paged_attention(
         block_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
+        *lse_strides,
         PAGE_SIZE=page_size, KV_LORA=kv_lora_rank, ROPE=rope,
         BLOCK_DV=block_dv, BLOCK_DR=block_dr, BLOCK_H=bh, BLOCK_N=bn,
         BLOCK_B=next_pow2(batch), NUM_SPLITS=splits, CAUSAL=bool(causal), HAS_MASK=has_mask,
@@ -452,15 +472,16 @@ def mla_paged_attention(
             page_size % bn == 0 or bn % page_size == 0) else 0,
         FP16_DOTS=is_fp8(kv_cache.dtype) and q.dtype == torch.bfloat16,
         SPLIT_V_LOAD=kv_cache.dtype != q.dtype if split_v_load is None else split_v_load,
-        num_warps=warps, num_stages=stages,
+        WRITE_LSE=write_lse, num_warps=warps, num_stages=stages,
     )
     if splits > 1:
         _mla_merge_kernel[(num_tokens, num_heads)](
-            out, part_o, part_lse,
+            out, part_o, part_lse, lse_t,
             out.stride(0), out.stride(1),
             part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1),
+            *lse_strides,
             KV_LORA=kv_lora_rank, BLOCK_DV=block_dv, NUM_SPLITS=splits,
-            BLOCK_S=max(2, next_pow2(splits)), num_warps=4,
+            BLOCK_S=max(2, next_pow2(splits)), WRITE_LSE=write_lse, num_warps=4,
         )
     return out

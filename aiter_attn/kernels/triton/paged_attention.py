@@ -185,7 +185,7 @@ def _attn_tiles(
 
 @triton.jit
 def _paged_attn_kernel(
-    Q, K, V, O, PartAcc, PartML,
+    Q, K, V, O, PartAcc, PartML, Lse,
     CuQ, SeqK, BlockTable, Sinks, KScale, VScale, Mask, MaskIndptr,
     sm_scale, softcap, left, right, num_seqs, q_blocks_per_seq, num_splits,
     stride_qt, stride_qh,
@@ -193,7 +193,7 @@ def _paged_attn_kernel(
     stride_vp, stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh,
     stride_bt,
-    stride_ps, stride_pt, stride_mls, stride_mlt,
+    stride_ps, stride_pt, stride_mls, stride_mlt, stride_lt, stride_lh,
     GROUP: tl.constexpr, HEADS: tl.constexpr, NUM_HCHUNKS: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
@@ -203,7 +203,7 @@ def _paged_attn_kernel(
     SEARCH_SEQ: tl.constexpr, SPLIT: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr, CLAMP_Q: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr, PAGE_CHUNK: tl.constexpr,
-    KX: tl.constexpr, VX: tl.constexpr,
+    KX: tl.constexpr, VX: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     # longest causal q-blocks (latest positions) first: better tail balance in prefill
     pid_q = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -346,16 +346,23 @@ def _paged_attn_kernel(
         o = acc / l_safe[:, None]
         o_rows = (q_start + tok).to(tl.int64) * stride_ot + qh.to(tl.int64) * stride_oh
         tl.store(O + o_rows[:, None] + offs_dv[None, :], o.to(O.dtype.element_ty), mask=out_mask)
+        if WRITE_LSE:
+            # natural-log LSE of the visible logits (and the sink); -inf with nothing visible
+            lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) / _LOG2E, float("-inf"))
+            lse_rows = (q_start + tok).to(tl.int64) * stride_lt + qh.to(tl.int64) * stride_lh
+            tl.store(Lse + lse_rows, lse, mask=row_valid)
 
 
 @triton.jit
 def _reduce_splits_kernel(
-    O, PartAcc, PartML, Sinks, num_splits,
-    stride_ot, stride_oh, stride_ps, stride_pt, stride_mls, stride_mlt,
+    O, PartAcc, PartML, Sinks, Lse, num_splits,
+    stride_ot, stride_oh, stride_ps, stride_pt, stride_mls, stride_mlt, stride_lt, stride_lh,
     DV: tl.constexpr, DV_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     """Merge split partials of one (token, head): ``o = Σ_s 2^{m_s - M} acc_s / Σ_s 2^{m_s - M} l_s``
-    with the sink as one more term of the denominator."""
+    with the sink as one more term of the denominator (splits summed in index order, no
+    atomics); ``WRITE_LSE``: ``lse = ln 2 · (M + log2 denom)``, ``-inf`` when empty."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -380,6 +387,10 @@ def _reduce_splits_kernel(
     o = tl.sum(acc * w[:, None], 0)
     o = o / tl.where(denom > 0.0, denom, 1.0)
     tl.store(O + t * stride_ot + h * stride_oh + offs_dv, o.to(O.dtype.element_ty), mask=dv_mask)
+    if WRITE_LSE:
+        lse = tl.where(denom > 0.0, (m_safe + tl.log2(tl.where(denom > 0.0, denom, 1.0))) / _LOG2E,
+                       float("-inf"))
+        tl.store(Lse + t * stride_lt + h * stride_lh, lse)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,6 +438,7 @@ def paged_attention_triton(
     mask_indptr: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
+    lse: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Paged attention with the contract of ``ops.paged_attention`` (see the module docstring).
 
@@ -437,7 +449,9 @@ def paged_attention_triton(
     an upper bound of every request's query count (it sizes the grid; under CUDA-graph replay
     the captured value must still bound the replayed batch); ``max_seqlen_k`` only steers the
     split count. Without them static bounds are used (``T`` and ``W · page_size``). No host
-    synchronisation; no allocation other than the split partials.
+    synchronisation; no allocation other than the split partials. ``lse``: optional float32
+    ``[T, Hq]`` that also receives the natural-log LSE per (token, head), sinks included
+    (``-inf`` for a fully masked row).
     """
     _, page_size, num_kv_heads, _ = k_cache.shape
     ks, vs = k_cache.stride(), v_cache.stride()
@@ -454,7 +468,8 @@ def paged_attention_triton(
                    seqused_k=seqused_k, block_table=block_table, softmax_scale=softmax_scale,
                    causal=causal, window_size=window_size, softcap=softcap, sinks=sinks,
                    k_scale=k_scale, v_scale=v_scale, custom_mask=custom_mask,
-                   mask_indptr=mask_indptr, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                   mask_indptr=mask_indptr, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                   lse=lse)
 
 
 def paged_attention_5d_triton(
@@ -505,7 +520,7 @@ class _CacheLayout:
 def _launch(q, k_cache, v_cache, out, layout: _CacheLayout, *, cu_seqlens_q, seqused_k,
             block_table, softmax_scale, causal=True, window_size=(-1, -1), softcap=0.0,
             sinks=None, k_scale=None, v_scale=None, custom_mask=None, mask_indptr=None,
-            max_seqlen_q=None, max_seqlen_k=None):
+            max_seqlen_q=None, max_seqlen_k=None, lse=None):
     """Launch the kernel (and the split reduction) for any :class:`_CacheLayout`."""
     num_tokens, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = layout.page_size, layout.num_kv_heads
@@ -513,6 +528,9 @@ def _launch(q, k_cache, v_cache, out, layout: _CacheLayout, *, cu_seqlens_q, seq
     batch = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or batch == 0:
         return out
+    write_lse = lse is not None
+    lse_t = lse if write_lse else out
+    lse_strides = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
     qs, os_ = q.stride(), out.stride()
     if qs[2] != 1 or os_[2] != 1:
         raise ValueError(
@@ -570,7 +588,7 @@ def _launch(q, k_cache, v_cache, out, layout: _CacheLayout, *, cu_seqlens_q, seq
 
     grid = (grid_q, num_kv_heads * num_hchunks, cfg.num_splits)
     _paged_attn_kernel[grid](
-        q, k_cache, v_cache, out, part_acc, part_ml,
+        q, k_cache, v_cache, out, part_acc, part_ml, lse_t,
         cu_seqlens_q, seqused_k, block_table,
         sinks if sinks is not None else cu_seqlens_q,
         k_scale_t, v_scale_t,
@@ -580,7 +598,7 @@ def _launch(q, k_cache, v_cache, out, layout: _CacheLayout, *, cu_seqlens_q, seq
         cfg.num_splits,
         qs[0], qs[1], *layout.k_strides, *layout.v_strides, os_[0], os_[1],
         block_table.stride(0),
-        *strides,
+        *strides, *lse_strides,
         GROUP=group, HEADS=cfg.heads, NUM_HCHUNKS=num_hchunks,
         BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         D=head_dim, D_PAD=d_pad, DV=v_head_dim, DV_PAD=dv_pad,
@@ -590,14 +608,14 @@ def _launch(q, k_cache, v_cache, out, layout: _CacheLayout, *, cu_seqlens_q, seq
         SEARCH_SEQ=search, SPLIT=split,
         COMPUTE_DTYPE=compute, CLAMP_Q=clamp_q, DOT_PRECISION=dot_precision, NUM_STAGES=cfg.num_stages,
         WARP_SPEC=cfg.warp_spec, PAGE_CHUNK=page_chunk, KX=layout.kx, VX=layout.vx,
-        num_warps=cfg.num_warps,
+        WRITE_LSE=write_lse, num_warps=cfg.num_warps,
     )
     if split:
         _reduce_splits_kernel[(num_tokens, num_q_heads)](
-            out, part_acc, part_ml, sinks if sinks is not None else part_ml,
-            cfg.num_splits, os_[0], os_[1], *strides,
+            out, part_acc, part_ml, sinks if sinks is not None else part_ml, lse_t,
+            cfg.num_splits, os_[0], os_[1], *strides, *lse_strides,
             DV=v_head_dim, DV_PAD=dv_pad, SPLITS_PAD=next_pow2(cfg.num_splits),
-            HAS_SINKS=sinks is not None, num_warps=4,
+            HAS_SINKS=sinks is not None, WRITE_LSE=write_lse, num_warps=4,
         )
     return out
 
