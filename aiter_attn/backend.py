@@ -105,6 +105,10 @@ class AttentionBackend:
         self.config = config
         self.strategies = strategies if strategies is not None else plugins.strategy_registry()
         kernels = kernels if kernels is not None else plugins.kernel_registry()
+        if config.batch_invariant:
+            from .kernels.batch_invariant import BatchInvariantKernels
+
+            kernels = BatchInvariantKernels(kernels)
         self.ctx = StrategyContext(config=config, req_to_token=req_to_token, kv_pool=kv_pool,
                                    kernels=kernels, extra=dict(extra or {}))
         self._forced = strategy
@@ -142,8 +146,9 @@ class AttentionBackend:
         capture/replay does; ``None`` (eager) plans into fresh buffers sized for the batch.
         """
         validate_batch(forward_batch, self.config, self.ctx.req_to_token)
-        planner, _ = self.strategies_for(forward_batch.forward_mode)
+        planner, executor = self.strategies_for(forward_batch.forward_mode)
         md = planner.plan(forward_batch, out)
+        executor.plan_kernels(md, forward_batch)  # once per step for every bound layer group
         if self._debug:
             from .testing.invariants import check_invariants
 
@@ -180,6 +185,14 @@ class AttentionBackend:
         return 1
 
     # -- CUDA graphs: delegated to aiter_attn.graph.CudaGraphManager --------------------
+    def graph_support(self, mode):
+        """A cell's CUDA-graph support: the weaker of its strategy pair's and its bound
+        kernels' (the pair's alone until a layer has bound a kernel)."""
+        pair = self.pair_for(mode)
+        _, executor = self.strategies_for(mode)
+        k = executor.kernel_cg_support()
+        return pair.cg_support if k is None else min(pair.cg_support, k)
+
     def bind_forward_metadata(self, forward_batch: ForwardBatch, metadata: AttnMetadata) -> None:
         """Make ``metadata`` (planned into static buffers by the graph manager) current."""
         self.forward_metadata, self._batch = metadata, forward_batch
@@ -216,9 +229,13 @@ class AttentionBackend:
                                           spec_info, seq_lens_cpu=seq_lens_cpu, **kw)
 
     def _check_qkv(self, q, k, v, layer: LayerSpec, batch: ForwardBatch) -> None:
+        """O(1) checks of one layer call (dtype, element counts, device): the hot path."""
         n = batch.num_tokens
-        check_tensor("q", q, dtypes=(self.config.dtype,),
-                     hint=f"q must be in the backend's dtype {self.config.dtype}.")
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}.")
+        if q.dtype != self.config.dtype:
+            raise TypeError(f"q has dtype {q.dtype}; q must be in the backend's dtype "
+                            f"{self.config.dtype}.")
         if q.numel() != n * layer.num_q_heads * layer.head_dim:
             raise ValueError(
                 f"q has shape {tuple(q.shape)}; expected {n} tokens × {layer.num_q_heads} heads × "

@@ -1,7 +1,9 @@
 """The ``aiter-attn`` command: ``info``, ``generate``, ``bench``, ``verify``.
 
 Subcommands live in ``aiter_attn/commands/<name>.py``; each has ``add_parser(subparsers)``
-which sets ``func`` on its parser. A missing subcommand module is skipped.
+which sets ``func`` on its parser. A missing subcommand module is skipped. A user mistake
+(:func:`aiter_attn.commands.errors.user_error_types`) ends in one line on stderr and exit code
+2; ``-v`` prints the traceback too.
 """
 
 from __future__ import annotations
@@ -16,8 +18,16 @@ __all__ = ["main", "SUBCOMMANDS"]
 SUBCOMMANDS = ("info", "generate", "bench", "verify")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (``aiter-attn generate: error: ...``), exit code 2; ``-h``
+    shows the usage. Subcommand parsers are of this class too."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="aiter-attn",
         description="Attention backend for LLM inference over a paged KV cache.",
     )
@@ -42,7 +52,12 @@ def main(argv=None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    from .commands.errors import report_user_error, user_error_types
+
+    try:
+        return int(args.func(args) or 0)
+    except user_error_types() as exc:  # a user mistake: one line, exit 2 (-v: traceback too)
+        return report_user_error(args.command, exc, verbose=args.verbose)
 
 
 if __name__ == "__main__":

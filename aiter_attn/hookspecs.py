@@ -4,11 +4,12 @@ A plugin is a module (or any object) with functions marked ``@hookimpl``::
 
     from aiter_attn.hookspecs import hookimpl
     from aiter_attn.kernels.registry import Capabilities
+    from aiter_attn.types import CGSupport
 
     @hookimpl
     def aiter_attn_register_kernels(register):
         register("paged_attention", "myvendor", my_kernel,
-                 Capabilities(devices={"cuda"}), priority=50)
+                 Capabilities(devices={"cuda"}, cg_support=CGSupport.NEVER), priority=50)
 
 Third-party plugins are found through the entry-point group ``aiter_attn`` (see
 ``docs/plugins.md``); the built-ins (reference kernels, strategies, ``triton``, ``aiter``)
@@ -37,12 +38,15 @@ class AiterAttnSpec:
     def aiter_attn_register_kernels(self, register):
         """Register kernel implementations.
 
-        ``register(op, name, fn, capabilities=Capabilities(), priority=0, *, replace=False)``
+        ``register(op, name, fn, capabilities, priority=0, *, replace=False)``
         adds ``fn`` as backend ``name`` of ``op`` (``"paged_attention"``,
         ``"mla_paged_attention"``, ``"write_kv"``, ``"build_page_table"``, …; the calling
         convention of each op is the matching ``*_reference`` function in
-        :mod:`aiter_attn.kernels.reference`). Higher priority wins among those whose
-        capabilities serve a request; ``replace=True`` overrides an existing name.
+        :mod:`aiter_attn.kernels.reference`). ``capabilities`` is a
+        :class:`~aiter_attn.kernels.registry.Capabilities` that must state ``cg_support``
+        (no default); a registration without it is refused and the plugin skipped. Higher
+        priority wins among those whose capabilities serve a request; ``replace=True``
+        overrides an existing name.
         """
 
     @hookspec

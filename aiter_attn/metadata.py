@@ -20,6 +20,12 @@ __all__ = ["QueryLayout", "PageTable", "RaggedKV", "CustomMask", "AttnMetadata"]
 _T = dict(eq=False, repr=False)
 
 
+def _step_plans():
+    from .kernels.base import StepPlans
+
+    return StepPlans()
+
+
 @attrs.frozen(kw_only=True)
 class QueryLayout:
     """Where each request's query tokens sit in the flat token dimension.
@@ -94,6 +100,9 @@ class AttnMetadata:
         ragged: optional token-level indices (kernels that take them).
         mask: optional custom mask (tree verify).
         extras: strategy-specific parts (SWA page table, MLA work metadata, …) by name.
+        kernel_plans: this step's kernel plans by layer group
+            (:class:`~aiter_attn.kernels.base.StepPlans`), filled once per step by the
+            execution strategy that binds the kernels; opaque to the graph signature.
     """
 
     mode: ForwardMode
@@ -103,3 +112,4 @@ class AttnMetadata:
     ragged: Optional[RaggedKV] = None
     mask: Optional[CustomMask] = None
     extras: Mapping[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
+    kernel_plans: Any = attrs.field(factory=_step_plans, eq=False, repr=False)

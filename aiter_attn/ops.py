@@ -1,5 +1,7 @@
 """Functional ops: the kernel contract. Each validates its inputs (no device sync), selects an
-implementation from the kernel registry (cached per request) and runs it.
+implementation from the kernel registry (cached per request) and runs it; the attention ops
+select a kernel object once per cheap key and call it (plan + run in one call: see
+:mod:`aiter_attn.kernels.base`).
 
 ``backend=None`` picks the best registered implementation; ``"reference"`` / ``"triton"`` / a
 plugin's name forces one (and raises with reasons if it cannot serve).
@@ -12,7 +14,7 @@ from typing import Optional
 import attrs
 import torch
 
-from .kernels.registry import KernelRequest, Selection
+from .kernels.registry import KernelRequest
 from .types import FP8_DTYPES
 from .validation import ATTN_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
 
@@ -28,6 +30,8 @@ __all__ = [
     "build_ragged_kv_indices",
     "paged_attention_request",
     "attention_features",
+    "with_call_features",
+    "call_extras",
 ]
 
 
@@ -93,6 +97,24 @@ def paged_attention_request(
         features=features,
         extra=(("q_heads", q.shape[1]), ("kv_heads", k_cache.shape[2])),
     )
+
+
+def with_call_features(req: KernelRequest, *, lse: bool = False,
+                       batch_invariant: bool = False) -> KernelRequest:
+    """``req`` with the per-call features ``lse`` / ``batch_invariant`` added when asked."""
+    extra = ({"lse"} if lse else set()) | ({"batch_invariant"} if batch_invariant else set())
+    return attrs.evolve(req, features=req.features | extra) if extra else req
+
+
+def call_extras(lse, batch_invariant) -> dict:
+    """Keyword arguments a kernel gets only when the call uses them (kernels that do not
+    declare the feature never see them)."""
+    extra = {}
+    if lse is not None:
+        extra["lse"] = lse
+    if batch_invariant:
+        extra["batch_invariant"] = True
+    return extra
 
 
 def _lse_buffer(return_lse, out_lse, q):
@@ -166,6 +188,7 @@ def paged_attention(
     backend: Optional[str] = None,
     return_lse: bool = False,
     out_lse: Optional[torch.Tensor] = None,
+    batch_invariant: bool = False,
 ):
     """Attention of ragged queries over a paged KV cache (decode, prefill, extend, mixed).
 
@@ -192,6 +215,10 @@ def paged_attention(
             Only kernels declaring the ``lse`` feature are selected.
         out_lse: optional float32 ``[num_tokens, num_q_heads]`` buffer for it (implies
             ``return_lse``).
+        batch_invariant: each row's output bitwise independent of the other requests in the
+            batch, of the batch size and of the ``max_seqlen_*`` hints (fixed tiles, splits of
+            a fixed key count, fixed-order reduction, no atomics). Only kernels declaring the
+            ``batch_invariant`` feature are selected.
 
     Returns:
         ``[num_tokens, num_q_heads, head_dim_v]`` in q's dtype; with ``return_lse`` (or
@@ -212,18 +239,28 @@ def paged_attention(
         check_tensor("mask_indptr", mask_indptr, dtypes=INDEX_DTYPES, ndim=1,
                      shape=(cu_seqlens_q.shape[0],))
     lse = _lse_buffer(return_lse, out_lse, q)
-    req = paged_attention_request(q, k_cache, v_cache, window_size=window_size, softcap=softcap,
-                                  sinks=sinks, causal=causal, custom_mask=custom_mask)
-    if lse is not None:
-        req = attrs.evolve(req, features=req.features | {"lse"})
-    sel: Selection = _registry().select(req, backend=backend)
+    window_size = tuple(window_size)
+    # select once per cheap key (everything the request depends on), then plan + run
+
+    def request():
+        req = paged_attention_request(q, k_cache, v_cache, window_size=window_size,
+                                      softcap=softcap, sinks=sinks, causal=causal,
+                                      custom_mask=custom_mask)
+        # batch_invariant travels in the request: the bound kernel plans accordingly
+        return with_call_features(req, lse=lse is not None, batch_invariant=batch_invariant)
+
+    key = ("paged_attention", q.dtype, q.device.type, q.shape[1], q.shape[2], k_cache.dtype,
+           k_cache.shape[1], k_cache.shape[2], v_cache.shape[3], window_size != (-1, -1),
+           softcap > 0, sinks is not None, bool(causal), custom_mask is not None,
+           lse is not None, bool(batch_invariant))
+    kernel = _registry().bound(key, request, backend=backend)
     if out is None:
         out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[3], dtype=q.dtype, device=q.device)
-    extra = {} if lse is None else {"lse": lse}
-    out = sel.fn(
+    extra = call_extras(lse, False)
+    out = kernel(
         q, k_cache, v_cache, out,
         cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,
-        softmax_scale=float(softmax_scale), causal=causal, window_size=tuple(window_size),
+        softmax_scale=float(softmax_scale), causal=causal, window_size=window_size,
         softcap=float(softcap), sinks=sinks, k_scale=k_scale, v_scale=v_scale,
         custom_mask=custom_mask, mask_indptr=mask_indptr,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **extra,
@@ -250,6 +287,7 @@ def mla_paged_attention(
     backend: Optional[str] = None,
     return_lse: bool = False,
     out_lse: Optional[torch.Tensor] = None,
+    batch_invariant: bool = False,
 ):
     """Absorbed MLA over a latent paged cache.
 
@@ -278,6 +316,8 @@ def mla_paged_attention(
         features.add("custom_mask")
     if lse is not None:
         features.add("lse")
+    if batch_invariant:
+        features.add("batch_invariant")
     req = KernelRequest(
         op="mla_paged_attention", device=q.device.type, dtype=q.dtype, kv_dtype=kv_cache.dtype,
         head_dim=q.shape[2], v_head_dim=kv_lora_rank, page_size=kv_cache.shape[1],
@@ -286,7 +326,7 @@ def mla_paged_attention(
     sel = _registry().select(req, backend=backend)
     if out is None:
         out = torch.empty(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype, device=q.device)
-    extra = {} if lse is None else {"lse": lse}
+    extra = call_extras(lse, batch_invariant)
     out = sel.fn(
         q, kv_cache, out, kv_lora_rank=kv_lora_rank, cu_seqlens_q=cu_seqlens_q,
         seqused_k=seqused_k, block_table=block_table, softmax_scale=float(softmax_scale),

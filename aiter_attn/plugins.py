@@ -271,7 +271,7 @@ def load_plugins(
         missing = sorted(set(allow) - known)
         if missing:
             raise PluginLoadError(
-                f"{ENV_ALLOW} names plugins that are not installed: {missing}; known: "
+                f"{ENV_ALLOW} names plugins that are not installed: {missing}; installed: "
                 f"{sorted(known)}. Install the plugin package (entry-point group "
                 f"'{ENTRY_POINT_GROUP}') or fix the name."
             )
@@ -349,8 +349,13 @@ def build_registries(pm: pluggy.PluginManager, *, requested: Iterable[str] = (),
 
 def _apply_kernel(kernels, capabilities_type, source, op, name, fn, capabilities=None,
                   priority=0, *, replace=False):
-    kernels.register(op, name, fn, capabilities or capabilities_type(), priority,
-                     source=source, replace=replace)
+    if capabilities is None:
+        raise TypeError(
+            f"register({op!r}, {name!r}, fn) without capabilities: pass a "
+            f"{capabilities_type.__module__}.Capabilities that states at least cg_support "
+            "(how far the kernel runs under CUDA-graph capture)."
+        )
+    kernels.register(op, name, fn, capabilities, priority, source=source, replace=replace)
 
 
 def _apply_strategy(strategies, source, pair, *, replace=False):

@@ -235,6 +235,11 @@ class BackendConfig:
         tp_size: tensor-parallel ranks the model's heads are split over.
         kernel_backend: force a kernel backend by name ("reference", "triton", a plugin's).
         swa_window: largest sliding window among SWA layers (sizes the SWA page table).
+        batch_invariant: a request's attention output is bitwise identical whatever else
+            shares its batch, whatever the batch size, eager or replayed from a CUDA graph
+            (fixed tiles and split sizes, fixed-order reductions, no atomics); only kernels
+            declaring the ``batch_invariant`` feature are selected. Costs speed
+            (docs/modes.md).
     """
 
     page_size: int = attrs.field(default=1, validator=_positive)
@@ -248,6 +253,7 @@ class BackendConfig:
     tp_size: int = attrs.field(default=1, validator=_positive)
     kernel_backend: Optional[str] = None
     swa_window: Optional[int] = None
+    batch_invariant: bool = False
 
     def __attrs_post_init__(self):
         if self.kv_cache_dtype is None:

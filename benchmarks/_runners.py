@@ -13,7 +13,7 @@ class Unavailable(RuntimeError):
     """This implementation cannot run this case here (the message says why)."""
 
 
-def make_ours(x):
+def make_ours(x, **extra):
     """Our Triton ``paged_attention`` through the public op with ``backend="triton"``."""
     try:
         from aiter_attn import ops
@@ -23,7 +23,7 @@ def make_ours(x):
     out = torch.empty(x.q.shape[0], x.hq, x.d, dtype=x.q.dtype, device=x.q.device)
     kw = dict(cu_seqlens_q=x.cu_seqlens_q, seqused_k=x.seqused_k, block_table=x.block_table,
               softmax_scale=x.scale, causal=True, k_scale=x.k_scale, v_scale=x.v_scale,
-              out=out, max_seqlen_q=x.q_len, max_seqlen_k=x.ctx, backend="triton")
+              out=out, max_seqlen_q=x.q_len, max_seqlen_k=x.ctx, backend="triton", **extra)
     try:
         ops.paged_attention(x.q, x.k_cache, x.v_cache, **kw)
     except KernelSelectionError as exc:
@@ -187,8 +187,14 @@ def make_ours_mla(x, **launch):
     return fn, lambda: out
 
 
+def make_ours_batch_invariant(x):
+    """:func:`make_ours` in batch-invariant mode (``--anchors ours-bi,...``: its cost)."""
+    return make_ours(x, batch_invariant=True)
+
+
 RUNNERS = {
     "ours": make_ours,
+    "ours-bi": make_ours_batch_invariant,
     "cudnn": make_cudnn,
     "fa2": make_fa2,
     "flex": make_flex,

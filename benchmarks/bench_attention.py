@@ -13,10 +13,18 @@ relative error before it is timed (a sample of requests / the last query rows on
 a wrong result is reported and not timed. Timings: ``triton.testing.do_bench`` (eager, L2
 flushed between runs) and ``do_bench_cudagraph`` (replayed graph), medians in ms.
 
+The ``host`` group (``benchmarks/_host.py``) measures host cost instead: eager
+``AttentionBackend.forward`` of one decode layer against a bare launch of the same Triton kernel,
+``ops.paged_attention`` against torch SDPA (median of ≥ 2,000 calls), and the engine against
+transformers ``generate`` (Llama-3.2-1B-shaped random bf16 model, batch 8 and 32, 512 + 128
+tokens, eager and CUDA-graph decode); ``--smoke`` runs it on the CPU with tiny shapes.
+
 Usage (on the GPU machine)::
 
     python benchmarks/bench_attention.py --out "$OUT"            # everything
     python benchmarks/bench_attention.py --only decode,mla --quick
+    python benchmarks/bench_attention.py --only host --out "$OUT"  # host cost + engine
+    python benchmarks/bench_attention.py --smoke --out /tmp/x      # CPU: the harness runs
 
 Writes ``bench_attention.json`` and ``roofline.png`` to ``--out`` and prints the table last.
 """
@@ -36,6 +44,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _host import host_table, run_host  # noqa: E402
 from _inputs import make_mha, make_mla  # noqa: E402
 from _runners import RUNNERS, Unavailable, configure_aiter, make_ours_mla  # noqa: E402
 
@@ -304,11 +313,19 @@ def table(results, mode="graph") -> str:
     return "\n".join(lines)
 
 
+def _write_host(rows, out_dir, meta) -> None:
+    with open(os.path.join(out_dir, "bench_host.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
+    with open(os.path.join(out_dir, "bench_host.md"), "w") as f:
+        f.write(host_table(rows) + "\n")
+    print(host_table(rows), flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    p.add_argument("--only", default="decode,prefill,mla,fp8",
-                   help="comma list of row groups: decode, prefill, mla, fp8")
+    p.add_argument("--only", default="decode,prefill,mla,fp8,host",
+                   help="comma list of row groups: decode, prefill, mla, fp8, host")
     p.add_argument("--anchors", default=",".join(ANCHORS))
     p.add_argument("--aiter-wheel", default=None)
     p.add_argument("--rep", type=int, default=60, help="ms of timed repetitions per measurement")
@@ -318,7 +335,17 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=0,
                    help="skip the remaining rows after this many seconds (0 = no limit)")
     p.add_argument("--flex-prefill", action="store_true", help="flex_attention on prefill too")
+    p.add_argument("--host-calls", type=int, default=2000,
+                   help="calls per timed round of the host rows (≥ 2,000 for the record)")
+    p.add_argument("--host-batches", default="8,32", help="engine batch sizes of the host rows")
+    p.add_argument("--smoke", action="store_true",
+                   help="the host group only, tiny shapes on the CPU (proves the harness runs)")
     args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.smoke:
+        rows = run_host(smoke=True, n=args.host_calls)
+        _write_host(rows, args.out, {"smoke": True})
+        return rows
     if not torch.cuda.is_available():
         sys.exit("bench_attention needs a CUDA GPU.")
     from aiter_shim import find_wheel
@@ -339,6 +366,15 @@ def main(argv=None):
     results: list = []
     args.t0 = time.monotonic()
     quick = args.quick
+    host_rows = []
+    try:
+        if "host" in groups:  # first: the host rows want a quiet, freshly started process
+            host_rows = run_host(n=args.host_calls,
+                                 batches=tuple(int(b) for b in args.host_batches.split(",")),
+                                 kernel_backend="triton")
+            _write_host(host_rows, args.out, args.meta)
+    except Exception:
+        traceback.print_exc()
     try:
         if "decode" in groups:
             run_mha_rows("decode", DECODE_ROWS[1:4] if quick else DECODE_ROWS, args, results)
@@ -362,7 +398,8 @@ def main(argv=None):
         f"ceilings measured in this run: copy {args.meta['copy_tbps']:.2f} TB/s, bf16 matmul "
         f"{args.meta['matmul_tflops']:.0f} TFLOP/s; started {args.meta['started']}.",
         "", "CUDA-graph replay (median):", "", table(results, "graph"),
-        "", "Eager (median, L2 flushed):", "", table(results, "eager"), ""])
+        "", "Eager (median, L2 flushed):", "", table(results, "eager"), "",
+        "Host cost (eager, median of rounds):", "", host_table(host_rows), ""])
     with open(os.path.join(args.out, "bench_attention.md"), "w") as f:
         f.write(report)
     print()

@@ -58,7 +58,7 @@ def compile_paged(kv="bf16", q="bf16", warps=8, stages=3, **const):
              HAS_SCALES=fp8, HAS_CUSTOM_MASK=False, SEARCH_SEQ=False, SPLIT=False,
              COMPUTE_DTYPE=tl.float16 if fp8 and q == "bf16" else _TL[q],
              CLAMP_Q=fp8 and q == "bf16", DOT_PRECISION="tf32", NUM_STAGES=stages,
-             WARP_SPEC=False, PAGE_CHUNK=16, KX=1, VX=1, WRITE_LSE=False)
+             WARP_SPEC=False, PAGE_CHUNK=16, KX=1, VX=1, WRITE_LSE=False, FIXED_SPLITS=False)
     # head-dim strides of NHD caches are 1: Triton's launcher specialises integer arguments
     # equal to 1 into constants, so they are constexprs here too
     c.update(stride_kd=1, stride_vd=1)
@@ -80,7 +80,8 @@ def compile_mla(kv="bf16", q="bf16", warps=4, stages=3, **const):
     c = dict(PAGE_SIZE=64, KV_LORA=512, ROPE=64, BLOCK_DV=512, BLOCK_DR=64, BLOCK_H=16,
              BLOCK_N=64, BLOCK_B=64, NUM_SPLITS=1, CAUSAL=False, HAS_MASK=False,
              SCALE_FROM_PTR=False, IEEE=False, EVEN_D=True, PAGE_CHUNK=0,
-             FP16_DOTS=fp8 and q == "bf16", SPLIT_V_LOAD=fp8, WRITE_LSE=False)
+             FP16_DOTS=fp8 and q == "bf16", SPLIT_V_LOAD=fp8, WRITE_LSE=False,
+             FIXED_CHUNK=0)
     c.update(const)
     c["TILE_IN_PAGE"] = c["PAGE_SIZE"] % c["BLOCK_N"] == 0
     ptrs = dict(q_ptr=q, kv_ptr=kv, out_ptr=q, part_o_ptr="fp32", part_lse_ptr="fp32",

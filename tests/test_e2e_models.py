@@ -126,7 +126,7 @@ def test_windows_over_the_full_pool_match_too():
 def test_wrapped_model_leaves_transformers_attention_alone():
     """Wrapping switches the backend attention on only inside the engine's forward."""
     hf, _ = _model("gemma2")
-    assert hf.config._attn_implementation != "aiter_attn_engine"
+    assert hf.config._attn_implementation != "aiter_attn"
     x = torch.tensor([_prompts((12,), seed=1)[0]])
     with torch.inference_mode():
         hf(input_ids=x)  # runs transformers' own attention, no engine needed

@@ -19,6 +19,7 @@ from aiter_attn import ops
 from aiter_attn.kernels.registry import Capabilities, KernelRegistry, KernelRequest
 from aiter_attn.testing.compare import assert_close_rel
 from aiter_attn.testing.oracle import dense_attention
+from aiter_attn.types import CGSupport
 
 from ._triton_util import DEVICE, requires_triton
 from .test_triton_mla import MLACase
@@ -177,9 +178,11 @@ def test_out_lse_buffer_and_validation():
 def test_selection_requires_lse_feature():
     """A kernel that does not declare ``lse`` is passed over for return_lse requests."""
     reg = KernelRegistry()
-    reg.register("paged_attention", "fast", lambda *a, **k: None, Capabilities(), priority=10)
+    never = CGSupport.NEVER
+    reg.register("paged_attention", "fast", lambda *a, **k: None,
+                 Capabilities(cg_support=never), priority=10)
     reg.register("paged_attention", "with_lse", lambda *a, **k: None,
-                 Capabilities(features={"lse"}), priority=0)
+                 Capabilities(features={"lse"}, cg_support=never), priority=0)
     assert reg.select(KernelRequest(op="paged_attention")).impl.name == "fast"
     sel = reg.select(KernelRequest(op="paged_attention", features={"lse"}))
     assert sel.impl.name == "with_lse"

@@ -327,6 +327,7 @@ def _registry_with_wide_kernel(calls):
     only multiples of 16 heads (declared as data: a capability predicate)."""
     from aiter_attn.kernels import reference
     from aiter_attn.kernels.registry import Capabilities, KernelRegistry
+    from aiter_attn.types import CGSupport
 
     reg = KernelRegistry()
     reference.aiter_attn_register_kernels(register=reg.register)
@@ -340,7 +341,8 @@ def _registry_with_wide_kernel(calls):
         return None if heads % 16 == 0 else f"heads={heads} is not a multiple of 16"
 
     reg.register("mla_paged_attention", "wide16", wide16,
-                 Capabilities(features={"fp8", "custom_mask"}, predicate=needs_16), priority=5)
+                 Capabilities(features={"fp8", "custom_mask"}, predicate=needs_16,
+                              cg_support=CGSupport.NEVER), priority=5)
     return reg
 
 

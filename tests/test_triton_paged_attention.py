@@ -365,7 +365,7 @@ def test_backend_steps_through_triton_kernel(monkeypatch):
     reg = kernel_registry()
     select = reg.select
 
-    def triton_for_attention(request, backend=None):
+    def triton_for_attention(request, backend=None, **kw):
         return select(request, backend="triton" if request.op == "paged_attention"
                       else "reference")
 

@@ -14,6 +14,8 @@ import logging
 import sys
 from pathlib import Path
 
+from .errors import UsageError
+
 __all__ = ["add_parser", "run", "DEFAULT_PROMPT"]
 
 log = logging.getLogger(__name__)
@@ -40,8 +42,14 @@ def _device_and_dtype(args):
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device={device} but torch sees no CUDA device; use --device cpu.")
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise UsageError(f"--device={device!r} is not a device; use auto, cpu, cuda or cuda:N.")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device={device} but torch sees no CUDA device; use --device cpu.")
     if args.dtype == "auto":
         # float32 reproduces transformers' float32 greedy output token for token.
         name = "float32" if device == "cpu" or args.check else "bfloat16"
@@ -65,13 +73,44 @@ class _Printer:
         self.shown = len(text)
 
 
+def _check_backend(backend, device: str) -> None:
+    """Before the model loads: ``backend`` is registered and has attention kernels for
+    ``device``'s type (e.g. ``triton`` on a machine without a GPU)."""
+    import torch
+
+    from ..plugins import kernel_registry
+    from ..testing.conformance.cases import ATTENTION_OPS
+
+    reg = kernel_registry()
+    impls = [i for op in reg.ops() for i in reg.implementations(op) if i.name == backend]
+    if not impls:
+        names = sorted({i.name for op in reg.ops() for i in reg.implementations(op)})
+        raise UsageError(f"--backend {backend!r} is not registered; registered: {names}. Is its "
+                         "plugin installed and allowed (AITER_ATTN_PLUGINS)? See `aiter-attn "
+                         "info`.")
+    kind = torch.device(device).type
+    attn = [i for i in impls if i.op in ATTENTION_OPS]
+    if attn and not any(i.capabilities.devices is None or kind in i.capabilities.devices
+                        for i in attn):
+        where = sorted({d for i in attn for d in i.capabilities.devices})
+        hint = (" (Triton kernels need a GPU; TRITON_INTERPRET=1 runs them in Triton's CPU "
+                "interpreter, very slowly)" if backend == "triton" else "")
+        raise UsageError(f"--backend {backend!r} runs attention on {where}, not on {kind!r} "
+                         f"here{hint}; use --backend reference or a device it serves.")
+
+
 def _build(args, texts, loaded, device, dtype):
     """Tokenise the prompts, copy the model and queue every request on a new engine."""
-    from ..engine import Engine, EngineConfig, SamplingParams, encode_prompt, stop_token_ids
+    from ..engine import (Engine, EngineConfig, SamplingParams, check_prompt_fits,
+                          context_limit, encode_prompt, stop_token_ids)
     from ..engine.models import build_engine_model
 
     tok = loaded.tokenizer
     prompts = [encode_prompt(tok, t, chat=not args.no_chat_template) for t in texts]
+    limit = context_limit(loaded.hf_model.config)
+    for i, p in enumerate(prompts):
+        check_prompt_fits(len(p), args.max_new_tokens, limit, what=f"prompt {i}",
+                          allow_longer=args.allow_long_context)
     max_ctx = max(len(p) for p in prompts) + args.max_new_tokens
     page = args.page_size
     # Enough pages for the batch_size largest requests running at once, never more.
@@ -81,8 +120,8 @@ def _build(args, texts, loaded, device, dtype):
         page_size=page, max_batch_size=args.batch_size, max_context_len=max_ctx,
         max_tokens_per_step=args.max_tokens_per_step, kv_tokens=sum(needs[:args.batch_size]),
         prefix_caching=not args.no_prefix_caching, kernel_backend=args.backend,
-        speculative=args.speculative, num_draft_tokens=args.num_draft_tokens,
-        cuda_graph=args.cuda_graph,
+        speculative=args.speculative, num_draft_tokens=args.num_draft_tokens or 4,
+        cuda_graph=args.cuda_graph, batch_invariant=args.deterministic,
     )
     model = build_engine_model(loaded.hf_model, dtype=dtype, device=device,
                                max_positions=max_ctx)
@@ -90,14 +129,10 @@ def _build(args, texts, loaded, device, dtype):
     engine = Engine(model, config)
     for i, p in enumerate(prompts):
         engine.add_request(p, SamplingParams(
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_p=1.0 if args.top_p is None else args.top_p,
             seed=args.seed + i, stop_token_ids=stops))
-    return texts, prompts, engine, stops
-
-
-def _fail(exc) -> int:
-    print(f"aiter-attn generate: error: {exc}", file=sys.stderr)
-    return 2
+    return texts, prompts, engine, stops, limit
 
 
 def _serve(args, engine, tok, texts, out) -> None:
@@ -140,29 +175,46 @@ def _graph_info(engine) -> dict:
             "capture_sizes": graphs.manager.capture_sizes, "replays": dict(graphs.replays)}
 
 
+def _threads(args, device: str) -> dict:
+    """CPU: choose and set the thread count (see :mod:`aiter_attn.engine.threads`)."""
+    import torch
+
+    from ..engine import apply_threads, choose_threads
+
+    if device != "cpu":
+        return {"threads": torch.get_num_threads(), "source": "unchanged (not on the CPU)",
+                "detail": ""}
+    return apply_threads(choose_threads(args.threads)).as_dict()
+
+
 def run(args) -> int:
-    from ..engine import ModelNotFoundError, UnsupportedArchitectureError, load_model
+    from ..engine import load_model
 
     out = sys.stdout
     try:
         texts = _prompts(args)
         device, dtype = _device_and_dtype(args)
+        threads = _threads(args, device)
+        if args.backend is not None:
+            _check_backend(args.backend, device)
         loaded = load_model(args.model, random_config=args.random_config, seed=args.seed,
                             progress=not args.no_progress)
-        texts, prompts, engine, stops = _build(args, texts, loaded, device, dtype)
-    except (ModelNotFoundError, UnsupportedArchitectureError, FileNotFoundError,
-            ValueError) as exc:
-        return _fail(exc)
+        texts, prompts, engine, stops, limit = _build(args, texts, loaded, device, dtype)
+    except (FileNotFoundError, ValueError) as exc:  # bad paths and values: a user mistake
+        raise UsageError(str(exc)) from exc
     tok, reqs, dname = loaded.tokenizer, engine.requests, str(dtype).replace("torch.", "")
     if not args.json:
         out.write(f"model {loaded.name} on {device} ({dname}), {len(reqs)} prompt(s), "
-                  f"page size {args.page_size}\n")
+                  f"page size {args.page_size}, context limit "
+                  f"{limit if limit is not None else 'unknown'} tokens, "
+                  f"{threads['threads']} thread(s) ({threads['source']})\n")
         out.flush()
     _serve(args, engine, tok, texts, out)
     s = engine.stats
     result = {
         "model": loaded.name, "device": device, "dtype": dname,
         "backend": args.backend or "auto", "page_size": args.page_size,
+        "context_limit": limit, "threads": threads, "deterministic": args.deterministic,
         "cuda_graph": _graph_info(engine),
         "results": [{"prompt": t, "prompt_tokens": len(r.prompt_ids), "output_ids": r.output_ids,
                      "text": tok.decode(r.output_ids, skip_special_tokens=True),
@@ -225,7 +277,8 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling (with --temperature > 0; default 1.0)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES],
                    help="auto: float32 on CPU or with --check, else bfloat16")
@@ -234,13 +287,23 @@ def add_parser(sub) -> None:
                    help="speculative decoding: ngram = prompt-lookup drafts verified with one "
                         "TARGET_VERIFY forward (chain); ngram-tree = two branches verified "
                         "through a tree mask (greedy output unchanged either way)")
-    p.add_argument("--num-draft-tokens", type=int, default=4,
-                   help="most draft tokens per request and step (with --speculative)")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="most draft tokens per request and step (with --speculative; "
+                        "default 4)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode (and n-gram chain verify) steps through CUDA graphs "
                         "captured for batch sizes 1, 2, 4, 8, … --batch-size; default: on with "
                         "a CUDA device. Forced on the CPU it runs the same path without capture")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: OMP_NUM_THREADS, else the free "
+                        "cores this process may use, see docs/engine.md)")
+    p.add_argument("--allow-long-context", action="store_true",
+                   help="run prompts past the model's trained context (refused otherwise)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant attention: a request's attention output does not "
+                        "depend on the other requests in its batch (BackendConfig."
+                        "batch_invariant; docs/modes.md)")
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     p.set_defaults(func=_run_checked, _parser=p)
@@ -254,4 +317,14 @@ def _run_checked(args) -> int:
             args._parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be ≥ 1.")
     if args.model is not None and args.random_config is not None:
         args._parser.error("--model and --random-config exclude each other; pass one.")
+    if args.num_draft_tokens is not None and args.speculative is None:
+        args._parser.error("--num-draft-tokens does nothing without --speculative; pass "
+                           "--speculative ngram (or ngram-tree) or drop it.")
+    if args.top_p is not None and args.temperature <= 0:
+        args._parser.error("--top-p does nothing with greedy decoding (--temperature 0); pass "
+                           "--temperature > 0 or drop it.")
+    if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
+        args._parser.error(f"--num-draft-tokens={args.num_draft_tokens} must be ≥ 1.")
+    if args.threads is not None and args.threads < 1:
+        args._parser.error(f"--threads={args.threads} must be ≥ 1.")
     return run(args)

@@ -1,5 +1,7 @@
 """``aiter-attn verify --backend NAME``: run the conformance suite on one kernel backend and
-print a per-case report (exit 1 if a case fails, 2 if the backend is unknown)."""
+print a per-case report (exit 1 if a case fails, 2 for a usage error: an unknown backend,
+case or device). ``aiter-attn verify --self-test`` runs the suite on deliberately broken
+kernels (:mod:`aiter_attn.testing.conformance.mutants`) and fails unless it catches each."""
 
 from __future__ import annotations
 
@@ -21,30 +23,89 @@ def _known_backends() -> dict:
     return names
 
 
-def run(args) -> int:
-    from ..testing.conformance import CASES, run_conformance
+def _device_mismatch(backend: str, kind: str) -> str:
+    """Why ``backend`` cannot run on device type ``kind`` at all ("" if some kernel can)."""
+    from ..plugins import kernel_registry
 
-    known = _known_backends()
-    if args.backend not in known:
-        msg = (f"backend {args.backend!r} is not registered; registered: {sorted(known)}. "
-               "Is its plugin installed and allowed (AITER_ATTN_PLUGINS)? See `aiter-attn info`.")
-        if args.json:
-            print(json.dumps({"backend": args.backend, "ok": False, "error": msg}))
+    reg = kernel_registry()
+    impls = [i for op in reg.ops() for i in reg.implementations(op) if i.name == backend]
+    if any(i.capabilities.devices is None or kind in i.capabilities.devices for i in impls):
+        return ""
+    where = sorted({d for i in impls for d in i.capabilities.devices})
+    hint = (" (TRITON_INTERPRET=1 runs Triton kernels in Triton's CPU interpreter)"
+            if backend == "triton" else "")
+    return (f"backend {backend!r} runs on {where}, not on {kind!r}{hint}; pass --device "
+            f"{where[0]} on a machine that has one.")
+
+
+def _usage_error(args, msg: str) -> int:
+    if args.json:
+        print(json.dumps({"backend": args.backend, "ok": False, "error": msg}))
+    else:
+        print(f"aiter-attn verify: error: {msg}")
+    return 2
+
+
+def _self_test(args) -> int:
+    from ..testing.conformance.mutants import self_test
+
+    rows = []
+    for m, report, missed in self_test(args.device, quick=args.quick):
+        failed = [r for r in report.results if r.status == "fail"]
+        rows.append({"mutant": m.name, "op": m.op, "bug": m.bug, "caught": not missed,
+                     "failed_cases": [r.name for r in failed], "missed": missed,
+                     "first_reason": failed[0].reason if failed else ""})
+    ok = all(r["caught"] for r in rows)
+    if args.json:
+        print(json.dumps({"self_test": True, "device": args.device, "ok": ok,
+                          "mutants": rows}, indent=2))
+        return 0 if ok else 1
+    print(f"self-test on {args.device}: the suite must fail each deliberately broken kernel")
+    for r in rows:
+        if r["caught"]:
+            print(f"  caught  {r['mutant']:<34} ({r['bug']}): {len(r['failed_cases'])} case(s) "
+                  f"fail, e.g. {r['failed_cases'][0]}: {r['first_reason']}")
         else:
-            print(msg)
-        return 2
+            print(f"  MISSED  {r['mutant']:<34} ({r['bug']}): cases {r['missed']} passed")
+    print(f"{sum(r['caught'] for r in rows)} of {len(rows)} broken kernels caught")
+    return 0 if ok else 1
+
+
+def run(args) -> int:
+    from ..testing.conformance import CASES, OPS, run_conformance
+
     try:
         torch.empty(0, device=args.device)
     except (RuntimeError, AssertionError, ValueError) as exc:  # e.g. no CUDA in this build
-        print(f"--device {args.device!r} is not usable here: {exc}")
-        return 2
+        return _usage_error(args, f"--device {args.device!r} is not usable here: "
+                                  f"{str(exc).splitlines()[0]}")
+    if args.self_test:
+        if args.backend is not None:
+            return _usage_error(args, "--self-test runs its own broken kernels; drop --backend.")
+        return _self_test(args)
+    if args.backend is None:
+        return _usage_error(args, "pass --backend NAME (see `aiter-attn info`) or --self-test.")
+    known = _known_backends()
+    if args.backend not in known:
+        return _usage_error(args, (
+            f"backend {args.backend!r} is not registered; registered: {sorted(known)}. "
+            "Is its plugin installed and allowed (AITER_ATTN_PLUGINS)? See `aiter-attn info`."))
+    reason = _device_mismatch(args.backend, torch.device(args.device).type)
+    if reason:
+        return _usage_error(args, reason)
     all_names = {c.name for c in CASES}
     unknown = sorted(set(args.case or ()) - all_names)
     if unknown:
-        print(f"unknown case(s) {unknown}; cases: {sorted(all_names)}")
-        return 2
+        return _usage_error(args, f"unknown case(s) {unknown}; cases: {sorted(all_names)}")
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
-    report = run_conformance(args.backend, device=args.device, ops=args.op, quick=args.quick,
+    ops = args.op
+    if not ops and not args.case:  # by default, the ops this backend implements
+        ops = sorted(known[args.backend] & set(OPS))
+        if not ops:
+            return _usage_error(args, f"backend {args.backend!r} implements none of the ops the "
+                                      f"suite checks ({', '.join(OPS)}); it registers "
+                                      f"{sorted(known[args.backend])}.")
+    report = run_conformance(args.backend, device=args.device, ops=ops, quick=args.quick,
                              names=args.case, dtype=dtype)
     failed = not report.ok or (args.strict and report.count("unsupported"))
     if args.json:
@@ -57,12 +118,16 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
+    from ..testing.conformance.cases import OPS
+
     p = sub.add_parser(
-        "verify", help="run the conformance suite on a kernel backend (yours or a plugin's)")
-    p.add_argument("--backend", required=True,
+        "verify", help="run the conformance suite on a kernel backend (yours or a plugin's)",
+        description=__doc__)
+    p.add_argument("--backend",
                    help="kernel backend name as registered (reference, triton, a plugin's)")
-    p.add_argument("--op", action="append", choices=("paged_attention", "mla_paged_attention"),
-                   help="only cases of this op (repeatable)")
+    p.add_argument("--self-test", action="store_true",
+                   help="run the suite on deliberately broken kernels; exit 1 unless each fails")
+    p.add_argument("--op", action="append", choices=OPS, help="only cases of this op (repeatable)")
     p.add_argument("--case", action="append", metavar="NAME", help="only this case (repeatable)")
     p.add_argument("--quick", action="store_true", help="a small subset (a few seconds)")
     p.add_argument("--device", default="cpu", help="device for the inputs (default: cpu)")

@@ -53,6 +53,10 @@ class EngineConfig:
             (:mod:`aiter_attn.engine.graphs`); ``None`` = on when the model is on CUDA and
             known capturable (the engine's own decoder). Forced on for a CPU model it runs the
             same path in no-capture mode (tests).
+        batch_invariant: attention in batch-invariant mode (``BackendConfig.batch_invariant``):
+            a request's attention output does not depend on what else is in its step's batch
+            (``aiter-attn generate --deterministic``). The model's other layers are as they
+            are.
     """
 
     page_size: int = 16
@@ -68,6 +72,7 @@ class EngineConfig:
     speculative: Optional[str] = None
     num_draft_tokens: int = 4
     cuda_graph: Optional[bool] = None
+    batch_invariant: bool = False
 
     @property
     def num_pages(self) -> int:
@@ -133,6 +138,7 @@ class Engine:
         self.runner = ModelRunner(
             model, self.kv, max_batch_size=config.max_batch_size,
             kernel_backend=config.kernel_backend, swa_pool=config.swa_pool,
+            batch_invariant=config.batch_invariant,
             chunk_tokens=max(config.chunk_size or config.max_tokens_per_step,
                              config.num_draft_tokens + 1),
             spec=self.spec_decoder.backend_spec if self.spec_decoder else None,

@@ -16,11 +16,13 @@ from typing import Any, Optional
 
 import attrs
 
-from .model import SUPPORTED_MODEL_TYPES, UnsupportedArchitectureError
-from .models import check_engine_supported
+from .model import UnsupportedArchitectureError
+from .models import ENGINE_MODEL_TYPES, check_engine_supported
 
-__all__ = ["LoadedModel", "ModelNotFoundError", "UnsupportedArchitectureError",
-           "DEFAULT_MODEL_PACKAGE", "default_model_path", "load_model"]
+__all__ = ["LoadedModel", "ModelNotFoundError", "InvalidModelFileError",
+           "UnsupportedArchitectureError", "DEFAULT_MODEL_PACKAGE", "default_model_path",
+           "check_gguf_file", "context_limit", "ContextLengthError", "check_prompt_fits",
+           "load_model"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,76 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 class ModelNotFoundError(FileNotFoundError):
     """The model file or folder does not exist (or holds no model)."""
+
+
+class InvalidModelFileError(ValueError):
+    """The model file is not a GGUF file, or is truncated or corrupt."""
+
+
+_GGUF_MAGIC = b"GGUF"
+_GGUF_HEADER = 24  # magic, uint32 version, uint64 tensor count, uint64 metadata count
+
+
+def check_gguf_file(path: Path) -> None:
+    """Raise :class:`InvalidModelFileError` unless ``path`` is a complete GGUF file: the
+    magic bytes, a header the ``gguf`` reader parses, and every tensor's data inside the
+    file (a cut-off download fails here, not later as an "unsupported architecture")."""
+    shown = str(path)
+    with open(path, "rb") as f:
+        head = f.read(_GGUF_HEADER)
+    if head[:4] != _GGUF_MAGIC[: len(head)]:
+        raise InvalidModelFileError(
+            f"--model={shown!r} is not a GGUF file (it starts with {head[:4]!r}; GGUF files "
+            "start with b'GGUF'); pass a .gguf model or a Hugging Face model folder.")
+    if len(head) < _GGUF_HEADER:
+        raise InvalidModelFileError(
+            f"--model={shown!r} is truncated: {len(head)} bytes, shorter than a GGUF header; "
+            "download it again.")
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+    except ImportError:
+        return  # transformers says it needs the gguf package when it tries
+    except Exception as exc:  # the reader hits the end of a cut-off file in many ways
+        raise InvalidModelFileError(
+            f"--model={shown!r} is truncated or corrupt: the GGUF reader stopped with "
+            f"{type(exc).__name__}: {exc}; download it again.") from exc
+    size = path.stat().st_size
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise InvalidModelFileError(
+                f"--model={shown!r} is truncated: tensor {t.name!r} ends at byte {end} but "
+                f"the file has {size}; download it again.")
+
+
+class ContextLengthError(ValueError):
+    """A prompt (plus the tokens to generate) does not fit the model's trained context."""
+
+
+def check_prompt_fits(prompt_tokens: int, max_new_tokens: int, limit: Optional[int], *,
+                      what: str = "the prompt", allow_longer: bool = False) -> None:
+    """Raise :class:`ContextLengthError` if ``prompt_tokens + max_new_tokens`` passes the
+    trained context ``limit`` (``None``: unknown, nothing to check) unless ``allow_longer``
+    (positions past the trained context are out of distribution: RoPE extrapolates, the
+    output degrades)."""
+    if limit is None or allow_longer or prompt_tokens + max_new_tokens <= limit:
+        return
+    raise ContextLengthError(
+        f"{what} has {prompt_tokens} tokens; with --max-new-tokens {max_new_tokens} it needs "
+        f"{prompt_tokens + max_new_tokens} positions but the model was trained for {limit} "
+        "(max_position_embeddings). Shorten the prompt, lower --max-new-tokens, or pass "
+        "--allow-long-context to run past the trained context anyway.")
+
+
+def context_limit(config) -> Optional[int]:
+    """The context the model was trained for (``max_position_embeddings``), or ``None``."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 @attrs.define(eq=False)
@@ -90,11 +162,13 @@ def _resolve(model: Optional[str]) -> tuple[Path, Optional[str]]:
                 f"--model={str(path)!r} is a file but not a .gguf; pass a GGUF file or a folder "
                 "with config.json and weights."
             )
+        check_gguf_file(path)
         return path.parent, path.name
     if (path / "config.json").is_file():
         return path, None
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
+        check_gguf_file(ggufs[0])
         return path, ggufs[0].name
     raise ModelNotFoundError(
         f"--model={str(path)!r} is a folder without config.json"
@@ -133,7 +207,8 @@ def load_model(model: Optional[str] = None, *, random_config: Optional[str] = No
         except ValueError as exc:
             # transformers names the GGUF architecture it cannot read.
             raise UnsupportedArchitectureError(
-                f"{name}: {exc} The engine supports {', '.join(SUPPORTED_MODEL_TYPES)}."
+                f"{name}: {str(exc).strip()} The engine serves: "
+                f"{', '.join(ENGINE_MODEL_TYPES())}."
             ) from exc
         check_engine_supported(config)
         bar.update(1)

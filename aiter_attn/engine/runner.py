@@ -34,12 +34,13 @@ class ModelRunner:
         cuda_graph: replay DECODE steps (and chain TARGET_VERIFY steps when ``spec`` has
             ``topk == 1``) through :class:`~aiter_attn.engine.graphs.EngineGraphs`; on the CPU
             this is the manager's no-capture mode.
+        batch_invariant: ``BackendConfig.batch_invariant``.
     """
 
     def __init__(self, model: EngineModel, kv: KVCacheManager, *, max_batch_size: int,
                  kernel_backend: Optional[str] = None, swa_pool: bool = True,
                  chunk_tokens: int = 512, spec: Optional[SpecDecodeConfig] = None,
-                 cuda_graph: bool = False):
+                 cuda_graph: bool = False, batch_invariant: bool = False):
         layout = model.kv_layout
         device = str(model.device)
         self.model = model
@@ -52,6 +53,7 @@ class ModelRunner:
                                     max_context_len=kv.max_context_len, dtype=layout.dtype,
                                     device=device, kernel_backend=kernel_backend,
                                     arch=self.kv_setup.arch, spec=spec,
+                                    batch_invariant=batch_invariant,
                                     **self.kv_setup.config_kw)
         self.backend = AttentionBackend(self.config, kv.req_pool, self.kv_pool,
                                         extra=self.kv_setup.extra)

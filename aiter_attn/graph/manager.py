@@ -386,9 +386,13 @@ class CudaGraphManager:
         side = torch.cuda.Stream(device=self.source.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            fn(e.run_batch, e.inputs)  # warm-up: compile kernels, allocate workspaces
+            fn(e.run_batch, e.inputs)  # warm-up: compile kernels, bind layers, workspaces
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
+        check = getattr(self._modes[mode].planner, "check_capturable", None)
+        if check is not None:  # a cell's support is the weaker of its pair's and kernels'
+            check()
+        self._plan(e, capturing=True)  # the layers bound in the warm-up plan their kernels
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             e.outputs = fn(e.run_batch, e.inputs)

@@ -46,13 +46,34 @@ class _StrategyPlanner:
                 f"{_min_support(mode).name} or stronger. Leave {mode.name} out of modes.")
         self.backend = backend
         self.name = pair.name
-        self.strategy, _ = backend.strategies_for(mode)
+        self.mode = mode
+        self.strategy, self.executor = backend.strategies_for(mode)
 
     def buffer_spec(self, limits: GraphLimits) -> BufferSpec:
-        return self.strategy.buffer_spec(limits.max_bs, limits.max_num_tokens, limits.max_seq_len)
+        """The metadata strategy's buffers merged with its bound kernels' (the kernels a
+        layer binds later add theirs to the same dict at their first static plan)."""
+        spec = self.strategy.buffer_spec(limits.max_bs, limits.max_num_tokens,
+                                         limits.max_seq_len)
+        return spec.merge(self.executor.kernel_buffer_spec(limits))
 
     def plan(self, batch: ForwardBatch, out: dict):
-        return self.strategy.plan(batch, out=out)
+        md = self.strategy.plan(batch, out=out)
+        self.executor.plan_kernels(md, batch, out)
+        return md
+
+    def check_capturable(self) -> None:
+        """Raise if a bound kernel of this cell cannot run under CUDA-graph capture."""
+        need = _min_support(self.mode)
+        for group in self.executor.groups.values():
+            k = group.kernel
+            if k.cg_support < need:
+                raise ValueError(
+                    f"kernel {k.name!r} (op {k.op}) serving {self.mode.name} × "
+                    f"{self.backend.config.arch.name} via strategy {self.name!r} declares "
+                    f"cg_support={k.cg_support.name}; capturing {self.mode.name} needs "
+                    f"{need.name} or stronger. Pick a capturable kernel "
+                    "(BackendConfig.kernel_backend / AITER_ATTN_BACKEND, e.g. 'triton') or "
+                    f"leave {self.mode.name} out of CudaGraphManager(modes=...).")
 
     def bind(self, run_batch: ForwardBatch, metadata) -> None:
         self.backend.bind_forward_metadata(run_batch, metadata)

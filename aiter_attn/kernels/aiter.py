@@ -429,9 +429,11 @@ def capabilities() -> dict:
         "mla_paged_attention": Capabilities(
             devices={"cuda"}, dtypes=act, kv_dtypes=act | fp8, features={"fp8"},
             cg_support=CGSupport.UNIFORM_BATCH, predicate=_mla_shape),
+        # dense ragged prefill: not used in captured steps, never verified under capture
         "varlen_attention": Capabilities(
             devices={"cuda"}, dtypes=act, max_head_dim=256,
-            features={"window", "softcap", "non_causal", "v_head_dim_differs"}),
+            features={"window", "softcap", "non_causal", "v_head_dim_differs"},
+            cg_support=CGSupport.NEVER),
         # pa_decode_gluon: block sizes 16/64/1024; its sliding-window masking was not
         # verified against our convention, so windows go to another kernel.
         "paged_attention_5d": Capabilities(

@@ -72,6 +72,7 @@ def paged_attention_reference(
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
     lse: Optional[torch.Tensor] = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Paged attention in float32.
 
@@ -86,6 +87,9 @@ def paged_attention_reference(
     With ``lse`` (float32 ``[T, Hq]``), also writes ``lse[t, h] = ln Σ exp(s)`` over the visible
     (scaled, soft-capped) logits and the sink: the flash-attn convention; ``-inf`` for a row
     with nothing visible and no sink.
+
+    Batch-invariant by construction (``batch_invariant`` is accepted and changes nothing): each
+    request is computed alone, with torch ops whose shapes are its own.
 
     Shapes: q ``[T, Hq, D]``; caches ``[pages, page_size, Hkv, D|Dv]``; out ``[T, Hq, Dv]``.
     """
@@ -155,6 +159,7 @@ def mla_paged_attention_reference(
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
     lse: Optional[torch.Tensor] = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Absorbed MLA: one latent KV head; keys are the whole ``kv_lora_rank + rope`` vector, values
     its first ``kv_lora_rank`` dims. q ``[T, H, kv_lora + rope]``, kv_cache
@@ -308,7 +313,7 @@ def aiter_attn_register_kernels(register):
     """Register the references: any device, any dtype, every feature; lowest priority."""
     everything = Capabilities(
         features={"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs",
-                  "non_causal", "lse"},
+                  "non_causal", "lse", "batch_invariant"},
         cg_support=CGSupport.NEVER,
     )
     register("paged_attention", "reference", paged_attention_reference, everything, priority=0)

@@ -81,6 +81,7 @@ def paged_attention_5d_reference(
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
     lse: Optional[torch.Tensor] = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """``paged_attention`` semantics over the 5-D layout, in float32.
 

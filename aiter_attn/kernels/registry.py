@@ -33,9 +33,11 @@ log = logging.getLogger(__name__)
 #: Feature names a request may need and a kernel may declare. ``lse``: the kernel also writes
 #: the float32 log-sum-exp per (token, head) (``return_lse=True``; natural log of the exp-sum of
 #: the scaled, soft-capped logits, sinks included; ``-inf`` for a fully masked row).
+#: ``batch_invariant``: the kernel takes ``batch_invariant=True`` and then computes each row's
+#: output bitwise independently of the rest of the batch (``BackendConfig.batch_invariant``).
 FEATURES = frozenset(
     {"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs", "non_causal",
-     "lse"}
+     "lse", "batch_invariant"}
 )
 
 
@@ -55,7 +57,9 @@ class Capabilities:
         max_head_dim: upper bound on head dims when ``head_dims`` is ``None``.
         page_sizes: accepted page sizes.
         features: subset of :data:`FEATURES`.
-        cg_support: how far it runs under CUDA-graph capture.
+        cg_support: how far it runs under CUDA-graph capture (required, no default: a kernel
+            that claims capture gets a second run in the same buffers from ``aiter-attn
+            verify``, one that does not is kept out of captured steps).
         predicate: optional extra check ``(request) -> reason or None``.
     """
 
@@ -66,10 +70,17 @@ class Capabilities:
     max_head_dim: Optional[int] = None
     page_sizes: Optional[frozenset] = attrs.field(default=None, converter=_frozenset_or_none)
     features: frozenset = attrs.field(default=frozenset(), converter=frozenset)
-    cg_support: CGSupport = CGSupport.ALWAYS
+    cg_support: CGSupport = None  # required: checked below with a message that says why
     predicate: Optional[Callable] = attrs.field(default=None, eq=False)
 
     def __attrs_post_init__(self):
+        if not isinstance(self.cg_support, CGSupport):
+            raise TypeError(
+                f"Capabilities(cg_support={self.cg_support!r}): state how far the kernel runs "
+                "under CUDA-graph capture: cg_support=CGSupport.NEVER (eager only), "
+                "CGSupport.UNIFORM_BATCH (captured batches with one query length) or "
+                "CGSupport.ALWAYS (any captured batch). There is no default."
+            )
         unknown = self.features - FEATURES
         if unknown:
             raise ValueError(
@@ -123,14 +134,29 @@ class KernelRequest:
 
 @attrs.frozen(kw_only=True)
 class KernelImpl:
-    """One registered implementation of an op."""
+    """One registered implementation of an op.
+
+    Attributes:
+        fn: the functional convenience (the op's keyword calling convention).
+        kernel_cls: for attention ops, the :class:`~aiter_attn.kernels.base.AttentionKernel`
+            class that :meth:`bind` instantiates (a registered function is adapted by
+            :class:`~aiter_attn.kernels.base.FunctionKernel`); ``None`` for other ops.
+    """
 
     op: str
     name: str
     fn: Callable = attrs.field(eq=False)
-    capabilities: Capabilities = Capabilities()
+    capabilities: Capabilities
     priority: int = 0
     source: str = "builtin"  # the plugin that registered it
+    kernel_cls: Optional[type] = attrs.field(default=None, eq=False)
+
+    def bind(self, request: Optional["KernelRequest"] = None):
+        """A kernel object for ``request`` (attention ops): plan/run from here on."""
+        if self.kernel_cls is None:
+            raise TypeError(f"op {self.op!r} ({self.name}) is a plain function, not a kernel "
+                            "object; call impl.fn.")
+        return self.kernel_cls(request)
 
 
 @attrs.frozen
@@ -144,6 +170,10 @@ class Selection:
     def fn(self) -> Callable:
         return self.impl.fn
 
+    def bind(self, request: Optional["KernelRequest"] = None):
+        """The chosen implementation bound as a kernel object (see :meth:`KernelImpl.bind`)."""
+        return self.impl.bind(request)
+
 
 class KernelSelectionError(ValueError):
     """No implementation can serve a request; the message lists every candidate's reason."""
@@ -155,6 +185,7 @@ class KernelRegistry:
     def __init__(self):
         self._impls: dict[str, dict[str, KernelImpl]] = {}
         self._cache: dict = {}
+        self._bound: dict = {}
         self._lock = threading.Lock()
 
     def register(
@@ -162,24 +193,47 @@ class KernelRegistry:
         op: str,
         name: str,
         fn: Callable,
-        capabilities: Capabilities = Capabilities(),
+        capabilities: Capabilities,
         priority: int = 0,
         *,
         source: str = "builtin",
         replace: bool = False,
     ) -> KernelImpl:
-        """Register ``fn`` as backend ``name`` of ``op``.
+        """Register ``fn`` as backend ``name`` of ``op`` with its ``capabilities`` (which
+        state ``cg_support``).
 
-        A name already registered for the op raises unless ``replace=True`` (a plugin that
-        deliberately overrides a built-in says so).
+        For the attention ops (:data:`~aiter_attn.kernels.base.ATTENTION_OPS`) ``fn`` may be
+        an :class:`~aiter_attn.kernels.base.AttentionKernel` subclass (plan/run) or a
+        function in the keyword convention (adapted). A name already registered for the op
+        raises unless ``replace=True`` (a plugin that deliberately overrides a built-in says
+        so).
         """
+        from .base import ATTENTION_OPS, AttentionKernel, function_kernel
+
         if not isinstance(capabilities, Capabilities):
             raise TypeError(
                 f"capabilities must be aiter_attn.kernels.registry.Capabilities, "
                 f"got {type(capabilities).__name__}."
             )
+        kernel_cls = None
+        if isinstance(fn, type) and issubclass(fn, AttentionKernel):
+            if op not in ATTENTION_OPS:
+                raise TypeError(f"{fn.__name__} is a kernel object but op {op!r} takes a "
+                                f"function; kernel objects serve {sorted(ATTENTION_OPS)}.")
+            base = fn
+        elif op in ATTENTION_OPS:
+            base = function_kernel(fn, op)
+        else:
+            base = None
+        if base is not None:
+            # one subclass per registration: the name and capabilities travel with it
+            kernel_cls = type(base.__name__, (base,),
+                              {"name": name, "op": op, "capabilities": capabilities})
+            if fn is base:
+                fn = kernel_cls()  # the functional convenience: plan + run in one call
         impl = KernelImpl(
-            op=op, name=name, fn=fn, capabilities=capabilities, priority=priority, source=source
+            op=op, name=name, fn=fn, capabilities=capabilities, priority=priority, source=source,
+            kernel_cls=kernel_cls,
         )
         with self._lock:
             table = self._impls.setdefault(op, {})
@@ -190,6 +244,7 @@ class KernelRegistry:
                 )
             table[name] = impl
             self._cache.clear()
+            self._bound.clear()
         return impl
 
     def ops(self) -> list[str]:
@@ -199,14 +254,38 @@ class KernelRegistry:
         """Implementations of ``op``, best first."""
         return sorted(self._impls.get(op, {}).values(), key=lambda i: (-i.priority, i.name))
 
-    def select(self, request: KernelRequest, backend: Optional[str] = None) -> Selection:
+    def bound(self, key, request, backend: Optional[str] = None):
+        """A kernel object bound for ``request``, cached on the caller's cheap hashable ``key``
+        (which must determine the request). ``request`` is a :class:`KernelRequest` or a
+        zero-argument callable building one, so a cache hit builds and hashes nothing."""
+        if backend is None:
+            backend = os.environ.get("AITER_ATTN_BACKEND") or None
+        hit = self._bound.get((key, backend))
+        if hit is None:
+            req = request() if callable(request) else request
+            hit = self.select(req, backend=backend).bind(req)
+            self._bound[(key, backend)] = hit
+        return hit
+
+    def select(self, request: KernelRequest, backend: Optional[str] = None, *,
+               fallback: bool = False) -> Selection:
         """Pick the best implementation for ``request`` (cached per request and backend).
 
         ``backend`` (or ``AITER_ATTN_BACKEND``) forces one by name; if it cannot serve, raises
-        :class:`KernelSelectionError` with the reason.
+        :class:`KernelSelectionError` with the reason, unless ``fallback=True``: then the
+        best implementation that can serve is chosen instead (the KV writes of a strategy
+        whose backend is a plugin that registers attention only).
         """
         if backend is None:
             backend = os.environ.get("AITER_ATTN_BACKEND") or None
+        if fallback and backend is not None:
+            try:
+                return self.select(request, backend)
+            except KernelSelectionError as exc:
+                sel = self.select(request, None)
+                log.debug("op %s: backend %r cannot serve it (%s); using %s", request.op,
+                          backend, exc, sel.impl.name)
+                return sel
         key = (request, backend)
         hit = self._cache.get(key)
         if hit is not None:

@@ -95,12 +95,131 @@ class MetadataStrategy(abc.ABC):
         return spec.allocate(batch.device)
 
 
+@attrs.define(eq=False, slots=True)
+class KernelGroup:
+    """One layer group of an execution strategy: its kernel, chosen once, and how a step's
+    metadata is viewed for it (which page table; a window folded into a tree mask).
+
+    Attributes:
+        key: the group key (everything the kernel choice and its plan depend on).
+        kernel: the bound :class:`~aiter_attn.kernels.base.AttentionKernel`.
+        pages_key: ``md.extras`` name of the page table it reads (``None``: ``md.pages``).
+        window: HF sliding window to fold into a planned tree mask (``None``: none).
+    """
+
+    key: Any
+    kernel: Any
+    pages_key: Optional[str] = None
+    window: Optional[int] = None
+
+
+@attrs.define(eq=False, slots=True)
+class LayerBinding:
+    """A layer bound to its group: the group key, the kernel, the frozen LayerParams."""
+
+    layer: Any
+    group: Any
+    kernel: Any
+    params: Any
+
+
 class ExecutionStrategy(abc.ABC):
-    """Writes new K/V into the pool and launches one kernel op per layer call."""
+    """Writes new K/V into the pool and launches one kernel op per layer call.
+
+    Attention kernels are bound once per layer group (:meth:`bind_layer`), planned once per
+    step for every bound group (:meth:`plan_kernels`, called by the backend and the graph
+    manager right after the metadata plan) and only launched per layer.
+    """
 
     def __init__(self, ctx: StrategyContext):
         self.ctx = ctx
         self._kernels: dict = {}
+        self.groups: dict = {}  # group key -> KernelGroup
+        self._layers: dict = {}  # (id(layer), mask?, id(sinks), tag) -> LayerBinding
+
+    # -- plan/run kernels ------------------------------------------------------------------
+    def bind_layer(self, layer: LayerSpec, md: AttnMetadata, request_fn, q, k_cache, v_cache,
+                   sinks=None, pages_key: Optional[str] = None) -> LayerBinding:
+        """The layer's binding (cached: a dict lookup after the first call of the layer).
+
+        ``request_fn(q, k_cache, v_cache, window_size=, softcap=, sinks=, causal=,
+        custom_mask=)`` builds the kernel request of the layer's group on first use.
+        """
+        has_mask = md.mask is not None
+        key = (id(layer), has_mask, id(sinks), pages_key)
+        b = self._layers.get(key)
+        if b is not None and b.layer is layer:
+            return b
+        from ..kernels.base import LayerParams
+        from ..types import FP8_DTYPES
+
+        fold = has_mask and layer.sliding_window is not None
+        window = (-1, -1) if fold else layer.window_size()
+        causal = not layer.is_cross_attention and not has_mask
+        sinks_t = sinks if sinks is not None else layer.sinks
+        gkey = (request_fn, q.dtype, q.device, q.shape[1], q.shape[2], k_cache.dtype,
+                tuple(k_cache.shape[1:]), tuple(v_cache.shape[1:]), window, layer.logit_cap > 0,
+                sinks_t is not None, causal, has_mask, pages_key,
+                layer.sliding_window if fold else None)
+        group = self.groups.get(gkey)
+        if group is None:
+            req = request_fn(q, k_cache, v_cache, window_size=window, softcap=layer.logit_cap,
+                             sinks=sinks_t, causal=causal,
+                             custom_mask=md.mask.custom_mask if has_mask else None)
+            kernel = self.ctx.kernels.select(req, backend=self.ctx.config.kernel_backend) \
+                .bind(req)
+            group = self.groups[gkey] = KernelGroup(
+                key=gkey, kernel=kernel, pages_key=pages_key,
+                window=layer.sliding_window if fold else None)
+        params = LayerParams.from_spec(layer, q.device, fp8=k_cache.dtype in FP8_DTYPES,
+                                       sinks=sinks_t, window=window, causal=causal)
+        b = self._layers[key] = LayerBinding(layer=layer, group=gkey, kernel=group.kernel,
+                                             params=params)
+        return b
+
+    def plan_group(self, group: "KernelGroup", md: AttnMetadata, batch=None):
+        """Plan ``group``'s kernel for this step's ``md`` (once per step and group)."""
+        plans = md.kernel_plans
+        view = md
+        if group.pages_key is not None:
+            view = attrs.evolve(view, pages=md.extras[group.pages_key])
+        if group.window is not None and md.mask is not None:
+            from .common import window_tree_mask
+
+            batch = plans.batch if plans.batch is not None else batch
+            mask = window_tree_mask(md.mask, batch, md.query, group.window)
+            if plans.out is not None:  # graphs: the folded mask lives in a static buffer
+                name = f"window_mask.{group.window}"
+                buf = plans.out.get(name)
+                if buf is None or buf.shape != mask.custom_mask.shape:
+                    buf = plans.out[name] = torch.empty_like(mask.custom_mask)
+                buf.copy_(mask.custom_mask)
+                mask = attrs.evolve(mask, custom_mask=buf)
+            view = attrs.evolve(view, mask=mask)
+        kp = group.kernel.plan(view, out=plans.out)
+        plans[group.key] = kp
+        return kp
+
+    def plan_kernels(self, md: AttnMetadata, batch: ForwardBatch,
+                     out: Optional[dict] = None) -> None:
+        """Plan every bound group's kernel for this step (called once per step, right after
+        the metadata plan; ``out``: the static buffers under CUDA graphs)."""
+        plans = md.kernel_plans
+        plans.out, plans.batch = out, batch
+        for group in self.groups.values():
+            self.plan_group(group, md, batch)
+
+    def kernel_buffer_spec(self, limits) -> BufferSpec:
+        """The bound kernels' static buffers for ``limits`` (merged by the graph manager)."""
+        spec = BufferSpec({})
+        for group in self.groups.values():
+            spec = spec.merge(group.kernel.buffer_spec(limits))
+        return spec
+
+    def kernel_cg_support(self) -> Optional[CGSupport]:
+        """The weakest CUDA-graph support of the bound kernels (``None``: none bound)."""
+        sup = [g.kernel.cg_support for g in self.groups.values()]
+        return min(sup) if sup else None
 
     @abc.abstractmethod
     def run(
@@ -117,16 +236,18 @@ class ExecutionStrategy(abc.ABC):
     ) -> torch.Tensor:
         """Attention output ``[num_tokens, num_q_heads * v_head_dim]`` in ``q``'s dtype."""
 
-    def kernel_for(self, key, request):
+    def kernel_for(self, key, request, *, fallback: bool = False):
         """Select a kernel once per ``key`` (usually the layer spec) and cache it.
 
         ``request`` is a :class:`~aiter_attn.kernels.registry.KernelRequest` or a zero-argument
         callable building one (so a cache hit builds nothing: the per-call host cost of a
-        layer stays a dict lookup).
+        layer stays a dict lookup). ``fallback=True`` (KV writes): when the configured
+        ``kernel_backend`` cannot serve the op, use the best registered implementation.
         """
         sel = self._kernels.get(key)
         if sel is None:
             req = request() if callable(request) else request
-            sel = self.ctx.kernels.select(req, backend=self.ctx.config.kernel_backend)
+            sel = self.ctx.kernels.select(req, backend=self.ctx.config.kernel_backend,
+                                          fallback=fallback)
             self._kernels[key] = sel
         return sel

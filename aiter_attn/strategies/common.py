@@ -95,24 +95,27 @@ def attend(executor: ExecutionStrategy, op_request, q, k_cache, v_cache,
 
 
 def attend_layer(executor: ExecutionStrategy, request_fn, q, k_cache, v_cache, layer: LayerSpec,
-                 batch: ForwardBatch, md: AttnMetadata, pages: PageTable, sinks=None):
-    """:func:`attend` with the kernel request built by ``request_fn`` (the op's
-    ``*_request(q, k_cache, v_cache, window_size=, softcap=, sinks=, causal=, custom_mask=)``)
-    from the layer's effective window and causality; ``sinks`` default to ``layer.sinks``.
-    Returns ``[num_tokens, Hq * Dv]`` in ``q``'s dtype."""
-    sinks = sinks if sinks is not None else layer.sinks
-    # Everything the request depends on, so a step's layers after the first reuse the choice.
-    key = (request_fn, layer, sinks is not None, md.mask is not None, q.dtype, q.device,
-           k_cache.dtype, tuple(k_cache.shape[1:]), tuple(v_cache.shape[1:]))
+                 batch: ForwardBatch, md: AttnMetadata, pages: PageTable = None, sinks=None, *,
+                 pages_key=None):
+    """One attention call of ``layer`` through its group's kernel object: bound once per
+    layer group (``request_fn`` builds the group's request on first use: the op's
+    ``*_request(q, k_cache, v_cache, window_size=, softcap=, sinks=, causal=,
+    custom_mask=)``), planned once per step, launched here. ``pages_key`` names the
+    ``md.extras`` page table the layer reads (``None``: ``md.pages``). ``sinks`` default to
+    ``layer.sinks``. Returns ``[num_tokens, Hq * Dv]`` in ``q``'s dtype.
 
-    def request():
-        return request_fn(
-            q, k_cache, v_cache, window_size=effective_window(layer, md),
-            softcap=layer.logit_cap, sinks=sinks, causal=effective_causal(layer, md),
-            custom_mask=None if md.mask is None else md.mask.custom_mask)
-
-    sel = executor.kernel_for(key, request)
-    return attend(executor, sel, q, k_cache, v_cache, layer, batch, md, pages, sinks)
+    The hot path: one dict lookup for the binding, one for the step's plan, the output
+    allocation and the launch.
+    """
+    b = executor.bind_layer(layer, md, request_fn, q, k_cache, v_cache, sinks, pages_key)
+    kp = md.kernel_plans.get(b.group)
+    if kp is None:  # first call of this group in the step (or a group bound just now)
+        kp = executor.plan_group(executor.groups[b.group], md, batch)
+    num_tokens = q.shape[0]
+    out = torch.empty(num_tokens, layer.num_q_heads, layer.v_head_dim, dtype=q.dtype,
+                      device=q.device)
+    b.kernel.run(q, (k_cache, v_cache), kp, b.params, out)
+    return out.view(num_tokens, layer.num_q_heads * layer.v_head_dim)
 
 
 def require_pool(ctx, pool_cls: type, arch: str, hint: str = ""):

@@ -16,8 +16,9 @@ from .. import ops
 from ..batch import ForwardBatch
 from ..hookspecs import hookimpl
 from ..metadata import AttnMetadata, PageTable, QueryLayout
+from ..kernels.registry import KernelRequest
 from ..registry import StrategyPair
-from ..types import AttnArch, CGSupport, ForwardMode, LayerSpec
+from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
 from .base import BufferSpec, ExecutionStrategy, MetadataStrategy
 from .common import attend_layer
 
@@ -110,6 +111,15 @@ class ExtendMetadata(PagedMetadata):
     cg_support = CGSupport.NEVER
 
 
+def write_kv_request(k_cache: torch.Tensor, k: torch.Tensor) -> KernelRequest:
+    """The kernel-registry key of a ``write_kv`` into NHD ``k_cache`` from ``k``."""
+    return KernelRequest(
+        op="write_kv", device=k_cache.device.type, dtype=k.dtype, kv_dtype=k_cache.dtype,
+        head_dim=k_cache.shape[3], page_size=k_cache.shape[1],
+        features={"fp8"} if k_cache.dtype in FP8_DTYPES else (),
+    )
+
+
 class PagedExecution(ExecutionStrategy):
     """Write K/V into the NHD pool, then one ``paged_attention`` call.
 
@@ -126,7 +136,11 @@ class PagedExecution(ExecutionStrategy):
         num_tokens = q.shape[0]
         q = q.view(num_tokens, layer.num_q_heads, layer.head_dim)
         if save_kv_cache and k is not None:
-            ops.write_kv(
+            # the write kernel is chosen once per (cache, input) dtype pair: no request is
+            # built and nothing is validated on later calls
+            write = self.kernel_for(("write_kv", k_cache.dtype, k.dtype),
+                                    lambda: write_kv_request(k_cache, k))
+            write.fn(
                 k_cache, v_cache, batch.out_cache_loc,
                 k.view(num_tokens, layer.num_kv_heads, layer.head_dim),
                 v.view(num_tokens, layer.num_kv_heads, layer.v_head_dim),

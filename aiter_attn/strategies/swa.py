@@ -197,14 +197,16 @@ class SWAExecution(ExecutionStrategy):
                 )
 
             kw = {"full_to_swa": self.pool.full_to_swa_index_mapping} if on_swa else {}
-            # selected once per (op, layer, dtype): no request is built on later calls
-            self.kernel_for((op, layer, k.dtype), request).fn(
+            # selected once per (op, layer, dtype): no request is built on later calls; a
+            # backend with no KV write of its own (an attention-only plugin) falls back
+            self.kernel_for((op, layer, k.dtype), request, fallback=True).fn(
                 k_cache, v_cache, batch.out_cache_loc,
                 k.view(num_tokens, layer.num_kv_heads, layer.head_dim),
                 v.view(num_tokens, layer.num_kv_heads, layer.v_head_dim),
                 k_scale=layer.k_scale, v_scale=layer.v_scale, **kw)
         return attend_layer(self, paged_attention_request, q, k_cache, v_cache, layer, batch,
-                            metadata, pages, sinks)
+                            metadata, pages, sinks,
+                            pages_key="swa_pages" if on_swa else None)
 
 
 def chain_verify_only(config):

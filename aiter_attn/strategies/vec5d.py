@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import attrs
 import torch
 
 from ..batch import ForwardBatch
@@ -27,7 +26,7 @@ from ..hookspecs import hookimpl
 from ..kernels.reference_5d import paged_attention_5d_reference, v_layout_of, vec_width
 from ..kernels.registry import Capabilities, KernelRequest
 from ..metadata import AttnMetadata
-from ..ops import _lse_buffer, attention_features
+from ..ops import _lse_buffer, attention_features, call_extras, with_call_features
 from ..registry import StrategyPair
 from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
 from ..validation import ATTN_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
@@ -107,7 +106,7 @@ def paged_attention_5d(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_ta
                        k_scale=None, v_scale=None, out=None, max_seqlen_q=None,
                        max_seqlen_k=None, custom_mask=None, mask_indptr=None,
                        backend: Optional[str] = None, return_lse: bool = False,
-                       out_lse: Optional[torch.Tensor] = None):
+                       out_lse: Optional[torch.Tensor] = None, batch_invariant: bool = False):
     """:func:`aiter_attn.ops.paged_attention` over the 5-D layout.
 
     Args:
@@ -115,8 +114,8 @@ def paged_attention_5d(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_ta
         k_cache: ``[num_pages, num_kv_heads, head_dim // x, page_size, x]``.
         v_cache: ``[num_pages, num_kv_heads, page_size // x, head_dim_v, x]`` (shuffled) or
             ``[num_pages, num_kv_heads, head_dim_v, page_size]`` (hd_page).
-        Others exactly as in :func:`aiter_attn.ops.paged_attention` (``return_lse`` and
-        ``out_lse`` included).
+        Others exactly as in :func:`aiter_attn.ops.paged_attention` (``return_lse``,
+        ``out_lse`` and ``batch_invariant`` included).
 
     Returns:
         ``[num_tokens, num_q_heads, head_dim_v]`` in q's dtype; with ``return_lse`` the pair
@@ -144,14 +143,15 @@ def paged_attention_5d(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_ta
     req = paged_attention_5d_request(q, k_cache, v_cache, window_size=window_size,
                                      softcap=softcap, sinks=sinks, causal=causal,
                                      custom_mask=custom_mask)
-    if lse is not None:
-        req = attrs.evolve(req, features=req.features | {"lse"})
+    req = with_call_features(req, lse=lse is not None, batch_invariant=batch_invariant)
     sel = _registry().select(req, backend=backend)
     if out is None:
         out = torch.empty(q.shape[0], q.shape[1], _v_head_dim(v_cache), dtype=q.dtype,
                           device=q.device)
-    extra = {} if lse is None else {"lse": lse}
-    out = sel.fn(q, k_cache, v_cache, out, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+    extra = call_extras(lse, False)
+    # batch-invariant: a kernel bound to the request with the feature (it plans accordingly)
+    fn = sel.bind(req) if batch_invariant else sel.fn
+    out = fn(q, k_cache, v_cache, out, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
                  block_table=block_table, softmax_scale=float(softmax_scale), causal=causal,
                  window_size=tuple(window_size), softcap=float(softcap), sinks=sinks,
                  k_scale=k_scale, v_scale=v_scale, custom_mask=custom_mask,
@@ -204,7 +204,8 @@ class Vec5DExecution(ExecutionStrategy):
         if save_kv_cache and k is not None:
             k3 = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
             write = self.kernel_for(("write_kv_5d", layer, k.dtype),
-                                    lambda: write_kv_5d_request(k_cache, v_cache, k3))
+                                    lambda: write_kv_5d_request(k_cache, v_cache, k3),
+                                    fallback=True)
             write.fn(k_cache, v_cache, batch.out_cache_loc, k3,
                      v.view(num_tokens, layer.num_kv_heads, layer.v_head_dim),
                      k_scale=layer.k_scale, v_scale=layer.v_scale)
@@ -251,7 +252,7 @@ def aiter_attn_register_kernels(register):
     """
     everything = Capabilities(
         features={"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs",
-                  "non_causal", "lse"},
+                  "non_causal", "lse", "batch_invariant"},
         cg_support=CGSupport.NEVER,
     )
     register("paged_attention_5d", "reference", paged_attention_5d_reference, everything,

@@ -6,14 +6,16 @@ The step's tokens run *packed*: one sequence of all the step's new tokens (``[1,
 each token's own position in ``position_ids``; attention is the only op that mixes tokens,
 and it goes to :class:`~aiter_attn.AttentionBackend` over the paged KV cache:
 
-* **standard attention** (Gemma-2, gpt-oss, Qwen2, Mistral, …): an attention function
-  registered in transformers' ``AttentionInterface`` under :data:`ATTN_IMPLEMENTATION`
+* **standard attention** (Gemma-2, gpt-oss, Qwen2, Mistral, …): the one transformers
+  registration of this package, :func:`aiter_attn.integrations.transformers.register`
+  (``attn_implementation="aiter_attn"``). Inside
+  :func:`~aiter_attn.integrations.transformers.route_to_backend` its attention function
   receives each layer's rotated q ``[1, H, T, D]`` and k/v ``[1, H_kv, T, D]`` and calls
   ``backend.forward`` with the layer's :class:`~aiter_attn.LayerSpec` (scaling, soft-cap,
-  sliding window in the HF convention, sinks: read off the module when the model is wrapped).
-  The implementation is switched on only for the duration of :meth:`HFWrappedModel.forward`
-  (transformers builds no mask for an implementation without a mask function), so the same
-  ``hf_model`` still runs its own attention elsewhere (``--check``).
+  sliding window in the HF convention, sinks: read off the module when the model is wrapped),
+  and its mask function builds no mask. The implementation is switched on only for the
+  duration of :meth:`HFWrappedModel.forward`, so the same ``hf_model`` still runs its own
+  attention elsewhere (``--check``).
 * **MLA** (DeepSeek-V2): each ``DeepseekV2Attention`` gets an instance ``forward`` that, while
   the engine drives it, computes the latent ``[c_kv, k_pe]`` (norm and rotary as transformers
   does), hands the absorbed query ``[q_nope · W_UK, q_pe]`` and the latent to the backend
@@ -24,7 +26,6 @@ and it goes to :class:`~aiter_attn.AttentionBackend` over the paged KV cache:
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 import sys
 import types
@@ -35,6 +36,7 @@ import torch
 from ...backend import AttentionBackend
 from ...batch import ForwardBatch
 from ...strategies.mla import absorb_q, apply_w_uv, mla_layer_specs
+from ...integrations import transformers as hf_integration
 from ...types import LayerSpec
 from ..protocol import KVLayout
 
@@ -42,8 +44,9 @@ __all__ = ["HFWrappedModel", "WRAPPED_MODEL_TYPES", "ATTN_IMPLEMENTATION"]
 
 log = logging.getLogger(__name__)
 
-#: Name of the transformers attention implementation that calls the backend.
-ATTN_IMPLEMENTATION = "aiter_attn_engine"
+#: Name of the transformers attention implementation that calls the backend (the one
+#: :func:`aiter_attn.integrations.transformers.register` adds).
+ATTN_IMPLEMENTATION = hf_integration.ATTN_IMPLEMENTATION
 
 #: ``config.model_type`` → how its attention is routed (``"standard"`` or ``"mla"``).
 WRAPPED_MODEL_TYPES = {
@@ -55,45 +58,15 @@ WRAPPED_MODEL_TYPES = {
     "deepseek_v2": "mla",
 }
 
-# (model wrapper, batch, backend) of the forward in progress; None outside it.
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("aiter_attn_engine_active",
-                                                         default=None)
-
-
-def _backend_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                       **kwargs):
-    """transformers attention function: q ``[1, H, T, D]``, k/v ``[1, H_kv, T, D]`` →
-    ``([1, T, H, D_v], None)`` through the active engine's backend."""
-    active = _ACTIVE.get()
-    if active is None:
-        raise RuntimeError(f"attn_implementation={ATTN_IMPLEMENTATION!r} is only usable inside "
-                           "HFWrappedModel.forward (it needs the engine's batch and backend).")
-    wrapper, batch, backend = active
-    spec = wrapper.layer_specs[module.layer_idx]
-    if query.shape[0] != 1:
-        raise ValueError(f"query batch dim is {query.shape[0]}; the engine runs packed [1, T].")
-    t = query.shape[2]
-    q = query[0].transpose(0, 1).reshape(t, -1)
-    k = key[0].transpose(0, 1).reshape(t, -1)
-    v = value[0].transpose(0, 1).reshape(t, -1)
-    o = backend.forward(q, k, v, spec, batch)
-    return o.view(1, t, spec.num_q_heads, spec.v_head_dim), None
-
-
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, _backend_attention)
-
 
 def _mla_forward(self, hidden_states, attention_mask=None, cache=None, position_embeddings=None,
                  **kwargs):
     """DeepseekV2Attention.forward replacement (bound per instance; see the module docstring)."""
-    active = _ACTIVE.get()
-    if active is None:
+    route = hf_integration.active_route()
+    if route is None or not isinstance(route.owner, HFWrappedModel):
         return type(self).forward(self, hidden_states, attention_mask, cache,
                                   position_embeddings, **kwargs)
-    wrapper, batch, backend = active
+    wrapper, batch, backend = route.owner, route.batch, route.backend
     spec = wrapper.layer_specs[self.layer_idx]
     w_uk, w_uv = wrapper.mla_weights[self.layer_idx]
     t = hidden_states.shape[1]
@@ -159,7 +132,7 @@ class HFWrappedModel:
                                       head_dim=s0.head_dim, v_head_dim=s0.v_head_dim,
                                       dtype=self.dtype)
         else:
-            _register_attention()
+            hf_integration.register()
             self.layer_specs = [_standard_spec(m, i) for i, m in enumerate(attn_modules)]
             s0 = self.layer_specs[0]
             self.kv_layout = KVLayout(num_layers=len(attn_modules), num_kv_heads=s0.num_kv_heads,
@@ -204,12 +177,9 @@ class HFWrappedModel:
                 backend: AttentionBackend,
                 logits_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits float32 ``[len(logits_indices) or num_tokens, vocab]`` (see ``EngineModel``)."""
-        token = _ACTIVE.set((self, batch, backend))
-        try:
-            with self._engine_attention():
-                out = self.hf_model(input_ids=input_ids[None], position_ids=positions[None],
-                                    use_cache=False,
-                                    logits_to_keep=0 if logits_indices is None else logits_indices)
-        finally:
-            _ACTIVE.reset(token)
+        with hf_integration.route_to_backend(self.layer_specs, batch, backend, owner=self), \
+                self._engine_attention():
+            out = self.hf_model(input_ids=input_ids[None], position_ids=positions[None],
+                                use_cache=False,
+                                logits_to_keep=0 if logits_indices is None else logits_indices)
         return out.logits[0].float()

@@ -37,23 +37,20 @@ def triton_priority() -> int:
 @hookimpl
 def aiter_attn_register_kernels(register):
     """Register the Triton ops."""
-    from .paged_attention import (
-        MAX_HEAD_DIM,
-        paged_attention_5d_triton,
-        paged_attention_triton,
-        reject_reason,
-    )
+    from .attention import TritonPagedAttention, TritonPagedAttention5D
+    from .paged_attention import MAX_HEAD_DIM, reject_reason
 
     attn_caps = Capabilities(
         devices=TRITON_DEVICES, dtypes=_FLOAT_DTYPES, max_head_dim=MAX_HEAD_DIM,
         features={"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs",
-                  "non_causal", "lse"},
+                  "non_causal", "lse", "batch_invariant"},
         cg_support=CGSupport.ALWAYS, predicate=reject_reason,
     )
-    register("paged_attention", "triton", paged_attention_triton, attn_caps,
+    # plan/run kernel objects (kernels/triton/attention.py)
+    register("paged_attention", "triton", TritonPagedAttention, attn_caps,
              priority=triton_priority())
     # the same kernel over the vectorised 5-D layout (only the cache addressing differs)
-    register("paged_attention_5d", "triton", paged_attention_5d_triton, attn_caps,
+    register("paged_attention_5d", "triton", TritonPagedAttention5D, attn_caps,
              priority=triton_priority())
     from .index import (
         build_draft_decode_indices,
@@ -67,7 +64,7 @@ def aiter_attn_register_kernels(register):
     register(
         "mla_paged_attention", "triton", mla_paged_attention,
         Capabilities(devices=TRITON_DEVICES, dtypes=_FLOAT_DTYPES, max_head_dim=1024,
-                     features={"fp8", "custom_mask", "lse"}, cg_support=CGSupport.ALWAYS),
+                     features={"fp8", "custom_mask", "lse", "batch_invariant"}, cg_support=CGSupport.ALWAYS),
         priority=triton_priority(),
     )
     index_caps = Capabilities(devices=TRITON_DEVICES, features={"fp8"},

@@ -4,6 +4,15 @@ Shapes, the caller's ``max_seqlen_q``/``max_seqlen_k`` hints, the device's SM co
 shared memory (queried once per device) pick the tile shapes, warps, pipeline depth, split
 count and page lookup. ``docs/triton_tuning.md`` has the H200 measurements behind each
 default; :data:`TUNING_OVERRIDES` lets the tuning script and tests try others.
+
+Batch-invariant mode (``batch_invariant=True``): nothing that depends on the rest of the batch
+(batch size, the longest request, the SM count divided among programs) may reach the
+arithmetic of a row. The tile shapes then depend only on the head geometry and dtypes, the
+keys are split by a fixed number of tokens (:data:`BATCH_INVARIANT_SPLIT_TOKENS`, aligned to
+absolute key positions, so a request's split boundaries are its own), the split path and its
+reduction always run (the reduction sums the splits one by one in index order: trailing empty
+splits add exact zeros), and there are no atomics. The batch only sets how many split programs
+are launched.
 """
 
 from __future__ import annotations
@@ -12,7 +21,10 @@ import functools
 
 from ._kvutil import interpreting, max_shared_mem, next_pow2, num_sms
 
-__all__ = ["TUNING_OVERRIDES", "LaunchConfig", "choose_config"]
+__all__ = ["TUNING_OVERRIDES", "LaunchConfig", "choose_config", "BATCH_INVARIANT_SPLIT_TOKENS"]
+
+#: Keys per split in batch-invariant mode (rounded up to a multiple of ``block_n``).
+BATCH_INVARIANT_SPLIT_TOKENS = 512
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -24,32 +36,76 @@ class LaunchConfig:
     """Launch parameters chosen from shapes and host hints only."""
 
     __slots__ = ("block_m", "block_n", "num_warps", "num_stages", "heads", "block_q",
-                 "num_splits", "warp_spec", "page_chunk")
+                 "num_splits", "warp_spec", "page_chunk", "split_tiles")
 
     def __init__(self, block_m, block_n, num_warps, num_stages, heads, block_q, num_splits,
-                 warp_spec=False, page_chunk=0):
+                 warp_spec=False, page_chunk=0, split_tiles=0):
         self.block_m, self.block_n = block_m, block_n
         self.num_warps, self.num_stages = num_warps, num_stages
         self.heads, self.block_q, self.num_splits = heads, block_q, num_splits
         self.warp_spec, self.page_chunk = warp_spec, page_chunk
+        #: > 0: batch-invariant splits of this many key tiles each, at absolute tile
+        #: multiples (the split path always runs, the reduction sums in a fixed order)
+        self.split_tiles = split_tiles
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.split_tiles > 0
 
 
 #: Tuning overrides (scripts/tune_triton_paged_attention.py and tests only): ``block_m``,
 #: ``block_n``, ``num_warps``, ``num_stages``, ``min_split_tokens``, ``num_splits``, ``heads``
 #: (query heads packed per program), ``warp_spec`` (Triton's automatic warp specialisation of
-#: the unmasked key loop), ``page_chunk`` (key tiles per block-table load, 0 = per tile).
+#: the unmasked key loop), ``page_chunk`` (key tiles per block-table load, 0 = per tile),
+#: ``split_tokens`` (keys per split in batch-invariant mode).
 TUNING_OVERRIDES: dict = {}
 
 
 def choose_config(*, group, max_q, max_k, head_dim_pad, batch, num_kv_heads, device,
-                  fp32=False, fp8_kv=False) -> LaunchConfig:
-    """Launch parameters (docs/triton_tuning.md has the measurements behind the defaults)."""
+                  fp32=False, fp8_kv=False, batch_invariant=False) -> LaunchConfig:
+    """Launch parameters (docs/triton_tuning.md has the measurements behind the defaults).
+
+    ``batch_invariant``: tiles from the head geometry and dtypes only, splits of a fixed key
+    count (see the module docstring); ``max_k`` then only sets how many splits are launched.
+    """
     ov = tuple(sorted(TUNING_OVERRIDES.items()))
     on_gpu = device.type == "cuda" and not interpreting()
-    sms = num_sms(device) if on_gpu else 0
     smem = max_shared_mem(device) - 2048 if on_gpu else 0  # margin for Triton's own buffers
+    if batch_invariant:
+        cfg = _invariant_config_cached(group, head_dim_pad, ov, interpreting(), fp32, smem)
+        per_split = cfg.split_tiles * cfg.block_n
+        return LaunchConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.heads,
+                            cfg.block_q, max(1, _cdiv(max(max_k, 1), per_split)),
+                            cfg.warp_spec, cfg.page_chunk, cfg.split_tiles)
+    sms = num_sms(device) if on_gpu else 0
     return _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads, sms, ov,
                                  interpreting(), fp32, fp8_kv, smem)
+
+
+@functools.lru_cache(maxsize=256)
+def _invariant_config_cached(group, head_dim_pad, ov, interpreting, fp32, smem):
+    """The batch-invariant tiles: one shape for decode and prefill rows alike (64-row tiles
+    of ``group`` heads, 64-key tiles; 32 for head dims over 128 or float32), chunked page
+    lookup. ``num_splits`` is left 1 here; the caller sets it from ``max_k``."""
+    ov = dict(ov)
+    small = head_dim_pad > 128 or fp32
+    block_m = 32 if small else 64
+    block_n = 32 if small else 64
+    num_warps, num_stages = 4, (2 if fp32 else 3)
+    block_n, num_stages = _fit_smem(block_m, block_n, num_stages, head_dim_pad,
+                                    4 if fp32 else 2, smem)
+    if interpreting:
+        block_m, block_n = min(block_m, 32), 32
+    block_m = max(ov.get("block_m", block_m), 16)
+    block_n = ov.get("block_n", block_n)
+    heads = min(ov.get("heads", group), group, block_m)
+    split_tokens = ov.get("split_tokens", BATCH_INVARIANT_SPLIT_TOKENS)
+    split_tiles = max(1, _cdiv(split_tokens, block_n))
+    page_chunk = int(ov.get("page_chunk", 16))
+    return LaunchConfig(block_m, block_n, ov.get("num_warps", num_warps),
+                        ov.get("num_stages", num_stages), heads, block_m // heads, 1,
+                        bool(ov.get("warp_spec", False)),
+                        next_pow2(page_chunk) if page_chunk else 0, split_tiles)
 
 
 def _fit_smem(block_m, block_n, num_stages, head_dim_pad, elem, budget):

@@ -30,6 +30,7 @@ import triton.language as tl
 from ...types import kv_dequant_scales
 from ...validation import INDEX_DTYPES
 from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms, scale_args
+from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS
 from ._paging import load_chunk_pages, tile_pages_of
 
 __all__ = ["mla_paged_attention", "mla_launch_config"]
@@ -123,6 +124,7 @@ def _mla_fwd_kernel(
     FP16_DOTS: tl.constexpr,
     SPLIT_V_LOAD: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    FIXED_CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -140,9 +142,17 @@ def _mla_fwd_kernel(
     end = kv_len
     if CAUSAL:
         end = tl.minimum(kv_len, kv_len - n_q + qi + 1)
-    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, end)
+    if FIXED_CHUNK > 0:
+        # batch-invariant: split s owns keys [s·FIXED_CHUNK, (s+1)·FIXED_CHUNK) (the last
+        # launched split also whatever lies past it), whatever the batch launched
+        lo = split * FIXED_CHUNK
+        hi = tl.minimum(lo + FIXED_CHUNK, end)
+        if split == NUM_SPLITS - 1:
+            hi = end
+    else:
+        chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, end)
 
     kv_scale = kv_scale_val
     if SCALE_FROM_PTR:
@@ -220,7 +230,7 @@ def _mla_fwd_kernel(
     inv = tl.where(has, kv_scale / tl.where(has, l_i, 1.0), 0.0)
     o = acc * inv[:, None]
     o_mask = mask_h[:, None] & mask_dv[None, :]
-    if NUM_SPLITS == 1:
+    if NUM_SPLITS == 1 and FIXED_CHUNK == 0:
         o_ptrs = out_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
         tl.store(o_ptrs + offs_dv[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
         if WRITE_LSE:  # natural log; -inf with nothing visible
@@ -249,22 +259,39 @@ def _mla_merge_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    FIXED_ORDER: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < NUM_SPLITS
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < KV_LORA
-    lse = tl.load(part_lse_ptr + t * stride_lt + h * stride_lh + offs_s, mask=mask_s,
-                  other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)  # empty splits (lse = -inf) weigh 0
-    o = tl.load(part_o_ptr + t * stride_pt + h * stride_ph + offs_s[:, None] * stride_ps
-                + offs_dv[None, :], mask=mask_s[:, None] & mask_dv[None, :], other=0.0)
-    den = tl.sum(w, axis=0)
-    res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0, den, 1.0)
+    lse_base = part_lse_ptr + t * stride_lt + h * stride_lh
+    o_base = part_o_ptr + t * stride_pt + h * stride_ph + offs_dv
+    if FIXED_ORDER:
+        # batch-invariant: split by split in index order (trailing empty splits add exact
+        # zeros, so the number launched does not change the bits)
+        m = tl.load(lse_base)
+        for s in tl.static_range(1, NUM_SPLITS):
+            m = tl.maximum(m, tl.load(lse_base + s))
+        m = tl.where(m == float("-inf"), 0.0, m)
+        den = tl.zeros([1], tl.float32).sum(0)
+        acc = tl.zeros([BLOCK_DV], tl.float32)
+        for s in tl.static_range(0, NUM_SPLITS):
+            w_s = tl.exp2(tl.load(lse_base + s) - m)
+            den += w_s
+            acc += tl.load(o_base + s * stride_ps, mask=mask_dv, other=0.0) * w_s
+        res = acc / tl.where(den > 0, den, 1.0)
+    else:
+        offs_s = tl.arange(0, BLOCK_S)
+        mask_s = offs_s < NUM_SPLITS
+        lse = tl.load(lse_base + offs_s, mask=mask_s, other=float("-inf"))
+        m = tl.max(lse, axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m)  # empty splits (lse = -inf) weigh 0
+        o = tl.load(o_base[None, :] + offs_s[:, None] * stride_ps,
+                    mask=mask_s[:, None] & mask_dv[None, :], other=0.0)
+        den = tl.sum(w, axis=0)
+        res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0, den, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_dv,
              res.to(out_ptr.dtype.element_ty), mask=mask_dv)
     if WRITE_LSE:  # splits' log2 LSEs merged, in index order; natural log out
@@ -355,6 +382,7 @@ def mla_paged_attention(
     page_chunk: Optional[int] = None,
     split_v_load: Optional[bool] = None,
     lse: Optional[torch.Tensor] = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Absorbed MLA over a paged latent cache (Triton). Same contract as
     :func:`aiter_attn.kernels.reference.mla_paged_attention_reference`.
@@ -386,6 +414,10 @@ def mla_paged_attention(
             (compute-bound; 128 heads 64x4k: 227 vs 168 TFLOP/s with 64-key tiles).
         lse: optional float32 ``[T, H]``: also receives the natural-log LSE of each row's
             scaled logits (``-inf`` with nothing visible), the flash-attn convention.
+        batch_invariant: each row's bits independent of the rest of the batch: keys split
+            every :data:`BATCH_INVARIANT_SPLIT_TOKENS` (rounded to ``block_n``) at absolute
+            positions, the split path and a fixed-order merge always (the split count, a
+            power of two covering ``max_seqlen_k``, only sets how many programs launch).
     """
     if kv_cache.dim() != 4 or kv_cache.shape[2] != 1:
         raise ValueError(
@@ -422,6 +454,11 @@ def mla_paged_attention(
         block_h=block_h, block_n=block_n, dim=block_dv + block_dr,
         elem_size=max(q.element_size(), kv_cache.element_size()),
         kv_elem_size=kv_cache.element_size())
+    fixed_chunk = 0
+    if batch_invariant:
+        fixed_chunk = -(-BATCH_INVARIANT_SPLIT_TOKENS // bn) * bn
+        # a power of two: fewer distinct NUM_SPLITS compilations (extra splits are empty)
+        splits = next_pow2(max(1, -(-max(kv_bound, 1) // fixed_chunk)))
     if page_chunk is None:
         page_chunk = 0 if bh <= 16 else 16
     warps = num_warps or warps
@@ -438,7 +475,8 @@ def mla_paged_attention(
         mask_ind = mask_indptr
     else:
         mask_arg = mask_ind = cu_seqlens_q  # unused placeholders
-    if splits > 1:
+    use_parts = splits > 1 or batch_invariant
+    if use_parts:
         part_o = torch.empty(num_tokens, num_heads, splits, kv_lora_rank, dtype=torch.float32,
                              device=q.device)
         part_lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32,
@@ -472,9 +510,9 @@ def mla_paged_attention(
             page_size % bn == 0 or bn % page_size == 0) else 0,
         FP16_DOTS=is_fp8(kv_cache.dtype) and q.dtype == torch.bfloat16,
         SPLIT_V_LOAD=kv_cache.dtype != q.dtype if split_v_load is None else split_v_load,
-        WRITE_LSE=write_lse, num_warps=warps, num_stages=stages,
+        WRITE_LSE=write_lse, FIXED_CHUNK=fixed_chunk, num_warps=warps, num_stages=stages,
     )
-    if splits > 1:
+    if use_parts:
         _mla_merge_kernel[(num_tokens, num_heads)](
             out, part_o, part_lse, lse_t,
             out.stride(0), out.stride(1),
@@ -482,6 +520,7 @@ def mla_paged_attention(
             part_lse.stride(0), part_lse.stride(1),
             *lse_strides,
             KV_LORA=kv_lora_rank, BLOCK_DV=block_dv, NUM_SPLITS=splits,
-            BLOCK_S=max(2, next_pow2(splits)), WRITE_LSE=write_lse, num_warps=4,
+            BLOCK_S=max(2, next_pow2(splits)), WRITE_LSE=write_lse,
+            FIXED_ORDER=batch_invariant, num_warps=4,
         )
     return out

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...types import FP8_DTYPES, kv_dequant_scales
+from ...types import FP8_DTYPES
 from ._kvutil import next_pow2
 from ._paging import load_chunk_pages, tile_pages_of
 from ._launch_config import TUNING_OVERRIDES, _cdiv, choose_config
@@ -187,7 +187,7 @@ def _attn_tiles(
 def _paged_attn_kernel(
     Q, K, V, O, PartAcc, PartML, Lse,
     CuQ, SeqK, BlockTable, Sinks, KScale, VScale, Mask, MaskIndptr,
-    sm_scale, softcap, left, right, num_seqs, q_blocks_per_seq, num_splits,
+    sm_scale, softcap, left, right, num_seqs, q_blocks_per_seq, num_splits, split_tiles,
     stride_qt, stride_qh,
     stride_kp, stride_kt, stride_kh, stride_kd,
     stride_vp, stride_vt, stride_vh, stride_vd,
@@ -203,7 +203,7 @@ def _paged_attn_kernel(
     SEARCH_SEQ: tl.constexpr, SPLIT: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr, CLAMP_Q: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr, PAGE_CHUNK: tl.constexpr,
-    KX: tl.constexpr, VX: tl.constexpr, WRITE_LSE: tl.constexpr,
+    KX: tl.constexpr, VX: tl.constexpr, WRITE_LSE: tl.constexpr, FIXED_SPLITS: tl.constexpr,
 ):
     # longest causal q-blocks (latest positions) first: better tail balance in prefill
     pid_q = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -286,7 +286,15 @@ def _paged_attn_kernel(
     else:
         tf_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N), t_lo), t_hi)
         tf_hi = tl.maximum(tl.minimum(full_hi // BLOCK_N, t_hi), tf_lo)
-    if SPLIT:
+    if FIXED_SPLITS:
+        # batch-invariant: split s owns the absolute tiles [s·split_tiles, (s+1)·split_tiles)
+        # (the last launched split also whatever lies past it); a request's boundaries are
+        # its own, whatever the batch launched
+        s_lo = tl.maximum(split * split_tiles, t_lo)
+        s_hi = tl.minimum(split * split_tiles + split_tiles, t_hi)
+        if split == num_splits - 1:
+            s_hi = t_hi
+    elif SPLIT:
         per_split = tl.cdiv(t_hi - t_lo, num_splits)
         s_lo = t_lo + split * per_split
         s_hi = tl.minimum(s_lo + per_split, t_hi)
@@ -358,33 +366,55 @@ def _reduce_splits_kernel(
     O, PartAcc, PartML, Sinks, Lse, num_splits,
     stride_ot, stride_oh, stride_ps, stride_pt, stride_mls, stride_mlt, stride_lt, stride_lh,
     DV: tl.constexpr, DV_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, FIXED_ORDER: tl.constexpr,
 ):
     """Merge split partials of one (token, head): ``o = Σ_s 2^{m_s - M} acc_s / Σ_s 2^{m_s - M} l_s``
-    with the sink as one more term of the denominator (splits summed in index order, no
-    atomics); ``WRITE_LSE``: ``lse = ln 2 · (M + log2 denom)``, ``-inf`` when empty."""
+    with the sink as one more term of the denominator (no atomics); ``WRITE_LSE``:
+    ``lse = ln 2 · (M + log2 denom)``, ``-inf`` when empty. ``FIXED_ORDER``
+    (batch-invariant): the sums run split by split in index order, so splits past a request's
+    keys (exact zeros) leave its bits unchanged whatever number of splits was launched."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    s_mask = offs_s < num_splits
-    ml_ptrs = PartML + t * stride_mlt + h * 2 + offs_s.to(tl.int64) * stride_mls
-    m = tl.load(ml_ptrs, mask=s_mask, other=float("-inf"))
-    l = tl.load(ml_ptrs + 1, mask=s_mask, other=0.0)
-    m_max = tl.max(m, 0)
+    offs_dv = tl.arange(0, DV_PAD)
+    dv_mask = offs_dv < DV
+    ml_base = PartML + t * stride_mlt + h * 2
+    acc_base = PartAcc + t * stride_pt + h * DV_PAD + offs_dv
+    if FIXED_ORDER:
+        m_max = tl.load(ml_base)
+        ml_ptr = ml_base
+        for _ in range(1, num_splits):
+            ml_ptr += stride_mls
+            m_max = tl.maximum(m_max, tl.load(ml_ptr))
+    else:
+        offs_s = tl.arange(0, SPLITS_PAD)
+        s_mask = offs_s < num_splits
+        ml_ptrs = ml_base + offs_s.to(tl.int64) * stride_mls
+        m = tl.load(ml_ptrs, mask=s_mask, other=float("-inf"))
+        l = tl.load(ml_ptrs + 1, mask=s_mask, other=0.0)
+        m_max = tl.max(m, 0)
     if HAS_SINKS:
         sink = tl.load(Sinks + h).to(tl.float32) * _LOG2E
         m_max = tl.maximum(m_max, sink)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_safe)
-    denom = tl.sum(l * w, 0)
+    if FIXED_ORDER:
+        denom = tl.zeros([1], tl.float32).sum(0)
+        o = tl.zeros([DV_PAD], tl.float32)
+        ml_ptr = ml_base
+        acc_ptr = acc_base
+        for _ in range(0, num_splits):  # pointers advance: no int32 split·stride products
+            w_s = tl.exp2(tl.load(ml_ptr) - m_safe)
+            denom += tl.load(ml_ptr + 1) * w_s
+            o += tl.load(acc_ptr, mask=dv_mask, other=0.0) * w_s
+            ml_ptr += stride_mls
+            acc_ptr += stride_ps
+    else:
+        w = tl.exp2(m - m_safe)
+        denom = tl.sum(l * w, 0)
+        acc_ptrs = acc_base[None, :] + offs_s.to(tl.int64)[:, None] * stride_ps
+        acc = tl.load(acc_ptrs, mask=s_mask[:, None] & dv_mask[None, :], other=0.0)
+        o = tl.sum(acc * w[:, None], 0)
     if HAS_SINKS:
         denom += tl.exp2(sink - m_safe)
-    offs_dv = tl.arange(0, DV_PAD)
-    dv_mask = offs_dv < DV
-    acc_ptrs = PartAcc + offs_s.to(tl.int64)[:, None] * stride_ps + t * stride_pt + h * DV_PAD \
-        + offs_dv[None, :]
-    acc = tl.load(acc_ptrs, mask=s_mask[:, None] & dv_mask[None, :], other=0.0)
-    o = tl.sum(acc * w[:, None], 0)
     o = o / tl.where(denom > 0.0, denom, 1.0)
     tl.store(O + t * stride_ot + h * stride_oh + offs_dv, o.to(O.dtype.element_ty), mask=dv_mask)
     if WRITE_LSE:
@@ -439,6 +469,7 @@ def paged_attention_triton(
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
     lse: Optional[torch.Tensor] = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Paged attention with the contract of ``ops.paged_attention`` (see the module docstring).
 
@@ -451,25 +482,20 @@ def paged_attention_triton(
     split count. Without them static bounds are used (``T`` and ``W · page_size``). No host
     synchronisation; no allocation other than the split partials. ``lse``: optional float32
     ``[T, Hq]`` that also receives the natural-log LSE per (token, head), sinks included
-    (``-inf`` for a fully masked row).
+    (``-inf`` for a fully masked row). ``batch_invariant``: each row's bits independent of the
+    rest of the batch and of the hints (fixed tiles, fixed-size splits, fixed-order reduction;
+    see :mod:`._launch_config`).
     """
-    _, page_size, num_kv_heads, _ = k_cache.shape
-    ks, vs = k_cache.stride(), v_cache.stride()
-    if ks[3] != 1 or vs[3] != 1:
-        raise ValueError(
-            "paged_attention_triton needs the last (head-dim) axis of k_cache and v_cache to be "
-            "contiguous; pass .contiguous() tensors."
-        )
-    layout = _CacheLayout(page_size=page_size, num_kv_heads=num_kv_heads,
-                          v_head_dim=v_cache.shape[3],
-                          k_strides=(ks[0], ks[1], ks[2], 1), v_strides=(vs[0], vs[1], vs[2], 1),
-                          kx=1, vx=1)
-    return _launch(q, k_cache, v_cache, out, layout, cu_seqlens_q=cu_seqlens_q,
-                   seqused_k=seqused_k, block_table=block_table, softmax_scale=softmax_scale,
-                   causal=causal, window_size=window_size, softcap=softcap, sinks=sinks,
-                   k_scale=k_scale, v_scale=v_scale, custom_mask=custom_mask,
-                   mask_indptr=mask_indptr, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                   lse=lse)
+    from .attention import TritonPagedAttention, invariant_request
+
+    kernel = TritonPagedAttention(invariant_request(
+        TritonPagedAttention.request_for(q, k_cache, v_cache), batch_invariant))
+    kernel.name = "triton"
+    return kernel(q, k_cache, v_cache, out, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+                  block_table=block_table, softmax_scale=softmax_scale, causal=causal,
+                  window_size=window_size, softcap=softcap, sinks=sinks, k_scale=k_scale,
+                  v_scale=v_scale, custom_mask=custom_mask, mask_indptr=mask_indptr,
+                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, lse=lse)
 
 
 def paged_attention_5d_triton(
@@ -485,148 +511,10 @@ def paged_attention_5d_triton(
     ``[pages, Hkv, page_size // x, Dv, x]`` or hd_page ``[pages, Hkv, Dv, page_size]``.
     Keyword arguments as :func:`paged_attention_triton`.
     """
-    ks, vs = k_cache.stride(), v_cache.stride()
-    _, num_kv_heads, _, page_size, kx = k_cache.shape
-    if ks[4] != 1 or vs[-1] != 1:
-        raise ValueError(
-            "paged_attention_5d_triton needs the innermost axis of k_cache and v_cache to be "
-            "contiguous; pass .contiguous() tensors."
-        )
-    if v_cache.dim() == 5:  # shuffled: token o at (o // x) * vs[2] + o % x, dim d at d * vs[3]
-        layout = _CacheLayout(page_size=page_size, num_kv_heads=num_kv_heads,
-                              v_head_dim=v_cache.shape[3],
-                              k_strides=(ks[0], ks[3], ks[1], ks[2]),
-                              v_strides=(vs[0], vs[2], vs[1], vs[3]), kx=kx, vx=v_cache.shape[4])
-    else:  # hd_page: token o at o, dim d at d * vs[2]
-        layout = _CacheLayout(page_size=page_size, num_kv_heads=num_kv_heads,
-                              v_head_dim=v_cache.shape[2],
-                              k_strides=(ks[0], ks[3], ks[1], ks[2]),
-                              v_strides=(vs[0], vs[3], vs[1], vs[2]), kx=kx, vx=1)
-    return _launch(q, k_cache, v_cache, out, layout, **kwargs)
+    from .attention import TritonPagedAttention5D, invariant_request
 
-
-class _CacheLayout:
-    """How the kernel addresses a cache: strides ``(page, token, head, dim-group)`` of K and
-    ``(page, token-group, head, dim)`` of V in elements, and the vector widths ``kx``/``vx``
-    (1 for NHD pages; ``x`` for the 5-D layout's interleaved axis)."""
-
-    __slots__ = ("page_size", "num_kv_heads", "v_head_dim", "k_strides", "v_strides", "kx", "vx")
-
-    def __init__(self, *, page_size, num_kv_heads, v_head_dim, k_strides, v_strides, kx, vx):
-        self.page_size, self.num_kv_heads, self.v_head_dim = page_size, num_kv_heads, v_head_dim
-        self.k_strides, self.v_strides, self.kx, self.vx = k_strides, v_strides, kx, vx
-
-
-def _launch(q, k_cache, v_cache, out, layout: _CacheLayout, *, cu_seqlens_q, seqused_k,
-            block_table, softmax_scale, causal=True, window_size=(-1, -1), softcap=0.0,
-            sinks=None, k_scale=None, v_scale=None, custom_mask=None, mask_indptr=None,
-            max_seqlen_q=None, max_seqlen_k=None, lse=None):
-    """Launch the kernel (and the split reduction) for any :class:`_CacheLayout`."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    page_size, num_kv_heads = layout.page_size, layout.num_kv_heads
-    v_head_dim = layout.v_head_dim
-    batch = cu_seqlens_q.shape[0] - 1
-    if num_tokens == 0 or batch == 0:
-        return out
-    write_lse = lse is not None
-    lse_t = lse if write_lse else out
-    lse_strides = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
-    qs, os_ = q.stride(), out.stride()
-    if qs[2] != 1 or os_[2] != 1:
-        raise ValueError(
-            "paged_attention_triton needs the last (head-dim) axis of q and out to be "
-            "contiguous; pass .contiguous() tensors."
-        )
-    group = num_q_heads // num_kv_heads
-    max_q = int(max_seqlen_q) if max_seqlen_q is not None else num_tokens
-    max_q = max(1, min(max_q, num_tokens))
-    max_k = int(max_seqlen_k) if max_seqlen_k is not None else block_table.shape[1] * page_size
-    d_pad = max(16, next_pow2(head_dim))
-    dv_pad = max(16, next_pow2(v_head_dim))
-    cfg = choose_config(group=group, max_q=max_q, max_k=max(max_k, 1),
-                         head_dim_pad=max(d_pad, dv_pad), batch=batch,
-                         num_kv_heads=num_kv_heads, device=q.device,
-                         fp32=q.dtype == torch.float32 or k_cache.dtype == torch.float32,
-                         fp8_kv=k_cache.dtype in FP8_DTYPES)
-    num_hchunks = _cdiv(group, cfg.heads)
-    q_blocks_per_seq = _cdiv(max_q, cfg.block_q)
-    search_grid = _cdiv(num_tokens, cfg.block_q) + batch
-    search = max_seqlen_q is None or batch * q_blocks_per_seq > search_grid
-    grid_q = search_grid if search else batch * q_blocks_per_seq
-
-    is_fp8 = k_cache.dtype in FP8_DTYPES
-    # k/v scales dequantise fp8 caches only (aiter_attn.types.kv_dequant_scales)
-    k_scale, v_scale = kv_dequant_scales(k_cache.dtype, k_scale, v_scale)
-    has_scales = k_scale is not None or v_scale is not None
-    if has_scales:
-        k_scale_t = _scale_tensor(k_scale, q.device)
-        v_scale_t = _scale_tensor(v_scale, q.device)
-    else:
-        k_scale_t = v_scale_t = cu_seqlens_q  # unused
-    compute = _TL_DTYPES[q.dtype]
-    clamp_q = is_fp8 and q.dtype == torch.bfloat16
-    if clamp_q:
-        compute = tl.float16  # see CLAMP_Q in the kernel
-    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    left = window_size[0] if window_size[0] >= 0 else _UNBOUNDED
-    right = window_size[1] if window_size[1] >= 0 else _UNBOUNDED
-    has_mask = custom_mask is not None
-    mask_t = custom_mask.view(torch.uint8) if has_mask and custom_mask.dtype == torch.bool \
-        else custom_mask
-    split = cfg.num_splits > 1
-    if split:
-        part_acc = torch.empty(cfg.num_splits, num_tokens, num_q_heads, dv_pad,
-                               dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(cfg.num_splits, num_tokens, num_q_heads, 2,
-                              dtype=torch.float32, device=q.device)
-        strides = (part_acc.stride(0), part_acc.stride(1), part_ml.stride(0), part_ml.stride(1))
-    else:
-        part_acc = part_ml = out
-        strides = (0, 0, 0, 0)
-    tile_in_page = page_size % cfg.block_n == 0
-    page_chunk = cfg.page_chunk if tile_in_page or cfg.block_n % page_size == 0 else 0
-
-    grid = (grid_q, num_kv_heads * num_hchunks, cfg.num_splits)
-    _paged_attn_kernel[grid](
-        q, k_cache, v_cache, out, part_acc, part_ml, lse_t,
-        cu_seqlens_q, seqused_k, block_table,
-        sinks if sinks is not None else cu_seqlens_q,
-        k_scale_t, v_scale_t,
-        mask_t if has_mask else cu_seqlens_q,
-        mask_indptr if has_mask else cu_seqlens_q,
-        float(softmax_scale), float(softcap), left, right, batch, q_blocks_per_seq,
-        cfg.num_splits,
-        qs[0], qs[1], *layout.k_strides, *layout.v_strides, os_[0], os_[1],
-        block_table.stride(0),
-        *strides, *lse_strides,
-        GROUP=group, HEADS=cfg.heads, NUM_HCHUNKS=num_hchunks,
-        BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        D=head_dim, D_PAD=d_pad, DV=v_head_dim, DV_PAD=dv_pad,
-        PAGE_SIZE=page_size, TILE_IN_PAGE=tile_in_page,
-        CAUSAL=bool(causal), HAS_SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
-        HAS_SCALES=has_scales, HAS_CUSTOM_MASK=has_mask,
-        SEARCH_SEQ=search, SPLIT=split,
-        COMPUTE_DTYPE=compute, CLAMP_Q=clamp_q, DOT_PRECISION=dot_precision, NUM_STAGES=cfg.num_stages,
-        WARP_SPEC=cfg.warp_spec, PAGE_CHUNK=page_chunk, KX=layout.kx, VX=layout.vx,
-        WRITE_LSE=write_lse, num_warps=cfg.num_warps,
-    )
-    if split:
-        _reduce_splits_kernel[(num_tokens, num_q_heads)](
-            out, part_acc, part_ml, sinks if sinks is not None else part_ml, lse_t,
-            cfg.num_splits, os_[0], os_[1], *strides, *lse_strides,
-            DV=v_head_dim, DV_PAD=dv_pad, SPLITS_PAD=next_pow2(cfg.num_splits),
-            HAS_SINKS=sinks is not None, WRITE_LSE=write_lse, num_warps=4,
-        )
-    return out
-
-
-def _scale_tensor(scale, device) -> torch.Tensor:
-    """A 1-element float32 device tensor for a k/v scale (``None`` → 1). Device tensors pass
-    through without a sync; Python floats become a small (non-graph-captured) upload."""
-    if scale is None:
-        return torch.ones(1, dtype=torch.float32, device=device)
-    if isinstance(scale, torch.Tensor):
-        if scale.device != device:
-            scale = scale.to(device)
-        return scale.reshape(-1)[:1].float()
-    return torch.full((1,), float(scale), dtype=torch.float32, device=device)
+    kernel = TritonPagedAttention5D(invariant_request(
+        TritonPagedAttention5D.request_for(q, k_cache, v_cache),
+        kwargs.pop("batch_invariant", False)))
+    kernel.name = "triton"
+    return kernel(q, k_cache, v_cache, out, **kwargs)

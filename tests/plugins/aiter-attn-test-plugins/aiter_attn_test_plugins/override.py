@@ -3,6 +3,7 @@
 from aiter_attn.hookspecs import hookimpl
 from aiter_attn.kernels.reference import paged_attention_reference
 from aiter_attn.kernels.registry import Capabilities
+from aiter_attn.types import CGSupport
 
 CALLS = {"paged_attention": 0}
 
@@ -15,6 +16,7 @@ def overriding_reference(q, k_cache, v_cache, out, **kwargs):
 @hookimpl
 def aiter_attn_register_kernels(register):
     caps = Capabilities(features={"sinks", "softcap", "window", "fp8", "custom_mask",
-                                  "v_head_dim_differs", "non_causal"})
+                                  "v_head_dim_differs", "non_causal"},
+                        cg_support=CGSupport.NEVER)
     register("paged_attention", "reference", overriding_reference, caps, priority=0,
              replace=True)

@@ -1,0 +1,1 @@
+"""Engine integrations (vLLM, SGLang, transformers); see docs/integrations.md."""

@@ -1,0 +1,222 @@
+"""transformers integration: ``attn_implementation="aiter_attn"``.
+
+:func:`register` adds one attention function (and its mask function) to transformers'
+``AttentionInterface`` / ``AttentionMaskInterface`` under :data:`ATTN_IMPLEMENTATION`. After
+it, any model whose class sets ``_supports_attention_backend`` (Llama, Qwen2, Mistral,
+Gemma-2, gpt-oss, …) runs its attention through this backend's kernels::
+
+    import aiter_attn.integrations.transformers as aiter_hf
+    aiter_hf.register()
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="aiter_attn")
+    model.generate(...)                      # or model.set_attn_implementation("aiter_attn")
+
+The function serves two callers:
+
+* **transformers' own cache** (``model.generate`` with a ``DynamicCache``): each layer hands
+  over q ``[B, H, T_q, D]`` and the whole cached k/v ``[B, H_kv, T_k, D]``. They are laid out
+  as a paged cache of page size 1 (one contiguous copy of k/v per layer) and run through
+  :func:`aiter_attn.ops.paged_attention` with the layer's scaling, soft-cap (Gemma-2), sliding
+  window (HF convention ``w`` ⇒ ``(w - 1, 0)``) and sinks (gpt-oss ``s_aux``). Left padding
+  comes from transformers' boolean mask (the ``sdpa`` mask function is registered under the
+  same name): key columns that no query of a row may see are dropped from that row's page
+  table, and query rows that are themselves padding give zeros (no real token reads them).
+* **the reference engine** (:class:`aiter_attn.engine.models.hf_wrapped.HFWrappedModel`):
+  inside :func:`route_to_backend` the same function sends each layer's packed step
+  (``[1, T]`` tokens of many requests) to an :class:`~aiter_attn.AttentionBackend` over the
+  engine's paged KV pool instead, with the layer's :class:`~aiter_attn.LayerSpec`.
+
+transformers' continuous batching (``generate_batch``) is not served: see
+``docs/integrations.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+from typing import Optional, Sequence
+
+import attrs
+import torch
+
+from .. import ops
+
+__all__ = ["ATTN_IMPLEMENTATION", "register", "attention_forward", "mask_forward",
+           "EngineRoute", "route_to_backend", "active_route"]
+
+log = logging.getLogger(__name__)
+
+#: The ``attn_implementation`` name :func:`register` adds.
+ATTN_IMPLEMENTATION = "aiter_attn"
+
+
+@attrs.frozen(eq=False)
+class EngineRoute:
+    """Where the attention of a forward in progress goes instead of transformers' cache.
+
+    Attributes:
+        layer_specs: per ``module.layer_idx`` its :class:`~aiter_attn.LayerSpec`.
+        batch: the engine's :class:`~aiter_attn.ForwardBatch` of this step.
+        backend: the :class:`~aiter_attn.AttentionBackend` holding the paged KV pool.
+        owner: the object that opened the route (the engine's model wrapper).
+    """
+
+    layer_specs: Sequence
+    batch: object
+    backend: object
+    owner: object = None
+
+
+_ROUTE: contextvars.ContextVar = contextvars.ContextVar("aiter_attn_hf_route", default=None)
+
+
+def active_route() -> Optional[EngineRoute]:
+    """The :class:`EngineRoute` of the forward in progress, or ``None`` outside one."""
+    return _ROUTE.get()
+
+
+@contextlib.contextmanager
+def route_to_backend(layer_specs: Sequence, batch, backend, owner=None):
+    """Within the block, :data:`ATTN_IMPLEMENTATION` attention runs on ``backend`` over its
+    paged pool for ``batch`` (packed ``[1, T]`` steps) instead of transformers' cache."""
+    token = _ROUTE.set(EngineRoute(layer_specs, batch, backend, owner))
+    try:
+        yield
+    finally:
+        _ROUTE.reset(token)
+
+
+def _engine_attention(route: EngineRoute, module, query, key, value):
+    spec = route.layer_specs[module.layer_idx]
+    if query.shape[0] != 1:
+        raise ValueError(f"query batch dim is {query.shape[0]}; the engine runs packed [1, T].")
+    t = query.shape[2]
+    q = query[0].transpose(0, 1).reshape(t, -1)
+    k = key[0].transpose(0, 1).reshape(t, -1)
+    v = value[0].transpose(0, 1).reshape(t, -1)
+    o = route.backend.forward(q, k, v, spec, route.batch)
+    return o.view(1, t, spec.num_q_heads, spec.v_head_dim), None
+
+
+def _visible(attention_mask: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, T_q, T_k]``: which key each query may see (bool masks as given, additive
+    float masks where 0)."""
+    m = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask
+    return m if m.dtype == torch.bool else m == 0
+
+
+def _layout(attention_mask, batch: int, q_len: int, kv_len: int, device):
+    """``(skip_keys [B], q_lens [B])`` host ints: leading key columns no query of the row sees
+    (left padding, keys out of every query's window) and the row's real queries."""
+    if attention_mask is None:
+        return [0] * batch, [q_len] * batch
+    vis = _visible(attention_mask)
+    seen = vis.any(dim=1)  # [B, T_k]
+    first = torch.where(seen.any(dim=1), seen.float().argmax(dim=1),
+                        torch.full((batch,), kv_len, device=seen.device)).tolist()
+    skip = [int(f) for f in first]
+    q_lens = [max(0, min(q_len, kv_len - s)) for s in skip]
+    return skip, q_lens
+
+
+def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
+                      dropout: float = 0.0, sliding_window: Optional[int] = None,
+                      softcap: Optional[float] = None, s_aux: Optional[torch.Tensor] = None,
+                      **kwargs):
+    """The transformers attention function of :data:`ATTN_IMPLEMENTATION`.
+
+    Args:
+        module: the calling attention module (``layer_idx``, ``is_causal``).
+        query: ``[B, H, T_q, D]``; key / value: ``[B, H_kv, T_k, D(_v)]`` (the cache's whole
+            content for this layer, this step's tokens last).
+        attention_mask: bool ``[B, 1, T_q, T_k]`` (True = may attend) or ``None`` (causal,
+            no padding).
+        scaling: softmax scale (default ``D ** -0.5``).
+        sliding_window: HF window ``w`` (each query sees its ``w`` latest keys) or ``None``.
+        softcap: logit soft-cap (Gemma-2) or ``None``.
+        s_aux: float ``[H]`` per-head sink logits (gpt-oss) or ``None``.
+
+    Returns:
+        ``([B, T_q, H, D_v], None)`` in the query's dtype.
+    """
+    route = _ROUTE.get()
+    if route is not None:
+        return _engine_attention(route, module, query, key, value)
+    if dropout:
+        raise ValueError(f"dropout={dropout}: the {ATTN_IMPLEMENTATION!r} attention is "
+                         "inference-only; call model.eval() or use another implementation "
+                         "for training.")
+    if kwargs.get("output_attentions"):
+        raise ValueError(f"output_attentions=True is not available with "
+                         f"attn_implementation={ATTN_IMPLEMENTATION!r} (the kernel never forms "
+                         "the attention matrix); use 'eager' to get the weights.")
+    b, h, tq, d = query.shape
+    hkv, tk, dv = key.shape[1], key.shape[2], value.shape[-1]
+    device = query.device
+    causal = bool(getattr(module, "is_causal", True))
+    skip, q_lens = _layout(attention_mask, b, tq, tk, device)
+    # k/v as pages of one token: row r's keys are pages r*T_k + skip[r] ... r*T_k + T_k - 1.
+    k_pages = key.transpose(1, 2).reshape(b * tk, 1, hkv, d)
+    v_pages = value.transpose(1, 2).reshape(b * tk, 1, hkv, dv)
+    kv_lens = [tk - s for s in skip]
+    width = max(max(kv_lens), 1)
+    cols = torch.arange(width, device=device)
+    base = (torch.arange(b, device=device) * tk + torch.tensor(skip, device=device))[:, None]
+    block_table = torch.where(cols[None] < torch.tensor(kv_lens, device=device)[:, None],
+                              base + cols[None], 0).to(torch.int32)
+    rows = [torch.arange(tq - n, tq, device=device) + r * tq for r, n in enumerate(q_lens)]
+    take = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long, device=device)
+    q_flat = query.transpose(1, 2).reshape(b * tq, h, d)
+    q_packed = q_flat.index_select(0, take)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device=device)
+    window = (-1, -1) if not sliding_window or sliding_window <= 0 else (int(sliding_window) - 1,
+                                                                        0 if causal else -1)
+    sinks = None if s_aux is None else s_aux.detach().to(device=device, dtype=torch.float32)
+    out = torch.zeros(b * tq, h, dv, dtype=query.dtype, device=device)
+    if take.numel():
+        o = ops.paged_attention(
+            q_packed, k_pages, v_pages, cu_seqlens_q=cu,
+            seqused_k=torch.tensor(kv_lens, dtype=torch.int32, device=device),
+            block_table=block_table,
+            softmax_scale=float(scaling if scaling is not None else d ** -0.5),
+            causal=causal, window_size=window, softcap=float(softcap or 0.0), sinks=sinks,
+            max_seqlen_q=max(q_lens), max_seqlen_k=max(kv_lens))
+        out.index_copy_(0, take, o)
+    return out.view(b, tq, h, dv), None
+
+
+def mask_forward(*args, **kwargs):
+    """The mask function of :data:`ATTN_IMPLEMENTATION`: transformers' ``sdpa`` boolean mask
+    for its own cache; none inside :func:`route_to_backend` (the engine's batch says it all)."""
+    if _ROUTE.get() is not None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
+def register() -> str:
+    """Register :data:`ATTN_IMPLEMENTATION` with transformers (idempotent); returns the name.
+
+    Raises:
+        ImportError: transformers is not installed, or is too old to have an
+            ``AttentionInterface`` (transformers ≥ 4.48 has it).
+    """
+    try:
+        from transformers import AttentionInterface
+    except ImportError as exc:
+        raise ImportError(
+            f"aiter_attn's transformers integration needs transformers with an "
+            f"AttentionInterface (≥ 4.48): {exc}. `pip install -U transformers`."
+        ) from exc
+    AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
+    try:
+        from transformers import AttentionMaskInterface
+    except ImportError:  # before 4.53 masks were built per implementation name by the model
+        log.warning("transformers has no AttentionMaskInterface: %r gets no padding mask; "
+                    "left-padded batches need transformers ≥ 4.53", ATTN_IMPLEMENTATION)
+    else:
+        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, mask_forward)
+    return ATTN_IMPLEMENTATION

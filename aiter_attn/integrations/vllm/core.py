@@ -1,0 +1,227 @@
+"""The engine-independent half of the vLLM integration: how vLLM's per-step metadata and KV
+cache map onto :mod:`aiter_attn.ops`. Nothing here imports vLLM, so it is tested without it;
+:mod:`.backend` binds it to vLLM's ``AttentionBackend`` / builder / impl classes.
+
+vLLM's KV cache (0.32, ``vllm/v1/kv_cache_interface.py``): each attention layer gets one
+tensor with the *logical* shape ``[num_blocks, num_kv_heads, block_size, head_size +
+head_size_v]`` (``[B, H, N, C]``: K and V side by side in the last dim); the *physical* order is
+the resolved :class:`KVCacheLayout`. Our backend declares ``LBNHC`` only, so each block is
+``[N, H, C]`` in memory: token-major pages, our NHD layout with K and V interleaved per (token,
+head). :func:`kv_cache_views` returns the K and V halves as ``[num_blocks, block_size,
+num_kv_heads, head_size(_v)]`` strided views of that same memory: kernels write and read vLLM's
+cache in place, no copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from ... import ops
+from ...kernels.registry import KernelSelectionError
+from ...plugins import kernel_registry
+from ...types import CGSupport
+
+__all__ = [
+    "AiterAttnMetadata",
+    "AttnLayerParams",
+    "kv_cache_views",
+    "metadata_from_common",
+    "window_from_vllm",
+    "write_kv_cache",
+    "run_attention",
+    "paged_attention_support",
+]
+
+
+def window_from_vllm(sliding_window: Optional[int]) -> tuple[int, int]:
+    """vLLM's ``sliding_window`` (a query sees itself and the ``w - 1`` keys before it, as in
+    vLLM's FlashAttention/Triton backends) as our flash-attn ``(left, right)`` pair."""
+    if sliding_window is None:
+        return (-1, -1)
+    if not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window!r}; expected None or an int ≥ 1.")
+    return (sliding_window - 1, 0)
+
+
+def kv_cache_views(kv_cache: torch.Tensor, head_size: int,
+                   head_size_v: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V views of one layer's vLLM KV cache, in our page layout, sharing its memory.
+
+    Args:
+        kv_cache: vLLM's per-layer cache, logical ``[num_blocks, num_kv_heads, block_size,
+            head_size + head_size_v]`` (any float or fp8 dtype, any physical layout).
+        head_size, head_size_v: K and V head dims (``head_size_v`` defaults to ``head_size``).
+
+    Returns:
+        ``(k_cache, v_cache)``: ``[num_blocks, block_size, num_kv_heads, head_size(_v)]`` views
+        (``v_cache`` starts ``head_size`` elements into each (token, head) cell).
+    """
+    head_size_v = head_size if head_size_v is None else head_size_v
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4:
+        raise ValueError(
+            f"kv_cache has shape {tuple(getattr(kv_cache, 'shape', ()))}; expected vLLM's "
+            "per-layer [num_blocks, num_kv_heads, block_size, head_size + head_size_v].")
+    if kv_cache.shape[3] != head_size + head_size_v:
+        raise ValueError(
+            f"kv_cache last dim is {kv_cache.shape[3]} but head_size={head_size} + "
+            f"head_size_v={head_size_v} = {head_size + head_size_v}; this cache was packed "
+            "for another backend (per-token-head scales?), which aiter_attn does not read.")
+    pages = kv_cache.permute(0, 2, 1, 3)  # [B, N, H, C]: a view, no copy
+    return pages[..., :head_size], pages[..., head_size:]
+
+
+@dataclass
+class AiterAttnMetadata:
+    """One step's attention plan, built once per KV-cache group and shared by its layers.
+
+    Every tensor is vLLM's own (persistent input buffers on the device), passed through as
+    our ops take them: nothing is copied or recomputed.
+
+    Attributes:
+        num_actual_tokens: tokens in the batch before padding (rows of q written).
+        cu_seqlens_q: int32 ``[num_reqs + 1]``: vLLM's ``query_start_loc``.
+        seqused_k: int32 ``[num_reqs]``: vLLM's ``seq_lens`` (KV length, this step included).
+        block_table: int32 ``[num_reqs, max_blocks]``: vLLM's ``block_table_tensor``
+            (kernel block ids; block 0 is vLLM's null block, as ours).
+        slot_mapping: int64 ``[num_tokens]``: vLLM's ``slot_mapping`` (``-1`` = padding).
+        causal: vLLM's ``causal`` (a bool; per-request tensors are rejected by the builder).
+        max_seqlen_q, max_seqlen_k: host hints for the kernels' grid; ``None`` = static
+            bounds (used while capturing a CUDA graph whose replays may differ).
+    """
+
+    num_actual_tokens: int
+    cu_seqlens_q: torch.Tensor
+    seqused_k: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    causal: bool = True
+    max_seqlen_q: Optional[int] = None
+    max_seqlen_k: Optional[int] = None
+
+    def with_block_table(self, block_table: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> "AiterAttnMetadata":
+        """The same plan over another KV-cache group's pages (vLLM's ``update_block_table``)."""
+        return replace(self, block_table=block_table, slot_mapping=slot_mapping)
+
+
+def metadata_from_common(common, *, capturing: bool = False) -> AiterAttnMetadata:
+    """Map vLLM's ``CommonAttentionMetadata`` onto :class:`AiterAttnMetadata`.
+
+    Args:
+        common: the ``CommonAttentionMetadata`` of this step (read by attribute name only).
+        capturing: the metadata is for a CUDA-graph capture. The grid hints are then kept
+            only where every replay of that graph shares them: ``max_seqlen_q`` for a uniform
+            batch (vLLM replays such graphs only for batches of that query length), never
+            ``max_seqlen_k`` (the kernels read each request's length on the device).
+
+    Raises:
+        NotImplementedError: ``common.causal`` is a per-request tensor (prefix-LM masks).
+    """
+    causal = common.causal
+    if isinstance(causal, torch.Tensor):
+        raise NotImplementedError(
+            "aiter_attn's vLLM backend takes causal as a bool; this batch has per-request "
+            "causal flags (a prefix-LM / multimodal model). Serve it with vLLM's own backend.")
+    max_q = int(common.max_query_len)
+    num_tokens = int(common.num_actual_tokens)
+    if capturing:
+        uniform = max_q * int(common.num_reqs) == num_tokens
+        max_seqlen_q, max_seqlen_k = (max_q if uniform else None), None
+    else:
+        max_seqlen_q, max_seqlen_k = max_q, int(common.max_seq_len)
+    return AiterAttnMetadata(
+        num_actual_tokens=num_tokens,
+        cu_seqlens_q=common.query_start_loc,
+        seqused_k=common.seq_lens,
+        block_table=common.block_table_tensor,
+        slot_mapping=common.slot_mapping,
+        causal=bool(causal),
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+    )
+
+
+@dataclass(frozen=True)
+class AttnLayerParams:
+    """A layer's constants, normalised once at construction (vLLM's impl ``__init__``).
+
+    Attributes:
+        num_heads, num_kv_heads: this rank's query / KV heads (vLLM passes local counts).
+        head_size, head_size_v: K and V head dims.
+        scale: softmax scale.
+        window_size: flash-attn ``(left, right)`` (see :func:`window_from_vllm`).
+        softcap: logit soft-cap (0 = off).
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    head_size_v: int
+    scale: float
+    window_size: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+
+
+def write_kv_cache(params: AttnLayerParams, kv_cache: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write this step's K/V (``[num_tokens, num_kv_heads, head_size(_v)]``) into vLLM's cache
+    at ``slot_mapping`` (int64 ``[>= num_tokens]``, ``-1`` = padding row, not written)."""
+    k_cache, v_cache = kv_cache_views(kv_cache, params.head_size, params.head_size_v)
+    n = min(key.shape[0], slot_mapping.shape[0])
+    key, value, slots = key[:n], value[:n], slot_mapping[:n]
+    if slots.device.type == "cpu":
+        # The reference writer indexes every slot, so padding rows are dropped here (free on
+        # the CPU); the GPU kernels skip negative slots themselves, with no host sync.
+        keep = slots >= 0
+        if not bool(keep.all()):
+            key, value, slots = key[keep], value[keep], slots[keep]
+    ops.write_kv(k_cache, v_cache, slots, key, value)
+
+
+def run_attention(params: AttnLayerParams, md: AiterAttnMetadata, query: torch.Tensor,
+                  kv_cache: torch.Tensor, output: torch.Tensor,
+                  sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention of ``query`` (``[num_tokens, num_heads, head_size]``) over vLLM's cache into
+    ``output`` (``[num_tokens, num_heads, head_size_v]``, rows past ``num_actual_tokens``
+    untouched). ``sinks``: float32 ``[num_heads]`` or None."""
+    k_cache, v_cache = kv_cache_views(kv_cache, params.head_size, params.head_size_v)
+    n = md.num_actual_tokens
+    ops.paged_attention(
+        query[:n], k_cache, v_cache,
+        cu_seqlens_q=md.cu_seqlens_q, seqused_k=md.seqused_k, block_table=md.block_table,
+        softmax_scale=params.scale, causal=md.causal, window_size=params.window_size,
+        softcap=params.softcap, sinks=sinks, out=output[:n],
+        max_seqlen_q=md.max_seqlen_q, max_seqlen_k=md.max_seqlen_k,
+    )
+    return output
+
+
+def paged_attention_support(*, device: str, dtype: torch.dtype, head_size: int,
+                            head_size_v: Optional[int] = None, page_size: Optional[int] = None,
+                            num_heads: Optional[int] = None,
+                            num_kv_heads: Optional[int] = None, sliding_window: bool = False,
+                            sinks: bool = False, softcap: bool = False) -> tuple:
+    """``(cg_support, reason)`` of the paged-attention kernel our registry would pick for a
+    layer like this on ``device``: its :class:`~aiter_attn.types.CGSupport`, or
+    ``(CGSupport.NEVER, why)`` when no kernel can serve it."""
+    head_size_v = head_size if head_size_v is None else head_size_v
+    features = ops.attention_features(
+        kv_dtype=dtype, head_dim=head_size, v_head_dim=head_size_v,
+        window_size=(0, 0) if sliding_window else (-1, -1), softcap=1.0 if softcap else 0.0,
+        sinks=True if sinks else None)
+    extra = ()
+    if num_heads is not None and num_kv_heads is not None:
+        extra = (("q_heads", num_heads), ("kv_heads", num_kv_heads))
+    from ...kernels.registry import KernelRequest
+
+    req = KernelRequest(op="paged_attention", device=device, dtype=dtype, kv_dtype=dtype,
+                        head_dim=head_size, v_head_dim=head_size_v, page_size=page_size,
+                        features=features, extra=extra)
+    try:
+        sel = kernel_registry().select(req)
+    except KernelSelectionError as exc:
+        return CGSupport.NEVER, str(exc)
+    return sel.impl.capabilities.cg_support, None

@@ -1,0 +1,331 @@
+"""Kernels as plan/run objects (the FlashInfer ``plan``/``run`` split carried down to kernels).
+
+A kernel object is bound once per (op, :class:`~aiter_attn.kernels.registry.KernelRequest`),
+i.e. once per strategy pair and layer group, and then used in three phases::
+
+    kernel = registry.select(request).bind(request)     # once per (mode, layer group)
+    params = LayerParams.from_spec(layer, device, fp8)  # once per layer (frozen)
+    kplan  = kernel.plan(md, out=static or None)        # once per step (frozen)
+    kernel.run(q, cache, kplan, params, out)            # once per layer: launch only
+
+``plan`` holds everything batch-dependent (split counts, grid and launch configuration,
+workspaces, index layouts); ``run`` does O(1) shape checks and launches. Under CUDA graphs
+``plan`` receives the graph manager's static buffer dict as ``out`` and must place every
+tensor it keeps in it (declared up front by :meth:`AttentionKernel.buffer_spec`, or added
+once with ``out.setdefault``), so a replay's plan has the capture's addresses.
+
+Plain functions in the keyword convention of
+:func:`aiter_attn.kernels.reference.paged_attention_reference` are still accepted by
+``register``: :class:`FunctionKernel` adapts them (its plan keeps the metadata's tensors, its
+run makes the one keyword call).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import attrs
+import torch
+
+from ..types import CGSupport
+
+__all__ = [
+    "LayerParams",
+    "KernelPlan",
+    "AttentionKernel",
+    "FunctionKernel",
+    "StepPlans",
+    "ATTENTION_OPS",
+]
+
+#: Ops whose implementations are attention kernels (``run(q, (k_cache, v_cache), plan,
+#: params, out)``); every other op stays a plain function.
+ATTENTION_OPS = frozenset({"paged_attention", "paged_attention_5d"})
+
+
+def _scale_tensor(value, device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=torch.float32).reshape(-1)[:1]
+    return torch.full((1,), float(value), dtype=torch.float32, device=device)
+
+
+@attrs.frozen(kw_only=True, slots=True)
+class LayerParams:
+    """Per-layer constants of an attention call, normalised once (frozen).
+
+    Attributes:
+        scale: softmax scale (float).
+        window: flash-attn ``(left, right)`` window, ``(-1, -1)`` unbounded.
+        softcap: soft-cap (0 disables).
+        causal: mask keys after each query (False for cross attention).
+        sinks: float32 ``[num_q_heads]`` device tensor or ``None``.
+        k_scale / v_scale: the fp8 dequantisation scales as given (floats or tensors), for
+            kernels that take them as values.
+        k_scale_t / v_scale_t: the same as 1-element float32 device tensors (made once).
+        has_scales: the cache is fp8: kernels apply the scales (never on other caches).
+        num_q_heads, num_kv_heads, head_dim, v_head_dim: the layer's shape on this rank.
+    """
+
+    scale: float
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+    causal: bool = True
+    sinks: Optional[torch.Tensor] = attrs.field(default=None, eq=False, repr=False)
+    k_scale: Any = 1.0
+    v_scale: Any = 1.0
+    k_scale_t: Optional[torch.Tensor] = attrs.field(default=None, eq=False, repr=False)
+    v_scale_t: Optional[torch.Tensor] = attrs.field(default=None, eq=False, repr=False)
+    has_scales: bool = False
+    num_q_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    v_head_dim: int = 0
+
+    @classmethod
+    def create(cls, *, scale, device, window=(-1, -1), softcap=0.0, causal=True, sinks=None,
+               k_scale=None, v_scale=None, fp8=False, num_q_heads=0, num_kv_heads=0,
+               head_dim=0, v_head_dim=0) -> "LayerParams":
+        """Normalise the constants once: floats, tuples, device scale tensors. k/v scales
+        dequantise fp8 caches only (:func:`aiter_attn.types.kv_dequant_scales`): with
+        ``fp8=False`` they are dropped."""
+        if not fp8:
+            k_scale = v_scale = None
+        has_scales = bool(fp8) or any(
+            s is not None and (isinstance(s, torch.Tensor) or float(s) != 1.0)
+            for s in (k_scale, v_scale))
+        ks = 1.0 if k_scale is None else k_scale
+        vs = 1.0 if v_scale is None else v_scale
+        return cls(
+            scale=float(scale), window=(int(window[0]), int(window[1])), softcap=float(softcap),
+            causal=bool(causal), sinks=sinks, k_scale=ks, v_scale=vs,
+            k_scale_t=_scale_tensor(ks, device) if has_scales else None,
+            v_scale_t=_scale_tensor(vs, device) if has_scales else None,
+            has_scales=has_scales, num_q_heads=int(num_q_heads),
+            num_kv_heads=int(num_kv_heads), head_dim=int(head_dim), v_head_dim=int(v_head_dim))
+
+    @classmethod
+    def from_spec(cls, layer, device, *, fp8: bool = False, sinks=None, window=None,
+                  causal=None) -> "LayerParams":
+        """The params of a :class:`~aiter_attn.types.LayerSpec` (``sinks``/``window``/
+        ``causal`` override the spec's: a strategy folding a window into a tree mask passes
+        ``window=(-1, -1)``)."""
+        return cls.create(
+            scale=layer.scaling, device=device,
+            window=layer.window_size() if window is None else window,
+            softcap=layer.logit_cap,
+            causal=(not layer.is_cross_attention) if causal is None else causal,
+            sinks=layer.sinks if sinks is None else sinks,
+            k_scale=layer.k_scale, v_scale=layer.v_scale, fp8=fp8,
+            num_q_heads=layer.num_q_heads, num_kv_heads=layer.num_kv_heads,
+            head_dim=layer.head_dim, v_head_dim=layer.v_head_dim)
+
+    def with_sinks(self, sinks) -> "LayerParams":
+        return attrs.evolve(self, sinks=sinks)
+
+
+@attrs.frozen(kw_only=True)
+class KernelPlan:
+    """The base of every kernel's per-step plan (frozen). Kernels subclass it.
+
+    Attributes:
+        num_tokens: query tokens the plan was made for (``run`` checks ``q`` against it).
+        mask_literal: a planned tree mask is applied literally (the kernel runs non-causal
+            and the mask alone says what each query sees: the strategies' convention); a
+            functional call keeps the ``causal`` it was given.
+    """
+
+    num_tokens: int
+    mask_literal: bool = False
+
+
+class StepPlans:
+    """One step's kernel plans by layer-group key (an opaque holder on
+    :class:`~aiter_attn.metadata.AttnMetadata`; the graph signature does not walk it).
+
+    Attributes:
+        out: the static buffer dict under CUDA graphs, else ``None`` (eager).
+        batch: the batch the step's metadata was planned for.
+    """
+
+    __slots__ = ("plans", "out", "batch")
+
+    def __init__(self):
+        self.plans: dict = {}
+        self.out: Optional[dict] = None
+        self.batch = None
+
+    def get(self, key):
+        return self.plans.get(key)
+
+    def __setitem__(self, key, value):
+        self.plans[key] = value
+
+    def __len__(self):
+        return len(self.plans)
+
+
+class AttentionKernel:
+    """Base of attention kernel objects (op ``paged_attention`` / ``paged_attention_5d``).
+
+    A subclass is registered through the ``aiter_attn_register_kernels`` hook in place of a
+    function; the registry calls ``cls(request)`` to bind it (once per layer group). Class
+    attributes ``name``/``capabilities`` are set by the registry from the registration.
+
+    Methods:
+        buffer_spec(limits): static buffers the kernel's plans need under CUDA graphs
+            (``name → (shape, dtype)`` in a :class:`~aiter_attn.strategies.base.BufferSpec`),
+            merged by :class:`~aiter_attn.graph.CudaGraphManager` into its static buffers.
+        plan(md, out=None): one step's :class:`KernelPlan` from
+            :class:`~aiter_attn.metadata.AttnMetadata` (``out``: static buffers or ``None``).
+        run(q, cache, plan, params, out, lse=None): launch. ``q`` ``[T, Hq, D]``, ``cache``
+            the op's cache tensors (``(k_cache, v_cache)``), ``params`` :class:`LayerParams`,
+            ``out`` ``[T, Hq, Dv]``; ``lse`` optional float32 ``[T, Hq]`` (kernels declaring
+            the ``lse`` feature). Returns ``out``.
+    """
+
+    name: str = "?"
+    op: str = "paged_attention"
+    capabilities = None  # set by the registry
+
+    def __init__(self, request=None):
+        self.request = request
+
+    @property
+    def cg_support(self) -> CGSupport:
+        caps = self.capabilities
+        return caps.cg_support if caps is not None else CGSupport.NEVER
+
+    def buffer_spec(self, limits):
+        from ..strategies.base import BufferSpec
+
+        return BufferSpec({})
+
+    def plan(self, md, out: Optional[dict] = None) -> KernelPlan:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def run(self, q, cache, plan, params: LayerParams, out,
+            lse=None):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seqused_k, block_table,
+                 softmax_scale, causal=True, window_size=(-1, -1), softcap=0.0, sinks=None,
+                 k_scale=None, v_scale=None, custom_mask=None, mask_indptr=None,
+                 max_seqlen_q=None, max_seqlen_k=None, lse=None):
+        """The functional keyword convention (one-off calls): plan from the arguments, run."""
+        md = _adhoc_metadata(q, k_cache, cu_seqlens_q, seqused_k, block_table, custom_mask,
+                             mask_indptr, max_seqlen_q, max_seqlen_k, self.op)
+        from ..types import FP8_DTYPES
+
+        params = LayerParams.create(
+            scale=softmax_scale, device=q.device, window=window_size, softcap=softcap,
+            causal=causal, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+            fp8=k_cache.dtype in FP8_DTYPES)
+        return self.run(q, (k_cache, v_cache), self.plan(md), params, out, lse=lse)
+
+
+def _page_size_of(k_cache, op: str) -> int:
+    return k_cache.shape[3] if op == "paged_attention_5d" else k_cache.shape[1]
+
+
+def _adhoc_metadata(q, k_cache, cu_seqlens_q, seqused_k, block_table, custom_mask, mask_indptr,
+                    max_seqlen_q, max_seqlen_k, op):
+    """An :class:`AttnMetadata` around the index tensors of one functional call (host hints
+    ``None`` become static bounds: ``num_tokens`` queries, the table's width in keys)."""
+    from ..metadata import AttnMetadata, CustomMask, PageTable, QueryLayout
+    from ..types import ForwardMode
+
+    page_size = _page_size_of(k_cache, op)
+    num_tokens = q.shape[0]
+    query = QueryLayout(cu_seqlens_q=cu_seqlens_q,
+                        max_seqlen_q=num_tokens if max_seqlen_q is None else int(max_seqlen_q),
+                        num_tokens=num_tokens)
+    pages = PageTable(block_table=block_table, seqused_k=seqused_k,
+                      max_seqlen_k=(block_table.shape[1] * page_size if max_seqlen_k is None
+                                    else int(max_seqlen_k)),
+                      page_size=page_size)
+    mask = None if custom_mask is None else CustomMask(custom_mask=custom_mask,
+                                                       mask_indptr=mask_indptr)
+    # a functional call passes its host hints exactly as given (None = unknown) and its
+    # ``causal`` literally, mask or not (``adhoc``)
+    return AttnMetadata(mode=ForwardMode.EXTEND, batch_size=cu_seqlens_q.shape[0] - 1,
+                        query=query, pages=pages, mask=mask,
+                        extras={"adhoc": True, "max_seqlen_q_hint": max_seqlen_q,
+                                "max_seqlen_k_hint": max_seqlen_k})
+
+
+@attrs.frozen(kw_only=True)
+class FunctionPlan(KernelPlan):
+    """:class:`FunctionKernel`'s plan: the metadata's tensors and host hints."""
+
+    cu_seqlens_q: torch.Tensor = attrs.field(eq=False, repr=False)
+    seqused_k: torch.Tensor = attrs.field(eq=False, repr=False)
+    block_table: torch.Tensor = attrs.field(eq=False, repr=False)
+    custom_mask: Optional[torch.Tensor] = attrs.field(default=None, eq=False, repr=False)
+    mask_indptr: Optional[torch.Tensor] = attrs.field(default=None, eq=False, repr=False)
+    max_seqlen_q: Optional[int] = None
+    max_seqlen_k: Optional[int] = None
+
+
+def mask_literal(md) -> bool:
+    """Whether a plan of ``md`` runs its mask literally (non-causal): a strategy's plan with
+    a mask; never a functional call's."""
+    return md.mask is not None and not md.extras.get("adhoc", False)
+
+
+def plan_hints(md):
+    """``(max_seqlen_q, max_seqlen_k)`` host hints of ``md`` (``None`` where a functional
+    call gave none)."""
+    ex = md.extras
+    if "max_seqlen_q_hint" in ex:
+        return ex["max_seqlen_q_hint"], ex["max_seqlen_k_hint"]
+    return md.query.max_seqlen_q, md.pages.max_seqlen_k
+
+
+class FunctionKernel(AttentionKernel):
+    """Adapts a function in the 17-keyword convention to plan/run (the reference, and
+    plugins that register plain functions). ``plan`` keeps the step's tensors; ``run`` makes
+    the keyword call."""
+
+    fn = None  # set per registration
+
+    def plan(self, md, out=None) -> FunctionPlan:
+        mq, mk = plan_hints(md)
+        mask = md.mask
+        return FunctionPlan(
+            num_tokens=md.query.num_tokens, mask_literal=mask_literal(md),
+            cu_seqlens_q=md.query.cu_seqlens_q, seqused_k=md.pages.seqused_k,
+            block_table=md.pages.block_table,
+            custom_mask=None if mask is None else mask.custom_mask,
+            mask_indptr=None if mask is None else mask.mask_indptr,
+            max_seqlen_q=mq, max_seqlen_k=mk)
+
+    def run(self, q, cache, plan, params, out, lse=None):
+        k_cache, v_cache = cache
+        causal = params.causal and not plan.mask_literal
+        extra = {} if lse is None else {"lse": lse}  # functions without the feature lack it
+        extra.update(self._flags())
+        return type(self).fn(
+            q, k_cache, v_cache, out,
+            cu_seqlens_q=plan.cu_seqlens_q, seqused_k=plan.seqused_k,
+            block_table=plan.block_table, softmax_scale=params.scale, causal=causal,
+            window_size=params.window, softcap=params.softcap, sinks=params.sinks,
+            k_scale=params.k_scale, v_scale=params.v_scale, custom_mask=plan.custom_mask,
+            mask_indptr=plan.mask_indptr, max_seqlen_q=plan.max_seqlen_q,
+            max_seqlen_k=plan.max_seqlen_k, **extra)
+
+    def __call__(self, q, k_cache, v_cache, out, **kwargs):
+        return type(self).fn(q, k_cache, v_cache, out, **kwargs, **self._flags())
+
+    def _flags(self) -> dict:
+        """``batch_invariant=True`` when bound to a request with that feature (only functions
+        declaring it are selected for such requests); nothing otherwise."""
+        req = self.request
+        if req is not None and "batch_invariant" in req.features:
+            return {"batch_invariant": True}
+        return {}
+
+
+def function_kernel(fn, op: str) -> type:
+    """A :class:`FunctionKernel` subclass around ``fn`` (one per registration)."""
+    return type(f"FunctionKernel[{getattr(fn, '__name__', 'fn')}]", (FunctionKernel,),
+                {"fn": staticmethod(fn), "op": op})

@@ -1,0 +1,247 @@
+"""The vLLM integration's engine-independent half (aiter_attn/integrations/vllm/core.py) and its
+entry point, without vLLM: cache views in vLLM's layout, metadata mapping, the K/V write and
+attention against the reference on an equivalent plain cache. The served end-to-end test is
+tests/test_vllm_e2e.py (in the vLLM virtualenv)."""
+
+import logging
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from aiter_attn import ops
+from aiter_attn.integrations.vllm import core
+from aiter_attn.types import CGSupport
+
+
+def _vllm_cache(num_blocks, num_kv_heads, block_size, d, dv, *, token_major=True,
+                dtype=torch.float32):
+    """A per-layer cache as vLLM 0.32 builds it: logical [B, H, N, D + Dv] over a flat
+    buffer laid out LBNHC (token-major pages) or LBHNC (head-major)."""
+    c = d + dv
+    raw = torch.randn(num_blocks * block_size * num_kv_heads * c, dtype=dtype)
+    if token_major:
+        return raw.view(num_blocks, block_size, num_kv_heads, c).permute(0, 2, 1, 3)
+    return raw.view(num_blocks, num_kv_heads, block_size, c)
+
+
+def test_kv_cache_views_share_vllm_memory():
+    """K and V views are [B, N, H, D] windows of vLLM's own buffer: a write through them is a
+    write to vLLM's cache, with K in the first D and V in the last Dv of each cell."""
+    kv = _vllm_cache(5, 3, 48, 80, 64)
+    k, v = core.kv_cache_views(kv, 80, 64)
+    assert k.shape == (5, 48, 3, 80) and v.shape == (5, 48, 3, 64)
+    assert k.data_ptr() == kv.data_ptr()
+    k[2, 7, 1].fill_(1.5)
+    v[2, 7, 1].fill_(-2.5)
+    assert torch.all(kv[2, 1, 7, :80] == 1.5) and torch.all(kv[2, 1, 7, 80:] == -2.5)
+
+
+def test_kv_cache_views_reject_packed_content():
+    kv = _vllm_cache(2, 1, 16, 32, 32)
+    with pytest.raises(ValueError, match="head_size=32 \\+ head_size_v=16"):
+        core.kv_cache_views(kv, 32, 16)
+    with pytest.raises(ValueError, match="per-layer"):
+        core.kv_cache_views(kv[0], 32)
+
+
+@pytest.mark.parametrize("sliding_window,expected", [(None, (-1, -1)), (1, (0, 0)),
+                                                     (16, (15, 0))])
+def test_window_from_vllm(sliding_window, expected):
+    assert core.window_from_vllm(sliding_window) == expected
+
+
+def test_window_from_vllm_rejects_bad():
+    with pytest.raises(ValueError, match="sliding_window=0"):
+        core.window_from_vllm(0)
+
+
+def _common(q_lens, kv_lens, *, block_table, slot_mapping, causal=True, pad_reqs=0):
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()) + [sum(q_lens)] * pad_reqs,
+                      dtype=torch.int32)
+    return SimpleNamespace(
+        query_start_loc=cu, seq_lens=torch.tensor(list(kv_lens) + [0] * pad_reqs,
+                                                  dtype=torch.int32),
+        num_reqs=len(q_lens) + pad_reqs, num_actual_tokens=sum(q_lens),
+        max_query_len=max(q_lens), max_seq_len=max(kv_lens), block_table_tensor=block_table,
+        slot_mapping=slot_mapping, causal=causal)
+
+
+def test_metadata_passes_vllm_tensors_through():
+    bt = torch.zeros(3, 4, dtype=torch.int32)
+    sm = torch.arange(9, dtype=torch.int64)
+    common = _common([1, 5, 3], [7, 5, 30], block_table=bt, slot_mapping=sm)
+    md = core.metadata_from_common(common)
+    assert md.cu_seqlens_q is common.query_start_loc and md.seqused_k is common.seq_lens
+    assert md.block_table is bt and md.slot_mapping is sm
+    assert (md.num_actual_tokens, md.max_seqlen_q, md.max_seqlen_k, md.causal) == (9, 5, 30,
+                                                                                True)
+    bt2, sm2 = bt.clone(), sm.clone()
+    md2 = md.with_block_table(bt2, sm2)
+    assert md2.block_table is bt2 and md2.slot_mapping is sm2 and md.block_table is bt
+
+
+def test_metadata_capture_hints_hold_for_every_replay():
+    """Under capture the grid hints are kept only where replays share them: the query length
+    of a uniform batch, never the KV length."""
+    bt, sm = torch.zeros(4, 2, dtype=torch.int32), torch.zeros(8, dtype=torch.int64)
+    uniform = core.metadata_from_common(_common([2, 2, 2, 2], [5, 9, 3, 2], block_table=bt,
+                                                slot_mapping=sm), capturing=True)
+    assert (uniform.max_seqlen_q, uniform.max_seqlen_k) == (2, None)
+    mixed = core.metadata_from_common(_common([5, 1, 1, 1], [5, 9, 3, 2], block_table=bt,
+                                              slot_mapping=sm), capturing=True)
+    assert (mixed.max_seqlen_q, mixed.max_seqlen_k) == (None, None)
+
+
+def test_metadata_rejects_per_request_causal():
+    common = _common([2], [2], block_table=torch.zeros(1, 1, dtype=torch.int32),
+                     slot_mapping=torch.zeros(2, dtype=torch.int64),
+                     causal=torch.tensor([True]))
+    with pytest.raises(NotImplementedError, match="per-request causal"):
+        core.metadata_from_common(common)
+
+
+@pytest.mark.parametrize("token_major", [True, False], ids=["LBNHC", "LBHNC-strided"])
+def test_write_kv_cache_writes_slots_and_skips_padding(token_major):
+    """Exactly the batch's slots are written into vLLM's cache; -1 (padding) rows are not."""
+    kv = _vllm_cache(4, 2, 16, 32, 32, token_major=token_major)
+    if not token_major:
+        # the writer flattens [B, N] pages; head-major caches are not ours (we declare LBNHC)
+        params = core.AttnLayerParams(num_heads=2, num_kv_heads=2, head_size=32,
+                                      head_size_v=32, scale=1.0)
+        with pytest.raises(RuntimeError):
+            core.write_kv_cache(params, kv, torch.randn(1, 2, 32), torch.randn(1, 2, 32),
+                                torch.tensor([3]))
+        return
+    before = kv.clone()
+    params = core.AttnLayerParams(num_heads=4, num_kv_heads=2, head_size=32, head_size_v=32,
+                                  scale=1.0)
+    key, value = torch.randn(5, 2, 32), torch.randn(5, 2, 32)
+    slots = torch.tensor([17, 3, -1, 63, -1])
+    core.write_kv_cache(params, kv, key, value, slots)
+    written = torch.zeros(4, 16, dtype=torch.bool)
+    for t, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        b, o = divmod(s, 16)
+        written[b, o] = True
+        assert torch.equal(kv[b, :, o, :32], key[t]) and torch.equal(kv[b, :, o, 32:], value[t])
+    untouched = ~written
+    assert torch.equal(kv.permute(0, 2, 1, 3)[untouched], before.permute(0, 2, 1, 3)[untouched])
+
+
+@pytest.mark.parametrize("window,softcap,with_sinks", [((-1, -1), 0.0, False),
+                                                       ((15, 0), 0.0, True),
+                                                       ((-1, -1), 5.0, False)],
+                         ids=["plain", "window-sinks", "softcap"])
+def test_run_attention_matches_reference_on_plain_cache(window, softcap, with_sinks):
+    """Attention read in place from vLLM's layout equals ops.paged_attention on the same K/V
+    copied to a contiguous NHD cache (GQA 5:1, head dim 80, page 48, null block 0,
+    block-permuted tables, a zero-length padding request)."""
+    torch.manual_seed(0)
+    hq, hkv, d, page = 10, 2, 80, 48
+    q_lens, kv_lens = [1, 7, 60], [50, 7, 130]
+    nblocks = 12
+    kv = _vllm_cache(nblocks, hkv, page, d, d)
+    perm = (torch.randperm(nblocks - 1) + 1).tolist()  # block 0 = null block
+    table = torch.zeros(4, 3, dtype=torch.int32)
+    for b, n in enumerate(kv_lens):
+        for i in range(-(-n // page)):
+            table[b, i] = perm.pop()
+    common = _common(q_lens, kv_lens, block_table=table,
+                     slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64), pad_reqs=1)
+    md = core.metadata_from_common(common)
+    params = core.AttnLayerParams(num_heads=hq, num_kv_heads=hkv, head_size=d, head_size_v=d,
+                                  scale=d ** -0.5, window_size=window, softcap=softcap)
+    sinks = torch.randn(hq) if with_sinks else None
+    n = sum(q_lens)
+    query = torch.randn(n + 3, hq, d)  # 3 padded rows past num_actual_tokens
+    output = torch.full((n + 3, hq, d), 7.0)
+    core.run_attention(params, md, query, kv, output, sinks=sinks)
+    k_plain, v_plain = (t.contiguous() for t in core.kv_cache_views(kv, d, d))
+    expected = ops.paged_attention(
+        query[:n], k_plain, v_plain, cu_seqlens_q=common.query_start_loc,
+        seqused_k=common.seq_lens, block_table=table, softmax_scale=d ** -0.5,
+        window_size=window, softcap=softcap, sinks=sinks, backend="reference")
+    torch.testing.assert_close(output[:n], expected, rtol=1e-5, atol=1e-5)
+    assert torch.all(output[n:] == 7.0)
+
+
+def test_paged_attention_support_reports_kernel_level(monkeypatch):
+    """The builder's CUDA-graph level is the picked kernel's; no kernel -> NEVER and why."""
+    level, reason = core.paged_attention_support(device="cpu", dtype=torch.float32,
+                                                 head_size=64, page_size=32)
+    assert reason is None and level == CGSupport.NEVER  # the CPU reference: no graphs
+    from aiter_attn.kernels.registry import Capabilities, KernelRegistry
+
+    gpu_only = KernelRegistry()
+    gpu_only.register("paged_attention", "gpu", lambda *a, **k: None,
+                      Capabilities(devices={"cuda"}, features={"window"},
+                                   cg_support=CGSupport.ALWAYS))
+    monkeypatch.setattr(core, "kernel_registry", lambda: gpu_only)
+    assert core.paged_attention_support(device="cuda", dtype=torch.float16, head_size=128,
+                                        sliding_window=True) == (CGSupport.ALWAYS, None)
+    level, reason = core.paged_attention_support(device="cuda", dtype=torch.float16,
+                                                 head_size=128, sinks=True)
+    assert level == CGSupport.NEVER and "sinks" in reason
+
+
+def test_register_without_vllm_logs_and_returns(monkeypatch, caplog):
+    """A plugin that cannot load says why and registers nothing (here: no vLLM at all)."""
+    import sys
+
+    from aiter_attn.integrations import vllm as plugin
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
+    monkeypatch.delitem(sys.modules, "aiter_attn.integrations.vllm.backend", raising=False)
+    with caplog.at_level(logging.WARNING, logger="vllm.plugins.aiter_attn"):
+        plugin.register()
+    assert "vLLM plugin not registered" in caplog.text and "keeps its own" in caplog.text
+
+
+def test_register_disabled_by_env(monkeypatch, caplog):
+    from aiter_attn.integrations import vllm as plugin
+
+    monkeypatch.setenv(plugin.ENV_DISABLE, "0")
+    with caplog.at_level(logging.INFO, logger="vllm.plugins.aiter_attn"):
+        plugin.register()
+    assert "not registering" in caplog.text
+
+
+@pytest.mark.skipif(not (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()),
+                    reason="Triton needs a GPU or TRITON_INTERPRET=1 (scripts/test.sh sets it)")
+def test_triton_kernels_read_and_write_vllm_layout_in_place(monkeypatch):
+    """The Triton write and attention kernels (the GPU path) on vLLM's interleaved K|V cells,
+    through strided views, equal the reference on a plain copy (float32; GQA 3:1, page 16,
+    a padding slot)."""
+    monkeypatch.setenv("AITER_ATTN_BACKEND", "triton")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(1)
+    hq, hkv, d, page = 3, 1, 32, 16
+    kv = _vllm_cache(5, hkv, page, d, d).to(dev)
+    params = core.AttnLayerParams(num_heads=hq, num_kv_heads=hkv, head_size=d, head_size_v=d,
+                                  scale=d ** -0.5, window_size=(7, 0))
+    table = torch.tensor([[3, 1], [4, 0]], dtype=torch.int32, device=dev)
+    q_lens, kv_lens = [4, 1], [20, 9]
+    slots = torch.tensor([1 * page + 0, 1 * page + 1, 1 * page + 2, 1 * page + 3, 4 * page + 8,
+                          -1], device=dev)  # request 0 tokens 16..19, request 1 token 8, pad
+    key, value = torch.randn(6, hkv, d, device=dev), torch.randn(6, hkv, d, device=dev)
+    expected_kv = kv.clone()
+    monkeypatch.setenv("AITER_ATTN_BACKEND", "reference")
+    core.write_kv_cache(params, expected_kv, key, value, slots)
+    monkeypatch.setenv("AITER_ATTN_BACKEND", "triton")
+    core.write_kv_cache(params, kv, key, value, slots)
+    assert torch.equal(kv, expected_kv)
+    common = _common(q_lens, kv_lens, block_table=table, slot_mapping=slots)
+    common.query_start_loc, common.seq_lens = (common.query_start_loc.to(dev),
+                                               common.seq_lens.to(dev))
+    md = core.metadata_from_common(common)
+    query = torch.randn(5, hq, d, device=dev)
+    out = torch.zeros(5, hq, d, device=dev)
+    core.run_attention(params, md, query, kv, out)
+    k_plain, v_plain = (t.contiguous() for t in core.kv_cache_views(kv, d, d))
+    ref = ops.paged_attention(query, k_plain, v_plain, cu_seqlens_q=md.cu_seqlens_q,
+                              seqused_k=md.seqused_k, block_table=table, softmax_scale=d ** -0.5,
+                              window_size=(7, 0), backend="reference")
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

