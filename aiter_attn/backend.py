@@ -140,11 +140,16 @@ class AttentionBackend:
         return inst
 
     # -- SGLang's method names ----------------------------------------------------------
-    def init_forward_metadata(self, forward_batch: ForwardBatch) -> AttnMetadata:
-        """Plan this step's metadata (eager). Validates the batch first."""
+    def init_forward_metadata(self, forward_batch: ForwardBatch,
+                              out: Optional[dict] = None) -> AttnMetadata:
+        """Plan this step's metadata. Validates the batch first.
+
+        ``out``: static buffers (the planner's ``buffer_spec``) to plan into, as CUDA-graph
+        capture/replay does; ``None`` (eager) plans into fresh buffers sized for the batch.
+        """
         validate_batch(forward_batch, self.config, self.ctx.req_to_token)
         planner, executor = self.strategies_for(forward_batch.forward_mode)
-        md = planner.plan(forward_batch)
+        md = planner.plan(forward_batch, out)
         executor.plan_kernels(md, forward_batch)  # once per step for every bound layer group
         if self._debug:
             from .testing.invariants import check_invariants

@@ -44,6 +44,9 @@ from .types import AttnArch, BackendConfig, ForwardMode, SpecDecodeConfig
 
 __all__ = ["MultiStepDraftBackend", "draft_columns_needed"]
 
+#: Prefix of the step planners' own buffers in :meth:`MultiStepDraftBackend.buffer_spec`.
+_STEP_PREFIX = "step{}."
+
 
 def draft_columns_needed(prefix_lens: torch.Tensor, page_size: int, topk: int,
                          num_steps: int) -> torch.Tensor:
@@ -115,8 +118,20 @@ class MultiStepDraftBackend:
     # -- buffers ------------------------------------------------------------------------
     def buffer_spec(self, max_bs: int, max_seq_len: Optional[int] = None) -> BufferSpec:
         """Shared buffers for up to ``max_bs`` requests (``max_bs · topk`` rows per step) whose
-        committed length is at most ``max_seq_len`` (default ``config.max_context_len``)."""
+        committed length is at most ``max_seq_len`` (default ``config.max_context_len``),
+        plus each step planner's own buffers (``step{i}.<name>``, e.g. the SWA page table the
+        SWA step planner translates into), so that a captured plan reads only these."""
         max_seq_len = self.config.max_context_len if max_seq_len is None else max_seq_len
+        rows = max(max_bs, 1) * self.topk
+        per_step = {}
+        for i, backend in enumerate(self.attn_backends):
+            planner, _ = backend.strategies_for(ForwardMode.DECODE)
+            own = planner.buffer_spec(rows, rows, max_seq_len + self.num_steps)
+            per_step.update({f"{_STEP_PREFIX.format(i)}{k}": v for k, v in own.buffers.items()})
+        return BufferSpec({**self._shared_spec(max_bs, max_seq_len).buffers, **per_step})
+
+    def _shared_spec(self, max_bs: int, max_seq_len: int) -> BufferSpec:
+        """The index buffers every step reads (``[num_passes, rows, …]``)."""
         rows = max(max_bs, 1) * self.topk
         steps = max(self.num_passes, 1)
         width = max(-(-(max_seq_len + self.num_steps) // self.page_size), 1)
@@ -183,7 +198,7 @@ class MultiStepDraftBackend:
         rows = bs * topk
         steps = self.num_passes
         if out is None:
-            out = self.buffer_spec(bs, batch.max_seq_len).allocate(batch.device)
+            out = self._shared_spec(bs, batch.max_seq_len).allocate(batch.device)
         r2t = self.req_to_token
 
         cu = out["draft_cu_seqlens_q"][: rows + 1]
@@ -215,8 +230,12 @@ class MultiStepDraftBackend:
         Returns the step batches (``attn_backends[i].forward(..., step_batches[i])``).
         """
         step_batches = self.plan(batch, out)
-        for backend, step_batch in zip(self.attn_backends, step_batches):
-            backend.init_forward_metadata(step_batch)
+        for i, (backend, step_batch) in enumerate(zip(self.attn_backends, step_batches)):
+            step_out = None
+            if out is not None:  # the step planner's own static buffers (never regrown)
+                prefix = _STEP_PREFIX.format(i)
+                step_out = {k[len(prefix):]: v for k, v in out.items() if k.startswith(prefix)}
+            backend.init_forward_metadata(step_batch, out=step_out)
         return step_batches
 
     def init_forward_metadata_out_graph(self, batch: ForwardBatch):

@@ -23,6 +23,7 @@ __all__ = [
     "SpecDecodeConfig",
     "BackendConfig",
     "FP8_DTYPES",
+    "kv_dequant_scales",
 ]
 
 #: KV-cache dtypes treated as fp8 (dequantised with the layer's k/v scales).
@@ -36,6 +37,21 @@ FP8_DTYPES = frozenset(
     )
     if d is not None
 )
+
+
+def kv_dequant_scales(kv_dtype: torch.dtype, k_scale, v_scale):
+    """The one rule for k/v scales, on every path (kernels, KV writes, MLA's two forms).
+
+    ``k_scale``/``v_scale`` are fp8 *dequantisation* scales: an fp8 cache stores
+    ``x / scale`` (saturated) and a read yields ``stored · scale``. A cache that is not fp8
+    stores K/V as given, so there is nothing to dequantise and the scales do not apply
+    (as vLLM and SGLang ignore a checkpoint's kv scales when the cache is not fp8).
+
+    Returns ``(k_scale, v_scale)`` for an fp8 ``kv_dtype``, else ``(None, None)`` (= 1).
+    """
+    if kv_dtype in FP8_DTYPES:
+        return k_scale, v_scale
+    return None, None
 
 
 class ForwardMode(enum.Enum):
@@ -139,8 +155,11 @@ class LayerSpec:
             included; ``None`` (or ≤ 0) means full attention. See :meth:`window_size`.
         sinks: float32 ``[num_q_heads]`` per-head sink logits (gpt-oss) or ``None``.
         k_scale / v_scale: fp8 dequantisation scales: one number per layer (a float or a
-            1-element tensor); 1.0 when the cache is not fp8. Per-head tensors are refused
-            (:func:`aiter_attn.validation.check_scale`).
+            1-element tensor; per-head tensors are refused, see
+            :func:`aiter_attn.validation.check_scale`): an fp8 cache stores ``k / k_scale`` and
+            reads ``stored · k_scale``. They apply to fp8 caches only; on any other cache dtype
+            they are ignored (K/V are stored and read as given), on every architecture and
+            kernel (:func:`kv_dequant_scales`).
         is_cross_attention: encoder-decoder cross attention (keys from the encoder cache).
         kv_lora_rank / qk_rope_head_dim: MLA dimensions (0 for non-MLA layers).
     """

@@ -11,6 +11,7 @@ import torch
 from aiter_attn import (AttentionBackend, BackendConfig, ForwardBatch, ForwardMode, MLAKVPool,
                         PageAllocator, ReqToTokenPool, SpecInfo)
 from aiter_attn.kernels.reference import quantize_to_cache
+from aiter_attn.types import kv_dequant_scales
 from aiter_attn.strategies.mla import (MLA_HEAD_PADDING_KEY, MLA_PROJECTIONS_KEY, HeadPadding,
                                        absorb_q, apply_w_uv, kv_b_proj_from_weights,
                                        mla_layer_specs)
@@ -64,7 +65,8 @@ class MLAScenario:
 
     def _roundtrip(self, x):
         cache = self.pool.kv_buffer(0)
-        return quantize_to_cache(x, cache.dtype, self.kv_scale).float() * self.kv_scale
+        scale, _ = kv_dequant_scales(cache.dtype, self.kv_scale, self.kv_scale)
+        return quantize_to_cache(x, cache.dtype, scale).float() * (1.0 if scale is None else scale)
 
     def next_batch(self, mode, new_lens, spec_info=None) -> ForwardBatch:
         locs, seq = [], []

@@ -121,7 +121,7 @@ def test_layer_call_only_launches(monkeypatch):
 def test_layer_params_frozen_and_normalised():
     layer = LayerSpec(layer_id=0, num_q_heads=4, num_kv_heads=2, head_dim=16,
                       sliding_window=8, logit_cap=30, k_scale=0.5)
-    p = LayerParams.from_spec(layer, torch.device("cpu"))
+    p = LayerParams.from_spec(layer, torch.device("cpu"), fp8=True)  # scales: fp8 only
     assert p.window == (7, 0) and p.softcap == 30.0 and p.causal
     assert p.has_scales and p.k_scale_t.dtype == torch.float32 and float(p.k_scale_t) == 0.5
     with pytest.raises(AttributeError):

@@ -19,6 +19,7 @@ import torch
 from aiter_attn.kernels.reference import mla_paged_attention_reference, quantize_to_cache
 from aiter_attn.testing.compare import assert_close_rel
 from aiter_attn.testing.oracle import dense_attention
+from aiter_attn.types import FP8_DTYPES
 
 from ._triton_util import DEVICE, requires_triton
 
@@ -51,6 +52,8 @@ class MLACase:
         self.kv_cache = torch.randn(total, page, 1, dim, generator=g).to(kv_dtype)
         bt = torch.zeros(len(q_lens), max(n_pages) + 1, dtype=torch.int32)
         scale = 1.0 if kv_scale is None else float(kv_scale)
+        if kv_dtype not in FP8_DTYPES:  # scales dequantise fp8 caches only
+            scale = 1.0
         self.dense = []
         for b, L in enumerate(kv_lens):
             pages = [perm.pop() for _ in range(n_pages[b])]
@@ -117,7 +120,8 @@ CPU_CASES = [
                  {"num_kv_splits": 2}, id="tree-mask-p7-split2"),
     pytest.param(dict(q_lens=[1, 1], kv_lens=[65, 20], page=64, rank=512, rope=64),
                  {"num_kv_splits": 2}, id="R512-rope64-p64"),
-    pytest.param(dict(q_lens=[2, 1], kv_lens=[33, 18], kv_scale=0.37), {}, id="kv-scale-tensor"),
+    pytest.param(dict(q_lens=[2, 1], kv_lens=[33, 18], kv_scale=0.37,
+                      kv_dtype=torch.float8_e4m3fn), {}, id="kv-scale-tensor-fp8"),
     # chunked page lookup: several chunks of 2 tiles, a partial one, splits starting mid-chunk
     pytest.param(dict(q_lens=[1, 1, 2], kv_lens=[150, 9, 100], page=8),
                  {"block_n": 16, "page_chunk": 2, "num_kv_splits": 2}, id="chunk2-p8-2pages-per-tile"),

@@ -289,13 +289,14 @@ class CudaGraphManager:
     def _plan(self, e: _Entry, *, capturing: bool):
         st = self._modes[e.mode]
         md = st.planner.plan(e.batch, st.buffers)
-        sig = metadata_signature(md)
+        dev = self.source.device
+        sig = metadata_signature(md, dev)
         if capturing or e.signature is None:
-            e.signature, e.described = sig, describe_signature(md)
+            e.signature, e.described = sig, describe_signature(md, dev)
             for m in _MIRRORS:
                 getattr(e.run_batch, m).copy_(getattr(e.batch, m))
         elif sig != e.signature:
-            diffs = diff_signatures(e.described, describe_signature(md))
+            diffs = diff_signatures(e.described, describe_signature(md, dev))
             raise GraphMetadataMismatch(
                 f"planner {st.planner.name!r} planned metadata for {e.mode.name} bs={e.bs} that "
                 f"differs from capture: {'; '.join(diffs)}. Under out= a plan must write into "

@@ -2,6 +2,10 @@
 
 A CUDA graph bakes in tensor addresses, shapes and host integers. A replay is only correct if
 its freshly planned metadata has exactly the same ones; only tensor *contents* may change.
+Every tensor on the backend's device is compared by address, on the CPU too (a no-capture
+CPU run checks the very addresses a graph would bake in); host mirrors (attrs fields named
+``*_cpu``, and tensors on another device than the backend's) are compared by shape and dtype
+only, since a graph never reads them.
 :func:`metadata_signature` records them (walking attrs values, mappings and sequences);
 :func:`diff_signatures` names every field that moved. The manager checks this on every replay,
 so a strategy that allocates, resizes or computes a host size from the batch under ``out=``
@@ -12,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 import attrs
 import torch
@@ -27,24 +31,42 @@ class GraphMetadataMismatch(RuntimeError):
 _SCALARS = (bool, int, float, str, enum.Enum, torch.dtype, type(None))
 
 
-def _frozen(x: torch.Tensor):
-    if x.device.type == "cpu":  # host tensors (CPU mirrors) are never read by a graph
-        return ("host tensor", tuple(x.shape), x.dtype)
+def _host(x: torch.Tensor):
+    return ("host tensor", tuple(x.shape), x.dtype)
+
+
+def _elsewhere(x: torch.Tensor, device) -> bool:
+    d = x.device
+    return d.type != device.type or (device.index is not None and d.index != device.index)
+
+
+def _frozen(x: torch.Tensor, device):
+    if device is not None and _elsewhere(x, device):  # host tensors: never read by a graph
+        return _host(x)
     return ("tensor", x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, str(x.device))
 
 
-def _walk(x: Any, path: str, out: dict) -> None:
+def _is_mirror(name: str) -> bool:
+    """An attrs field holding a host mirror (``seq_lens_cpu``, …): never read by a graph."""
+    return name.endswith("_cpu")
+
+
+def _walk(x: Any, path: str, out: dict, device) -> None:
     if isinstance(x, torch.Tensor):
-        out[path] = _frozen(x)
+        out[path] = _frozen(x, device)
     elif attrs.has(type(x)):
         for f in attrs.fields(type(x)):
-            _walk(getattr(x, f.name), f"{path}.{f.name}", out)
+            v = getattr(x, f.name)
+            if isinstance(v, torch.Tensor) and _is_mirror(f.name):
+                out[f"{path}.{f.name}"] = _host(v)
+            else:
+                _walk(v, f"{path}.{f.name}", out, device)
     elif isinstance(x, Mapping):
         for k in sorted(x, key=str):
-            _walk(x[k], f"{path}[{k!r}]", out)
+            _walk(x[k], f"{path}[{k!r}]", out, device)
     elif isinstance(x, (list, tuple)):
         for i, v in enumerate(x):
-            _walk(v, f"{path}[{i}]", out)
+            _walk(v, f"{path}[{i}]", out, device)
         out[f"{path}.__len__"] = len(x)
     elif isinstance(x, _SCALARS):
         out[path] = x
@@ -52,21 +74,25 @@ def _walk(x: Any, path: str, out: dict) -> None:
         out[path] = ("object", type(x).__qualname__)
 
 
-def _fast(x: Any, out: list) -> None:
+def _fast(x: Any, out: list, device) -> None:
     """The values of :func:`_walk` in the same order, without building paths (hot path)."""
     if isinstance(x, torch.Tensor):
-        out.append(_frozen(x))
+        out.append(_frozen(x, device))
     elif attrs.has(type(x)):
         for name in _field_names(type(x)):
-            _fast(getattr(x, name), out)
+            v = getattr(x, name)
+            if isinstance(v, torch.Tensor) and _is_mirror(name):
+                out.append(_host(v))
+            else:
+                _fast(v, out, device)
     elif isinstance(x, Mapping):
         for k in sorted(x, key=str):
             out.append(k)
-            _fast(x[k], out)
+            _fast(x[k], out, device)
     elif isinstance(x, (list, tuple)):
         out.append(len(x))
         for v in x:
-            _fast(v, out)
+            _fast(v, out, device)
     elif isinstance(x, _SCALARS):
         out.append(x)
     else:
@@ -83,18 +109,23 @@ def _field_names(cls) -> tuple:
     return names
 
 
-def metadata_signature(metadata: Any) -> tuple:
+def metadata_signature(metadata: Any, device: Optional[torch.device] = None) -> tuple:
     """The frozen parts of ``metadata``: every device tensor's address, shape, stride, dtype
-    and device, every host scalar, and the structure around them (a hashable tuple)."""
+    and device, every host scalar, and the structure around them (a hashable tuple).
+
+    ``device``: the backend's device; tensors elsewhere are host tensors (shape and dtype
+    only). ``None``: every tensor is compared by address. Attrs fields named ``*_cpu`` are
+    host mirrors either way.
+    """
     out: list = []
-    _fast(metadata, out)
+    _fast(metadata, out, None if device is None else torch.device(device))
     return tuple(out)
 
 
-def describe_signature(metadata: Any) -> dict:
+def describe_signature(metadata: Any, device: Optional[torch.device] = None) -> dict:
     """``path → frozen value``: :func:`metadata_signature` with names (for error messages)."""
     out: dict = {}
-    _walk(metadata, "metadata", out)
+    _walk(metadata, "metadata", out, None if device is None else torch.device(device))
     return out
 
 

@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from ..hookspecs import hookimpl
-from ..types import CGSupport
+from ..types import CGSupport, kv_dequant_scales
 from ..validation import check_scale, unit_stride
 from . import aiter_marshal as M
 from .registry import Capabilities
@@ -128,6 +128,7 @@ def reset_api() -> None:
     with _lock:
         _api.clear()
         _workspaces.clear()
+        _retired.clear()
     _params_of.cache_clear()
 
 
@@ -136,14 +137,19 @@ def _call(call: M.AiterCall):
 
 
 # --------------------------------------------------------------------------------------------
-# workspaces: grown on demand in eager mode; reserve them before graph capture
+# workspaces: grown on demand in eager mode; reserve them before graph capture. A workspace
+# that is outgrown is kept alive (``_retired``), never freed: a graph captured with it keeps
+# reading valid memory at its captured address whatever eager batches run in between.
 
 _workspaces: dict = {}
+_retired: list = []
 
 
 def _workspace(key, nbytes: int, device) -> torch.Tensor:
     buf = _workspaces.get(key)
     if buf is None or buf.numel() < nbytes:
+        if buf is not None:
+            _retired.append(buf)
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         _workspaces[key] = buf
     return buf
@@ -192,8 +198,11 @@ def use_mla_workspace(buffers, max_batch: int, max_seqlen_q: int, num_heads: int
         raise ValueError(f"buffers lack {missing}; allocate them from mla_buffer_spec(...).")
     bufs = {n: buffers[MLA_BUFFER_PREFIX + n] for n in names}
     bufs["_max_batch"] = int(max_batch)
+    key = _mla_key(device, plan, max_seqlen_q, q_dtype, kv_dtype)
     with _lock:
-        _workspaces[_mla_key(device, plan, max_seqlen_q, q_dtype, kv_dtype)] = bufs
+        if key in _workspaces:
+            _retired.append(_workspaces[key])  # a captured graph may still read them
+        _workspaces[key] = bufs
     return bufs
 
 
@@ -246,6 +255,7 @@ def aiter_paged_attention(q, k_cache, v_cache, out, *, cu_seqlens_q, seqused_k, 
     route = M.route_paged_attention(
         max_q, causal=causal, has_sinks=sinks is not None, window=window_size, is_fp8=fp8,
         prefill_params=accepted_params("mha_batch_prefill_func"))
+    k_scale, v_scale = kv_dequant_scales(k_cache.dtype, k_scale, v_scale)  # fp8 only
     ks = _scale_tensor(k_scale, q.device) if fp8 else None
     vs = _scale_tensor(v_scale, q.device) if fp8 else None
     if route == "unified_attention":
@@ -266,7 +276,7 @@ def aiter_paged_attention(q, k_cache, v_cache, out, *, cu_seqlens_q, seqused_k, 
             softmax_scale=softmax_scale, kv_indptr=kv_indptr, kv_indices=kv_indices,
             kv_last_page_lens=ones, max_num_partitions=M.max_num_partitions(max_ctx),
             softcap=softcap, k_scale=_scale_tensor(k_scale, q.device),
-            v_scale=_scale_tensor(v_scale, q.device)))
+            v_scale=_scale_tensor(v_scale, q.device)))  # 1.0 unless the cache is fp8
         return out
     max_k = max_seqlen_k if max_seqlen_k is not None else block_table.shape[1] * page_size
     res = _call(M.build_mha_batch_prefill_call(
@@ -294,12 +304,18 @@ def aiter_mla_paged_attention(q, kv_cache, out, *, kv_lora_rank, cu_seqlens_q, s
     max_q = _max_q(cu_seqlens_q, max_seqlen_q)
     kv_indptr, kv_indices = M.token_kv_indices(block_table, seqused_k, page_size)
     ones = torch.ones(bs, dtype=torch.int32, device=q.device)
+    fp8 = kv_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32)
+    kv_scale, _ = kv_dequant_scales(kv_cache.dtype, kv_scale, kv_scale)  # fp8 only
     if max_q > 4:
+        # mla_prefill_fwd takes no descale: fold it (keys: into the softmax scale; values:
+        # into the output). Extend is never captured, so reading a tensor scale here is allowed.
+        ks = 1.0 if kv_scale is None else float(kv_scale)
         _call(M.build_mla_prefill_call(
             q, kv_cache, out, qo_indptr=cu_seqlens_q, kv_indptr=kv_indptr, kv_indices=kv_indices,
-            last_page_lens=ones, max_seqlen_q=max_q, softmax_scale=softmax_scale))
+            last_page_lens=ones, max_seqlen_q=max_q, softmax_scale=softmax_scale * ks))
+        if ks != 1.0:
+            out.mul_(ks)
         return out
-    fp8 = kv_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32)
     plan = M.mla_decode_plan(q.shape[1], kv_cache.dtype, max_q)
     bufs = None
     if plan.persistent:
@@ -373,6 +389,7 @@ def aiter_paged_attention_5d(q, k_cache, v_cache, out, *, cu_seqlens_q, seqused_
         return _fallback_5d(q, k_cache, v_cache, out,
                             f"{q.shape[0]} query tokens for {bs} requests, max {max_q}", **kwargs)
     fp8 = k_cache.dtype not in (torch.float16, torch.bfloat16)
+    k_scale, v_scale = kv_dequant_scales(k_cache.dtype, k_scale, v_scale)  # fp8 only
     _call(M.build_pa_decode_gluon_call(
         out, q, k_cache, v_cache, seqused_k=seqused_k, block_table=block_table,
         softmax_scale=softmax_scale, query_length=max_q,

@@ -66,7 +66,7 @@ class LayerParams:
         k_scale / v_scale: the fp8 dequantisation scales as given (floats or tensors), for
             kernels that take them as values.
         k_scale_t / v_scale_t: the same as 1-element float32 device tensors (made once).
-        has_scales: the scales are not both 1 (or the cache is fp8): kernels apply them.
+        has_scales: the cache is fp8: kernels apply the scales (never on other caches).
         num_q_heads, num_kv_heads, head_dim, v_head_dim: the layer's shape on this rank.
     """
 
@@ -90,10 +90,14 @@ class LayerParams:
                k_scale=None, v_scale=None, fp8=False, num_q_heads=0, num_kv_heads=0,
                head_dim=0, v_head_dim=0) -> "LayerParams":
         """Normalise the constants once: floats, tuples, device scale tensors (k/v scales
-        must be single numbers), sinks with unit stride (the kernels index them so)."""
+        must be single numbers), sinks with unit stride (the kernels index them so). k/v
+        scales dequantise fp8 caches only (:func:`aiter_attn.types.kv_dequant_scales`): with
+        ``fp8=False`` they are dropped."""
         check_scale("k_scale", k_scale)
         check_scale("v_scale", v_scale)
         sinks = unit_stride(sinks)
+        if not fp8:
+            k_scale = v_scale = None
         has_scales = bool(fp8) or any(
             s is not None and (isinstance(s, torch.Tensor) or float(s) != 1.0)
             for s in (k_scale, v_scale))

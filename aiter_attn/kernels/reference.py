@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from ..hookspecs import hookimpl
-from ..types import CGSupport, FP8_DTYPES
+from ..types import CGSupport, FP8_DTYPES, kv_dequant_scales
 from ..validation import check_paged_index_values, check_scale
 from .registry import Capabilities
 
@@ -84,7 +84,8 @@ def paged_attention_reference(
     ``(not causal or j ≤ p)`` and ``p - left ≤ j ≤ p + right`` (``-1`` = unbounded) and, with a
     custom mask, ``mask[b][i, j]``. Logits ``s = scale · q·k``; with softcap ``c > 0``,
     ``s ← c·tanh(s/c)``. With sinks, softmax runs over ``[s, sink_h]`` and the sink column has
-    no value. A row with no visible key (and no sink) outputs zeros.
+    no value. A row with no visible key (and no sink) outputs zeros. ``k_scale``/``v_scale``
+    multiply the keys/values read from an fp8 cache; on any other cache they do not apply.
 
     With ``lse`` (float32 ``[T, Hq]``), also writes ``lse[t, h] = ln Σ exp(s)`` over the visible
     (scaled, soft-capped) logits and the sink: the flash-attn convention; ``-inf`` for a row
@@ -103,6 +104,8 @@ def paged_attention_reference(
         cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table, causal=causal,
         window_size=window_size, custom_mask=custom_mask, mask_indptr=mask_indptr,
         max_seqlen_q=max_seqlen_q)
+    # k/v scales dequantise fp8 caches only (aiter_attn.types.kv_dequant_scales)
+    k_scale, v_scale = kv_dequant_scales(k_cache.dtype, k_scale, v_scale)
     ks, vs = _scale_value(k_scale, "k_scale"), _scale_value(v_scale, "v_scale")
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads

@@ -9,7 +9,7 @@ import torch
 from ..batch import ForwardBatch
 from ..kernels.registry import Selection
 from ..metadata import AttnMetadata, CustomMask, PageTable, QueryLayout
-from ..types import LayerSpec
+from ..types import LayerSpec, kv_dequant_scales
 from .base import ExecutionStrategy
 
 __all__ = ["attend", "attend_layer", "effective_causal", "effective_window", "require_pool",
@@ -65,7 +65,8 @@ def attend(executor: ExecutionStrategy, op_request, q, k_cache, v_cache,
     (``paged_attention`` semantics; the caches are in whatever layout that op takes).
     ``op_request`` is a :class:`KernelRequest` or an already made ``Selection``.
 
-    Applies the layer's window (``(w - 1, 0)``), soft-cap, sinks and fp8 scales; a tree mask
+    Applies the layer's window (``(w - 1, 0)``), soft-cap, sinks and k/v scales (fp8 caches
+    only: :func:`~aiter_attn.types.kv_dequant_scales`; the kernel gets ``None`` otherwise); a tree mask
     is applied literally (non-causal), and a window is folded into it at the tokens' true
     positions.
     """
@@ -77,6 +78,7 @@ def attend(executor: ExecutionStrategy, op_request, q, k_cache, v_cache,
         window = (-1, -1)
     sel = (op_request if isinstance(op_request, Selection)
            else executor.kernel_for(op_request, op_request))
+    k_scale, v_scale = kv_dequant_scales(k_cache.dtype, layer.k_scale, layer.v_scale)
     out = torch.empty(num_tokens, layer.num_q_heads, layer.v_head_dim, dtype=q.dtype,
                       device=q.device)
     sel.fn(
@@ -84,7 +86,7 @@ def attend(executor: ExecutionStrategy, op_request, q, k_cache, v_cache,
         cu_seqlens_q=md.query.cu_seqlens_q, seqused_k=pages.seqused_k,
         block_table=pages.block_table, softmax_scale=layer.scaling,
         causal=effective_causal(layer, md), window_size=window, softcap=layer.logit_cap,
-        sinks=sinks, k_scale=layer.k_scale, v_scale=layer.v_scale,
+        sinks=sinks, k_scale=k_scale, v_scale=v_scale,
         custom_mask=None if mask is None else mask.custom_mask,
         mask_indptr=None if mask is None else mask.mask_indptr,
         max_seqlen_q=md.query.max_seqlen_q, max_seqlen_k=pages.max_seqlen_k,

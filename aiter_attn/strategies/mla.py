@@ -63,7 +63,7 @@ from ..hookspecs import hookimpl
 from ..kernels.registry import KernelRequest, KernelSelectionError, Selection
 from ..metadata import AttnMetadata
 from ..registry import Cell, register_cells
-from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
+from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec, kv_dequant_scales
 from .base import BufferSpec, ExecutionStrategy, MetadataStrategy
 from .mha import DecodeMetadata, PagedMetadata, plan_page_table, plan_query_layout
 from .spec import (DraftDecodeStepMetadata, DraftExtendV2Metadata, VerifyTreeMetadata,
@@ -434,7 +434,8 @@ class MLAExecution(ExecutionStrategy):
             q_in, kv_cache, out, kv_lora_rank=lora,
             cu_seqlens_q=metadata.query.cu_seqlens_q, seqused_k=metadata.pages.seqused_k,
             block_table=metadata.pages.block_table, softmax_scale=layer.scaling,
-            causal=mask is None, kv_scale=layer.k_scale,
+            causal=mask is None,
+            kv_scale=kv_dequant_scales(kv_cache.dtype, layer.k_scale, layer.k_scale)[0],
             custom_mask=None if mask is None else mask.custom_mask,
             mask_indptr=None if mask is None else mask.mask_indptr,
             max_seqlen_q=metadata.query.max_seqlen_q, max_seqlen_k=metadata.pages.max_seqlen_k,
@@ -463,8 +464,9 @@ class MLAExecution(ExecutionStrategy):
         heads, dv, count = layer.num_q_heads, layer.v_head_dim, plan.num_prefix_tokens
         flat = pool.kv_buffer(layer.layer_id).view(-1, lora + rope)
         latent = flat.index_select(0, plan.prefix_slots.long())
-        if flat.dtype in FP8_DTYPES:
-            latent = latent.float() * layer.k_scale
+        kv_scale, _ = kv_dequant_scales(flat.dtype, layer.k_scale, layer.k_scale)
+        if kv_scale is not None:  # the same rule as the absorbed form's kernel
+            latent = latent.float() * kv_scale
         latent = latent.to(dtype)
         kv = self._projection(layer)(latent[:, :lora].contiguous())
         if isinstance(kv, (tuple, list)):

@@ -96,28 +96,13 @@ def plan_swa_tables(pool, pages: PageTable, swa_block_table: torch.Tensor) -> Pa
 class SWATablesMixin:
     """Adds the SWA page table (``extras["swa_pages"]``) to any page-table planner: the base
     planner runs unchanged, then its full table is translated (one gather, no sync) into the
-    static ``swa_block_table`` buffer (or a fresh one when eager).
-
-    ``persistent_swa_table = True`` (planners that get no ``out``, such as a multi-step draft
-    step whose tables are views of the multi-step backend's buffers) keeps one table per
-    planner instance, reallocated only when a batch outgrows it, so a captured graph reads one
-    fixed address across replays.
+    static ``swa_block_table`` buffer (or a fresh one when eager). A planner keeps no table
+    of its own between calls: eager batches never touch the buffers a captured graph reads.
     """
-
-    persistent_swa_table = False
 
     def __init__(self, ctx):
         super().__init__(ctx)
         self.pool = _require_swa_pool(ctx)
-        self._swa_table: Optional[torch.Tensor] = None
-
-    def _own_swa_table(self, full: torch.Tensor) -> torch.Tensor:
-        rows, width = full.shape
-        buf = self._swa_table
-        if buf is None or buf.shape[0] < rows or buf.shape[1] < width or buf.device != full.device:
-            buf = torch.zeros(rows, width, dtype=torch.int32, device=full.device)
-            self._swa_table = buf
-        return buf[:rows, :width]
 
     def buffer_spec(self, max_bs: int, max_tokens: int, max_seq_len: int) -> BufferSpec:
         pages = max(-(-max_seq_len // self.ctx.config.page_size), 1)
@@ -146,8 +131,6 @@ class SWATablesMixin:
             full = md.pages.block_table
             if out is not None:
                 swa_bt = out["swa_block_table"][: full.shape[0], : full.shape[1]]
-            elif self.persistent_swa_table:
-                swa_bt = self._own_swa_table(full)
             else:
                 swa_bt = torch.zeros_like(full)
             swa_pages = plan_swa_tables(self.pool, md.pages, swa_bt)
@@ -177,9 +160,8 @@ class SWADraftExtendV2Metadata(SWATablesMixin, DraftExtendV2Metadata):
 class SWADraftDecodeStepMetadata(SWATablesMixin, DraftDecodeStepMetadata):
     """One step of multi-step draft decode (:class:`aiter_attn.multistep.MultiStepDraftBackend`)
     on the hybrid pool: the step's full table is the multi-step backend's view; its SWA
-    translation lives in a table this planner keeps (one per step backend)."""
-
-    persistent_swa_table = True
+    translation goes into this step's ``swa_block_table`` among the multi-step backend's
+    static buffers (``step{i}.swa_block_table``) under CUDA graphs, a fresh table when eager."""
 
 
 class SWAExecution(ExecutionStrategy):

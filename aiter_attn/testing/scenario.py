@@ -106,7 +106,10 @@ class PagedScenario:
     @staticmethod
     def _roundtrip(x, dtype, scale):
         from ..kernels.reference import quantize_to_cache
+        from ..types import kv_dequant_scales
 
+        scale, _ = kv_dequant_scales(dtype, scale, scale)  # fp8 caches only
+        scale = 1.0 if scale is None else scale
         return quantize_to_cache(x, dtype, scale).float() * scale
 
     def next_batch(self, mode: ForwardMode | str, new_lens: Sequence[int],

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...types import kv_dequant_scales
 from ...validation import INDEX_DTYPES, unit_stride
 from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms, scale_args
 from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS
@@ -395,7 +396,8 @@ def mla_paged_attention(
         cu_seqlens_q: int32 ``[B + 1]``; seqused_k: int32 ``[B]`` (this step's tokens included);
         block_table: int32 ``[B, max_pages]``.
         softmax_scale: multiplies q·k. causal: mask keys after each query's position.
-        kv_scale: scalar tensor (read on the device) or number; ``None`` = 1.
+        kv_scale: scalar tensor (read on the device) or number; ``None`` = 1. Applies to an
+            fp8 cache only; ignored on any other cache dtype.
         custom_mask, mask_indptr: flat bool tree mask and int64 ``[B + 1]`` offsets into it
             (request b's mask is ``[q_len, L]`` row-major at ``mask_indptr[b]``).
         max_seqlen_k: host bound on ``seqused_k`` used to size split-KV; defaults to the
@@ -465,6 +467,8 @@ def mla_paged_attention(
     warps = num_warps or warps
     stages = 1 if interpreting() else (num_stages or stages)
     head_blocks = triton.cdiv(num_heads, bh)
+    # kv_scale dequantises an fp8 cache only (aiter_attn.types.kv_dequant_scales)
+    kv_scale, _ = kv_dequant_scales(kv_cache.dtype, kv_scale, kv_scale)
     scale_t, scale_v, from_ptr = scale_args(kv_scale, q.device)
     has_mask = custom_mask is not None
     if has_mask:
