@@ -1,0 +1,104 @@
+"""Decode launch variants on one GPU, same run: the default Triton decode, the one-launch split
+reduction (``TUNING_OVERRIDES["fused_reduce"]``), batch-invariant mode (fixed split size), and
+cuDNN SDPA on the dense equivalent as the anchor. GQA 32/8, head dim 128, page 16, bf16;
+TB/s of K+V read, CUDA-graph replay (``triton.testing.do_bench_cudagraph`` median).
+
+Every variant is checked against the float32 reference (relative error) before it is timed.
+
+Usage (GPU machine)::
+
+    python benchmarks/bench_variants.py --out "$OUT"
+
+Writes ``bench_variants.json`` under ``--out`` and prints a markdown table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _inputs import make_mha  # noqa: E402
+from _runners import RUNNERS, Unavailable, make_ours  # noqa: E402
+from bench_attention import RTOL_BF16, reference_mha, rel_err  # noqa: E402
+
+ROWS = [(1, 4096), (16, 4096), (1, 32768), (64, 4096), (8, 65536)]
+VARIANTS = ("default", "fused_reduce", "batch_invariant")
+
+
+def _ours(x, variant):
+    from aiter_attn.kernels.triton import _launch_config as lc
+
+    lc.TUNING_OVERRIDES.clear()
+    if variant == "fused_reduce":
+        lc.TUNING_OVERRIDES["fused_reduce"] = True
+    extra = {"batch_invariant": True} if variant == "batch_invariant" else {}
+    fn, res = make_ours(x, **extra)
+    return fn, res
+
+
+def main() -> None:
+    import triton.testing as tt
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--rep", type=int, default=40)
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for bs, ctx in ROWS:
+        x = make_mha(bs, ctx)
+        nbytes = 2 * bs * ctx * x.hkv * x.d * x.k_cache.element_size()
+        expected, sel = reference_mha(x, min(bs, 4), 1)
+        row = {"row": f"{bs}x{ctx // 1024}k"}
+        for variant in VARIANTS:
+            try:
+                fn, res = _ours(x, variant)
+                fn()
+                torch.cuda.synchronize()
+                err = rel_err(sel(res()), expected)
+                if not err < RTOL_BF16:
+                    row[variant] = f"WRONG {err:.2e}"
+                    continue
+                ms = tt.do_bench_cudagraph(fn, rep=args.rep, return_mode="median")
+                row[variant] = nbytes / ms / 1e9
+            except Exception as exc:  # report and go on: one broken variant is a row entry
+                row[variant] = f"error {type(exc).__name__}: {exc}"[:120]
+        from aiter_attn.kernels.triton import _launch_config as lc
+
+        lc.TUNING_OVERRIDES.clear()
+        try:
+            fn, _ = RUNNERS["cudnn"](x)
+            row["cudnn"] = nbytes / tt.do_bench_cudagraph(fn, rep=args.rep,
+                                                          return_mode="median") / 1e9
+        except (Unavailable, Exception) as exc:
+            row["cudnn"] = f"n/a {exc}"[:80]
+        rows.append(row)
+        print(row, flush=True)
+        del x
+        torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "bench_variants.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    cols = list(VARIANTS) + ["cudnn"]
+    print("| row | " + " | ".join(f"{c} TB/s" for c in cols) + " | fused/cuDNN | invariant/default |")
+    print("| --- |" + " --- |" * (len(cols) + 2))
+    for r in rows:
+        def f(v):
+            return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+        ratio = (f"{r['fused_reduce'] / r['cudnn']:.2f}"
+                 if all(isinstance(r.get(k), float) for k in ("fused_reduce", "cudnn")) else "-")
+        inv = (f"{r['batch_invariant'] / r['default']:.2f}"
+               if all(isinstance(r.get(k), float) for k in ("batch_invariant", "default"))
+               else "-")
+        print(f"| {r['row']} | " + " | ".join(f(r.get(c)) for c in cols) + f" | {ratio} | {inv} |")
+
+
+if __name__ == "__main__":
+    main()
