@@ -102,6 +102,12 @@ class AttentionBackend:
         req_to_token = getattr(req_to_token, "req_to_token", req_to_token)
         check_tensor("req_to_token", req_to_token, dtypes=(torch.int32,), ndim=2,
                      hint="req_to_token is int32 [max_requests, max_context_len].")
+        pool_page = getattr(kv_pool, "page_size", None)
+        if isinstance(pool_page, int) and pool_page != config.page_size:
+            raise ValueError(
+                f"kv_pool {type(kv_pool).__name__} has page_size={pool_page} but "
+                f"BackendConfig.page_size={config.page_size} (default 1); build both with the "
+                f"same page size, e.g. BackendConfig(page_size={pool_page}, ...).")
         self.config = config
         self.strategies = strategies if strategies is not None else plugins.strategy_registry()
         kernels = kernels if kernels is not None else plugins.kernel_registry()

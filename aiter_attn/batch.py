@@ -123,7 +123,9 @@ class ForwardBatch:
         """Build a batch from host lists (tests, the reference engine).
 
         ``extend_seq_lens`` defaults to one token per request (decode) or the verify/draft
-        token count; positions are the last ``q_len`` positions of each request.
+        token count; positions are the last ``q_len`` positions of each request (index
+        order: for a tree draft the model's RoPE needs prefix + depth instead; attention never
+        reads them, the tree window derives path positions from the mask).
         """
         mode = ForwardMode.parse(forward_mode)
         seq_cpu = torch.as_tensor(list(seq_lens), dtype=torch.int64)

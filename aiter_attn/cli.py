@@ -1,4 +1,4 @@
-"""The ``aiter-attn`` command: ``info``, ``generate``, ``bench``, ``verify``.
+"""The ``aiter-attn`` command: ``info``, ``generate``, ``verify``.
 
 Subcommands live in ``aiter_attn/commands/<name>.py``; each has ``add_parser(subparsers)``
 which sets ``func`` on its parser. A missing subcommand module is skipped. A user mistake
@@ -15,7 +15,7 @@ import sys
 
 __all__ = ["main", "SUBCOMMANDS"]
 
-SUBCOMMANDS = ("info", "generate", "bench", "verify")
+SUBCOMMANDS = ("info", "generate", "verify")
 
 
 class _Parser(argparse.ArgumentParser):

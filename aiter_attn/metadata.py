@@ -97,7 +97,6 @@ class AttnMetadata:
         batch_size: requests (padded size under CUDA-graph replay).
         query: query layout.
         pages: page table of the (full) KV pool.
-        ragged: optional token-level indices (kernels that take them).
         mask: optional custom mask (tree verify).
         extras: strategy-specific parts (SWA page table, MLA work metadata, …) by name.
         kernel_plans: this step's kernel plans by layer group
@@ -109,7 +108,6 @@ class AttnMetadata:
     batch_size: int
     query: QueryLayout
     pages: PageTable
-    ragged: Optional[RaggedKV] = None
     mask: Optional[CustomMask] = None
     extras: Mapping[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
     kernel_plans: Any = attrs.field(factory=_step_plans, eq=False, repr=False)

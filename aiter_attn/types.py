@@ -149,7 +149,8 @@ class LayerSpec:
         num_q_heads / num_kv_heads: heads on this rank (after tensor-parallel split).
         head_dim: q/k head dim (for MLA: kv_lora_rank + qk_rope_head_dim in absorbed form).
         v_head_dim: value head dim; defaults to ``head_dim``.
-        scaling: softmax scale applied to q·k.
+        scaling: softmax scale applied to q·k; default ``1 / sqrt(head_dim)``, except for MLA
+            layers (``kv_lora_rank > 0``), which must give it (see :func:`mla_layer_specs`).
         logit_cap: soft-cap (``cap * tanh(s / cap)``) when > 0.
         sliding_window: HF convention: each query sees the ``w`` most recent keys, itself
             included; ``None`` (or ≤ 0) means full attention. See :meth:`window_size`.
@@ -161,7 +162,9 @@ class LayerSpec:
             they are ignored (K/V are stored and read as given), on every architecture and
             kernel (:func:`kv_dequant_scales`).
         is_cross_attention: encoder-decoder cross attention (keys from the encoder cache).
-        kv_lora_rank / qk_rope_head_dim: MLA dimensions (0 for non-MLA layers).
+        kv_lora_rank / qk_rope_head_dim: MLA dimensions (0 for non-MLA layers); every MLA
+            layer sets them (the MLA strategies refuse a spec whose dimensions differ from
+            the latent pool's).
     """
 
     layer_id: int
@@ -182,6 +185,16 @@ class LayerSpec:
     def __attrs_post_init__(self):
         if self.v_head_dim is None:
             object.__setattr__(self, "v_head_dim", self.head_dim)
+        if self.kv_lora_rank < 0 or self.qk_rope_head_dim < 0:
+            raise ValueError(
+                f"kv_lora_rank={self.kv_lora_rank}, qk_rope_head_dim={self.qk_rope_head_dim}; "
+                "both are ≥ 0 (0 for layers that are not MLA).")
+        if self.scaling is None and self.kv_lora_rank > 0:
+            raise ValueError(
+                f"layer {self.layer_id} is an MLA layer (kv_lora_rank={self.kv_lora_rank}) "
+                "without scaling: its softmax scale is not 1/sqrt(head_dim) (DeepSeek: "
+                "(qk_nope_head_dim + qk_rope_head_dim) ** -0.5, times mscale² under YaRN). Pass "
+                "the model's scaling, e.g. aiter_attn.mla_layer_specs(..., scaling=attn.scaling).")
         if self.scaling is None:
             object.__setattr__(self, "scaling", 1.0 / math.sqrt(self.head_dim))
         if self.num_q_heads % self.num_kv_heads:

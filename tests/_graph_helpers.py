@@ -59,7 +59,8 @@ class Rig:
 
             lora = head_dim
             layers = [mla_layer_specs(i, num_heads=hq, kv_lora_rank=lora, qk_nope_head_dim=16,
-                                      qk_rope_head_dim=rope, v_head_dim=16)[0]
+                                      qk_rope_head_dim=rope, v_head_dim=16,
+                                      scaling=(16 + rope) ** -0.5)[0]
                       for i in range(num_layers)]
             pool = MLAKVPool(num_pages, page_size, lora, rope, num_layers, dtype=dtype,
                              device=device)

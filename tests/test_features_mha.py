@@ -16,7 +16,8 @@ from aiter_attn.kernels.reference import quantize_to_cache
 from aiter_attn.testing import PagedScenario
 from aiter_attn.testing.compare import assert_close_rel
 from aiter_attn.testing.spec_cases import (full_verify_mask, random_tree_parents,
-                                           tree_mask_from_parents)
+                                           tree_depths, tree_mask_from_parents,
+                                           windowed_tree_masks)
 
 FP8 = torch.float8_e4m3fn
 RTOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -45,12 +46,19 @@ FEATURES = [
 
 
 def _check_step(sc, be, mode, new_lens, dtype, *, spec=None, masks=None):
+    """``masks``: for tree verify, ``layer -> per-request bool [n, L]`` with the layer's window
+    already folded in at the tokens' path positions; the oracle then applies them literally
+    (its own window would be at index order, wrong for a tree)."""
     batch = sc.next_batch(mode, new_lens, spec_info=spec)
     be.init_forward_metadata(batch)
     for layer in sc.layers:
         q, k, v = sc.step_inputs(layer)
         out = be.forward(q, k, v, layer, batch)
-        want = sc.expected(layer, q, masks=masks, causal=False if masks else None)
+        if masks is None:
+            want = sc.expected(layer, q)
+        else:
+            want = sc.expected(attrs.evolve(layer, sliding_window=None), q, masks=masks(layer),
+                               causal=False)
         assert_close_rel(out, want, RTOL[dtype], f"{mode.name} layer {layer.layer_id}")
     sc.commit_step()
 
@@ -69,11 +77,19 @@ def _through_every_path(page_size, feat, dtype, hq=10, hkv=2, d=32, seed=0):
     _check_step(sc, chain, ForwardMode.DECODE, [1, 1, 1], dtype)
     _check_step(sc, chain, VERIFY, [n] * 3, dtype, spec=SpecInfo(num_draft_tokens=n))
     g = torch.Generator().manual_seed(seed)
-    trees = [tree_mask_from_parents(random_tree_parents(n, g)) for _ in range(3)]
-    seq = [sc.allocator.tokens_held(r) + n for r in sc.rows]
-    masks = [full_verify_mask(t, L) for t, L in zip(trees, seq)]
+    parents = [random_tree_parents(n, g) for _ in range(3)]
+    trees = [tree_mask_from_parents(p) for p in parents]
+    prefixes = [sc.allocator.tokens_held(r) for r in sc.rows]
+    masks = [full_verify_mask(t, p + n) for t, p in zip(trees, prefixes)]
+
+    def path_masks(layer):
+        # a draft token sits at prefix + its depth in the tree, not at prefix + its index
+        return [windowed_tree_masks([p], [m], torch.tensor(tree_depths(par)),
+                                    layer.sliding_window)[0]
+                for p, m, par in zip(prefixes, masks, parents)]
+
     spec = SpecInfo(num_draft_tokens=n, topk=2, custom_mask=torch.stack(trees).reshape(-1))
-    _check_step(sc, tree, VERIFY, [n] * 3, dtype, spec=spec, masks=masks)
+    _check_step(sc, tree, VERIFY, [n] * 3, dtype, spec=spec, masks=path_masks)
     _check_step(sc, chain, ForwardMode.DRAFT_EXTEND, [2, 1, 3], dtype)
     _check_step(sc, chain, V2, [n] * 3, dtype, spec=SpecInfo(num_draft_tokens=n))
 

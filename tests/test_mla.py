@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from aiter_attn import (AttentionBackend, BackendConfig, ForwardBatch, ForwardMode, MLAKVPool,
-                        PageAllocator, ReqToTokenPool, SpecInfo)
+                        PageAllocator, ReqToTokenPool, SpecDecodeConfig, SpecInfo)
 from aiter_attn.kernels.reference import quantize_to_cache
 from aiter_attn.types import kv_dequant_scales
 from aiter_attn.strategies.mla import (MLA_HEAD_PADDING_KEY, MLA_PROJECTIONS_KEY, HeadPadding,
@@ -28,7 +28,7 @@ class MLAScenario:
 
     def __init__(self, *, page_size, heads, lora=32, rope=16, nope=24, dv=20, prefix_lens,
                  dtype=torch.float32, kv_dtype=None, kv_scale=1.0, seed=0, padding=None,
-                 projections=True, kernels=None, max_context_len=512):
+                 projections=True, kernels=None, max_context_len=512, topk=1):
         g = torch.Generator().manual_seed(seed)
         self.g, self.dtype = g, dtype
         self.heads, self.lora, self.rope, self.nope, self.dv = heads, lora, rope, nope, dv
@@ -36,7 +36,8 @@ class MLAScenario:
         kv_dtype = kv_dtype or dtype
         self.config = BackendConfig(page_size=page_size, max_batch_size=8, dtype=dtype,
                                     max_context_len=max_context_len, kv_cache_dtype=kv_dtype,
-                                    arch="mla")
+                                    arch="mla",
+                                    spec=SpecDecodeConfig(topk=topk, num_draft_tokens=8))
         need = sum(-(-(p + 40) // page_size) for p in prefix_lens) + 4
         self.req_pool = ReqToTokenPool(len(prefix_lens) + 2, max_context_len)
         self.alloc = PageAllocator(2 * need, page_size, shuffle_seed=seed + 1)
@@ -47,7 +48,7 @@ class MLAScenario:
         self.w_uv = torch.randn(heads, dv, lora, generator=g, dtype=torch.float64) / lora**0.5
         self.absorbed, self.expanded = mla_layer_specs(
             0, num_heads=heads, kv_lora_rank=lora, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
-            v_head_dim=dv, kv_scale=kv_scale)
+            v_head_dim=dv, scaling=(nope + rope) ** -0.5, kv_scale=kv_scale)
         self.rows = [self.req_pool.alloc() for _ in prefix_lens]
         self.latent = []  # per request: float32 [len, lora + rope] as the cache holds it
         for row, plen in zip(self.rows, prefix_lens):
@@ -243,7 +244,7 @@ def test_tree_verify_applies_mask_literally(page_size, heads, literal, tree_part
     comes in SGLang's full layout or as the ``[batch, q_len, q_len]`` tree part."""
     n = 4
     sc = MLAScenario(page_size=page_size, heads=heads, prefix_lens=[3, page_size + 1, 9],
-                     seed=21 + heads)
+                     seed=21 + heads, topk=2)
     spec = SpecInfo(num_draft_tokens=n, topk=2)
     sc.next_batch(ForwardMode.TARGET_VERIFY, [n] * 3, spec)
     masks, flat = _tree_masks(sc, n, torch.Generator().manual_seed(page_size), literal)
@@ -253,7 +254,7 @@ def test_tree_verify_applies_mask_literally(page_size, heads, literal, tree_part
 
 def test_fully_masked_row_is_zero_not_nan():
     """A verify row whose mask hides every key outputs zeros (never NaN)."""
-    sc = MLAScenario(page_size=16, heads=4, prefix_lens=[4, 6], seed=5)
+    sc = MLAScenario(page_size=16, heads=4, prefix_lens=[4, 6], seed=5, topk=2)
     spec = SpecInfo(num_draft_tokens=2, topk=2)
     sc.next_batch(ForwardMode.TARGET_VERIFY, [2, 2], spec)
     masks, _ = _tree_masks(sc, 2, torch.Generator().manual_seed(0))
@@ -393,7 +394,7 @@ def test_errors_are_clear_and_early():
     with pytest.raises(ValueError, match="fixed 2 tokens per request"):
         planner.plan(batch)
     # tree verify without a mask
-    sc2 = MLAScenario(page_size=16, heads=4, prefix_lens=[5, 3], seed=2)
+    sc2 = MLAScenario(page_size=16, heads=4, prefix_lens=[5, 3], seed=2, topk=2)
     sc2.next_batch(ForwardMode.TARGET_VERIFY, [2, 2], SpecInfo(num_draft_tokens=2, topk=2))
     with pytest.raises(ValueError, match="custom_mask"):
         sc2.backend.init_forward_metadata(sc2.batch)
@@ -419,7 +420,7 @@ def test_errors_are_clear_and_early():
         sc.backend.forward(q, k, v, sc.expanded, sc.batch, save_kv_cache=False)
     # absorbed call with a layer whose dims do not match the pool
     bad, _ = mla_layer_specs(0, num_heads=4, kv_lora_rank=16, qk_nope_head_dim=8,
-                             qk_rope_head_dim=32, v_head_dim=8)
+                             qk_rope_head_dim=32, v_head_dim=8, scaling=0.1)
     q, k = sc.absorbed_inputs()
     with pytest.raises(ValueError, match="mla_layer_specs"):
         sc.backend.forward(q, k, None, bad, sc.batch)

@@ -31,12 +31,17 @@ PLANNERS = {
 }
 
 
-def _ctx(pb):
+def _ctx(pb, tree: bool = False):
+    """An MLA context over ``pb``; ``tree``: a config that verifies trees (the config, not the
+    batch, chooses chain vs tree)."""
     pool = MLAKVPool(pb.allocator.num_pages, pb.config.page_size, LORA, ROPE, 1,
                      dtype=torch.float32)
+    from aiter_attn import SpecDecodeConfig
     from aiter_attn.plugins import kernel_registry
 
-    return StrategyContext(config=attrs.evolve(pb.config, arch="mla"),
+    spec = pb.config.spec or SpecDecodeConfig(num_draft_tokens=16)
+    spec = attrs.evolve(spec, topk=2 if tree else 1)
+    return StrategyContext(config=attrs.evolve(pb.config, arch="mla", spec=spec),
                            req_to_token=pb.req_pool.req_to_token, kv_pool=pool,
                            kernels=kernel_registry())
 
@@ -71,7 +76,7 @@ def test_uniform_plans_invariants(case):
     req_to_token's pages (inside the pool, null page past the end), seqused_k = seq_lens, and a
     tree's mask_indptr = [0, cumsum(q_len · seq_len)]."""
     mode, pb, n, tree = case
-    ctx = _ctx(pb)
+    ctx = _ctx(pb, tree)
     md = PLANNERS[mode](ctx).plan(pb.batch)
     check_invariants(md, pb.batch, ctx)
     bs = pb.batch.batch_size
@@ -88,7 +93,7 @@ def test_static_buffers_plan_equals_eager(case, extra_bs):
     """Planning into graph-sized static buffers gives the eager metadata and returns views of
     those buffers (no reallocation)."""
     mode, pb, n, tree = case
-    planner = PLANNERS[mode](_ctx(pb))
+    planner = PLANNERS[mode](_ctx(pb, tree))
     eager = planner.plan(pb.batch)
     bs = pb.batch.batch_size
     spec = planner.buffer_spec(bs + extra_bs, (bs + extra_bs) * n, pb.config.max_context_len)
@@ -115,7 +120,7 @@ def test_uniform_plans_are_sync_free(case):
     """Decode-like MLA planning completes with every device tensor on ``meta``: it never reads
     device data back on the host."""
     mode, pb, n, tree = case
-    ctx = meta_context(_ctx(pb))
+    ctx = meta_context(_ctx(pb, tree))
     md = PLANNERS[mode](ctx).plan(to_meta_batch(pb.batch))
     assert md.pages.block_table.device.type == "meta"
     assert md.query.num_tokens == pb.batch.batch_size * n
@@ -224,7 +229,7 @@ def test_graph_padding_rows_are_harmless(pb, pad_rows, seed):
     pool.kv_buffer(0).copy_(torch.randn(pool.kv_buffer(0).shape, generator=g))
     cfg = attrs.evolve(pb.config, arch="mla")
     layer, _ = mla_layer_specs(0, num_heads=4, kv_lora_rank=LORA, qk_nope_head_dim=8,
-                               qk_rope_head_dim=ROPE, v_head_dim=8)
+                               qk_rope_head_dim=ROPE, v_head_dim=8, scaling=(8 + ROPE) ** -0.5)
     b = pb.batch
     padded = ForwardBatch.from_lengths(
         forward_mode=ForwardMode.DECODE,

@@ -239,10 +239,13 @@ def test_draft_extend_v2_rejects_ragged_lengths():
 TREE_PARENTS = [-1, 0, 0, 1, 2]
 
 
+@pytest.mark.parametrize("given_positions", [True, False], ids=["positions", "index-order"])
 @pytest.mark.parametrize("page_size", [1, 6], ids=["page1", "page6"])
-def test_swa_tree_verify_literal_mask(page_size):
+def test_swa_tree_verify_literal_mask(page_size, given_positions):
     """Tree verify: the window is applied at path positions (prefix + depth); the expected
-    output applies the literal per-token mask ``tree[i, j] and pos(j) ≥ pos(i) − w + 1``."""
+    output applies the literal per-token mask ``tree[i, j] and pos(j) ≥ pos(i) − w + 1``. The
+    positions come from the mask: the batch's own ``positions`` (here ForwardBatch.from_lengths'
+    index order, wrong for a tree) are not read."""
     cfg = BackendConfig(page_size=page_size, max_context_len=256, dtype=torch.float32, arch="swa",
                         spec=SpecDecodeConfig(topk=2, num_draft_tokens=len(TREE_PARENTS)))
     layers = hybrid_layers(10, 2, 16, [3, None, 2, 6])
@@ -259,13 +262,14 @@ def test_swa_tree_verify_literal_mask(page_size):
     def literal(layer):
         return windowed_tree_masks(prefixes, masks, depth, layer.sliding_window)
 
-    run_step(sc, be, ForwardMode.TARGET_VERIFY, [n] * 3, spec_info=spec, positions=positions,
-             expected_masks=literal)
+    run_step(sc, be, ForwardMode.TARGET_VERIFY, [n] * 3, spec_info=spec,
+             positions=positions if given_positions else None, expected_masks=literal)
 
 
 def test_tree_mask_is_applied_literally():
     """The mask alone decides (non-causal): a query allowed to see a *later* draft token sees
-    it, on full and on SWA layers (there with the window at positions on top)."""
+    it, on full and on SWA layers (there with the window on top, at the positions the mask
+    implies: prefix + the draft tokens a row sees − 1, whatever the mask's shape)."""
     n = 3
     cfg = BackendConfig(page_size=2, max_context_len=64, dtype=torch.float32, arch="swa",
                         spec=SpecDecodeConfig(topk=2, num_draft_tokens=n))
@@ -283,8 +287,10 @@ def test_tree_mask_is_applied_literally():
             return masks
         out = []
         for p, m in zip(prefixes, masks):
-            q = torch.arange(p, p + n).view(-1, 1)
-            out.append(m & (torch.arange(p + n).view(1, -1) >= q - (layer.sliding_window - 1)))
+            pos = p + (m[:, p:].sum(1) - 1).clamp(min=0)  # [n] draft positions
+            q = pos.view(-1, 1)
+            k = torch.cat([torch.arange(p), pos]).view(1, -1)
+            out.append(m & (k >= q - (layer.sliding_window - 1)))
         return out
 
     run_step(sc, backend_for(sc), ForwardMode.TARGET_VERIFY, [n, n], spec_info=spec,

@@ -12,9 +12,6 @@ from ..types import AttnArch, ForwardMode
 
 __all__ = ["add_parser", "collect_info", "mode_arch_table", "table_markdown"]
 
-#: why a cell is impossible by design (not merely unimplemented).
-IMPOSSIBLE: dict = {}
-
 
 def _kernel_for_cell(kernels, pair, mode, cfg, device: str, dtype: torch.dtype):
     """``(text, kernel cg_support or None)``: the kernel the pair's op would get here for a
@@ -70,7 +67,7 @@ def mode_arch_table(device: str | None = None, dtype: torch.dtype | None = None)
                 pair, rejected = strategies.candidates(mode, arch, cfg)
                 why = f"no registered strategy serves {label} × {arch.name}"
             if pair is None:
-                row.update(strategy=None, why=IMPOSSIBLE.get((label, arch)) or why)
+                row.update(strategy=None, why=why)
             else:
                 kernel, kcg = _kernel_for_cell(kernels, pair, mode, cfg, device, dtype)
                 c = pair.contract(mode)

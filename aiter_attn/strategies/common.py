@@ -1,6 +1,6 @@
 """Execution helpers shared by the NHD-family strategies (MHA, SWA, VEC5D): one attention call
-with the layer's features, and a tree mask with a sliding window folded in at the tokens' true
-positions (a branch sees the ``w`` most recent tokens of its own path)."""
+with the layer's features, and a tree mask with a sliding window folded in at the tokens' path
+positions, derived from the mask (a branch sees the ``w`` most recent tokens of its own path)."""
 
 from __future__ import annotations
 
@@ -18,19 +18,20 @@ __all__ = ["attend", "attend_layer", "effective_causal", "effective_window", "re
 
 def window_tree_mask(mask: CustomMask, batch: ForwardBatch, query: QueryLayout,
                      window: int) -> CustomMask:
-    """Fold HF ``sliding_window = window`` into a tree mask at the tokens' true positions.
+    """Fold HF ``sliding_window = window`` into a tree mask at the tokens' path positions.
 
     For request ``b`` (``L`` keys, ``n`` queries, block ``[mask_indptr[b], mask_indptr[b+1])``
     of the flat mask, row-major ``[n, L]``): key ``j < L - n`` (cached prefix) is at position
-    ``j``; key ``j ≥ L - n`` is draft token ``j - (L - n)``, at
-    ``batch.positions[cu_q[b] + j - (L - n)]`` (prefix + depth in the tree); query ``i`` is at
-    ``positions[cu_q[b] + i]``. The result keeps ``mask[i, j]`` where
-    ``pos(j) ≥ pos(i) - window + 1`` and is False past the last block. Without
-    ``batch.positions`` index order is used.
+    ``j``; draft token ``t`` is at ``L - n + depth(t)``, where ``depth(t)`` = (draft tokens
+    row ``t`` of the mask sees) − 1: its ancestors, itself excluded (SGLang's EAGLE positions,
+    prefix + depth). The positions come from the mask itself, so they are right for every
+    tree whatever ``batch.positions`` holds (it is not read). The result keeps ``mask[i, j]``
+    where ``pos(j) ≥ pos(i) - window + 1`` and is False past the last block.
 
-    Graph-safe: one elementwise pass over the whole mask tensor (its size is a shape: the
-    static buffer under CUDA graphs), every index computed on the device; no host integer
-    from the batch. Returns a new mask of the same shape with the same ``mask_indptr``.
+    Graph-safe: elementwise passes over the whole mask tensor and one scatter-add into
+    ``[num_tokens]`` (sizes are shapes: static buffers under CUDA graphs), every index on the
+    device; no host integer from the batch. Returns a new mask of the same shape with the
+    same ``mask_indptr``.
     """
     bs = batch.batch_size
     if bs == 0:
@@ -47,15 +48,19 @@ def window_tree_mask(mask: CustomMask, batch: ForwardBatch, query: QueryLayout,
     L = seq[b]
     i, j = local // L, local % L
     prefix = L - n
-    if batch.positions is not None:
-        pos = batch.positions.to(torch.int64)
-        cu = query.cu_seqlens_q.to(torch.int64)
-        q_pos = pos[cu[b] + i.clamp(max=n - 1)]
-        is_draft = j >= prefix
-        k_pos = torch.where(is_draft, pos[cu[b] + (j - prefix).clamp(min=0, max=n - 1)], j)
-    else:
-        q_pos, k_pos = prefix + i, j
-    keep = valid & mask.custom_mask.reshape(-1).bool() & (k_pos >= q_pos - (window - 1))
+    visible = valid & mask.custom_mask.reshape(-1).bool()
+    is_draft = j >= prefix
+    # depth of each query token: the draft tokens its row sees, minus itself
+    num_tokens = max(int(query.cu_seqlens_q.shape[0] - 1) * n, 1)  # a shape: bs · n
+    cu = query.cu_seqlens_q.to(torch.int64)
+    row = (cu[b] + i.clamp(max=n - 1)).clamp(max=num_tokens - 1)
+    seen = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+    seen.scatter_add_(0, row, (visible & is_draft).to(torch.int64))
+    depth = (seen - 1).clamp(min=0)
+    q_pos = prefix + depth[row]
+    key_row = (cu[b] + (j - prefix).clamp(min=0, max=n - 1)).clamp(max=num_tokens - 1)
+    k_pos = torch.where(is_draft, prefix + depth[key_row], j)
+    keep = visible & (k_pos >= q_pos - (window - 1))
     return CustomMask(custom_mask=keep.view(mask.custom_mask.shape), mask_indptr=mask.mask_indptr)
 
 

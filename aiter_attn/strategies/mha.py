@@ -125,7 +125,7 @@ class PagedExecution(ExecutionStrategy):
 
     A planned custom mask (tree verify) is applied literally: the kernel runs non-causal and
     the mask alone says which keys each query sees (the same convention as MLA and the seed);
-    a sliding window is folded into it at the tokens' true positions
+    a sliding window is folded into it at the tokens' path positions, derived from the mask
     (:func:`~aiter_attn.strategies.common.window_tree_mask`).
     """
 

@@ -67,7 +67,7 @@ from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec, kv_
 from .base import BufferSpec, ExecutionStrategy, MetadataStrategy
 from .mha import DecodeMetadata, PagedMetadata, plan_page_table, plan_query_layout
 from .spec import (DraftDecodeStepMetadata, DraftExtendV2Metadata, VerifyTreeMetadata,
-                   resolve_num_draft_tokens)
+                   check_batch_topk, resolve_num_draft_tokens)
 
 __all__ = [
     "MLA_PROJECTIONS_KEY",
@@ -103,16 +103,18 @@ _EXTEND_MODES = (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND)
 
 # --------------------------------------------------------------------------- layer helpers
 def mla_layer_specs(layer_id: int, *, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int,
-                    qk_rope_head_dim: int, v_head_dim: int, scaling: Optional[float] = None,
+                    qk_rope_head_dim: int, v_head_dim: int, scaling: float,
                     kv_scale: float = 1.0) -> tuple[LayerSpec, LayerSpec]:
     """``(absorbed, expanded)`` LayerSpecs of one MLA layer (see the module docstring).
 
-    ``scaling`` defaults to ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)`` for both forms:
-    absorption changes the dot product's factorisation, not its value. ``kv_scale`` is the
-    latent cache's fp8 dequantisation scale (``LayerSpec.k_scale``).
+    ``scaling`` (required) is the model's softmax scale, the same for both forms (absorption
+    changes the dot product's factorisation, not its value): for DeepSeek-V2/V3
+    ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, times ``mscale ** 2`` when YaRN rope
+    scaling is on (HF's ``DeepseekV3Attention.scaling``, SGLang's ``self.scaling``); never
+    ``1 / sqrt(kv_lora_rank + rope)``, the absorbed head dim. ``kv_scale`` is the latent
+    cache's fp8 dequantisation scale (``LayerSpec.k_scale``; ignored when the cache is not
+    fp8).
     """
-    if scaling is None:
-        scaling = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
     common = dict(layer_id=layer_id, num_q_heads=num_heads, scaling=scaling, k_scale=kv_scale,
                   v_scale=kv_scale, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim)
     absorbed = LayerSpec(num_kv_heads=1, head_dim=kv_lora_rank + qk_rope_head_dim,
@@ -265,8 +267,10 @@ class MLAVerifyMetadata(VerifyTreeMetadata):
     ones of its ``seq_lens`` keys (``seq_lens`` includes the drafts).
 
     The MHA speculative planning (:mod:`aiter_attn.strategies.spec`) reused as is, the latent
-    pool being a paged cache with one KV head: a chain (``spec_info.topk == 1``) is causal over
-    the page table; a tree (``topk > 1``) adds ``spec_info.custom_mask`` (SGLang's per-request
+    pool being a paged cache with one KV head. Chain vs tree is chosen by
+    ``BackendConfig.spec.topk`` as on every architecture (a batch whose ``spec_info.topk``
+    differs raises): a chain (``topk == 1``) is causal over the page table; a tree
+    (``topk > 1``) adds ``spec_info.custom_mask`` (SGLang's per-request
     ``[q_len, seq_len]`` blocks, or the ``[batch, q_len, q_len]`` tree part, expanded on the
     device; copied into the static ``custom_mask`` buffer under ``out=``) and ``mask_indptr``
     rebuilt on the device. The MLA kernel applies the mask literally. No device→host sync.
@@ -276,7 +280,7 @@ class MLAVerifyMetadata(VerifyTreeMetadata):
 
     def plan(self, batch: ForwardBatch, out: Optional[dict] = None) -> AttnMetadata:
         resolve_num_draft_tokens(batch, self.ctx.config)  # clear error before any work
-        if batch.spec_info.topk > 1:
+        if check_batch_topk(batch, self.ctx.config) > 1:  # the config decides, as on MHA
             return super().plan(batch, out)
         return PagedMetadata.plan(self, batch, out)
 
@@ -390,6 +394,13 @@ class MLAExecution(ExecutionStrategy):
     def _check_absorbed(self, layer: LayerSpec) -> tuple[int, int]:
         pool = self.ctx.kv_pool
         lora, rope = pool.kv_lora_rank, pool.qk_rope_head_dim
+        if (layer.kv_lora_rank, layer.qk_rope_head_dim) != (lora, rope):
+            raise ValueError(
+                f"layer {layer.layer_id} called in the absorbed MLA form has kv_lora_rank="
+                f"{layer.kv_lora_rank}, qk_rope_head_dim={layer.qk_rope_head_dim}; the latent "
+                f"pool has ({lora}, {rope}). Build MLA layers with aiter_attn.mla_layer_specs("
+                "..., scaling=...), which sets them and the softmax scale explicitly."
+            )
         if (layer.num_kv_heads, layer.head_dim, layer.v_head_dim) != (1, lora + rope, lora):
             raise ValueError(
                 f"layer {layer.layer_id} called in the absorbed MLA form (v=None) has "
@@ -498,6 +509,14 @@ class MLAExecution(ExecutionStrategy):
                 "and call forward(..., save_kv_cache=False)."
             )
         rope = self.ctx.kv_pool.qk_rope_head_dim
+        lora = self.ctx.kv_pool.kv_lora_rank
+        if (layer.kv_lora_rank, layer.qk_rope_head_dim) != (lora, rope):
+            raise ValueError(
+                f"layer {layer.layer_id} called in the expanded MLA form has kv_lora_rank="
+                f"{layer.kv_lora_rank}, qk_rope_head_dim={layer.qk_rope_head_dim}; the latent "
+                f"pool has ({lora}, {rope}). Build MLA layers with aiter_attn.mla_layer_specs("
+                "..., scaling=...), which sets them and the softmax scale explicitly."
+            )
         heads, dim, dv = layer.num_q_heads, layer.head_dim, layer.v_head_dim
         nope = dim - rope
         if layer.num_kv_heads != heads or nope <= 0:

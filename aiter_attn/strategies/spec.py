@@ -49,6 +49,8 @@ from .mha import ExtendMetadata, PagedExecution, PagedMetadata, plan_query_layou
 
 __all__ = [
     "resolve_num_draft_tokens",
+    "config_topk",
+    "check_batch_topk",
     "tree_mask_layout",
     "mask_layout_of_size",
     "build_tree_mask",
@@ -97,6 +99,31 @@ def resolve_num_draft_tokens(batch: ForwardBatch, config: BackendConfig) -> int:
     return n
 
 
+def config_topk(config: BackendConfig) -> int:
+    """Draft branching a backend verifies: ``BackendConfig.spec.topk`` (1 without spec).
+
+    The one rule for chain vs tree on every architecture: the *config* chooses (it sizes the
+    static buffers and picks the strategy once); a batch whose ``spec_info.topk`` differs is
+    refused by :func:`check_batch_topk`.
+    """
+    return config.spec.topk if config.spec is not None else 1
+
+
+def check_batch_topk(batch: ForwardBatch, config: BackendConfig) -> int:
+    """``config_topk(config)``, after checking ``batch.spec_info.topk`` equals it (host ints)."""
+    want = config_topk(config)
+    spec = batch.spec_info
+    if spec is not None and spec.topk != want:
+        kind = "a tree draft" if spec.topk > 1 else "a chain"
+        plans = "tree verify (custom mask)" if want > 1 else "chain verify (causal)"
+        raise ValueError(
+            f"spec_info.topk={spec.topk} is {kind} but this backend plans {plans} "
+            f"(BackendConfig.spec.topk={want}); chain vs tree is chosen by the config on every "
+            f"architecture. Build the backend with BackendConfig(spec=SpecDecodeConfig("
+            f"topk={spec.topk}, ...)) or send spec_info.topk={want}.")
+    return want
+
+
 def tree_mask_layout(custom_mask: torch.Tensor, batch: ForwardBatch, q_len: int) -> str:
     """``"full"`` or ``"tree"``: which layout ``custom_mask`` uses, from its size (host int).
 
@@ -143,12 +170,7 @@ class VerifyChainMetadata(_UniformPagedMetadata):
     """TARGET_VERIFY for a chain (``topk == 1``): causal over the page table."""
 
     def plan(self, batch: ForwardBatch, out: Optional[dict] = None) -> AttnMetadata:
-        spec = batch.spec_info
-        if spec is not None and spec.topk > 1:
-            raise ValueError(
-                f"spec_info.topk={spec.topk} is a tree draft but this backend plans chain "
-                "verify (BackendConfig.spec.topk = 1); set BackendConfig(spec=SpecDecodeConfig("
-                f"topk={spec.topk}, ...)) so the tree strategy with its custom mask is chosen.")
+        check_batch_topk(batch, self.ctx.config)
         return super().plan(batch, out)
 
 
@@ -169,6 +191,7 @@ class VerifyTreeMetadata(_UniformPagedMetadata):
 
     def plan(self, batch: ForwardBatch, out: Optional[dict] = None) -> AttnMetadata:
         n = self.uniform_q_len(batch)
+        check_batch_topk(batch, self.ctx.config)
         spec = batch.spec_info
         if spec.custom_mask is None:
             raise ValueError(

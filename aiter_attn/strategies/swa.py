@@ -11,8 +11,9 @@ a full-attention layer uses the full pool, ``write_kv`` and the full table.
 
 Window convention, everywhere: HF ``sliding_window = w`` ⇒ ``window_size = (w - 1, 0)``; a
 query sees the ``w`` most recent keys including itself. For tree verify the window is folded
-into the tree mask at the tokens' true positions (``batch.positions``), so a branch sees the
-``w`` most recent tokens of *its own path*; chain verify and every other mode use the kernel's
+into the tree mask at the tokens' path positions (prefix + depth in the tree, derived from the
+mask itself; ``batch.positions`` is not read), so a branch sees the ``w`` most recent tokens
+of *its own path*; chain verify and every other mode use the kernel's
 window directly (there, index order is position order).
 
 Planning reuses the MHA and speculative planners (:mod:`aiter_attn.strategies.mha`,

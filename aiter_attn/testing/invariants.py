@@ -87,5 +87,3 @@ def check_invariants(md: AttnMetadata, batch: ForwardBatch, ctx) -> None:
     num_pages = getattr(ctx.kv_pool, "num_pages", None)
     check_page_table(md.pages.block_table[:bs], seq, batch.req_pool_indices, ctx.req_to_token,
                      md.pages.page_size, num_pages)
-    if md.ragged is not None:
-        check_ragged_kv(md.ragged, seq, batch.req_pool_indices, ctx.req_to_token)
