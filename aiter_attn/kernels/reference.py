@@ -238,13 +238,27 @@ def write_kv_reference(
     """Reshape-and-cache: ``cache.flat[slots[t]] = quantise(k[t])`` for every token ``t``.
 
     Caches ``[pages, page_size, H, D]``; slots int64 ``[T]``; k ``[T, H, D]``. Slots are
-    written exactly; every other slot is left byte-identical.
+    written exactly; a negative slot (a padding row, as in the Triton writer) is skipped;
+    every other slot is left byte-identical. No host sync (graph-capturable): skipped rows
+    are redirected to the reserved slot 0 and write back its own bytes.
     """
-    kf = k_cache.view(-1, *k_cache.shape[2:])
-    kf[slots.long()] = quantize_to_cache(k, k_cache.dtype, k_scale)
+    _write_slots(k_cache, slots, quantize_to_cache(k, k_cache.dtype, k_scale))
     if v_cache is not None and v is not None:
-        vf = v_cache.view(-1, *v_cache.shape[2:])
-        vf[slots.long()] = quantize_to_cache(v, v_cache.dtype, v_scale)
+        _write_slots(v_cache, slots, quantize_to_cache(v, v_cache.dtype, v_scale))
+
+
+_RAW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """``cache.flat[slots[t]] = values[t]`` for ``slots[t] ≥ 0``; negative slots untouched.
+    Compares raw bytes (``torch.where`` has no fp8 kernels)."""
+    raw_dtype = _RAW_DTYPES[cache.element_size()]
+    flat = cache.view(-1, *cache.shape[2:]).view(raw_dtype)
+    slots = slots.long()
+    keep = (slots >= 0).view(-1, *([1] * (flat.dim() - 1)))
+    idx = slots.clamp_min(0)
+    flat[idx] = torch.where(keep, values.view(raw_dtype), flat[idx])
 
 
 def build_page_table_reference(

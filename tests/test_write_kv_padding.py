@@ -1,0 +1,36 @@
+"""A negative slot (a padding row) is skipped by every KV writer, the reference included: the
+batch writes its own slots and nothing else, byte for byte (issue 11: "a batch never writes KV
+slots other than its own"). Before, the reference wrote slot -1, i.e. the pool's last slot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aiter_attn import ops
+
+from ._triton_util import DEVICE
+
+BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton needs a GPU or TRITON_INTERPRET=1"))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_negative_slots_are_skipped(backend, dtype):
+    g = torch.Generator().manual_seed(3)
+    pages, page, heads, d = 6, 16, 2, 80
+    k_cache = torch.randn(pages, page, heads, d, generator=g).to(dtype).to(DEVICE)
+    v_cache = torch.randn(pages, page, heads, d, generator=g).to(dtype).to(DEVICE)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([37, -1, 18, -1, 90], dtype=torch.int64, device=DEVICE)
+    k = torch.randn(5, heads, d, generator=g).to(dtype).to(DEVICE)
+    v = torch.randn(5, heads, d, generator=g).to(dtype).to(DEVICE)
+    ops.write_kv(k_cache, v_cache, slots, k, v, backend=backend)
+    exp_k, exp_v = before_k.view(-1, heads, d).clone(), before_v.view(-1, heads, d).clone()
+    live = slots >= 0
+    exp_k[slots[live]] = k[live]
+    exp_v[slots[live]] = v[live]
+    assert torch.equal(k_cache.view(-1, heads, d), exp_k), "K: a slot outside the batch changed"
+    assert torch.equal(v_cache.view(-1, heads, d), exp_v), "V: a slot outside the batch changed"
