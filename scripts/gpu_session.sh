@@ -2,24 +2,27 @@
 # One device call's worth of GPU checks (the lead's batched H200 run). Usage on the GPU machine:
 #   scripts/gpu_session.sh tests   # every gpu-marked test + verify on CUDA  -> $OUT/gpu_tests.log
 #   scripts/gpu_session.sh bench   # decode variants, host cost, mixed steps -> $OUT/*.json, *.md
+#   scripts/gpu_session.sh all     # both, with shorter limits (fits one 10-minute device call)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+T=330 V=120 B1=200 B2=200 B3=150
+if [ "${1:-tests}" = all ]; then T=200 V=50 B1=90 B2=110 B3=80; fi
 case "${1:-tests}" in
-  tests)
-    timeout 330 python3 -m pytest -q -n 8 -m gpu tests -p no:cacheprovider -p no:warnings \
+  tests|all)
+    timeout $T python3 -m pytest -q -n 8 -m gpu tests -p no:cacheprovider -p no:warnings \
       --timeout 240 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-    for args in "--backend triton" "--backend triton --dtype bfloat16" "--backend reference" \
+    for args in "--backend triton --dtype bfloat16" \
                 "--self-test"; do
       echo "== verify $args --device cuda"
-      timeout 120 python3 -m aiter_attn.cli verify $args --device cuda 2>&1 | tail -4
+      timeout $V python3 -m aiter_attn.cli verify $args --device cuda 2>&1 | tail -4
     done 2>&1 | tee "$OUT/verify.log"
-    ;;
-  bench)
-    timeout 200 python3 benchmarks/bench_variants.py --out "$OUT" 2>&1 | tail -9
-    timeout 200 python3 benchmarks/bench_attention.py --only host --out "$OUT" 2>&1 | tail -14
-    timeout 150 python3 benchmarks/bench_attention.py --only mixed --out "$OUT/mixed" 2>&1 | tail -8
+    ;;&
+  bench|all)
+    timeout $B1 python3 benchmarks/bench_variants.py --out "$OUT" 2>&1 | tail -9
+    timeout $B2 python3 benchmarks/bench_attention.py --only host --out "$OUT" 2>&1 | tail -14
+    timeout $B3 python3 benchmarks/bench_attention.py --only mixed --out "$OUT/mixed" 2>&1 | tail -8
     ;;
 esac
