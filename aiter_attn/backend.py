@@ -151,12 +151,16 @@ class AttentionBackend:
         """Plan this step's metadata. Validates the batch first.
 
         ``out``: static buffers (the planner's ``buffer_spec``) to plan into, as CUDA-graph
-        capture/replay does; ``None`` (eager) plans into fresh buffers sized for the batch.
+        capture/replay does (the step's kernel plans go there too); ``None`` (eager) plans
+        into fresh buffers sized for the batch.
         """
         validate_batch(forward_batch, self.config, self.ctx.req_to_token)
         planner, executor = self.strategies_for(forward_batch.forward_mode)
         md = planner.plan(forward_batch, out)
-        executor.plan_kernels(md, forward_batch)  # once per step for every bound layer group
+        # once per step for every bound layer group; under ``out`` the kernels' plans place
+        # their tensors (split workspaces, …) in the static buffers too, so a captured graph
+        # never reads memory a later plan freed
+        executor.plan_kernels(md, forward_batch, out)
         if self._debug:
             from .testing.invariants import check_invariants
 

@@ -30,6 +30,7 @@ Typical use::
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from typing import Optional
 
 import torch
@@ -46,6 +47,42 @@ __all__ = ["MultiStepDraftBackend", "draft_columns_needed"]
 
 #: Prefix of the step planners' own buffers in :meth:`MultiStepDraftBackend.buffer_spec`.
 _STEP_PREFIX = "step{}."
+
+
+class _StepBuffers(MutableMapping):
+    """Step ``i``'s view of the shared static buffer dict: its keys without the ``step{i}.``
+    prefix. Writes land in the shared dict (a kernel plan's ``out.setdefault`` at capture
+    adds a workspace that every later plan of the step finds), so nothing a captured graph
+    reads is lost between plans. ``cu_seqlens_q`` reads the shared ``draft_cu_seqlens_q``
+    (the static row bound kernels size their workspaces from)."""
+
+    __slots__ = ("_out", "_prefix")
+    _ALIASES = {"cu_seqlens_q": "draft_cu_seqlens_q"}
+
+    def __init__(self, out: dict, prefix: str):
+        self._out, self._prefix = out, prefix
+
+    def __getitem__(self, key):
+        try:
+            return self._out[self._prefix + key]
+        except KeyError:
+            alias = self._ALIASES.get(key)
+            if alias is None or alias not in self._out:
+                raise
+            return self._out[alias]
+
+    def __setitem__(self, key, value):
+        self._out[self._prefix + key] = value
+
+    def __delitem__(self, key):
+        del self._out[self._prefix + key]
+
+    def __iter__(self):
+        n = len(self._prefix)
+        return (k[n:] for k in list(self._out) if k.startswith(self._prefix))
+
+    def __len__(self):
+        return sum(1 for k in self._out if k.startswith(self._prefix))
 
 
 def draft_columns_needed(prefix_lens: torch.Tensor, page_size: int, topk: int,
@@ -121,12 +158,17 @@ class MultiStepDraftBackend:
         committed length is at most ``max_seq_len`` (default ``config.max_context_len``),
         plus each step planner's own buffers (``step{i}.<name>``, e.g. the SWA page table the
         SWA step planner translates into), so that a captured plan reads only these."""
+        from .graph.buffers import GraphLimits
+
         max_seq_len = self.config.max_context_len if max_seq_len is None else max_seq_len
         rows = max(max_bs, 1) * self.topk
+        limits = GraphLimits(mode=ForwardMode.DECODE, max_bs=rows, q_len=1,
+                             max_num_tokens=rows, max_seq_len=max_seq_len + self.num_steps)
         per_step = {}
         for i, backend in enumerate(self.attn_backends):
-            planner, _ = backend.strategies_for(ForwardMode.DECODE)
-            own = planner.buffer_spec(rows, rows, max_seq_len + self.num_steps)
+            planner, executor = backend.strategies_for(ForwardMode.DECODE)
+            own = planner.buffer_spec(rows, rows, limits.max_seq_len)
+            own = own.merge(executor.kernel_buffer_spec(limits))  # kernels bound so far
             per_step.update({f"{_STEP_PREFIX.format(i)}{k}": v for k, v in own.buffers.items()})
         return BufferSpec({**self._shared_spec(max_bs, max_seq_len).buffers, **per_step})
 
@@ -231,10 +273,9 @@ class MultiStepDraftBackend:
         """
         step_batches = self.plan(batch, out)
         for i, (backend, step_batch) in enumerate(zip(self.attn_backends, step_batches)):
-            step_out = None
-            if out is not None:  # the step planner's own static buffers (never regrown)
-                prefix = _STEP_PREFIX.format(i)
-                step_out = {k[len(prefix):]: v for k, v in out.items() if k.startswith(prefix)}
+            # the step planner's and its kernels' static buffers (never regrown; a kernel's
+            # workspace added at capture stays in ``out`` for every later plan)
+            step_out = None if out is None else _StepBuffers(out, _STEP_PREFIX.format(i))
             backend.init_forward_metadata(step_batch, out=step_out)
         return step_batches
 

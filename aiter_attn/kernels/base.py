@@ -39,6 +39,7 @@ __all__ = [
     "MLAFunctionKernel",
     "mla_layer_params",
     "StepPlans",
+    "MEMO",
     "ATTENTION_OPS",
     "mask_literal",
     "plan_hints",
@@ -135,6 +136,11 @@ class LayerParams:
         return attrs.evolve(self, sinks=unit_stride(sinks))
 
 
+#: attrs field metadata of a kernel plan's memo (filled lazily by ``run``, never read by a
+#: graph): left out of the CUDA-graph replay signature. ``attrs.field(metadata=MEMO)``.
+MEMO = {"graph_signature": False}
+
+
 @attrs.frozen(kw_only=True)
 class KernelPlan:
     """The base of every kernel's per-step plan (frozen). Kernels subclass it.
@@ -151,11 +157,17 @@ class KernelPlan:
 
 
 class StepPlans:
-    """One step's kernel plans by layer-group key (an opaque holder on
-    :class:`~aiter_attn.metadata.AttnMetadata`; the graph signature does not walk it).
+    """One step's kernel plans by layer-group key (on
+    :class:`~aiter_attn.metadata.AttnMetadata`).
+
+    The graph signature (:mod:`aiter_attn.graph.signature`) walks :meth:`frozen_plans`: each
+    plan's device tensors are compared by address between capture and replay, so a kernel
+    whose plan allocates under ``out=`` (instead of placing its tensors in the static
+    buffers) raises :class:`~aiter_attn.graph.GraphMetadataMismatch` at the first replay.
 
     Attributes:
-        out: the static buffer dict under CUDA graphs, else ``None`` (eager).
+        out: the static buffer dict under CUDA graphs (the kernels' plans place their
+            tensors in it), else ``None`` (eager).
         batch: the batch the step's metadata was planned for.
     """
 
@@ -174,6 +186,10 @@ class StepPlans:
 
     def __len__(self):
         return len(self.plans)
+
+    def frozen_plans(self) -> list:
+        """The plans in planning order (what a captured graph reads of them)."""
+        return list(self.plans.values())
 
 
 class AttentionKernel:
