@@ -37,7 +37,8 @@ import triton.language as tl
 
 from ...types import FP8_DTYPES
 from ...validation import INDEX_DTYPES, unit_stride
-from ..base import KernelPlan, MLAKernel, _adhoc_metadata, mask_literal, mla_layer_params, plan_hints
+from ..base import (MEMO, KernelPlan, MLAKernel, _adhoc_metadata, mask_literal,
+                    mla_layer_params, plan_hints)
 from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
 from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS
 from ._paging import load_chunk_pages, tile_pages_of
@@ -419,7 +420,7 @@ class TritonMLAPlan(KernelPlan):
     part_o: Optional[torch.Tensor] = attrs.field(default=None, **_T)
     part_lse: Optional[torch.Tensor] = attrs.field(default=None, **_T)
     cfg_kw: dict = attrs.field(factory=dict, **_T)
-    kw_cache: dict = attrs.field(factory=dict, **_T)
+    kw_cache: dict = attrs.field(factory=dict, metadata=MEMO, **_T)
 
 
 class TritonMLA(MLAKernel):
