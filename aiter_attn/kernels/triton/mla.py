@@ -322,8 +322,9 @@ def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: to
 
     ``dim`` (padded latent width), ``elem_size`` (bytes of the compute dtype: the wider of q
     and the cache) and ``kv_elem_size`` (bytes of a cache element; a narrower cache is
-    converted through one more tile) bound the pipelined tiles by the device's shared memory:
-    the ring ``stages · block_n · dim · kv_elem_size`` (plus the converted tile) must fit
+    converted through two more tiles, one per dot) bound the pipelined tiles by the device's
+    shared memory: the ring ``stages · block_n · dim · kv_elem_size`` (plus the converted
+    tiles) must fit
     (the q tile is not counted: the H200 defaults were measured to fit with it);
     ``block_n`` halves (only when not given), then stages drop.
     """
@@ -334,7 +335,12 @@ def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: to
     budget = _smem_budget(device)
 
     def need(bn, stages):
-        convert = bn * dim * elem_size if kv_elem_size < elem_size else 0
+        # a narrower cache is converted into two more tiles: one per dot (K^T for q·K, V for
+        # p·V take different shared-memory layouts). Measured on the H200 (fp8 cache, 16
+        # heads, block_n 64, 3 stages): Triton asked for 253,952 B = ring 110,592 + K^T
+        # 73,728 + V 65,536 + 4,096; one converted tile was counted before, which let 3
+        # stages through and the launch raised OutOfResources.
+        convert = 2 * bn * dim * elem_size if kv_elem_size < elem_size else 0
         return stages * bn * dim * kv_elem_size + convert
 
     if block_n is None:
