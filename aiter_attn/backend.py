@@ -153,12 +153,16 @@ class AttentionBackend:
         """Plan this step's metadata. Validates the batch first.
 
         ``out``: static buffers (the planner's ``buffer_spec``) to plan into, as CUDA-graph
-        capture/replay does; ``None`` (eager) plans into fresh buffers sized for the batch.
+        capture/replay does (the step's kernel plans go there too); ``None`` (eager) plans
+        into fresh buffers sized for the batch.
         """
         validate_batch(forward_batch, self.config, self.ctx.req_to_token)
         planner, executor = self.strategies_for(forward_batch.forward_mode)
         md = planner.plan(forward_batch, out)
-        executor.plan_kernels(md, forward_batch)  # once per step for every bound layer group
+        # once per step for every bound layer group; under ``out`` the kernels' plans place
+        # their tensors (split workspaces, …) in the static buffers too, so a captured graph
+        # never reads memory a later plan freed
+        executor.plan_kernels(md, forward_batch, out)
         if self._debug:
             from .testing.invariants import check_invariants
 
@@ -195,6 +199,13 @@ class AttentionBackend:
         return 1
 
     # -- CUDA graphs: delegated to aiter_attn.graph.CudaGraphManager --------------------
+    def graph_source(self):
+        """The :class:`~aiter_attn.graph.sources.BackendSource` a
+        :class:`~aiter_attn.graph.CudaGraphManager` plans through."""
+        from .graph.sources import BackendSource
+
+        return BackendSource(self)
+
     def graph_support(self, mode):
         """A cell's CUDA-graph support: the weaker of its strategy pair's and its bound
         kernels' (the pair's alone until a layer has bound a kernel)."""

@@ -101,7 +101,8 @@ class AttnMetadata:
         extras: strategy-specific parts (SWA page table, MLA work metadata, …) by name.
         kernel_plans: this step's kernel plans by layer group
             (:class:`~aiter_attn.kernels.base.StepPlans`), filled once per step by the
-            execution strategy that binds the kernels; opaque to the graph signature.
+            execution strategy that binds the kernels; the graph signature walks its
+            plans (their device tensors are compared by address).
     """
 
     mode: ForwardMode

@@ -273,6 +273,12 @@ class BackendConfig:
             scale and reads dequantise with it (the layer scales on top). fp8 caches on the
             MHA and SWA architectures only; the pool must be built with the same value
             (:mod:`aiter_attn.kv_scales`).
+        cascade_min_shared_tokens: cascade (shared-prefix) attention on the MHA and SWA
+            cells (causal layers without a tree mask): runs of consecutive requests whose
+            page tables start with the same page ids over at least this many tokens (rounded
+            up to whole pages) read those pages once for all of the run's queries, merged by
+            LSE with each request's own pages (docs/modes.md). ``None`` or 0 disables it.
+            The grouping is planned on the device per step (no sync, CUDA-graph safe).
     """
 
     page_size: int = attrs.field(default=1, validator=_positive)
@@ -289,10 +295,17 @@ class BackendConfig:
     debug_checks: bool = False
     batch_invariant: bool = False
     kv_scale_granularity: str = "per_layer"
+    cascade_min_shared_tokens: Optional[int] = None
 
     def __attrs_post_init__(self):
         if self.kv_cache_dtype is None:
             object.__setattr__(self, "kv_cache_dtype", self.dtype)
+        c = self.cascade_min_shared_tokens
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 0):
+            raise ValueError(
+                f"cascade_min_shared_tokens={c!r}; expected None (off), 0 (off) or a positive "
+                "int: the least tokens of identical leading pages a run of requests must "
+                "share for cascade attention, e.g. 1024.")
         from .kv_scales import PER_TOKEN_HEAD, check_granularity
 
         check_granularity(self.kv_scale_granularity, kv_dtype=self.kv_cache_dtype,

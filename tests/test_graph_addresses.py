@@ -61,8 +61,8 @@ def test_cpu_signature_ignores_host_mirrors():
 def _pointers(mgr, ms) -> dict:
     """Address of every device tensor the captured plan of the step backends reads."""
     out = {}
-    for i, be in enumerate(ms.attn_backends):
-        sig = describe_signature(be.forward_metadata, mgr.source.device)
+    for i, md in enumerate(ms.step_metadata):
+        sig = describe_signature(md, mgr.source.device)
         out.update({f"step{i}{k}": v[1] for k, v in sig.items()
                     if isinstance(v, tuple) and v[0] == "tensor"})
     return out
@@ -154,3 +154,220 @@ def test_outgrown_aiter_workspaces_stay_alive():
         assert A._workspace(("t", "cpu"), 32, "cpu") is big
     finally:
         A.reset_api()
+
+
+# -- kernel plans: their tensors are part of what a captured graph reads ---------------------
+
+import attrs  # noqa: E402
+
+from aiter_attn import AttentionBackend  # noqa: E402
+from aiter_attn.graph import GraphMetadataMismatch  # noqa: E402
+from aiter_attn.kernels import reference  # noqa: E402
+from aiter_attn.kernels.base import FunctionKernel, FunctionPlan  # noqa: E402
+from aiter_attn.kernels.registry import Capabilities, KernelRegistry  # noqa: E402
+from aiter_attn.types import CGSupport  # noqa: E402
+
+_WS = "spy.workspace"
+
+
+@attrs.frozen(kw_only=True)
+class WorkspacePlan(FunctionPlan):
+    """The reference kernel's plan plus a workspace, as the Triton split path keeps one."""
+
+    workspace: torch.Tensor = attrs.field(eq=False, repr=False)
+
+
+class WorkspaceKernel(FunctionKernel):
+    """The reference attention with a workspace in its plan: allocated when planned eagerly,
+    taken from the static buffers (``out.setdefault``) under CUDA graphs, the Triton
+    kernel's ``_partials`` convention. ``moving=True``: a broken kernel that allocates even
+    under ``out=``."""
+
+    fn = staticmethod(reference.paged_attention_reference)
+    moving = False
+
+    def plan(self, md, out=None):
+        base = super().plan(md, out)
+        fields = {f.name: getattr(base, f.name) for f in attrs.fields(FunctionPlan)}
+        if out is None or type(self).moving:
+            ws = torch.empty(max(md.query.num_tokens, 1), 4, device=md.query.cu_seqlens_q.device)
+        else:
+            ws = out.setdefault(_WS, torch.empty(256, 4, device=md.query.cu_seqlens_q.device))
+        return WorkspacePlan(workspace=ws, **fields)
+
+
+def _spy_registry(kernel_cls):
+    from aiter_attn.kernels import reference_extra
+
+    reg = KernelRegistry()
+    reference.aiter_attn_register_kernels(reg.register)
+    reference_extra.aiter_attn_register_kernels(reg.register)
+    feats = {"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs",
+             "non_causal", "lse"}
+    reg.register("paged_attention", "spy", kernel_cls,
+                 Capabilities(features=feats, cg_support=CGSupport.ALWAYS), priority=1000)
+    return reg
+
+
+def _workspaces(md) -> list:
+    return [p.workspace.data_ptr() for p in md.kernel_plans.plans.values()]
+
+
+def _kernel(moving):
+    return type("Spy", (WorkspaceKernel,), {"moving": moving})
+
+
+@pytest.mark.parametrize("arch,page", [pytest.param("mha", 16, id="mha-page16"),
+                                       pytest.param("swa", 7, id="swa-page7"),
+                                       pytest.param("mha", 1, id="mha-page1")])
+def test_multistep_kernel_plans_live_in_static_buffers(arch, page):
+    """Each draft step's kernel plan puts its workspace in the manager's buffers (under its
+    ``step{i}.`` prefix) at capture and finds the same one at every replay, whatever eager
+    batches run in between; replays match eager."""
+    from aiter_attn import multistep
+
+    topk, steps = 2, 3
+    spec = SpecDecodeConfig(num_steps=steps, topk=topk, num_draft_tokens=steps * topk + 1)
+    rig = Rig.make(arch, page_size=page, hq=4, hkv=2, head_dim=16, spec=spec, seed=4)
+    ms = multistep.MultiStepDraftBackend(rig.config, rig.req_pool, rig.kv_pool,
+                                         kernels=_spy_registry(_kernel(False)))
+    mgr = CudaGraphManager(ms, capture_sizes=[2, 4], use_cuda_graph=False,
+                           token_inputs=rig.token_inputs())
+    fn = rig.multistep_step_fn(ms)
+    mgr.capture(fn)
+    bufs = mgr.strategy_buffers("decode")
+    for i in range(steps - 1):
+        assert f"step{i}.{_WS}" in bufs, sorted(bufs)
+    want = {i: bufs[f"step{i}.{_WS}"].data_ptr() for i in range(steps - 1)}
+    for bs in (6, 2, 3):
+        rows, batch = rig.join_drafting(bs, 30)
+        inputs = rig.random_inputs(batch, num_tokens=bs * topk)
+        if bs > 4:  # eager only: larger than anything captured
+            ms.init_forward_metadata(batch)
+            fn(batch, inputs)
+        else:
+            out = [o.clone() for o in mgr.replay(batch, **inputs)]
+            for i, md in enumerate(ms.step_metadata):
+                assert _workspaces(md) == [want[i]] * len(md.kernel_plans), f"step {i}"
+            ms.init_forward_metadata(batch)
+            for j, (g, e) in enumerate(zip(out, fn(batch, inputs))):
+                assert torch.equal(g, e), f"layer {j}: replay ≠ eager"
+        for r in rows:
+            rig.leave(r)
+
+
+def test_multistep_kernel_plan_that_moves_is_reported():
+    """A kernel whose plan allocates under ``out=`` makes the first replay raise, naming the
+    kernel plan's field (the signature walks every step's kernel plans)."""
+    from aiter_attn import multistep
+
+    spec = SpecDecodeConfig(num_steps=3, topk=2, num_draft_tokens=7)
+    rig = Rig.make("mha", page_size=16, hq=4, hkv=2, head_dim=16, spec=spec, seed=4)
+    ms = multistep.MultiStepDraftBackend(rig.config, rig.req_pool, rig.kv_pool,
+                                         kernels=_spy_registry(_kernel(True)))
+    mgr = CudaGraphManager(ms, capture_sizes=[2], use_cuda_graph=False,
+                           token_inputs=rig.token_inputs())
+    mgr.capture(rig.multistep_step_fn(ms))
+    rows, batch = rig.join_drafting(2, 30)
+    with pytest.raises(GraphMetadataMismatch, match=r"kernel_plans\[0:WorkspacePlan\]"
+                                                    r"\.workspace"):
+        mgr.replay(batch, **rig.random_inputs(batch, num_tokens=4))
+
+
+@pytest.mark.parametrize("moving", [False, True], ids=["static", "moving"])
+def test_backend_kernel_plans_are_part_of_the_signature(moving):
+    """The plain backend path: a kernel plan's workspace is planned into the static buffers
+    (capture and replay agree, eager batches in between leave it alone); one that moves is
+    reported at the first replay."""
+    rig = Rig.make("mha", page_size=16, hq=4, hkv=2, head_dim=16, seed=2)
+    rig.backend = be = AttentionBackend(rig.config, rig.req_pool, rig.kv_pool,
+                                        kernels=_spy_registry(_kernel(moving)))
+    mgr = rig.manager(capture_sizes=[2, 4])
+    mgr.capture(rig.step_fn())
+    for p in (3, 17):
+        rig.join(p)
+    batch = rig.batch("decode")
+    inputs = rig.random_inputs(batch)
+    if moving:
+        with pytest.raises(GraphMetadataMismatch, match=r"kernel_plans\[0:WorkspacePlan\]"):
+            mgr.replay(batch, **inputs)
+        return
+    ws = mgr.strategy_buffers("decode")[_WS].data_ptr()
+    for _ in range(2):
+        out = [o.clone() for o in mgr.replay(batch, **inputs)]
+        assert _workspaces(be.forward_metadata) == [ws]
+        for p in (5, 9, 11):  # an eager batch larger than any capture in between
+            rig.join(p)
+        big = rig.batch("decode")
+        rig.eager(big, rig.random_inputs(big), save_kv_cache=False)
+        for r in rig.rows[2:]:
+            rig.leave(r)
+    eager = rig.eager(batch, inputs, save_kv_cache=False)
+    for g, e in zip(out, eager):
+        assert torch.equal(g, e)
+
+
+def test_signature_walks_kernel_plans_and_skips_memos():
+    """``describe_signature`` names each kernel plan's tensors (by address) and leaves out
+    fields marked as memos (``MEMO``: a run's lazily filled constexpr cache)."""
+    from aiter_attn.kernels.triton.attention import TritonPlan
+
+    md = _md(torch.zeros(2, 4, dtype=torch.int32))
+    ws = torch.zeros(8)
+    plan = TritonPlan(num_tokens=2, grid=(1, 1, 1), args=(), ints=(), bt_stride=4,
+                      part_acc=ws, kw_cache={"filled": "later"})
+    md.kernel_plans["group"] = plan
+    cpu = torch.device("cpu")
+    sig = describe_signature(md, cpu)
+    key = "metadata.kernel_plans[0:TritonPlan].part_acc"
+    assert sig[key][:2] == ("tensor", ws.data_ptr())
+    assert not any("kw_cache" in k for k in sig)
+    before = metadata_signature(md, cpu)
+    plan.kw_cache["more"] = 1  # a memo growing does not change the signature
+    assert metadata_signature(md, cpu) == before
+    md.kernel_plans["group"] = attrs.evolve(plan, part_acc=torch.zeros(8))
+    assert metadata_signature(md, cpu) != before
+
+
+@pytest.mark.parametrize("arch", ["mha", "swa"])
+def test_multistep_triton_split_workspaces_stay_put(arch, monkeypatch):
+    """The case the H200 crashed on (illegal memory access in the Triton launch): the Triton
+    kernel with a forced split (interpreter). Every step's split partials live in the
+    manager's buffers, keep their addresses from capture through replays, and replays match
+    eager."""
+    from aiter_attn import multistep
+    from aiter_attn.kernels.triton import _launch_config
+
+    monkeypatch.setitem(_launch_config.TUNING_OVERRIDES, "num_splits", 3)
+    topk, steps = 2, 3
+    spec = SpecDecodeConfig(num_steps=steps, topk=topk, num_draft_tokens=steps * topk + 1)
+    rig = Rig.make(arch, page_size=16, hq=4, hkv=2, head_dim=16, spec=spec, seed=6,
+                   max_context_len=64, dtype=torch.float16)
+    cfg = attrs.evolve(rig.config, kernel_backend="triton")
+    ms = multistep.MultiStepDraftBackend(cfg, rig.req_pool, rig.kv_pool)
+    mgr = CudaGraphManager(ms, capture_sizes=[2], use_cuda_graph=False,
+                           token_inputs=rig.token_inputs())
+    fn = rig.multistep_step_fn(ms)
+    mgr.capture(fn)
+    bufs = {v.data_ptr() for v in mgr.strategy_buffers("decode").values()}
+    captured = None
+    for bs in (3, 2, 1):
+        rows, batch = rig.join_drafting(bs, 30)
+        inputs = rig.random_inputs(batch, num_tokens=bs * topk)
+        if bs > 2:
+            ms.init_forward_metadata(batch)
+            fn(batch, inputs)
+        else:
+            out = [o.clone() for o in mgr.replay(batch, **inputs)]
+            ptrs = []
+            for md in ms.step_metadata:
+                for p in md.kernel_plans.plans.values():
+                    assert p.split and p.part_acc.data_ptr() in bufs
+                    ptrs.append((p.part_acc.data_ptr(), p.part_ml.data_ptr()))
+            assert captured is None or ptrs == captured
+            captured = ptrs
+            ms.init_forward_metadata(batch)
+            for j, (g, e) in enumerate(zip(out, fn(batch, inputs))):
+                torch.testing.assert_close(g, e, rtol=2e-3, atol=2e-3, msg=f"layer {j}")
+        for r in rows:
+            rig.leave(r)

@@ -81,6 +81,10 @@ class _Entry:
     inputs: dict
     signature: Optional[tuple] = None
     described: Optional[dict] = None  # the capture's signature with names (error messages)
+    # the capture's metadata: kernels bound while the captured function first ran plan their
+    # groups lazily into it, so its signature is taken again at the first replay (settled)
+    captured: object = None
+    settled: bool = True
     graph: Optional[object] = None
     fn: Optional[StepFn] = None
     outputs: object = None
@@ -293,9 +297,16 @@ class CudaGraphManager:
         sig = metadata_signature(md, dev)
         if capturing or e.signature is None:
             e.signature, e.described = sig, describe_signature(md, dev)
+            e.captured, e.settled = md, False
             for m in _MIRRORS:
                 getattr(e.run_batch, m).copy_(getattr(e.batch, m))
-        elif sig != e.signature:
+            st.planner.bind(e.run_batch, md)
+            return md
+        if not e.settled:  # the capture is complete: freeze what its run planned lazily
+            e.signature = metadata_signature(e.captured, dev)
+            e.described = describe_signature(e.captured, dev)
+            e.settled = True  # e.captured stays: it holds what the graph reads
+        if sig != e.signature:
             diffs = diff_signatures(e.described, describe_signature(md, dev))
             raise GraphMetadataMismatch(
                 f"planner {st.planner.name!r} planned metadata for {e.mode.name} bs={e.bs} that "

@@ -5,7 +5,11 @@ its freshly planned metadata has exactly the same ones; only tensor *contents* m
 Every tensor on the backend's device is compared by address, on the CPU too (a no-capture
 CPU run checks the very addresses a graph would bake in); host mirrors (attrs fields named
 ``*_cpu``, and tensors on another device than the backend's) are compared by shape and dtype
-only, since a graph never reads them.
+only, since a graph never reads them. The step's kernel plans
+(:class:`~aiter_attn.kernels.base.StepPlans` on ``AttnMetadata.kernel_plans``) are walked
+like the metadata: every :class:`~aiter_attn.kernels.base.KernelPlan` is an attrs class, so
+its device tensors (split workspaces, counters, folded masks) are compared by address, its
+launch configuration by value; a kernel plan that allocates under ``out=`` is caught too.
 :func:`metadata_signature` records them (walking attrs values, mappings and sequences);
 :func:`diff_signatures` names every field that moved. The manager checks this on every replay,
 so a strategy that allocates, resizes or computes a host size from the batch under ``out=``
@@ -21,12 +25,17 @@ from typing import Any, Optional
 import attrs
 import torch
 
-__all__ = ["GraphMetadataMismatch", "metadata_signature", "describe_signature", "diff_signatures"]
+__all__ = ["SIGNATURE_KEY", "GraphMetadataMismatch", "metadata_signature", "describe_signature", "diff_signatures"]
 
 
 class GraphMetadataMismatch(RuntimeError):
     """A replay planned metadata that differs (addresses, shapes, host values) from capture."""
 
+
+#: attrs field metadata key: ``{SIGNATURE_KEY: False}`` leaves a field out of the signature
+#: (a memo a run fills lazily, e.g. a kernel plan's per-flag constexpr cache; never anything
+#: a graph reads).
+SIGNATURE_KEY = "graph_signature"
 
 _SCALARS = (bool, int, float, str, enum.Enum, torch.dtype, type(None))
 
@@ -51,11 +60,30 @@ def _is_mirror(name: str) -> bool:
     return name.endswith("_cpu")
 
 
+def _step_plans():
+    global _STEP_PLANS
+    if _STEP_PLANS is None:
+        from ..kernels.base import StepPlans
+
+        _STEP_PLANS = StepPlans
+    return _STEP_PLANS
+
+
+_STEP_PLANS = None
+
+
 def _walk(x: Any, path: str, out: dict, device) -> None:
     if isinstance(x, torch.Tensor):
         out[path] = _frozen(x, device)
+    elif isinstance(x, _step_plans()):  # the step's kernel plans, in planning order
+        plans = x.frozen_plans()
+        for i, plan in enumerate(plans):
+            _walk(plan, f"{path}[{i}:{type(plan).__qualname__}]", out, device)
+        out[f"{path}.__len__"] = len(plans)
     elif attrs.has(type(x)):
         for f in attrs.fields(type(x)):
+            if not f.metadata.get(SIGNATURE_KEY, True):
+                continue
             v = getattr(x, f.name)
             if isinstance(v, torch.Tensor) and _is_mirror(f.name):
                 out[f"{path}.{f.name}"] = _host(v)
@@ -78,6 +106,12 @@ def _fast(x: Any, out: list, device) -> None:
     """The values of :func:`_walk` in the same order, without building paths (hot path)."""
     if isinstance(x, torch.Tensor):
         out.append(_frozen(x, device))
+    elif isinstance(x, _step_plans()):
+        plans = x.frozen_plans()
+        out.append(len(plans))
+        for plan in plans:
+            out.append(type(plan))
+            _fast(plan, out, device)
     elif attrs.has(type(x)):
         for name in _field_names(type(x)):
             v = getattr(x, name)
@@ -105,7 +139,8 @@ _FIELDS: dict = {}
 def _field_names(cls) -> tuple:
     names = _FIELDS.get(cls)
     if names is None:
-        names = _FIELDS[cls] = tuple(f.name for f in attrs.fields(cls))
+        names = _FIELDS[cls] = tuple(f.name for f in attrs.fields(cls)
+                                     if f.metadata.get(SIGNATURE_KEY, True))
     return names
 
 

@@ -35,15 +35,20 @@ __all__ = [
     "KernelPlan",
     "AttentionKernel",
     "FunctionKernel",
+    "MLAKernel",
+    "MLAFunctionKernel",
+    "mla_layer_params",
     "StepPlans",
+    "MEMO",
     "ATTENTION_OPS",
     "mask_literal",
     "plan_hints",
 ]
 
-#: Ops whose implementations are attention kernels (``run(q, (k_cache, v_cache), plan,
-#: params, out)``); every other op stays a plain function.
-ATTENTION_OPS = frozenset({"paged_attention", "paged_attention_5d"})
+#: Ops whose implementations are attention kernels (``run(q, cache, plan, params, out)``;
+#: ``cache`` is ``(k_cache, v_cache)``, or ``(kv_cache,)`` for ``mla_paged_attention``);
+#: every other op stays a plain function.
+ATTENTION_OPS = frozenset({"paged_attention", "paged_attention_5d", "mla_paged_attention"})
 
 
 def _scale_tensor(value, device) -> torch.Tensor:
@@ -160,6 +165,11 @@ class LayerParams:
         return attrs.evolve(self, sinks=unit_stride(sinks))
 
 
+#: attrs field metadata of a kernel plan's memo (filled lazily by ``run``, never read by a
+#: graph): left out of the CUDA-graph replay signature. ``attrs.field(metadata=MEMO)``.
+MEMO = {"graph_signature": False}
+
+
 @attrs.frozen(kw_only=True)
 class KernelPlan:
     """The base of every kernel's per-step plan (frozen). Kernels subclass it.
@@ -176,11 +186,17 @@ class KernelPlan:
 
 
 class StepPlans:
-    """One step's kernel plans by layer-group key (an opaque holder on
-    :class:`~aiter_attn.metadata.AttnMetadata`; the graph signature does not walk it).
+    """One step's kernel plans by layer-group key (on
+    :class:`~aiter_attn.metadata.AttnMetadata`).
+
+    The graph signature (:mod:`aiter_attn.graph.signature`) walks :meth:`frozen_plans`: each
+    plan's device tensors are compared by address between capture and replay, so a kernel
+    whose plan allocates under ``out=`` (instead of placing its tensors in the static
+    buffers) raises :class:`~aiter_attn.graph.GraphMetadataMismatch` at the first replay.
 
     Attributes:
-        out: the static buffer dict under CUDA graphs, else ``None`` (eager).
+        out: the static buffer dict under CUDA graphs (the kernels' plans place their
+            tensors in it), else ``None`` (eager).
         batch: the batch the step's metadata was planned for.
     """
 
@@ -199,6 +215,10 @@ class StepPlans:
 
     def __len__(self):
         return len(self.plans)
+
+    def frozen_plans(self) -> list:
+        """The plans in planning order (what a captured graph reads of them)."""
+        return list(self.plans.values())
 
 
 class AttentionKernel:
@@ -369,7 +389,71 @@ class FunctionKernel(AttentionKernel):
         return {}
 
 
+def mla_layer_params(*, scale, device, kv_lora_rank: int, num_q_heads: int = 0,
+                     head_dim: int = 0, kv_scale=None, fp8: bool = False,
+                     causal: bool = True) -> LayerParams:
+    """The :class:`LayerParams` of an absorbed-MLA layer: one latent KV head, values its first
+    ``kv_lora_rank`` dims (``v_head_dim``), ``kv_scale`` the fp8 dequantisation scale of keys
+    and values alike (``k_scale``/``v_scale``; dropped unless ``fp8``)."""
+    return LayerParams.create(scale=scale, device=device, causal=causal, k_scale=kv_scale,
+                              v_scale=kv_scale, fp8=fp8, num_q_heads=num_q_heads,
+                              num_kv_heads=1, head_dim=head_dim, v_head_dim=kv_lora_rank)
+
+
+class MLAKernel(AttentionKernel):
+    """Base of ``mla_paged_attention`` kernel objects (absorbed MLA over a latent cache).
+
+    The plan/run shape of :class:`AttentionKernel`, with ``cache = (kv_cache,)``: kv_cache
+    ``[pages, page_size, 1, kv_lora_rank + rope]``; q ``[T, H, kv_lora_rank + rope]``; out
+    ``[T, H, kv_lora_rank]``; ``params`` from :func:`mla_layer_params` (``params.k_scale`` /
+    ``k_scale_t`` is the latent cache's fp8 scale, ``params.v_head_dim`` the ``kv_lora_rank``).
+    ``__call__`` is the op's functional keyword convention (that of
+    :func:`aiter_attn.kernels.reference.mla_paged_attention_reference`).
+    """
+
+    op = "mla_paged_attention"
+
+    def __call__(self, q, kv_cache, out, *, kv_lora_rank, cu_seqlens_q, seqused_k, block_table,
+                 softmax_scale, causal=True, kv_scale=None, custom_mask=None, mask_indptr=None,
+                 max_seqlen_q=None, max_seqlen_k=None, lse=None, batch_invariant=False):
+        """One functional call: plan from the arguments, run."""
+        from ..types import FP8_DTYPES
+
+        md = _adhoc_metadata(q, kv_cache, cu_seqlens_q, seqused_k, block_table, custom_mask,
+                             mask_indptr, max_seqlen_q, max_seqlen_k, self.op)
+        params = mla_layer_params(scale=softmax_scale, device=q.device,
+                                  kv_lora_rank=kv_lora_rank, num_q_heads=q.shape[1],
+                                  head_dim=q.shape[2], kv_scale=kv_scale,
+                                  fp8=kv_cache.dtype in FP8_DTYPES, causal=causal)
+        return self.run(q, (kv_cache,), self.plan(md), params, out, lse=lse)
+
+
+class MLAFunctionKernel(FunctionKernel):
+    """:class:`FunctionKernel` for ``mla_paged_attention``: run makes the MLA keyword call
+    (``fn(q, kv_cache, out, kv_lora_rank=…, …)``)."""
+
+    op = "mla_paged_attention"
+
+    def run(self, q, cache, plan, params, out, lse=None):
+        extra = {} if lse is None else {"lse": lse}
+        extra.update(self._flags())
+        return type(self).fn(
+            q, cache[0], out, kv_lora_rank=out.shape[-1],
+            cu_seqlens_q=plan.cu_seqlens_q, seqused_k=plan.seqused_k,
+            block_table=plan.block_table, softmax_scale=params.scale,
+            causal=params.causal and not plan.mask_literal,
+            kv_scale=params.k_scale if params.has_scales else None,
+            custom_mask=plan.custom_mask, mask_indptr=plan.mask_indptr,
+            max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k, **extra)
+
+    def __call__(self, *args, **kwargs):
+        flags = {k: v for k, v in self._flags().items() if k not in kwargs}
+        return type(self).fn(*args, **kwargs, **flags)
+
+
 def function_kernel(fn, op: str) -> type:
-    """A :class:`FunctionKernel` subclass around ``fn`` (one per registration)."""
-    return type(f"FunctionKernel[{getattr(fn, '__name__', 'fn')}]", (FunctionKernel,),
+    """A :class:`FunctionKernel` subclass around ``fn`` (one per registration;
+    :class:`MLAFunctionKernel` for ``mla_paged_attention``)."""
+    base = MLAFunctionKernel if op == "mla_paged_attention" else FunctionKernel
+    return type(f"{base.__name__}[{getattr(fn, '__name__', 'fn')}]", (base,),
                 {"fn": staticmethod(fn), "op": op})

@@ -64,10 +64,10 @@ def aiter_attn_register_kernels(register):
         build_ragged_kv_indices,
     )
     from .kv_write import write_kv, write_kv_5d, write_kv_translated
-    from .mla import mla_paged_attention
+    from .mla import TritonMLA
 
-    register(
-        "mla_paged_attention", "triton", mla_paged_attention,
+    register(  # plan/run kernel object (kernels/triton/mla.py)
+        "mla_paged_attention", "triton", TritonMLA,
         Capabilities(devices=TRITON_DEVICES, dtypes=_FLOAT_DTYPES, max_head_dim=1024,
                      features={"fp8", "custom_mask", "lse", "batch_invariant"}, cg_support=CGSupport.ALWAYS),
         priority=triton_priority(),

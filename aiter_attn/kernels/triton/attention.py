@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ...types import FP8_DTYPES
 from ...validation import unit_stride
-from ..base import AttentionKernel, KernelPlan, mask_literal, plan_hints
+from ..base import MEMO, AttentionKernel, KernelPlan, mask_literal, plan_hints
 from ._kvutil import next_pow2
 from ._launch_config import _cdiv, choose_config
 from .paged_attention import (_TL_DTYPES, _UNBOUNDED, _paged_attn_kernel,
@@ -74,7 +74,7 @@ class TritonPlan(KernelPlan):
     counters: Optional[torch.Tensor] = attrs.field(default=None, **_T)
     dv_pad: int = 16
     cfg_kw: dict = attrs.field(factory=dict, **_T)
-    kw_cache: dict = attrs.field(factory=dict, **_T)
+    kw_cache: dict = attrs.field(factory=dict, metadata=MEMO, **_T)
 
 
 class TritonPagedAttention(AttentionKernel):
