@@ -197,6 +197,13 @@ class AttentionBackend:
         return 1
 
     # -- CUDA graphs: delegated to aiter_attn.graph.CudaGraphManager --------------------
+    def graph_source(self):
+        """The :class:`~aiter_attn.graph.sources.BackendSource` a
+        :class:`~aiter_attn.graph.CudaGraphManager` plans through."""
+        from .graph.sources import BackendSource
+
+        return BackendSource(self)
+
     def graph_support(self, mode):
         """A cell's CUDA-graph support: the weaker of its strategy pair's and its bound
         kernels' (the pair's alone until a layer has bound a kernel)."""

@@ -267,6 +267,12 @@ class BackendConfig:
             (fixed tiles and split sizes, fixed-order reductions, no atomics); only kernels
             declaring the ``batch_invariant`` feature are selected. Costs speed
             (docs/modes.md).
+        cascade_min_shared_tokens: cascade (shared-prefix) attention on the MHA and SWA
+            cells (causal layers without a tree mask): runs of consecutive requests whose
+            page tables start with the same page ids over at least this many tokens (rounded
+            up to whole pages) read those pages once for all of the run's queries, merged by
+            LSE with each request's own pages (docs/modes.md). ``None`` or 0 disables it.
+            The grouping is planned on the device per step (no sync, CUDA-graph safe).
     """
 
     page_size: int = attrs.field(default=1, validator=_positive)
@@ -282,10 +288,17 @@ class BackendConfig:
     swa_window: Optional[int] = None
     debug_checks: bool = False
     batch_invariant: bool = False
+    cascade_min_shared_tokens: Optional[int] = None
 
     def __attrs_post_init__(self):
         if self.kv_cache_dtype is None:
             object.__setattr__(self, "kv_cache_dtype", self.dtype)
+        c = self.cascade_min_shared_tokens
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 0):
+            raise ValueError(
+                f"cascade_min_shared_tokens={c!r}; expected None (off), 0 (off) or a positive "
+                "int: the least tokens of identical leading pages a run of requests must "
+                "share for cascade attention, e.g. 1024.")
 
     @property
     def max_pages_per_request(self) -> int:

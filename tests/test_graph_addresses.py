@@ -61,8 +61,8 @@ def test_cpu_signature_ignores_host_mirrors():
 def _pointers(mgr, ms) -> dict:
     """Address of every device tensor the captured plan of the step backends reads."""
     out = {}
-    for i, be in enumerate(ms.attn_backends):
-        sig = describe_signature(be.forward_metadata, mgr.source.device)
+    for i, md in enumerate(ms.step_metadata):
+        sig = describe_signature(md, mgr.source.device)
         out.update({f"step{i}{k}": v[1] for k, v in sig.items()
                     if isinstance(v, tuple) and v[0] == "tensor"})
     return out
@@ -247,9 +247,8 @@ def test_multistep_kernel_plans_live_in_static_buffers(arch, page):
             fn(batch, inputs)
         else:
             out = [o.clone() for o in mgr.replay(batch, **inputs)]
-            for i, be in enumerate(ms.attn_backends):
-                assert _workspaces(be.forward_metadata) == [want[i]] * len(
-                    be.forward_metadata.kernel_plans), f"step {i}"
+            for i, md in enumerate(ms.step_metadata):
+                assert _workspaces(md) == [want[i]] * len(md.kernel_plans), f"step {i}"
             ms.init_forward_metadata(batch)
             for j, (g, e) in enumerate(zip(out, fn(batch, inputs))):
                 assert torch.equal(g, e), f"layer {j}: replay ≠ eager"
@@ -361,8 +360,8 @@ def test_multistep_triton_split_workspaces_stay_put(arch, monkeypatch):
         else:
             out = [o.clone() for o in mgr.replay(batch, **inputs)]
             ptrs = []
-            for be in ms.attn_backends:
-                for p in be.forward_metadata.kernel_plans.plans.values():
+            for md in ms.step_metadata:
+                for p in md.kernel_plans.plans.values():
                     assert p.split and p.part_acc.data_ptr() in bufs
                     ptrs.append((p.part_acc.data_ptr(), p.part_ml.data_ptr()))
             assert captured is None or ptrs == captured

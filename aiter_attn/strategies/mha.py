@@ -20,6 +20,7 @@ from ..kernels.registry import KernelRequest
 from ..registry import Cell, register_cells
 from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
 from .base import BufferSpec, ExecutionStrategy, MetadataStrategy
+from .cascade import CascadeExecutionMixin
 from .common import attend_layer
 
 __all__ = ["PagedMetadata", "DecodeMetadata", "ExtendMetadata", "PagedExecution",
@@ -120,8 +121,10 @@ def write_kv_request(k_cache: torch.Tensor, k: torch.Tensor) -> KernelRequest:
     )
 
 
-class PagedExecution(ExecutionStrategy):
-    """Write K/V into the NHD pool, then one ``paged_attention`` call.
+class PagedExecution(CascadeExecutionMixin, ExecutionStrategy):
+    """Write K/V into the NHD pool, then one ``paged_attention`` call (cascade attention
+    over shared prefix pages when ``BackendConfig.cascade_min_shared_tokens`` is set:
+    :mod:`aiter_attn.strategies.cascade`).
 
     A planned custom mask (tree verify) is applied literally: the kernel runs non-causal and
     the mask alone says which keys each query sees (the same convention as MLA and the seed);

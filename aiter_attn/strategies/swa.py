@@ -39,6 +39,7 @@ from ..ops import paged_attention_request
 from ..registry import Cell, register_cells
 from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
 from .base import BufferSpec, ExecutionStrategy
+from .cascade import CascadeExecutionMixin
 from .common import (attend, attend_layer, effective_causal, effective_window, require_pool,
                      window_tree_mask)
 from .mha import DecodeMetadata, ExtendMetadata, plan_page_table
@@ -165,10 +166,12 @@ class SWADraftDecodeStepMetadata(SWATablesMixin, DraftDecodeStepMetadata):
     static buffers (``step{i}.swa_block_table``) under CUDA graphs, a fresh table when eager."""
 
 
-class SWAExecution(ExecutionStrategy):
+class SWAExecution(CascadeExecutionMixin, ExecutionStrategy):
     """Per layer: write K/V into the pool that holds it (SWA layers through op
     ``write_kv_swa``, which translates ``out_cache_loc`` full→SWA in the write), then one
-    ``paged_attention`` over that pool's page table."""
+    ``paged_attention`` over that pool's page table (cascade attention over shared prefix
+    pages when ``BackendConfig.cascade_min_shared_tokens`` is set; an SWA layer groups from
+    its own table, so a run ends at a shared page whose SWA copy was freed)."""
 
     def __init__(self, ctx):
         super().__init__(ctx)
