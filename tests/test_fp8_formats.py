@@ -1,5 +1,7 @@
 """KV formats beyond fp8 e4m3 with one scale per layer (issue 16, item 4): fp8 **e5m2** caches on
-the MHA and SWA paths (pools, quantising writes, attention reads; reference and Triton).
+the MHA and SWA paths (pools, quantising writes, attention reads; reference and Triton; the 5-D
+and MLA kernels too), and **per-(token, head) scales** (``kv_scale_granularity=
+"per_token_head"``, :mod:`aiter_attn.kv_scales`) on the MHA and SWA paths.
 
 Every attention check compares with the float64 dense oracle over the *dequantised* cache
 (``stored · scale``), on random data in block-permuted pools whose null page 0 is full of noise,
@@ -142,6 +144,46 @@ def test_e5m2_triton_split_kv(monkeypatch):
                                  for k, v in kw.items()})
     assert_close_rel(out, _oracle(q, [1, 1, 2], dense, kw["softmax_scale"]),
                      RTOL[torch.float16], "triton e5m2 split-KV")
+
+
+@requires_triton
+@pytest.mark.parametrize("kernel", ["reference", "triton"])
+def test_e5m2_5d_layout(kernel):
+    """The 5-D vectorised layout (x = 16 one-byte elements per vector) on an e5m2 cache, both
+    value layouts, against the oracle over the dequantised cache."""
+    from aiter_attn.kernels.reference_5d import paged_attention_5d_reference
+
+    from .test_triton_5d import _run_5d
+    from .test_triton_paged_attention import Case
+
+    case = Case([1, 6], [90, 40], hq=10, hkv=2, d=80, page=16, dtype=torch.float16,
+                kv_dtype=E5M2, k_scale=0.05, v_scale=0.25, seed=11)
+    scales = dict(k_scale=torch.tensor([0.05], device=case.device),
+                  v_scale=torch.tensor([0.25], device=case.device))
+    for shuffled in (True, False):
+        out = _run_5d(case, v_shuffled=shuffled,
+                      kernel=paged_attention_5d_reference if kernel == "reference" else None,
+                      **(scales if kernel == "triton" else {k: v.cpu() for k, v in scales.items()}))
+        assert_close_rel(out, case.expected(), RTOL[torch.float16],
+                         f"5-D e5m2 {kernel} shuffled={shuffled}")
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_e5m2_mla_latent_cache(dtype):
+    """MLA's latent cache in e5m2 (absorbed form): Triton and the reference against the
+    oracle over the dequantised latent, decode and verify rows, 64-token pages."""
+    from aiter_attn.kernels.reference import mla_paged_attention_reference
+
+    from .test_triton_mla import RTOL as MLA_RTOL
+    from .test_triton_mla import MLACase
+
+    case = MLACase([1, 3, 1], [70, 21, 130], page=64, dtype=dtype, kv_dtype=E5M2,
+                   kv_scale=0.05, seed=9)
+    assert_close_rel(case.run(), case.expected(), MLA_RTOL[dtype], "triton MLA e5m2")
+    ref = torch.empty(case.q.shape[0], case.heads, case.rank, dtype=dtype)
+    mla_paged_attention_reference(case.q, case.kv_cache, ref, **case.kwargs("cpu"))
+    assert_close_rel(ref, case.expected(), MLA_RTOL[dtype], "reference MLA e5m2")
 
 
 # ----------------------------------------------------------------------------- backend
@@ -473,6 +515,37 @@ def test_token_head_scales_are_applied():
     kw["v_scale_cache"][page, 1, 0] *= 2
     paged_attention_reference(q, kc, vc, again, **kw)
     assert not torch.allclose(out, again)
+
+
+@requires_triton
+def test_token_head_batch_invariant_triton():
+    """Batch-invariant launches (fixed splits, ordered reduction) with per-token scales: the
+    oracle's result, and a request's bits do not depend on the rest of the batch."""
+    q, kc, vc, kw, dense = _token_case([1, 1, 4], [700, 9, 77], fp8=E4M3, hq=10, hkv=2, d=80,
+                                       page=48, dtype=torch.float32, layer=(0.5, 2.0), seed=4)
+    dev = DEVICE
+    args = {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in kw.items()}
+    out = torch.empty(q.shape[0], 10, 80, device=dev)
+    fn = _attn_fn("triton")
+    fn(q.to(dev), kc.to(dev), vc.to(dev), out, batch_invariant=True, **args)
+    assert_close_rel(out, _oracle(q, [1, 1, 4], dense, kw["softmax_scale"]), 1e-5, "batch inv.")
+    alone = torch.empty(1, 10, 80, device=dev)
+    one = dict(args, cu_seqlens_q=args["cu_seqlens_q"][:2], seqused_k=args["seqused_k"][:1],
+               block_table=args["block_table"][:1])
+    fn(q[:1].to(dev), kc.to(dev), vc.to(dev), alone, batch_invariant=True, **one)
+    assert torch.equal(alone[0], out[0])
+
+
+def test_token_head_debug_checks_backend():
+    """The checked mode (``debug_checks=True``) wraps the per-token writes and attention and
+    passes the scale buffers through."""
+    cfg = BackendConfig(page_size=4, max_context_len=64, dtype=torch.float32,
+                        kv_cache_dtype=E4M3, kv_scale_granularity="per_token_head",
+                        debug_checks=True)
+    layer = LayerSpec(layer_id=0, num_q_heads=4, num_kv_heads=2, head_dim=16)
+    sc = _token_mha_scenario(cfg, [layer], [5, 0], seed=2)
+    be = AttentionBackend(cfg, sc.req_pool, sc.kv_pool)
+    _token_steps(sc, be, [layer], torch.float32, [("extend", [3, 4]), ("decode", [1, 1])])
 
 
 # ----------------------------------------------------------------------------- backend
