@@ -10,7 +10,7 @@ import torch
 
 from ..types import AttnArch, ForwardMode
 
-__all__ = ["add_parser", "collect_info", "mode_arch_table", "table_markdown"]
+__all__ = ["add_parser", "collect_info", "mode_arch_table", "table_markdown", "CASCADE_NOTE"]
 
 
 def _kernel_for_cell(kernels, pair, mode, cfg, device: str, dtype: torch.dtype):
@@ -114,6 +114,7 @@ def collect_info() -> dict:
         "kernels": kernels,
         "table": mode_arch_table(),
         "engine_steps": ENGINE_STEPS_NOTE,
+        "cascade": CASCADE_NOTE,
     }
 
 
@@ -124,6 +125,16 @@ ENGINE_STEPS_NOTE = (
     "EXTEND forward whose decoding requests are extend rows of query length 1, so one "
     "attention launch per layer (`EngineConfig(mixed_steps=False)`, speculative decoding "
     "and batch-invariant mode run a DECODE forward and an EXTEND forward instead).")
+
+
+#: Cascade attention (issue 16): where it applies and how it is turned on.
+CASCADE_NOTE = (
+    "Cascade attention (`BackendConfig(cascade_min_shared_tokens=N)`, off by default): on "
+    "the MHA and SWA cells whose layers are causal without a tree mask (every row above but "
+    "tree verify), runs of consecutive requests whose page tables start with the same pages "
+    "over ≥ N tokens read those pages once per run, merged by LSE with each request's own "
+    "pages; grouped on the device every step (no sync), CUDA-graph capturable with the "
+    "Triton kernels (eager-only over the reference).")
 
 
 def _print_text(info: dict) -> None:
@@ -147,6 +158,7 @@ def _print_text(info: dict) -> None:
         else:
             print(f"  {r['mode']:<20} {r['arch']:<6} {'-':<24} {'-':<14} {r['why']}")
     print(f"\n{info['engine_steps']}")
+    print(f"\n{info['cascade']}")
 
 
 def table_markdown(rows: list[dict]) -> str:
@@ -159,7 +171,7 @@ def table_markdown(rows: list[dict]) -> str:
                          f"{r['kernel']} |")
         else:
             lines.append(f"| {r['mode']} | {r['arch']} | — | — | {r['why']} |")
-    lines += ["", ENGINE_STEPS_NOTE]
+    lines += ["", ENGINE_STEPS_NOTE, "", CASCADE_NOTE]
     return "\n".join(lines) + "\n"
 
 
