@@ -14,6 +14,7 @@ import torch
 
 from .batch import ForwardBatch
 from .kernels.registry import CheckedRegistry
+from .kv_scales import check_pool_format
 from .metadata import AttnMetadata
 from .registry import StrategyPair
 from .strategies.base import StrategyContext
@@ -108,6 +109,7 @@ class AttentionBackend:
                 f"kv_pool {type(kv_pool).__name__} has page_size={pool_page} but "
                 f"BackendConfig.page_size={config.page_size} (default 1); build both with the "
                 f"same page size, e.g. BackendConfig(page_size={pool_page}, ...).")
+        check_pool_format(config, kv_pool)  # where the per-(token, head) scales live
         self.config = config
         self.strategies = strategies if strategies is not None else plugins.strategy_registry()
         kernels = kernels if kernels is not None else plugins.kernel_registry()

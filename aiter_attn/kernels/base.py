@@ -73,6 +73,9 @@ class LayerParams:
         k_scale_t / v_scale_t: the same as 1-element float32 device tensors (made once).
         has_scales: the cache is fp8: kernels apply the scales (never on other caches).
         num_q_heads, num_kv_heads, head_dim, v_head_dim: the layer's shape on this rank.
+        k_scale_cache / v_scale_cache: per-(token, head) scales of the layer's fp8 cache,
+            float32 ``[pages, page_size, kv_heads]`` (the pool's buffers, fixed addresses), or
+            ``None``; applied on top of the layer scales (:mod:`aiter_attn.kv_scales`).
     """
 
     scale: float
@@ -89,15 +92,37 @@ class LayerParams:
     num_kv_heads: int = 0
     head_dim: int = 0
     v_head_dim: int = 0
+    k_scale_cache: Optional[torch.Tensor] = attrs.field(default=None, eq=False, repr=False)
+    v_scale_cache: Optional[torch.Tensor] = attrs.field(default=None, eq=False, repr=False)
+
+    @property
+    def token_scales(self) -> bool:
+        """Per-(token, head) scale caches are attached."""
+        return self.k_scale_cache is not None
+
+    def scale_cache_kwargs(self) -> dict:
+        """``{"k_scale_cache": …, "v_scale_cache": …}`` when attached, else ``{}`` (functions
+        that do not declare the feature never see the keywords)."""
+        if self.k_scale_cache is None:
+            return {}
+        return {"k_scale_cache": self.k_scale_cache, "v_scale_cache": self.v_scale_cache}
 
     @classmethod
     def create(cls, *, scale, device, window=(-1, -1), softcap=0.0, causal=True, sinks=None,
                k_scale=None, v_scale=None, fp8=False, num_q_heads=0, num_kv_heads=0,
-               head_dim=0, v_head_dim=0) -> "LayerParams":
+               head_dim=0, v_head_dim=0, k_scale_cache=None,
+               v_scale_cache=None) -> "LayerParams":
         """Normalise the constants once: floats, tuples, device scale tensors (k/v scales
         must be single numbers), sinks with unit stride (the kernels index them so). k/v
         scales dequantise fp8 caches only (:func:`aiter_attn.types.kv_dequant_scales`): with
-        ``fp8=False`` they are dropped."""
+        ``fp8=False`` they are dropped. ``k_scale_cache``/``v_scale_cache``: per-(token,
+        head) scales (fp8 only: refused on other caches, where nothing is quantised)."""
+        if (k_scale_cache is not None or v_scale_cache is not None) and not fp8:
+            raise ValueError(
+                "k_scale_cache/v_scale_cache given for a cache that is not fp8: per-(token, "
+                "head) scales dequantise fp8 caches only.")
+        if (k_scale_cache is None) != (v_scale_cache is None):
+            raise ValueError("k_scale_cache and v_scale_cache go together; pass both or neither.")
         check_scale("k_scale", k_scale)
         check_scale("v_scale", v_scale)
         sinks = unit_stride(sinks)
@@ -114,14 +139,17 @@ class LayerParams:
             k_scale_t=_scale_tensor(ks, device) if has_scales else None,
             v_scale_t=_scale_tensor(vs, device) if has_scales else None,
             has_scales=has_scales, num_q_heads=int(num_q_heads),
-            num_kv_heads=int(num_kv_heads), head_dim=int(head_dim), v_head_dim=int(v_head_dim))
+            num_kv_heads=int(num_kv_heads), head_dim=int(head_dim), v_head_dim=int(v_head_dim),
+            k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
 
     @classmethod
     def from_spec(cls, layer, device, *, fp8: bool = False, sinks=None, window=None,
-                  causal=None) -> "LayerParams":
+                  causal=None, kv_scales=None) -> "LayerParams":
         """The params of a :class:`~aiter_attn.types.LayerSpec` (``sinks``/``window``/
         ``causal`` override the spec's: a strategy folding a window into a tree mask passes
-        ``window=(-1, -1)``)."""
+        ``window=(-1, -1)``; ``kv_scales``: the pool's per-(token, head) ``(k_scales,
+        v_scales)`` of the layer, or ``None``)."""
+        ksc, vsc = kv_scales if kv_scales is not None else (None, None)
         return cls.create(
             scale=layer.scaling, device=device,
             window=layer.window_size() if window is None else window,
@@ -130,7 +158,8 @@ class LayerParams:
             sinks=layer.sinks if sinks is None else sinks,
             k_scale=layer.k_scale, v_scale=layer.v_scale, fp8=fp8,
             num_q_heads=layer.num_q_heads, num_kv_heads=layer.num_kv_heads,
-            head_dim=layer.head_dim, v_head_dim=layer.v_head_dim)
+            head_dim=layer.head_dim, v_head_dim=layer.v_head_dim, k_scale_cache=ksc,
+            v_scale_cache=vsc)
 
     def with_sinks(self, sinks) -> "LayerParams":
         return attrs.evolve(self, sinks=unit_stride(sinks))
@@ -238,16 +267,22 @@ class AttentionKernel:
     def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seqused_k, block_table,
                  softmax_scale, causal=True, window_size=(-1, -1), softcap=0.0, sinks=None,
                  k_scale=None, v_scale=None, custom_mask=None, mask_indptr=None,
-                 max_seqlen_q=None, max_seqlen_k=None, lse=None):
-        """The functional keyword convention (one-off calls): plan from the arguments, run."""
+                 max_seqlen_q=None, max_seqlen_k=None, lse=None, k_scale_cache=None,
+                 v_scale_cache=None):
+        """The functional keyword convention (one-off calls): plan from the arguments, run.
+        ``k_scale_cache``/``v_scale_cache``: per-(token, head) scales (kernels declaring the
+        ``kv_scale_per_token_head`` feature; checked here)."""
         md = _adhoc_metadata(q, k_cache, cu_seqlens_q, seqused_k, block_table, custom_mask,
                              mask_indptr, max_seqlen_q, max_seqlen_k, self.op)
+        from ..kv_scales import check_token_scale_caches
         from ..types import FP8_DTYPES
 
+        check_token_scale_caches(k_cache, v_cache, k_scale_cache, v_scale_cache)
         params = LayerParams.create(
             scale=softmax_scale, device=q.device, window=window_size, softcap=softcap,
             causal=causal, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-            fp8=k_cache.dtype in FP8_DTYPES)
+            fp8=k_cache.dtype in FP8_DTYPES, k_scale_cache=k_scale_cache,
+            v_scale_cache=v_scale_cache)
         return self.run(q, (k_cache, v_cache), self.plan(md), params, out, lse=lse)
 
 
@@ -332,6 +367,7 @@ class FunctionKernel(AttentionKernel):
         causal = params.causal and not plan.mask_literal
         extra = {} if lse is None else {"lse": lse}  # functions without the feature lack it
         extra.update(self._flags())
+        extra.update(params.scale_cache_kwargs())
         return type(self).fn(
             q, k_cache, v_cache, out,
             cu_seqlens_q=plan.cu_seqlens_q, seqused_k=plan.seqused_k,

@@ -263,10 +263,11 @@ class TritonPagedAttention(AttentionKernel):
 
     @staticmethod
     def _kw(plan: TritonPlan, key):
-        causal, softcap, sinks, scales, (kx, vx), write_lse = key
+        causal, softcap, sinks, scales, (kx, vx), write_lse, token_scales = key
         kw = dict(plan.cfg_kw)
         kw.update(CAUSAL=causal and not plan.mask_literal, HAS_SOFTCAP=softcap, HAS_SINKS=sinks,
-                  HAS_SCALES=scales, KX=kx, VX=vx, WRITE_LSE=write_lse)
+                  HAS_SCALES=scales, KX=kx, VX=vx, WRITE_LSE=write_lse,
+                  TOKEN_SCALES=token_scales)
         plan.kw_cache[key] = kw
         return kw
 
@@ -279,8 +280,13 @@ class TritonPagedAttention(AttentionKernel):
             layout = self._layouts[key] = self._layout(k_cache, v_cache)
         k_strides, v_strides, kx, vx = layout
         write_lse = lse is not None
+        ksc = params.k_scale_cache
+        token_scales = ksc is not None
+        if token_scales and (kx, vx) != (1, 1):
+            raise ValueError(f"{self.name}: per-(token, head) scales are served on NHD pages "
+                             "only (op paged_attention), not the 5-D layout.")
         key = (params.causal, params.softcap > 0, params.sinks is not None, params.has_scales,
-               (kx, vx), write_lse)
+               (kx, vx), write_lse, token_scales)
         kw = plan.kw_cache.get(key)
         if kw is None:
             kw = self._kw(plan, key)
@@ -293,6 +299,10 @@ class TritonPagedAttention(AttentionKernel):
         sinks = params.sinks if params.sinks is not None else cu
         ks_t = params.k_scale_t if params.has_scales else cu
         vs_t = params.v_scale_t if params.has_scales else cu
+        if token_scales:
+            ksc_t, vsc_t, sstr = ksc, params.v_scale_cache, ksc.stride()
+        else:
+            ksc_t, vsc_t, sstr = cu, cu, (0, 0, 0)
         mask_t, mask_ip = plan.mask if plan.mask is not None else (cu, cu)
         w = params.window
         left = w[0] if w[0] >= 0 else _UNBOUNDED
@@ -306,10 +316,9 @@ class TritonPagedAttention(AttentionKernel):
             lse_t, ls = out, (0, 0)
         counters = plan.counters if plan.counters is not None else cu
         args = (q, k_cache, v_cache, out, part_acc, part_ml, lse_t, counters, *plan.args, sinks,
-                ks_t,
-                vs_t, mask_t, mask_ip, params.scale, params.softcap, left, right, *plan.ints,
-                qs[0], qs[1], *k_strides, *v_strides, os_[0], os_[1], plan.bt_stride,
-                *plan.part_strides, ls[0], ls[1])
+                ks_t, vs_t, ksc_t, vsc_t, mask_t, mask_ip, params.scale, params.softcap, left,
+                right, *plan.ints, qs[0], qs[1], *k_strides, *v_strides, *sstr, os_[0], os_[1],
+                plan.bt_stride, *plan.part_strides, ls[0], ls[1])
         return args, kw
 
     def _reduce(self, plan: TritonPlan, params, out, args, kw, lse):
