@@ -18,7 +18,18 @@ from aiter_attn.types import CGSupport
 
 from ._triton_util import DEVICE, requires_triton
 from .test_mla import MLAScenario, _check
-from .test_plan_run import _Allocations
+from .test_plan_run import _Allocations as _AllocSpy
+
+
+class _Allocations(_AllocSpy):
+    """test_plan_run's allocation spy; in-place ops (``copy_.default``: the overload name
+    follows the op's) write into existing storage and are not allocations."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        base = func.__name__.split(".")[0]
+        if base.endswith("_"):
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 _MLA_FEATURES = {"fp8", "custom_mask", "lse", "batch_invariant"}
 
@@ -261,3 +272,178 @@ def test_triton_mla_backend_decode_and_verify():
     _check(sc, sc.run_absorbed(), "triton MLA verify")
     groups = sc.backend.strategies_for(ForwardMode.TARGET_VERIFY)[1].groups.values()
     assert [g.kernel.name for g in groups] == ["triton"]
+
+
+# ----------------------------------------------------------------------------- aiter
+def _fake_aiter(monkeypatch) -> list:
+    """A permissive fake ``aiter`` package on the CPU (the contract test binds the same calls
+    against the wheel's signatures): records ``(name, kwargs)``; the info call returns the
+    0.1.7 sizes, the MLA decode copies each padded head's query into its output."""
+    import sys
+    import types
+
+    import aiter_attn.kernels.aiter as A
+    from aiter_attn.kernels import aiter_marshal as M
+
+    calls: list = []
+    for name in [m for m in sys.modules if m == "aiter" or m.startswith("aiter.")]:
+        monkeypatch.delitem(sys.modules, name)
+    modules: dict = {}
+
+    def module(path):
+        if path not in modules:
+            mod = modules[path] = types.ModuleType(path)
+            mod.__path__ = []
+            monkeypatch.setitem(sys.modules, path, mod)
+            parent, _, leaf = path.rpartition(".")
+            if parent:
+                setattr(module(parent), leaf, mod)
+        return modules[path]
+
+    def make(fn):
+        def call(**kw):
+            calls.append((fn, kw))
+            if fn == "get_mla_metadata_info_v1":
+                specs = M.mla_work_buffer_spec(kw["batch_size"], kw["max_seqlen_qo"],
+                                               kw["num_head_qo"], kw["kv_dtype"], cu_num=4,
+                                               fast_mode=kw["fast_mode"])
+                return tuple((s.shape, s.dtype) for s in specs)
+            if fn == "mla_decode_fwd":
+                kw["o"].copy_(kw["q"][..., : kw["o"].shape[-1]])
+            return None
+        return call
+
+    for fn, mods in A.AITER_FUNCTIONS.items():
+        setattr(module(mods[0]), fn, make(fn))
+    return calls
+
+
+def _count_marshalling(monkeypatch) -> dict:
+    """Counts of the per-step marshalling (routing, index and work-metadata builders)."""
+    from aiter_attn.kernels import aiter_marshal as M
+
+    counts: dict = {}
+    for name in ("route_paged_attention", "token_kv_indices", "mla_decode_plan",
+                 "build_mla_metadata_call", "ragged_workspace_bytes", "mla_work_buffer_spec"):
+        real = getattr(M, name)
+
+        def counting(*a, _real=real, _name=name, **k):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(M, name, counting)
+    return counts
+
+
+def _aiter_registry(op, cls, **caps):
+    import attrs
+
+    import aiter_attn.kernels.aiter as A
+
+    reg = KernelRegistry()
+    reference.aiter_attn_register_kernels(reg.register)
+    # the aiter capabilities, opened to the CPU (the fake computes nothing)
+    c = attrs.evolve(A.capabilities()[op], devices=None, dtypes=None, **caps)
+    reg.register(op, "aiter", cls, c, priority=1000)
+    reg.register("write_kv", "spy", _noop_write,
+                 Capabilities(features={"fp8"}, cg_support=CGSupport.ALWAYS), priority=1000)
+    return reg
+
+
+def _no_layer_selection(monkeypatch, reg):
+    from aiter_attn import backend as backend_mod
+    from aiter_attn import validation
+
+    def no_select(*a, **k):
+        raise AssertionError("a layer call selected a kernel")
+
+    def no_validation(*a, **k):
+        raise AssertionError("a layer call ran check_tensor")
+
+    monkeypatch.setattr(reg, "select", no_select)
+    monkeypatch.setattr(reg, "bound", no_select)
+    monkeypatch.setattr(validation, "check_tensor", no_validation)
+    monkeypatch.setattr(backend_mod, "check_tensor", no_validation)
+
+
+def test_aiter_paged_layer_call_only_launches(monkeypatch):
+    """On the aiter path a step routes and builds the token indices once per layer group
+    (in init_forward_metadata); each layer call allocates only its output, makes no routing
+    decision and calls paged_attention_ragged with the plan's buffers."""
+    import aiter_attn.kernels.aiter as A
+    from aiter_attn import AttentionBackend, BackendConfig, LayerSpec
+    from aiter_attn.testing import PagedScenario
+
+    calls = _fake_aiter(monkeypatch)
+    counts = _count_marshalling(monkeypatch)
+    cfg = BackendConfig(page_size=4, max_batch_size=4, max_context_len=64, dtype=torch.bfloat16)
+    layers = [LayerSpec(layer_id=i, num_q_heads=4, num_kv_heads=2, head_dim=16)
+              for i in range(3)]
+    sc = PagedScenario.make(cfg, layers, [5, 9], seed=1)
+    reg = _aiter_registry("paged_attention", A.AiterPagedAttention)
+    be = AttentionBackend(cfg, sc.req_pool, sc.kv_pool, kernels=reg)
+    batch = sc.next_batch(ForwardMode.DECODE, [1, 1])
+    be.init_forward_metadata(batch)
+    for layer in layers:  # binds the layers' one group
+        be.forward(*sc.step_inputs(layer), layer, batch)
+    sc.commit_step()
+
+    batch = sc.next_batch(ForwardMode.DECODE, [1, 1])
+    counts.clear()
+    be.init_forward_metadata(batch)
+    assert counts == {"route_paged_attention": 1, "token_kv_indices": 1,
+                      "ragged_workspace_bytes": 1}
+    inputs = [sc.step_inputs(layer) for layer in layers]
+    _no_layer_selection(monkeypatch, reg)
+    counts.clear()
+    calls.clear()
+    for layer, (q, k, v) in zip(layers, inputs):
+        with _Allocations() as spy:
+            be.forward(q, k, v, layer, batch)
+        assert spy.allocs == ["empty.memory_format"], spy.allocs
+    assert counts == {}  # no routing, no index building per layer
+    assert [n for n, _ in calls] == ["paged_attention_ragged"] * 3
+    first = calls[0][1]
+    for _, kw in calls[1:]:  # every layer reads the step's one set of planned tensors
+        for name in ("kv_indptr", "kv_page_indices", "kv_last_page_lens", "workspace_buffer",
+                     "k_scale"):
+            assert kw[name] is first[name], name
+
+
+def test_aiter_mla_layer_call_only_launches(monkeypatch):
+    """aiter MLA, 4 heads on an fp8 latent cache (persistent kernel, heads padded to 16):
+    the step plans the token indices and calls get_mla_metadata_v1 once; each layer call
+    allocates only its output and only calls mla_decode_fwd, padding through the plan's
+    buffers."""
+    import aiter_attn.kernels.aiter as A
+
+    fp8 = torch.float8_e4m3fn
+    calls = _fake_aiter(monkeypatch)
+    counts = _count_marshalling(monkeypatch)
+    reg = _aiter_registry("mla_paged_attention", A.AiterMLA, predicate=None)
+    sc = MLAScenario(page_size=16, heads=4, prefix_lens=[5, 9], seed=7, kernels=reg,
+                     kv_dtype=fp8, kv_scale=0.5)
+    sc.next_batch(ForwardMode.DECODE, [1, 1])
+    sc.run_absorbed()  # binds
+    sc.commit()
+    sc.next_batch(ForwardMode.DECODE, [1, 1])
+    counts.clear()
+    calls.clear()
+    sc.backend.init_forward_metadata(sc.batch)
+    assert counts.get("token_kv_indices") == 1 and counts.get("build_mla_metadata_call") == 1
+    assert [n for n, _ in calls] == ["get_mla_metadata_v1"]
+    q, k = sc.absorbed_inputs()
+    _no_layer_selection(monkeypatch, reg)
+    counts.clear()
+    calls.clear()
+    for _ in range(3):
+        with _Allocations() as spy:
+            out = sc.backend.forward(q, k, None, sc.absorbed, sc.batch)
+        assert spy.allocs == ["empty.memory_format"], spy.allocs
+        # the fake decode copies each padded head's query: unpadded, each head's own
+        torch.testing.assert_close(out.view(2, 4, sc.lora), q.view(2, 4, -1)[..., : sc.lora],
+                                   rtol=0, atol=0)
+    assert counts == {}
+    assert [n for n, _ in calls] == ["mla_decode_fwd"] * 3
+    assert all(kw["q"].shape[1] == 16 and kw["work_meta_data"] is not None for _, kw in calls)
+    assert calls[0][1]["q"].data_ptr() == calls[2][1]["q"].data_ptr()  # the plan's q_pad

@@ -38,6 +38,7 @@ __all__ = [
     "MLAKernel",
     "MLAFunctionKernel",
     "mla_layer_params",
+    "mla_request",
     "StepPlans",
     "MEMO",
     "ATTENTION_OPS",
@@ -398,6 +399,24 @@ def mla_layer_params(*, scale, device, kv_lora_rank: int, num_q_heads: int = 0,
     return LayerParams.create(scale=scale, device=device, causal=causal, k_scale=kv_scale,
                               v_scale=kv_scale, fp8=fp8, num_q_heads=num_q_heads,
                               num_kv_heads=1, head_dim=head_dim, v_head_dim=kv_lora_rank)
+
+
+def mla_request(q, kv_cache, kv_lora_rank: int, *, custom_mask: bool = False,
+                lse: bool = False, batch_invariant: bool = False):
+    """The :class:`~aiter_attn.kernels.registry.KernelRequest` of an ``mla_paged_attention``
+    call on these tensors (the key :func:`aiter_attn.ops.mla_paged_attention` builds)."""
+    from .registry import KernelRequest
+    from ..types import FP8_DTYPES
+
+    features = {"fp8"} if kv_cache.dtype in FP8_DTYPES else set()
+    for name, on in (("custom_mask", custom_mask), ("lse", lse),
+                     ("batch_invariant", batch_invariant)):
+        if on:
+            features.add(name)
+    return KernelRequest(
+        op="mla_paged_attention", device=q.device.type, dtype=q.dtype, kv_dtype=kv_cache.dtype,
+        head_dim=q.shape[2], v_head_dim=kv_lora_rank, page_size=kv_cache.shape[1],
+        features=features, extra=(("heads", q.shape[1]),))
 
 
 class MLAKernel(AttentionKernel):

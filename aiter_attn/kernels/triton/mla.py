@@ -38,7 +38,7 @@ import triton.language as tl
 from ...types import FP8_DTYPES
 from ...validation import INDEX_DTYPES, unit_stride
 from ..base import (MEMO, KernelPlan, MLAKernel, _adhoc_metadata, mask_literal,
-                    mla_layer_params, plan_hints)
+                    mla_layer_params, mla_request, plan_hints)
 from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
 from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS
 from ._paging import load_chunk_pages, tile_pages_of
@@ -376,23 +376,6 @@ def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: to
 
 
 _T = dict(eq=False, repr=False)
-
-
-def mla_request(q, kv_cache, kv_lora_rank: int, *, custom_mask: bool = False,
-                lse: bool = False, batch_invariant: bool = False):
-    """The :class:`~aiter_attn.kernels.registry.KernelRequest` of an ``mla_paged_attention``
-    call on these tensors (the key :func:`aiter_attn.ops.mla_paged_attention` builds)."""
-    from ..registry import KernelRequest
-
-    features = {"fp8"} if kv_cache.dtype in FP8_DTYPES else set()
-    for name, on in (("custom_mask", custom_mask), ("lse", lse),
-                     ("batch_invariant", batch_invariant)):
-        if on:
-            features.add(name)
-    return KernelRequest(
-        op="mla_paged_attention", device=q.device.type, dtype=q.dtype, kv_dtype=kv_cache.dtype,
-        head_dim=q.shape[2], v_head_dim=kv_lora_rank, page_size=kv_cache.shape[1],
-        features=features, extra=(("heads", q.shape[1]),))
 
 
 @attrs.frozen(kw_only=True)

@@ -193,7 +193,7 @@ def _graph_rerun(case, prep, backend, device, cg) -> tuple:
 def _kernel_request(case, t):
     """The registry request of the attention call on the tensors ``t`` (``lse`` included)."""
     if case.op == "mla_paged_attention":
-        from ...kernels.triton.mla import mla_request
+        from ...kernels.base import mla_request
 
         return mla_request(t["q"], t["kv_cache"], case.v_head_dim or case.head_dim,
                            custom_mask=t.get("custom_mask") is not None, lse=case.lse)
