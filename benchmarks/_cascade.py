@@ -28,7 +28,7 @@ import time
 
 import torch
 
-__all__ = ["run_cascade", "cascade_table", "make_shared_decode"]
+__all__ = ["run_cascade", "cascade_table", "make_shared_decode", "SWEEP"]
 
 RTOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 
@@ -107,9 +107,9 @@ def _timer(device, rep):
 
 def run_cascade(device=None, *, smoke: bool = False, bs: int = 64, shared: int = 4096,
                 own: int = 256, rep: int = 60, graphs: bool = True,
-                min_shared_tokens: int = 1024) -> list[dict]:
+                min_shared_tokens: int = 1024, sweep: bool = False) -> list[dict]:
     """Rows ``without cascade`` and ``with cascade`` (ms eager/graph, tokens/s, error) and
-    the ratio on the cascade row."""
+    the ratio on the cascade row; ``sweep`` adds a row per :data:`SWEEP` launch variant."""
     from aiter_attn.kernels.base import LayerParams
     from aiter_attn.kernels.cascade import CascadeKernel, _impl_for
     from aiter_attn.kernels.reference import paged_attention_reference
@@ -174,12 +174,56 @@ def run_cascade(device=None, *, smoke: bool = False, bs: int = 64, shared: int =
                 rec[f"{mode}_tokens_per_s"] = bs / (ms * 1e-3)
         rows.append(rec)
         print("   ", _summary(rec), flush=True)
-    base, casc = rows
+    base, casc = rows[:2]
     for mode in ("eager", "graph"):
         a, b = base.get(f"{mode}_ms"), casc.get(f"{mode}_ms")
         if a and b:
             casc[f"{mode}_speedup"] = a / b
+    for tune in (SWEEP if sweep else ()):
+        from aiter_attn.kernels.triton import cascade as tmod
+
+        saved = dict(tmod.CASCADE_TUNING)
+        tmod.CASCADE_TUNING.update(tune)
+        try:
+            plan = cascade.plan(md)
+            out = torch.empty(bs, hq, d, dtype=dtype, device=device)
+
+            def fn(plan=plan, out=out):
+                cascade.run(q, (kc, vc), plan, params, out)
+
+            fn()
+            name = "with cascade " + "/".join(f"{k}={v}" for k, v in tune.items())
+            rec = {"row": f"{label}: {name}", "impl": name, "rel_err": _rel_err(
+                out[:rows_b], expected), "tune": tune}
+            if rec["rel_err"] <= RTOL[dtype]:
+                rec["graph_ms"] = timed(fn, True) if graphs else None
+                rec["eager_ms"] = timed(fn, False)
+                for mode in ("eager", "graph"):
+                    ms, a = rec.get(f"{mode}_ms"), base.get(f"{mode}_ms")
+                    if ms:
+                        rec[f"{mode}_tokens_per_s"] = bs / (ms * 1e-3)
+                        if a:
+                            rec[f"{mode}_speedup"] = a / ms
+            else:
+                rec["wrong"] = f"relative error {rec['rel_err']:.3e}"
+            rows.append(rec)
+            print("   ", _summary(rec) if "wrong" not in rec else rec["wrong"], flush=True)
+        finally:
+            tmod.CASCADE_TUNING.clear()
+            tmod.CASCADE_TUNING.update(saved)
     return rows
+
+
+#: Launch variants of the shared pass timed by ``--cascade-sweep`` (``CASCADE_TUNING`` keys).
+SWEEP = [
+    {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
+    {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2},
+    {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
+    {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2},
+    {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "split_keys": 256},
+    {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "split_keys": 1024},
+    {"block_m": 32, "block_n": 64, "num_warps": 4, "num_stages": 3},
+]
 
 
 def _summary(r) -> str:

@@ -33,6 +33,7 @@ Usage (on the GPU machine)::
     python benchmarks/bench_attention.py --smoke --out /tmp/x      # CPU: the harness runs
     python benchmarks/bench_attention.py --only mixed --out "$OUT" # engine mixed steps
     python benchmarks/bench_attention.py --only cascade --out "$OUT"  # shared-prefix decode
+    python benchmarks/bench_attention.py --only cascade --cascade-sweep --out "$OUT"
 
 Writes ``bench_attention.json`` and ``roofline.png`` to ``--out`` and prints the table last.
 """
@@ -361,6 +362,8 @@ def main(argv=None):
     p.add_argument("--mla-sweep", action="store_true", help="also time MLA launch configs")
     p.add_argument("--budget-s", type=float, default=0,
                    help="skip the remaining rows after this many seconds (0 = no limit)")
+    p.add_argument("--cascade-sweep", action="store_true",
+                   help="also time launch variants of the cascade shared pass")
     p.add_argument("--flex-prefill", action="store_true", help="flex_attention on prefill too")
     p.add_argument("--host-calls", type=int, default=2000,
                    help="calls per timed round of the host rows (≥ 2,000 for the record)")
@@ -417,7 +420,8 @@ def main(argv=None):
         traceback.print_exc()
     try:
         if "cascade" in groups:
-            _write_cascade(run_cascade(rep=args.rep, graphs=args.graphs), args.out, args.meta)
+            _write_cascade(run_cascade(rep=args.rep, graphs=args.graphs,
+                                       sweep=args.cascade_sweep), args.out, args.meta)
     except Exception:
         traceback.print_exc()
     try:

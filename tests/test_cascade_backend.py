@@ -163,3 +163,31 @@ def test_graph_plan_replay_equals_eager(arch):
         sp = plans[0].index.shared_pages.tolist()
         assert sp[:n] == [3] * n and sp[n:] == [0] * (mgr.last_entry.bs - n), sp
 
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_multi_step_draft_static_plan_equals_eager(kernel):
+    """Multi-step draft decode (the branches of a request share its prefix pages) through
+    the graph manager's static plans: replays equal eager, the cascade groups wrapped."""
+    from aiter_attn import SpecDecodeConfig, multistep
+    from aiter_attn.graph import CudaGraphManager
+
+    from .test_graph_manager import _assert_same
+
+    spec = SpecDecodeConfig(num_steps=3, topk=2, num_draft_tokens=7)
+    rig = Rig.make("mha", page_size=16, hq=4, hkv=2, head_dim=16, spec=spec, seed=3)
+    rig.config = attrs.evolve(rig.config, cascade_min_shared_tokens=1, kernel_backend=kernel)
+    ms = multistep.MultiStepDraftBackend(rig.config, rig.req_pool, rig.kv_pool)
+    mgr = CudaGraphManager(ms, capture_sizes=[1, 2, 4], use_cuda_graph=False,
+                           token_inputs=rig.token_inputs())
+    fn = rig.multistep_step_fn(ms)
+    mgr.capture(fn)
+    for bs in (3, 4):
+        rows, batch = rig.join_drafting(bs, 40)
+        inputs = rig.random_inputs(batch, num_tokens=bs * 2)
+        out = mgr.replay(batch, **inputs)
+        ms.init_forward_metadata(batch)
+        _assert_same(out, fn(batch, inputs), f"multi-step cascade bs={bs}")
+        for r in rows:
+            rig.leave(r)
+    assert any(isinstance(g.kernel, CascadeKernel) for g in ms.executor.groups.values())

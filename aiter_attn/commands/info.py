@@ -11,7 +11,7 @@ import torch
 from ..types import AttnArch, ForwardMode
 
 __all__ = ["add_parser", "collect_info", "mode_arch_table", "table_markdown", "kv_formats_table",
-           "kv_formats_markdown"]
+           "kv_formats_markdown", "CASCADE_NOTE"]
 
 
 def _kernel_for_cell(kernels, pair, mode, cfg, device: str, dtype: torch.dtype):
@@ -202,6 +202,7 @@ def collect_info() -> dict:
         "kernels": kernels,
         "table": mode_arch_table(),
         "engine_steps": ENGINE_STEPS_NOTE,
+        "cascade": CASCADE_NOTE,
         "kv_formats": kv_formats_table(),
     }
 
@@ -213,6 +214,16 @@ ENGINE_STEPS_NOTE = (
     "EXTEND forward whose decoding requests are extend rows of query length 1, so one "
     "attention launch per layer (`EngineConfig(mixed_steps=False)`, speculative decoding "
     "and batch-invariant mode run a DECODE forward and an EXTEND forward instead).")
+
+
+#: Cascade attention (issue 16): where it applies and how it is turned on.
+CASCADE_NOTE = (
+    "Cascade attention (`BackendConfig(cascade_min_shared_tokens=N)`, off by default): on "
+    "the MHA and SWA cells whose layers are causal without a tree mask (every row above but "
+    "tree verify), runs of consecutive requests whose page tables start with the same pages "
+    "over ≥ N tokens read those pages once per run, merged by LSE with each request's own "
+    "pages; grouped on the device every step (no sync), CUDA-graph capturable with the "
+    "Triton kernels (eager-only over the reference).")
 
 
 def _print_text(info: dict) -> None:
@@ -236,6 +247,7 @@ def _print_text(info: dict) -> None:
         else:
             print(f"  {r['mode']:<20} {r['arch']:<6} {'-':<24} {'-':<14} {r['why']}")
     print(f"\n{info['engine_steps']}")
+    print(f"\n{info['cascade']}")
     print("\nKV formats (built-in kernels per architecture family):")
     for r in info["kv_formats"]:
         print(f"  {r['format']:<36} {r['kv_scale_granularity']:<15} "
@@ -254,7 +266,7 @@ def table_markdown(rows: list[dict]) -> str:
                          f"{r['kernel']} |")
         else:
             lines.append(f"| {r['mode']} | {r['arch']} | — | — | {r['why']} |")
-    lines += ["", ENGINE_STEPS_NOTE]
+    lines += ["", ENGINE_STEPS_NOTE, "", CASCADE_NOTE]
     return "\n".join(lines) + "\n"
 
 
