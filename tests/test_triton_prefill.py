@@ -82,7 +82,10 @@ LENS = [([1, 37, 16, 50], [1, 37, 16, 50]),          # prefill, incl. one token
         ([33], [33])]
 CONFIGS = {"tma": PrefillConfig(16, 16, 4, 1, False, True),
            "ptr": PrefillConfig(16, 16, 4, 1, False, False),
-           "bm32": PrefillConfig(32, 16, 4, 2, False, True)}
+           "bm32": PrefillConfig(32, 16, 4, 2, False, True),
+           # one loop, mask only where it cuts (the warp-specialised form)
+           "one": PrefillConfig(16, 16, 4, 1, False, True, True),
+           "one_ptr": PrefillConfig(32, 16, 4, 1, False, False, True)}
 
 
 @pytest.mark.parametrize("lens", LENS, ids=["prefill", "bottom_right", "one"])
@@ -97,7 +100,7 @@ def test_dense_causal(lens, dtype, d):
         assert_lse(l, el, LSE_RTOL[dtype], f"lse {name}")
 
 
-@pytest.mark.parametrize("cfg", ["tma", "ptr"])
+@pytest.mark.parametrize("cfg", ["tma", "ptr", "one"])
 def test_dense_features(cfg):
     """Window (left, and both sides non-causal), soft-cap and sinks, on GQA 5:1."""
     c = DenseCase([1, 45, 21], [30, 45, 50], d=64)
@@ -152,7 +155,7 @@ def test_prefix_merge_in_epilogue():
     dense = DenseCase(q_lens, q_lens, d=64, hq=6, hkv=3)
     dense.q, dense.k, dense.v = full.q, torch.cat(new_k), torch.cat(new_v)
     eo, el = full.oracle(causal=True, sinks=sinks)
-    for cfg in ("tma", "ptr"):
+    for cfg in ("tma", "ptr", "one"):
         o, l = dense.run(config=CONFIGS[cfg], sinks=sinks, prefix=(torch.cat(op), torch.cat(lp)))
         assert_close_rel(o, eo, 2e-5, f"merged out {cfg}")
         assert_lse(l, el, 1e-5, f"merged lse {cfg}")
@@ -163,9 +166,10 @@ def test_prefix_merge_in_epilogue():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("cfg", [None, PrefillConfig(128, 64, 8, 3, False, True),
                                  PrefillConfig(128, 128, 8, 2, True, True),
-                                 PrefillConfig(128, 64, 4, 3, True, True),
+                                 PrefillConfig(128, 64, 4, 2, True, True),
+                                 PrefillConfig(128, 128, 4, 2, True, True),
                                  PrefillConfig(128, 128, 8, 2, False, False)],
-                         ids=["default", "bn64", "bn128_ws", "bn64_4w_ws", "ptr"])
+                         ids=["default", "bn64", "bn128_8w_ws_ignored", "bn64_4w_ws", "bn128_4w_ws", "ptr"])
 def test_dense_gpu(dtype, cfg):
     """sm_90 configurations (TMA, warp specialisation) in bf16/fp16, GQA 32/8, d128, ragged,
     and d80 (pointer path)."""

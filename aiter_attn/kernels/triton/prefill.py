@@ -50,6 +50,7 @@ MAX_HEAD_DIM = 256
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
 _UNBOUNDED = 1 << 30
+_BIG = tl.constexpr(1 << 30)  # the same bound inside kernels
 
 #: Tuning hook for benchmark sweeps: keys of :class:`PrefillConfig` forced onto the chosen
 #: configuration (empty in library use).
@@ -67,50 +68,78 @@ def _tanh(x):
 
 
 @triton.jit
+def _load_k(K, Kd, k_row0, k_col, k_head_off, s_kt, start_n, kpos, nk, offs_d, d_mask,
+            CHECK_LEN: tl.constexpr, USE_TMA: tl.constexpr):
+    """K tile: ``[BLOCK_N, D]`` through the descriptor (TMA), else ``[D_PAD, BLOCK_N]``."""
+    if USE_TMA:
+        k = Kd.load([k_row0 + start_n, k_col])
+    else:
+        rows = (k_row0 + kpos).to(tl.int64)
+        k_ptrs = K + k_head_off + rows[None, :] * s_kt + offs_d[:, None]
+        if CHECK_LEN:
+            k = tl.load(k_ptrs, mask=d_mask[:, None] & (kpos < nk)[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
+    return k
+
+
+@triton.jit
+def _load_v(V, Vd, k_row0, v_col, v_head_off, s_vt, start_n, kpos, nk, offs_dv, dv_mask,
+            CHECK_LEN: tl.constexpr, USE_TMA: tl.constexpr):
+    if USE_TMA:
+        v = Vd.load([k_row0 + start_n, v_col])
+    else:
+        rows = (k_row0 + kpos).to(tl.int64)
+        v_ptrs = V + v_head_off + rows[:, None] * s_vt + offs_dv[None, :]
+        if CHECK_LEN:
+            v = tl.load(v_ptrs, mask=(kpos < nk)[:, None] & dv_mask[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=dv_mask[None, :], other=0.0)
+    return v
+
+
+@triton.jit
+def _visible(s, kpos, pos_q, nk, left, right, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+             cut):
+    """``s`` with -inf where key ``kpos`` is invisible to the row at ``pos_q`` (``cut``
+    False: the causal bound is lifted; ``nk``/``left``/``right`` come lifted by the caller)."""
+    vis = (kpos < nk)[None, :]
+    if CAUSAL:
+        vis = vis & (kpos[None, :] <= tl.where(cut, pos_q, _BIG)[:, None])
+    if HAS_WINDOW:
+        vis = vis & (kpos[None, :] >= pos_q[:, None] - left)
+        vis = vis & (kpos[None, :] <= pos_q[:, None] + right)
+    return tl.where(vis, s, float("-inf"))
+
+
+@triton.jit
 def _dense_tiles(
     acc, m_i, l_i, q, qk2, softcap,
     K, V, Kd, Vd, k_row0, k_col, v_col, k_head_off, v_head_off, s_kt, s_vt,
-    lo, hi, pos_q, nk, left, right,
+    lo, hi, f_lo, f_hi, pos_q, nk, left, right,
     offs_d, offs_dv, d_mask, dv_mask,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     """Online-softmax update of ``(acc, m_i, l_i)`` (log2 domain) over keys ``[lo, hi)`` in
-    ``BLOCK_N`` tiles. ``MASKED``: apply the length/causal/window mask (else every key of
-    every tile is visible to every row)."""
+    ``BLOCK_N`` tiles. ``MASKED``: 0 every tile is visible to every row (no mask
+    arithmetic); 1 every tile is masked (length/causal/window); 2 one loop over all tiles
+    that masks those outside ``[f_lo, f_hi)`` (Triton 3.6's Hopper warp specialisation
+    partitions a single key loop per kernel)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         kpos = start_n + offs_n
+        k = _load_k(K, Kd, k_row0, k_col, k_head_off, s_kt, start_n, kpos, nk, offs_d, d_mask,
+                    MASKED != 0, USE_TMA)
         if USE_TMA:
-            k = Kd.load([k_row0 + start_n, k_col])
             s = tl.dot(q, k.T, input_precision=DOT_PRECISION)
         else:
-            rows = (k_row0 + kpos).to(tl.int64)
-            k_ptrs = K + k_head_off + rows[None, :] * s_kt + offs_d[:, None]
-            if MASKED:
-                k = tl.load(k_ptrs, mask=d_mask[:, None] & (kpos < nk)[None, :], other=0.0)
-            else:
-                k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
             s = tl.dot(q, k, input_precision=DOT_PRECISION)
         if HAS_SOFTCAP:
             s = softcap * _tanh(s * (qk2 / _LOG2E) / softcap) * _LOG2E
-        if MASKED:
-            if not HAS_SOFTCAP:
-                s = s * qk2
-            vis = (kpos < nk)[None, :]
-            if CAUSAL:
-                vis = vis & (kpos[None, :] <= pos_q[:, None])
-            if HAS_WINDOW:
-                vis = vis & (kpos[None, :] >= pos_q[:, None] - left)
-                vis = vis & (kpos[None, :] <= pos_q[:, None] + right)
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-        else:
+        if MASKED == 0:
             if HAS_SOFTCAP:
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 p = tl.exp2(s - m_new[:, None])
@@ -119,17 +148,26 @@ def _dense_tiles(
                 m_new = tl.maximum(m_i, tl.max(s, 1) * qk2)
                 p = tl.exp2(s * qk2 - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
+        else:
+            if not HAS_SOFTCAP:
+                s = s * qk2
+            if MASKED == 1:
+                s = _visible(s, kpos, pos_q, nk, left, right, CAUSAL, HAS_WINDOW, True)
+            else:
+                # branch-free (a branch stops the warp-specialisation pass): fully visible
+                # tiles compare against bounds that every key passes
+                cut = (start_n < f_lo) | (start_n >= f_hi)
+                s = _visible(s, kpos, pos_q, tl.where(cut, nk, _BIG),
+                             tl.where(cut, left, _BIG), tl.where(cut, right, _BIG),
+                             CAUSAL, HAS_WINDOW, cut)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if USE_TMA:
-            v = Vd.load([k_row0 + start_n, v_col])
-        else:
-            rows = (k_row0 + kpos).to(tl.int64)
-            v_ptrs = V + v_head_off + rows[:, None] * s_vt + offs_dv[None, :]
-            if MASKED:
-                v = tl.load(v_ptrs, mask=(kpos < nk)[:, None] & dv_mask[None, :], other=0.0)
-            else:
-                v = tl.load(v_ptrs, mask=dv_mask[None, :], other=0.0)
+        v = _load_v(V, Vd, k_row0, v_col, v_head_off, s_vt, start_n, kpos, nk, offs_dv, dv_mask,
+                    MASKED != 0, USE_TMA)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -145,7 +183,7 @@ def _dense_prefill_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_PREFIX: tl.constexpr, WRITE_LSE: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
+    WARP_SPEC: tl.constexpr, ONE_LOOP: tl.constexpr,
 ):
     # longest blocks first (causal: the last query blocks see the most keys)
     start_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -156,8 +194,9 @@ def _dense_prefill_kernel(
     k0 = tl.load(CuK + b)
     nk = tl.load(CuK + b + 1) - k0
     min_i = start_m * BLOCK_M
-    if min_i >= nq:
-        return
+    # a block past this request's queries runs no key tile and stores nothing (no early
+    # return: Triton's Hopper warp specialisation wants the key loops outside any branch)
+    live = min_i < nq
     kvh = h // GROUP
     delta = nk - nq
     max_i = tl.minimum(min_i + BLOCK_M, nq) - 1
@@ -189,7 +228,8 @@ def _dense_prefill_kernel(
         f_hi = tl.minimum(f_hi, min_i + delta + right + 1)
         lo = tl.maximum(min_i + delta - left, 0) // BLOCK_N * BLOCK_N
         f_lo = tl.cdiv(tl.maximum(max_i + delta - left, 0), BLOCK_N) * BLOCK_N
-    hi = tl.maximum(hi, 0)
+    hi = tl.where(live, tl.maximum(hi, 0), 0)
+    lo = tl.minimum(lo, hi)
     f_lo = tl.minimum(tl.maximum(f_lo, lo), hi)
     f_hi = tl.maximum(tl.maximum(f_hi, 0) // BLOCK_N * BLOCK_N, f_lo)
 
@@ -198,24 +238,32 @@ def _dense_prefill_kernel(
     acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
     k_head_off = kvh.to(tl.int64) * s_kh
     v_head_off = kvh.to(tl.int64) * s_vh
-    # stage 1: fully visible tiles
-    acc, m_i, l_i = _dense_tiles(
-        acc, m_i, l_i, q, qk2, softcap, K, V, Kd, Vd, k0, kvh * D, kvh * DV, k_head_off,
-        v_head_off, s_kt, s_vt, f_lo, f_hi, pos_q, nk, left, right, offs_d, offs_dv, d_mask,
-        dv_mask, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_TMA, DOT_PRECISION,
-        NUM_STAGES, WARP_SPEC)
-    # stage 2: the diagonal / sequence-end tiles (masked)
-    acc, m_i, l_i = _dense_tiles(
-        acc, m_i, l_i, q, qk2, softcap, K, V, Kd, Vd, k0, kvh * D, kvh * DV, k_head_off,
-        v_head_off, s_kt, s_vt, f_hi, hi, pos_q, nk, left, right, offs_d, offs_dv, d_mask,
-        dv_mask, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_TMA, DOT_PRECISION,
-        NUM_STAGES, WARP_SPEC)
-    if HAS_WINDOW:  # window's left edge (masked)
+    if ONE_LOOP:
+        # every tile in one (warp-specialised) loop; the mask only where it cuts
         acc, m_i, l_i = _dense_tiles(
             acc, m_i, l_i, q, qk2, softcap, K, V, Kd, Vd, k0, kvh * D, kvh * DV, k_head_off,
-            v_head_off, s_kt, s_vt, lo, f_lo, pos_q, nk, left, right, offs_d, offs_dv, d_mask,
-            dv_mask, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_TMA, DOT_PRECISION,
-            NUM_STAGES, WARP_SPEC)
+            v_head_off, s_kt, s_vt, lo, hi, f_lo, f_hi, pos_q, nk, left, right, offs_d,
+            offs_dv, d_mask, dv_mask, BLOCK_N, 2, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_TMA,
+            DOT_PRECISION, NUM_STAGES, WARP_SPEC)
+    else:
+        # stage 1: fully visible tiles (no mask arithmetic)
+        acc, m_i, l_i = _dense_tiles(
+            acc, m_i, l_i, q, qk2, softcap, K, V, Kd, Vd, k0, kvh * D, kvh * DV, k_head_off,
+            v_head_off, s_kt, s_vt, f_lo, f_hi, f_lo, f_hi, pos_q, nk, left, right, offs_d,
+            offs_dv, d_mask, dv_mask, BLOCK_N, 0, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_TMA,
+            DOT_PRECISION, NUM_STAGES, False)
+        # stage 2: the diagonal / sequence-end tiles (masked)
+        acc, m_i, l_i = _dense_tiles(
+            acc, m_i, l_i, q, qk2, softcap, K, V, Kd, Vd, k0, kvh * D, kvh * DV, k_head_off,
+            v_head_off, s_kt, s_vt, f_hi, hi, f_lo, f_hi, pos_q, nk, left, right, offs_d,
+            offs_dv, d_mask, dv_mask, BLOCK_N, 1, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_TMA,
+            DOT_PRECISION, NUM_STAGES, False)
+        if HAS_WINDOW:  # the window's left edge (masked)
+            acc, m_i, l_i = _dense_tiles(
+                acc, m_i, l_i, q, qk2, softcap, K, V, Kd, Vd, k0, kvh * D, kvh * DV,
+                k_head_off, v_head_off, s_kt, s_vt, lo, f_lo, f_lo, f_hi, pos_q, nk, left,
+                right, offs_d, offs_dv, d_mask, dv_mask, BLOCK_N, 1, CAUSAL, HAS_WINDOW,
+                HAS_SOFTCAP, USE_TMA, DOT_PRECISION, NUM_STAGES, False)
 
     # epilogue: sink (once, here), prefix merge, normalise
     if HAS_SINKS:
@@ -258,6 +306,7 @@ class PrefillConfig:
     num_stages: int
     warp_spec: bool = False
     tma: bool = True
+    one_loop: bool = False
 
 
 def _smem_need(bm, bn, d_pad, dv_pad, stages, elem):
@@ -416,10 +465,11 @@ def prefill_launch_args(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap
             cu_q, cu_k, float(scale) * 1.4426950408889634, float(softcap), left, right,
             qs[0], qs[1], ks[0], ks[1], vs[0], vs[1], os_[0], os_[1], ls[0], ls[1], ps[0], ps[1],
             pls[0], pls[1])
+    ws = bool(config.warp_spec and use_tma)
     kw = dict(GROUP=hq // hkv, D=d, D_PAD=d_pad, DV=dv, DV_PAD=dv_pad, BLOCK_M=bm, BLOCK_N=bn,
               CAUSAL=bool(causal), HAS_WINDOW=has_window, HAS_SOFTCAP=softcap > 0,
               HAS_SINKS=sinks is not None, HAS_PREFIX=prefix is not None,
               WRITE_LSE=lse is not None, USE_TMA=use_tma,
               DOT_PRECISION=_DOT_PRECISION[q.dtype], NUM_STAGES=config.num_stages,
-              WARP_SPEC=bool(config.warp_spec and use_tma), num_warps=config.num_warps)
+              WARP_SPEC=ws, ONE_LOOP=ws or config.one_loop, num_warps=config.num_warps)
     return args, kw
