@@ -139,8 +139,11 @@ class PagedExecution(ExecutionStrategy):
             # the write kernel is chosen once per (cache, input) dtype pair: no request is
             # built and nothing is validated on later calls; a backend with no KV write of
             # its own (an attention-only plugin) falls back to the best registered one
-            write = self.kernel_for(("write_kv", k_cache.dtype, k.dtype),
-                                    lambda: write_kv_request(k_cache, k), fallback=True)
+            wkey = ("write_kv", k_cache.dtype, k.dtype)
+            write = self._kernels.get(wkey)
+            if write is None:
+                write = self.kernel_for(wkey, lambda: write_kv_request(k_cache, k),
+                                        fallback=True)
             write.fn(
                 k_cache, v_cache, batch.out_cache_loc,
                 k.view(num_tokens, layer.num_kv_heads, layer.head_dim),
