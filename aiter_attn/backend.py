@@ -14,6 +14,7 @@ import torch
 
 from .batch import ForwardBatch
 from .kernels.registry import CheckedRegistry
+from .kv_scales import check_pool_format
 from .metadata import AttnMetadata
 from .registry import StrategyPair
 from .strategies.base import StrategyContext
@@ -108,6 +109,7 @@ class AttentionBackend:
                 f"kv_pool {type(kv_pool).__name__} has page_size={pool_page} but "
                 f"BackendConfig.page_size={config.page_size} (default 1); build both with the "
                 f"same page size, e.g. BackendConfig(page_size={pool_page}, ...).")
+        check_pool_format(config, kv_pool)  # where the per-(token, head) scales live
         self.config = config
         self.strategies = strategies if strategies is not None else plugins.strategy_registry()
         kernels = kernels if kernels is not None else plugins.kernel_registry()
@@ -208,6 +210,13 @@ class AttentionBackend:
         return 1
 
     # -- CUDA graphs: delegated to aiter_attn.graph.CudaGraphManager --------------------
+    def graph_source(self):
+        """The :class:`~aiter_attn.graph.sources.BackendSource` a
+        :class:`~aiter_attn.graph.CudaGraphManager` plans through."""
+        from .graph.sources import BackendSource
+
+        return BackendSource(self)
+
     def graph_support(self, mode):
         """A cell's CUDA-graph support: the weaker of its strategy pair's and its bound
         kernels' (the pair's alone until a layer has bound a kernel)."""
@@ -251,9 +260,11 @@ class AttentionBackend:
         return self._graphs().plan_replay(bs, forward_mode, req_pool_indices, seq_lens,
                                           spec_info, seq_lens_cpu=seq_lens_cpu, **kw)
 
-    def _check_qkv(self, q, k, v, layer: LayerSpec, n: int) -> None:
+    def _check_qkv(self, q, k, v, layer: LayerSpec, n) -> None:
         """O(1) checks of one layer call (type, dtype, element counts, device) for a step of
-        ``n`` tokens: the hot path."""
+        ``n`` tokens (an int, or the step's :class:`ForwardBatch`): the hot path."""
+        if n.__class__ is not int:
+            n = n.num_tokens
         if q.__class__ is not torch.Tensor and not isinstance(q, torch.Tensor):
             raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}.")
         if q.dtype != self.config.dtype:

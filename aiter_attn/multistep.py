@@ -1,10 +1,17 @@
-"""Multi-step draft decode: one :class:`AttentionBackend` per draft step, index buffers shared.
+"""Multi-step draft decode: every draft step planned at once, run through one strategy pair.
 
 EAGLE's draft model proposes ``num_steps`` tokens per branch: the first comes from the draft
 extend pass, then ``num_steps - 1`` decode passes follow, each over ``batch · topk`` rows (one
-per branch). :class:`MultiStepDraftBackend` plans the metadata of *all* passes in one device
-pass into one set of buffers (``[num_steps - 1, …]``) and hands step ``i`` views of row ``i``,
-so nothing is recomputed per step and nothing syncs with the host.
+per branch). :class:`MultiStepDraftBackend` plans the index tensors of *all* passes in one
+device pass into one set of buffers (``[num_steps - 1, …]``), then, per step, the step
+strategy's metadata (views of row ``i``) and the step's kernel plans; nothing is recomputed
+per layer and nothing syncs with the host.
+
+It holds one metadata strategy and one execution strategy (the pair
+``<arch>.draft_decode_step``): a layer's kernel is bound once and shared by every step, while
+each step has its own plans (under CUDA graphs in its own static buffers, ``step{i}.<name>``).
+There is no backend object per step: :meth:`MultiStepDraftBackend.forward` takes the step
+index (``ms.step(i)`` is a cheap view with the usual ``forward(q, k, v, layer)``).
 
 Draft-token slots (SGLang's layout). For request ``b`` with ``P`` committed tokens
 (``seq_lens[b]``) let ``base = P - P % page_size`` and
@@ -22,10 +29,10 @@ branch ``k``'s token ``i``).
 
 Typical use::
 
-    ms = MultiStepDraftBackend(config, req_to_token, kv_pool)        # config.spec sets steps
-    steps = ms.init_forward_metadata(draft_batch)                     # seq_lens = committed
-    for i, step_batch in enumerate(steps):                            # num_steps - 1 passes
-        out = ms.attn_backends[i].forward(q, k, v, layer, step_batch) # per layer
+    ms = MultiStepDraftBackend(config, req_to_token, kv_pool)    # config.spec sets steps
+    ms.init_forward_metadata(draft_batch)                         # seq_lens = committed
+    for i in range(ms.num_passes):                                # num_steps - 1 passes
+        out = ms.forward(i, q, k, v, layer)                       # per layer
 """
 
 from __future__ import annotations
@@ -38,12 +45,12 @@ import torch
 from . import ops
 from .backend import AttentionBackend
 from .batch import ForwardBatch, SpecInfo
+from .metadata import AttnMetadata
 from .registry import StrategySelectionError
 from .strategies.base import BufferSpec
-from .strategies.spec import DRAFT_DECODE_STEP
-from .types import AttnArch, BackendConfig, ForwardMode, SpecDecodeConfig
+from .types import BackendConfig, ForwardMode, LayerSpec, SpecDecodeConfig
 
-__all__ = ["MultiStepDraftBackend", "draft_columns_needed"]
+__all__ = ["MultiStepDraftBackend", "DraftStep", "draft_columns_needed"]
 
 #: Prefix of the step planners' own buffers in :meth:`MultiStepDraftBackend.buffer_spec`.
 _STEP_PREFIX = "step{}."
@@ -96,22 +103,29 @@ def draft_columns_needed(prefix_lens: torch.Tensor, page_size: int, topk: int,
 
 
 class MultiStepDraftBackend:
-    """``num_steps - 1`` draft-decode backends over one set of shared index buffers.
+    """``num_steps - 1`` draft-decode passes over one set of shared index buffers, run through
+    one strategy pair (one metadata strategy, one execution strategy).
 
     Args:
         config: backend settings; ``config.spec`` gives ``topk`` and ``num_steps`` unless passed.
         req_to_token, kv_pool: as for :class:`AttentionBackend` (the draft model's pools).
         topk / num_steps: override ``config.spec``.
-        step_strategy: the strategy pair each step backend is forced to (default
-            ``"<arch>.draft_decode_step"``, e.g. ``mha.draft_decode_step``); it must wrap the
-            views this object plans (see :class:`~aiter_attn.strategies.spec.DraftDecodeStepMetadata`).
-        extra, strategies, kernels: handed to every step backend.
+        step_strategy: the strategy pair every step runs through (default
+            ``"<arch>.draft_decode_step"``, e.g. ``mha.draft_decode_step``); its metadata
+            strategy must wrap the views this object plans (see
+            :class:`~aiter_attn.strategies.spec.DraftDecodeStepMetadata`) and its contract
+            must bring one query token per row.
+        extra, strategies, kernels: as for :class:`AttentionBackend`.
 
     Attributes:
-        attn_backends: one :class:`AttentionBackend` per decode pass (forced to the
-            step strategy, which wraps this object's views).
-        step_batches: the step ForwardBatches of the last plan (pass step ``i``'s to
-            ``attn_backends[i].forward``).
+        pair: the step :class:`~aiter_attn.registry.StrategyPair`; ``contract`` its DECODE
+            :class:`~aiter_attn.contract.ModeContract`.
+        strategy / executor: the pair's metadata and execution strategies (one each, shared
+            by every step: a layer's kernel is bound once).
+        ctx: their :class:`~aiter_attn.strategies.base.StrategyContext`.
+        step_batches: the step ForwardBatches of the last plan.
+        step_metadata: the step :class:`~aiter_attn.metadata.AttnMetadata` of the last plan
+            (each with its own kernel plans).
     """
 
     def __init__(self, config: BackendConfig, req_to_token, kv_pool, *,
@@ -126,51 +140,120 @@ class MultiStepDraftBackend:
                 raise ValueError(f"{name}={value}; must be ≥ 1 (SpecDecodeConfig.{name}).")
         self.config = config
         if step_strategy is None:
-            step_strategy = (DRAFT_DECODE_STEP if config.arch == AttnArch.MHA
-                             else f"{config.arch.value}.draft_decode_step")
+            step_strategy = f"{config.arch.value}.draft_decode_step"
         self.step_strategy = step_strategy
-        self.attn_backends = [
-            AttentionBackend(config, req_to_token, kv_pool, extra=extra, strategies=strategies,
-                             kernels=kernels, strategy=step_strategy)
-            for _ in range(self.num_steps - 1)
-        ]
-        for backend in self.attn_backends[:1]:
-            try:  # an unknown or unfit step strategy raises here, not at the first step
-                backend.pair_for(ForwardMode.DECODE)
-            except StrategySelectionError as exc:
-                raise StrategySelectionError(
-                    f"multi-step draft decode on {config.arch.name} runs each step through "
-                    f"strategy {step_strategy!r}, which cannot be used: {exc} Pass "
-                    "step_strategy= a pair that wraps MultiStepDraftBackend's views.") from exc
-        self.req_to_token = getattr(req_to_token, "req_to_token", req_to_token)
+        # one facade for selection, context and the per-layer O(1) checks; every step plans
+        # and runs through its one strategy pair (no backend per step)
+        self._core = AttentionBackend(config, req_to_token, kv_pool, extra=extra,
+                                      strategies=strategies, kernels=kernels,
+                                      strategy=step_strategy)
+        try:  # an unknown or unfit step strategy raises here, not at the first step
+            self.pair = self._core.pair_for(ForwardMode.DECODE)
+        except StrategySelectionError as exc:
+            raise StrategySelectionError(
+                f"multi-step draft decode on {config.arch.name} runs each step through "
+                f"strategy {step_strategy!r}, which cannot be used: {exc} Pass "
+                "step_strategy= a pair that wraps MultiStepDraftBackend's views.") from exc
+        self.contract = self.pair.contract(ForwardMode.DECODE)
+        if self.contract.q_len(config) != 1:
+            raise ValueError(
+                f"step strategy {self.pair.name!r} serves DECODE with {self.contract.tokens!r} "
+                "query tokens per request; a draft step brings one token per branch row. Pass "
+                "step_strategy= a DECODE pair with one token per request.")
+        self.strategy, self.executor = self._core.strategies_for(ForwardMode.DECODE)
+        self.ctx = self._core.ctx
+        self.req_to_token = self.ctx.req_to_token
         self.page_size = config.page_size
         self.step_batches: list = []
+        self.step_metadata: list = []
         self.graph_buffers: Optional[dict] = None
 
     @property
     def num_passes(self) -> int:
-        """Decode passes (= step backends): ``num_steps - 1``."""
+        """Decode passes: ``num_steps - 1``."""
         return self.num_steps - 1
+
+    @property
+    def rows_per_request(self) -> int:
+        """Query rows per request in every step: ``topk`` branches × the step contract's
+        tokens per row (one)."""
+        return self.topk * self.contract.q_len(self.config)
+
+    def graph_source(self):
+        """The :class:`~aiter_attn.graph.sources.MultiStepSource` a
+        :class:`~aiter_attn.graph.CudaGraphManager` plans through."""
+        from .graph.sources import MultiStepSource
+
+        return MultiStepSource(self)
+
+    # -- steps ----------------------------------------------------------------------------
+    def step(self, i: int) -> "DraftStep":
+        """A cheap view of draft step ``i`` of the last plan (``forward(q, k, v, layer)``)."""
+        self._check_step(i)
+        return DraftStep(self, i)
+
+    @property
+    def attn_backends(self) -> list:
+        """Deprecated: the step views (:meth:`step`); kept for code written against one
+        backend per step (``attn_backends[i].forward(q, k, v, layer, step_batches[i])``)."""
+        return [DraftStep(self, i) for i in range(self.num_passes)]
+
+    def _check_step(self, i) -> None:
+        if not isinstance(i, int) or not 0 <= i < self.num_passes:
+            raise ValueError(
+                f"step={i!r}; multi-step draft decode with num_steps={self.num_steps} has "
+                f"decode passes 0..{self.num_passes - 1} (the first draft token comes from "
+                "the draft extend).")
+
+    def forward(self, step: int, q, k, v, layer: LayerSpec, save_kv_cache: bool = True, *,
+                sinks=None) -> torch.Tensor:
+        """Attention of ``layer`` in draft step ``step`` of the last plan:
+        ``[rows, num_q_heads * v_head_dim]`` with ``rows = batch · topk`` (one query per
+        branch). ``k``/``v`` ``[rows, Hkv, D]`` are written to the step's slots when
+        ``save_kv_cache``. O(1) checks, then the step's planned kernels launch."""
+        mds = self.step_metadata
+        if not isinstance(step, int) or not 0 <= step < len(mds):
+            if not mds and self.num_passes:
+                raise RuntimeError(
+                    "MultiStepDraftBackend.forward before init_forward_metadata(draft_batch); "
+                    "plan every step once per draft round, before the layers.")
+            self._check_step(step)
+        batch, md = self.step_batches[step], mds[step]
+        if not isinstance(layer, LayerSpec):
+            raise TypeError(f"layer must be a LayerSpec, got {type(layer).__name__}.")
+        self._core._check_qkv(q, k, v, layer, batch)
+        if batch.batch_size == 0:
+            return q.new_zeros(0, layer.num_q_heads * layer.v_head_dim)
+        return self.executor.run(q, k, v, layer, batch, md, save_kv_cache=save_kv_cache,
+                                 sinks=sinks)
 
     # -- buffers ------------------------------------------------------------------------
     def buffer_spec(self, max_bs: int, max_seq_len: Optional[int] = None) -> BufferSpec:
         """Shared buffers for up to ``max_bs`` requests (``max_bs · topk`` rows per step) whose
         committed length is at most ``max_seq_len`` (default ``config.max_context_len``),
-        plus each step planner's own buffers (``step{i}.<name>``, e.g. the SWA page table the
-        SWA step planner translates into), so that a captured plan reads only these."""
+        plus each step's own buffers (``step{i}.<name>``): the step strategy's (e.g. the SWA
+        page table the SWA step planner translates into) and its bound kernels' (split
+        workspaces), so that a captured plan reads only these. A kernel bound later adds its
+        buffers under the same prefix at its first static plan."""
+        limits = self.step_limits(max_bs, max_seq_len)
+        own = self.strategy.buffer_spec(limits.max_bs, limits.max_num_tokens, limits.max_seq_len)
+        own = own.merge(self.executor.kernel_buffer_spec(limits))  # kernels bound so far
+        per_step = {f"{_STEP_PREFIX.format(i)}{k}": v
+                    for i in range(self.num_passes) for k, v in own.buffers.items()}
+        max_seq_len = self.config.max_context_len if max_seq_len is None else max_seq_len
+        return BufferSpec({**self._shared_spec(max_bs, max_seq_len).buffers, **per_step})
+
+    def step_limits(self, max_bs: int, max_seq_len: Optional[int] = None):
+        """The :class:`~aiter_attn.graph.buffers.GraphLimits` of one step for up to
+        ``max_bs`` requests: ``max_bs · topk`` rows of the step contract's one token, KV up
+        to ``max_seq_len + num_steps``."""
         from .graph.buffers import GraphLimits
 
         max_seq_len = self.config.max_context_len if max_seq_len is None else max_seq_len
-        rows = max(max_bs, 1) * self.topk
-        limits = GraphLimits(mode=ForwardMode.DECODE, max_bs=rows, q_len=1,
-                             max_num_tokens=rows, max_seq_len=max_seq_len + self.num_steps)
-        per_step = {}
-        for i, backend in enumerate(self.attn_backends):
-            planner, executor = backend.strategies_for(ForwardMode.DECODE)
-            own = planner.buffer_spec(rows, rows, limits.max_seq_len)
-            own = own.merge(executor.kernel_buffer_spec(limits))  # kernels bound so far
-            per_step.update({f"{_STEP_PREFIX.format(i)}{k}": v for k, v in own.buffers.items()})
-        return BufferSpec({**self._shared_spec(max_bs, max_seq_len).buffers, **per_step})
+        rows = max(max_bs, 1) * self.rows_per_request
+        return GraphLimits(mode=ForwardMode.DECODE, max_bs=rows,
+                           q_len=self.contract.q_len(self.config), max_num_tokens=rows,
+                           max_seq_len=max_seq_len + self.num_steps)
 
     def _shared_spec(self, max_bs: int, max_seq_len: int) -> BufferSpec:
         """The index buffers every step reads (``[num_passes, rows, …]``)."""
@@ -195,7 +278,7 @@ class MultiStepDraftBackend:
     def _validate(self, batch: ForwardBatch, out: Optional[dict]) -> None:
         if not isinstance(batch, ForwardBatch):
             raise TypeError(f"batch must be an aiter_attn.ForwardBatch, got {type(batch).__name__}.")
-        if batch.forward_mode not in (ForwardMode.DECODE, ForwardMode.IDLE):
+        if self.pair.contract(batch.forward_mode).graph_mode != ForwardMode.DECODE:
             raise ValueError(
                 f"multi-step draft decode takes a DECODE batch whose seq_lens are the committed "
                 f"lengths; got forward_mode={batch.forward_mode.name}.")
@@ -251,6 +334,7 @@ class MultiStepDraftBackend:
             out["draft_out_cache_loc"][:steps, :rows], out["draft_block_table"][:steps, :rows])
 
         prefix_cpu = batch.seq_lens_cpu.long().repeat_interleave(topk)
+        q_len = self.contract.q_len(self.config)
         self.step_batches = [
             ForwardBatch(
                 forward_mode=ForwardMode.DECODE,
@@ -259,24 +343,35 @@ class MultiStepDraftBackend:
                 seq_lens_cpu=prefix_cpu + i + 1,
                 out_cache_loc=out["draft_out_cache_loc"][i, :rows],
                 positions=out["draft_positions"][i, :rows],
-                spec_info=SpecInfo(num_draft_tokens=1, topk=topk, qo_indptr=cu,
+                spec_info=SpecInfo(num_draft_tokens=q_len, topk=topk, qo_indptr=cu,
                                    block_table=out["draft_block_table"][i, :rows]),
             )
             for i in range(steps)
         ]
         return self.step_batches
 
-    def init_forward_metadata(self, batch: ForwardBatch, out: Optional[dict] = None):
-        """Plan all passes and make step ``i``'s metadata current in ``attn_backends[i]``.
-
-        Returns the step batches (``attn_backends[i].forward(..., step_batches[i])``).
-        """
+    def init_forward_metadata(self, batch: ForwardBatch,
+                              out: Optional[dict] = None) -> list[ForwardBatch]:
+        """Plan all passes: the shared index tensors (:meth:`plan`), then per step the step
+        strategy's metadata and the step's kernel plans for every bound layer group (under
+        ``out``, step ``i``'s in its ``step{i}.`` buffers). Returns the step batches; run a
+        layer of step ``i`` with :meth:`forward` ``(i, …)``."""
         step_batches = self.plan(batch, out)
-        for i, (backend, step_batch) in enumerate(zip(self.attn_backends, step_batches)):
-            # the step planner's and its kernels' static buffers (never regrown; a kernel's
-            # workspace added at capture stays in ``out`` for every later plan)
+        strategy, executor, debug = self.strategy, self.executor, self._core._debug
+        mds = []
+        for i, step_batch in enumerate(step_batches):
+            # the step's metadata and kernel plans go to its own static buffers (never
+            # regrown; a kernel's workspace added at capture stays in ``out`` for every later
+            # plan of the step)
             step_out = None if out is None else _StepBuffers(out, _STEP_PREFIX.format(i))
-            backend.init_forward_metadata(step_batch, out=step_out)
+            md = strategy.plan(step_batch, step_out)
+            executor.plan_kernels(md, step_batch, step_out)
+            if debug:
+                from .testing.invariants import check_invariants
+
+                check_invariants(md, step_batch, self.ctx)
+            mds.append(md)
+        self.step_metadata = mds
         return step_batches
 
     def init_forward_metadata_out_graph(self, batch: ForwardBatch):
@@ -285,3 +380,44 @@ class MultiStepDraftBackend:
             raise RuntimeError("call init_cuda_graph_state(max_bs) before planning into the "
                                "static buffers.")
         return self.init_forward_metadata(batch, out=self.graph_buffers)
+
+
+class DraftStep:
+    """A view of one draft step of a :class:`MultiStepDraftBackend`'s last plan (no state of
+    its own: cheap to make).
+
+    Attributes:
+        index: the step (``0 ≤ index < num_passes``).
+        batch / metadata: the step's ForwardBatch and AttnMetadata of the last plan.
+    """
+
+    __slots__ = ("ms", "index")
+
+    def __init__(self, ms: MultiStepDraftBackend, index: int):
+        self.ms, self.index = ms, index
+
+    @property
+    def batch(self) -> ForwardBatch:
+        return self.ms.step_batches[self.index]
+
+    @property
+    def metadata(self) -> AttnMetadata:
+        return self.ms.step_metadata[self.index]
+
+    forward_metadata = metadata  # the AttentionBackend name (deprecated attn_backends use)
+
+    def forward(self, q, k, v, layer: LayerSpec, forward_batch: Optional[ForwardBatch] = None,
+                save_kv_cache: bool = True, *, sinks=None) -> torch.Tensor:
+        """:meth:`MultiStepDraftBackend.forward` of this step. ``forward_batch`` (optional,
+        the AttentionBackend signature) must be this step's batch of the last plan."""
+        ms = self.ms
+        if forward_batch is not None and (
+                self.index >= len(ms.step_batches)
+                or forward_batch is not ms.step_batches[self.index]):
+            raise RuntimeError(
+                f"draft step {self.index} got a batch that is not its step batch of the last "
+                "plan; call ms.init_forward_metadata(draft_batch) and pass "
+                f"ms.step_batches[{self.index}] (or no batch).")
+        return ms.forward(self.index, q, k, v, layer, save_kv_cache, sinks=sinks)
+
+    forward_decode = forward

@@ -267,6 +267,18 @@ class BackendConfig:
             (fixed tiles and split sizes, fixed-order reductions, no atomics); only kernels
             declaring the ``batch_invariant`` feature are selected. Costs speed
             (docs/modes.md).
+        kv_scale_granularity: ``"per_layer"`` (default: ``LayerSpec.k_scale``/``v_scale``
+            only) or ``"per_token_head"``: the pool keeps a float32 scale per slot and KV head
+            next to an fp8 cache, writes quantise each (token, head) vector with its own
+            scale and reads dequantise with it (the layer scales on top). fp8 caches on the
+            MHA and SWA architectures only; the pool must be built with the same value
+            (:mod:`aiter_attn.kv_scales`).
+        cascade_min_shared_tokens: cascade (shared-prefix) attention on the MHA and SWA
+            cells (causal layers without a tree mask): runs of consecutive requests whose
+            page tables start with the same page ids over at least this many tokens (rounded
+            up to whole pages) read those pages once for all of the run's queries, merged by
+            LSE with each request's own pages (docs/modes.md). ``None`` or 0 disables it.
+            The grouping is planned on the device per step (no sync, CUDA-graph safe).
     """
 
     page_size: int = attrs.field(default=1, validator=_positive)
@@ -282,10 +294,34 @@ class BackendConfig:
     swa_window: Optional[int] = None
     debug_checks: bool = False
     batch_invariant: bool = False
+    kv_scale_granularity: str = "per_layer"
+    cascade_min_shared_tokens: Optional[int] = None
 
     def __attrs_post_init__(self):
         if self.kv_cache_dtype is None:
             object.__setattr__(self, "kv_cache_dtype", self.dtype)
+        c = self.cascade_min_shared_tokens
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 0):
+            raise ValueError(
+                f"cascade_min_shared_tokens={c!r}; expected None (off), 0 (off) or a positive "
+                "int: the least tokens of identical leading pages a run of requests must "
+                "share for cascade attention, e.g. 1024.")
+        from .kv_scales import PER_TOKEN_HEAD, check_granularity
+
+        check_granularity(self.kv_scale_granularity, kv_dtype=self.kv_cache_dtype,
+                          where="BackendConfig")
+        if self.kv_scale_granularity == PER_TOKEN_HEAD and self.arch not in (AttnArch.MHA,
+                                                                             AttnArch.SWA):
+            raise ValueError(
+                f"BackendConfig.kv_scale_granularity='per_token_head' with arch={self.arch.name}:"
+                " per-(token, head) scales are served on the MHA and SWA architectures (NHD "
+                "pools); MLA's latent cache and the 5-D layout keep one scale per layer. Use "
+                "kv_scale_granularity='per_layer'.")
+
+    @property
+    def per_token_head_scales(self) -> bool:
+        """The pool keeps per-(token, head) fp8 scales (:mod:`aiter_attn.kv_scales`)."""
+        return self.kv_scale_granularity == "per_token_head"
 
     @property
     def max_pages_per_request(self) -> int:

@@ -21,6 +21,9 @@ tokens, eager and CUDA-graph decode); ``--smoke`` runs it on the CPU with tiny s
 The ``mixed`` group (``benchmarks/_mixed.py``, not in the default ``--only``) measures engine
 steps/s with requests arriving while 32 others decode, mixed steps as one forward against
 two (``--smoke --only mixed``: the CPU harness check).
+The ``cascade`` group (``benchmarks/_cascade.py``, not in the default ``--only``) measures
+decode of 64 requests sharing a 4k-token prefix (256 own tokens each) with and without
+cascade attention, tokens/s eager and replayed (``--smoke --only cascade``: the CPU check).
 
 Usage (on the GPU machine)::
 
@@ -29,6 +32,8 @@ Usage (on the GPU machine)::
     python benchmarks/bench_attention.py --only host --out "$OUT"  # host cost + engine
     python benchmarks/bench_attention.py --smoke --out /tmp/x      # CPU: the harness runs
     python benchmarks/bench_attention.py --only mixed --out "$OUT" # engine mixed steps
+    python benchmarks/bench_attention.py --only cascade --out "$OUT"  # shared-prefix decode
+    python benchmarks/bench_attention.py --only cascade --cascade-sweep --out "$OUT"
 
 Writes ``bench_attention.json`` and ``roofline.png`` to ``--out`` and prints the table last.
 """
@@ -50,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _host import host_table, run_host  # noqa: E402
 from _mixed import mixed_table, run_mixed  # noqa: E402
+from _cascade import cascade_table, run_cascade  # noqa: E402
 from _inputs import make_mha, make_mla  # noqa: E402
 from _runners import RUNNERS, Unavailable, configure_aiter, make_ours_mla  # noqa: E402
 
@@ -334,11 +340,20 @@ def _write_mixed(rows, out_dir, meta) -> None:
     print(mixed_table(rows), flush=True)
 
 
+def _write_cascade(rows, out_dir, meta) -> None:
+    with open(os.path.join(out_dir, "bench_cascade.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
+    with open(os.path.join(out_dir, "bench_cascade.md"), "w") as f:
+        f.write(cascade_table(rows) + "\n")
+    print(cascade_table(rows), flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--only", default="decode,prefill,mla,fp8,host",
-                   help="comma list of row groups: decode, prefill, mla, fp8, host, mixed")
+                   help="comma list of row groups: decode, prefill, mla, fp8, host, mixed, "
+                        "cascade")
     p.add_argument("--anchors", default=",".join(ANCHORS))
     p.add_argument("--aiter-wheel", default=None)
     p.add_argument("--rep", type=int, default=60, help="ms of timed repetitions per measurement")
@@ -347,6 +362,8 @@ def main(argv=None):
     p.add_argument("--mla-sweep", action="store_true", help="also time MLA launch configs")
     p.add_argument("--budget-s", type=float, default=0,
                    help="skip the remaining rows after this many seconds (0 = no limit)")
+    p.add_argument("--cascade-sweep", action="store_true",
+                   help="also time launch variants of the cascade shared pass")
     p.add_argument("--flex-prefill", action="store_true", help="flex_attention on prefill too")
     p.add_argument("--host-calls", type=int, default=2000,
                    help="calls per timed round of the host rows (≥ 2,000 for the record)")
@@ -355,6 +372,10 @@ def main(argv=None):
                    help="the host group only, tiny shapes on the CPU (proves the harness runs)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.smoke and "cascade" in args.only.split(","):
+        rows = run_cascade(smoke=True)
+        _write_cascade(rows, args.out, {"smoke": True})
+        return rows
     if args.smoke and "mixed" in args.only.split(","):
         rows = run_mixed(smoke=True)
         _write_mixed(rows, args.out, {"smoke": True})
@@ -395,6 +416,12 @@ def main(argv=None):
     try:
         if "mixed" in groups:
             _write_mixed(run_mixed(), args.out, args.meta)
+    except Exception:
+        traceback.print_exc()
+    try:
+        if "cascade" in groups:
+            _write_cascade(run_cascade(rep=args.rep, graphs=args.graphs,
+                                       sweep=args.cascade_sweep), args.out, args.meta)
     except Exception:
         traceback.print_exc()
     try:

@@ -182,9 +182,9 @@ class Rig:
 
         def fn(batch, inputs):
             return tuple(torch.cat([
-                ms.attn_backends[i].forward(inputs[f"q{l.layer_id}"], inputs[f"k{l.layer_id}"],
-                                            inputs.get(f"v{l.layer_id}"), l, sb)
-                for i, sb in enumerate(ms.step_batches)], dim=1) for l in layers)
+                ms.forward(i, inputs[f"q{l.layer_id}"], inputs[f"k{l.layer_id}"],
+                           inputs.get(f"v{l.layer_id}"), l)
+                for i in range(ms.num_passes)], dim=1) for l in layers)
         return fn
 
     def join_drafting(self, bs: int, max_prefix: int):

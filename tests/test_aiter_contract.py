@@ -248,15 +248,7 @@ def install_fake_aiter(monkeypatch, signatures: dict, label: str) -> list:
     for fn, (mod_path, sig, _) in signatures.items():
         setattr(module(mod_path), fn, Recorder(fn, sig, label, calls, RESULTS.get(fn)))
     module("aiter")
-    A.reset_api()
     return calls
-
-
-@pytest.fixture(autouse=True)
-def _clean_api():
-    A.reset_api()
-    yield
-    A.reset_api()
 
 
 # --------------------------------------------------------------------------------------------
@@ -462,23 +454,44 @@ def test_mla_work_sizes_match_the_wheel_formula(wheel):
 
 
 def test_mla_plans_into_graph_manager_buffers(wheel, monkeypatch):
-    """Buffers a graph manager allocated from mla_buffer_spec are the ones aiter's metadata
-    and decode calls receive; no sizing call happens per step."""
+    """The bound MLA kernel's buffer_spec (sized by aiter's info call, once) gives the graph
+    manager's static buffers; every step's plan fills the work metadata in them with one
+    get_mla_metadata_v1 call and the layer's run hands the same buffers to mla_decode_fwd;
+    no sizing call happens per step."""
+    from aiter_attn.graph.buffers import GraphLimits
+    from aiter_attn.kernels.base import _adhoc_metadata, mla_layer_params, mla_request
+    from aiter_attn.types import ForwardMode
+
     calls = install_fake_aiter(monkeypatch, read_signatures(wheel), wheel.label)
     fp8 = torch.float8_e4m3fnuz
-    spec = A.mla_buffer_spec(8, 1, 4, torch.bfloat16, fp8)  # sizes from aiter's info call
-    bufs = spec.allocate("cpu")
-    A.use_mla_workspace(bufs, 8, 1, 4, torch.bfloat16, fp8, "cpu")
-    calls.clear()
     q, kv, out, kw = _mla(4, fp8, 1)
-    A.aiter_mla_paged_attention(q, kv, out, **kw)
-    names = [n for n, _ in calls]
-    assert names == ["get_mla_metadata_v1", "mla_decode_fwd"]
-    meta, dec = calls[0][1], calls[1][1]
-    assert meta["work_info_set"] is bufs["aiter_mla_work_info_set"]
-    assert meta["work_metadata_ptrs"] is bufs["aiter_mla_work_metadata"]
-    assert dec["work_info_set"] is bufs["aiter_mla_work_info_set"]
-    assert dec["reduce_partial_map"] is bufs["aiter_mla_reduce_partial_map"]
+    kernel = A.AiterMLA(mla_request(q, kv, 512))
+    limits = GraphLimits(mode=ForwardMode.DECODE, max_bs=8, q_len=1, max_num_tokens=8,
+                         max_seq_len=64)
+    bufs = kernel.buffer_spec(limits).allocate("cpu")
+    assert [n for n, _ in calls] == ["get_mla_metadata_info_v1"]
+    params = mla_layer_params(scale=kw["softmax_scale"], device=q.device, kv_lora_rank=512,
+                              num_q_heads=4, head_dim=576, kv_scale=kw["kv_scale"], fp8=True)
+    for step in range(2):
+        calls.clear()
+        md = _adhoc_metadata(q, kv, kw["cu_seqlens_q"], kw["seqused_k"], kw["block_table"],
+                             None, None, 1, 64, "mla_paged_attention")
+        plan = kernel.plan(md, out=bufs)
+        for _ in range(3):  # three layers
+            kernel.run(q, (kv,), plan, params, out)
+        names = [n for n, _ in calls]
+        assert names == ["get_mla_metadata_v1"] + ["mla_decode_fwd"] * 3, names
+        meta, dec = calls[0][1], calls[1][1]
+        work = {n: b for n, b in bufs.items() if n.endswith(("work_info_set", "work_metadata",
+                                                             "reduce_partial_map"))}
+        assert meta["work_info_set"] is plan.work["work_info_set"]
+        assert any(meta["work_info_set"] is b for b in work.values())
+        assert any(meta["work_metadata_ptrs"] is b for b in work.values())
+        assert dec["work_info_set"] is meta["work_info_set"]
+        assert any(dec["reduce_partial_map"] is b for b in work.values())
+        # padded heads through the plan's static buffers; outputs are each head's own query
+        assert dec["q"].data_ptr() == plan.q_pad.data_ptr() and dec["q"].shape[1] == 16
+        torch.testing.assert_close(out, q[..., :512], rtol=0, atol=0)
 
 
 def _mutate(sig: inspect.Signature, param: str, new_name=None) -> inspect.Signature:

@@ -297,7 +297,7 @@ def test_5d_kernel_hands_long_queries_to_the_next_kernel(monkeypatch):
     def never(*a, **k):
         raise AssertionError("pa_decode_gluon must not be called for an extend")
 
-    monkeypatch.setattr(A, "_call", never)
+    monkeypatch.setattr(A.AiterPagedAttention5D, "_call", never)
     plugins.reset_plugins()
     try:
         x = M.vec5d_x(torch.float32)
@@ -317,23 +317,23 @@ def test_5d_kernel_hands_long_queries_to_the_next_kernel(monkeypatch):
 
 
 def test_mla_buffer_spec_for_the_graph_manager():
-    spec = A.mla_buffer_spec(32, 1, 8, torch.bfloat16, E4M3FNUZ, cu_num=80)
+    """The persistent-MLA work metadata as a BufferSpec (no aiter needed with cu_num)."""
+    spec = A.mla_buffer_spec(32, 1, 8, torch.bfloat16, E4M3FNUZ, cu_num=80, prefix="w.")
     names = sorted(spec.buffers)
-    assert names == sorted(A.MLA_BUFFER_PREFIX + n for n in (
+    assert names == sorted("w." + n for n in (
         "work_metadata", "work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map",
         "reduce_partial_map"))
-    assert spec.buffers["aiter_mla_work_indptr"] == ((81,), torch.int32)
-    bufs = spec.allocate("cpu")
-    got = A.use_mla_workspace(bufs, 32, 1, 8, torch.bfloat16, E4M3FNUZ, "cpu")
-    assert got["work_info_set"] is bufs["aiter_mla_work_info_set"]
-    # a smaller batch reuses them; nothing is allocated
-    again = A.reserve_mla_workspace(4, 1, 8, torch.bfloat16, E4M3FNUZ, "cpu")
-    assert again["work_info_set"] is bufs["aiter_mla_work_info_set"]
-    A.reset_api()
+    assert spec.buffers["w.work_indptr"] == ((81,), torch.int32)
     # 16 heads with a bf16 cache use the non-persistent kernel: nothing to reserve
     assert A.mla_buffer_spec(32, 1, 16, torch.bfloat16, torch.bfloat16, cu_num=80).buffers == {}
-    with pytest.raises(ValueError, match="buffers lack"):
-        A.use_mla_workspace({}, 4, 1, 8, torch.bfloat16, E4M3FNUZ, "cpu")
+
+
+def test_the_plugin_keeps_no_module_state():
+    """No module-level workspaces or caches of per-batch data: bound kernel objects own what
+    they plan (issue 13)."""
+    for name in ("_workspaces", "_retired", "_api", "reset_api", "use_mla_workspace",
+                 "reserve_mla_workspace"):
+        assert not hasattr(A, name), name
 
 
 @st.composite

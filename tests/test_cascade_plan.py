@@ -121,3 +121,32 @@ def test_writes_into_given_buffers():
     assert ix.own_block_table.data_ptr() == bufs["own_block_table"].data_ptr()
     assert ix.shared_pages.tolist() == [2, 2, 0]
     assert ix.tiles[0].tolist() == [0, 2, 0, 32]
+
+
+def test_cascade_kernel_plan_is_sync_free():
+    """``CascadeKernel.plan`` (grouping, the wrapped Triton plan over the own pages, the
+    workspaces) on a decode step's metadata planned on ``meta``: no host read anywhere."""
+    from aiter_attn.kernels.cascade import CascadeKernel
+    from aiter_attn.kernels.registry import KernelRequest
+    from aiter_attn.kernels.triton.attention import TritonPagedAttention
+    from aiter_attn.metadata import AttnMetadata, PageTable, QueryLayout
+    from aiter_attn.types import ForwardMode
+
+    meta = dict(device="meta", dtype=torch.int32)
+    bs, width = 5, 9
+    md = AttnMetadata(
+        mode=ForwardMode.DECODE, batch_size=bs,
+        query=QueryLayout(cu_seqlens_q=torch.empty(bs + 1, **meta), max_seqlen_q=1,
+                          num_tokens=bs),
+        pages=PageTable(block_table=torch.empty(bs, width, **meta),
+                        seqused_k=torch.empty(bs, **meta), max_seqlen_k=width * 16,
+                        page_size=16))
+    req = KernelRequest(op="paged_attention", device="meta", dtype=torch.float16,
+                        kv_dtype=torch.float16, head_dim=64, v_head_dim=64, page_size=16,
+                        features=frozenset(), extra=(("q_heads", 8), ("kv_heads", 2)))
+    inner = TritonPagedAttention(req)
+    inner.name = "triton"
+    kernel = CascadeKernel(inner, min_shared_tokens=32, impl="triton")
+    plan = kernel.plan(md)
+    assert plan.cascade and plan.index.tiles.device.type == "meta"
+    assert plan.part_acc.shape[1:] == (bs, 8, 64)

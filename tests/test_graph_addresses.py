@@ -61,8 +61,8 @@ def test_cpu_signature_ignores_host_mirrors():
 def _pointers(mgr, ms) -> dict:
     """Address of every device tensor the captured plan of the step backends reads."""
     out = {}
-    for i, be in enumerate(ms.attn_backends):
-        sig = describe_signature(be.forward_metadata, mgr.source.device)
+    for i, md in enumerate(ms.step_metadata):
+        sig = describe_signature(md, mgr.source.device)
         out.update({f"step{i}{k}": v[1] for k, v in sig.items()
                     if isinstance(v, tuple) and v[0] == "tensor"})
     return out
@@ -140,20 +140,41 @@ def test_multistep_swa_tables_stay_put_under_real_capture():
             rig.leave(r)
 
 
-def test_outgrown_aiter_workspaces_stay_alive():
-    """An eager call that outgrows an aiter workspace gets a new one; the old one (which a
-    captured graph may read) is kept alive, never freed."""
+def test_aiter_plans_keep_static_addresses(monkeypatch):
+    """The aiter kernels keep no module workspaces: under ``out=`` every tensor a plan holds
+    (token indices, last-page lens, the ragged workspace) is a static buffer, at the same
+    address on every re-plan and for a smaller batch; eager plans get their own."""
+    from aiter_attn import ops
+    from aiter_attn.graph.buffers import GraphLimits
     from aiter_attn.kernels import aiter as A
+    from aiter_attn.kernels.base import _adhoc_metadata
 
-    A.reset_api()
-    try:
-        small = A._workspace(("t", "cpu"), 16, "cpu")
-        big = A._workspace(("t", "cpu"), 64, "cpu")
-        assert big.numel() == 64 and small.data_ptr() != big.data_ptr()
-        assert any(t is small for t in A._retired)
-        assert A._workspace(("t", "cpu"), 32, "cpu") is big
-    finally:
-        A.reset_api()
+    from .test_plan_run_mla_aiter import _fake_aiter
+
+    _fake_aiter(monkeypatch)
+    q = torch.zeros(4, 4, 16, dtype=torch.bfloat16)
+    k = torch.zeros(17, 4, 2, 16, dtype=torch.bfloat16)
+    kernel = A.AiterPagedAttention(ops.paged_attention_request(q, k, k))
+    limits = GraphLimits(mode=ForwardMode.DECODE, max_bs=4, q_len=1, max_num_tokens=4,
+                         max_seq_len=16)
+    static = kernel.buffer_spec(limits).allocate("cpu")
+    cu = torch.arange(5, dtype=torch.int32)
+    lens = torch.tensor([3, 16, 9, 1], dtype=torch.int32)
+    bt = torch.arange(1, 17, dtype=torch.int32).view(4, 4)
+
+    def md(bs):
+        return _adhoc_metadata(q[:bs], k, cu[: bs + 1], lens[:bs], bt[:bs], None, None, 1, 16,
+                               "paged_attention")
+
+    def ptrs(plan):
+        return [t.data_ptr() for t in (*plan.kv, plan.workspace)]
+
+    big, small = kernel.plan(md(4), out=static), kernel.plan(md(2), out=static)
+    assert big.route == "paged_attention_ragged"
+    assert ptrs(big) == ptrs(small)
+    statics = {t.data_ptr() for t in static.values()}
+    assert set(ptrs(big)) <= statics
+    assert not set(ptrs(kernel.plan(md(4)))) & statics  # eager: fresh tensors
 
 
 # -- kernel plans: their tensors are part of what a captured graph reads ---------------------
@@ -247,9 +268,8 @@ def test_multistep_kernel_plans_live_in_static_buffers(arch, page):
             fn(batch, inputs)
         else:
             out = [o.clone() for o in mgr.replay(batch, **inputs)]
-            for i, be in enumerate(ms.attn_backends):
-                assert _workspaces(be.forward_metadata) == [want[i]] * len(
-                    be.forward_metadata.kernel_plans), f"step {i}"
+            for i, md in enumerate(ms.step_metadata):
+                assert _workspaces(md) == [want[i]] * len(md.kernel_plans), f"step {i}"
             ms.init_forward_metadata(batch)
             for j, (g, e) in enumerate(zip(out, fn(batch, inputs))):
                 assert torch.equal(g, e), f"layer {j}: replay ≠ eager"
@@ -361,8 +381,8 @@ def test_multistep_triton_split_workspaces_stay_put(arch, monkeypatch):
         else:
             out = [o.clone() for o in mgr.replay(batch, **inputs)]
             ptrs = []
-            for be in ms.attn_backends:
-                for p in be.forward_metadata.kernel_plans.plans.values():
+            for md in ms.step_metadata:
+                for p in md.kernel_plans.plans.values():
                     assert p.split and p.part_acc.data_ptr() in bufs
                     ptrs.append((p.part_acc.data_ptr(), p.part_ml.data_ptr()))
             assert captured is None or ptrs == captured

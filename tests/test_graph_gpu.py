@@ -202,12 +202,35 @@ def test_replays_make_no_host_sync_and_match_eager(arch, mode, topk):
             assert_close_rel(g, e, RTOL_BF16, f"{arch} {mode} bs={bs} layer {i}")
 
 
-@pytest.mark.parametrize("arch", ["mha", "mla", "swa"])
-def test_multi_step_draft_decode_replays_sync_free(arch):
+def _inside_static_buffers(md, buffers: dict, device) -> list:
+    """Paths of ``md``'s kernel-plan device tensors that lie outside every static buffer."""
+    from aiter_attn.graph import describe_signature
+
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+             for t in buffers.values()]
+    bad = []
+    for path, v in describe_signature(md, device).items():
+        if "kernel_plans" in path and isinstance(v, tuple) and v[0] == "tensor":
+            if not any(lo <= v[1] < hi for lo, hi in spans):
+                bad.append(path)
+    return bad
+
+
+@pytest.mark.parametrize("arch,page,topk", [
+    pytest.param("mha", 16, 2, id="mha-page16-topk2"),
+    pytest.param("mla", 16, 2, id="mla-page16-topk2"),
+    pytest.param("swa", 16, 2, id="swa-page16-topk2"),
+    pytest.param("mha", 1, 1, id="mha-page1-chain"),
+    pytest.param("swa", 1, 3, id="swa-page1-topk3"),
+])
+def test_multi_step_draft_decode_replays_sync_free(arch, page, topk):
+    """Captured multi-step draft decode (every step through one strategy pair) replays
+    without a host sync, matches eager, and every step's kernel plans (Triton split
+    workspaces included) read only the manager's static buffers."""
     from aiter_attn import multistep
 
-    spec = SpecDecodeConfig(num_steps=4, topk=2, num_draft_tokens=9)
-    rig = Rig.make(arch, page_size=16, hq=16 if arch == "mla" else 8, hkv=2,
+    spec = SpecDecodeConfig(num_steps=4, topk=topk, num_draft_tokens=9)
+    rig = Rig.make(arch, page_size=page, hq=16 if arch == "mla" else 8, hkv=2,
                    head_dim=512 if arch == "mla" else 128, num_layers=2, max_context_len=512,
                    max_bs=16, spec=spec, dtype=torch.bfloat16, device="cuda", seed=9, rope=64)
     ms = multistep.MultiStepDraftBackend(rig.config, rig.req_pool, rig.kv_pool)
@@ -218,8 +241,11 @@ def test_multi_step_draft_decode_replays_sync_free(arch):
     mgr.capture(fn)
     for bs in (3, 16, 1):
         rows, batch = rig.join_drafting(bs, 300)
-        inputs = rig.random_inputs(batch, num_tokens=bs * 2)  # one row per branch
+        inputs = rig.random_inputs(batch, num_tokens=bs * topk)  # one row per branch
         out = _replay_sync_free(mgr, batch, inputs)
+        for i, md in enumerate(ms.step_metadata):
+            assert not _inside_static_buffers(md, mgr.strategy_buffers("decode"), "cuda"), \
+                f"step {i}"
         ms.init_forward_metadata(batch)
         for i, (g, e) in enumerate(zip(out, fn(batch, inputs))):
             assert_close_rel(g, e, RTOL_BF16, f"multi-step {arch} bs={bs} layer {i}")

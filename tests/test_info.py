@@ -39,3 +39,16 @@ def test_info_text(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "mode × architecture" in out and "mha.decode" in out
+
+
+def test_docs_kv_formats_table_is_current():
+    """docs/modes.md embeds exactly the KV formats table the code prints (regenerate with
+    `aiter-attn info --kv-formats`)."""
+    from aiter_attn.commands.info import kv_formats_markdown, kv_formats_table
+
+    text = DOCS.read_text()
+    embedded = text.split("<!-- kv-formats:start -->\n", 1)[1].split("<!-- kv-formats:end -->", 1)[0]
+    assert embedded.strip() == kv_formats_markdown(kv_formats_table()).strip()
+    rows = {r["format"]: r for r in kv_formats_table()}
+    assert rows["fp8 e5m2"]["archs"] == ["MHA", "MLA", "SWA", "VEC5D"]
+    assert rows["fp8 e5m2, per-(token, head) scales"]["archs"] == ["MHA", "SWA"]

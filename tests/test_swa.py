@@ -349,12 +349,11 @@ def run_multistep_draft(sc, prefixes, topk, steps, rtol, *, copy_pages=True):
     branch_kv = {}
     rows = [(b, k) for b in range(len(prefixes)) for k in range(topk)]
     dtype = sc.config.dtype
-    for i, sb in enumerate(ms.init_forward_metadata(draft)):
-        be = ms.attn_backends[i]
-        assert be.pair_for(ForwardMode.DECODE).name.endswith(".draft_decode_step")
+    assert ms.pair.name.endswith(".draft_decode_step")
+    for i, _ in enumerate(ms.init_forward_metadata(draft)):
         for layer in sc.layers:
             q, k, v = draft_step_inputs(layer, len(rows), dtype, g)
-            out = be.forward(q, k, v, layer, sb)
+            out = ms.forward(i, q, k, v, layer)
             expected = draft_branch_expected(sc, layer, q, k, v, rows, branch_kv)
             assert_close_rel(out, expected, rtol, f"step {i} layer {layer.layer_id}")
 
@@ -390,8 +389,8 @@ def test_swa_draft_step_table_keeps_its_address_across_static_plans():
         draft = ForwardBatch.from_lengths(forward_mode="decode", req_pool_indices=sc.rows,
                                           seq_lens=lens, out_cache_loc=torch.zeros(2))
         ms.init_forward_metadata_out_graph(draft)
-        ptrs.append([be.forward_metadata.extras["swa_pages"].block_table.data_ptr()
-                     for be in ms.attn_backends])
+        ptrs.append([md.extras["swa_pages"].block_table.data_ptr()
+                     for md in ms.step_metadata])
     assert ptrs[0] == ptrs[1]
 
 

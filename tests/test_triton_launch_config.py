@@ -56,3 +56,16 @@ def test_mla_splits_fill_at_most_one_wave(monkeypatch, heads, tokens):
     assert 1 <= splits <= 64
     assert programs * splits <= max(132, programs)
     assert stages * bn * 576 * 2 <= 227 * 1024 - 4096
+
+
+def test_mla_fp8_cache_counts_both_converted_tiles(monkeypatch):
+    """H200, 16 heads, fp8 latent cache, bf16 q: Triton needs the ring plus one converted
+    tile per dot (measured 253,952 B at block_n 64 × 3 stages, over the 232,448 B limit). The
+    config must drop to a pipeline that fits with both tiles counted."""
+    budget = 232448 - 4096
+    monkeypatch.setattr(mla, "_smem_budget", lambda device: budget)
+    monkeypatch.setattr(mla, "num_sms", lambda device: 132)
+    bh, bn, splits, warps, stages = mla.mla_launch_config(
+        16, 1, 4096, torch.device("cpu"), elem_size=2, kv_elem_size=1)
+    assert stages * bn * 576 * 1 + 2 * bn * 576 * 2 <= budget
+    assert (bn, stages) != (64, 3)  # the measured failing configuration

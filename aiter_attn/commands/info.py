@@ -10,7 +10,8 @@ import torch
 
 from ..types import AttnArch, ForwardMode
 
-__all__ = ["add_parser", "collect_info", "mode_arch_table", "table_markdown"]
+__all__ = ["add_parser", "collect_info", "mode_arch_table", "table_markdown", "kv_formats_table",
+           "kv_formats_markdown", "CASCADE_NOTE"]
 
 
 def _kernel_for_cell(kernels, pair, mode, cfg, device: str, dtype: torch.dtype):
@@ -79,6 +80,93 @@ def mode_arch_table(device: str | None = None, dtype: torch.dtype | None = None)
     return rows
 
 
+#: KV-cache formats the table lists: (label, cache dtypes, kv_scale_granularity, scales).
+_KV_FORMATS = [
+    ("fp16 / bf16 / fp32", ("float16", "bfloat16", "float32"), "per_layer",
+     "none (K/V stored as given; k/v scales ignored)"),
+    ("fp8 e4m3", ("float8_e4m3fn",), "per_layer", "`LayerSpec.k_scale`/`v_scale`"),
+    ("fp8 e5m2", ("float8_e5m2",), "per_layer", "`LayerSpec.k_scale`/`v_scale`"),
+    ("fp8 e4m3, per-(token, head) scales", ("float8_e4m3fn",), "per_token_head",
+     "float32 per slot and KV head (pool), layer scales on top"),
+    ("fp8 e5m2, per-(token, head) scales", ("float8_e5m2",), "per_token_head",
+     "float32 per slot and KV head (pool), layer scales on top"),
+]
+
+#: Ops of each architecture family: attention op, KV-write ops, request dims.
+_KV_OPS = [
+    ("MHA/SWA", "paged_attention", ("write_kv", "write_kv_swa"),
+     dict(head_dim=128, v_head_dim=128, page_size=16)),
+    ("VEC5D", "paged_attention_5d", ("write_kv_5d",),
+     dict(head_dim=128, v_head_dim=128, page_size=16)),
+    ("MLA", "mla_paged_attention", ("write_kv",),
+     dict(head_dim=576, v_head_dim=512, page_size=64)),
+]
+_BUILTIN_KERNELS = ("reference", "triton")
+
+
+def kv_formats_table() -> list[dict]:
+    """One row per KV-cache format: its scales, the architectures a ``BackendConfig`` accepts
+    it on, and per architecture family the built-in kernels (reference, Triton) whose declared
+    capabilities serve its attention op and KV writes (on CUDA; device-independent)."""
+    from ..kernels.registry import KernelRequest
+    from ..kv_scales import PER_TOKEN_HEAD, TOKEN_SCALE_FEATURE
+    from ..plugins import kernel_registry
+    from ..types import BackendConfig
+
+    reg = kernel_registry()
+
+    def served(op, dtypes, features, dims):
+        names = []
+        for impl in reg.implementations(op):
+            if impl.name not in _BUILTIN_KERNELS:
+                continue
+            ok = all(impl.capabilities.reject_reason(KernelRequest(
+                op=op, device="cuda", dtype=torch.bfloat16, kv_dtype=getattr(torch, d),
+                features=features, **dims)) is None for d in dtypes)
+            if ok:
+                names.append(impl.name)
+        return ", ".join(sorted(names)) or "—"
+
+    rows = []
+    for label, dtypes, gran, scales in _KV_FORMATS:
+        archs = []
+        for arch in AttnArch:
+            try:
+                BackendConfig(arch=arch, kv_cache_dtype=getattr(torch, dtypes[0]),
+                              kv_scale_granularity=gran)
+                archs.append(arch.name)
+            except ValueError:
+                pass
+        fp8 = dtypes[0].startswith("float8")
+        features = ({"fp8"} if fp8 else set()) | (
+            {TOKEN_SCALE_FEATURE} if gran == PER_TOKEN_HEAD else set())
+        row = {"format": label, "cache_dtype": ", ".join(f"torch.{d}" for d in dtypes),
+               "kv_scale_granularity": gran, "scales": scales, "archs": archs, "kernels": {}}
+        for family, attn_op, write_ops, dims in _KV_OPS:
+            if not set(family.split("/")) & set(archs):
+                row["kernels"][family] = "—"
+                continue
+            attn = served(attn_op, dtypes, features, dims)
+            writes = " / ".join(dict.fromkeys(served(w, dtypes, features, dims)
+                                              for w in write_ops))
+            row["kernels"][family] = f"attention: {attn}; write: {writes}"
+        rows.append(row)
+    return rows
+
+
+def kv_formats_markdown(rows: list[dict]) -> str:
+    """The KV formats table as Markdown (``docs/modes.md`` embeds it)."""
+    fams = [f for f, *_ in _KV_OPS]
+    lines = ["| format | cache dtype | `kv_scale_granularity` | scales | architectures | "
+             + " | ".join(f"{f} kernels" for f in fams) + " |",
+             "| --- " * (5 + len(fams)) + "|"]
+    for r in rows:
+        lines.append(f"| {r['format']} | {r['cache_dtype']} | `{r['kv_scale_granularity']}` | "
+                     f"{r['scales']} | {', '.join(r['archs'])} | "
+                     + " | ".join(r["kernels"][f] for f in fams) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def collect_info() -> dict:
     from ..plugins import kernel_registry, loaded_plugins, skipped_plugins
 
@@ -114,6 +202,8 @@ def collect_info() -> dict:
         "kernels": kernels,
         "table": mode_arch_table(),
         "engine_steps": ENGINE_STEPS_NOTE,
+        "cascade": CASCADE_NOTE,
+        "kv_formats": kv_formats_table(),
     }
 
 
@@ -124,6 +214,16 @@ ENGINE_STEPS_NOTE = (
     "EXTEND forward whose decoding requests are extend rows of query length 1, so one "
     "attention launch per layer (`EngineConfig(mixed_steps=False)`, speculative decoding "
     "and batch-invariant mode run a DECODE forward and an EXTEND forward instead).")
+
+
+#: Cascade attention (issue 16): where it applies and how it is turned on.
+CASCADE_NOTE = (
+    "Cascade attention (`BackendConfig(cascade_min_shared_tokens=N)`, off by default): on "
+    "the MHA and SWA cells whose layers are causal without a tree mask (every row above but "
+    "tree verify), runs of consecutive requests whose page tables start with the same pages "
+    "over ≥ N tokens read those pages once per run, merged by LSE with each request's own "
+    "pages; grouped on the device every step (no sync), CUDA-graph capturable with the "
+    "Triton kernels (eager-only over the reference).")
 
 
 def _print_text(info: dict) -> None:
@@ -147,6 +247,13 @@ def _print_text(info: dict) -> None:
         else:
             print(f"  {r['mode']:<20} {r['arch']:<6} {'-':<24} {'-':<14} {r['why']}")
     print(f"\n{info['engine_steps']}")
+    print(f"\n{info['cascade']}")
+    print("\nKV formats (built-in kernels per architecture family):")
+    for r in info["kv_formats"]:
+        print(f"  {r['format']:<36} {r['kv_scale_granularity']:<15} "
+              f"archs={','.join(r['archs'])}")
+        for fam, k in r["kernels"].items():
+            print(f"      {fam:<8} {k}")
 
 
 def table_markdown(rows: list[dict]) -> str:
@@ -159,13 +266,16 @@ def table_markdown(rows: list[dict]) -> str:
                          f"{r['kernel']} |")
         else:
             lines.append(f"| {r['mode']} | {r['arch']} | — | — | {r['why']} |")
-    lines += ["", ENGINE_STEPS_NOTE]
+    lines += ["", ENGINE_STEPS_NOTE, "", CASCADE_NOTE]
     return "\n".join(lines) + "\n"
 
 
 def run(args) -> int:
     if args.markdown:
         print(table_markdown(mode_arch_table(device=args.device)), end="")
+        return 0
+    if args.kv_formats:
+        print(kv_formats_markdown(kv_formats_table()), end="")
         return 0
     info = collect_info()
     if args.json:
@@ -180,5 +290,7 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--markdown", action="store_true",
                    help="print only the mode × architecture table as Markdown")
+    p.add_argument("--kv-formats", action="store_true",
+                   help="print only the KV-cache formats table as Markdown")
     p.add_argument("--device", default=None, help="device type the table's kernels are for")
     p.set_defaults(func=run)

@@ -102,33 +102,60 @@ def _walk(x: Any, path: str, out: dict, device) -> None:
         out[path] = ("object", type(x).__qualname__)
 
 
+_SCALAR, _TENSOR, _PLANS, _ATTRS, _MAP, _SEQ, _OBJECT = range(7)
+_KINDS: dict = {}
+
+
+def _kind(cls) -> int:
+    """How :func:`_walk` treats instances of ``cls`` (cached per type: the hot path)."""
+    k = _KINDS.get(cls)
+    if k is None:
+        if issubclass(cls, torch.Tensor):
+            k = _TENSOR
+        elif issubclass(cls, _step_plans()):
+            k = _PLANS
+        elif attrs.has(cls):
+            k = _ATTRS
+        elif issubclass(cls, Mapping):
+            k = _MAP
+        elif issubclass(cls, (list, tuple)):
+            k = _SEQ
+        elif issubclass(cls, _SCALARS):
+            k = _SCALAR
+        else:
+            k = _OBJECT
+        _KINDS[cls] = k
+    return k
+
+
 def _fast(x: Any, out: list, device) -> None:
     """The values of :func:`_walk` in the same order, without building paths (hot path)."""
-    if isinstance(x, torch.Tensor):
+    k = _kind(type(x))
+    if k == _SCALAR:
+        out.append(x)
+    elif k == _TENSOR:
         out.append(_frozen(x, device))
-    elif isinstance(x, _step_plans()):
+    elif k == _ATTRS:
+        for name, mirror in _field_names(type(x)):
+            v = getattr(x, name)
+            if mirror and isinstance(v, torch.Tensor):
+                out.append(_host(v))
+            else:
+                _fast(v, out, device)
+    elif k == _SEQ:
+        out.append(len(x))
+        for v in x:
+            _fast(v, out, device)
+    elif k == _MAP:
+        for key in sorted(x, key=str):
+            out.append(key)
+            _fast(x[key], out, device)
+    elif k == _PLANS:
         plans = x.frozen_plans()
         out.append(len(plans))
         for plan in plans:
             out.append(type(plan))
             _fast(plan, out, device)
-    elif attrs.has(type(x)):
-        for name in _field_names(type(x)):
-            v = getattr(x, name)
-            if isinstance(v, torch.Tensor) and _is_mirror(name):
-                out.append(_host(v))
-            else:
-                _fast(v, out, device)
-    elif isinstance(x, Mapping):
-        for k in sorted(x, key=str):
-            out.append(k)
-            _fast(x[k], out, device)
-    elif isinstance(x, (list, tuple)):
-        out.append(len(x))
-        for v in x:
-            _fast(v, out, device)
-    elif isinstance(x, _SCALARS):
-        out.append(x)
     else:
         out.append(("object", type(x).__qualname__))
 
@@ -137,9 +164,10 @@ _FIELDS: dict = {}
 
 
 def _field_names(cls) -> tuple:
+    """``(name, is host mirror)`` of the attrs fields of ``cls`` in the signature."""
     names = _FIELDS.get(cls)
     if names is None:
-        names = _FIELDS[cls] = tuple(f.name for f in attrs.fields(cls)
+        names = _FIELDS[cls] = tuple((f.name, _is_mirror(f.name)) for f in attrs.fields(cls)
                                      if f.metadata.get(SIGNATURE_KEY, True))
     return names
 

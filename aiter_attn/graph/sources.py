@@ -5,11 +5,16 @@ captured mode. A planner has the same ``plan(batch, out=buffers)`` as eager plan
 its buffers from :class:`~aiter_attn.graph.buffers.GraphLimits`, and binds the planned
 metadata where the step function will find it.
 
+A backend names its source itself (``backend.graph_source()``), so nothing here probes
+attributes:
+
 * :class:`BackendSource`: an :class:`~aiter_attn.AttentionBackend`; the planner of a mode is
-  the registry's metadata strategy for ``(mode, config.arch)``.
+  the registry's metadata strategy for ``(mode, config.arch)`` and the kernels its execution
+  strategy bound.
 * :class:`MultiStepSource`: a :class:`~aiter_attn.multistep.MultiStepDraftBackend`; one DECODE
-  planner that plans every draft step at once into the shared step buffers, and binds each
-  step backend to its step batch (``ms.step_batches[i]``).
+  planner that plans every draft step at once (shared index buffers, then each step's metadata
+  and kernel plans through the backend's one strategy pair, step ``i``'s into ``step{i}.``
+  buffers); the step function calls ``ms.forward(i, …)`` per step and layer.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from ..contract import capturable_modes, contract_of
 from ..types import BackendConfig, CGSupport, ForwardMode
 from .buffers import GraphLimits
 
-__all__ = ["BackendSource", "MultiStepSource", "source_for"]
+__all__ = ["BackendSource", "MultiStepSource", "source_for", "check_kernels_capturable"]
 
 
 def _min_support(mode: ForwardMode, pair=None) -> CGSupport:
@@ -32,6 +37,21 @@ def _min_support(mode: ForwardMode, pair=None) -> CGSupport:
     when given)."""
     contract = pair.contract(mode) if pair is not None else contract_of(mode)
     return contract.capture_needs if contract.capture_needs is not None else CGSupport.ALWAYS
+
+
+def check_kernels_capturable(executor, mode: ForwardMode, need: CGSupport, arch,
+                             strategy: str) -> None:
+    """Raise ValueError naming the first kernel bound by ``executor`` whose ``cg_support``
+    is below ``need`` (what capturing ``mode`` needs), and the setting to change."""
+    for group in executor.groups.values():
+        k = group.kernel
+        if k.cg_support < need:
+            raise ValueError(
+                f"kernel {k.name!r} (op {k.op}) serving {mode.name} × {arch.name} via strategy "
+                f"{strategy!r} declares cg_support={k.cg_support.name}; capturing {mode.name} "
+                f"needs {need.name} or stronger. Pick a capturable kernel "
+                "(BackendConfig.kernel_backend / AITER_ATTN_BACKEND, e.g. 'triton') or "
+                f"leave {mode.name} out of CudaGraphManager(modes=...).")
 
 
 class _StrategyPlanner:
@@ -65,17 +85,9 @@ class _StrategyPlanner:
 
     def check_capturable(self) -> None:
         """Raise if a bound kernel of this cell cannot run under CUDA-graph capture."""
-        need = _min_support(self.mode, self.backend.pair_for(self.mode))
-        for group in self.executor.groups.values():
-            k = group.kernel
-            if k.cg_support < need:
-                raise ValueError(
-                    f"kernel {k.name!r} (op {k.op}) serving {self.mode.name} × "
-                    f"{self.backend.config.arch.name} via strategy {self.name!r} declares "
-                    f"cg_support={k.cg_support.name}; capturing {self.mode.name} needs "
-                    f"{need.name} or stronger. Pick a capturable kernel "
-                    "(BackendConfig.kernel_backend / AITER_ATTN_BACKEND, e.g. 'triton') or "
-                    f"leave {self.mode.name} out of CudaGraphManager(modes=...).")
+        check_kernels_capturable(self.executor, self.mode,
+                                 _min_support(self.mode, self.backend.pair_for(self.mode)),
+                                 self.backend.config.arch, self.name)
 
     def bind(self, run_batch: ForwardBatch, metadata) -> None:
         self.backend.bind_forward_metadata(run_batch, metadata)
@@ -128,34 +140,49 @@ class _MultiStepPlanner:
 
     The "metadata" whose frozen parts the manager checks is the list of
     ``(step batch, step metadata)`` pairs: their device tensors are views of the shared step
-    buffers, so they must not move between capture and replay.
+    buffers and their kernel plans live in the ``step{i}.`` buffers, so none may move
+    between capture and replay.
     """
 
     name = "multi_step_draft"
 
     def __init__(self, ms):
         self.ms = ms
+        self.mode = ForwardMode.DECODE
+        need = _min_support(self.mode, ms.pair)
+        if ms.pair.cg_support < need:
+            raise ValueError(
+                f"step strategy {ms.pair.name!r} declares cg_support={ms.pair.cg_support.name}; "
+                f"capturing multi-step draft decode needs {need.name} or stronger. Pass "
+                "MultiStepDraftBackend(step_strategy=) a capturable pair, or run it eagerly.")
 
     def rows_per_request_of(self, limits: GraphLimits) -> int:
-        return self.ms.topk
+        return self.ms.rows_per_request
 
     def buffer_spec(self, limits: GraphLimits) -> BufferSpec:
         return self.ms.buffer_spec(limits.max_bs, limits.max_seq_len)
 
     def plan(self, batch: ForwardBatch, out: dict):
         steps = self.ms.init_forward_metadata(batch, out=out)
-        return [(sb, be.forward_metadata) for sb, be in zip(steps, self.ms.attn_backends)]
+        return list(zip(steps, self.ms.step_metadata))
+
+    def check_capturable(self) -> None:
+        """Raise if a kernel the steps bound cannot run under CUDA-graph capture."""
+        check_kernels_capturable(self.ms.executor, self.mode, _min_support(self.mode,
+                                                                           self.ms.pair),
+                                 self.ms.config.arch, self.ms.pair.name)
 
     def bind(self, run_batch: ForwardBatch, metadata) -> None:
-        """Each step backend was bound to its step batch by the plan itself."""
+        """The plan itself made every step current in the multi-step backend."""
 
 
 class MultiStepSource:
     """Plans multi-step draft decode through a :class:`~aiter_attn.multistep.MultiStepDraftBackend`.
 
     The captured batch is the DECODE batch of committed lengths the draft model continues;
-    the step function runs every draft step, reading ``ms.step_batches[i]`` and calling
-    ``ms.attn_backends[i].forward``. Token inputs have ``topk`` rows per request.
+    the step function runs every draft step, calling ``ms.forward(i, q, k, v, layer)``. Token
+    inputs have ``ms.rows_per_request`` (``topk``) rows per request. The bounds come from the
+    step pair's DECODE contract.
     """
 
     def __init__(self, ms):
@@ -184,17 +211,20 @@ class MultiStepSource:
         return _MultiStepPlanner.name
 
     def contract(self, mode: ForwardMode):
-        return contract_of(mode)
+        """The step pair's contract of ``mode`` (DECODE: one token per branch row)."""
+        return self.ms.pair.contract(mode)
 
 
 def source_for(backend) -> "BackendSource | MultiStepSource":
-    """The adapter for ``backend`` (an AttentionBackend or a MultiStepDraftBackend)."""
+    """The planning adapter of ``backend``: a source as is, else ``backend.graph_source()``
+    (:class:`~aiter_attn.AttentionBackend` → :class:`BackendSource`,
+    :class:`~aiter_attn.multistep.MultiStepDraftBackend` → :class:`MultiStepSource`)."""
     if isinstance(backend, (BackendSource, MultiStepSource)):
         return backend
-    if hasattr(backend, "attn_backends") and hasattr(backend, "step_batches"):
-        return MultiStepSource(backend)  # a MultiStepDraftBackend
-    if not hasattr(backend, "strategies_for"):
+    make = getattr(type(backend), "graph_source", None)
+    if make is None:
         raise TypeError(
-            f"backend must be an aiter_attn.AttentionBackend or a MultiStepDraftBackend, got "
-            f"{type(backend).__name__}.")
-    return BackendSource(backend)
+            f"CudaGraphManager plans through an aiter_attn.AttentionBackend or a "
+            f"MultiStepDraftBackend (or a class whose graph_source() returns a BackendSource / "
+            f"MultiStepSource), got {type(backend).__name__}.")
+    return make(backend)

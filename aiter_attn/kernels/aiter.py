@@ -20,24 +20,32 @@ paged_attention_5d      ``pa_decode_gluon`` (5-D shuffled layout, ≤ 4 query to
                         request; newer releases only)
 ======================  ==========================================================
 
-All argument marshalling is in :mod:`aiter_attn.kernels.aiter_marshal`.
+The attention ops are plan/run kernel objects (:mod:`aiter_attn.kernels.base`), bound once
+per layer group: ``plan(md, out=None)`` (once per step) routes between aiter's functions on
+the step's ``max_seqlen_q``, builds the token-level ``kv_indptr``/``kv_indices`` and
+last-page lengths, the persistent-MLA work metadata (``get_mla_metadata_v1``) and the
+workspaces, eagerly or into the graph manager's static buffers (declared by
+``buffer_spec(limits)``, or added once with ``out.setdefault``); ``run`` only makes the
+aiter call of the planned route. Nothing is allocated per layer call besides what the
+caller's output needs, and the module keeps no state: resolved functions live on the bound
+kernel object. All argument marshalling is in :mod:`aiter_attn.kernels.aiter_marshal`.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 import logging
-import threading
 from typing import Optional
 
+import attrs
 import torch
 
 from ..hookspecs import hookimpl
-from ..types import CGSupport, kv_dequant_scales
-from ..validation import check_scale, unit_stride
+from ..types import FP8_DTYPES, CGSupport
+from ..validation import unit_stride
 from . import aiter_marshal as M
+from .base import AttentionKernel, KernelPlan, MLAKernel, mask_literal, mla_request, plan_hints
 from .registry import Capabilities
 
 __all__ = [
@@ -46,11 +54,12 @@ __all__ = [
     "availability",
     "resolve",
     "accepted_params",
-    "reset_api",
-    "reserve_mla_workspace",
     "mla_buffer_spec",
-    "use_mla_workspace",
-    "MLA_BUFFER_PREFIX",
+    "AiterPagedAttention",
+    "AiterMLA",
+    "AiterPagedAttention5D",
+    "AiterPlan",
+    "AiterMLAPlan",
     "aiter_paged_attention",
     "aiter_mla_paged_attention",
     "aiter_varlen_attention",
@@ -76,10 +85,6 @@ AITER_FUNCTIONS = {
 #: functions some releases lack; the kernels that need them are then not registered.
 OPTIONAL_FUNCTIONS = frozenset({"pa_decode_gluon"})
 
-_lock = threading.Lock()
-_api: dict = {}
-
-
 def availability() -> tuple[bool, str]:
     """``(True, "")`` where the plugin can run, else ``(False, why)``."""
     if getattr(torch.version, "hip", None) is None:
@@ -94,23 +99,17 @@ def availability() -> tuple[bool, str]:
 
 
 def resolve(name: str):
-    """The aiter function ``name`` (imported on first use; raises ``ImportError`` if absent)."""
-    with _lock:
-        if name in _api:
-            return _api[name]
-        errors = []
-        for module in AITER_FUNCTIONS[name]:
-            try:
-                fn = getattr(importlib.import_module(module), name)
-            except (ImportError, AttributeError) as exc:
-                errors.append(f"{module}: {exc}")
-                continue
-            _api[name] = fn
-            return fn
-        raise ImportError(f"aiter has no {name} ({'; '.join(errors)}); upgrade amd-aiter.")
+    """The aiter function ``name`` (raises ``ImportError`` if absent). Not cached here: bound
+    kernel objects resolve their functions once, when bound."""
+    errors = []
+    for module in AITER_FUNCTIONS[name]:
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            errors.append(f"{module}: {exc}")
+    raise ImportError(f"aiter has no {name} ({'; '.join(errors)}); upgrade amd-aiter.")
 
 
-@functools.lru_cache(maxsize=None)
 def _params_of(fn) -> Optional[frozenset]:
     try:
         return frozenset(inspect.signature(fn).parameters)
@@ -123,217 +122,451 @@ def accepted_params(name: str) -> Optional[frozenset]:
     return _params_of(resolve(name))
 
 
-def reset_api() -> None:
-    """Forget resolved functions and workspaces (tests inject a fake ``aiter``)."""
-    with _lock:
-        _api.clear()
-        _workspaces.clear()
-        _retired.clear()
-    _params_of.cache_clear()
-
-
 def _call(call: M.AiterCall):
+    """One call of a function resolved now (the functional, non-attention ops)."""
     return resolve(call.fn)(*call.args, **call.kwargs)
 
 
-# --------------------------------------------------------------------------------------------
-# workspaces: grown on demand in eager mode; reserve them before graph capture. A workspace
-# that is outgrown is kept alive (``_retired``), never freed: a graph captured with it keeps
-# reading valid memory at its captured address whatever eager batches run in between.
-
-_workspaces: dict = {}
-_retired: list = []
-
-
-def _workspace(key, nbytes: int, device) -> torch.Tensor:
-    buf = _workspaces.get(key)
-    if buf is None or buf.numel() < nbytes:
-        if buf is not None:
-            _retired.append(buf)
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        _workspaces[key] = buf
-    return buf
-
-
-#: prefix of the persistent-MLA buffers in a graph manager's BufferSpec.
-MLA_BUFFER_PREFIX = "aiter_mla_"
-
-
-def _mla_key(device, plan, max_seqlen_q, q_dtype, kv_dtype):
-    return ("mla", str(torch.device(device)), plan.padded_heads, int(max_seqlen_q), q_dtype,
-            kv_dtype)
-
-
 def mla_buffer_spec(max_batch: int, max_seqlen_q: int, num_heads: int, q_dtype, kv_dtype, *,
-                    cu_num: Optional[int] = None):
-    """The persistent-MLA work metadata as a graph manager's
-    :class:`~aiter_attn.strategies.base.BufferSpec` (names prefixed ``aiter_mla_``), sized for
-    ``max_batch`` requests of ``max_seqlen_q`` query tokens. Empty when the layer does not use
-    the persistent kernel. Where aiter runs, its ``get_mla_metadata_info_v1`` gives the sizes;
-    elsewhere (planning on the CPU) ``cu_num`` compute units and the 0.1.7 formula do."""
+                    cu_num: Optional[int] = None, prefix: str = "aiter.mla.", info_fn=None):
+    """The persistent-MLA work metadata for ``max_batch`` requests of ``max_seqlen_q`` query
+    tokens as a :class:`~aiter_attn.strategies.base.BufferSpec` (names ``prefix + name``).
+    Empty when the layer does not use the persistent kernel. ``info_fn`` (aiter's
+    ``get_mla_metadata_info_v1``, resolved when not given and ``cu_num`` is ``None``) gives
+    the sizes where aiter runs; elsewhere ``cu_num`` compute units and the 0.1.7 formula."""
     from ..strategies.base import BufferSpec
 
     plan = M.mla_decode_plan(num_heads, kv_dtype, max_seqlen_q)
     if not plan.persistent:
         return BufferSpec({})
+    specs = _mla_work_specs(max_batch, max_seqlen_q, plan, q_dtype, kv_dtype, cu_num=cu_num,
+                            info_fn=info_fn)
+    return BufferSpec({prefix + s.name: (s.shape, s.dtype) for s in specs})
+
+
+def _mla_work_specs(batch, max_q, plan, q_dtype, kv_dtype, *, cu_num=None, info_fn=None):
     info = None
     if cu_num is None:
-        info = _call(M.build_mla_metadata_info_call(
-            max_batch, max_seqlen_q, plan, q_dtype, kv_dtype,
-            params=accepted_params("get_mla_metadata_info_v1")))
-    specs = M.mla_work_buffer_spec(max_batch, max_seqlen_q, plan.padded_heads, kv_dtype,
-                                   cu_num=cu_num or 1, fast_mode=plan.fast_mode, info=info)
-    return BufferSpec({MLA_BUFFER_PREFIX + s.name: (s.shape, s.dtype) for s in specs})
+        fn = info_fn if info_fn is not None else resolve("get_mla_metadata_info_v1")
+        call = M.build_mla_metadata_info_call(batch, max_q, plan, q_dtype, kv_dtype,
+                                              params=_params_of(fn))
+        info = fn(*call.args, **call.kwargs)
+    return M.mla_work_buffer_spec(batch, max_q, plan.padded_heads, kv_dtype,
+                                  cu_num=cu_num or 1, fast_mode=plan.fast_mode, info=info)
 
 
-def use_mla_workspace(buffers, max_batch: int, max_seqlen_q: int, num_heads: int, q_dtype,
-                      kv_dtype, device) -> dict:
-    """Make MLA layers of this shape plan their work metadata into ``buffers`` (allocated by a
-    graph manager from :func:`mla_buffer_spec`) for batches of up to ``max_batch``."""
-    plan = M.mla_decode_plan(num_heads, kv_dtype, max_seqlen_q)
-    names = ("work_metadata", "work_indptr", "work_info_set", "reduce_indptr",
-             "reduce_final_map", "reduce_partial_map")
-    missing = [MLA_BUFFER_PREFIX + n for n in names if MLA_BUFFER_PREFIX + n not in buffers]
-    if missing:
-        raise ValueError(f"buffers lack {missing}; allocate them from mla_buffer_spec(...).")
-    bufs = {n: buffers[MLA_BUFFER_PREFIX + n] for n in names}
-    bufs["_max_batch"] = int(max_batch)
-    key = _mla_key(device, plan, max_seqlen_q, q_dtype, kv_dtype)
-    with _lock:
-        if key in _workspaces:
-            _retired.append(_workspaces[key])  # a captured graph may still read them
-        _workspaces[key] = bufs
-    return bufs
-
-
-def reserve_mla_workspace(max_batch: int, max_seqlen_q: int, num_heads: int, q_dtype,
-                          kv_dtype, device) -> dict:
-    """The persistent-MLA work metadata for up to ``max_batch`` requests: the buffers given to
-    :func:`use_mla_workspace` if they are large enough, else allocated here (once per shape;
-    call it before graph capture to keep allocation out of the captured region)."""
-    plan = M.mla_decode_plan(num_heads, kv_dtype, max_seqlen_q)
-    key = _mla_key(device, plan, max_seqlen_q, q_dtype, kv_dtype)
-    bufs = _workspaces.get(key)
-    if bufs is not None and bufs["_max_batch"] >= max_batch:
-        return bufs
-    spec = mla_buffer_spec(max_batch, max_seqlen_q, num_heads, q_dtype, kv_dtype)
-    return use_mla_workspace(spec.allocate(device), max_batch, max_seqlen_q, num_heads, q_dtype,
-                             kv_dtype, device)
-
-
-def _max_q(cu_seqlens_q: torch.Tensor, max_seqlen_q: Optional[int]) -> int:
-    if max_seqlen_q is not None:
-        return int(max_seqlen_q)
-    # Eager fallback: strategies pass max_seqlen_q from host mirrors; this path syncs.
+def _max_q(cu_seqlens_q: torch.Tensor, hint: Optional[int]) -> int:
+    if hint is not None:
+        return int(hint)
+    # a functional call without max_seqlen_q (eager only; strategies always pass the hint)
     return int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 0
 
 
-def _scale_tensor(scale, device) -> torch.Tensor:
-    check_scale("scale", scale)  # one number: a per-head tensor is refused, never truncated
-    if isinstance(scale, torch.Tensor):
-        return scale.reshape(1).to(device=device, dtype=torch.float32)
-    return torch.tensor([1.0 if scale is None else float(scale)], dtype=torch.float32,
-                        device=device)
+def _static(out, name, shape, dtype, device, cap_rows=None):
+    """``shape`` rows: a fresh tensor (eager, ``out is None``) or the leading rows of the
+    static buffer ``name`` (added once with ``cap_rows`` rows when a kernel bound after the
+    graph manager was built plans into ``out`` for the first time)."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    buf = out.get(name)
+    if buf is None:
+        rows = max(shape[0], cap_rows or 0)
+        buf = out.setdefault(name, torch.empty((rows, *shape[1:]), dtype=dtype, device=device))
+    if tuple(buf.shape[1:]) != tuple(shape[1:]) or buf.shape[0] < shape[0]:
+        raise RuntimeError(
+            f"static buffer {name!r} has shape {tuple(buf.shape)} but this plan needs "
+            f"{tuple(shape)}; build CudaGraphManager after binding the layers so the aiter "
+            "kernel's buffer_spec sizes it.")
+    return buf[: shape[0]]
+
+
+def _max_bs(out, md) -> int:
+    """The largest batch the static buffers serve (their ``cu_seqlens_q``), else this one."""
+    cu = out.get("cu_seqlens_q") if out is not None else None
+    return max(cu.shape[0] - 1 if cu is not None else md.batch_size, md.batch_size, 1)
+
+
+_T = dict(eq=False, repr=False)
+
+
+class _AiterKernel:
+    """What the aiter kernel objects share: functions resolved once per binding (on first
+    use), per-object static-buffer names, the token indices planned into them."""
+
+    FUNCTIONS: tuple = ()
+
+    def _resolve(self):
+        self._fns: dict = {}  # name -> (function, accepted parameter names), on first use
+        self._tag = f"aiter.{self.op}.{id(self):x}."
+
+    def _entry(self, name: str):
+        hit = self._fns.get(name)
+        if hit is None:
+            fn = resolve(name)
+            hit = self._fns[name] = (fn, _params_of(fn))
+        return hit
+
+    def _fn(self, name: str):
+        return self._entry(name)[0]
+
+    def _params(self, name: str) -> Optional[frozenset]:
+        return self._entry(name)[1]
+
+    def _call(self, call: M.AiterCall):
+        return self._entry(call.fn)[0](*call.args, **call.kwargs)
+
+    def _token_indices(self, md, block_table, seqused_k, out):
+        """``(kv_indptr, kv_indices, last_page_lens)`` of the step (1-token pages)."""
+        bs, width = block_table.shape
+        ps = md.pages.page_size
+        dev = block_table.device
+        max_bs = _max_bs(out, md)
+        indptr = _static(out, self._tag + "kv_indptr", (bs + 1,), torch.int32, dev, max_bs + 1)
+        indices = _static(out, self._tag + "kv_indices", (bs * width * ps,), torch.int32, dev,
+                          max_bs * width * ps)
+        ones = _static(out, self._tag + "last_page_lens", (bs,), torch.int32, dev, max_bs)
+        ones.fill_(1)  # block size 1: every last page holds one token
+        kv_indptr, kv_indices = M.token_kv_indices(block_table, seqused_k, ps,
+                                                   kv_indptr=indptr, kv_indices=indices)
+        return kv_indptr, kv_indices, ones
+
+    def _index_spec(self, limits, page_size: int) -> dict:
+        pages = -(-limits.max_seq_len // page_size)
+        return {self._tag + "kv_indptr": ((limits.max_bs + 1,), torch.int32),
+                self._tag + "kv_indices": ((limits.max_bs * pages * page_size,), torch.int32),
+                self._tag + "last_page_lens": ((limits.max_bs,), torch.int32)}
+
+
+def _unit(device) -> torch.Tensor:
+    return torch.ones(1, dtype=torch.float32, device=device)
 
 
 # --------------------------------------------------------------------------------------------
-# kernels (the calling conventions of aiter_attn.kernels.reference)
+# paged_attention
 
 
-def aiter_paged_attention(q, k_cache, v_cache, out, *, cu_seqlens_q, seqused_k, block_table,
-                          softmax_scale, causal=True, window_size=(-1, -1), softcap=0.0,
-                          sinks=None, k_scale=None, v_scale=None, custom_mask=None,
-                          mask_indptr=None, max_seqlen_q=None, max_seqlen_k=None):
-    """``ops.paged_attention`` on aiter; routing in :func:`aiter_marshal.route_paged_attention`."""
-    if custom_mask is not None:
-        raise ValueError("the aiter backend takes no custom_mask (tree verify); its capabilities "
-                         "exclude it, so pick another backend for this call.")
-    cu_seqlens_q, seqused_k, block_table = map(unit_stride,
-                                               (cu_seqlens_q, seqused_k, block_table))
-    fp8 = k_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32)
-    max_q = _max_q(cu_seqlens_q, max_seqlen_q)
-    route = M.route_paged_attention(
-        max_q, causal=causal, has_sinks=sinks is not None, window=window_size, is_fp8=fp8,
-        prefill_params=accepted_params("mha_batch_prefill_func"))
-    k_scale, v_scale = kv_dequant_scales(k_cache.dtype, k_scale, v_scale)  # fp8 only
-    ks = _scale_tensor(k_scale, q.device) if fp8 else None
-    vs = _scale_tensor(v_scale, q.device) if fp8 else None
-    if route == "unified_attention":
-        _call(M.build_unified_attention_call(
-            q, k_cache, v_cache, out, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
-            block_table=block_table, max_seqlen_q=max_q, softmax_scale=softmax_scale,
-            window_size=window_size, softcap=softcap, sinks=sinks, k_scale=ks, v_scale=vs))
-        return out
-    page_size = k_cache.shape[1]
-    kv_indptr, kv_indices = M.token_kv_indices(block_table, seqused_k, page_size)
-    if route == "paged_attention_ragged":
+@attrs.frozen(kw_only=True)
+class AiterPlan(KernelPlan):
+    """One step of :class:`AiterPagedAttention` for one layer group.
+
+    Attributes:
+        route: the aiter function serving the step (:func:`aiter_marshal.route_paged_attention`).
+        args: ``(cu_seqlens_q, seqused_k, block_table)``.
+        kv: ``(kv_indptr, kv_indices, last_page_lens)`` (ragged and prefill routes).
+        workspace: ``paged_attention_ragged``'s uint8 workspace.
+        max_q / max_k / partitions: host integers of the call.
+        unit: float32 ``[1]`` of 1.0 (the ragged kernel's scales on 16-bit caches).
+    """
+
+    route: str
+    args: tuple = attrs.field(**_T)
+    kv: Optional[tuple] = attrs.field(default=None, **_T)
+    workspace: Optional[torch.Tensor] = attrs.field(default=None, **_T)
+    unit: Optional[torch.Tensor] = attrs.field(default=None, **_T)
+    max_q: int
+    max_k: int
+    partitions: int = 0
+
+
+class AiterPagedAttention(_AiterKernel, AttentionKernel):
+    """``paged_attention`` on aiter: ``paged_attention_ragged`` (decode),
+    ``mha_batch_prefill_func`` (prefill/extend), ``unified_attention`` (windows, sinks, fp8
+    extend on releases without ``k_descale``); the route is chosen in ``plan``."""
+
+    op = "paged_attention"
+    FUNCTIONS = ("paged_attention_ragged", "mha_batch_prefill_func", "unified_attention")
+
+    def __init__(self, request=None):
+        super().__init__(request)
+        if request is not None:
+            self._bind(request)
+
+    def _bind(self, request):
+        self._resolve()
+        f = request.features
+        self.causal = "non_causal" not in f
+        self.has_sinks = "sinks" in f
+        self.has_window = "window" in f
+        self.fp8 = request.kv_dtype in FP8_DTYPES
+        extra = dict(request.extra)
+        self.q_heads = extra.get("q_heads")
+        self.v_head_dim = request.v_head_dim or request.head_dim
+        self._unit = None
+
+    def __call__(self, q, k_cache, v_cache, out, **kwargs):
+        if kwargs.get("custom_mask") is not None:
+            raise ValueError("the aiter backend takes no custom_mask (tree verify); its "
+                             "capabilities exclude it, so pick another backend for this call.")
+        if self.request is None:  # the functional convenience: bind to these tensors
+            from ..ops import paged_attention_request
+
+            req = paged_attention_request(
+                q, k_cache, v_cache, window_size=tuple(kwargs.get("window_size", (-1, -1))),
+                softcap=kwargs.get("softcap", 0.0), sinks=kwargs.get("sinks"),
+                causal=kwargs.get("causal", True))
+            return type(self)(req)(q, k_cache, v_cache, out, **kwargs)
+        return super().__call__(q, k_cache, v_cache, out, **kwargs)
+
+    def buffer_spec(self, limits):
+        """Token indices and the ragged workspace for ``limits`` (static under graphs)."""
+        from ..strategies.base import BufferSpec
+
+        req = self.request
+        if req is None:
+            return BufferSpec({})
+        spec = self._index_spec(limits, req.page_size)
+        pages = -(-limits.max_seq_len // req.page_size)
+        nbytes = M.ragged_workspace_bytes(limits.max_bs, self.q_heads, self.v_head_dim,
+                                          pages * req.page_size)
+        spec[self._tag + "workspace"] = ((nbytes,), torch.uint8)
+        return BufferSpec(spec)
+
+    def plan(self, md, out: Optional[dict] = None) -> AiterPlan:
+        """Route on the step's ``max_seqlen_q``; token indices and workspace (no sync with
+        the strategies' host hints)."""
+        if md.mask is not None:
+            raise ValueError("the aiter backend takes no custom_mask (tree verify); its "
+                             "capabilities exclude it, so pick another backend.")
+        query, pages = md.query, md.pages
+        cu, seqused_k, block_table = map(unit_stride, (query.cu_seqlens_q, pages.seqused_k,
+                                                       pages.block_table))
+        hint_q, hint_k = plan_hints(md)
+        max_q = _max_q(cu, hint_q)
         bs, width = block_table.shape
-        max_ctx = width * page_size
-        nbytes = M.ragged_workspace_bytes(bs, q.shape[1], v_cache.shape[3], max_ctx)
-        ones = torch.ones(bs, dtype=torch.int32, device=q.device)
-        _call(M.build_paged_attention_ragged_call(
-            out, _workspace(("ragged", str(q.device)), nbytes, q.device), q, k_cache, v_cache,
-            softmax_scale=softmax_scale, kv_indptr=kv_indptr, kv_indices=kv_indices,
-            kv_last_page_lens=ones, max_num_partitions=M.max_num_partitions(max_ctx),
-            softcap=softcap, k_scale=_scale_tensor(k_scale, q.device),
-            v_scale=_scale_tensor(v_scale, q.device)))  # 1.0 unless the cache is fp8
+        max_ctx = width * pages.page_size
+        max_k = int(hint_k) if hint_k is not None else max_ctx
+        route = M.route_paged_attention(
+            max_q, causal=self.causal, has_sinks=self.has_sinks, has_window=self.has_window,
+            is_fp8=self.fp8, prefill_params=self._params("mha_batch_prefill_func"))
+        common = dict(num_tokens=query.num_tokens, mask_literal=mask_literal(md), route=route,
+                      args=(cu, seqused_k, block_table), max_q=max_q, max_k=max_k)
+        if route == "unified_attention":
+            return AiterPlan(**common)
+        kv = self._token_indices(md, block_table, seqused_k, out)
+        if route == "mha_batch_prefill_func":
+            return AiterPlan(kv=kv, **common)
+        if self._unit is None:
+            self._unit = _unit(cu.device)
+        nbytes = M.ragged_workspace_bytes(bs, self.q_heads, self.v_head_dim, max_ctx)
+        cap = None
+        if out is not None and out.get(self._tag + "workspace") is None:
+            cap = M.ragged_workspace_bytes(_max_bs(out, md), self.q_heads, self.v_head_dim,
+                                           max_ctx)
+        ws = _static(out, self._tag + "workspace", (nbytes,), torch.uint8, cu.device, cap)
+        return AiterPlan(kv=kv, workspace=ws, unit=self._unit,
+                         partitions=M.max_num_partitions(max_ctx), **common)
+
+    def run(self, q, cache, plan: AiterPlan, params, out, lse=None):
+        """The planned route's aiter call; allocates nothing (a prefill release that returns
+        a new tensor is copied into ``out``)."""
+        if q.shape[0] != plan.num_tokens:
+            raise ValueError(f"{self.name}: q has {q.shape[0]} tokens but the plan was made for "
+                             f"{plan.num_tokens}; plan this step's metadata first.")
+        k_cache, v_cache = cache
+        cu, seqused_k, block_table = plan.args
+        ks = params.k_scale_t if params.has_scales else None
+        vs = params.v_scale_t if params.has_scales else None
+        route = plan.route
+        if route == "unified_attention":
+            self._call(M.build_unified_attention_call(
+                q, k_cache, v_cache, out, cu_seqlens_q=cu, seqused_k=seqused_k,
+                block_table=block_table, max_seqlen_q=plan.max_q, softmax_scale=params.scale,
+                window_size=params.window, softcap=params.softcap, sinks=params.sinks,
+                k_scale=ks, v_scale=vs))
+            return out
+        kv_indptr, kv_indices, ones = plan.kv
+        if route == "paged_attention_ragged":
+            self._call(M.build_paged_attention_ragged_call(
+                out, plan.workspace, q, k_cache, v_cache, softmax_scale=params.scale,
+                kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_lens=ones,
+                max_num_partitions=plan.partitions, softcap=params.softcap,
+                k_scale=plan.unit if ks is None else ks,  # 1.0 unless the cache is fp8
+                v_scale=plan.unit if vs is None else vs))
+            return out
+        res = self._call(M.build_mha_batch_prefill_call(
+            q, k_cache, v_cache, cu_seqlens_q=cu, kv_indptr=kv_indptr, kv_indices=kv_indices,
+            max_seqlen_q=plan.max_q, max_seqlen_k=plan.max_k, softmax_scale=params.scale,
+            causal=params.causal and not plan.mask_literal, softcap=params.softcap, out=out,
+            k_scale=ks, v_scale=vs, params=self._params("mha_batch_prefill_func")))
+        if isinstance(res, torch.Tensor) and res.data_ptr() != out.data_ptr():
+            out.copy_(res)
         return out
-    max_k = max_seqlen_k if max_seqlen_k is not None else block_table.shape[1] * page_size
-    res = _call(M.build_mha_batch_prefill_call(
-        q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, kv_indptr=kv_indptr,
-        kv_indices=kv_indices, max_seqlen_q=max_q, max_seqlen_k=max_k,
-        softmax_scale=softmax_scale, causal=causal, softcap=softcap, out=out,
-        k_scale=ks, v_scale=vs, params=accepted_params("mha_batch_prefill_func")))
-    if isinstance(res, torch.Tensor) and res.data_ptr() != out.data_ptr():
-        out.copy_(res)
-    return out
 
 
-def aiter_mla_paged_attention(q, kv_cache, out, *, kv_lora_rank, cu_seqlens_q, seqused_k,
-                              block_table, softmax_scale, causal=True, kv_scale=None,
-                              custom_mask=None, mask_indptr=None, max_seqlen_q=None,
-                              max_seqlen_k=None):
-    """``ops.mla_paged_attention`` on aiter: ``mla_decode_fwd`` for decode-like batches (uniform
-    query length ≤ 4 given by ``max_seqlen_q``), ``mla_prefill_fwd`` otherwise."""
-    if custom_mask is not None or not causal:
-        raise ValueError("the aiter MLA backend serves causal attention without custom masks.")
-    cu_seqlens_q, seqused_k, block_table = map(unit_stride,
-                                               (cu_seqlens_q, seqused_k, block_table))
-    bs = block_table.shape[0]
-    page_size = kv_cache.shape[1]
-    max_q = _max_q(cu_seqlens_q, max_seqlen_q)
-    kv_indptr, kv_indices = M.token_kv_indices(block_table, seqused_k, page_size)
-    ones = torch.ones(bs, dtype=torch.int32, device=q.device)
-    fp8 = kv_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32)
-    kv_scale, _ = kv_dequant_scales(kv_cache.dtype, kv_scale, kv_scale)  # fp8 only
-    if max_q > 4:
-        # mla_prefill_fwd takes no descale: fold it (keys: into the softmax scale; values:
-        # into the output). Extend is never captured, so reading a tensor scale here is allowed.
-        ks = 1.0 if kv_scale is None else float(kv_scale)
-        _call(M.build_mla_prefill_call(
-            q, kv_cache, out, qo_indptr=cu_seqlens_q, kv_indptr=kv_indptr, kv_indices=kv_indices,
-            last_page_lens=ones, max_seqlen_q=max_q, softmax_scale=softmax_scale * ks))
-        if ks != 1.0:
-            out.mul_(ks)
+# --------------------------------------------------------------------------------------------
+# mla_paged_attention
+
+
+@attrs.frozen(kw_only=True)
+class AiterMLAPlan(KernelPlan):
+    """One step of :class:`AiterMLA` for one layer group.
+
+    Attributes:
+        route: ``"mla_decode_fwd"`` (uniform query length ≤ 4) or ``"mla_prefill_fwd"``.
+        args: ``(cu_seqlens_q, kv_indptr, kv_indices, last_page_lens)``.
+        decode: the :class:`~aiter_attn.kernels.aiter_marshal.MLADecodePlan` (decode route).
+        work: the persistent kernel's work metadata, filled by ``get_mla_metadata_v1`` in
+            the plan (``None`` for the non-persistent kernel).
+        q_pad / o_pad: head-padded query and output ``[T, padded, ·]`` (4/8 heads).
+        max_q: host query bound.
+    """
+
+    route: str
+    args: tuple = attrs.field(**_T)
+    decode: Optional[M.MLADecodePlan] = None
+    work: Optional[dict] = attrs.field(default=None, **_T)
+    q_pad: Optional[torch.Tensor] = attrs.field(default=None, **_T)
+    o_pad: Optional[torch.Tensor] = attrs.field(default=None, **_T)
+    max_q: int
+
+
+class AiterMLA(_AiterKernel, MLAKernel):
+    """``mla_paged_attention`` on aiter: ``mla_decode_fwd`` for decode-like steps (uniform
+    query length ≤ 4; persistent mode with ``get_mla_metadata_v1`` work metadata planned once
+    per step; 4/8 heads padded to 16 into planned buffers), ``mla_prefill_fwd`` otherwise."""
+
+    FUNCTIONS = ("mla_decode_fwd", "mla_prefill_fwd", "get_mla_metadata_info_v1",
+                 "get_mla_metadata_v1")
+
+    def __init__(self, request=None):
+        super().__init__(request)
+        if request is not None:
+            self._bind(request)
+
+    def _bind(self, request):
+        self._resolve()
+        self.heads = dict(request.extra).get("heads")
+        self.dim, self.rank = request.head_dim, request.v_head_dim
+        self.q_dtype, self.kv_dtype = request.dtype, request.kv_dtype
+        self.padded, self.repeat = M.mla_head_padding(self.heads)
+        self._sizes: dict = {}  # (batch, max_q) -> work-buffer specs (host ints, once each)
+
+    def __call__(self, q, kv_cache, out, **kwargs):
+        if kwargs.get("custom_mask") is not None or not kwargs.get("causal", True):
+            raise ValueError("the aiter MLA backend serves causal attention without custom "
+                             "masks.")
+        if self.request is None:  # the functional convenience: bind to these tensors
+            req = mla_request(q, kv_cache, kwargs["kv_lora_rank"])
+            return type(self)(req)(q, kv_cache, out, **kwargs)
+        return super().__call__(q, kv_cache, out, **kwargs)
+
+    def _work_specs(self, batch, max_q, dplan):
+        key = (batch, max_q)
+        specs = self._sizes.get(key)
+        if specs is None:
+            specs = self._sizes[key] = _mla_work_specs(
+                batch, max_q, dplan, self.q_dtype, self.kv_dtype,
+                info_fn=self._fn("get_mla_metadata_info_v1"))
+        return specs
+
+    def buffer_spec(self, limits):
+        """Token indices, the persistent kernel's work metadata (sized by aiter's
+        ``get_mla_metadata_info_v1`` for ``limits.max_bs`` requests of ``limits.q_len``
+        queries) and the head-padding buffers, for ``limits``."""
+        from ..strategies.base import BufferSpec
+
+        req = self.request
+        if req is None or limits.q_len > 4:
+            return BufferSpec({})
+        spec = self._index_spec(limits, req.page_size)
+        dplan = M.mla_decode_plan(self.heads, self.kv_dtype, limits.q_len)
+        if dplan.persistent:
+            for s in self._work_specs(limits.max_bs, limits.q_len, dplan):
+                spec[self._tag + s.name] = (s.shape, s.dtype)
+        if self.repeat > 1:
+            spec[self._tag + "q_pad"] = ((limits.max_num_tokens, self.padded, self.dim),
+                                         self.q_dtype)
+            spec[self._tag + "o_pad"] = ((limits.max_num_tokens, self.padded, self.rank),
+                                         self.q_dtype)
+        return BufferSpec(spec)
+
+    def _work(self, out, md, max_q, dplan, device) -> dict:
+        if out is None:
+            return M.allocate_buffers(self._work_specs(max(md.batch_size, 1), max_q, dplan),
+                                      device)
+        names = [self._tag + s.name for s in M.mla_work_buffer_spec(
+            1, 1, 16, self.kv_dtype, cu_num=1)]  # the six names, in aiter's order
+        if any(n not in out for n in names):  # bound after the graph manager was built
+            for s in self._work_specs(_max_bs(out, md), max_q, dplan):
+                out.setdefault(self._tag + s.name,
+                               torch.empty(s.shape, dtype=s.dtype, device=device))
+        return {n[len(self._tag):]: out[n] for n in names}
+
+    def plan(self, md, out: Optional[dict] = None) -> AiterMLAPlan:
+        """Route, token indices and (decode) the work metadata: one
+        ``get_mla_metadata_v1`` call per step, into static buffers under graphs."""
+        if md.mask is not None:
+            raise ValueError("the aiter MLA backend serves causal attention without custom "
+                             "masks; pick another backend for tree verify.")
+        query, pages = md.query, md.pages
+        cu, seqused_k, block_table = map(unit_stride, (query.cu_seqlens_q, pages.seqused_k,
+                                                       pages.block_table))
+        max_q = _max_q(cu, plan_hints(md)[0])
+        kv_indptr, kv_indices, ones = self._token_indices(md, block_table, seqused_k, out)
+        common = dict(num_tokens=query.num_tokens, mask_literal=False, max_q=max_q,
+                      args=(cu, kv_indptr, kv_indices, ones))
+        if max_q > 4:
+            return AiterMLAPlan(route="mla_prefill_fwd", **common)
+        dev = cu.device
+        dplan = M.mla_decode_plan(self.heads, self.kv_dtype, max_q)
+        work = None
+        if dplan.persistent:
+            work = self._work(out, md, max_q, dplan, dev)
+            self._call(M.build_mla_metadata_call(
+                cu, kv_indptr, ones, work, dplan, max_seqlen_qo=max_q, q_dtype=self.q_dtype,
+                kv_dtype=self.kv_dtype, params=self._params("get_mla_metadata_v1")))
+        q_pad = o_pad = None
+        if self.repeat > 1:
+            t = query.num_tokens
+            cap = None if out is None else _max_bs(out, md) * max(query.max_seqlen_q, 1)
+            q_pad = _static(out, self._tag + "q_pad", (t, self.padded, self.dim), self.q_dtype,
+                            dev, cap)
+            o_pad = _static(out, self._tag + "o_pad", (t, self.padded, self.rank),
+                            self.q_dtype, dev, cap)
+        return AiterMLAPlan(route="mla_decode_fwd", decode=dplan, work=work, q_pad=q_pad,
+                            o_pad=o_pad, **common)
+
+    def run(self, q, cache, plan: AiterMLAPlan, params, out, lse=None):
+        """The planned route's aiter call; allocates nothing (padded heads go through the
+        plan's buffers)."""
+        t = q.shape[0]
+        if t != plan.num_tokens:
+            raise ValueError(f"{self.name}: q has {t} tokens but the plan was made for "
+                             f"{plan.num_tokens}; plan this step's metadata first.")
+        kv_cache = cache[0]
+        cu, kv_indptr, kv_indices, ones = plan.args
+        scale = params.k_scale_t if params.has_scales else None  # fp8 caches only
+        if plan.route == "mla_prefill_fwd":
+            # mla_prefill_fwd takes no descale: fold it (keys: into the softmax scale; values:
+            # into the output). Extend is never captured; a tensor scale is read here.
+            ks = params.k_scale if params.has_scales else 1.0
+            ks = float(ks)
+            self._call(M.build_mla_prefill_call(
+                q, kv_cache, out, qo_indptr=cu, kv_indptr=kv_indptr, kv_indices=kv_indices,
+                last_page_lens=ones, max_seqlen_q=plan.max_q,
+                softmax_scale=params.scale * ks))
+            if ks != 1.0:
+                out.mul_(ks)
+            return out
+        r = self.repeat
+        if r > 1:
+            q_in, o = plan.q_pad, plan.o_pad
+            q_in.view(t, self.heads, r, self.dim).copy_(
+                q.unsqueeze(2).expand(t, self.heads, r, self.dim))
+        else:
+            q_in, o = q, out
+        self._call(M.build_mla_decode_call(
+            q_in, kv_cache, o, qo_indptr=cu, kv_indptr=kv_indptr, kv_indices=kv_indices,
+            last_page_lens=ones, max_seqlen_q=plan.max_q, softmax_scale=params.scale,
+            plan=plan.decode, buffers=plan.work, q_scale=scale, kv_scale=scale,
+            params=self._params("mla_decode_fwd")))
+        if r > 1:
+            out.copy_(M.unpad_heads(o, r))
         return out
-    plan = M.mla_decode_plan(q.shape[1], kv_cache.dtype, max_q)
-    bufs = None
-    if plan.persistent:
-        bufs = reserve_mla_workspace(bs, max_q, q.shape[1], q.dtype, kv_cache.dtype, q.device)
-        _call(M.build_mla_metadata_call(
-            cu_seqlens_q, kv_indptr, ones, bufs, plan, max_seqlen_qo=max_q, q_dtype=q.dtype,
-            kv_dtype=kv_cache.dtype, params=accepted_params("get_mla_metadata_v1")))
-    q_in = M.pad_heads(q, plan.repeat)
-    o = out if plan.repeat == 1 else out.new_empty(q.shape[0], plan.padded_heads, out.shape[2])
-    scale = _scale_tensor(kv_scale, q.device) if fp8 else None
-    _call(M.build_mla_decode_call(
-        q_in, kv_cache, o, qo_indptr=cu_seqlens_q, kv_indptr=kv_indptr, kv_indices=kv_indices,
-        last_page_lens=ones, max_seqlen_q=max_q, softmax_scale=softmax_scale, plan=plan,
-        buffers=bufs, q_scale=scale, kv_scale=scale,
-        params=accepted_params("mla_decode_fwd")))
-    if plan.repeat != 1:
-        out.copy_(M.unpad_heads(o, plan.repeat))
-    return out
+
+
+# --------------------------------------------------------------------------------------------
+# varlen_attention (a plain function: not an attention op of the kernel-object machinery)
 
 
 def aiter_varlen_attention(q, k, v, out, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -349,54 +582,119 @@ def aiter_varlen_attention(q, k, v, out, *, cu_seqlens_q, cu_seqlens_k, max_seql
     return out
 
 
-def _fallback_5d(q, k_cache, v_cache, out, why: str, **kwargs):
-    """Run the best non-aiter ``paged_attention_5d`` implementation that serves this call."""
-    from ..plugins import kernel_registry
-    from .registry import KernelRequest
-
-    features = {f for f, on in (("sinks", kwargs.get("sinks") is not None),
-                                ("fp8", k_cache.dtype not in (torch.float16, torch.bfloat16)))
-                if on}
-    req = KernelRequest(op="paged_attention_5d", device=q.device.type, dtype=q.dtype,
-                        kv_dtype=k_cache.dtype, head_dim=q.shape[-1], v_head_dim=out.shape[-1],
-                        page_size=k_cache.shape[3], features=features)
-    for impl in kernel_registry().implementations("paged_attention_5d"):
-        if impl.name != "aiter" and impl.capabilities.reject_reason(req) is None:
-            log.debug("paged_attention_5d: %s; using %s", why, impl.name)
-            return impl.fn(q, k_cache, v_cache, out, **kwargs)
-    raise ValueError(f"aiter's pa_decode_gluon cannot serve this call ({why}) and no other "
-                     "paged_attention_5d kernel is registered; pick another backend.")
+# --------------------------------------------------------------------------------------------
+# paged_attention_5d
 
 
-def aiter_paged_attention_5d(q, k_cache, v_cache, out, *, cu_seqlens_q, seqused_k, block_table,
-                             softmax_scale, causal=True, window_size=(-1, -1), softcap=0.0,
-                             sinks=None, k_scale=None, v_scale=None, custom_mask=None,
-                             mask_indptr=None, max_seqlen_q=None, max_seqlen_k=None):
-    """``paged_attention_5d`` (the calling convention of ``paged_attention_5d_reference``) with
-    ``pa_decode_gluon``: decode/verify with a uniform query length ≤ 4 per request. Other
-    calls (longer or ragged queries) go to the next registered implementation; windows,
-    soft-cap and custom masks are excluded by the capabilities."""
-    cu_seqlens_q, seqused_k, block_table = map(unit_stride,
-                                               (cu_seqlens_q, seqused_k, block_table))
-    kwargs = dict(cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,
-                  softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                  softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-                  custom_mask=custom_mask, mask_indptr=mask_indptr, max_seqlen_q=max_seqlen_q,
-                  max_seqlen_k=max_seqlen_k)
-    bs = block_table.shape[0]
-    max_q = _max_q(cu_seqlens_q, max_seqlen_q)
-    if not 1 <= max_q <= 4 or q.shape[0] != bs * max_q or not causal:
-        return _fallback_5d(q, k_cache, v_cache, out,
-                            f"{q.shape[0]} query tokens for {bs} requests, max {max_q}", **kwargs)
-    fp8 = k_cache.dtype not in (torch.float16, torch.bfloat16)
-    k_scale, v_scale = kv_dequant_scales(k_cache.dtype, k_scale, v_scale)  # fp8 only
-    _call(M.build_pa_decode_gluon_call(
-        out, q, k_cache, v_cache, seqused_k=seqused_k, block_table=block_table,
-        softmax_scale=softmax_scale, query_length=max_q,
-        max_context_len=block_table.shape[1] * k_cache.shape[3], compute_type=out.dtype,
-        k_scale=_scale_tensor(k_scale, q.device) if fp8 else None,
-        v_scale=_scale_tensor(v_scale, q.device) if fp8 else None, sinks=sinks))
-    return out
+@attrs.frozen(kw_only=True)
+class Aiter5DPlan(KernelPlan):
+    """One step of :class:`AiterPagedAttention5D`: ``pa_decode_gluon``'s arguments, or the
+    plan of the next registered kernel (``fallback``) for steps gluon cannot serve."""
+
+    args: tuple = attrs.field(**_T)
+    max_q: int
+    max_ctx: int
+    fallback: Optional[object] = attrs.field(default=None, **_T)
+    inner: Optional[KernelPlan] = None
+
+
+class AiterPagedAttention5D(_AiterKernel, AttentionKernel):
+    """``paged_attention_5d`` with ``pa_decode_gluon``: decode/verify with a uniform query
+    length ≤ 4 per request, causal. Other steps (longer or ragged queries) are planned and
+    run by the next registered ``paged_attention_5d`` kernel, chosen once per binding;
+    windows, soft-cap and custom masks are excluded by the capabilities."""
+
+    op = "paged_attention_5d"
+    FUNCTIONS = ("pa_decode_gluon",)
+
+    def __init__(self, request=None):
+        super().__init__(request)
+        if request is not None:
+            self._resolve()
+            self._next = None
+
+    def __call__(self, q, k_cache, v_cache, out, **kwargs):
+        if self.request is None:
+            from ..strategies.vec5d import paged_attention_5d_request
+
+            req = paged_attention_5d_request(
+                q, k_cache, v_cache, window_size=tuple(kwargs.get("window_size", (-1, -1))),
+                softcap=kwargs.get("softcap", 0.0), sinks=kwargs.get("sinks"),
+                causal=kwargs.get("causal", True), custom_mask=kwargs.get("custom_mask"))
+            return type(self)(req)(q, k_cache, v_cache, out, **kwargs)
+        return super().__call__(q, k_cache, v_cache, out, **kwargs)
+
+    def _fallback(self, why: str):
+        """The best non-aiter ``paged_attention_5d`` kernel serving the request (bound once)."""
+        if self._next is None:
+            from ..plugins import kernel_registry
+
+            for impl in kernel_registry().implementations("paged_attention_5d"):
+                if impl.name != "aiter" and impl.capabilities.reject_reason(self.request) is None:
+                    log.debug("paged_attention_5d: %s; using %s", why, impl.name)
+                    self._next = impl.bind(self.request)
+                    break
+            else:
+                raise ValueError(f"aiter's pa_decode_gluon cannot serve this call ({why}) and "
+                                 "no other paged_attention_5d kernel is registered; pick "
+                                 "another backend.")
+        return self._next
+
+    def buffer_spec(self, limits):
+        from ..strategies.base import BufferSpec
+
+        return BufferSpec({})
+
+    def plan(self, md, out: Optional[dict] = None) -> Aiter5DPlan:
+        query, pages = md.query, md.pages
+        cu, seqused_k, block_table = map(unit_stride, (query.cu_seqlens_q, pages.seqused_k,
+                                                       pages.block_table))
+        bs = block_table.shape[0]
+        max_q = _max_q(cu, plan_hints(md)[0])
+        causal = "non_causal" not in self.request.features and md.mask is None
+        common = dict(num_tokens=query.num_tokens, mask_literal=mask_literal(md),
+                      args=(seqused_k, block_table), max_q=max_q,
+                      max_ctx=block_table.shape[1] * pages.page_size)
+        if not 1 <= max_q <= 4 or query.num_tokens != bs * max_q or not causal:
+            nxt = self._fallback(f"{query.num_tokens} query tokens for {bs} requests, max "
+                                 f"{max_q}")
+            return Aiter5DPlan(fallback=nxt, inner=nxt.plan(md, out), **common)
+        return Aiter5DPlan(**common)
+
+    def run(self, q, cache, plan: Aiter5DPlan, params, out, lse=None):
+        if plan.fallback is not None:
+            return plan.fallback.run(q, cache, plan.inner, params, out, lse=lse)
+        if q.shape[0] != plan.num_tokens:
+            raise ValueError(f"{self.name}: q has {q.shape[0]} tokens but the plan was made for "
+                             f"{plan.num_tokens}; plan this step's metadata first.")
+        k_cache, v_cache = cache
+        seqused_k, block_table = plan.args
+        self._call(M.build_pa_decode_gluon_call(
+            out, q, k_cache, v_cache, seqused_k=seqused_k, block_table=block_table,
+            softmax_scale=params.scale, query_length=plan.max_q, max_context_len=plan.max_ctx,
+            compute_type=out.dtype,
+            k_scale=params.k_scale_t if params.has_scales else None,
+            v_scale=params.v_scale_t if params.has_scales else None, sinks=params.sinks))
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# the functional conveniences (the op's keyword convention; one binding per call)
+
+
+def aiter_paged_attention(q, k_cache, v_cache, out, **kwargs):
+    """``ops.paged_attention`` on aiter in one call (:class:`AiterPagedAttention`)."""
+    return AiterPagedAttention()(q, k_cache, v_cache, out, **kwargs)
+
+
+def aiter_mla_paged_attention(q, kv_cache, out, **kwargs):
+    """``ops.mla_paged_attention`` on aiter in one call (:class:`AiterMLA`)."""
+    return AiterMLA()(q, kv_cache, out, **kwargs)
+
+
+def aiter_paged_attention_5d(q, k_cache, v_cache, out, **kwargs):
+    """``paged_attention_5d`` on aiter in one call (:class:`AiterPagedAttention5D`)."""
+    return AiterPagedAttention5D()(q, k_cache, v_cache, out, **kwargs)
 
 
 def _paged_predicate(req) -> Optional[str]:
@@ -451,13 +749,10 @@ def capabilities() -> dict:
 
 
 _KERNELS = {
-    "paged_attention": (aiter_paged_attention, ("paged_attention_ragged",
-                                                "mha_batch_prefill_func", "unified_attention")),
-    "mla_paged_attention": (aiter_mla_paged_attention,
-                            ("mla_decode_fwd", "mla_prefill_fwd", "get_mla_metadata_info_v1",
-                             "get_mla_metadata_v1")),
+    "paged_attention": (AiterPagedAttention, AiterPagedAttention.FUNCTIONS),
+    "mla_paged_attention": (AiterMLA, AiterMLA.FUNCTIONS),
     "varlen_attention": (aiter_varlen_attention, ("flash_attn_varlen_func",)),
-    "paged_attention_5d": (aiter_paged_attention_5d, ("pa_decode_gluon",)),
+    "paged_attention_5d": (AiterPagedAttention5D, AiterPagedAttention5D.FUNCTIONS),
 }
 
 #: above the portable Triton kernels (100) on ROCm.

@@ -329,16 +329,19 @@ def vec5d_x(dtype: torch.dtype) -> int:
 
 
 def route_paged_attention(max_seqlen_q: int, *, causal: bool = True, has_sinks: bool = False,
-                          window: tuple = (-1, -1), is_fp8: bool = False,
+                          window: tuple = (-1, -1), has_window: bool = False,
+                          is_fp8: bool = False,
                           prefill_params: Optional[frozenset] = None) -> str:
-    """Which aiter function serves a ``paged_attention`` call.
+    """Which aiter function serves a ``paged_attention`` call (a kernel object decides once
+    per step, in its plan, from its layer group's features and the step's ``max_seqlen_q``).
 
-    Sinks and sliding windows go to ``unified_attention`` (it takes both; it is causal only).
-    Single-token decode goes to ``paged_attention_ragged``; longer queries to
-    ``mha_batch_prefill_func``, unless the cache is fp8 and the installed release of that
-    function takes no ``k_descale`` (then ``unified_attention``, which dequantises).
+    Sinks and sliding windows (``window`` other than ``(-1, -1)``, or ``has_window``) go to
+    ``unified_attention`` (it takes both; it is causal only). Single-token decode goes to
+    ``paged_attention_ragged``; longer queries to ``mha_batch_prefill_func``, unless the
+    cache is fp8 and the installed release of that function takes no ``k_descale`` (then
+    ``unified_attention``, which dequantises).
     """
-    special = has_sinks or tuple(window) != (-1, -1)
+    special = has_sinks or has_window or tuple(window) != (-1, -1)
     if special:
         if not causal:
             raise ValueError("aiter serves sinks and sliding windows only with causal=True "

@@ -35,6 +35,10 @@ __all__ = [
     "KernelPlan",
     "AttentionKernel",
     "FunctionKernel",
+    "MLAKernel",
+    "MLAFunctionKernel",
+    "mla_layer_params",
+    "mla_request",
     "StepPlans",
     "MEMO",
     "ATTENTION_OPS",
@@ -42,9 +46,10 @@ __all__ = [
     "plan_hints",
 ]
 
-#: Ops whose implementations are attention kernels (``run(q, (k_cache, v_cache), plan,
-#: params, out)``); every other op stays a plain function.
-ATTENTION_OPS = frozenset({"paged_attention", "paged_attention_5d"})
+#: Ops whose implementations are attention kernels (``run(q, cache, plan, params, out)``;
+#: ``cache`` is ``(k_cache, v_cache)``, or ``(kv_cache,)`` for ``mla_paged_attention``);
+#: every other op stays a plain function.
+ATTENTION_OPS = frozenset({"paged_attention", "paged_attention_5d", "mla_paged_attention"})
 
 
 def _scale_tensor(value, device) -> torch.Tensor:
@@ -69,6 +74,9 @@ class LayerParams:
         k_scale_t / v_scale_t: the same as 1-element float32 device tensors (made once).
         has_scales: the cache is fp8: kernels apply the scales (never on other caches).
         num_q_heads, num_kv_heads, head_dim, v_head_dim: the layer's shape on this rank.
+        k_scale_cache / v_scale_cache: per-(token, head) scales of the layer's fp8 cache,
+            float32 ``[pages, page_size, kv_heads]`` (the pool's buffers, fixed addresses), or
+            ``None``; applied on top of the layer scales (:mod:`aiter_attn.kv_scales`).
     """
 
     scale: float
@@ -85,15 +93,37 @@ class LayerParams:
     num_kv_heads: int = 0
     head_dim: int = 0
     v_head_dim: int = 0
+    k_scale_cache: Optional[torch.Tensor] = attrs.field(default=None, eq=False, repr=False)
+    v_scale_cache: Optional[torch.Tensor] = attrs.field(default=None, eq=False, repr=False)
+
+    @property
+    def token_scales(self) -> bool:
+        """Per-(token, head) scale caches are attached."""
+        return self.k_scale_cache is not None
+
+    def scale_cache_kwargs(self) -> dict:
+        """``{"k_scale_cache": …, "v_scale_cache": …}`` when attached, else ``{}`` (functions
+        that do not declare the feature never see the keywords)."""
+        if self.k_scale_cache is None:
+            return {}
+        return {"k_scale_cache": self.k_scale_cache, "v_scale_cache": self.v_scale_cache}
 
     @classmethod
     def create(cls, *, scale, device, window=(-1, -1), softcap=0.0, causal=True, sinks=None,
                k_scale=None, v_scale=None, fp8=False, num_q_heads=0, num_kv_heads=0,
-               head_dim=0, v_head_dim=0) -> "LayerParams":
+               head_dim=0, v_head_dim=0, k_scale_cache=None,
+               v_scale_cache=None) -> "LayerParams":
         """Normalise the constants once: floats, tuples, device scale tensors (k/v scales
         must be single numbers), sinks with unit stride (the kernels index them so). k/v
         scales dequantise fp8 caches only (:func:`aiter_attn.types.kv_dequant_scales`): with
-        ``fp8=False`` they are dropped."""
+        ``fp8=False`` they are dropped. ``k_scale_cache``/``v_scale_cache``: per-(token,
+        head) scales (fp8 only: refused on other caches, where nothing is quantised)."""
+        if (k_scale_cache is not None or v_scale_cache is not None) and not fp8:
+            raise ValueError(
+                "k_scale_cache/v_scale_cache given for a cache that is not fp8: per-(token, "
+                "head) scales dequantise fp8 caches only.")
+        if (k_scale_cache is None) != (v_scale_cache is None):
+            raise ValueError("k_scale_cache and v_scale_cache go together; pass both or neither.")
         check_scale("k_scale", k_scale)
         check_scale("v_scale", v_scale)
         sinks = unit_stride(sinks)
@@ -110,14 +140,17 @@ class LayerParams:
             k_scale_t=_scale_tensor(ks, device) if has_scales else None,
             v_scale_t=_scale_tensor(vs, device) if has_scales else None,
             has_scales=has_scales, num_q_heads=int(num_q_heads),
-            num_kv_heads=int(num_kv_heads), head_dim=int(head_dim), v_head_dim=int(v_head_dim))
+            num_kv_heads=int(num_kv_heads), head_dim=int(head_dim), v_head_dim=int(v_head_dim),
+            k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
 
     @classmethod
     def from_spec(cls, layer, device, *, fp8: bool = False, sinks=None, window=None,
-                  causal=None) -> "LayerParams":
+                  causal=None, kv_scales=None) -> "LayerParams":
         """The params of a :class:`~aiter_attn.types.LayerSpec` (``sinks``/``window``/
         ``causal`` override the spec's: a strategy folding a window into a tree mask passes
-        ``window=(-1, -1)``)."""
+        ``window=(-1, -1)``; ``kv_scales``: the pool's per-(token, head) ``(k_scales,
+        v_scales)`` of the layer, or ``None``)."""
+        ksc, vsc = kv_scales if kv_scales is not None else (None, None)
         return cls.create(
             scale=layer.scaling, device=device,
             window=layer.window_size() if window is None else window,
@@ -126,7 +159,8 @@ class LayerParams:
             sinks=layer.sinks if sinks is None else sinks,
             k_scale=layer.k_scale, v_scale=layer.v_scale, fp8=fp8,
             num_q_heads=layer.num_q_heads, num_kv_heads=layer.num_kv_heads,
-            head_dim=layer.head_dim, v_head_dim=layer.v_head_dim)
+            head_dim=layer.head_dim, v_head_dim=layer.v_head_dim, k_scale_cache=ksc,
+            v_scale_cache=vsc)
 
     def with_sinks(self, sinks) -> "LayerParams":
         return attrs.evolve(self, sinks=unit_stride(sinks))
@@ -234,16 +268,22 @@ class AttentionKernel:
     def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seqused_k, block_table,
                  softmax_scale, causal=True, window_size=(-1, -1), softcap=0.0, sinks=None,
                  k_scale=None, v_scale=None, custom_mask=None, mask_indptr=None,
-                 max_seqlen_q=None, max_seqlen_k=None, lse=None):
-        """The functional keyword convention (one-off calls): plan from the arguments, run."""
+                 max_seqlen_q=None, max_seqlen_k=None, lse=None, k_scale_cache=None,
+                 v_scale_cache=None):
+        """The functional keyword convention (one-off calls): plan from the arguments, run.
+        ``k_scale_cache``/``v_scale_cache``: per-(token, head) scales (kernels declaring the
+        ``kv_scale_per_token_head`` feature; checked here)."""
         md = _adhoc_metadata(q, k_cache, cu_seqlens_q, seqused_k, block_table, custom_mask,
                              mask_indptr, max_seqlen_q, max_seqlen_k, self.op)
+        from ..kv_scales import check_token_scale_caches
         from ..types import FP8_DTYPES
 
+        check_token_scale_caches(k_cache, v_cache, k_scale_cache, v_scale_cache)
         params = LayerParams.create(
             scale=softmax_scale, device=q.device, window=window_size, softcap=softcap,
             causal=causal, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-            fp8=k_cache.dtype in FP8_DTYPES)
+            fp8=k_cache.dtype in FP8_DTYPES, k_scale_cache=k_scale_cache,
+            v_scale_cache=v_scale_cache)
         return self.run(q, (k_cache, v_cache), self.plan(md), params, out, lse=lse)
 
 
@@ -328,6 +368,7 @@ class FunctionKernel(AttentionKernel):
         causal = params.causal and not plan.mask_literal
         extra = {} if lse is None else {"lse": lse}  # functions without the feature lack it
         extra.update(self._flags())
+        extra.update(params.scale_cache_kwargs())
         return type(self).fn(
             q, k_cache, v_cache, out,
             cu_seqlens_q=plan.cu_seqlens_q, seqused_k=plan.seqused_k,
@@ -349,7 +390,89 @@ class FunctionKernel(AttentionKernel):
         return {}
 
 
+def mla_layer_params(*, scale, device, kv_lora_rank: int, num_q_heads: int = 0,
+                     head_dim: int = 0, kv_scale=None, fp8: bool = False,
+                     causal: bool = True) -> LayerParams:
+    """The :class:`LayerParams` of an absorbed-MLA layer: one latent KV head, values its first
+    ``kv_lora_rank`` dims (``v_head_dim``), ``kv_scale`` the fp8 dequantisation scale of keys
+    and values alike (``k_scale``/``v_scale``; dropped unless ``fp8``)."""
+    return LayerParams.create(scale=scale, device=device, causal=causal, k_scale=kv_scale,
+                              v_scale=kv_scale, fp8=fp8, num_q_heads=num_q_heads,
+                              num_kv_heads=1, head_dim=head_dim, v_head_dim=kv_lora_rank)
+
+
+def mla_request(q, kv_cache, kv_lora_rank: int, *, custom_mask: bool = False,
+                lse: bool = False, batch_invariant: bool = False):
+    """The :class:`~aiter_attn.kernels.registry.KernelRequest` of an ``mla_paged_attention``
+    call on these tensors (the key :func:`aiter_attn.ops.mla_paged_attention` builds)."""
+    from .registry import KernelRequest
+    from ..types import FP8_DTYPES
+
+    features = {"fp8"} if kv_cache.dtype in FP8_DTYPES else set()
+    for name, on in (("custom_mask", custom_mask), ("lse", lse),
+                     ("batch_invariant", batch_invariant)):
+        if on:
+            features.add(name)
+    return KernelRequest(
+        op="mla_paged_attention", device=q.device.type, dtype=q.dtype, kv_dtype=kv_cache.dtype,
+        head_dim=q.shape[2], v_head_dim=kv_lora_rank, page_size=kv_cache.shape[1],
+        features=features, extra=(("heads", q.shape[1]),))
+
+
+class MLAKernel(AttentionKernel):
+    """Base of ``mla_paged_attention`` kernel objects (absorbed MLA over a latent cache).
+
+    The plan/run shape of :class:`AttentionKernel`, with ``cache = (kv_cache,)``: kv_cache
+    ``[pages, page_size, 1, kv_lora_rank + rope]``; q ``[T, H, kv_lora_rank + rope]``; out
+    ``[T, H, kv_lora_rank]``; ``params`` from :func:`mla_layer_params` (``params.k_scale`` /
+    ``k_scale_t`` is the latent cache's fp8 scale, ``params.v_head_dim`` the ``kv_lora_rank``).
+    ``__call__`` is the op's functional keyword convention (that of
+    :func:`aiter_attn.kernels.reference.mla_paged_attention_reference`).
+    """
+
+    op = "mla_paged_attention"
+
+    def __call__(self, q, kv_cache, out, *, kv_lora_rank, cu_seqlens_q, seqused_k, block_table,
+                 softmax_scale, causal=True, kv_scale=None, custom_mask=None, mask_indptr=None,
+                 max_seqlen_q=None, max_seqlen_k=None, lse=None, batch_invariant=False):
+        """One functional call: plan from the arguments, run."""
+        from ..types import FP8_DTYPES
+
+        md = _adhoc_metadata(q, kv_cache, cu_seqlens_q, seqused_k, block_table, custom_mask,
+                             mask_indptr, max_seqlen_q, max_seqlen_k, self.op)
+        params = mla_layer_params(scale=softmax_scale, device=q.device,
+                                  kv_lora_rank=kv_lora_rank, num_q_heads=q.shape[1],
+                                  head_dim=q.shape[2], kv_scale=kv_scale,
+                                  fp8=kv_cache.dtype in FP8_DTYPES, causal=causal)
+        return self.run(q, (kv_cache,), self.plan(md), params, out, lse=lse)
+
+
+class MLAFunctionKernel(FunctionKernel):
+    """:class:`FunctionKernel` for ``mla_paged_attention``: run makes the MLA keyword call
+    (``fn(q, kv_cache, out, kv_lora_rank=…, …)``)."""
+
+    op = "mla_paged_attention"
+
+    def run(self, q, cache, plan, params, out, lse=None):
+        extra = {} if lse is None else {"lse": lse}
+        extra.update(self._flags())
+        return type(self).fn(
+            q, cache[0], out, kv_lora_rank=out.shape[-1],
+            cu_seqlens_q=plan.cu_seqlens_q, seqused_k=plan.seqused_k,
+            block_table=plan.block_table, softmax_scale=params.scale,
+            causal=params.causal and not plan.mask_literal,
+            kv_scale=params.k_scale if params.has_scales else None,
+            custom_mask=plan.custom_mask, mask_indptr=plan.mask_indptr,
+            max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k, **extra)
+
+    def __call__(self, *args, **kwargs):
+        flags = {k: v for k, v in self._flags().items() if k not in kwargs}
+        return type(self).fn(*args, **kwargs, **flags)
+
+
 def function_kernel(fn, op: str) -> type:
-    """A :class:`FunctionKernel` subclass around ``fn`` (one per registration)."""
-    return type(f"FunctionKernel[{getattr(fn, '__name__', 'fn')}]", (FunctionKernel,),
+    """A :class:`FunctionKernel` subclass around ``fn`` (one per registration;
+    :class:`MLAFunctionKernel` for ``mla_paged_attention``)."""
+    base = MLAFunctionKernel if op == "mla_paged_attention" else FunctionKernel
+    return type(f"{base.__name__}[{getattr(fn, '__name__', 'fn')}]", (base,),
                 {"fn": staticmethod(fn), "op": op})

@@ -5,8 +5,8 @@ For the attention ops (:data:`INVARIANT_OPS`) every request gains the ``batch_in
 feature, so only kernels that declare it are chosen (the reference and the Triton kernels; a
 plugin kernel that does not declare it is passed over with that reason). A kernel object
 (``Selection.bind``) is bound to the request with the feature, and plans batch-invariant
-launches; a plain function (``Selection.fn``, e.g. ``mla_paged_attention``) is called with
-``batch_invariant=True``. Every other op (KV writes, index builders,
+launches; the functional convenience of ``mla_paged_attention`` (``Selection.fn``) is
+called with ``batch_invariant=True``. Every other op (KV writes, index builders,
 ``merge_attention_states``) is elementwise per request already and selects as usual. What
 the Triton kernels do in this mode is in :mod:`aiter_attn.kernels.triton._launch_config`.
 """
@@ -56,7 +56,9 @@ class BatchInvariantKernels:
             return self.registry.select(request, backend=backend, **kwargs)
         sel = self.registry.select(invariant(request), backend=backend, **kwargs)
         impl = sel.impl
-        if impl.kernel_cls is None:  # a plain function (mla_paged_attention): bind the flag
+        if request.op == "mla_paged_attention":
+            # its functional convenience (``impl.fn``, what ops.mla_paged_attention calls)
+            # takes the flag; bound kernel objects get it from the request (``bind`` below)
             impl = attrs.evolve(impl, fn=functools.partial(impl.fn, batch_invariant=True))
         return _InvariantSelection(impl, sel.rejected, sel.check_values)
 

@@ -31,6 +31,7 @@ from typing import Optional
 import attrs
 import torch
 
+from ..graph.signature import SIGNATURE_KEY
 from ..metadata import PageTable
 from ..types import CGSupport, FP8_DTYPES
 from ..validation import check_tensor
@@ -96,7 +97,8 @@ class CascadePlan(KernelPlan):
     part_acc: Optional[torch.Tensor] = attrs.field(default=None, **_T)
     part_ml: Optional[torch.Tensor] = attrs.field(default=None, **_T)
     cfg: dict = attrs.field(factory=dict, **_T)
-    groups: tuple = ()
+    # host groups of the (eager-only) reference path: never read by a graph
+    groups: tuple = attrs.field(default=(), metadata={SIGNATURE_KEY: False})
 
 
 def _on_gpu(device) -> bool:

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from ..hookspecs import hookimpl
+from ..kv_scales import TOKEN_SCALE_FEATURE, check_token_scale_caches
 from ..types import CGSupport, FP8_DTYPES, kv_dequant_scales
 from ..validation import check_paged_index_values, check_scale
 from .registry import Capabilities
@@ -23,6 +24,7 @@ __all__ = [
     "build_page_table_reference",
     "build_ragged_kv_indices_reference",
     "quantize_to_cache",
+    "quantize_per_token_head",
 ]
 
 
@@ -44,6 +46,21 @@ def quantize_to_cache(x: torch.Tensor, dtype: torch.dtype, scale) -> torch.Tenso
         fmax = torch.finfo(dtype).max
         return y.clamp(-fmax, fmax).to(dtype)
     return x.to(dtype)
+
+
+def quantize_per_token_head(x: torch.Tensor, dtype: torch.dtype, scale=None):
+    """Quantise ``x`` ``[T, H, D]`` to the fp8 ``dtype`` with one scale per (token, head):
+    ``s = amax(|x|, D) / (fp8_max · scale)`` (1 where the vector is all zeros) and
+    ``q = saturate(x / (s · scale))``, in float32 (the Triton write does the same operations
+    in the same order). ``scale`` is the layer's scalar scale (None = 1), which a read applies
+    on top: ``q · s · scale``. Returns ``(q [T, H, D] dtype, s float32 [T, H])``."""
+    layer = torch.tensor(_scale_value(scale), dtype=torch.float32, device=x.device)
+    xf = x.float()
+    fmax = torch.tensor(torch.finfo(dtype).max, dtype=torch.float32, device=x.device)
+    s = xf.abs().amax(dim=-1) / (fmax * layer)
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    y = xf / (s * layer).unsqueeze(-1)
+    return y.clamp(-fmax, fmax).to(dtype), s
 
 
 def _gather_request_kv(cache: torch.Tensor, pages: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -76,6 +93,8 @@ def paged_attention_reference(
     max_seqlen_k: Optional[int] = None,
     lse: Optional[torch.Tensor] = None,
     batch_invariant: bool = False,
+    k_scale_cache: Optional[torch.Tensor] = None,
+    v_scale_cache: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Paged attention in float32.
 
@@ -86,6 +105,8 @@ def paged_attention_reference(
     ``s ← c·tanh(s/c)``. With sinks, softmax runs over ``[s, sink_h]`` and the sink column has
     no value. A row with no visible key (and no sink) outputs zeros. ``k_scale``/``v_scale``
     multiply the keys/values read from an fp8 cache; on any other cache they do not apply.
+    ``k_scale_cache``/``v_scale_cache`` (fp8 caches, float32 ``[pages, page_size, Hkv]``):
+    per-(token, head) scales, multiplied on top (:mod:`aiter_attn.kv_scales`).
 
     With ``lse`` (float32 ``[T, Hq]``), also writes ``lse[t, h] = ln Σ exp(s)`` over the visible
     (scaled, soft-capped) logits and the sink: the flash-attn convention; ``-inf`` for a row
@@ -104,6 +125,7 @@ def paged_attention_reference(
         cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table, causal=causal,
         window_size=window_size, custom_mask=custom_mask, mask_indptr=mask_indptr,
         max_seqlen_q=max_seqlen_q)
+    token_scales = check_token_scale_caches(k_cache, v_cache, k_scale_cache, v_scale_cache)
     # k/v scales dequantise fp8 caches only (aiter_attn.types.kv_dequant_scales)
     k_scale, v_scale = kv_dequant_scales(k_cache.dtype, k_scale, v_scale)
     ks, vs = _scale_value(k_scale, "k_scale"), _scale_value(v_scale, "v_scale")
@@ -119,6 +141,9 @@ def paged_attention_reference(
             continue
         k = _gather_request_kv(k_cache, block_table[b], kv_len) * ks  # [L, Hkv, D]
         v = _gather_request_kv(v_cache, block_table[b], kv_len) * vs
+        if token_scales:  # one more factor per (key, head)
+            k = k * _gather_request_kv(k_scale_cache.unsqueeze(-1), block_table[b], kv_len)
+            v = v * _gather_request_kv(v_scale_cache.unsqueeze(-1), block_table[b], kv_len)
         k = k.repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = v.repeat_interleave(group, dim=1)
         qb = q[q0:q1].float()  # [n, Hq, D]
@@ -234,6 +259,8 @@ def write_kv_reference(
     *,
     k_scale=None,
     v_scale=None,
+    k_scale_cache: Optional[torch.Tensor] = None,
+    v_scale_cache: Optional[torch.Tensor] = None,
 ) -> None:
     """Reshape-and-cache: ``cache.flat[slots[t]] = quantise(k[t])`` for every token ``t``.
 
@@ -241,7 +268,21 @@ def write_kv_reference(
     written exactly; a negative slot (a padding row, as in the Triton writer) is skipped;
     every other slot is left byte-identical. No host sync (graph-capturable): skipped rows
     are redirected to the reserved slot 0 and write back its own bytes.
+
+    With ``k_scale_cache``/``v_scale_cache`` (fp8 caches; float32 ``[pages, page_size, H]``)
+    each (token, head) vector is quantised with its own scale
+    (:func:`quantize_per_token_head`), which is stored at the same slot and head.
     """
+    if check_token_scale_caches(k_cache, v_cache if v is not None else None, k_scale_cache,
+                                v_scale_cache if v is not None else None):
+        q, s = quantize_per_token_head(k, k_cache.dtype, k_scale)
+        _write_slots(k_cache, slots, q)
+        _write_slots(k_scale_cache, slots, s)
+        if v_cache is not None and v is not None:
+            q, s = quantize_per_token_head(v, v_cache.dtype, v_scale)
+            _write_slots(v_cache, slots, q)
+            _write_slots(v_scale_cache, slots, s)
+        return
     _write_slots(k_cache, slots, quantize_to_cache(k, k_cache.dtype, k_scale))
     if v_cache is not None and v is not None:
         _write_slots(v_cache, slots, quantize_to_cache(v, v_cache.dtype, v_scale))
@@ -338,7 +379,7 @@ def aiter_attn_register_kernels(register):
     """Register the references: any device, any dtype, every feature; lowest priority."""
     everything = Capabilities(
         features={"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs",
-                  "non_causal", "lse", "batch_invariant"},
+                  "non_causal", "lse", "batch_invariant", TOKEN_SCALE_FEATURE},
         cg_support=CGSupport.NEVER,
     )
     register("paged_attention", "reference", paged_attention_reference, everything, priority=0)
@@ -348,7 +389,9 @@ def aiter_attn_register_kernels(register):
     register("merge_attention_states", "reference", merge_attention_states_reference,
              Capabilities(cg_support=CGSupport.ALWAYS), priority=0)
     index_caps = Capabilities(cg_support=CGSupport.ALWAYS, features={"fp8"})
-    register("write_kv", "reference", write_kv_reference, index_caps, priority=0)
+    register("write_kv", "reference", write_kv_reference,
+             Capabilities(cg_support=CGSupport.ALWAYS, features={"fp8", TOKEN_SCALE_FEATURE}),
+             priority=0)
     register("build_page_table", "reference", build_page_table_reference, index_caps, priority=0)
     register("build_page_tables_swa", "reference", build_page_tables_swa_reference, index_caps,
              priority=0)

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from ..hookspecs import hookimpl
+from ..kv_scales import TOKEN_SCALE_FEATURE, check_token_scale_caches
 from ..types import CGSupport
 from .reference import quantize_to_cache
 from .registry import Capabilities
@@ -40,12 +41,16 @@ def write_kv_translated_reference(
     full_to_swa: torch.Tensor,
     k_scale=None,
     v_scale=None,
+    k_scale_cache: Optional[torch.Tensor] = None,
+    v_scale_cache: Optional[torch.Tensor] = None,
 ) -> None:
     """``cache.flat[full_to_swa[slots[t]]] = quantise(x[t])``; tokens whose slot or translated
     slot is negative are skipped.
 
     Caches (SWA pool) ``[pages, page_size, H, D]``; slots int ``[T]`` (full-pool slots);
-    full_to_swa int ``[full_slots]``; k/v ``[T, H, D]``.
+    full_to_swa int ``[full_slots]``; k/v ``[T, H, D]``. ``k_scale_cache``/``v_scale_cache``:
+    per-(token, head) scales as in :func:`~aiter_attn.kernels.reference.write_kv_reference`
+    (written at the translated slots).
     """
     slots = slots.long()
     live = slots >= 0
@@ -53,6 +58,18 @@ def write_kv_translated_reference(
     swa[live] = full_to_swa.long()[slots[live]]
     keep = swa >= 0
     dst = swa[keep]
+    if check_token_scale_caches(k_cache, v_cache if v is not None else None, k_scale_cache,
+                                v_scale_cache if v is not None else None):
+        from .reference import quantize_per_token_head
+
+        pairs = [(k_cache, k_scale_cache, k, k_scale)]
+        if v_cache is not None and v is not None:
+            pairs.append((v_cache, v_scale_cache, v, v_scale))
+        for cache, scales, x, layer in pairs:
+            q, s = quantize_per_token_head(x[keep], cache.dtype, layer)
+            cache.view(-1, *cache.shape[2:])[dst] = q
+            scales.view(-1, scales.shape[2])[dst] = s
+        return
     kf = k_cache.view(-1, *k_cache.shape[2:])
     kf[dst] = quantize_to_cache(k[keep], k_cache.dtype, k_scale)
     if v_cache is not None and v is not None:
@@ -219,7 +236,9 @@ def aiter_attn_register_kernels(register):
     They skip negative slots with boolean masks, which synchronise on CUDA, so they do not
     claim graph capture; the Triton writes (priority 100 on CUDA) do."""
     caps = Capabilities(cg_support=CGSupport.NEVER, features={"fp8"})
-    register("write_kv_swa", "reference", write_kv_translated_reference, caps, priority=0)
+    register("write_kv_swa", "reference", write_kv_translated_reference,
+             Capabilities(cg_support=CGSupport.NEVER, features={"fp8", TOKEN_SCALE_FEATURE}),
+             priority=0)
     register("write_kv_5d", "reference", write_kv_5d_reference, caps, priority=0)
     # device ops with host-int sizes only: capture-safe
     register("build_tree_mask", "reference", build_tree_mask_reference,

@@ -36,9 +36,11 @@ log = logging.getLogger(__name__)
 #: the scaled, soft-capped logits, sinks included; ``-inf`` for a fully masked row).
 #: ``batch_invariant``: the kernel takes ``batch_invariant=True`` and then computes each row's
 #: output bitwise independently of the rest of the batch (``BackendConfig.batch_invariant``).
+#: ``kv_scale_per_token_head``: KV writes and attention take ``k_scale_cache``/``v_scale_cache``
+#: (float32 ``[pages, page_size, kv_heads]`` per-(token, head) fp8 scales; aiter_attn.kv_scales).
 FEATURES = frozenset(
     {"sinks", "softcap", "window", "fp8", "custom_mask", "v_head_dim_differs", "non_causal",
-     "lse", "batch_invariant"}
+     "lse", "batch_invariant", "kv_scale_per_token_head"}
 )
 
 

@@ -61,6 +61,10 @@ class SWAKVPool:
                 f"hold {self.full.num_layers} and {self.swa.num_layers}; build with "
                 "SWAKVPool.create."
             )
+        if self.full.kv_scale_granularity != self.swa.kv_scale_granularity:
+            raise ValueError(
+                f"full kv_scale_granularity={self.full.kv_scale_granularity!r} != SWA "
+                f"{self.swa.kv_scale_granularity!r}; build both with SWAKVPool.create.")
         if self.full.page_size != self.swa.page_size:
             raise ValueError(
                 f"full page_size={self.full.page_size} != SWA page_size={self.swa.page_size}; "
@@ -81,14 +85,17 @@ class SWAKVPool:
         dtype: torch.dtype = torch.float16,
         device: str = "cpu",
         v_head_dim: Optional[int] = None,
+        kv_scale_granularity: str = "per_layer",
     ) -> "SWAKVPool":
-        """Pools for a model whose layer ``i`` is sliding-window iff ``layer_is_swa[i]``."""
+        """Pools for a model whose layer ``i`` is sliding-window iff ``layer_is_swa[i]``
+        (``kv_scale_granularity``: as :class:`MHAKVPool`'s, for both sub-pools)."""
         flags = tuple(bool(f) for f in layer_is_swa)
         n_swa = sum(flags)
+        fmt = dict(dtype=dtype, device=device, v_head_dim=v_head_dim,
+                   kv_scale_granularity=kv_scale_granularity)
         full = MHAKVPool(num_full_pages, page_size, num_kv_heads, head_dim, len(flags) - n_swa,
-                         dtype=dtype, device=device, v_head_dim=v_head_dim)
-        swa = MHAKVPool(num_swa_pages, page_size, num_kv_heads, head_dim, n_swa,
-                        dtype=dtype, device=device, v_head_dim=v_head_dim)
+                         **fmt)
+        swa = MHAKVPool(num_swa_pages, page_size, num_kv_heads, head_dim, n_swa, **fmt)
         mapping = torch.zeros(full.num_slots, dtype=torch.int64, device=device)
         return cls(full=full, swa=swa, full_to_swa_index_mapping=mapping, layer_is_swa=flags)
 
@@ -99,6 +106,11 @@ class SWAKVPool:
     @property
     def num_layers(self) -> int:
         return len(self.layer_is_swa)
+
+    @property
+    def kv_scale_granularity(self) -> str:
+        """``"per_layer"`` or ``"per_token_head"`` (both sub-pools alike)."""
+        return self.full.kv_scale_granularity
 
     @property
     def device(self) -> torch.device:
@@ -123,6 +135,11 @@ class SWAKVPool:
     def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_cache, v_cache)`` NHD pages of the pool that holds ``layer_id``."""
         return self.pool_of(layer_id).kv_buffers(self._sub_index[layer_id])
+
+    def scale_buffers(self, layer_id: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-(token, head) ``(k_scales, v_scales)`` of the pool holding ``layer_id`` (see
+        :meth:`MHAKVPool.scale_buffers`), or ``None``."""
+        return self.pool_of(layer_id).scale_buffers(self._sub_index[layer_id])
 
     def translate(self, full_slots: torch.Tensor,
                   out: Optional[torch.Tensor] = None) -> torch.Tensor:

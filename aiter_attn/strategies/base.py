@@ -144,11 +144,14 @@ class ExecutionStrategy(abc.ABC):
 
     # -- plan/run kernels ------------------------------------------------------------------
     def bind_layer(self, layer: LayerSpec, md: AttnMetadata, request_fn, q, k_cache, v_cache,
-                   sinks=None, pages_key: Optional[str] = None) -> LayerBinding:
+                   sinks=None, pages_key: Optional[str] = None,
+                   kv_scales=None) -> LayerBinding:
         """The layer's binding (cached: a dict lookup after the first call of the layer).
 
         ``request_fn(q, k_cache, v_cache, window_size=, softcap=, sinks=, causal=,
         custom_mask=)`` builds the kernel request of the layer's group on first use.
+        ``kv_scales``: the pool's per-(token, head) ``(k_scales, v_scales)`` of the layer (the
+        group's request then needs the ``kv_scale_per_token_head`` feature), or ``None``.
         """
         has_mask = md.mask is not None
         key = (id(layer), has_mask, id(sinks), pages_key)
@@ -165,19 +168,24 @@ class ExecutionStrategy(abc.ABC):
         gkey = (request_fn, q.dtype, q.device, q.shape[1], q.shape[2], k_cache.dtype,
                 tuple(k_cache.shape[1:]), tuple(v_cache.shape[1:]), window, layer.logit_cap > 0,
                 sinks_t is not None, causal, has_mask, pages_key,
-                layer.sliding_window if fold else None)
+                layer.sliding_window if fold else None, kv_scales is not None)
         group = self.groups.get(gkey)
         if group is None:
             req = request_fn(q, k_cache, v_cache, window_size=window, softcap=layer.logit_cap,
                              sinks=sinks_t, causal=causal,
                              custom_mask=md.mask.custom_mask if has_mask else None)
+            if kv_scales is not None:
+                from ..kv_scales import TOKEN_SCALE_FEATURE
+
+                req = attrs.evolve(req, features=req.features | {TOKEN_SCALE_FEATURE})
             kernel = self.ctx.kernels.select(req, backend=self.ctx.config.kernel_backend) \
                 .bind(req)
             group = self.groups[gkey] = KernelGroup(
                 key=gkey, kernel=kernel, pages_key=pages_key,
                 window=layer.sliding_window if fold else None)
         params = LayerParams.from_spec(layer, q.device, fp8=k_cache.dtype in FP8_DTYPES,
-                                       sinks=sinks_t, window=window, causal=causal)
+                                       sinks=sinks_t, window=window, causal=causal,
+                                       kv_scales=kv_scales)
         b = self._layers[key] = LayerBinding(
             layer=layer, group=gkey, kernel=group.kernel, params=params,
             out_heads=layer.num_q_heads, out_dim=layer.v_head_dim,

@@ -7,13 +7,14 @@ from __future__ import annotations
 import torch
 
 from ..batch import ForwardBatch
-from ..kernels.registry import Selection
+from ..kernels.registry import KernelRequest, Selection
+from ..kv_scales import TOKEN_SCALE_FEATURE
 from ..metadata import AttnMetadata, CustomMask, PageTable, QueryLayout
-from ..types import LayerSpec, kv_dequant_scales
+from ..types import FP8_DTYPES, LayerSpec, kv_dequant_scales
 from .base import ExecutionStrategy
 
 __all__ = ["attend", "attend_layer", "effective_causal", "effective_window", "require_pool",
-           "window_tree_mask"]
+           "window_tree_mask", "write_kv_request", "write_kwargs"]
 
 
 def window_tree_mask(mask: CustomMask, batch: ForwardBatch, query: QueryLayout,
@@ -101,18 +102,21 @@ def attend(executor: ExecutionStrategy, op_request, q, k_cache, v_cache,
 
 def attend_layer(executor: ExecutionStrategy, request_fn, q, k_cache, v_cache, layer: LayerSpec,
                  batch: ForwardBatch, md: AttnMetadata, pages: PageTable = None, sinks=None, *,
-                 pages_key=None):
+                 pages_key=None, kv_scales=None):
     """One attention call of ``layer`` through its group's kernel object: bound once per
     layer group (``request_fn`` builds the group's request on first use: the op's
     ``*_request(q, k_cache, v_cache, window_size=, softcap=, sinks=, causal=,
     custom_mask=)``), planned once per step, launched here. ``pages_key`` names the
     ``md.extras`` page table the layer reads (``None``: ``md.pages``). ``sinks`` default to
-    ``layer.sinks``. Returns ``[num_tokens, Hq * Dv]`` in ``q``'s dtype.
+    ``layer.sinks``. ``kv_scales``: the pool's per-(token, head) ``(k_scales, v_scales)`` of
+    the layer (bound once into its params), or ``None``. Returns ``[num_tokens, Hq * Dv]`` in
+    ``q``'s dtype.
 
     The hot path: one dict lookup for the binding, one for the step's plan, the output
     allocation and the launch.
     """
-    b = executor.bind_layer(layer, md, request_fn, q, k_cache, v_cache, sinks, pages_key)
+    b = executor.bind_layer(layer, md, request_fn, q, k_cache, v_cache, sinks, pages_key,
+                            kv_scales)
     kp = md.kernel_plans.plans.get(b.group)
     if kp is None:  # first call of this group in the step (or a group bound just now)
         kp = executor.plan_group(executor.groups[b.group], md, batch)
@@ -120,6 +124,27 @@ def attend_layer(executor: ExecutionStrategy, request_fn, q, k_cache, v_cache, l
     out = torch.empty((num_tokens, b.out_heads, b.out_dim), dtype=q.dtype, device=q.device)
     b.kernel.run(q, (k_cache, v_cache), kp, b.params, out)
     return out.view(num_tokens, b.out_width)
+
+
+def write_kv_request(op: str, k_cache: torch.Tensor, k: torch.Tensor,
+                     token_scales: bool = False) -> KernelRequest:
+    """The kernel-registry key of a KV write ``op`` (``write_kv`` / ``write_kv_swa``) into NHD
+    ``k_cache`` from ``k``; ``token_scales``: the write also quantises per (token, head)."""
+    features = {"fp8"} if k_cache.dtype in FP8_DTYPES else set()
+    if token_scales:
+        features.add(TOKEN_SCALE_FEATURE)
+    return KernelRequest(op=op, device=k_cache.device.type, dtype=k.dtype,
+                         kv_dtype=k_cache.dtype, head_dim=k_cache.shape[3],
+                         page_size=k_cache.shape[1], features=features)
+
+
+def write_kwargs(layer: LayerSpec, kv_scales) -> dict:
+    """The scale keywords of a KV write of ``layer``: its k/v scales, plus the pool's
+    per-(token, head) scale buffers when it has them (``kv_scales``)."""
+    kw = {"k_scale": layer.k_scale, "v_scale": layer.v_scale}
+    if kv_scales is not None:
+        kw["k_scale_cache"], kw["v_scale_cache"] = kv_scales
+    return kw
 
 
 def require_pool(ctx, pool_cls: type, arch: str, hint: str = ""):

@@ -18,9 +18,11 @@ from ..hookspecs import hookimpl
 from ..metadata import AttnMetadata, PageTable, QueryLayout
 from ..kernels.registry import KernelRequest
 from ..registry import Cell, register_cells
-from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
+from ..types import AttnArch, CGSupport, ForwardMode, LayerSpec
 from .base import BufferSpec, ExecutionStrategy, MetadataStrategy
-from .common import attend_layer
+from .cascade import CascadeExecutionMixin
+from .common import attend_layer, write_kwargs
+from .common import write_kv_request as common_write_request
 
 __all__ = ["PagedMetadata", "DecodeMetadata", "ExtendMetadata", "PagedExecution",
            "plan_query_layout", "plan_page_table"]
@@ -111,28 +113,36 @@ class ExtendMetadata(PagedMetadata):
     cg_support = CGSupport.NEVER
 
 
-def write_kv_request(k_cache: torch.Tensor, k: torch.Tensor) -> KernelRequest:
-    """The kernel-registry key of a ``write_kv`` into NHD ``k_cache`` from ``k``."""
-    return KernelRequest(
-        op="write_kv", device=k_cache.device.type, dtype=k.dtype, kv_dtype=k_cache.dtype,
-        head_dim=k_cache.shape[3], page_size=k_cache.shape[1],
-        features={"fp8"} if k_cache.dtype in FP8_DTYPES else (),
-    )
+def write_kv_request(k_cache: torch.Tensor, k: torch.Tensor,
+                     token_scales: bool = False) -> KernelRequest:
+    """The kernel-registry key of a ``write_kv`` into NHD ``k_cache`` from ``k``
+    (``token_scales``: per-(token, head) quantisation, :mod:`aiter_attn.kv_scales`)."""
+    return common_write_request("write_kv", k_cache, k, token_scales)
 
 
-class PagedExecution(ExecutionStrategy):
-    """Write K/V into the NHD pool, then one ``paged_attention`` call.
+class PagedExecution(CascadeExecutionMixin, ExecutionStrategy):
+    """Write K/V into the NHD pool, then one ``paged_attention`` call (cascade attention
+    over shared prefix pages when ``BackendConfig.cascade_min_shared_tokens`` is set:
+    :mod:`aiter_attn.strategies.cascade`).
 
     A planned custom mask (tree verify) is applied literally: the kernel runs non-causal and
     the mask alone says which keys each query sees (the same convention as MLA and the seed);
     a sliding window is folded into it at the tokens' path positions, derived from the mask
-    (:func:`~aiter_attn.strategies.common.window_tree_mask`).
+    (:func:`~aiter_attn.strategies.common.window_tree_mask`). With per-(token, head) scales
+    (``BackendConfig.kv_scale_granularity``) the write stores each vector's scale in the pool
+    and the attention kernel reads it (:mod:`aiter_attn.kv_scales`).
     """
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.token_scales = ctx.config.per_token_head_scales
 
     def run(self, q, k, v, layer: LayerSpec, batch: ForwardBatch, metadata: AttnMetadata, *,
             save_kv_cache: bool = True, sinks=None):
         pool = self.ctx.kv_pool
         k_cache, v_cache = pool.kv_buffers(layer.layer_id)
+        # per-(token, head) scale buffers of the layer (None: one scale per layer)
+        kv_scales = pool.scale_buffers(layer.layer_id) if self.token_scales else None
         num_tokens = q.shape[0]
         q = q.view(num_tokens, layer.num_q_heads, layer.head_dim)
         if save_kv_cache and k is not None:
@@ -142,16 +152,17 @@ class PagedExecution(ExecutionStrategy):
             wkey = ("write_kv", k_cache.dtype, k.dtype)
             write = self._kernels.get(wkey)
             if write is None:
-                write = self.kernel_for(wkey, lambda: write_kv_request(k_cache, k),
-                                        fallback=True)
+                write = self.kernel_for(
+                    wkey, lambda: write_kv_request(k_cache, k, self.token_scales),
+                    fallback=True)
             write.fn(
                 k_cache, v_cache, batch.out_cache_loc,
                 k.view(num_tokens, layer.num_kv_heads, layer.head_dim),
                 v.view(num_tokens, layer.num_kv_heads, layer.v_head_dim),
-                k_scale=layer.k_scale, v_scale=layer.v_scale,
+                **write_kwargs(layer, kv_scales),
             )
         return attend_layer(self, ops.paged_attention_request, q, k_cache, v_cache, layer,
-                            batch, metadata, metadata.pages, sinks)
+                            batch, metadata, metadata.pages, sinks, kv_scales=kv_scales)
 
 
 #: The MHA family's cells (speculative ones are in :mod:`.spec`).

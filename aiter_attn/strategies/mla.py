@@ -60,18 +60,22 @@ import torch
 from .. import ops
 from ..batch import ForwardBatch
 from ..hookspecs import hookimpl
+from ..kernels.base import mla_layer_params
 from ..kernels.registry import KernelRequest, KernelSelectionError, Selection
-from ..metadata import AttnMetadata
+from ..metadata import AttnMetadata, PageTable
 from ..registry import Cell, register_cells
 from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec, kv_dequant_scales
-from .base import BufferSpec, ExecutionStrategy, MetadataStrategy
-from .mha import DecodeMetadata, PagedMetadata, plan_page_table, plan_query_layout
+from .base import BufferSpec, ExecutionStrategy, KernelGroup, MetadataStrategy
+from .common import attend_layer
+from .mha import (DecodeMetadata, PagedMetadata, plan_page_table, plan_query_layout,
+                  write_kv_request)
 from .spec import (DraftDecodeStepMetadata, DraftExtendV2Metadata, VerifyTreeMetadata,
                    check_batch_topk, resolve_num_draft_tokens)
 
 __all__ = [
     "MLA_PROJECTIONS_KEY",
     "MLA_HEAD_PADDING_KEY",
+    "MLA_DENSE_PAGES_KEY",
     "MLA_DRAFT_DECODE_STEP",
     "HeadPadding",
     "MLAPrefixPlan",
@@ -92,6 +96,9 @@ log = logging.getLogger(__name__)
 
 #: ``StrategyContext.extra`` key: ``{layer_id: kv_b_proj}`` for the expanded EXTEND form.
 MLA_PROJECTIONS_KEY = "mla_projections"
+#: ``AttnMetadata.extras`` key of the expanded form's page table over the dense
+#: ``[prefix ; new]`` K/V rows (page size 1; :class:`MLAExtendMetadata`).
+MLA_DENSE_PAGES_KEY = "mla_dense_pages"
 #: ``StrategyContext.extra`` key: a :class:`HeadPadding` (default ``HeadPadding()``).
 MLA_HEAD_PADDING_KEY = "mla_head_padding"
 #: Strategy pair for one step of multi-step draft decode on MLA (the MHA one is
@@ -350,15 +357,33 @@ class MLAExtendMetadata(MetadataStrategy):
         dense.copy_(rows)
         plan = MLAPrefixPlan(prefix_indptr=prefix_indptr, prefix_slots=prefix_slots,
                              dense_block_table=dense, num_prefix_tokens=total_prefix)
+        dense_pages = PageTable(block_table=dense, seqused_k=pages.seqused_k,
+                                max_seqlen_k=pages.max_seqlen_k, page_size=1)
         return AttnMetadata(mode=batch.forward_mode, batch_size=bs, query=query, pages=pages,
-                            extras={"mla_prefix": plan})
+                            extras={"mla_prefix": plan, MLA_DENSE_PAGES_KEY: dense_pages})
 
 
 # --------------------------------------------------------------------------- execution
+@attrs.define(eq=False, slots=True)
+class _MLABinding:
+    """An absorbed layer bound to its group: kernel, frozen params, head repeat factor."""
+
+    layer: LayerSpec
+    group: tuple
+    kernel: object
+    params: object
+    factor: int
+
+
 class MLAExecution(ExecutionStrategy):
     """Absorbed form: write the latent, one ``mla_paged_attention`` kernel call (heads padded
     when the kernel needs it). Expanded form (EXTEND/DRAFT_EXTEND): expand the cached prefix
-    through the layer's kv_b_proj and run ``paged_attention`` over ``[prefix ; new]`` K/V."""
+    through the layer's kv_b_proj and run ``paged_attention`` over ``[prefix ; new]`` K/V.
+
+    Both forms go through kernel objects (:mod:`aiter_attn.kernels.base`): the kernel of a
+    layer group is chosen once (:meth:`_bind_absorbed`, or ``bind_layer`` for the expanded
+    form), planned once per step by :meth:`~ExecutionStrategy.plan_kernels` (the backend and
+    the graph manager call it right after the metadata plan) and only launched per layer."""
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -375,7 +400,8 @@ class MLAExecution(ExecutionStrategy):
                 "aiter_attn.strategies.mla.HeadPadding."
             )
         self.padding = padding
-        self._mla_kernels: dict = {}
+        self._mla_layers: dict = {}  # (id(layer), mask?) -> _MLABinding
+        self._factors: dict = {}  # group key -> head repeat factor
 
     def run(self, q, k, v, layer: LayerSpec, batch: ForwardBatch, metadata: AttnMetadata, *,
             save_kv_cache: bool = True, sinks=None):
@@ -415,19 +441,39 @@ class MLAExecution(ExecutionStrategy):
             )
         return lora, rope
 
-    def _mla_kernel(self, layer, q, kv_cache, has_mask) -> tuple[Selection, int]:
-        key = (layer, has_mask, q.dtype)
-        hit = self._mla_kernels.get(key)
-        if hit is None:
+    def _bind_absorbed(self, layer, md, q, kv_cache) -> "_MLABinding":
+        """The layer's binding (a dict lookup after its first call): the group's kernel,
+        chosen once per layer group (heads, dims, dtypes, mask or not; head padding decided
+        here), and the layer's frozen :class:`~aiter_attn.kernels.base.LayerParams`."""
+        has_mask = md.mask is not None
+        key = (id(layer), has_mask)
+        b = self._mla_layers.get(key)
+        if b is not None and b.layer is layer:
+            return b
+        heads = layer.num_q_heads
+        gkey = ("mla", q.dtype, q.device, heads, q.shape[2], kv_cache.dtype,
+                tuple(kv_cache.shape[1:]), has_mask)
+        group = self.groups.get(gkey)
+        if group is None:
             lora = self.ctx.kv_pool.kv_lora_rank
-            hit = select_mla_kernel(
-                self.ctx.kernels,
-                lambda h: mla_kernel_request(q=q, kv_cache=kv_cache, kv_lora_rank=lora,
-                                             num_heads=h, custom_mask=has_mask),
-                layer.num_q_heads, self.padding, backend=self.ctx.config.kernel_backend,
-            )
-            self._mla_kernels[key] = hit
-        return hit
+
+            def request_for(h):
+                return mla_kernel_request(q=q, kv_cache=kv_cache, kv_lora_rank=lora,
+                                          num_heads=h, custom_mask=has_mask)
+
+            sel, factor = select_mla_kernel(self.ctx.kernels, request_for, heads, self.padding,
+                                            backend=self.ctx.config.kernel_backend)
+            kernel = sel.bind(request_for(heads * factor))
+            group = self.groups[gkey] = KernelGroup(key=gkey, kernel=kernel)
+            self._factors[gkey] = factor
+        factor = self._factors[gkey]
+        params = mla_layer_params(
+            scale=layer.scaling, device=q.device, kv_lora_rank=layer.v_head_dim,
+            num_q_heads=heads * factor, head_dim=layer.head_dim, kv_scale=layer.k_scale,
+            fp8=kv_cache.dtype in FP8_DTYPES, causal=not has_mask)
+        b = self._mla_layers[key] = _MLABinding(layer=layer, group=gkey, kernel=group.kernel,
+                                                params=params, factor=factor)
+        return b
 
     def _run_absorbed(self, q, k, layer, batch, metadata, save_kv_cache):
         lora, rope = self._check_absorbed(layer)
@@ -435,22 +481,20 @@ class MLAExecution(ExecutionStrategy):
         q = q.view(num_tokens, heads, lora + rope)
         kv_cache = self.ctx.kv_pool.kv_buffer(layer.layer_id)
         if save_kv_cache and k is not None:
-            ops.write_kv(kv_cache, None, batch.out_cache_loc, k.view(num_tokens, 1, lora + rope),
-                         None, k_scale=layer.k_scale)
-        mask = metadata.mask
-        sel, factor = self._mla_kernel(layer, q, kv_cache, mask is not None)
+            # chosen once per (cache, input) dtype pair, as on MHA: nothing is validated or
+            # selected on later calls
+            write = self.kernel_for(("write_kv", kv_cache.dtype, k.dtype),
+                                    lambda: write_kv_request(kv_cache, k), fallback=True)
+            write.fn(kv_cache, None, batch.out_cache_loc, k.view(num_tokens, 1, lora + rope),
+                     None, k_scale=layer.k_scale)
+        b = self._bind_absorbed(layer, metadata, q, kv_cache)
+        kp = metadata.kernel_plans.get(b.group)
+        if kp is None:  # first call of this group in the step (or a group bound just now)
+            kp = self.plan_group(self.groups[b.group], metadata, batch)
+        factor = b.factor
         q_in = q.repeat_interleave(factor, dim=1) if factor > 1 else q
         out = torch.empty(num_tokens, heads * factor, lora, dtype=q.dtype, device=q.device)
-        sel.fn(
-            q_in, kv_cache, out, kv_lora_rank=lora,
-            cu_seqlens_q=metadata.query.cu_seqlens_q, seqused_k=metadata.pages.seqused_k,
-            block_table=metadata.pages.block_table, softmax_scale=layer.scaling,
-            causal=mask is None,
-            kv_scale=kv_dequant_scales(kv_cache.dtype, layer.k_scale, layer.k_scale)[0],
-            custom_mask=None if mask is None else mask.custom_mask,
-            mask_indptr=None if mask is None else mask.mask_indptr,
-            max_seqlen_q=metadata.query.max_seqlen_q, max_seqlen_k=metadata.pages.max_seqlen_k,
-        )
+        b.kernel.run(q_in, (kv_cache,), kp, b.params, out)
         if factor > 1:
             out = out[:, ::factor]
         return out.reshape(num_tokens, heads * lora)
@@ -535,20 +579,10 @@ class MLAExecution(ExecutionStrategy):
             values = torch.cat([v_pre, values.to(q.dtype)])
         k_cache = keys.reshape(-1, 1, heads, dim)  # page size 1 over the dense rows
         v_cache = values.reshape(-1, 1, heads, dv)
-        sel = self.kernel_for(
-            ("expanded", layer, q.dtype),
-            ops.paged_attention_request(q, k_cache, v_cache, softcap=layer.logit_cap),
-        )
-        out = torch.empty(num_tokens, heads, dv, dtype=q.dtype, device=q.device)
-        sel.fn(
-            q, k_cache, v_cache, out,
-            cu_seqlens_q=metadata.query.cu_seqlens_q, seqused_k=metadata.pages.seqused_k,
-            block_table=plan.dense_block_table, softmax_scale=layer.scaling, causal=True,
-            window_size=(-1, -1), softcap=layer.logit_cap, sinks=None, k_scale=None,
-            v_scale=None, custom_mask=None, mask_indptr=None,
-            max_seqlen_q=metadata.query.max_seqlen_q, max_seqlen_k=metadata.pages.max_seqlen_k,
-        )
-        return out.view(num_tokens, heads * dv)
+        # ordinary causal paged attention over the dense rows, through the layer group's
+        # kernel object (bound once, planned once per step on the dense page table)
+        return attend_layer(self, ops.paged_attention_request, q, k_cache, v_cache, layer,
+                            batch, metadata, pages_key=MLA_DENSE_PAGES_KEY)
 
 
 #: The MLA family's cells.

@@ -62,7 +62,7 @@ __all__ = [
     "DRAFT_DECODE_STEP",
 ]
 
-#: Name of the strategy pair the per-step backends of multi-step draft decode are forced to.
+#: Name of the strategy pair multi-step draft decode (MHA) runs every step through.
 DRAFT_DECODE_STEP = "mha.draft_decode_step"
 
 _MASK_DTYPES = (torch.bool, torch.uint8)

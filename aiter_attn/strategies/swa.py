@@ -33,14 +33,14 @@ import torch
 
 from ..batch import ForwardBatch
 from ..hookspecs import hookimpl
-from ..kernels.registry import KernelRequest
 from ..metadata import AttnMetadata, PageTable
 from ..ops import paged_attention_request
 from ..registry import Cell, register_cells
-from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
+from ..types import AttnArch, CGSupport, ForwardMode, LayerSpec
 from .base import BufferSpec, ExecutionStrategy
+from .cascade import CascadeExecutionMixin
 from .common import (attend, attend_layer, effective_causal, effective_window, require_pool,
-                     window_tree_mask)
+                     window_tree_mask, write_kv_request, write_kwargs)
 from .mha import DecodeMetadata, ExtendMetadata, plan_page_table
 from .spec import (
     DraftDecodeStepMetadata,
@@ -165,14 +165,17 @@ class SWADraftDecodeStepMetadata(SWATablesMixin, DraftDecodeStepMetadata):
     static buffers (``step{i}.swa_block_table``) under CUDA graphs, a fresh table when eager."""
 
 
-class SWAExecution(ExecutionStrategy):
+class SWAExecution(CascadeExecutionMixin, ExecutionStrategy):
     """Per layer: write K/V into the pool that holds it (SWA layers through op
     ``write_kv_swa``, which translates ``out_cache_loc`` full→SWA in the write), then one
-    ``paged_attention`` over that pool's page table."""
+    ``paged_attention`` over that pool's page table (cascade attention over shared prefix
+    pages when ``BackendConfig.cascade_min_shared_tokens`` is set; an SWA layer groups from
+    its own table, so a run ends at a shared page whose SWA copy was freed)."""
 
     def __init__(self, ctx):
         super().__init__(ctx)
         self.pool = _require_swa_pool(ctx)
+        self.token_scales = ctx.config.per_token_head_scales
 
     def run(self, q, k, v, layer: LayerSpec, batch: ForwardBatch, metadata: AttnMetadata, *,
             save_kv_cache: bool = True, sinks=None):
@@ -184,30 +187,26 @@ class SWAExecution(ExecutionStrategy):
                 "mark it full in SWAKVPool.create(layer_is_swa=...)."
             )
         k_cache, v_cache = self.pool.kv_buffers(layer.layer_id)
+        # per-(token, head) scale buffers of the pool holding the layer (None: per layer)
+        kv_scales = self.pool.scale_buffers(layer.layer_id) if self.token_scales else None
         num_tokens = q.shape[0]
         q = q.view(num_tokens, layer.num_q_heads, layer.head_dim)
         pages = metadata.extras["swa_pages"] if on_swa else metadata.pages
         if save_kv_cache and k is not None:
             op = "write_kv_swa" if on_swa else "write_kv"
-
-            def request():
-                return KernelRequest(
-                    op=op, device=k_cache.device.type, dtype=k.dtype, kv_dtype=k_cache.dtype,
-                    head_dim=k_cache.shape[3], page_size=k_cache.shape[1],
-                    features={"fp8"} if k_cache.dtype in FP8_DTYPES else (),
-                )
-
             kw = {"full_to_swa": self.pool.full_to_swa_index_mapping} if on_swa else {}
             # selected once per (op, layer, dtype): no request is built on later calls; a
             # backend with no KV write of its own (an attention-only plugin) falls back
-            self.kernel_for((op, layer, k.dtype), request, fallback=True).fn(
+            self.kernel_for(
+                (op, layer, k.dtype),
+                lambda: write_kv_request(op, k_cache, k, self.token_scales), fallback=True).fn(
                 k_cache, v_cache, batch.out_cache_loc,
                 k.view(num_tokens, layer.num_kv_heads, layer.head_dim),
                 v.view(num_tokens, layer.num_kv_heads, layer.v_head_dim),
-                k_scale=layer.k_scale, v_scale=layer.v_scale, **kw)
+                **write_kwargs(layer, kv_scales), **kw)
         return attend_layer(self, paged_attention_request, q, k_cache, v_cache, layer, batch,
                             metadata, pages, sinks,
-                            pages_key="swa_pages" if on_swa else None)
+                            pages_key="swa_pages" if on_swa else None, kv_scales=kv_scales)
 
 
 def chain_verify_only(config):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import attrs
+
 import torch
 
 from ...hookspecs import hookimpl
@@ -47,7 +49,10 @@ def aiter_attn_register_kernels(register):
         cg_support=CGSupport.ALWAYS, predicate=reject_reason,
     )
     # plan/run kernel objects (kernels/triton/attention.py)
-    register("paged_attention", "triton", TritonPagedAttention, attn_caps,
+    from ...kv_scales import TOKEN_SCALE_FEATURE
+
+    register("paged_attention", "triton", TritonPagedAttention,
+             attrs.evolve(attn_caps, features=attn_caps.features | {TOKEN_SCALE_FEATURE}),
              priority=triton_priority())
     # the same kernel over the vectorised 5-D layout (only the cache addressing differs)
     register("paged_attention_5d", "triton", TritonPagedAttention5D, attn_caps,
@@ -59,10 +64,10 @@ def aiter_attn_register_kernels(register):
         build_ragged_kv_indices,
     )
     from .kv_write import write_kv, write_kv_5d, write_kv_translated
-    from .mla import mla_paged_attention
+    from .mla import TritonMLA
 
-    register(
-        "mla_paged_attention", "triton", mla_paged_attention,
+    register(  # plan/run kernel object (kernels/triton/mla.py)
+        "mla_paged_attention", "triton", TritonMLA,
         Capabilities(devices=TRITON_DEVICES, dtypes=_FLOAT_DTYPES, max_head_dim=1024,
                      features={"fp8", "custom_mask", "lse", "batch_invariant"}, cg_support=CGSupport.ALWAYS),
         priority=triton_priority(),
@@ -76,8 +81,9 @@ def aiter_attn_register_kernels(register):
              triton_priority())
     register("build_ragged_kv_indices", "triton", build_ragged_kv_indices, index_caps,
              triton_priority())
-    register("write_kv", "triton", write_kv, index_caps, triton_priority())
-    register("write_kv_swa", "triton", write_kv_translated, index_caps, triton_priority())
+    write_caps = attrs.evolve(index_caps, features={"fp8", TOKEN_SCALE_FEATURE})
+    register("write_kv", "triton", write_kv, write_caps, triton_priority())
+    register("write_kv_swa", "triton", write_kv_translated, write_caps, triton_priority())
     register("write_kv_5d", "triton", write_kv_5d, index_caps, triton_priority())
     from .masks import build_tree_mask
     from .merge import merge_attention_states

@@ -265,10 +265,11 @@ class TritonPagedAttention(AttentionKernel):
 
     @staticmethod
     def _kw(plan: TritonPlan, key):
-        causal, softcap, sinks, scales, (kx, vx), write_lse = key
+        causal, softcap, sinks, scales, (kx, vx), write_lse, token_scales = key
         kw = dict(plan.cfg_kw)
         kw.update(CAUSAL=causal and not plan.mask_literal, HAS_SOFTCAP=softcap, HAS_SINKS=sinks,
-                  HAS_SCALES=scales, KX=kx, VX=vx, WRITE_LSE=write_lse)
+                  HAS_SCALES=scales, KX=kx, VX=vx, WRITE_LSE=write_lse,
+                  TOKEN_SCALES=token_scales)
         plan.kw_cache[key] = kw
         return kw
 
@@ -316,31 +317,33 @@ class TritonPagedAttention(AttentionKernel):
 
     @staticmethod
     def _params_launch(params) -> tuple:
-        """The layer's part: ``(params, sid, flags, scales, values)`` (memoised per
-        :class:`LayerParams` object in ``_PARAMS``). ``scales`` = (sinks, k_scale, v_scale)
-        tensors with the present ones standing in for absent ones, or ``None`` when the layer
-        has none (the plan's ``cu_seqlens_q`` stands in then); ``values`` = (scale, softcap,
-        left, right)."""
+        """The layer's part: ``(params, sid, flags, scales, values, scale_strides)``
+        (memoised per :class:`LayerParams` object in ``_PARAMS``). ``scales`` = (sinks,
+        k_scale, v_scale, k_scale_cache, v_scale_cache) tensors with a present one standing
+        in for absent ones, or ``None`` when the layer has none (the plan's
+        ``cu_seqlens_q`` stands in then); ``values`` = (scale, softcap, left, right);
+        ``scale_strides``: the per-(token, head) scale buffers' strides (zeros without)."""
         w = params.window
         left = w[0] if w[0] >= 0 else _UNBOUNDED
         right = w[1] if w[1] >= 0 else _UNBOUNDED
-        present = [t for t in (params.sinks, params.k_scale_t if params.has_scales else None,
-                               params.v_scale_t if params.has_scales else None)
-                   if t is not None]
+        ksc = params.k_scale_cache
+        token_scales = ksc is not None
+        given = (params.sinks, params.k_scale_t if params.has_scales else None,
+                 params.v_scale_t if params.has_scales else None, ksc,
+                 params.v_scale_cache if token_scales else None)
+        present = [t for t in given if t is not None]
         scales = None
         if present:
-            sub = present[0]
-            scales = (params.sinks if params.sinks is not None else sub,
-                      params.k_scale_t if params.has_scales else sub,
-                      params.v_scale_t if params.has_scales else sub)
+            scales = tuple(present[0] if t is None else t for t in given)
         flags = (params.causal, params.softcap > 0, params.sinks is not None,
-                 params.has_scales)
+                 params.has_scales, token_scales)
         values = (float(params.scale), float(params.softcap), left, right)
-        sid = _intern(("params", flags, left, right,
+        sstr = tuple(ksc.stride()) if token_scales else (0, 0, 0)
+        sid = _intern(("params", flags, left, right, sstr,
                        None if scales is None else tuple(tensor_key(t) for t in scales)))
         if len(_PARAMS) >= _PARAMS_KEEP:
             _PARAMS.clear()
-        pe = _PARAMS[id(params)] = (params, sid, flags, scales, values)
+        pe = _PARAMS[id(params)] = (params, sid, flags, scales, values, sstr)
         return pe
 
     def _layout_launch(self, k_cache, v_cache) -> tuple:
@@ -374,7 +377,7 @@ class TritonPagedAttention(AttentionKernel):
         scales = pe[3]
         if scales is None:
             cu = p1[1]
-            scales = (cu, cu, cu)
+            scales = (cu, cu, cu, cu, cu)
         parts = pl[5]
         pa, pm = parts if parts is not None else (out, out)
         if lse is not None:
@@ -389,14 +392,21 @@ class TritonPagedAttention(AttentionKernel):
         if align:  # some per-call tensor is not 16-byte aligned: say which
             align = tuple(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, out, lse_t))
         args = ((q, k_cache, v_cache, out, pa, pm, lse_t) + p1 + scales + pl[2] + pe[4] + pl[3]
-                + (qs[0], qs[1]) + layout[1] + (os_[0], os_[1]) + pl[4] + ls01)
+                + (qs[0], qs[1]) + layout[1] + pe[5] + (os_[0], os_[1]) + pl[4] + ls01)
         key = (pl[0], pe[1], layout[0], q.dtype, k_cache.dtype, v_cache.dtype, out.dtype, lkey,
                align, qs, os_)
         return args, key, pe, layout
 
     def _launch_kw(self, plan: TritonPlan, pe, layout, write_lse: bool) -> dict:
-        """The attention launch's constexprs (memoised per layer flags on the plan)."""
-        fkey = (*pe[2], (layout[2], layout[3]), write_lse)
+        """The attention launch's constexprs (memoised per layer flags on the plan). Every
+        launch key's first launch comes here (the direct path reuses what it compiled), so
+        the combination checks below guard the direct launches too."""
+        causal, softcap, sinks, scales, token_scales = pe[2]
+        kx, vx = layout[2], layout[3]
+        if token_scales and (kx, vx) != (1, 1):
+            raise ValueError(f"{self.name}: per-(token, head) scales are served on NHD pages "
+                             "only (op paged_attention), not the 5-D layout.")
+        fkey = (causal, softcap, sinks, scales, (kx, vx), write_lse, token_scales)
         kw = plan.kw_cache.get(fkey)
         return kw if kw is not None else self._kw(plan, fkey)
 

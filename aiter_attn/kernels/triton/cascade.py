@@ -40,7 +40,7 @@ __all__ = ["cascade_shared_triton", "cascade_merge_triton", "CASCADE_TUNING",
            "shared_config"]
 
 _LOG2E = tl.constexpr(1.4426950408889634)
-_UNBOUNDED = 1 << 30
+_UNBOUNDED = tl.constexpr(1 << 30)  # jit functions read only constexpr globals
 
 #: Launch overrides (tests and tuning): ``block_m``, ``block_n``, ``num_warps``,
 #: ``num_stages``, ``split_keys`` (shared keys per split), ``max_splits``.
@@ -209,9 +209,10 @@ def shared_config(*, group: int, head_dim_pad: int, fp32: bool, on_gpu: bool,
     """
     heads = next_pow2(group)
     if on_gpu:
-        block_m = 32 if head_dim_pad > 128 or fp32 else 64
-        block_n = 32 if head_dim_pad > 128 or fp32 else 64
-        num_warps, num_stages = 4, 2
+        small = head_dim_pad > 128 or fp32
+        block_m = 32 if small else 64
+        block_n = 32 if small else 64
+        num_warps, num_stages = 4, (2 if small else 3)
     else:  # the interpreter: small tiles run fastest
         block_m, block_n, num_warps, num_stages = 16, 16, 4, 1
     block_m = CASCADE_TUNING.get("block_m", block_m)

@@ -4,7 +4,10 @@ fp8 range, round-to-nearest-even).
 
 Slot convention: slot ``s`` is token ``s % page_size`` of page ``s // page_size``. Exactly
 the batch's slots are written; every other byte of the caches is left as it was. A negative
-slot (a padding row, or a full slot with no SWA slot) is skipped.
+slot (a padding row, or a full slot with no SWA slot) is skipped. With per-(token, head)
+scales (NHD only, :mod:`aiter_attn.kv_scales`) each (token, head) vector is quantised with
+its own scale ``amax / (fp8_max · scale)``, stored at ``[page, offset, head]`` of the float32
+scale caches.
 
 Layouts (``P`` pages, ``S`` page size, ``H`` KV heads, ``D`` head dim, element ``(h, d)`` of
 the token in slot ``s`` with ``p = s // S``, ``o = s % S``):
@@ -31,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...kv_scales import check_token_scale_caches
 from ...types import FP8_DTYPES
 from ...validation import INDEX_DTYPES, unit_stride
 from ._kvutil import fp8_max, next_pow2, scale_args
@@ -68,15 +72,27 @@ def _quantise(x, scale, FMAX: tl.constexpr, FP8: tl.constexpr, dst_ptr):
 
 
 @triton.jit
-def _write_one(src_ptr, dst_ptr, t, page, off, ok, scale, num_heads,
-               s_t, s_h, d0, d1, d2, d3, d4,
+def _write_one(src_ptr, dst_ptr, sc_ptr, t, page, off, ok, scale, num_heads,
+               s_t, s_h, d0, d1, d2, d3, d4, c0, c1, c2,
                HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-               LAYOUT: tl.constexpr, X: tl.constexpr, FP8: tl.constexpr, FMAX: tl.constexpr):
+               LAYOUT: tl.constexpr, X: tl.constexpr, FP8: tl.constexpr, FMAX: tl.constexpr,
+               TOKEN_SCALES: tl.constexpr):
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    m = ok & (offs_h[:, None] < num_heads) & (offs_d[None, :] < HEAD_DIM)
+    h_ok = ok & (offs_h < num_heads)
+    m = h_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     x = tl.load(src_ptr + t * s_t + offs_h[:, None] * s_h + offs_d[None, :], mask=m, other=0.0)
-    y = _quantise(x, scale, FMAX, FP8, dst_ptr)
+    if TOKEN_SCALES:
+        # one scale per (token, head): s = amax / (FMAX · scale), 1 for an all-zero vector;
+        # stored = saturate(x / (s · scale)) (the reference's operations, in its order)
+        xf = x.to(tl.float32)
+        s = tl.max(tl.abs(xf), axis=1) / (FMAX * scale)
+        s = tl.where(s > 0.0, s, 1.0)
+        y = xf / (s * scale)[:, None]
+        y = tl.minimum(tl.maximum(y, -FMAX), FMAX).to(dst_ptr.dtype.element_ty)
+        tl.store(sc_ptr + page * c0 + off * c1 + offs_h.to(tl.int64) * c2, s, mask=h_ok)
+    else:
+        y = _quantise(x, scale, FMAX, FP8, dst_ptr)
     dst = _dst_offsets(page, off, offs_h[:, None].to(tl.int64), offs_d[None, :].to(tl.int64),
                        d0, d1, d2, d3, d4, LAYOUT, X)
     tl.store(dst_ptr + dst, y, mask=m)
@@ -85,16 +101,19 @@ def _write_one(src_ptr, dst_ptr, t, page, off, ok, scale, num_heads,
 @triton.jit
 def _write_kv_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, table_ptr, k_scale_ptr, v_scale_ptr,
+    ksc_ptr, vsc_ptr,
     k_scale_val, v_scale_val, num_heads, num_v_heads,
     s_kt, s_kh, s_vt, s_vh,
     k0, k1, k2, k3, k4,
     v0, v1, v2, v3, v4,
+    c0, c1, c2,
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     K_LAYOUT: tl.constexpr, V_LAYOUT: tl.constexpr, X: tl.constexpr, XV: tl.constexpr,
     HAS_V: tl.constexpr, TRANSLATE: tl.constexpr,
     FP8: tl.constexpr, FMAX: tl.constexpr, SCALE_FROM_PTR: tl.constexpr,
+    TOKEN_SCALES: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
@@ -108,11 +127,13 @@ def _write_kv_kernel(
     if SCALE_FROM_PTR:
         k_scale = tl.load(k_scale_ptr).to(tl.float32)
         v_scale = tl.load(v_scale_ptr).to(tl.float32)
-    _write_one(k_ptr, kc_ptr, t, page, off, ok, k_scale, num_heads, s_kt, s_kh,
-               k0, k1, k2, k3, k4, HEAD_DIM, BLOCK_H, BLOCK_D, K_LAYOUT, X, FP8, FMAX)
+    _write_one(k_ptr, kc_ptr, ksc_ptr, t, page, off, ok, k_scale, num_heads, s_kt, s_kh,
+               k0, k1, k2, k3, k4, c0, c1, c2, HEAD_DIM, BLOCK_H, BLOCK_D, K_LAYOUT, X, FP8,
+               FMAX, TOKEN_SCALES)
     if HAS_V:
-        _write_one(v_ptr, vc_ptr, t, page, off, ok, v_scale, num_v_heads, s_vt, s_vh,
-                   v0, v1, v2, v3, v4, V_HEAD_DIM, BLOCK_H, BLOCK_DV, V_LAYOUT, XV, FP8, FMAX)
+        _write_one(v_ptr, vc_ptr, vsc_ptr, t, page, off, ok, v_scale, num_v_heads, s_vt, s_vh,
+                   v0, v1, v2, v3, v4, c0, c1, c2, V_HEAD_DIM, BLOCK_H, BLOCK_DV, V_LAYOUT, XV,
+                   FP8, FMAX, TOKEN_SCALES)
 
 
 def _strides5(t: torch.Tensor):
@@ -131,7 +152,8 @@ def _check_rows(name, x, num_tokens, heads, dim):
 
 
 def _launch(k_cache, v_cache, slots, k, v, *, k_layout, v_layout, page_size, heads, head_dim,
-            v_heads, v_head_dim, x, k_scale, v_scale, table=None, xv=1):
+            v_heads, v_head_dim, x, k_scale, v_scale, table=None, xv=1, k_scale_cache=None,
+            v_scale_cache=None):
     if slots.dtype not in INDEX_DTYPES or slots.dim() != 1:
         raise TypeError(
             f"slots has dtype {slots.dtype} and shape {tuple(slots.shape)}; expected int32/int64 "
@@ -145,6 +167,11 @@ def _launch(k_cache, v_cache, slots, k, v, *, k_layout, v_layout, page_size, hea
         _check_rows("v", v, num_tokens, v_heads, v_head_dim)
         if v_cache.dtype != k_cache.dtype:
             raise TypeError(f"v_cache dtype {v_cache.dtype} differs from k_cache {k_cache.dtype}.")
+    token_scales = check_token_scale_caches(k_cache, v_cache if v is not None else None,
+                                            k_scale_cache, v_scale_cache if v is not None
+                                            else None)
+    if token_scales and k_layout != LAYOUT_NHD:
+        raise ValueError("per-(token, head) scales are served on NHD pages only.")
     if num_tokens == 0:
         return
     slots, table = unit_stride(slots), unit_stride(table)  # read with unit stride
@@ -168,21 +195,29 @@ def _launch(k_cache, v_cache, slots, k, v, *, k_layout, v_layout, page_size, hea
     vc = v_cache if v_cache is not None else k_cache
     vv = v if v is not None else k
     kstr, vstr = _strides5(k_cache), _strides5(vc)
+    if token_scales:
+        ksc = k_scale_cache
+        vsc = v_scale_cache if v is not None else ksc
+        cstr = ksc.stride()
+    else:
+        ksc = vsc = ks_t
+        cstr = (0, 0, 0)
     grid = (num_tokens, triton.cdiv(max(heads, v_heads if v is not None else 0), block_h))
     _write_kv_kernel[grid](
         k, vv, k_cache, vc, slots, table if table is not None else slots, ks_t, vs_t,
-        ks_v, vs_v, heads, v_heads if v is not None else 0,
+        ksc, vsc, ks_v, vs_v, heads, v_heads if v is not None else 0,
         k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
-        *kstr, *vstr,
+        *kstr, *vstr, *cstr,
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, V_HEAD_DIM=v_head_dim,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_DV=block_dv,
         K_LAYOUT=k_layout, V_LAYOUT=v_layout, X=x, XV=xv, HAS_V=v is not None,
         TRANSLATE=table is not None, FP8=fp8, FMAX=fp8_max(k_cache.dtype),
-        SCALE_FROM_PTR=from_ptr, num_warps=4,
+        SCALE_FROM_PTR=from_ptr, TOKEN_SCALES=token_scales, num_warps=4,
     )
 
 
-def _launch_nhd(k_cache, v_cache, slots, k, v, *, k_scale, v_scale, table=None) -> None:
+def _launch_nhd(k_cache, v_cache, slots, k, v, *, k_scale, v_scale, table=None,
+                k_scale_cache=None, v_scale_cache=None) -> None:
     """Check that ``k_cache`` is NHD ``[pages, page_size, heads, dim]`` and launch the write
     (through the slot translation ``table`` when given)."""
     if k_cache.dim() != 4:
@@ -193,11 +228,13 @@ def _launch_nhd(k_cache, v_cache, slots, k, v, *, k_scale, v_scale, table=None) 
             page_size=k_cache.shape[1], heads=k_cache.shape[2], head_dim=k_cache.shape[3],
             v_heads=v_cache.shape[2] if v_cache is not None else 0,
             v_head_dim=v_cache.shape[3] if v_cache is not None else 0, x=1,
-            k_scale=k_scale, v_scale=v_scale, table=table)
+            k_scale=k_scale, v_scale=v_scale, table=table, k_scale_cache=k_scale_cache,
+            v_scale_cache=v_scale_cache)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: Optional[torch.Tensor], slots: torch.Tensor,
-             k: torch.Tensor, v: Optional[torch.Tensor], *, k_scale=None, v_scale=None) -> None:
+             k: torch.Tensor, v: Optional[torch.Tensor], *, k_scale=None, v_scale=None,
+             k_scale_cache=None, v_scale_cache=None) -> None:
     """Reshape-and-cache into NHD pages: ``cache[s // S, s % S] = quantise(x[t])`` for
     ``s = slots[t]`` (negative slots skipped). Same result as
     :func:`aiter_attn.kernels.reference.write_kv_reference`.
@@ -208,13 +245,18 @@ def write_kv(k_cache: torch.Tensor, v_cache: Optional[torch.Tensor], slots: torc
         slots: int64/int32 ``[T]`` (``out_cache_loc``).
         k, v: ``[T, kv_heads, head_dim(_v)]``.
         k_scale, v_scale: fp8 quantisation scales (tensor read on the device, or a number).
+        k_scale_cache, v_scale_cache: per-(token, head) scales, float32
+            ``[pages, page_size, kv_heads]`` (fp8 caches): each (token, head) vector is
+            quantised with its own scale, stored at its slot (:mod:`aiter_attn.kv_scales`).
     """
-    _launch_nhd(k_cache, v_cache, slots, k, v, k_scale=k_scale, v_scale=v_scale)
+    _launch_nhd(k_cache, v_cache, slots, k, v, k_scale=k_scale, v_scale=v_scale,
+                k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
 
 
 def write_kv_translated(k_cache: torch.Tensor, v_cache: Optional[torch.Tensor],
                         slots: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor], *,
-                        full_to_swa: torch.Tensor, k_scale=None, v_scale=None) -> None:
+                        full_to_swa: torch.Tensor, k_scale=None, v_scale=None,
+                        k_scale_cache=None, v_scale_cache=None) -> None:
     """KV write into a sliding-window pool through a slot translation table (op
     ``write_kv_swa``): token ``t`` goes to SWA slot ``full_to_swa[slots[t]]`` of the NHD caches;
     a negative slot or a negative table entry is skipped. The translation is fused into the
@@ -225,7 +267,8 @@ def write_kv_translated(k_cache: torch.Tensor, v_cache: Optional[torch.Tensor],
         k_cache, v_cache: SWA pool ``[swa_pages, page_size, kv_heads, head_dim(_v)]``.
         slots: int ``[T]``: full-pool slots (``out_cache_loc``).
         full_to_swa: int32/int64 ``[full_slots]``: SWA slot of every full slot.
-        k, v, k_scale, v_scale: as in :func:`write_kv`.
+        k, v, k_scale, v_scale, k_scale_cache, v_scale_cache: as in :func:`write_kv` (the
+            scale caches are the SWA pool's).
     """
     if not isinstance(full_to_swa, torch.Tensor) or full_to_swa.dtype not in INDEX_DTYPES \
             or full_to_swa.dim() != 1:
@@ -234,7 +277,7 @@ def write_kv_translated(k_cache: torch.Tensor, v_cache: Optional[torch.Tensor],
             f"{getattr(full_to_swa, 'dtype', type(full_to_swa).__name__)}."
         )
     _launch_nhd(k_cache, v_cache, slots, k, v, k_scale=k_scale, v_scale=v_scale,
-                table=full_to_swa)
+                table=full_to_swa, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
 
 
 def write_kv_5d(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

@@ -16,6 +16,13 @@ Split-KV (flash-decoding): with few (token × head-block) programs the keys of e
 are cut into ``num_splits`` chunks (sized per request on the device); a second kernel merges
 the partial outputs by their log-sum-exp. The split count depends only on host integers
 (shapes, ``max_seqlen_k`` or the block-table width), so the launch is CUDA-graph safe.
+
+Plan/run (:class:`TritonMLA`, the registered kernel object): ``plan(md, out=None)`` (once per
+step and layer group) chooses the launch configuration and split count from host integers,
+takes the split partials' workspace (allocated eagerly, a view of a static buffer under CUDA
+graphs: ``buffer_spec(limits)`` / ``out.setdefault``) and keeps the index tensors;
+``run(q, (kv_cache,), plan, params, out)`` (once per layer) checks one shape and launches.
+:func:`mla_paged_attention` is plan + run in one call.
 """
 
 from __future__ import annotations
@@ -23,17 +30,21 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+import attrs
 import torch
 import triton
 import triton.language as tl
 
-from ...types import kv_dequant_scales
+from ...types import FP8_DTYPES
 from ...validation import INDEX_DTYPES, unit_stride
-from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms, scale_args
+from ..base import (MEMO, KernelPlan, MLAKernel, _adhoc_metadata, mask_literal,
+                    mla_layer_params, mla_request, plan_hints)
+from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
 from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS
 from ._paging import load_chunk_pages, tile_pages_of
 
-__all__ = ["mla_paged_attention", "mla_launch_config"]
+__all__ = ["mla_paged_attention", "mla_launch_config", "TritonMLA", "TritonMLAPlan",
+           "mla_request"]
 
 log = logging.getLogger(__name__)
 
@@ -322,8 +333,9 @@ def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: to
 
     ``dim`` (padded latent width), ``elem_size`` (bytes of the compute dtype: the wider of q
     and the cache) and ``kv_elem_size`` (bytes of a cache element; a narrower cache is
-    converted through one more tile) bound the pipelined tiles by the device's shared memory:
-    the ring ``stages · block_n · dim · kv_elem_size`` (plus the converted tile) must fit
+    converted through two more tiles, one per dot) bound the pipelined tiles by the device's
+    shared memory: the ring ``stages · block_n · dim · kv_elem_size`` (plus the converted
+    tiles) must fit
     (the q tile is not counted: the H200 defaults were measured to fit with it);
     ``block_n`` halves (only when not given), then stages drop.
     """
@@ -334,7 +346,12 @@ def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: to
     budget = _smem_budget(device)
 
     def need(bn, stages):
-        convert = bn * dim * elem_size if kv_elem_size < elem_size else 0
+        # a narrower cache is converted into two more tiles: one per dot (K^T for q·K, V for
+        # p·V take different shared-memory layouts). Measured on the H200 (fp8 cache, 16
+        # heads, block_n 64, 3 stages): Triton asked for 253,952 B = ring 110,592 + K^T
+        # 73,728 + V 65,536 + 4,096; one converted tile was counted before, which let 3
+        # stages through and the launch raised OutOfResources.
+        convert = 2 * bn * dim * elem_size if kv_elem_size < elem_size else 0
         return stages * bn * dim * kv_elem_size + convert
 
     if block_n is None:
@@ -356,6 +373,247 @@ def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: to
         by_len = max(1, triton.cdiv(max(kv_bound, 1), 4 * block_n))
         num_kv_splits = max(1, min(64, num_sms(device) // programs, by_len))
     return block_h, block_n, int(num_kv_splits), num_warps, num_stages
+
+
+_T = dict(eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class TritonMLAPlan(KernelPlan):
+    """One step's launch of the Triton MLA kernel for one layer group.
+
+    Attributes:
+        grid: ``(num_tokens · head_blocks, splits)``.
+        args: ``(cu_seqlens_q, seqused_k, block_table)`` tensors (unit stride).
+        mask: ``(mask_uint8, mask_indptr)`` or ``None``.
+        batch / head_blocks / splits: host integers of the launch.
+        use_parts: the split path runs (partials + merge).
+        part_o / part_lse: split partials ``[T, H, S, R]`` / ``[T, H, S]`` float32 (``None``
+            without the split path).
+        cfg_kw: the launch configuration's constexprs; kw_cache: per-layer-flag dicts.
+    """
+
+    grid: tuple
+    args: tuple = attrs.field(**_T)
+    mask: Optional[tuple] = attrs.field(default=None, **_T)
+    batch: int
+    head_blocks: int
+    splits: int
+    use_parts: bool
+    part_o: Optional[torch.Tensor] = attrs.field(default=None, **_T)
+    part_lse: Optional[torch.Tensor] = attrs.field(default=None, **_T)
+    cfg_kw: dict = attrs.field(factory=dict, **_T)
+    kw_cache: dict = attrs.field(factory=dict, metadata=MEMO, **_T)
+
+
+class TritonMLA(MLAKernel):
+    """``mla_paged_attention`` (Triton) as plan/run, bound once per layer group.
+
+    ``tuning`` (tests, benchmarks) overrides the launch heuristics: ``num_kv_splits``,
+    ``block_h``, ``block_n``, ``num_warps``, ``num_stages``, ``page_chunk``, ``split_v_load``.
+    """
+
+    def __init__(self, request=None, tuning: Optional[dict] = None):
+        super().__init__(request)
+        self.tuning = dict(tuning or {})
+        if request is not None:
+            self._bind(request)
+
+    def _bind(self, request):
+        self.heads = dict(request.extra).get("heads")
+        if self.heads is None:
+            raise ValueError(f"{self.name}: the request has no ('heads', H) in extra; build it "
+                             "with aiter_attn.kernels.triton.mla.mla_request(...).")
+        self.dim = request.head_dim
+        self.rank = request.v_head_dim
+        self.rope = self.dim - self.rank
+        self.dtype, self.kv_dtype = request.dtype, request.kv_dtype
+        self.block_dv = max(16, next_pow2(self.rank))
+        self.block_dr = max(16, next_pow2(max(self.rope, 1)))
+        q_size = torch.empty((), dtype=self.dtype).element_size()
+        self.kv_size = torch.empty((), dtype=self.kv_dtype).element_size()
+        self.elem_size = max(q_size, self.kv_size)
+        self.batch_invariant = "batch_invariant" in request.features
+        self._ws = (f"triton.mla.partials.{self.heads}h{self.rank}"
+                    + (".bi" if self.batch_invariant else ""))
+
+    def __call__(self, q, kv_cache, out, **kwargs):
+        if self.request is None:  # the functional convenience: bind to these tensors
+            req = mla_request(q, kv_cache, kwargs["kv_lora_rank"],
+                              custom_mask=kwargs.get("custom_mask") is not None,
+                              lse=kwargs.get("lse") is not None,
+                              batch_invariant=bool(kwargs.get("batch_invariant")))
+            return type(self)(req, self.tuning)(q, kv_cache, out, **kwargs)
+        return super().__call__(q, kv_cache, out, **kwargs)
+
+    # -- launch configuration ------------------------------------------------------------
+    def _config(self, num_tokens, kv_bound, device):
+        t = self.tuning
+        bh, bn, splits, warps, stages = mla_launch_config(
+            self.heads, num_tokens, kv_bound, device, num_kv_splits=t.get("num_kv_splits"),
+            block_h=t.get("block_h"), block_n=t.get("block_n"),
+            dim=self.block_dv + self.block_dr, elem_size=self.elem_size,
+            kv_elem_size=self.kv_size)
+        fixed_chunk = 0
+        if self.batch_invariant:
+            fixed_chunk = -(-BATCH_INVARIANT_SPLIT_TOKENS // bn) * bn
+            # a power of two: fewer distinct NUM_SPLITS compilations (extra splits are empty)
+            splits = next_pow2(max(1, -(-max(kv_bound, 1) // fixed_chunk)))
+        return bh, bn, splits, warps, stages, fixed_chunk
+
+    def _workspace_rows(self, max_bs, q_len, max_k, device) -> int:
+        """Split-partial rows (``splits · tokens``) of any batch of up to ``max_bs`` requests
+        of ``q_len`` queries: the static workspace under CUDA graphs."""
+        rows = 0
+        for bs in range(1, max_bs + 1):
+            splits = self._config(bs * q_len, max_k, device)[2]
+            if splits > 1 or self.batch_invariant:
+                rows = max(rows, splits * bs * q_len)
+        return rows
+
+    def buffer_spec(self, limits):
+        """The split partials' static workspace for ``limits`` (a
+        :class:`~aiter_attn.graph.buffers.GraphLimits`): flat float32 buffers."""
+        from ...strategies.base import BufferSpec
+
+        if self.request is None:
+            return BufferSpec({})
+        rows = self._workspace_rows(limits.max_bs, limits.q_len, limits.max_seq_len,
+                                    torch.device(self.request.device))
+        if not rows:
+            return BufferSpec({})
+        return BufferSpec({self._ws + ".o": ((rows * self.heads * self.rank,), torch.float32),
+                           self._ws + ".lse": ((rows * self.heads,), torch.float32)})
+
+    def _partials(self, splits, num_tokens, md, out, device):
+        shape_o = (num_tokens, self.heads, splits, self.rank)
+        shape_l = (num_tokens, self.heads, splits)
+        if out is None:
+            return (torch.empty(shape_o, dtype=torch.float32, device=device),
+                    torch.empty(shape_l, dtype=torch.float32, device=device))
+        rows = splits * num_tokens
+        buf = out.get(self._ws + ".o")
+        if buf is None:  # bound after the graph manager was built: sized once, here
+            cu = out.get("cu_seqlens_q")
+            max_bs = cu.shape[0] - 1 if cu is not None else md.batch_size
+            cap = max(rows, self._workspace_rows(max(max_bs, 1), md.query.max_seqlen_q,
+                                                 md.pages.max_seqlen_k, device))
+            buf = out.setdefault(self._ws + ".o", torch.empty(
+                cap * self.heads * self.rank, dtype=torch.float32, device=device))
+            out.setdefault(self._ws + ".lse", torch.empty(cap * self.heads,
+                                                          dtype=torch.float32, device=device))
+        lse = out[self._ws + ".lse"]
+        if buf.numel() < rows * self.heads * self.rank:
+            raise RuntimeError(
+                f"{self.name}: the static MLA split workspace holds "
+                f"{buf.numel() // (self.heads * self.rank)} rows but this plan needs {rows}; "
+                "build CudaGraphManager after binding the layers so the kernel's buffer_spec "
+                "sizes it.")
+        n_o, n_l = rows * self.heads * self.rank, rows * self.heads
+        return buf[:n_o].view(shape_o), lse[:n_l].view(shape_l)
+
+    # -- plan / run ----------------------------------------------------------------------
+    def plan(self, md, out: Optional[dict] = None) -> TritonMLAPlan:
+        """The launch of one step (host integers only: no sync)."""
+        query, pages = md.query, md.pages
+        cu, seqused_k, block_table = map(
+            unit_stride, (query.cu_seqlens_q, pages.seqused_k, pages.block_table))
+        num_tokens, batch = query.num_tokens, seqused_k.shape[0]
+        page_size = pages.page_size
+        _, hint_k = plan_hints(md)
+        kv_bound = int(hint_k) if hint_k is not None else block_table.shape[1] * page_size
+        device = cu.device
+        bh, bn, splits, warps, stages, fixed_chunk = self._config(max(num_tokens, 1), kv_bound,
+                                                                  device)
+        t = self.tuning
+        page_chunk = t.get("page_chunk")
+        if page_chunk is None:
+            page_chunk = 0 if bh <= 16 else 16
+        warps = t.get("num_warps") or warps
+        stages = 1 if interpreting() else (t.get("num_stages") or stages)
+        head_blocks = triton.cdiv(self.heads, bh)
+        use_parts = splits > 1 or self.batch_invariant
+        empty = num_tokens == 0 or batch == 0
+        part_o = part_lse = None
+        if use_parts and not empty:
+            part_o, part_lse = self._partials(splits, num_tokens, md, out, device)
+        mask = md.mask
+        mask_t = None
+        if mask is not None:
+            m = unit_stride(mask.custom_mask)
+            mask_t = (m.view(torch.uint8) if m.dtype == torch.bool else m,
+                      unit_stride(mask.mask_indptr))
+        split_v = t.get("split_v_load")
+        cfg_kw = dict(
+            PAGE_SIZE=page_size, KV_LORA=self.rank, ROPE=self.rope,
+            BLOCK_DV=self.block_dv, BLOCK_DR=self.block_dr, BLOCK_H=bh, BLOCK_N=bn,
+            BLOCK_B=next_pow2(max(batch, 1)), NUM_SPLITS=splits, HAS_MASK=mask is not None,
+            IEEE=self.dtype == torch.float32, TILE_IN_PAGE=page_size % bn == 0,
+            EVEN_D=self.block_dv == self.rank and self.block_dr == self.rope,
+            PAGE_CHUNK=next_pow2(page_chunk) if page_chunk > 0 and (
+                page_size % bn == 0 or bn % page_size == 0) else 0,
+            FP16_DOTS=is_fp8(self.kv_dtype) and self.dtype == torch.bfloat16,
+            SPLIT_V_LOAD=self.kv_dtype != self.dtype if split_v is None else bool(split_v),
+            FIXED_CHUNK=fixed_chunk, num_warps=warps, num_stages=stages)
+        return TritonMLAPlan(
+            num_tokens=0 if empty else num_tokens, mask_literal=mask_literal(md),
+            grid=(num_tokens * head_blocks, splits), args=(cu, seqused_k, block_table),
+            mask=mask_t, batch=batch, head_blocks=head_blocks, splits=splits,
+            use_parts=use_parts, part_o=part_o, part_lse=part_lse, cfg_kw=cfg_kw)
+
+    @staticmethod
+    def _kw(plan: TritonMLAPlan, key):
+        causal, from_ptr, write_lse = key
+        kw = dict(plan.cfg_kw)
+        kw.update(CAUSAL=causal and not plan.mask_literal, SCALE_FROM_PTR=from_ptr,
+                  WRITE_LSE=write_lse)
+        plan.kw_cache[key] = kw
+        return kw
+
+    def run(self, q, cache, plan: TritonMLAPlan, params, out, lse=None):
+        """Launch (and the split merge). O(1) checks; allocates nothing."""
+        if q.shape[0] != plan.num_tokens:
+            if plan.num_tokens == 0:
+                return out
+            raise ValueError(f"{self.name}: q has {q.shape[0]} tokens but the plan was made for "
+                             f"{plan.num_tokens}; plan this step's metadata first.")
+        if plan.num_tokens == 0:
+            return out
+        kv_cache = cache[0]
+        if q.stride(-1) != 1 or kv_cache.stride(-1) != 1 or out.stride(-1) != 1:
+            raise ValueError(f"{self.name}: q, kv_cache and out must be contiguous in their "
+                             "last dim; pass .contiguous() tensors.")
+        from_ptr = params.has_scales  # fp8 cache: the scale is read on the device
+        write_lse = lse is not None
+        key = (params.causal, from_ptr, write_lse)
+        kw = plan.kw_cache.get(key)
+        if kw is None:
+            kw = self._kw(plan, key)
+        cu, seqused_k, block_table = plan.args
+        mask_arg, mask_ind = plan.mask if plan.mask is not None else (cu, cu)
+        scale_t = params.k_scale_t if from_ptr else cu
+        part_o = plan.part_o if plan.use_parts else out
+        part_lse = plan.part_lse if plan.use_parts else out
+        ps_o = part_o.stride() if plan.use_parts else (0, 0, 0)
+        ps_l = part_lse.stride() if plan.use_parts else (0, 0)
+        lse_t = lse if write_lse else part_lse
+        ls = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
+        qs, os_ = q.stride(), out.stride()
+        _mla_fwd_kernel[plan.grid](
+            q, kv_cache, out, part_o, part_lse, lse_t,
+            cu, seqused_k, block_table, mask_arg, mask_ind, scale_t,
+            params.scale * _LOG2E, 1.0,
+            self.heads, plan.batch, plan.head_blocks,
+            qs[0], qs[1], kv_cache.stride(0), kv_cache.stride(1), os_[0], os_[1],
+            block_table.stride(0), ps_o[0], ps_o[1], ps_o[2], ps_l[0], ps_l[1], *ls, **kw)
+        if plan.use_parts:
+            _mla_merge_kernel[(plan.num_tokens, self.heads)](
+                out, part_o, part_lse, lse_t, os_[0], os_[1], ps_o[0], ps_o[1], ps_o[2],
+                ps_l[0], ps_l[1], *ls,
+                KV_LORA=self.rank, BLOCK_DV=self.block_dv, NUM_SPLITS=plan.splits,
+                BLOCK_S=max(2, next_pow2(plan.splits)), WRITE_LSE=write_lse,
+                FIXED_ORDER=self.batch_invariant, num_warps=4)
+        return out
 
 
 def mla_paged_attention(
@@ -433,97 +691,25 @@ def mla_paged_attention(
         if t.dtype not in INDEX_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; allowed: int32, int64.")
     total_dim = q.shape[2]
-    rope = total_dim - kv_lora_rank
     if not 0 < kv_lora_rank <= total_dim or kv_cache.shape[3] != total_dim:
         raise ValueError(
             f"kv_lora_rank={kv_lora_rank} with q dim {total_dim} and kv_cache dim "
             f"{kv_cache.shape[3]}; need 0 < kv_lora_rank ≤ q dim == kv_cache dim."
         )
+    if custom_mask is not None and mask_indptr is None:
+        raise ValueError("custom_mask needs mask_indptr (int64 [batch + 1]); pass both.")
     if q.stride(-1) != 1:
         q = q.contiguous()
-    # index inputs are read with unit stride along their last axis: materialise strided views
-    cu_seqlens_q, seqused_k, block_table, custom_mask, mask_indptr = map(
-        unit_stride, (cu_seqlens_q, seqused_k, block_table, custom_mask, mask_indptr))
-    num_tokens, num_heads = q.shape[0], q.shape[1]
-    batch = seqused_k.shape[0]
-    if num_tokens == 0 or batch == 0:
-        return out
-    page_size = kv_cache.shape[1]
-    kv_bound = max_seqlen_k if max_seqlen_k is not None else block_table.shape[1] * page_size
-    block_dv = max(16, next_pow2(kv_lora_rank))
-    block_dr = max(16, next_pow2(max(rope, 1)))
-    bh, bn, splits, warps, stages = mla_launch_config(
-        num_heads, num_tokens, kv_bound, q.device, num_kv_splits=num_kv_splits,
-        block_h=block_h, block_n=block_n, dim=block_dv + block_dr,
-        elem_size=max(q.element_size(), kv_cache.element_size()),
-        kv_elem_size=kv_cache.element_size())
-    fixed_chunk = 0
-    if batch_invariant:
-        fixed_chunk = -(-BATCH_INVARIANT_SPLIT_TOKENS // bn) * bn
-        # a power of two: fewer distinct NUM_SPLITS compilations (extra splits are empty)
-        splits = next_pow2(max(1, -(-max(kv_bound, 1) // fixed_chunk)))
-    if page_chunk is None:
-        page_chunk = 0 if bh <= 16 else 16
-    warps = num_warps or warps
-    stages = 1 if interpreting() else (num_stages or stages)
-    head_blocks = triton.cdiv(num_heads, bh)
-    # kv_scale dequantises an fp8 cache only (aiter_attn.types.kv_dequant_scales)
-    kv_scale, _ = kv_dequant_scales(kv_cache.dtype, kv_scale, kv_scale)
-    scale_t, scale_v, from_ptr = scale_args(kv_scale, q.device)
-    has_mask = custom_mask is not None
-    if has_mask:
-        if mask_indptr is None:
-            raise ValueError("custom_mask needs mask_indptr (int64 [batch + 1]); pass both.")
-        mask_arg = custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask
-        mask_ind = mask_indptr
-    else:
-        mask_arg = mask_ind = cu_seqlens_q  # unused placeholders
-    use_parts = splits > 1 or batch_invariant
-    if use_parts:
-        part_o = torch.empty(num_tokens, num_heads, splits, kv_lora_rank, dtype=torch.float32,
-                             device=q.device)
-        part_lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32,
-                               device=q.device)
-    else:
-        part_o = out.new_empty(1, 1, 1, 1, dtype=torch.float32)
-        part_lse = out.new_empty(1, 1, 1, dtype=torch.float32)
-    write_lse = lse is not None
-    lse_t = lse if write_lse else part_lse
-    lse_strides = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
-    grid = (num_tokens * head_blocks, splits)
-    _mla_fwd_kernel[grid](
-        q, kv_cache, out, part_o, part_lse, lse_t,
-        cu_seqlens_q, seqused_k, block_table, mask_arg, mask_ind, scale_t,
-        float(softmax_scale) * _LOG2E, scale_v,
-        num_heads, batch, head_blocks,
-        q.stride(0), q.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1),
-        out.stride(0), out.stride(1),
-        block_table.stride(0),
-        part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        *lse_strides,
-        PAGE_SIZE=page_size, KV_LORA=kv_lora_rank, ROPE=rope,
-        BLOCK_DV=block_dv, BLOCK_DR=block_dr, BLOCK_H=bh, BLOCK_N=bn,
-        BLOCK_B=next_pow2(batch), NUM_SPLITS=splits, CAUSAL=bool(causal), HAS_MASK=has_mask,
-        SCALE_FROM_PTR=from_ptr, IEEE=q.dtype == torch.float32,
-        TILE_IN_PAGE=page_size % bn == 0,
-        EVEN_D=block_dv == kv_lora_rank and block_dr == rope,
-        PAGE_CHUNK=next_pow2(page_chunk) if page_chunk > 0 and (
-            page_size % bn == 0 or bn % page_size == 0) else 0,
-        FP16_DOTS=is_fp8(kv_cache.dtype) and q.dtype == torch.bfloat16,
-        SPLIT_V_LOAD=kv_cache.dtype != q.dtype if split_v_load is None else split_v_load,
-        WRITE_LSE=write_lse, FIXED_CHUNK=fixed_chunk, num_warps=warps, num_stages=stages,
-    )
-    if use_parts:
-        _mla_merge_kernel[(num_tokens, num_heads)](
-            out, part_o, part_lse, lse_t,
-            out.stride(0), out.stride(1),
-            part_o.stride(0), part_o.stride(1), part_o.stride(2),
-            part_lse.stride(0), part_lse.stride(1),
-            *lse_strides,
-            KV_LORA=kv_lora_rank, BLOCK_DV=block_dv, NUM_SPLITS=splits,
-            BLOCK_S=max(2, next_pow2(splits)), WRITE_LSE=write_lse,
-            FIXED_ORDER=batch_invariant, num_warps=4,
-        )
-    return out
+    tuning = {k: v for k, v in dict(
+        num_kv_splits=num_kv_splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
+        num_stages=num_stages, page_chunk=page_chunk, split_v_load=split_v_load).items()
+        if v is not None}
+    kernel = TritonMLA(mla_request(q, kv_cache, kv_lora_rank,
+                                   custom_mask=custom_mask is not None, lse=lse is not None,
+                                   batch_invariant=batch_invariant), tuning)
+    md = _adhoc_metadata(q, kv_cache, cu_seqlens_q, seqused_k, block_table, custom_mask,
+                         mask_indptr, max_seqlen_q, max_seqlen_k, "mla_paged_attention")
+    params = mla_layer_params(scale=softmax_scale, device=q.device, kv_lora_rank=kv_lora_rank,
+                              num_q_heads=q.shape[1], head_dim=total_dim, kv_scale=kv_scale,
+                              fp8=kv_cache.dtype in FP8_DTYPES, causal=causal)
+    return kernel.run(q, (kv_cache,), kernel.plan(md), params, out, lse=lse)

@@ -4,10 +4,13 @@ prefix, verify (chain and tree mask), mixed batches — one kernel plus a split 
 Math (per request ``b`` with ``L = seqused_k[b]`` keys and ``n`` queries; query ``i`` sits at
 absolute position ``p = L - n + i``)::
 
-    s_j   = softmax_scale · k_scale · (q · k_j)          (fp8 caches dequantise by the scales)
+    s_j   = softmax_scale · k_scale · ks_j · (q · k_j)  (fp8 caches dequantise by the scales)
     s_j  ← c · tanh(s_j / c)                             (soft-cap, c > 0)
     vis_j = j < L ∧ (¬causal ∨ j ≤ p) ∧ p - left ≤ j ≤ p + right ∧ mask[b][i, j]
-    o     = v_scale · Σ_j softmax([s_vis, sink])_j · v_j (the sink column has no value)
+    o     = v_scale · Σ_j softmax([s_vis, sink])_j · vs_j · v_j  (no value for the sink)
+
+``ks_j``/``vs_j`` are the per-(token, head) scales of key ``j`` (``k_scale_cache`` /
+``v_scale_cache``, :mod:`aiter_attn.kv_scales`), 1 without them.
 
 A row with nothing visible and no sink outputs zeros.
 
@@ -70,15 +73,20 @@ def _kv_rows(page, in_page, stride_kp, stride_kt, stride_vp, stride_vt, VX: tl.c
 def _tile_step(
     acc, m_i, l_i, q, qk_scale, softcap, K, V, k_rows, v_rows, kv_head_off_k, kv_head_off_v,
     Mask, mask_row_off, kv_len, pos, row_valid, left, right, kpos,
-    offs_d, offs_dv, d_mask, dv_mask,
+    offs_d, offs_dv, d_mask, dv_mask, KSc, VSc, s_rows, v_mul,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_CUSTOM_MASK: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TOKEN_SCALES: tl.constexpr, CLAMP_V: tl.constexpr,
 ):
     """One key tile: load K ``[D, BLOCK_N]`` / V ``[BLOCK_N, DV]`` at the int64 row offsets
     ``k_rows``/``v_rows`` (token ``kpos``), update the online softmax ``(acc, m_i, l_i)``.
 
     Logits are kept in the log2 domain (``qk_scale`` includes log2(e)). ``MASKED`` tiles apply
     the length, causal, window and custom masks; unmasked tiles are known to be fully visible.
+    ``TOKEN_SCALES``: per-(token, head) scales at ``KSc``/``VSc`` + ``s_rows`` (this KV head's
+    offsets) multiply each key's logits (in float32, after the dot) and each value row (in
+    float32 with the layer's ``v_mul``, before the dot: the fp16 operand then holds the true
+    value, never ``x / layer_scale``; ``CLAMP_V`` saturates it to fp16's range).
     """
     k_ptrs = K + kv_head_off_k + k_rows[None, :] + offs_d[:, None]
     v_ptrs = V + kv_head_off_v + v_rows[:, None] + offs_dv[None, :]
@@ -86,10 +94,21 @@ def _tile_step(
         kin = kpos < kv_len
         k = tl.load(k_ptrs, mask=d_mask[:, None] & kin[None, :], other=0.0)
         v = tl.load(v_ptrs, mask=kin[:, None] & dv_mask[None, :], other=0.0)
+        if TOKEN_SCALES:
+            ks = tl.load(KSc + s_rows, mask=kin, other=0.0)
+            vs = tl.load(VSc + s_rows, mask=kin, other=0.0)
     else:
         k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=dv_mask[None, :], other=0.0)
+        if TOKEN_SCALES:
+            ks = tl.load(KSc + s_rows)
+            vs = tl.load(VSc + s_rows)
     s = tl.dot(q, k.to(COMPUTE_DTYPE), input_precision=DOT_PRECISION)
+    if TOKEN_SCALES:
+        s = s * ks[None, :]
+        v = v.to(tl.float32) * (vs * v_mul)[:, None]
+        if CLAMP_V:
+            v = tl.minimum(tl.maximum(v, -65504.0), 65504.0)
     if HAS_SOFTCAP:
         # softcap·tanh(x/softcap) on natural-unit logits, then to the log2 domain
         s = softcap * _tanh(s * qk_scale / softcap) * _LOG2E
@@ -127,7 +146,8 @@ def _attn_tiles(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_CUSTOM_MASK: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr, PAGE_CHUNK: tl.constexpr,
-    VX: tl.constexpr,
+    VX: tl.constexpr, KSc, VSc, stride_sp, stride_st, s_head, v_mul,
+    TOKEN_SCALES: tl.constexpr, CLAMP_V: tl.constexpr,
 ):
     """Online-softmax update of ``(acc, m_i, l_i)`` over key tiles ``[t_start, t_end)``.
 
@@ -155,11 +175,13 @@ def _attn_tiles(
                                               PAGE_CHUNK, TILE_IN_PAGE)
                 k_rows, v_rows = _kv_rows(page, in_page, stride_kp, stride_kt, stride_vp,
                                           stride_vt, VX)
+                s_rows = s_head + page * stride_sp + in_page * stride_st
                 acc, m_i, l_i = _tile_step(
                     acc, m_i, l_i, q, qk_scale, softcap, K, V, k_rows, v_rows, kv_head_off_k,
                     kv_head_off_v, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
-                    t * BLOCK_N + offs_n, offs_d, offs_dv, d_mask, dv_mask, MASKED, CAUSAL,
-                    HAS_SOFTCAP, HAS_CUSTOM_MASK, COMPUTE_DTYPE, DOT_PRECISION)
+                    t * BLOCK_N + offs_n, offs_d, offs_dv, d_mask, dv_mask, KSc, VSc, s_rows,
+                    v_mul, MASKED, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK, COMPUTE_DTYPE,
+                    DOT_PRECISION, TOKEN_SCALES, CLAMP_V)
     else:
         for t in tl.range(t_start, t_end, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
             kpos = t * BLOCK_N + offs_n
@@ -175,11 +197,13 @@ def _attn_tiles(
                 in_page = (kpos % PAGE_SIZE).to(tl.int64)
             k_rows, v_rows = _kv_rows(page, in_page, stride_kp, stride_kt, stride_vp, stride_vt,
                                       VX)
+            s_rows = s_head + page * stride_sp + in_page * stride_st
             acc, m_i, l_i = _tile_step(
                 acc, m_i, l_i, q, qk_scale, softcap, K, V, k_rows, v_rows, kv_head_off_k,
                 kv_head_off_v, Mask, mask_row_off, kv_len, pos, row_valid, left, right, kpos,
-                offs_d, offs_dv, d_mask, dv_mask, MASKED, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
-                COMPUTE_DTYPE, DOT_PRECISION)
+                offs_d, offs_dv, d_mask, dv_mask, KSc, VSc, s_rows, v_mul, MASKED, CAUSAL,
+                HAS_SOFTCAP, HAS_CUSTOM_MASK, COMPUTE_DTYPE, DOT_PRECISION, TOKEN_SCALES,
+                CLAMP_V)
     return acc, m_i, l_i
 
 
@@ -231,11 +255,12 @@ def _reduce_rows(O, Lse, PartAcc, PartML, Sinks, row_tok, qh, row_valid, offs_dv
 @triton.jit
 def _paged_attn_kernel(
     Q, K, V, O, PartAcc, PartML, Lse, Counters,
-    CuQ, SeqK, BlockTable, Sinks, KScale, VScale, Mask, MaskIndptr,
+    CuQ, SeqK, BlockTable, Sinks, KScale, VScale, KSc, VSc, Mask, MaskIndptr,
     sm_scale, softcap, left, right, num_seqs, q_blocks_per_seq, num_splits, split_tiles,
     stride_qt, stride_qh,
     stride_kp, stride_kt, stride_kh, stride_kd,
     stride_vp, stride_vt, stride_vh, stride_vd,
+    stride_sp, stride_st, stride_sh,
     stride_ot, stride_oh,
     stride_bt,
     stride_ps, stride_pt, stride_mls, stride_mlt, stride_lt, stride_lh,
@@ -249,7 +274,7 @@ def _paged_attn_kernel(
     COMPUTE_DTYPE: tl.constexpr, CLAMP_Q: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr, PAGE_CHUNK: tl.constexpr,
     KX: tl.constexpr, VX: tl.constexpr, WRITE_LSE: tl.constexpr, FIXED_SPLITS: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr, TOKEN_SCALES: tl.constexpr,
 ):
     # longest causal q-blocks (latest positions) first: better tail balance in prefill
     pid_q = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -310,8 +335,11 @@ def _paged_attn_kernel(
     q = q.to(COMPUTE_DTYPE)
 
     qk_scale = sm_scale
+    v_mul = 1.0
     if HAS_SCALES:
         qk_scale = qk_scale * tl.load(KScale).to(tl.float32)
+        if TOKEN_SCALES:  # the layer's v scale rides on each value row's own scale
+            v_mul = tl.load(VScale).to(tl.float32)
 
     # --- key range: what any row sees, and what every row sees ---------------------------
     q_last = tl.minimum(qb * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -351,6 +379,7 @@ def _paged_attn_kernel(
     bt_row = BlockTable + b.to(tl.int64) * stride_bt
     k_head = kvh.to(tl.int64) * stride_kh
     v_head = kvh.to(tl.int64) * stride_vh
+    s_head = kvh.to(tl.int64) * stride_sh
     if HAS_CUSTOM_MASK:
         mask_row_off = tl.load(MaskIndptr + b).to(tl.int64) + tok.to(tl.int64) * kv_len
     else:
@@ -370,22 +399,26 @@ def _paged_attn_kernel(
         stride_vt, k_head, v_head, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
         s_lo, tl.minimum(tf_lo, s_hi), k_doff, v_doff, d_mask, dv_mask,
         PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, True, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
-        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, False, 0, VX)
+        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, False, 0, VX, KSc, VSc, stride_sp, stride_st,
+        s_head, v_mul, TOKEN_SCALES, CLAMP_Q)
     acc, m_i, l_i = _attn_tiles(
         acc, m_i, l_i, q, qk_scale, softcap, K, V, bt_row, stride_kp, stride_kt, stride_vp,
         stride_vt, k_head, v_head, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
         tl.maximum(tf_lo, s_lo), tl.minimum(tf_hi, s_hi), k_doff, v_doff, d_mask, dv_mask,
         PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, False, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
-        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, WARP_SPEC, PAGE_CHUNK, VX)
+        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, WARP_SPEC, PAGE_CHUNK, VX, KSc, VSc, stride_sp, stride_st,
+        s_head, v_mul, TOKEN_SCALES, CLAMP_Q)
     acc, m_i, l_i = _attn_tiles(
         acc, m_i, l_i, q, qk_scale, softcap, K, V, bt_row, stride_kp, stride_kt, stride_vp,
         stride_vt, k_head, v_head, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
         tl.maximum(tf_hi, s_lo), s_hi, k_doff, v_doff, d_mask, dv_mask,
         PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, True, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
-        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, False, 0, VX)
+        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, False, 0, VX, KSc, VSc, stride_sp, stride_st,
+        s_head, v_mul, TOKEN_SCALES, CLAMP_Q)
 
     if HAS_SCALES:
-        acc = acc * tl.load(VScale).to(tl.float32)
+        if not TOKEN_SCALES:
+            acc = acc * tl.load(VScale).to(tl.float32)
     out_mask = row_valid[:, None] & dv_mask[None, :]
     if SPLIT:
         part_rows = split.to(tl.int64) * stride_ps + (q_start + tok).to(tl.int64) * stride_pt \
@@ -530,6 +563,8 @@ def paged_attention_triton(
     max_seqlen_k: Optional[int] = None,
     lse: Optional[torch.Tensor] = None,
     batch_invariant: bool = False,
+    k_scale_cache: Optional[torch.Tensor] = None,
+    v_scale_cache: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Paged attention with the contract of ``ops.paged_attention`` (see the module docstring).
 
@@ -544,7 +579,9 @@ def paged_attention_triton(
     ``[T, Hq]`` that also receives the natural-log LSE per (token, head), sinks included
     (``-inf`` for a fully masked row). ``batch_invariant``: each row's bits independent of the
     rest of the batch and of the hints (fixed tiles, fixed-size splits, fixed-order reduction;
-    see :mod:`._launch_config`).
+    see :mod:`._launch_config`). ``k_scale_cache``/``v_scale_cache``: float32
+    ``[pages, page_size, Hkv]`` per-(token, head) scales of an fp8 cache, on top of the layer
+    scales (:mod:`aiter_attn.kv_scales`).
     """
     from .attention import TritonPagedAttention, invariant_request
 
@@ -555,7 +592,8 @@ def paged_attention_triton(
                   block_table=block_table, softmax_scale=softmax_scale, causal=causal,
                   window_size=window_size, softcap=softcap, sinks=sinks, k_scale=k_scale,
                   v_scale=v_scale, custom_mask=custom_mask, mask_indptr=mask_indptr,
-                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, lse=lse)
+                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, lse=lse,
+                  k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
 
 
 def paged_attention_5d_triton(

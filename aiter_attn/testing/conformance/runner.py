@@ -192,6 +192,11 @@ def _graph_rerun(case, prep, backend, device, cg) -> tuple:
 
 def _kernel_request(case, t):
     """The registry request of the attention call on the tensors ``t`` (``lse`` included)."""
+    if case.op == "mla_paged_attention":
+        from ...kernels.base import mla_request
+
+        return mla_request(t["q"], t["kv_cache"], case.v_head_dim or case.head_dim,
+                           custom_mask=t.get("custom_mask") is not None, lse=case.lse)
     if case.op == "paged_attention_5d":
         from ...strategies.vec5d import paged_attention_5d_request as make
     else:
@@ -210,20 +215,31 @@ def _plan_run_rerun(case, prep, impl, device, cg) -> tuple:
     t = prep.tensors
     kernel = impl.bind(_kernel_request(case, t))
     static: dict = {}
-    params = LayerParams.create(
-        scale=case.softmax_scale, device=t["q"].device, window=tuple(case.window),
-        softcap=case.softcap, causal=case.causal, sinks=t.get("sinks"),
-        k_scale=t.get("k_scale"), v_scale=t.get("v_scale"),
-        fp8=t["k_cache"].dtype in FP8_DTYPES)
+    if case.op == "mla_paged_attention":
+        from ...kernels.base import mla_layer_params
+
+        cache = ("kv_cache",)
+        params = mla_layer_params(
+            scale=case.softmax_scale, device=t["q"].device,
+            kv_lora_rank=case.v_head_dim or case.head_dim, num_q_heads=t["q"].shape[1],
+            head_dim=t["q"].shape[2], kv_scale=t.get("kv_scale"), causal=case.causal,
+            fp8=t["kv_cache"].dtype in FP8_DTYPES)
+    else:
+        cache = ("k_cache", "v_cache")
+        params = LayerParams.create(
+            scale=case.softmax_scale, device=t["q"].device, window=tuple(case.window),
+            softcap=case.softcap, causal=case.causal, sinks=t.get("sinks"),
+            k_scale=t.get("k_scale"), v_scale=t.get("v_scale"),
+            fp8=t["k_cache"].dtype in FP8_DTYPES)
 
     def plan():
-        md = _adhoc_metadata(t["q"], t["k_cache"], t["cu_seqlens_q"], t["seqused_k"],
+        md = _adhoc_metadata(t["q"], t[cache[0]], t["cu_seqlens_q"], t["seqused_k"],
                              t["block_table"], t.get("custom_mask"), t.get("mask_indptr"),
                              max(case.q_lens), max(case.kv_lens), case.op)
         return kernel.plan(md, out=static)
 
     def run(kp):
-        ret = kernel.run(t["q"], (t["k_cache"], t["v_cache"]), kp, params, t["out"],
+        ret = kernel.run(t["q"], tuple(t[c] for c in cache), kp, params, t["out"],
                          lse=t.get("out_lse"))
         return (ret, t["out_lse"]) if "out_lse" in t else ret
 

@@ -1,0 +1,255 @@
+"""The ``cascade`` section of ``bench_attention.py``: decode over a shared prefix, with and
+without cascade attention.
+
+Workload (issue 16): ``bs = 64`` decode requests whose page tables start with the same
+``4096`` tokens of pages (prefix sharing) followed by ``256`` tokens of their own; bf16, GQA
+32/8, head dim 128, page 16, block-permuted pool. Two launches of the same step through the
+plan/run kernel objects (plan once, then only ``run`` is timed):
+
+* ``without cascade``: the Triton ``paged_attention`` kernel over the full page table
+  (every request reads all 4,352 of its keys);
+* ``with cascade``: :class:`aiter_attn.kernels.cascade.CascadeKernel` around the same kernel
+  (the own pass over 256 keys per request, the shared pass reading the 4,096 shared keys once
+  per query tile, the LSE merge), ``min_shared_tokens = 1024``.
+
+Both are checked against the float32 reference on the first requests before timing
+(relative error). Timings: ``triton.testing.do_bench`` (eager, L2 flushed) and
+``do_bench_cudagraph`` (replayed graph; the cascade path is capturable), medians in ms;
+tokens/s = ``bs / time``; the ratio is with/without (target ≥ 3× on the H200).
+
+``smoke=True`` runs tiny shapes on the CPU (the reference kernels, or Triton under
+``TRITON_INTERPRET=1``) with a few timed calls: it only proves the harness runs
+(``tests/test_bench_cascade.py``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+__all__ = ["run_cascade", "cascade_table", "make_shared_decode", "SWEEP"]
+
+RTOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
+
+
+def make_shared_decode(bs, shared, own, *, hq, hkv, d, page, dtype, device, seed=0):
+    """``(q, k_cache, v_cache, block_table, cu_seqlens_q, seqused_k)`` of a decode step whose
+    ``bs`` requests share ``shared`` leading tokens of pages and own ``own`` more each."""
+    if shared % page:
+        raise ValueError(f"shared={shared} must be whole pages of {page}.")
+    g = torch.Generator(device=device).manual_seed(seed)
+    sp, op = shared // page, -(-own // page)
+    n_pages = 1 + sp + bs * op
+    perm = torch.randperm(n_pages - 1, device=device, generator=g) + 1
+    k_cache = torch.randn(n_pages, page, hkv, d, device=device, dtype=dtype, generator=g)
+    v_cache = torch.randn(n_pages, page, hkv, d, device=device, dtype=dtype, generator=g)
+    prefix = perm[:sp]
+    owns = perm[sp:].view(bs, op)
+    block_table = torch.cat([prefix.expand(bs, sp), owns], dim=1).to(torch.int32).contiguous()
+    q = torch.randn(bs, hq, d, device=device, dtype=dtype, generator=g)
+    cu = torch.arange(bs + 1, device=device, dtype=torch.int32)
+    seqused = torch.full((bs,), shared + own, device=device, dtype=torch.int32)
+    return q, k_cache, v_cache, block_table, cu, seqused
+
+
+def _rel_err(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _bind(q, k_cache, v_cache, backend, lse):
+    from aiter_attn import ops
+    from aiter_attn.plugins import kernel_registry
+
+    req = ops.with_call_features(ops.paged_attention_request(q, k_cache, v_cache), lse=lse)
+    return kernel_registry().select(req, backend=backend).bind(req)
+
+
+def _metadata(cu, seqused, block_table, page, max_k, num_tokens):
+    from aiter_attn.metadata import AttnMetadata, PageTable, QueryLayout
+    from aiter_attn.types import ForwardMode
+
+    return AttnMetadata(
+        mode=ForwardMode.DECODE, batch_size=cu.shape[0] - 1,
+        query=QueryLayout(cu_seqlens_q=cu, max_seqlen_q=1, num_tokens=num_tokens),
+        pages=PageTable(block_table=block_table, seqused_k=seqused, max_seqlen_k=max_k,
+                        page_size=page))
+
+
+def _timer(device, rep):
+    if device.type == "cuda":
+        import triton.testing as tt
+
+        def timed(fn, graph):
+            try:
+                if graph:
+                    return float(tt.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+                return float(tt.do_bench(fn, warmup=max(5, rep // 4), rep=rep,
+                                         return_mode="median"))
+            except Exception as exc:  # report, keep the other rows
+                print(f"    timing failed ({'graph' if graph else 'eager'}): {exc!r}"[:200],
+                      flush=True)
+                return None
+        return timed
+
+    def timed(fn, graph):
+        if graph:
+            return None
+        fn()
+        t0 = time.perf_counter()
+        n = 3
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n * 1e3
+    return timed
+
+
+def run_cascade(device=None, *, smoke: bool = False, bs: int = 64, shared: int = 4096,
+                own: int = 256, rep: int = 60, graphs: bool = True,
+                min_shared_tokens: int = 1024, sweep: bool = False) -> list[dict]:
+    """Rows ``without cascade`` and ``with cascade`` (ms eager/graph, tokens/s, error) and
+    the ratio on the cascade row; ``sweep`` adds a row per :data:`SWEEP` launch variant."""
+    from aiter_attn.kernels.base import LayerParams
+    from aiter_attn.kernels.cascade import CascadeKernel, _impl_for
+    from aiter_attn.kernels.reference import paged_attention_reference
+    from aiter_attn.kernels.triton._kvutil import interpreting
+
+    device = torch.device(device or ("cpu" if smoke else "cuda"))
+    if smoke:
+        bs, shared, own, hq, hkv, d, page, dtype = 4, 32, 8, 4, 2, 16, 4, torch.float32
+        min_shared_tokens = 8
+        backend = "triton" if interpreting() else "reference"
+        graphs = False
+    else:
+        hq, hkv, d, page, dtype = 32, 8, 128, 16, torch.bfloat16
+        backend = "triton"
+    q, kc, vc, bt, cu, seqused = make_shared_decode(bs, shared, own, hq=hq, hkv=hkv, d=d,
+                                                    page=page, dtype=dtype, device=device)
+    max_k = shared + own
+    md = _metadata(cu, seqused, bt, page, max_k, bs)
+    params = LayerParams.create(scale=d ** -0.5, device=device, num_q_heads=hq,
+                                num_kv_heads=hkv, head_dim=d, v_head_dim=d)
+    rows_b = min(bs, 4)
+    expected = torch.empty(rows_b, hq, d, dtype=torch.float32, device=device)
+    paged_attention_reference(q[:rows_b].float(), kc, vc, expected, cu_seqlens_q=cu[:rows_b + 1],
+                              seqused_k=seqused[:rows_b], block_table=bt[:rows_b],
+                              softmax_scale=d ** -0.5)
+    plain = _bind(q, kc, vc, backend, lse=False)
+    inner = _bind(q, kc, vc, backend, lse=True)
+    cascade = CascadeKernel(inner, min_shared_tokens=min_shared_tokens,
+                            impl=_impl_for(inner, device))
+    timed = _timer(device, rep)
+    label = (f"decode {bs}x({shared}+{own}) shared prefix, GQA {hq}/{hkv} d{d} page{page} "
+             f"{str(dtype).replace('torch.', '')}")
+    rows = []
+    for name, kernel in (("without cascade", plain), ("with cascade", cascade)):
+        t0 = time.perf_counter()
+        plan = kernel.plan(md)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        plan_ms = (time.perf_counter() - t0) * 1e3
+        out = torch.empty(bs, hq, d, dtype=dtype, device=device)
+
+        def fn(kernel=kernel, plan=plan, out=out):
+            kernel.run(q, (kc, vc), plan, params, out)
+
+        fn()
+        err = _rel_err(out[:rows_b], expected)
+        rec = {"row": f"{label}: {name}", "impl": name, "bs": bs, "shared": shared, "own": own,
+               "rel_err": err, "plan_ms": plan_ms}
+        if name == "with cascade":
+            rec["cascade_active"] = bool(plan.cascade)
+            rec["shared_pages_req0"] = int(plan.index.shared_pages[0]) if plan.cascade else 0
+        if err > RTOL[dtype]:
+            rec["wrong"] = f"relative error {err:.3e} > {RTOL[dtype]:.1e}; not timed"
+            rows.append(rec)
+            continue
+        rec["eager_ms"] = timed(fn, False)
+        if graphs:
+            rec["graph_ms"] = timed(fn, True)
+        for mode in ("eager", "graph"):
+            ms = rec.get(f"{mode}_ms")
+            if ms:
+                rec[f"{mode}_tokens_per_s"] = bs / (ms * 1e-3)
+        rows.append(rec)
+        print("   ", _summary(rec), flush=True)
+    base, casc = rows[:2]
+    for mode in ("eager", "graph"):
+        a, b = base.get(f"{mode}_ms"), casc.get(f"{mode}_ms")
+        if a and b:
+            casc[f"{mode}_speedup"] = a / b
+    for tune in (SWEEP if sweep else ()):
+        from aiter_attn.kernels.triton import cascade as tmod
+
+        saved = dict(tmod.CASCADE_TUNING)
+        tmod.CASCADE_TUNING.update(tune)
+        try:
+            plan = cascade.plan(md)
+            out = torch.empty(bs, hq, d, dtype=dtype, device=device)
+
+            def fn(plan=plan, out=out):
+                cascade.run(q, (kc, vc), plan, params, out)
+
+            fn()
+            name = "with cascade " + "/".join(f"{k}={v}" for k, v in tune.items())
+            rec = {"row": f"{label}: {name}", "impl": name, "rel_err": _rel_err(
+                out[:rows_b], expected), "tune": tune}
+            if rec["rel_err"] <= RTOL[dtype]:
+                rec["graph_ms"] = timed(fn, True) if graphs else None
+                rec["eager_ms"] = timed(fn, False)
+                for mode in ("eager", "graph"):
+                    ms, a = rec.get(f"{mode}_ms"), base.get(f"{mode}_ms")
+                    if ms:
+                        rec[f"{mode}_tokens_per_s"] = bs / (ms * 1e-3)
+                        if a:
+                            rec[f"{mode}_speedup"] = a / ms
+            else:
+                rec["wrong"] = f"relative error {rec['rel_err']:.3e}"
+            rows.append(rec)
+            print("   ", _summary(rec) if "wrong" not in rec else rec["wrong"], flush=True)
+        finally:
+            tmod.CASCADE_TUNING.clear()
+            tmod.CASCADE_TUNING.update(saved)
+    return rows
+
+
+#: Launch variants of the shared pass timed by ``--cascade-sweep`` (``CASCADE_TUNING`` keys).
+SWEEP = [
+    {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
+    {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2},
+    {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
+    {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2},
+    {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "split_keys": 256},
+    {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "split_keys": 1024},
+    {"block_m": 32, "block_n": 64, "num_warps": 4, "num_stages": 3},
+]
+
+
+def _summary(r) -> str:
+    parts = [f"{r['impl']:>16}: err {r['rel_err']:.1e}"]
+    for mode in ("eager", "graph"):
+        if r.get(f"{mode}_ms"):
+            parts.append(f"{mode} {r[f'{mode}_ms']:.4f} ms = "
+                         f"{r[f'{mode}_tokens_per_s']:.0f} tok/s")
+    return "  ".join(parts)
+
+
+def cascade_table(rows: list[dict]) -> str:
+    """A markdown table of the cascade rows."""
+    lines = ["| row | eager ms | graph ms | tokens/s (graph, else eager) | vs without | rel err |",
+             "| --- | --- | --- | --- | --- | --- |"]
+
+    def f(v, fmt):
+        return "—" if v is None else format(v, fmt)
+
+    for r in rows:
+        if "wrong" in r:
+            lines.append(f"| {r['row']} | WRONG: {r['wrong']} |||||")
+            continue
+        tps = r.get("graph_tokens_per_s") or r.get("eager_tokens_per_s")
+        sp = r.get("graph_speedup") or r.get("eager_speedup")
+        lines.append(f"| {r['row']} | {f(r.get('eager_ms'), '.4f')} | "
+                     f"{f(r.get('graph_ms'), '.4f')} | {f(tps, '.0f')} | "
+                     f"{f(sp, '.2f') + '×' if sp else ''} | {r['rel_err']:.1e} |")
+    return "\n".join(lines)
