@@ -59,7 +59,7 @@ def compile_paged(kv="bf16", q="bf16", warps=8, stages=3, **const):
              COMPUTE_DTYPE=tl.float16 if fp8 and q == "bf16" else _TL[q],
              CLAMP_Q=fp8 and q == "bf16", DOT_PRECISION="tf32", NUM_STAGES=stages,
              WARP_SPEC=False, PAGE_CHUNK=16, KX=1, VX=1, WRITE_LSE=False, FIXED_SPLITS=False,
-             FUSED_REDUCE=False)
+             FUSED_REDUCE=False, TOKEN_SCALES=False)
     # head-dim strides of NHD caches are 1: Triton's launcher specialises integer arguments
     # equal to 1 into constants, so they are constexprs here too
     c.update(stride_kd=1, stride_vd=1)
@@ -68,7 +68,7 @@ def compile_paged(kv="bf16", q="bf16", warps=8, stages=3, **const):
     c["TILE_IN_PAGE"] = c["PAGE_SIZE"] % c["BLOCK_N"] == 0
     ptrs = dict(Q=q, K=kv, V=kv, O=q, PartAcc="fp32", PartML="fp32", CuQ="i32", SeqK="i32",
                 BlockTable="i32", Sinks="fp32", KScale="fp32", VScale="fp32", Mask="u8",
-                MaskIndptr="i32", Lse="fp32", Counters="i32")
+                MaskIndptr="i32", Lse="fp32", Counters="i32", KSc="fp32", VSc="fp32")
     return _compile(pa._paged_attn_kernel, ptrs, {"sm_scale", "softcap"},
                     {"left", "right", "num_seqs", "q_blocks_per_seq", "num_splits"},
                     c, warps, stages)

@@ -15,15 +15,22 @@ from aiter_attn.testing.compare import assert_close_rel
 from aiter_attn.types import BackendConfig, CGSupport
 
 from ._graph_helpers import Rig
-from ._triton_util import requires_triton
+from ._triton_util import DEVICE, requires_triton
 
 KERNELS = [pytest.param("reference", id="reference"),
            pytest.param("triton", id="triton", marks=requires_triton)]
 
 
+def _device(kernel) -> str:
+    """Triton cases run where Triton does (the interpreter on the CPU, else the GPU: there
+    the graph test captures and replays real CUDA graphs)."""
+    return DEVICE if kernel == "triton" else "cpu"
+
+
 def _rig(arch, kernel, *, page=16, min_tokens=16, window=20, hq=10, hkv=2, d=16, max_bs=8):
     rig = Rig.make(arch, page_size=page, hq=hq, hkv=hkv, head_dim=d, num_layers=2,
-                   max_context_len=256, max_bs=max_bs, window=window, seed=page)
+                   max_context_len=256, max_bs=max_bs, window=window, seed=page,
+                   device=_device(kernel))
     rig.config = attrs.evolve(rig.config, kernel_backend=kernel)
     plain = AttentionBackend(rig.config, rig.req_pool, rig.kv_pool)
     rig.config = attrs.evolve(rig.config, cascade_min_shared_tokens=min_tokens)
@@ -175,10 +182,12 @@ def test_multi_step_draft_static_plan_equals_eager(kernel):
     from .test_graph_manager import _assert_same
 
     spec = SpecDecodeConfig(num_steps=3, topk=2, num_draft_tokens=7)
-    rig = Rig.make("mha", page_size=16, hq=4, hkv=2, head_dim=16, spec=spec, seed=3)
+    rig = Rig.make("mha", page_size=16, hq=4, hkv=2, head_dim=16, spec=spec, seed=3,
+                   device=_device(kernel))
     rig.config = attrs.evolve(rig.config, cascade_min_shared_tokens=1, kernel_backend=kernel)
     ms = multistep.MultiStepDraftBackend(rig.config, rig.req_pool, rig.kv_pool)
-    mgr = CudaGraphManager(ms, capture_sizes=[1, 2, 4], use_cuda_graph=False,
+    mgr = CudaGraphManager(ms, capture_sizes=[1, 2, 4],
+                           use_cuda_graph=rig.config.device != "cpu",
                            token_inputs=rig.token_inputs())
     fn = rig.multistep_step_fn(ms)
     mgr.capture(fn)

@@ -447,3 +447,40 @@ def test_aiter_mla_layer_call_only_launches(monkeypatch):
     assert [n for n, _ in calls] == ["mla_decode_fwd"] * 3
     assert all(kw["q"].shape[1] == 16 and kw["work_meta_data"] is not None for _, kw in calls)
     assert calls[0][1]["q"].data_ptr() == calls[2][1]["q"].data_ptr()  # the plan's q_pad
+
+
+@requires_triton
+@pytest.mark.parametrize("mode", ["decode", "target_verify"])
+def test_triton_mla_through_the_graph_manager(monkeypatch, mode):
+    """MLA cells with the Triton kernel object forced (AITER_ATTN_BACKEND=triton) through the
+    graph manager on the CPU (the planning into static buffers and the replay-signature check
+    a capture relies on): the split workspace lives in the static buffers and the replays
+    equal eager steps bit for bit."""
+    from aiter_attn import SpecDecodeConfig
+
+    from .test_graph_manager import _steps
+    from ._graph_helpers import Rig
+
+    if DEVICE != "cpu":
+        pytest.skip("CPU variant (tests/test_graph_gpu.py -k mla runs it captured)")
+    monkeypatch.setenv("AITER_ATTN_BACKEND", "triton")
+    spec = None if mode == "decode" else SpecDecodeConfig(num_draft_tokens=2)
+    # a long context bound: small batches split the keys (8 "SMs" on the CPU)
+    rig = Rig.make("mla", page_size=16, hq=16, head_dim=32, seed=11, spec=spec,
+                   max_context_len=1024)
+    mgr = rig.manager()
+    mgr.capture(rig.step_fn())
+    m = ForwardMode.parse(mode)
+    _, executor = rig.backend.strategies_for(m)
+    assert [g.kernel.name for g in executor.groups.values()] == ["triton"]
+    _steps(rig, mgr, mode, [3, 5, 1])
+    while len(rig.rows) > 1:
+        rig.leave(rig.rows[0])
+    batch = rig.batch(mode)
+    mgr.replay(batch, **rig.random_inputs(batch))
+    (plan,) = rig.backend.forward_metadata.kernel_plans.plans.values()
+    assert plan.splits > 1 and plan.part_o is not None  # the split path ran
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+             for t in mgr._modes[m].buffers.values()]
+    for t in (plan.part_o, plan.part_lse):  # the split workspace is a static buffer view
+        assert any(lo <= t.data_ptr() < hi for lo, hi in spans)

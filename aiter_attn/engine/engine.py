@@ -69,6 +69,10 @@ class EngineConfig:
             a request's attention output does not depend on what else is in its step's batch
             (``aiter-attn generate --deterministic``). The model's other layers are as they
             are.
+        cascade_min_shared_tokens: cascade attention over shared prefix pages
+            (``BackendConfig.cascade_min_shared_tokens``): requests reusing ≥ this many
+            tokens of another's pages (``prefix_caching``) read them once per step for the
+            whole group; ``None`` = off.
     """
 
     page_size: int = 16
@@ -87,6 +91,7 @@ class EngineConfig:
     debug_checks: bool = False
     batch_invariant: bool = False
     mixed_steps: bool = True
+    cascade_min_shared_tokens: Optional[int] = None
 
     @property
     def num_pages(self) -> int:
@@ -155,6 +160,7 @@ class Engine:
             model, self.kv, max_batch_size=config.max_batch_size,
             kernel_backend=config.kernel_backend, swa_pool=config.swa_pool,
             batch_invariant=config.batch_invariant,
+            cascade_min_shared_tokens=config.cascade_min_shared_tokens,
             chunk_tokens=max(config.chunk_size or config.max_tokens_per_step,
                              config.num_draft_tokens + 1),
             spec=self.spec_decoder.backend_spec if self.spec_decoder else None,

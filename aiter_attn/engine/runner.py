@@ -37,13 +37,15 @@ class ModelRunner:
             this is the manager's no-capture mode.
         debug_checks: the backend's checked mode (``BackendConfig.debug_checks``).
         batch_invariant: ``BackendConfig.batch_invariant``.
+        cascade_min_shared_tokens: ``BackendConfig.cascade_min_shared_tokens``.
     """
 
     def __init__(self, model: EngineModel, kv: KVCacheManager, *, max_batch_size: int,
                  kernel_backend: Optional[str] = None, swa_pool: bool = True,
                  chunk_tokens: int = 512, spec: Optional[SpecDecodeConfig] = None,
                  cuda_graph: bool = False, batch_invariant: bool = False,
-                 debug_checks: bool = False):
+                 debug_checks: bool = False,
+                 cascade_min_shared_tokens: Optional[int] = None):
         layout = model.kv_layout
         device = str(model.device)
         self.model = model
@@ -58,6 +60,7 @@ class ModelRunner:
                                     arch=self.kv_setup.arch, spec=spec,
                                     debug_checks=debug_checks,
                                     batch_invariant=batch_invariant,
+                                    cascade_min_shared_tokens=cascade_min_shared_tokens,
                                     **self.kv_setup.config_kw)
         self.backend = AttentionBackend(self.config, kv.req_pool, self.kv_pool,
                                         extra=self.kv_setup.extra)

@@ -188,6 +188,10 @@ def _max_bs(out, md) -> int:
 
 _T = dict(eq=False, repr=False)
 
+#: the persistent-MLA work-metadata buffers, in aiter's order (:func:`M.mla_work_buffer_spec`)
+_WORK_NAMES = ("work_metadata", "work_indptr", "work_info_set", "reduce_indptr",
+               "reduce_final_map", "reduce_partial_map")
+
 
 class _AiterKernel:
     """What the aiter kernel objects share: functions resolved once per binding (on first
@@ -484,8 +488,7 @@ class AiterMLA(_AiterKernel, MLAKernel):
         if out is None:
             return M.allocate_buffers(self._work_specs(max(md.batch_size, 1), max_q, dplan),
                                       device)
-        names = [self._tag + s.name for s in M.mla_work_buffer_spec(
-            1, 1, 16, self.kv_dtype, cu_num=1)]  # the six names, in aiter's order
+        names = [self._tag + n for n in _WORK_NAMES]
         if any(n not in out for n in names):  # bound after the graph manager was built
             for s in self._work_specs(_max_bs(out, md), max_q, dplan):
                 out.setdefault(self._tag + s.name,

@@ -430,8 +430,8 @@ class TritonMLA(MLAKernel):
         self.dtype, self.kv_dtype = request.dtype, request.kv_dtype
         self.block_dv = max(16, next_pow2(self.rank))
         self.block_dr = max(16, next_pow2(max(self.rope, 1)))
-        q_size = torch.empty((), dtype=self.dtype).element_size()
-        self.kv_size = torch.empty((), dtype=self.kv_dtype).element_size()
+        q_size = self.dtype.itemsize
+        self.kv_size = self.kv_dtype.itemsize
         self.elem_size = max(q_size, self.kv_size)
         self.batch_invariant = "batch_invariant" in request.features
         self._ws = (f"triton.mla.partials.{self.heads}h{self.rank}"
