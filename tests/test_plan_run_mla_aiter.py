@@ -484,3 +484,26 @@ def test_triton_mla_through_the_graph_manager(monkeypatch, mode):
              for t in mgr._modes[m].buffers.values()]
     for t in (plan.part_o, plan.part_lse):  # the split workspace is a static buffer view
         assert any(lo <= t.data_ptr() < hi for lo, hi in spans)
+
+
+def test_mla_checked_mode_wraps_the_bound_kernel(monkeypatch):
+    """AITER_ATTN_DEBUG=1: the MLA group's kernel is bound wrapped in CheckedKernel, whose run
+    (cache = (kv_cache,)) checks the step's index values before the launch: a page id
+    outside the pool is refused with a ValueError instead of being read."""
+    from aiter_attn.validation import CheckedKernel
+
+    monkeypatch.setenv("AITER_ATTN_DEBUG", "1")
+    reg = KernelRegistry()
+    reference.aiter_attn_register_kernels(reg.register)
+    sc = MLAScenario(page_size=16, heads=4, prefix_lens=[5, 20], seed=8, kernels=reg)
+    sc.next_batch(ForwardMode.DECODE, [1, 1])
+    _check(sc, sc.run_absorbed(), "checked decode")
+    (group,) = sc.backend.strategies_for(ForwardMode.DECODE)[1].groups.values()
+    assert isinstance(group.kernel, CheckedKernel) and group.kernel.name == "reference"
+    sc.commit()
+    sc.next_batch(ForwardMode.DECODE, [1, 1])
+    md = sc.backend.init_forward_metadata(sc.batch)
+    md.pages.block_table[1, 0] = sc.pool.kv_buffer(0).shape[0] + 5  # past the pool
+    q, k = sc.absorbed_inputs()
+    with pytest.raises(ValueError, match="block_table"):
+        sc.backend.forward(q, k, None, sc.absorbed, sc.batch)
