@@ -200,3 +200,20 @@ def test_multi_step_draft_static_plan_equals_eager(kernel):
         for r in rows:
             rig.leave(r)
     assert any(isinstance(g.kernel, CascadeKernel) for g in ms.executor.groups.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["mha", "swa"])
+def test_gpu_real_graph_capture_replay(arch):
+    """The graph test above with real CUDA-graph capture and replay (compiled kernels)."""
+    if DEVICE != "cuda":
+        pytest.skip("compiled kernels only (TRITON_INTERPRET is set)")
+    test_graph_plan_replay_equals_eager(arch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["mha", "swa"])
+def test_gpu_decode_and_extend_equal_plain(arch):
+    if DEVICE != "cuda":
+        pytest.skip("compiled kernels only (TRITON_INTERPRET is set)")
+    test_decode_and_extend_equal_plain(arch, "triton")
