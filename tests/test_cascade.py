@@ -122,13 +122,16 @@ def test_triton_matches_oracle(layout, hq, hkv, d, page, pad, feat, dtype):
 
 
 @requires_triton
-@pytest.mark.parametrize("splits", [1, 3])
-def test_triton_splits_and_threshold(monkeypatch, splits):
-    """Key splits of the shared pass, hints left out (static bounds), and a threshold above
-    every run's sharing (no run: the own pass is the whole attention)."""
+@pytest.mark.parametrize("splits,chunk", [(1, 16), (3, 2), (2, 0)],
+                         ids=["splits1", "splits3-chunk2", "splits2-per-tile-lookup"])
+def test_triton_splits_and_threshold(monkeypatch, splits, chunk):
+    """Key splits of the shared pass, the chunked and the per-tile page lookup, hints left
+    out (static bounds), and a threshold above every run's sharing (no run: the own pass is
+    the whole attention)."""
     from aiter_attn.kernels.triton import cascade as mod
 
     monkeypatch.setitem(mod.CASCADE_TUNING, "num_splits", splits)
+    monkeypatch.setitem(mod.CASCADE_TUNING, "page_chunk", chunk)
     case = SharedCase([(6, [(6, 3, 1), (6, 20, 1), (4, 1, 1)]), (2, [(2, 5, 2), (2, 9, 1)])],
                       hq=10, hkv=2, d=80, page=16, seed=5).to(DEVICE)
     sinks = torch.randn(10, generator=torch.Generator().manual_seed(1)).to(DEVICE)
