@@ -1,4 +1,4 @@
-"""The cascade kernels compiled for sm_90 on any host (Triton's wheel carries ptxas): they
+"""The cascade kernels (shared pass, merge, the grouping planner) compiled for sm_90 on any host (Triton's wheel carries ptxas): they
 compile for every variant the launcher picks, and the shared pass keeps its K/V copies in
 flight while a tile computes (the chunked block-table lookup: ``async_wait {num = 2}`` with 3
 stages; see ``tests/test_triton_pipelining.py`` for why). In a subprocess without
@@ -44,7 +44,24 @@ def merge(dtype="bf16", lse=True):
     return report(_compile(c._cascade_merge_kernel, ptrs, set(), {"num_heads", "num_splits"},
                            const, 4, 2))
 
-out = {
+from aiter_attn.kernels.triton import cascade_index as ci
+
+def index_kernels():
+    r = {}
+    r["links"] = report(_compile(ci._links_kernel, dict(BT="i32", SeqK="i32", CuQ="i32",
+                                 Links="i32"), set(), {"stride_bt", "width"},
+                                 dict(PAGE_SIZE=16, BLOCK_W=128), 4, 2))
+    r["runs"] = report(_compile(ci._runs_kernel, dict(Links="i32", CuQ="i32",
+                                SharedPages="i32", Scratch="i32", Tiles="i32"), set(),
+                                {"bs", "num_tiles", "need"},
+                                dict(PAGE_SIZE=16, BLOCK_T=16, BLOCK_B=64, BLOCK_TILE=64), 4, 2))
+    r["own"] = report(_compile(ci._own_kernel, dict(BT="i32", SeqK="i32", CuQ="i32",
+                               SharedPages="i32", OwnBT="i32", OwnLen="i32", QPos="i32",
+                               TokShared="i32"), set(), {"stride_bt", "stride_obt", "width"},
+                               dict(PAGE_SIZE=16, BLOCK_W=128), 4, 2))
+    return r
+
+out = {**index_kernels(),
     "bench": shared(),
     "page1": shared(page=1),
     "page48-gqa5-d80-softcap": shared(page=48, group=5, heads=8, d=80, softcap=True),
