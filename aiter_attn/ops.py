@@ -262,7 +262,7 @@ def paged_attention(
             kernel, plan, params, shape, reusable = hit
             if reusable is None or reusable(plan):
                 if out is None:
-                    out = torch.empty(shape, dtype=q.dtype, device=q.device)
+                    out = q.new_empty(shape)  # q's dtype and device
                 if out_lse is None and not return_lse:
                     kernel.run(q, (k_cache, v_cache), plan, params, out)
                     return out

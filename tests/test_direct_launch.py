@@ -62,6 +62,7 @@ def _launcher(monkeypatch):
     launcher._device = lambda: 0
     launcher._stream = lambda device: 1234
     launcher._rt = _Runtime()
+    launcher._pre = fn.pre_run_hooks
     return launcher, compiled, jit_calls
 
 

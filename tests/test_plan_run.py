@@ -109,7 +109,8 @@ def test_layer_call_only_launches(monkeypatch):
     for layer, (q, k, v) in zip(layers, inputs):
         with _Allocations() as spy:
             out = be.forward(q, k, v, layer, batch)
-        assert spy.allocs == ["empty.memory_format"], spy.allocs  # the output, nothing else
+        # the output, nothing else
+        assert spy.allocs in (["empty.memory_format"], ["new_empty.default"]), spy.allocs
         assert out.shape == (batch.num_tokens, layer.num_q_heads * layer.head_dim)
     runs = SpyKernel.events
     assert [e[0] for e in runs] == ["run"] * len(layers)

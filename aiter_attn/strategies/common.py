@@ -121,7 +121,7 @@ def attend_layer(executor: ExecutionStrategy, request_fn, q, k_cache, v_cache, l
     if kp is None:  # first call of this group in the step (or a group bound just now)
         kp = executor.plan_group(executor.groups[b.group], md, batch)
     num_tokens = q.shape[0]
-    out = torch.empty((num_tokens, b.out_heads, b.out_dim), dtype=q.dtype, device=q.device)
+    out = q.new_empty((num_tokens, b.out_heads, b.out_dim))  # q's dtype and device
     b.kernel.run(q, (k_cache, v_cache), kp, b.params, out)
     return out.view(num_tokens, b.out_width)
 

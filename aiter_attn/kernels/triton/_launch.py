@@ -77,6 +77,7 @@ class Launcher:
         self._stream = None
         self._names = None
         self._rt = None  # triton.knobs.runtime (launch hooks, debug)
+        self._pre = ()  # the JITFunction's pre-run hooks
         self._cache: dict = {}  # (device, key) -> (CompiledKernel, constexpr tail)
 
     def force_direct(self, compiled, stream=lambda: 0) -> None:
@@ -87,19 +88,25 @@ class Launcher:
         self._device = lambda: 0
         self._stream = lambda device: stream()
         self._first = lambda grid, args, kw: compiled
-        self._hooked = lambda: False
+        self._rt = _NoHooks()
+        self._pre = ()
 
     def _decide(self) -> bool:
         self.direct = _direct_supported(self.fn)
         if self.direct:
+            import torch
+            from triton import knobs
             from triton.runtime.driver import driver
 
-            from triton import knobs
-
             active = driver.active
-            self._device = active.get_current_device
+            # torch.cuda.current_device() without its lazy-init check (CUDA is initialised:
+            # the tensors being launched on live there)
+            self._device = getattr(torch._C, "_cuda_getDevice", active.get_current_device)
             self._stream = active.get_current_stream
             self._rt = knobs.runtime
+            self._pre = self.fn.pre_run_hooks  # the live list add_pre_run_hook appends to
+            if self.fn.debug:  # a debug kernel: Triton's path (its checks, its options)
+                self.direct = False
         return self.direct
 
     def _hooked(self) -> bool:
@@ -108,7 +115,7 @@ class Launcher:
         rt = self._rt
         try:
             return bool(rt.launch_enter_hook.calls or rt.launch_exit_hook.calls or rt.debug
-                        or self.fn.pre_run_hooks or self.fn.debug)
+                        or self._pre)
         except AttributeError:  # hooks not in Triton 3.6's shape: take the regular path
             return True
 
@@ -147,7 +154,14 @@ class Launcher:
         """Launch directly if ``key`` was launched before (see :meth:`launch`); ``False``
         (nothing launched) otherwise: the caller then calls :meth:`launch` with the
         constexprs, which it need not build on the direct path."""
-        if not self.direct or self._hooked():
+        if not self.direct:
+            return False
+        rt = self._rt
+        try:  # launch hooks, pre-run hooks, debug: the regular path (see _hooked)
+            if (rt.launch_enter_hook.calls or rt.launch_exit_hook.calls or rt.debug
+                    or self._pre):
+                return False
+        except AttributeError:
             return False
         device = self._device()
         hit = self._cache.get((device, key))
@@ -184,6 +198,18 @@ class Launcher:
         compiled, tail = hit
         compiled.run(grid[0], grid[1], grid[2], self._stream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *args, *tail)
+
+
+class _NoChain:
+    calls = ()
+
+
+class _NoHooks:
+    """A ``triton.knobs.runtime`` stand-in with no hooks (:meth:`Launcher.force_direct`)."""
+
+    launch_enter_hook = _NoChain()
+    launch_exit_hook = _NoChain()
+    debug = False
 
 
 #: compiled kernels remembered per launcher (distinct launch keys; cleared when full)

@@ -299,9 +299,10 @@ class TritonPagedAttention(AttentionKernel):
     # alignment and strides.
 
     def _plan_launch(self, plan: TritonPlan) -> tuple:
-        """The plan's part of the launch: ``(sid, p1, p2, p4, parts)`` (memoised on the plan).
-        ``p1`` = (counters, cu, seqused_k, block_table) + the mask pair, ``p2`` = ints,
-        ``p4`` = (bt_stride, *part_strides); ``parts`` = the split partials or ``None``."""
+        """The plan's part of the launch (memoised on the plan): ``(sid, p1, p2, ints, p4,
+        parts, mid, tail)`` with ``p1`` = (counters, cu, seqused_k, block_table), ``p2`` = the
+        mask pair, ``p4`` = (bt_stride, *part_strides), ``parts`` = the split partials or
+        ``None``; ``mid``/``tail``: the argument runs of a layer without scales / lse."""
         cu = plan.args[0]
         counters = plan.counters if plan.counters is not None else cu
         mask_t, mask_ip = plan.mask if plan.mask is not None else (cu, cu)
@@ -310,8 +311,11 @@ class TritonPagedAttention(AttentionKernel):
         spec = ("plan", plan.ints, plan.bt_stride, plan.part_strides, plan.mask_literal,
                 plan.split, plan.num_splits, plan.fixed_order, plan.dv_pad,
                 tuple(plan.cfg_kw.items()), tuple(tensor_key(t) for t in tensors))
-        pl = (_intern(spec), (counters, *plan.args), (mask_t, mask_ip), plan.ints,
-              (plan.bt_stride, *plan.part_strides), parts)
+        p1, p2 = (counters, *plan.args), (mask_t, mask_ip)
+        p4 = (plan.bt_stride, *plan.part_strides)
+        pl = (_intern(spec), p1, p2, plan.ints, p4, parts,
+              (*p1, cu, cu, cu, cu, cu, *p2),  # [6]: p1, the scale stand-ins, p2
+              (*p4, 0, 0))  # [7]: p4 and the strides of an absent lse
         plan.kw_cache[_PLAN_LAUNCH] = pl
         return pl
 
@@ -373,26 +377,23 @@ class TritonPagedAttention(AttentionKernel):
             raise ValueError(
                 f"{self.name}: the last (head-dim) axis of q and out must be contiguous; pass "
                 ".contiguous() tensors.")
-        p1 = pl[1]
         scales = pe[3]
-        if scales is None:
-            cu = p1[1]
-            scales = (cu, cu, cu, cu, cu)
+        mid = pl[6] if scales is None else (*pl[1], *scales, *pl[2])
         parts = pl[5]
         pa, pm = parts if parts is not None else (out, out)
         if lse is not None:
             ls = lse.stride()
-            lse_t, ls01, lkey = lse, (ls[0], ls[1]), (tensor_key(lse), ls)
+            lse_t, tail, lkey = lse, (*pl[4], ls[0], ls[1]), (tensor_key(lse), ls)
             align = (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr() | out.data_ptr()
                      | lse.data_ptr()) & 15
         else:
-            lse_t, ls01, lkey = out, (0, 0), None
+            lse_t, tail, lkey = out, pl[7], None
             align = (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()
                      | out.data_ptr()) & 15
         if align:  # some per-call tensor is not 16-byte aligned: say which
             align = tuple(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, out, lse_t))
-        args = ((q, k_cache, v_cache, out, pa, pm, lse_t) + p1 + scales + pl[2] + pe[4] + pl[3]
-                + (qs[0], qs[1]) + layout[1] + pe[5] + (os_[0], os_[1]) + pl[4] + ls01)
+        args = (q, k_cache, v_cache, out, pa, pm, lse_t, *mid, *pe[4], *pl[3], qs[0], qs[1],
+                *layout[1], *pe[5], os_[0], os_[1], *tail)
         key = (pl[0], pe[1], layout[0], q.dtype, k_cache.dtype, v_cache.dtype, out.dtype, lkey,
                align, qs, os_)
         return args, key, pe, layout
@@ -481,7 +482,7 @@ _PLAN_LAUNCH = "launch"
 _OVERRIDES = "overrides"
 #: id(LayerParams) -> the layer's launch part (holds the params: the id stays theirs)
 _PARAMS: dict = {}
-_PARAMS_KEEP = 4096
+_PARAMS_KEEP = 1024
 #: launch-relevant specs -> small ints (plan, layer and layout parts of a launch key)
 _SPECS: dict = {}
 _SPEC_IDS = itertools.count()
