@@ -126,6 +126,8 @@ class AttentionBackend:
         self._instances: dict = {}
         self.forward_metadata: Optional[AttnMetadata] = None
         self._batch: Optional[ForwardBatch] = None
+        self._step: Optional[tuple] = None  # forward's per-step memo (see forward)
+        self._device = self.ctx.device  # the pools' device (q is checked against it)
         self._debug = debug_checks_enabled()  # + deep metadata invariants (testing.invariants)
         self.graph_manager = None
 
@@ -172,21 +174,30 @@ class AttentionBackend:
 
     def forward(self, q, k, v, layer: LayerSpec, forward_batch: ForwardBatch,
                 save_kv_cache: bool = True, *, sinks=None, **kwargs: Any) -> torch.Tensor:
-        """Attention of one layer: ``[num_tokens, num_q_heads * v_head_dim]``."""
+        """Attention of one layer: ``[num_tokens, num_q_heads * v_head_dim]``.
+
+        The hot path: what depends only on the step (token count, batch size, the mode's
+        execution strategy) is looked up once per planned metadata (``_step``), then O(1)
+        checks of q/k/v and the strategy's run (one binding lookup, the output, the launch).
+        """
         md = self.forward_metadata
         if md is None or self._batch is not forward_batch:
             raise RuntimeError(
                 "forward() before init_forward_metadata() for this batch; call "
                 "backend.init_forward_metadata(batch) once per step, before the layers."
             )
-        if not isinstance(layer, LayerSpec):
+        step = self._step
+        if step is None or step[0] is not md or step[1] is not forward_batch:
+            step = self._step = (md, forward_batch, forward_batch.num_tokens,
+                                 forward_batch.batch_size,
+                                 self.strategies_for(forward_batch.forward_mode)[1])
+        if layer.__class__ is not LayerSpec and not isinstance(layer, LayerSpec):
             raise TypeError(f"layer must be a LayerSpec, got {type(layer).__name__}.")
-        self._check_qkv(q, k, v, layer, forward_batch)
-        if forward_batch.batch_size == 0:
+        self._check_qkv(q, k, v, layer, step[2])
+        if step[3] == 0:
             return q.new_zeros(0, layer.num_q_heads * layer.v_head_dim)
-        _, executor = self.strategies_for(forward_batch.forward_mode)
-        return executor.run(q, k, v, layer, forward_batch, md, save_kv_cache=save_kv_cache,
-                            sinks=sinks)
+        return step[4].run(q, k, v, layer, forward_batch, md, save_kv_cache=save_kv_cache,
+                           sinks=sinks)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kw):
         return self.forward(q, k, v, layer, forward_batch, save_kv_cache, **kw)
@@ -249,10 +260,12 @@ class AttentionBackend:
         return self._graphs().plan_replay(bs, forward_mode, req_pool_indices, seq_lens,
                                           spec_info, seq_lens_cpu=seq_lens_cpu, **kw)
 
-    def _check_qkv(self, q, k, v, layer: LayerSpec, batch: ForwardBatch) -> None:
-        """O(1) checks of one layer call (dtype, element counts, device): the hot path."""
-        n = batch.num_tokens
-        if not isinstance(q, torch.Tensor):
+    def _check_qkv(self, q, k, v, layer: LayerSpec, n) -> None:
+        """O(1) checks of one layer call (type, dtype, element counts, device) for a step of
+        ``n`` tokens (an int, or the step's :class:`ForwardBatch`): the hot path."""
+        if n.__class__ is not int:
+            n = n.num_tokens
+        if q.__class__ is not torch.Tensor and not isinstance(q, torch.Tensor):
             raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}.")
         if q.dtype != self.config.dtype:
             raise TypeError(f"q has dtype {q.dtype}; q must be in the backend's dtype "
@@ -262,8 +275,8 @@ class AttentionBackend:
                 f"q has shape {tuple(q.shape)}; expected {n} tokens × {layer.num_q_heads} heads × "
                 f"{layer.head_dim} (layer {layer.layer_id})."
             )
-        if q.device != self.ctx.device:
-            raise ValueError(f"q is on {q.device}; the backend's pools are on {self.ctx.device}.")
+        if q.device != self._device:
+            raise ValueError(f"q is on {q.device}; the backend's pools are on {self._device}.")
         if k is not None and k.numel() != n * layer.num_kv_heads * layer.head_dim:
             raise ValueError(
                 f"k has shape {tuple(k.shape)}; expected {n} × {layer.num_kv_heads} × "

@@ -14,6 +14,7 @@ from typing import Optional
 import attrs
 import torch
 
+from .kernels.base import FunctionKernel, LayerParams, _adhoc_metadata
 from .kernels.registry import KernelRequest
 from .types import FP8_DTYPES
 from .validation import (
@@ -23,6 +24,9 @@ from .validation import (
     check_same_device,
     check_scale,
     check_tensor,
+    debug_checks_enabled,
+    env_value,
+    unit_stride,
 )
 
 __all__ = [
@@ -42,10 +46,20 @@ __all__ = [
 ]
 
 
-def _registry():
-    from .plugins import kernel_registry
+_PLUGIN_STATE: Optional[dict] = None
 
-    return kernel_registry()
+
+def _registry():
+    """The process-wide kernel registry (a dict lookup once loaded)."""
+    global _PLUGIN_STATE
+    state = _PLUGIN_STATE
+    reg = state.get("kernels") if state is not None else None
+    if reg is None:
+        from . import plugins
+
+        reg = plugins.kernel_registry()
+        _PLUGIN_STATE = plugins._state
+    return reg
 
 
 def _check_window(window_size):
@@ -233,6 +247,28 @@ def paged_attention(
         ``[num_tokens, num_q_heads, head_dim_v]`` in q's dtype; with ``return_lse`` (or
         ``out_lse``) the pair ``(out, lse)``.
     """
+    reg = _registry()
+    # the call memo: a call whose tensors have the shapes, dtypes, devices and strides of an
+    # earlier validated call, with the same scalars and the same index tensors (by identity:
+    # the plan holds them and reads no values), reuses that call's selection, plan and layer
+    # constants and only allocates its output and launches
+    key = _call_key(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, softmax_scale,
+                    causal, window_size, softcap, sinks, k_scale, v_scale, out, max_seqlen_q,
+                    max_seqlen_k, custom_mask, mask_indptr, backend, return_lse, out_lse,
+                    batch_invariant)
+    if key is not None:
+        hit = reg.calls.get(key)
+        if hit is not None:
+            kernel, plan, params, shape, reusable = hit
+            if reusable is None or reusable(plan):
+                if out is None:
+                    out = q.new_empty(shape)  # q's dtype and device
+                if out_lse is None and not return_lse:
+                    kernel.run(q, (k_cache, v_cache), plan, params, out)
+                    return out
+                lse = _lse_buffer(True, out_lse, q)
+                kernel.run(q, (k_cache, v_cache), plan, params, out, lse=lse)
+                return out, lse
     _validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, out,
                     sinks=sinks, custom_mask=custom_mask, mask_indptr=mask_indptr)
     _check_window(window_size)
@@ -258,23 +294,114 @@ def paged_attention(
         # batch_invariant travels in the request: the bound kernel plans accordingly
         return with_call_features(req, lse=lse is not None, batch_invariant=batch_invariant)
 
-    key = ("paged_attention", q.dtype, q.device.type, q.shape[1], q.shape[2], k_cache.dtype,
-           k_cache.shape[1], k_cache.shape[2], v_cache.shape[3], window_size != (-1, -1),
-           softcap > 0, sinks is not None, bool(causal), custom_mask is not None,
-           lse is not None, bool(batch_invariant))
-    kernel = _registry().bound(key, request, backend=backend)
+    bkey = ("paged_attention", q.dtype, q.device.type, q.shape[1], q.shape[2], k_cache.dtype,
+            k_cache.shape[1], k_cache.shape[2], v_cache.shape[3], window_size != (-1, -1),
+            softcap > 0, sinks is not None, bool(causal), custom_mask is not None,
+            lse is not None, bool(batch_invariant))
+    kernel = reg.bound(bkey, request, backend=backend)
     if out is None:
         out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[3], dtype=q.dtype, device=q.device)
-    extra = call_extras(lse, False)
-    out = kernel(
-        q, k_cache, v_cache, out,
-        cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,
-        softmax_scale=float(softmax_scale), causal=causal, window_size=window_size,
-        softcap=float(softcap), sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-        custom_mask=custom_mask, mask_indptr=mask_indptr,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **extra,
-    )
+    if key is None or not _memo_plans(kernel):
+        extra = call_extras(lse, False)
+        out = kernel(
+            q, k_cache, v_cache, out,
+            cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,
+            softmax_scale=float(softmax_scale), causal=causal, window_size=window_size,
+            softcap=float(softcap), sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+            custom_mask=custom_mask, mask_indptr=mask_indptr,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **extra,
+        )
+        return out if lse is None else (out, lse)
+    # what the kernel's functional call does (AttentionKernel.__call__), kept for the memo
+    md = _adhoc_metadata(q, k_cache, cu_seqlens_q, seqused_k, block_table, custom_mask,
+                         mask_indptr, max_seqlen_q, max_seqlen_k, kernel.op)
+    params = LayerParams.create(
+        scale=softmax_scale, device=q.device, window=window_size, softcap=softcap,
+        causal=causal, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+        fp8=k_cache.dtype in FP8_DTYPES)
+    plan = kernel.plan(md)
+    if lse is None:
+        kernel.run(q, (k_cache, v_cache), plan, params, out)
+    else:
+        kernel.run(q, (k_cache, v_cache), plan, params, out, lse=lse)
+    # memoise only a plan that reads the caller's own tensors (the kernels copy a strided
+    # index input or strided sinks: a memo would keep reading the copy) and holds no
+    # workspace of its own (``plan_reusable``)
+    reusable = getattr(kernel, "plan_reusable", None)
+    if (all(unit_stride(t) is t for t in (cu_seqlens_q, seqused_k, block_table, sinks,
+                                          custom_mask, mask_indptr))
+            and (reusable is None or reusable(plan))):
+        calls = reg.calls
+        if len(calls) >= _CALLS_KEEP:
+            calls.pop(next(iter(calls)))
+        calls[key] = (kernel, plan, params, (q.shape[0], q.shape[1], v_cache.shape[3]),
+                      reusable)
     return out if lse is None else (out, lse)
+
+
+#: memoised ops calls (each holds its index tensors alive: keep few)
+_CALLS_KEEP = 32
+_NUMBERS = (float, int)
+
+
+def _memo_plans(kernel) -> bool:
+    """Whether ``kernel``'s functional call is plan + run with :class:`LayerParams`, so a
+    memo of its plan and params replays the call: adapted functions (their plan keeps the
+    index tensors) and kernels declaring ``memo_plans = True`` (the Triton ones)."""
+    return isinstance(kernel, FunctionKernel) or getattr(kernel, "memo_plans", False) is True
+
+
+def _meta(t):
+    """Identity, shape, dtype, device and strides of an optional tensor argument the plan
+    or the layer constants hold (sinks, mask)."""
+    if t is None:
+        return None
+    return (id(t), t.shape, t.dtype, t.device, t.stride())
+
+
+def _out_meta(t):
+    """Shape, dtype and device of an optional output buffer (validated per call by these)."""
+    if t is None:
+        return None
+    return (t.shape, t.dtype, t.device)
+
+
+def _call_key(q, k_cache, v_cache, cu, sk, bt, softmax_scale, causal, window_size, softcap,
+              sinks, k_scale, v_scale, out, max_q, max_k, custom_mask, mask_indptr, backend,
+              return_lse, out_lse, batch_invariant):
+    """The memo key of a :func:`paged_attention` call, or ``None`` when the call is not
+    memoised (the checked mode; a scalar that is not a plain number, bool or int; a
+    non-tensor argument: the full path then validates and raises). Everything validation,
+    selection and planning depend on is in it: each tensor's shape, dtype and device (and
+    strides: the plan's index layout), the index tensors' and sinks' identity, the scalars'
+    values and the environment's backend override."""
+    if (softmax_scale.__class__ not in _NUMBERS or softcap.__class__ not in _NUMBERS
+            or causal.__class__ is not bool or return_lse.__class__ is not bool
+            or batch_invariant.__class__ is not bool or window_size.__class__ is not tuple
+            or not (k_scale is None or k_scale.__class__ in _NUMBERS)
+            or not (v_scale is None or v_scale.__class__ in _NUMBERS)
+            or not (max_q is None or max_q.__class__ is int)
+            or not (max_k is None or max_k.__class__ is int)
+            or debug_checks_enabled()):
+        return None
+    try:
+        if len(window_size) != 2 or window_size[0].__class__ is not int \
+                or window_size[1].__class__ is not int:
+            return None
+        opt = None
+        if sinks is not None or out is not None or out_lse is not None \
+                or custom_mask is not None or mask_indptr is not None:
+            opt = (_meta(sinks), _out_meta(out), _out_meta(out_lse), _meta(custom_mask),
+                   _meta(mask_indptr))
+        return (q.shape, q.dtype, q.device, k_cache.shape, k_cache.dtype, k_cache.device,
+                v_cache.shape, v_cache.dtype, v_cache.device,
+                id(cu), cu.shape, cu.dtype, cu.device, cu.stride(),
+                id(sk), sk.shape, sk.dtype, sk.device, sk.stride(),
+                id(bt), bt.shape, bt.dtype, bt.device, bt.stride(),
+                softmax_scale, softcap, causal, window_size, k_scale, v_scale, max_q, max_k,
+                backend, return_lse, batch_invariant, env_value("AITER_ATTN_BACKEND"), opt)
+    except AttributeError:  # not a tensor: the full path names it
+        return None
 
 
 def mla_paged_attention(

@@ -26,6 +26,7 @@ __all__ = [
     "check_paged_index_values",
     "check_slot_values",
     "debug_checks_enabled",
+    "env_value",
     "checked_kernel",
     "CheckedKernel",
     "unit_stride",
@@ -180,10 +181,29 @@ def check_attention_scalars(softmax_scale, softcap=0.0, **scales) -> tuple[float
 # them, GPU kernels in the checked mode)
 
 
+_ENV_KEYS: dict = {}
+
+
+def env_value(name: str) -> Optional[str]:
+    """``os.environ.get(name)``, read per call but cheaply where it is unset (the hot path
+    reads ``AITER_ATTN_DEBUG`` / ``AITER_ATTN_BACKEND`` on every op call): one lookup in
+    ``os.environ``'s own table instead of its encode/decode round trip."""
+    env = os.environ
+    data = getattr(env, "_data", None)
+    if data is None:  # os.environ replaced by a plain mapping
+        return env.get(name)
+    key = _ENV_KEYS.get(name)
+    if key is None:
+        key = _ENV_KEYS[name] = env.encodekey(name)
+    if key not in data:
+        return None
+    return env.get(name)
+
+
 def debug_checks_enabled() -> bool:
     """The process-wide checked mode: ``AITER_ATTN_DEBUG=1`` in the environment (read per
     call). ``BackendConfig(debug_checks=True)`` turns it on for one backend's kernels only."""
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    return env_value(DEBUG_ENV) not in (None, "", "0")
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -366,6 +386,7 @@ class CheckedKernel:
     """
 
     _KEEP = 64  # plans remembered (a step plans each layer group once)
+    memo_plans = False  # ops never memoise a checked call (its checks run on every call)
 
     def __init__(self, kernel):
         self.unchecked = kernel

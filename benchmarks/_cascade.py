@@ -28,7 +28,7 @@ import time
 
 import torch
 
-__all__ = ["run_cascade", "cascade_table", "make_shared_decode", "SWEEP"]
+__all__ = ["run_cascade", "run_cascade_engine", "cascade_table", "make_shared_decode", "SWEEP"]
 
 RTOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 
@@ -144,11 +144,17 @@ def run_cascade(device=None, *, smoke: bool = False, bs: int = 64, shared: int =
              f"{str(dtype).replace('torch.', '')}")
     rows = []
     for name, kernel in (("without cascade", plain), ("with cascade", cascade)):
-        t0 = time.perf_counter()
         plan = kernel.plan(md)
+        # the plan's host cost per step (grouping launches, workspaces), steady state
+        reps = 3 if smoke else 50
         if device.type == "cuda":
             torch.cuda.synchronize()
-        plan_ms = (time.perf_counter() - t0) * 1e3
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            kernel.plan(md)
+        plan_us = (time.perf_counter() - t0) / reps * 1e6
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         out = torch.empty(bs, hq, d, dtype=dtype, device=device)
 
         def fn(kernel=kernel, plan=plan, out=out):
@@ -157,7 +163,7 @@ def run_cascade(device=None, *, smoke: bool = False, bs: int = 64, shared: int =
         fn()
         err = _rel_err(out[:rows_b], expected)
         rec = {"row": f"{label}: {name}", "impl": name, "bs": bs, "shared": shared, "own": own,
-               "rel_err": err, "plan_ms": plan_ms}
+               "rel_err": err, "plan_us": plan_us}
         if name == "with cascade":
             rec["cascade_active"] = bool(plan.cascade)
             rec["shared_pages_req0"] = int(plan.index.shared_pages[0]) if plan.cascade else 0
@@ -226,6 +232,69 @@ SWEEP = [
 ]
 
 
+def run_cascade_engine(device=None, *, smoke: bool = False, bs: int = 64, shared: int = 4096,
+                       own: int = 256, steps: int = 32, graphs: bool = True) -> list[dict]:
+    """Engine decode tokens/s on the same workload, with and without cascade: the ``host``
+    group's random-weight Llama-3.2-1B-shaped bf16 model (16 layers, GQA 32/8, d64), ``bs``
+    requests whose prompts share a ``shared``-token system prompt (prefix caching reuses its
+    pages) plus ``own`` tokens each; after every request produced its first token, ``steps``
+    pure decode steps are timed (CUDA-graph replay on the GPU). ``smoke``: a tiny model on
+    the CPU."""
+    from _host import _engine_model, _sync
+
+    from aiter_attn.engine import Engine, EngineConfig, SamplingParams
+    from aiter_attn.engine.models import build_engine_model
+
+    device = torch.device(device or ("cpu" if smoke else "cuda"))
+    dtype = torch.float32 if smoke else torch.bfloat16
+    page = 4 if smoke else 16
+    if smoke:
+        bs, shared, own, steps = 3, 32, 8, 3
+        graphs = False
+    hf = _engine_model(device, dtype, smoke)
+    vocab = hf.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    system = torch.randint(3, vocab, (shared + 1,), generator=g).tolist()
+    prompts = [system + torch.randint(3, vocab, (own - 1,), generator=g).tolist()
+               for _ in range(bs)]
+    new = steps + 8
+    max_ctx = shared + own + new + 2 * page
+    rows = []
+    for cascade in (None, min(1024, shared)):
+        model = build_engine_model(hf, dtype=dtype, device=device, max_positions=max_ctx)
+        cfg = EngineConfig(page_size=page, max_batch_size=bs, max_context_len=max_ctx,
+                           max_tokens_per_step=max(shared + own, 8192 if not smoke else 64),
+                           kv_tokens=shared + bs * (own + new + 2 * page) + 4 * page,
+                           prefix_caching=True, cuda_graph=graphs if device.type == "cuda"
+                           else None, cascade_min_shared_tokens=cascade)
+        engine = Engine(model, cfg)
+        reqs = [engine.add_request(p, SamplingParams(max_new_tokens=new)) for p in prompts]
+        while any(not r.output_ids for r in reqs):  # prefill (the others reuse the prefix)
+            engine.step()
+        engine.step()  # one untimed decode step (graph warm-up)
+        _sync(device)
+        t0 = time.perf_counter()
+        before = engine.stats.decode_tokens
+        for _ in range(steps):
+            engine.step()
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+        tokens = engine.stats.decode_tokens - before
+        name = "with cascade" if cascade else "without cascade"
+        rows.append({
+            "row": (f"engine decode {bs}x({shared}+{own}) shared system prompt, "
+                    f"{'graphs' if cfg.cuda_graph else 'eager'}: {name}"),
+            "impl": f"engine {name}", "bs": bs, "shared": shared, "own": own,
+            "cached_tokens": sum(r.cached_tokens for r in reqs), "decode_tokens": tokens,
+            "seconds": elapsed, "step_ms": elapsed / steps * 1e3,
+            "decode_tokens_per_s": tokens / elapsed, "rel_err": 0.0})
+        print(f"    {rows[-1]['row']}: {rows[-1]['decode_tokens_per_s']:.0f} tok/s, "
+              f"{rows[-1]['step_ms']:.2f} ms/step", flush=True)
+        del engine, model
+    rows[1]["engine_speedup"] = rows[1]["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"]
+    return rows
+
+
 def _summary(r) -> str:
     parts = [f"{r['impl']:>16}: err {r['rel_err']:.1e}"]
     for mode in ("eager", "graph"):
@@ -237,19 +306,27 @@ def _summary(r) -> str:
 
 def cascade_table(rows: list[dict]) -> str:
     """A markdown table of the cascade rows."""
-    lines = ["| row | eager ms | graph ms | tokens/s (graph, else eager) | vs without | rel err |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| row | eager ms | graph ms | tokens/s (graph, else eager) | vs without | rel err "
+             "| plan µs (host, per step) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
 
     def f(v, fmt):
         return "—" if v is None else format(v, fmt)
 
     for r in rows:
         if "wrong" in r:
-            lines.append(f"| {r['row']} | WRONG: {r['wrong']} |||||")
+            lines.append(f"| {r['row']} | WRONG: {r['wrong']} ||||||")
+            continue
+        if "decode_tokens_per_s" in r:  # an engine row: ms per decode step
+            sp = r.get("engine_speedup")
+            lines.append(f"| {r['row']} | {r['step_ms']:.3f} (step) | — | "
+                         f"{r['decode_tokens_per_s']:.0f} | "
+                         f"{f(sp, '.2f') + '×' if sp else ''} | — | — |")
             continue
         tps = r.get("graph_tokens_per_s") or r.get("eager_tokens_per_s")
         sp = r.get("graph_speedup") or r.get("eager_speedup")
         lines.append(f"| {r['row']} | {f(r.get('eager_ms'), '.4f')} | "
                      f"{f(r.get('graph_ms'), '.4f')} | {f(tps, '.0f')} | "
-                     f"{f(sp, '.2f') + '×' if sp else ''} | {r['rel_err']:.1e} |")
+                     f"{f(sp, '.2f') + '×' if sp else ''} | {r['rel_err']:.1e} | "
+                     f"{f(r.get('plan_us'), '.0f')} |")
     return "\n".join(lines)

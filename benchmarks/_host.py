@@ -8,8 +8,11 @@ reported. Rows:
 
 * ``forward``: ``AttentionBackend.forward`` of one decode layer (K/V write off, so it is the
   same single kernel) against a bare launch of that Triton kernel with every argument
-  prebuilt (the launch floor); ``forward+write`` with the K/V write, against both bare
-  launches. Target: ≤ 15 µs beyond the bare launch.
+  prebuilt (the launch floor: Triton's own ``kernel[grid](...)``); also against the direct
+  launch of the compiled kernel that ``run`` takes where it applies
+  (``aiter_attn.kernels.triton._launch``, ``direct_launch_us``; ``direct_launch`` records
+  whether it was on); ``forward+write`` with the K/V write, against both bare launches.
+  Target: ≤ 15 µs beyond the bare launch.
 * ``ops``: ``ops.paged_attention`` eager against ``torch.nn.functional.scaled_dot_product_attention``
   of the same shape (dense K/V). Target: ≤ 2× SDPA.
 * ``engine``: the engine side by side with transformers ``generate`` (sdpa) on a random-weight
@@ -74,9 +77,11 @@ def _decode_setup(device, dtype, smoke: bool, kernel_backend=None):
     return be, layer, batch, q, k, v, sc
 
 
-def _bare_launch(be, layer, batch, q):
+def _bare_launch(be, layer, batch, q, direct: bool = False):
     """A zero-argument callable launching the bound Triton kernel with prebuilt arguments
-    (``None`` when the bound kernel is not the Triton one)."""
+    (``None`` when the bound kernel is not the Triton one): through Triton's own
+    ``kernel[grid](...)`` or, with ``direct``, the direct launch of the compiled kernel that
+    ``run`` uses where it applies (``aiter_attn.kernels.triton._launch``)."""
     from aiter_attn.kernels.triton.attention import TritonPagedAttention
 
     be.forward(q, None, None, layer, batch, save_kv_cache=False)  # binds and plans
@@ -90,7 +95,14 @@ def _bare_launch(be, layer, batch, q):
     q3 = q.view(q.shape[0], layer.num_q_heads, layer.head_dim)
     out = torch.empty(q.shape[0], layer.num_q_heads, layer.v_head_dim, dtype=q.dtype,
                       device=q.device)
-    return kernel.bare_launch(q3, (k_cache, v_cache), plan, binding.params, out)
+    return kernel.bare_launch(q3, (k_cache, v_cache), plan, binding.params, out, direct=direct)
+
+
+def _direct_state():
+    """Whether the attention launches went through the direct path (None: never launched)."""
+    from aiter_attn.kernels.triton import attention
+
+    return attention._ATTN.direct
 
 
 def _bare_write(be, layer, batch, k, v):
@@ -113,9 +125,14 @@ def host_forward(device, dtype, n, rounds, smoke, kernel_backend=None) -> list[d
     fwd_w = time_calls(lambda: be.forward(q, k, v, layer, batch), n, rounds, device)
     bare = _bare_launch(be, layer, batch, q)
     bare_us = time_calls(bare, n, rounds, device) if bare is not None else None
+    direct = _bare_launch(be, layer, batch, q, direct=True)
+    direct_us = time_calls(direct, n, rounds, device) if direct is not None else None
     write_us = time_calls(_bare_write(be, layer, batch, k, v), n, rounds, device)
     rows.append({"row": "forward", "us_per_call": fwd, "bare_launch_us": bare_us,
                  "extra_us": None if bare_us is None else fwd - bare_us,
+                 "direct_launch_us": direct_us,
+                 "extra_over_direct_us": None if direct_us is None else fwd - direct_us,
+                 "direct_launch": _direct_state(),
                  "target_extra_us": HOST_TARGETS["forward_extra_us"]})
     rows.append({"row": "forward+write", "us_per_call": fwd_w,
                  "bare_launch_us": None if bare_us is None else bare_us + write_us,
@@ -259,8 +276,13 @@ def host_table(rows: list[dict]) -> str:
                          f"{f(r['sdpa_us'], ' µs')} | {r['ratio']:.2f}× | ≤ "
                          f"{r['target_ratio']:.1f}× |")
         elif "us_per_call" in r:
+            direct = ""
+            if r.get("direct_launch_us") is not None:
+                direct = (f" (direct launch {f(r['direct_launch_us'], ' µs')}: "
+                          f"+{f(r['extra_over_direct_us'], ' µs')})")
             lines.append(f"| {r['row']} | {f(r['us_per_call'], ' µs')} | bare "
-                         f"{f(r['bare_launch_us'], ' µs')} | +{f(r['extra_us'], ' µs')} | "
+                         f"{f(r['bare_launch_us'], ' µs')}{direct} | "
+                         f"+{f(r['extra_us'], ' µs')} | "
                          f"{'≤ +%.0f µs' % r['target_extra_us'] if 'target_extra_us' in r else ''} |")
         elif "vs_transformers" in r:
             lines.append(f"| {r['row']} | {r['decode_tokens_per_s']:.0f} tok/s | "

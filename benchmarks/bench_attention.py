@@ -23,7 +23,8 @@ steps/s with requests arriving while 32 others decode, mixed steps as one forwar
 two (``--smoke --only mixed``: the CPU harness check).
 The ``cascade`` group (``benchmarks/_cascade.py``, not in the default ``--only``) measures
 decode of 64 requests sharing a 4k-token prefix (256 own tokens each) with and without
-cascade attention, tokens/s eager and replayed (``--smoke --only cascade``: the CPU check).
+cascade attention, tokens/s eager and replayed, then the engine's decode tokens/s on the same
+workload (``--smoke --only cascade``: the CPU check).
 
 Usage (on the GPU machine)::
 
@@ -55,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _host import host_table, run_host  # noqa: E402
 from _mixed import mixed_table, run_mixed  # noqa: E402
-from _cascade import cascade_table, run_cascade  # noqa: E402
+from _cascade import cascade_table, run_cascade, run_cascade_engine  # noqa: E402
 from _inputs import make_mha, make_mla  # noqa: E402
 from _runners import RUNNERS, Unavailable, configure_aiter, make_ours_mla  # noqa: E402
 
@@ -373,7 +374,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.smoke and "cascade" in args.only.split(","):
-        rows = run_cascade(smoke=True)
+        rows = run_cascade(smoke=True) + run_cascade_engine(smoke=True)
         _write_cascade(rows, args.out, {"smoke": True})
         return rows
     if args.smoke and "mixed" in args.only.split(","):
@@ -420,8 +421,13 @@ def main(argv=None):
         traceback.print_exc()
     try:
         if "cascade" in groups:
-            _write_cascade(run_cascade(rep=args.rep, graphs=args.graphs,
-                                       sweep=args.cascade_sweep), args.out, args.meta)
+            rows = run_cascade(rep=args.rep, graphs=args.graphs, sweep=args.cascade_sweep)
+            _write_cascade(rows, args.out, args.meta)
+            try:  # the engine end to end on the same workload
+                rows += run_cascade_engine(graphs=args.graphs)
+            except Exception:
+                traceback.print_exc()
+            _write_cascade(rows, args.out, args.meta)
     except Exception:
         traceback.print_exc()
     try:

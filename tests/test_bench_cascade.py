@@ -23,11 +23,15 @@ def bench():
 
 def test_smoke_writes_both_cascade_rows(bench, tmp_path):
     rows = bench.main(["--smoke", "--only", "cascade", "--out", str(tmp_path)])
-    assert [r["impl"] for r in rows] == ["without cascade", "with cascade"]
-    base, casc = rows
+    assert [r["impl"] for r in rows] == ["without cascade", "with cascade",
+                                         "engine without cascade", "engine with cascade"]
+    base, casc = rows[:2]
+    eng0, eng1 = rows[2:]
+    assert eng0["cached_tokens"] == eng1["cached_tokens"] == 2 * 32  # two reuse the prefix
+    assert eng1["decode_tokens"] == 3 * 3 and "engine_speedup" in eng1
     assert "wrong" not in base and "wrong" not in casc, rows
     assert casc["cascade_active"] and casc["shared_pages_req0"] == 8  # 32 tokens, page 4
     assert base["eager_ms"] > 0 and casc["eager_ms"] > 0 and "eager_speedup" in casc
     data = json.loads((tmp_path / "bench_cascade.json").read_text())
-    assert len(data["rows"]) == 2
+    assert len(data["rows"]) == 4
     assert "with cascade" in (tmp_path / "bench_cascade.md").read_text()

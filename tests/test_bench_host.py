@@ -52,3 +52,17 @@ def test_bare_launch_matches_forward(bench):
     binding.kernel.bare_launch(q.view(out.shape[0], layer.num_q_heads, -1), (k_cache, v_cache),
                                plan, binding.params, out)()
     torch.testing.assert_close(out.view_as(ref), ref)
+
+
+def test_host_profile_runs_on_the_cpu():
+    """benchmarks/host_profile.py (the CPU proxy of the host cost) runs every stand-in."""
+    import subprocess
+
+    root = os.path.dirname(_BENCH)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root, OMP_NUM_THREADS="1")
+    for stub in ("direct", "jit"):
+        res = subprocess.run([sys.executable, os.path.join(_BENCH, "host_profile.py"), "--n",
+                              "20", "--rounds", "1", "--stub", stub], env=env, cwd=root,
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert "| forward |" in res.stdout and "| ops.paged_attention |" in res.stdout

@@ -122,13 +122,16 @@ def test_triton_matches_oracle(layout, hq, hkv, d, page, pad, feat, dtype):
 
 
 @requires_triton
-@pytest.mark.parametrize("splits", [1, 3])
-def test_triton_splits_and_threshold(monkeypatch, splits):
-    """Key splits of the shared pass, hints left out (static bounds), and a threshold above
-    every run's sharing (no run: the own pass is the whole attention)."""
+@pytest.mark.parametrize("splits,chunk", [(1, 16), (3, 2), (2, 0)],
+                         ids=["splits1", "splits3-chunk2", "splits2-per-tile-lookup"])
+def test_triton_splits_and_threshold(monkeypatch, splits, chunk):
+    """Key splits of the shared pass, the chunked and the per-tile page lookup, hints left
+    out (static bounds), and a threshold above every run's sharing (no run: the own pass is
+    the whole attention)."""
     from aiter_attn.kernels.triton import cascade as mod
 
     monkeypatch.setitem(mod.CASCADE_TUNING, "num_splits", splits)
+    monkeypatch.setitem(mod.CASCADE_TUNING, "page_chunk", chunk)
     case = SharedCase([(6, [(6, 3, 1), (6, 20, 1), (4, 1, 1)]), (2, [(2, 5, 2), (2, 9, 1)])],
                       hq=10, hkv=2, d=80, page=16, seed=5).to(DEVICE)
     sinks = torch.randn(10, generator=torch.Generator().manual_seed(1)).to(DEVICE)
@@ -149,7 +152,27 @@ def test_bad_threshold_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,rtol", [(torch.bfloat16, 1.2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("feat", FEATURES)
+@pytest.mark.parametrize("layout,hq,hkv,d,page,pad", LAYOUTS)
+def test_gpu_compiled_matches_oracle(layout, hq, hkv, d, page, pad, feat, dtype, rtol):
+    """The CPU cases compiled on the GPU, in bf16 too (the GPU launch configuration: 64-row
+    tiles, the chunked page lookup or, at page 48, the per-tile one)."""
+    case = SharedCase(layout, hq=hq, hkv=hkv, d=d, page=page, pad_rows=pad, seed=d + page,
+                      dtype=dtype).to("cuda")
+    feat = _features(feat, hq)
+    if "sinks" in feat:
+        feat["sinks"] = feat["sinks"].to("cuda")
+    out, lse = cascade_paged_attention(
+        case.q, case.k_cache, case.v_cache, **case.args(), min_shared_tokens=1,
+        backend="triton", return_lse=True, max_seqlen_q=max(case.q_lens),
+        max_seqlen_k=max(case.kv_lens), **feat)
+    exp, exp_lse = case.oracle(lse=True, **feat)
+    assert_close_rel(out, exp, rtol, f"gpu cascade {dtype}")
+    assert_close_rel(lse, exp_lse, 2e-3, f"gpu cascade {dtype} (lse)")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype,rtol", [(torch.bfloat16, 1.2e-2), (torch.float16, 2e-3)])
 def test_gpu_bench_shape(dtype, rtol):
     """The benchmark's shape, compiled: 64 requests sharing 4k tokens, 256 own each."""

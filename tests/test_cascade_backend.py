@@ -200,3 +200,51 @@ def test_multi_step_draft_static_plan_equals_eager(kernel):
         for r in rows:
             rig.leave(r)
     assert any(isinstance(g.kernel, CascadeKernel) for g in ms.executor.groups.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["mha", "swa"])
+def test_gpu_real_graph_capture_replay(arch):
+    """The graph test above with real CUDA-graph capture and replay (compiled kernels)."""
+    if DEVICE != "cuda":
+        pytest.skip("compiled kernels only (TRITON_INTERPRET is set)")
+    test_graph_plan_replay_equals_eager(arch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["mha", "swa"])
+def test_gpu_decode_and_extend_equal_plain(arch):
+    if DEVICE != "cuda":
+        pytest.skip("compiled kernels only (TRITON_INTERPRET is set)")
+    test_decode_and_extend_equal_plain(arch, "triton")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
+def test_verify_chain_cascades_tree_declines(kernel, topk):
+    """TARGET_VERIFY: a chain (causal, 3 draft tokens per request) runs the cascade and equals
+    the plain backend; a tree (custom mask, applied literally) keeps the ordinary kernel."""
+    from aiter_attn import SpecDecodeConfig
+
+    page = 16
+    spec = SpecDecodeConfig(num_steps=2, topk=topk, num_draft_tokens=3)
+    rig = Rig.make("mha", page_size=page, hq=10, hkv=2, head_dim=16, num_layers=2,
+                   max_context_len=256, max_bs=8, spec=spec, seed=4, device=_device(kernel))
+    rig.config = attrs.evolve(rig.config, kernel_backend=kernel)
+    plain = AttentionBackend(rig.config, rig.req_pool, rig.kv_pool)
+    rig.config = attrs.evolve(rig.config, cascade_min_shared_tokens=16)
+    rig.backend = AttentionBackend(rig.config, rig.req_pool, rig.kv_pool)
+    _populate(rig, page)
+    batch = rig.batch("target_verify")
+    got, exp = _both(rig, plain, batch)
+    for l, g, e in zip(rig.layers, got, exp):
+        assert_close_rel(g, e, 1e-5, f"verify topk={topk} layer {l.layer_id}")
+    _, ex = rig.backend.strategies_for(ForwardMode.TARGET_VERIFY)
+    wrapped = [isinstance(g.kernel, CascadeKernel) for g in ex.groups.values()]
+    if topk == 1:
+        assert all(wrapped)
+        plan = _cascade_plans(rig.backend, ForwardMode.TARGET_VERIFY)[0]
+        assert plan.cascade and plan.index.shared_pages.tolist() == [3, 3, 3, 3, 0, 2, 2]
+    else:
+        assert not any(wrapped)
+        assert set(ex.cascade_declined.values()) == {"a custom mask is applied literally"}

@@ -11,7 +11,7 @@ import torch
 
 from aiter_attn import ForwardMode, SpecInfo
 from aiter_attn.kernels import reference
-from aiter_attn.kernels.base import (KernelPlan, MLAFunctionKernel, MLAKernel,
+from aiter_attn.kernels.base import (KernelPlan, MLAFunctionKernel, MLAKernel, mla_request,
                                      _adhoc_metadata, mla_layer_params)
 from aiter_attn.kernels.registry import Capabilities, KernelRegistry
 from aiter_attn.types import CGSupport
@@ -484,3 +484,54 @@ def test_triton_mla_through_the_graph_manager(monkeypatch, mode):
              for t in mgr._modes[m].buffers.values()]
     for t in (plan.part_o, plan.part_lse):  # the split workspace is a static buffer view
         assert any(lo <= t.data_ptr() < hi for lo, hi in spans)
+
+
+def test_mla_checked_mode_wraps_the_bound_kernel(monkeypatch):
+    """AITER_ATTN_DEBUG=1: the MLA group's kernel is bound wrapped in CheckedKernel, whose run
+    (cache = (kv_cache,)) checks the step's index values before the launch: a page id
+    outside the pool is refused with a ValueError instead of being read."""
+    from aiter_attn.validation import CheckedKernel
+
+    monkeypatch.setenv("AITER_ATTN_DEBUG", "1")
+    reg = KernelRegistry()
+    reference.aiter_attn_register_kernels(reg.register)
+    sc = MLAScenario(page_size=16, heads=4, prefix_lens=[5, 20], seed=8, kernels=reg)
+    sc.next_batch(ForwardMode.DECODE, [1, 1])
+    _check(sc, sc.run_absorbed(), "checked decode")
+    (group,) = sc.backend.strategies_for(ForwardMode.DECODE)[1].groups.values()
+    assert isinstance(group.kernel, CheckedKernel) and group.kernel.name == "reference"
+    sc.commit()
+    sc.next_batch(ForwardMode.DECODE, [1, 1])
+    md = sc.backend.init_forward_metadata(sc.batch)
+    md.pages.block_table[1, 0] = sc.pool.kv_buffer(0).shape[0] + 5  # past the pool
+    q, k = sc.absorbed_inputs()
+    with pytest.raises(ValueError, match="block_table"):
+        sc.backend.forward(q, k, None, sc.absorbed, sc.batch)
+
+
+def test_aiter_mla_prefill_folds_the_fp8_scale_once(monkeypatch):
+    """mla_prefill_fwd takes no descale: the latent cache's fp8 scale is folded into the
+    softmax scale and the output, its tensor read to the host once per layer (remembered by
+    the bound kernel), not on every call."""
+    import aiter_attn.kernels.aiter as A
+
+    calls = _fake_aiter(monkeypatch)
+    fp8 = torch.float8_e4m3fn
+    q = torch.randn(9, 16, 576).bfloat16()
+    kv = torch.zeros(4, 64, 1, 576).to(fp8)
+    kernel = A.AiterMLA(mla_request(q, kv, 512))
+    scale = torch.tensor(0.5)
+    params = mla_layer_params(scale=0.25, device=q.device, kv_lora_rank=512, num_q_heads=16,
+                              head_dim=576, kv_scale=scale, fp8=True)
+    md = _adhoc_metadata(q, kv, torch.tensor([0, 9], dtype=torch.int32),
+                         torch.tensor([40], dtype=torch.int32),
+                         torch.tensor([[2, 0]], dtype=torch.int32), None, None, 9, 128,
+                         "mla_paged_attention")
+    plan = kernel.plan(md)
+    assert plan.route == "mla_prefill_fwd"
+    for _ in range(2):
+        out = torch.ones(9, 16, 512).bfloat16()
+        kernel.run(q, (kv,), plan, params, out)
+        assert calls[-1][0] == "mla_prefill_fwd" and calls[-1][1]["sm_scale"] == 0.125
+        assert torch.equal(out, torch.full_like(out, 0.5))  # the value scale on the output
+    assert len(kernel._scales) == 1

@@ -90,11 +90,26 @@ def test_triton_kernels_refuse_per_head_scales():
         paged_attention_5d_triton(q, k5, v5, out, k_scale=s, v_scale=s, **kw)
 
 
-def test_aiter_marshalling_refuses_per_head_scales():
-    from aiter_attn.kernels.aiter import _scale_tensor
+def test_aiter_kernels_refuse_per_head_scales():
+    """The aiter kernel objects take their scales from LayerParams, which refuses a
+    per-head tensor before any plan (and before aiter is resolved)."""
+    from aiter_attn.kernels.aiter import aiter_mla_paged_attention, aiter_paged_attention
 
+    fp8 = torch.float8_e4m3fnuz
+    q = torch.zeros(2, 4, 16, dtype=torch.bfloat16)
+    kc = torch.zeros(3, 16, 2, 16).to(fp8)
+    idx = dict(cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
+               seqused_k=torch.tensor([3, 5], dtype=torch.int32),
+               block_table=torch.tensor([[1], [2]], dtype=torch.int32), softmax_scale=0.25,
+               max_seqlen_q=1)
     with pytest.raises(ValueError, match=REFUSED):
-        _scale_tensor(torch.tensor(PER_HEAD), torch.device("cpu"))
+        aiter_paged_attention(q, kc, kc, torch.empty_like(q), k_scale=torch.tensor(PER_HEAD),
+                              v_scale=torch.tensor(PER_HEAD), **idx)
+    qm = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(3, 16, 1, 576).to(fp8)
+    with pytest.raises(ValueError, match=REFUSED):
+        aiter_mla_paged_attention(qm, kv, torch.empty(2, 16, 512, dtype=torch.bfloat16),
+                                  kv_lora_rank=512, kv_scale=torch.tensor(PER_HEAD), **idx)
 
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=requires_triton)])

@@ -444,6 +444,7 @@ class AiterMLA(_AiterKernel, MLAKernel):
         self.q_dtype, self.kv_dtype = request.dtype, request.kv_dtype
         self.padded, self.repeat = M.mla_head_padding(self.heads)
         self._sizes: dict = {}  # (batch, max_q) -> work-buffer specs (host ints, once each)
+        self._scales: dict = {}  # id(scale tensor) -> (tensor, float): prefill's host scale
 
     def __call__(self, q, kv_cache, out, **kwargs):
         if kwargs.get("custom_mask") is not None or not kwargs.get("causal", True):
@@ -453,6 +454,17 @@ class AiterMLA(_AiterKernel, MLAKernel):
             req = mla_request(q, kv_cache, kwargs["kv_lora_rank"])
             return type(self)(req)(q, kv_cache, out, **kwargs)
         return super().__call__(q, kv_cache, out, **kwargs)
+
+    def _host_scale(self, params) -> float:
+        """The layer's kv scale as a float: a tensor scale is read once (its first call, an
+        eager step before any capture) and remembered with the tensor."""
+        t = params.k_scale
+        if not isinstance(t, torch.Tensor):
+            return float(t)
+        hit = self._scales.get(id(t))
+        if hit is None or hit[0] is not t:
+            hit = self._scales[id(t)] = (t, float(t))
+        return hit[1]
 
     def _work_specs(self, batch, max_q, dplan):
         key = (batch, max_q)
@@ -470,9 +482,11 @@ class AiterMLA(_AiterKernel, MLAKernel):
         from ..strategies.base import BufferSpec
 
         req = self.request
-        if req is None or limits.q_len > 4:
+        if req is None:
             return BufferSpec({})
         spec = self._index_spec(limits, req.page_size)
+        if limits.q_len > 4:  # mla_prefill_fwd: token indices only
+            return BufferSpec(spec)
         dplan = M.mla_decode_plan(self.heads, self.kv_dtype, limits.q_len)
         if dplan.persistent:
             for s in self._work_specs(limits.max_bs, limits.q_len, dplan):
@@ -541,9 +555,8 @@ class AiterMLA(_AiterKernel, MLAKernel):
         scale = params.k_scale_t if params.has_scales else None  # fp8 caches only
         if plan.route == "mla_prefill_fwd":
             # mla_prefill_fwd takes no descale: fold it (keys: into the softmax scale; values:
-            # into the output). Extend is never captured; a tensor scale is read here.
-            ks = params.k_scale if params.has_scales else 1.0
-            ks = float(ks)
+            # into the output); a tensor scale is read to the host once per layer
+            ks = self._host_scale(params) if params.has_scales else 1.0
             self._call(M.build_mla_prefill_call(
                 q, kv_cache, out, qo_indptr=cu, kv_indptr=kv_indptr, kv_indices=kv_indices,
                 last_page_lens=ones, max_seqlen_q=plan.max_q,

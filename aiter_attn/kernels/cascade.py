@@ -101,6 +101,12 @@ class CascadePlan(KernelPlan):
     groups: tuple = attrs.field(default=(), metadata={SIGNATURE_KEY: False})
 
 
+def _triton_runs_on(device) -> bool:
+    from .triton import TRITON_DEVICES
+
+    return device.type in TRITON_DEVICES
+
+
 def _on_gpu(device) -> bool:
     from .triton._kvutil import interpreting
 
@@ -190,6 +196,8 @@ class CascadeKernel(AttentionKernel):
             ix + "q_pos": ((max_tokens,), i32),
             ix + "tok_shared": ((max_tokens,), i32),
             ix + "shared_pages": ((max_bs,), i32),
+            ix + "links": ((max_bs,), i32),
+            ix + "scratch": ((4 * max_bs,), i32),
             names["own_lse"]: ((max_tokens, self.q_heads), f32),
             names["acc"]: ((rows, self.q_heads, self._dv_pad()), f32),
             names["ml"]: ((rows, self.q_heads, 2), f32),
@@ -253,6 +261,8 @@ class CascadeKernel(AttentionKernel):
                     need = num_tokens
                 elif name in (names["acc"], names["ml"]):
                     need = splits * num_tokens
+                elif name.endswith("scratch"):
+                    need = 4 * bs
                 else:
                     need = bs
                 bufs[name] = self._static(out, name, shape, dtype, device, need)
@@ -274,7 +284,15 @@ class CascadeKernel(AttentionKernel):
         plans = md.kernel_plans
         index = plans.get(key) if plans is not None else None
         if index is None:
-            index = plan_cascade_index(
+            planner = plan_cascade_index
+            if self.impl == "triton" and _triton_runs_on(device):
+                # three launches instead of ~90 small torch ops (the torch planner stays for
+                # the reference path and the meta device of the no-sync tests)
+                from .triton.cascade_index import plan_cascade_index_triton as planner
+
+                if ix is None:
+                    ix = cascade_index_buffers(bs, width, num_tokens, n_tiles, device)
+            index = planner(
                 pages.block_table, pages.seqused_k, query.cu_seqlens_q,
                 page_size=pages.page_size,
                 min_shared_pages=min_shared_pages(self.min_shared_tokens, pages.page_size),

@@ -78,6 +78,9 @@ def cascade_index_buffers(batch: int, width: int, num_tokens: int, num_tiles: in
         "q_pos": torch.zeros(num_tokens, **z),
         "tok_shared": torch.zeros(num_tokens, **z),
         "shared_pages": torch.zeros(batch, **z),
+        # scratch of the Triton planner (kernels/triton/cascade_index.py)
+        "links": torch.zeros(batch, **z),
+        "scratch": torch.zeros(4 * batch, **z),
     }
 
 

@@ -54,9 +54,15 @@ def quantize_per_token_head(x: torch.Tensor, dtype: torch.dtype, scale=None):
     ``q = saturate(x / (s · scale))``, in float32 (the Triton write does the same operations
     in the same order). ``scale`` is the layer's scalar scale (None = 1), which a read applies
     on top: ``q · s · scale``. Returns ``(q [T, H, D] dtype, s float32 [T, H])``."""
-    layer = torch.tensor(_scale_value(scale), dtype=torch.float32, device=x.device)
+    check_scale("scale", scale)
+    # device scalars made without a host→device copy or a read back (graph-capturable)
+    if isinstance(scale, torch.Tensor):
+        layer = scale.to(device=x.device, dtype=torch.float32).reshape(())
+    else:
+        layer = torch.full((), 1.0 if scale is None else float(scale), dtype=torch.float32,
+                           device=x.device)
     xf = x.float()
-    fmax = torch.tensor(torch.finfo(dtype).max, dtype=torch.float32, device=x.device)
+    fmax = torch.full((), torch.finfo(dtype).max, dtype=torch.float32, device=x.device)
     s = xf.abs().amax(dim=-1) / (fmax * layer)
     s = torch.where(s > 0, s, torch.ones_like(s))
     y = xf / (s * layer).unsqueeze(-1)

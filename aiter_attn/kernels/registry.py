@@ -9,7 +9,6 @@ an automatic choice falls back to the next candidate. ``AITER_ATTN_BACKEND`` ove
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Callable, Optional
 
@@ -17,7 +16,7 @@ import attrs
 import torch
 
 from ..types import CGSupport
-from ..validation import CheckedKernel, checked_kernel, debug_checks_enabled
+from ..validation import CheckedKernel, checked_kernel, debug_checks_enabled, env_value
 
 __all__ = [
     "Capabilities",
@@ -200,6 +199,9 @@ class KernelRegistry:
         self._impls: dict[str, dict[str, KernelImpl]] = {}
         self._cache: dict = {}
         self._bound: dict = {}
+        #: the ops' call memo (``aiter_attn.ops``): cheap call key -> what the validated,
+        #: selected and planned call needs to run again; cleared with the selections
+        self.calls: dict = {}
         self._lock = threading.Lock()
 
     def register(
@@ -259,6 +261,7 @@ class KernelRegistry:
             table[name] = impl
             self._cache.clear()
             self._bound.clear()
+            self.calls.clear()
         return impl
 
     def ops(self) -> list[str]:
@@ -273,7 +276,7 @@ class KernelRegistry:
         (which must determine the request). ``request`` is a :class:`KernelRequest` or a
         zero-argument callable building one, so a cache hit builds and hashes nothing."""
         if backend is None:
-            backend = os.environ.get("AITER_ATTN_BACKEND") or None
+            backend = env_value("AITER_ATTN_BACKEND") or None
         full = (key, backend, debug_checks_enabled())  # the checked mode binds its own
         hit = self._bound.get(full)
         if hit is None:
@@ -298,7 +301,7 @@ class KernelRegistry:
     def _select(self, request: KernelRequest, backend: Optional[str],
                 fallback: bool) -> Selection:
         if backend is None:
-            backend = os.environ.get("AITER_ATTN_BACKEND") or None
+            backend = env_value("AITER_ATTN_BACKEND") or None
         if fallback and backend is not None:
             try:
                 return self.select(request, backend)

@@ -115,12 +115,17 @@ class KernelGroup:
 
 @attrs.define(eq=False, slots=True)
 class LayerBinding:
-    """A layer bound to its group: the group key, the kernel, the frozen LayerParams."""
+    """A layer bound to its group: the group key, the kernel, the frozen LayerParams, and
+    the output's ``[T, out_heads, out_dim]`` shape (``out_width = out_heads · out_dim``, the
+    row width the layer call returns)."""
 
     layer: Any
     group: Any
     kernel: Any
     params: Any
+    out_heads: int = 0
+    out_dim: int = 0
+    out_width: int = 0
 
 
 class ExecutionStrategy(abc.ABC):
@@ -181,8 +186,10 @@ class ExecutionStrategy(abc.ABC):
         params = LayerParams.from_spec(layer, q.device, fp8=k_cache.dtype in FP8_DTYPES,
                                        sinks=sinks_t, window=window, causal=causal,
                                        kv_scales=kv_scales)
-        b = self._layers[key] = LayerBinding(layer=layer, group=gkey, kernel=group.kernel,
-                                             params=params)
+        b = self._layers[key] = LayerBinding(
+            layer=layer, group=gkey, kernel=group.kernel, params=params,
+            out_heads=layer.num_q_heads, out_dim=layer.v_head_dim,
+            out_width=layer.num_q_heads * layer.v_head_dim)
         return b
 
     def plan_group(self, group: "KernelGroup", md: AttnMetadata, batch=None):

@@ -117,14 +117,13 @@ def attend_layer(executor: ExecutionStrategy, request_fn, q, k_cache, v_cache, l
     """
     b = executor.bind_layer(layer, md, request_fn, q, k_cache, v_cache, sinks, pages_key,
                             kv_scales)
-    kp = md.kernel_plans.get(b.group)
+    kp = md.kernel_plans.plans.get(b.group)
     if kp is None:  # first call of this group in the step (or a group bound just now)
         kp = executor.plan_group(executor.groups[b.group], md, batch)
     num_tokens = q.shape[0]
-    out = torch.empty(num_tokens, layer.num_q_heads, layer.v_head_dim, dtype=q.dtype,
-                      device=q.device)
+    out = q.new_empty((num_tokens, b.out_heads, b.out_dim))  # q's dtype and device
     b.kernel.run(q, (k_cache, v_cache), kp, b.params, out)
-    return out.view(num_tokens, layer.num_q_heads * layer.v_head_dim)
+    return out.view(num_tokens, b.out_width)
 
 
 def write_kv_request(op: str, k_cache: torch.Tensor, k: torch.Tensor,

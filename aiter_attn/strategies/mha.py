@@ -149,9 +149,12 @@ class PagedExecution(CascadeExecutionMixin, ExecutionStrategy):
             # the write kernel is chosen once per (cache, input) dtype pair: no request is
             # built and nothing is validated on later calls; a backend with no KV write of
             # its own (an attention-only plugin) falls back to the best registered one
-            write = self.kernel_for(
-                ("write_kv", k_cache.dtype, k.dtype),
-                lambda: write_kv_request(k_cache, k, self.token_scales), fallback=True)
+            wkey = ("write_kv", k_cache.dtype, k.dtype)
+            write = self._kernels.get(wkey)
+            if write is None:
+                write = self.kernel_for(
+                    wkey, lambda: write_kv_request(k_cache, k, self.token_scales),
+                    fallback=True)
             write.fn(
                 k_cache, v_cache, batch.out_cache_loc,
                 k.view(num_tokens, layer.num_kv_heads, layer.head_dim),

@@ -488,7 +488,7 @@ class MLAExecution(ExecutionStrategy):
             write.fn(kv_cache, None, batch.out_cache_loc, k.view(num_tokens, 1, lora + rope),
                      None, k_scale=layer.k_scale)
         b = self._bind_absorbed(layer, metadata, q, kv_cache)
-        kp = metadata.kernel_plans.get(b.group)
+        kp = metadata.kernel_plans.plans.get(b.group)
         if kp is None:  # first call of this group in the step (or a group bound just now)
             kp = self.plan_group(self.groups[b.group], metadata, batch)
         factor = b.factor

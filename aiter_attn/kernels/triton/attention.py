@@ -11,6 +11,7 @@ synchronisation anywhere; ``run`` allocates nothing.
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import attrs
@@ -21,7 +22,8 @@ from ...types import FP8_DTYPES
 from ...validation import unit_stride
 from ..base import MEMO, AttentionKernel, KernelPlan, mask_literal, plan_hints
 from ._kvutil import next_pow2
-from ._launch_config import _cdiv, choose_config
+from ._launch import Launcher, tensor_key
+from ._launch_config import TUNING_OVERRIDES, _cdiv, choose_config
 from .paged_attention import (_TL_DTYPES, _UNBOUNDED, _paged_attn_kernel,
                               _reduce_splits_kernel)
 
@@ -271,94 +273,233 @@ class TritonPagedAttention(AttentionKernel):
         plan.kw_cache[key] = kw
         return kw
 
-    def _launch_args(self, q, cache, plan: TritonPlan, params, out, lse):
-        """``(args, kw)`` of the attention kernel's launch (O(1) checks, no allocation)."""
-        k_cache, v_cache = cache
-        key = (k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride())
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = self._layouts[key] = self._layout(k_cache, v_cache)
-        k_strides, v_strides, kx, vx = layout
-        write_lse = lse is not None
+    #: ``ops.paged_attention`` may memoise a functional call's plan and params (see
+    #: :meth:`plan_reusable`): the functional call is exactly plan + run
+    memo_plans = True
+
+    def plan_reusable(self, plan: TritonPlan) -> bool:
+        """Whether ``plan`` (made for a functional call) can serve a later call with the same
+        index tensors and hints: it holds no workspace of its own (the split partials and
+        counters are one call's scratch) and the launch tuning it was made under is still
+        the current one (``TUNING_OVERRIDES``)."""
+        if plan.part_acc is not None or plan.counters is not None:
+            return False
+        made = plan.kw_cache.get(_OVERRIDES)
+        if made is None:
+            made = plan.kw_cache[_OVERRIDES] = dict(TUNING_OVERRIDES)
+        return made == TUNING_OVERRIDES
+
+    # -- the per-layer launch ------------------------------------------------------------
+    # A layer call combines three groups of launch arguments, each prepared once where it
+    # stops changing: the plan's (index tensors, workspace, ints: once per step, memoised in
+    # ``plan.kw_cache``), the layer's (:class:`LayerParams`: once per layer, ``_PARAMS``) and
+    # the cache layout's (strides: once per cache shape, ``self._layouts``). Each group has an
+    # interned id of everything Triton specialises on (:func:`_intern`), so the call's key
+    # for the direct launch (:mod:`._launch`) is those ids plus the per-call tensors' dtype,
+    # alignment and strides.
+
+    def _plan_launch(self, plan: TritonPlan) -> tuple:
+        """The plan's part of the launch (memoised on the plan): ``(sid, p1, p2, ints, p4,
+        parts, mid, tail)`` with ``p1`` = (counters, cu, seqused_k, block_table), ``p2`` = the
+        mask pair, ``p4`` = (bt_stride, *part_strides), ``parts`` = the split partials or
+        ``None``; ``mid``/``tail``: the argument runs of a layer without scales / lse."""
+        cu = plan.args[0]
+        counters = plan.counters if plan.counters is not None else cu
+        mask_t, mask_ip = plan.mask if plan.mask is not None else (cu, cu)
+        parts = (plan.part_acc, plan.part_ml) if plan.split else None
+        tensors = (counters, *plan.args, mask_t, mask_ip) + (parts or ())
+        spec = ("plan", plan.ints, plan.bt_stride, plan.part_strides, plan.mask_literal,
+                plan.split, plan.num_splits, plan.fixed_order, plan.dv_pad,
+                tuple(plan.cfg_kw.items()), tuple(tensor_key(t) for t in tensors))
+        p1, p2 = (counters, *plan.args), (mask_t, mask_ip)
+        p4 = (plan.bt_stride, *plan.part_strides)
+        pl = (_intern(spec), p1, p2, plan.ints, p4, parts,
+              (*p1, cu, cu, cu, cu, cu, *p2),  # [6]: p1, the scale stand-ins, p2
+              (*p4, 0, 0))  # [7]: p4 and the strides of an absent lse
+        plan.kw_cache[_PLAN_LAUNCH] = pl
+        return pl
+
+    @staticmethod
+    def _params_launch(params) -> tuple:
+        """The layer's part: ``(params, sid, flags, scales, values, scale_strides)``
+        (memoised per :class:`LayerParams` object in ``_PARAMS``). ``scales`` = (sinks,
+        k_scale, v_scale, k_scale_cache, v_scale_cache) tensors with a present one standing
+        in for absent ones, or ``None`` when the layer has none (the plan's
+        ``cu_seqlens_q`` stands in then); ``values`` = (scale, softcap, left, right);
+        ``scale_strides``: the per-(token, head) scale buffers' strides (zeros without)."""
+        w = params.window
+        left = w[0] if w[0] >= 0 else _UNBOUNDED
+        right = w[1] if w[1] >= 0 else _UNBOUNDED
         ksc = params.k_scale_cache
         token_scales = ksc is not None
-        if token_scales and (kx, vx) != (1, 1):
-            raise ValueError(f"{self.name}: per-(token, head) scales are served on NHD pages "
-                             "only (op paged_attention), not the 5-D layout.")
-        key = (params.causal, params.softcap > 0, params.sinks is not None, params.has_scales,
-               (kx, vx), write_lse, token_scales)
-        kw = plan.kw_cache.get(key)
-        if kw is None:
-            kw = self._kw(plan, key)
+        given = (params.sinks, params.k_scale_t if params.has_scales else None,
+                 params.v_scale_t if params.has_scales else None, ksc,
+                 params.v_scale_cache if token_scales else None)
+        present = [t for t in given if t is not None]
+        scales = None
+        if present:
+            scales = tuple(present[0] if t is None else t for t in given)
+        flags = (params.causal, params.softcap > 0, params.sinks is not None,
+                 params.has_scales, token_scales)
+        values = (float(params.scale), float(params.softcap), left, right)
+        sstr = tuple(ksc.stride()) if token_scales else (0, 0, 0)
+        sid = _intern(("params", flags, left, right, sstr,
+                       None if scales is None else tuple(tensor_key(t) for t in scales)))
+        if len(_PARAMS) >= _PARAMS_KEEP:
+            _PARAMS.clear()
+        pe = _PARAMS[id(params)] = (params, sid, flags, scales, values, sstr)
+        return pe
+
+    def _layout_launch(self, k_cache, v_cache) -> tuple:
+        """The cache layout's part: ``(sid, strides, kx, vx)`` (strides: k's four then v's)."""
+        k_strides, v_strides, kx, vx = self._layout(k_cache, v_cache)
+        strides = (*k_strides, *v_strides)
+        return (_intern(("layout", strides, kx, vx)), strides, kx, vx)
+
+    def _launch_args(self, q, cache, plan: TritonPlan, params, out, lse):
+        """``(args, key, pe, layout)`` of the attention kernel's launch: O(1) checks, no
+        allocation. ``key`` identifies what Triton specialises the launch on (see
+        :mod:`._launch`); ``pe``/``layout`` (the layer's and the layout's parts) give the
+        constexprs (:meth:`_launch_kw`), needed only when the launch is not a direct one."""
+        k_cache, v_cache = cache
+        lk = (k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride())
+        layout = self._layouts.get(lk)
+        if layout is None:
+            layout = self._layouts[lk] = self._layout_launch(k_cache, v_cache)
+        pl = plan.kw_cache.get(_PLAN_LAUNCH)
+        if pl is None:
+            pl = self._plan_launch(plan)
+        pe = _PARAMS.get(id(params))
+        if pe is None or pe[0] is not params:
+            pe = self._params_launch(params)
         qs, os_ = q.stride(), out.stride()
         if qs[2] != 1 or os_[2] != 1:
             raise ValueError(
                 f"{self.name}: the last (head-dim) axis of q and out must be contiguous; pass "
                 ".contiguous() tensors.")
-        cu = plan.args[0]
-        sinks = params.sinks if params.sinks is not None else cu
-        ks_t = params.k_scale_t if params.has_scales else cu
-        vs_t = params.v_scale_t if params.has_scales else cu
-        if token_scales:
-            ksc_t, vsc_t, sstr = ksc, params.v_scale_cache, ksc.stride()
+        scales = pe[3]
+        mid = pl[6] if scales is None else (*pl[1], *scales, *pl[2])
+        parts = pl[5]
+        pa, pm = parts if parts is not None else (out, out)
+        if lse is not None:
+            ls = lse.stride()
+            lse_t, tail, lkey = lse, (*pl[4], ls[0], ls[1]), (tensor_key(lse), ls)
+            align = (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr() | out.data_ptr()
+                     | lse.data_ptr()) & 15
         else:
-            ksc_t, vsc_t, sstr = cu, cu, (0, 0, 0)
-        mask_t, mask_ip = plan.mask if plan.mask is not None else (cu, cu)
-        w = params.window
-        left = w[0] if w[0] >= 0 else _UNBOUNDED
-        right = w[1] if w[1] >= 0 else _UNBOUNDED
-        split = plan.split
-        part_acc = plan.part_acc if split else out
-        part_ml = plan.part_ml if split else out
-        if write_lse:
-            lse_t, ls = lse, lse.stride()
-        else:
-            lse_t, ls = out, (0, 0)
-        counters = plan.counters if plan.counters is not None else cu
-        args = (q, k_cache, v_cache, out, part_acc, part_ml, lse_t, counters, *plan.args, sinks,
-                ks_t, vs_t, ksc_t, vsc_t, mask_t, mask_ip, params.scale, params.softcap, left,
-                right, *plan.ints, qs[0], qs[1], *k_strides, *v_strides, *sstr, os_[0], os_[1],
-                plan.bt_stride, *plan.part_strides, ls[0], ls[1])
-        return args, kw
+            lse_t, tail, lkey = out, pl[7], None
+            align = (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()
+                     | out.data_ptr()) & 15
+        if align:  # some per-call tensor is not 16-byte aligned: say which
+            align = tuple(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, out, lse_t))
+        args = (q, k_cache, v_cache, out, pa, pm, lse_t, *mid, *pe[4], *pl[3], qs[0], qs[1],
+                *layout[1], *pe[5], os_[0], os_[1], *tail)
+        key = (pl[0], pe[1], layout[0], q.dtype, k_cache.dtype, v_cache.dtype, out.dtype, lkey,
+               align, qs, os_)
+        return args, key, pe, layout
 
-    def _reduce(self, plan: TritonPlan, params, out, args, kw, lse):
+    def _launch_kw(self, plan: TritonPlan, pe, layout, write_lse: bool) -> dict:
+        """The attention launch's constexprs (memoised per layer flags on the plan). Every
+        launch key's first launch comes here (the direct path reuses what it compiled), so
+        the combination checks below guard the direct launches too."""
+        causal, softcap, sinks, scales, token_scales = pe[2]
+        kx, vx = layout[2], layout[3]
+        if token_scales and (kx, vx) != (1, 1):
+            raise ValueError(f"{self.name}: per-(token, head) scales are served on NHD pages "
+                             "only (op paged_attention), not the 5-D layout.")
+        fkey = (causal, softcap, sinks, scales, (kx, vx), write_lse, token_scales)
+        kw = plan.kw_cache.get(fkey)
+        return kw if kw is not None else self._kw(plan, fkey)
+
+    def _reduce(self, plan: TritonPlan, params, out, args, lse, key, jit=False):
+        grid = (plan.num_tokens, out.shape[1])
+        rargs, rkey = self._reduce_args(plan, params, out, args, lse, key)
+        if not jit and _REDUCE.launch_cached(grid, rargs, rkey):
+            return
+        rkw = dict(DV=self.v_head_dim, DV_PAD=plan.dv_pad, SPLITS_PAD=next_pow2(plan.num_splits),
+                   HAS_SINKS=params.sinks is not None, WRITE_LSE=lse is not None,
+                   FIXED_ORDER=plan.fixed_order, num_warps=4)
+        if jit:
+            _reduce_splits_kernel[grid](*rargs, **rkw)
+        else:
+            _REDUCE.launch(grid, rargs, rkw, rkey)
+
+    @staticmethod
+    def _reduce_args(plan: TritonPlan, params, out, args, lse, key):
+        """``(args, key)`` of the split reduction: the attention key covers every argument
+        here but the strides of out / lse."""
         os_ = out.stride()
         ls = lse.stride() if lse is not None else (0, 0)
-        _reduce_splits_kernel[(plan.num_tokens, out.shape[1])](
-            out, plan.part_acc, plan.part_ml,
-            params.sinks if params.sinks is not None else plan.part_ml, args[6],
-            plan.num_splits, os_[0], os_[1], *plan.part_strides, ls[0], ls[1],
-            DV=kw["DV"], DV_PAD=plan.dv_pad, SPLITS_PAD=next_pow2(plan.num_splits),
-            HAS_SINKS=params.sinks is not None, WRITE_LSE=lse is not None,
-            FIXED_ORDER=plan.fixed_order, num_warps=4)
+        rargs = (out, plan.part_acc, plan.part_ml,
+                 params.sinks if params.sinks is not None else plan.part_ml, args[6],
+                 plan.num_splits, os_[0], os_[1], *plan.part_strides, ls[0], ls[1])
+        return rargs, ("reduce", key, ls)
 
     def run(self, q, cache, plan: TritonPlan, params, out, lse=None):
         """Launch (and the split reduction). O(1) checks; allocates nothing."""
-        if q.shape[0] != plan.num_tokens:
+        n = q.shape[0]
+        if n != plan.num_tokens:
             if plan.num_tokens == 0:
                 return out
-            raise ValueError(f"{self.name}: q has {q.shape[0]} tokens but the plan was made for "
+            raise ValueError(f"{self.name}: q has {n} tokens but the plan was made for "
                              f"{plan.num_tokens}; plan this step's metadata first.")
-        if plan.num_tokens == 0:
+        if n == 0:
             return out
-        args, kw = self._launch_args(q, cache, plan, params, out, lse)
-        _paged_attn_kernel[plan.grid](*args, **kw)
+        args, key, pe, layout = self._launch_args(q, cache, plan, params, out, lse)
+        if not _ATTN.launch_cached(plan.grid, args, key):
+            _ATTN.launch(plan.grid, args, self._launch_kw(plan, pe, layout, lse is not None),
+                         key)
         if plan.split and plan.counters is None:
-            self._reduce(plan, params, out, args, kw, lse)
+            self._reduce(plan, params, out, args, lse, key)
         return out
 
-    def bare_launch(self, q, cache, plan: TritonPlan, params, out):
+    def bare_launch(self, q, cache, plan: TritonPlan, params, out, *, direct: bool = False):
         """A zero-argument callable that launches this plan's kernel(s) with every argument
-        prebuilt: the launch floor the host benchmark compares :meth:`run` with."""
-        args, kw = self._launch_args(q, cache, plan, params, out, None)
+        prebuilt: the launch floor the host benchmark compares :meth:`run` with. ``direct``:
+        through the direct launch of :mod:`._launch` (as :meth:`run` launches where it
+        applies); else Triton's own ``kernel[grid](*args, **kw)``."""
+        args, key, pe, layout = self._launch_args(q, cache, plan, params, out, None)
+        kw = self._launch_kw(plan, pe, layout, False)
         grid = plan.grid
+        reduce = plan.split and plan.counters is None
+        if direct:
+            def launch():
+                _ATTN.launch(grid, args, kw, key)
+                if reduce:
+                    self._reduce(plan, params, out, args, None, key)
+            return launch
         launcher = _paged_attn_kernel[grid]
-        if plan.split and plan.counters is None:
+        if reduce:
             def launch():
                 launcher(*args, **kw)
-                self._reduce(plan, params, out, args, kw, None)
+                self._reduce(plan, params, out, args, None, key, jit=True)
             return launch
         return lambda: launcher(*args, **kw)
+
+
+#: memo keys of a plan's launch part / the tuning it was made under in ``TritonPlan.kw_cache``
+_PLAN_LAUNCH = "launch"
+_OVERRIDES = "overrides"
+#: id(LayerParams) -> the layer's launch part (holds the params: the id stays theirs)
+_PARAMS: dict = {}
+_PARAMS_KEEP = 1024
+#: launch-relevant specs -> small ints (plan, layer and layout parts of a launch key)
+_SPECS: dict = {}
+_SPEC_IDS = itertools.count()
+_ATTN = Launcher(_paged_attn_kernel)
+_REDUCE = Launcher(_reduce_splits_kernel)
+
+
+def _intern(spec) -> int:
+    """A small int standing for ``spec`` (equal specs, equal ints) for cheap launch keys.
+    Ids are never reused (a full table is cleared and counting goes on), so a key made
+    with an old id can only miss."""
+    sid = _SPECS.get(spec)
+    if sid is None:
+        if len(_SPECS) >= _PARAMS_KEEP:
+            _SPECS.clear()
+        sid = _SPECS[spec] = next(_SPEC_IDS)
+    return sid
 
 
 class TritonPagedAttention5D(TritonPagedAttention):

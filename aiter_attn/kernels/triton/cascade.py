@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ._kvutil import next_pow2
+from ._paging import load_chunk_pages, tile_pages_of
 
 __all__ = ["cascade_shared_triton", "cascade_merge_triton", "CASCADE_TUNING",
            "shared_config"]
@@ -43,13 +44,46 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 _UNBOUNDED = tl.constexpr(1 << 30)  # jit functions read only constexpr globals
 
 #: Launch overrides (tests and tuning): ``block_m``, ``block_n``, ``num_warps``,
-#: ``num_stages``, ``split_keys`` (shared keys per split), ``max_splits``.
+#: ``num_stages``, ``split_keys`` (shared keys per split), ``max_splits``, ``num_splits``,
+#: ``page_chunk`` (key tiles per block-table load; 0 = a lookup per tile).
 CASCADE_TUNING: dict = {}
 
 
 @triton.jit
 def _tanh(x):
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _shared_tile(acc, m_i, l_i, q, qk_scale, softcap, k_base, v_base, page, in_page, kpos,
+                 shared, pos, row_valid, left, stride_kp, stride_kt, stride_vp, stride_vt,
+                 offs_d, offs_dv, d_mask, dv_mask, HAS_SOFTCAP: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """One key tile of the shared pass (keys ``kpos`` at ``page``/``in_page``: a scalar or
+    int64 ``[BLOCK_N]`` page, int64 ``[BLOCK_N]`` offsets): the online-softmax update."""
+    kin = kpos < shared
+    k = tl.load(k_base + (page * stride_kp + in_page * stride_kt)[None, :] + offs_d[:, None],
+                mask=d_mask[:, None] & kin[None, :], other=0.0)
+    v = tl.load(v_base + (page * stride_vp + in_page * stride_vt)[:, None] + offs_dv[None, :],
+                mask=kin[:, None] & dv_mask[None, :], other=0.0)
+    s = tl.dot(q, k.to(COMPUTE_DTYPE), input_precision=DOT_PRECISION)
+    if HAS_SOFTCAP:
+        s = softcap * _tanh(s * qk_scale / softcap) * _LOG2E
+    else:
+        s = s * (qk_scale * _LOG2E)
+    vis = kin[None, :] & row_valid[:, None]
+    if HAS_WINDOW:
+        vis = vis & (kpos[None, :] >= pos[:, None] - left)
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE), acc, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -62,7 +96,8 @@ def _cascade_shared_kernel(
     BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr,
     DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SCALES: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, PAGE_CHUNK: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -103,38 +138,37 @@ def _cascade_shared_kernel(
         t_lo = tl.maximum(t_lo, tl.maximum(min_pos - left, 0) // BLOCK_N)
 
     bt_row = BlockTable + leader.to(tl.int64) * stride_bt
-    k_head = kvh.to(tl.int64) * stride_kh
-    v_head = kvh.to(tl.int64) * stride_vh
+    k_base = K + kvh.to(tl.int64) * stride_kh
+    v_base = V + kvh.to(tl.int64) * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
-    for n in range(t_lo, t_hi):
-        kpos = n * BLOCK_N + tl.arange(0, BLOCK_N)
-        kin = kpos < shared
-        page = tl.load(bt_row + kpos // PAGE_SIZE, mask=kin, other=0).to(tl.int64)
-        in_page = (kpos % PAGE_SIZE).to(tl.int64)
-        k = tl.load(K + k_head + (page * stride_kp + in_page * stride_kt)[None, :]
-                    + offs_d[:, None], mask=d_mask[:, None] & kin[None, :], other=0.0)
-        v = tl.load(V + v_head + (page * stride_vp + in_page * stride_vt)[:, None]
-                    + offs_dv[None, :], mask=kin[:, None] & dv_mask[None, :], other=0.0)
-        s = tl.dot(q, k.to(COMPUTE_DTYPE), input_precision=DOT_PRECISION)
-        if HAS_SOFTCAP:
-            s = softcap * _tanh(s * qk_scale / softcap) * _LOG2E
-        else:
-            s = s * (qk_scale * _LOG2E)
-        vis = kin[None, :] & row_valid[:, None]
-        if HAS_WINDOW:
-            vis = vis & (kpos[None, :] >= pos[:, None] - left)
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE), acc,
-                     input_precision=DOT_PRECISION)
-        m_i = m_new
+    offs_n = tl.arange(0, BLOCK_N)
+    if PAGE_CHUNK > 0:
+        # the page ids of PAGE_CHUNK tiles in one load outside the pipelined loop: no load
+        # feeds a K/V address inside it, so the copies run NUM_STAGES - 1 tiles ahead
+        for c0 in range(t_lo, t_hi, PAGE_CHUNK):
+            n_in = tl.minimum(t_hi - c0, PAGE_CHUNK)
+            chunk_pages = load_chunk_pages(bt_row, c0, n_in, shared, BLOCK_N, PAGE_SIZE,
+                                           PAGE_CHUNK, TILE_IN_PAGE)
+            for j in tl.range(0, n_in, num_stages=NUM_STAGES):
+                t = c0 + j
+                page, in_page = tile_pages_of(chunk_pages, j, t, BLOCK_N, PAGE_SIZE,
+                                              PAGE_CHUNK, TILE_IN_PAGE)
+                acc, m_i, l_i = _shared_tile(
+                    acc, m_i, l_i, q, qk_scale, softcap, k_base, v_base, page, in_page,
+                    t * BLOCK_N + offs_n, shared, pos, row_valid, left, stride_kp, stride_kt,
+                    stride_vp, stride_vt, offs_d, offs_dv, d_mask, dv_mask, HAS_SOFTCAP,
+                    HAS_WINDOW, COMPUTE_DTYPE, DOT_PRECISION)
+    else:  # page sizes that neither divide nor are multiples of BLOCK_N: per-tile lookup
+        for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
+            kpos = t * BLOCK_N + offs_n
+            page = tl.load(bt_row + kpos // PAGE_SIZE, mask=kpos < shared, other=0)
+            acc, m_i, l_i = _shared_tile(
+                acc, m_i, l_i, q, qk_scale, softcap, k_base, v_base, page.to(tl.int64),
+                (kpos % PAGE_SIZE).to(tl.int64), kpos, shared, pos, row_valid, left,
+                stride_kp, stride_kt, stride_vp, stride_vt, offs_d, offs_dv, d_mask, dv_mask,
+                HAS_SOFTCAP, HAS_WINDOW, COMPUTE_DTYPE, DOT_PRECISION)
     if HAS_SCALES:
         acc = acc * tl.load(VScale).to(tl.float32)
     part = split.to(tl.int64) * stride_ps + tok64 * stride_pt + qh64 * DV_PAD
@@ -226,7 +260,9 @@ def shared_config(*, group: int, head_dim_pad: int, fp32: bool, on_gpu: bool,
     if q_tiles < 2 * sms:
         splits = max(1, min(max_splits, -(-max_k // split_keys), -(-2 * sms // q_tiles)))
     splits = CASCADE_TUNING.get("num_splits", splits)
+    page_chunk = int(CASCADE_TUNING.get("page_chunk", 16))
     return dict(heads=heads, block_m=block_m, block_n=block_n, block_t=block_t,
+                page_chunk=next_pow2(page_chunk) if page_chunk else 0,
                 num_warps=CASCADE_TUNING.get("num_warps", num_warps),
                 num_stages=CASCADE_TUNING.get("num_stages", num_stages), num_splits=splits)
 
@@ -246,6 +282,10 @@ def cascade_shared_triton(q, k_cache, v_cache, part_acc, part_ml, tiles, q_pos, 
     ks, vs = k_cache.stride(), v_cache.stride()
     has_scales = k_scale_t is not None
     dummy = tiles
+    page = k_cache.shape[1]
+    block_n = cfg["block_n"]
+    tile_in_page = page % block_n == 0
+    chunk = cfg["page_chunk"] if tile_in_page or block_n % page == 0 else 0
     _cascade_shared_kernel[(tiles.shape[0], hkv, splits)](
         q, k_cache, v_cache, part_acc, part_ml, tiles, q_pos, block_table,
         k_scale_t if has_scales else dummy, v_scale_t if has_scales else dummy,
@@ -258,6 +298,7 @@ def cascade_shared_triton(q, k_cache, v_cache, part_acc, part_ml, tiles, q_pos, 
         DV_PAD=part_acc.shape[3], PAGE_SIZE=k_cache.shape[1], HAS_SOFTCAP=softcap > 0,
         HAS_WINDOW=window_left >= 0, HAS_SCALES=has_scales, COMPUTE_DTYPE=_TL[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        NUM_STAGES=cfg["num_stages"], PAGE_CHUNK=chunk, TILE_IN_PAGE=tile_in_page,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 

@@ -20,7 +20,8 @@ import torch
 from ...hookspecs import hookimpl
 from ...kernels import reference as R
 from ...kernels import reference_extra as RE
-from ...kernels.base import AttentionKernel, FunctionPlan, mask_literal, plan_hints
+from ...kernels.base import (AttentionKernel, FunctionPlan, MLAKernel, mask_literal,
+                             plan_hints)
 from ...kernels.reference_5d import paged_attention_5d_reference
 from ...kernels.registry import FEATURES, Capabilities
 from ...types import CGSupport
@@ -137,6 +138,26 @@ class _PlanCopiesLengths(AttentionKernel):
             mask_indptr=plan.mask_indptr, **extra)
 
 
+class _MLAPlanCopiesLengths(MLAKernel):
+    """The MLA kernel object with the same bug as :class:`_PlanCopiesLengths`: its plan keeps
+    a private copy of ``seqused_k``, so a replay after a re-plan reads the capture's lengths."""
+
+    def plan(self, md, out=None):
+        mq, mk = plan_hints(md)
+        return FunctionPlan(
+            num_tokens=md.query.num_tokens, mask_literal=mask_literal(md),
+            cu_seqlens_q=md.query.cu_seqlens_q, seqused_k=md.pages.seqused_k.clone(),
+            block_table=md.pages.block_table, max_seqlen_q=mq, max_seqlen_k=mk)
+
+    def run(self, q, cache, plan, params, out, lse=None):
+        extra = {} if lse is None else {"lse": lse}
+        return R.mla_paged_attention_reference(
+            q, cache[0], out, kv_lora_rank=out.shape[-1], cu_seqlens_q=plan.cu_seqlens_q,
+            seqused_k=plan.seqused_k, block_table=plan.block_table, softmax_scale=params.scale,
+            causal=params.causal and not plan.mask_literal,
+            kv_scale=params.k_scale if params.has_scales else None, **extra)
+
+
 def _mla_ignores_scale(q, kv, out, **kw):
     kw["softmax_scale"] = q.shape[-1] ** -0.5
     return R.mla_paged_attention_reference(q, kv, out, **kw)
@@ -226,6 +247,9 @@ MUTANTS = (
       ("merge-states-with-empty-parts",)),
     M("mutant-mla-ignores-scale", "mla_paged_attention", _mla_ignores_scale,
       "MLA kernel ignoring softmax_scale", ("mla-decode-h16-page1",)),
+    M("mutant-mla-plan-copies-lengths", "mla_paged_attention", _MLAPlanCopiesLengths,
+      "MLA kernel object whose plan keeps its own copy of seqused_k (stale on replay)",
+      ("mla-decode-h4-page64",), CGSupport.ALWAYS),
     M("mutant-5d-ignores-scale", "paged_attention_5d", _5d_ignores_scale,
       "5-D kernel ignoring softmax_scale", ("5d-decode-page16-gqa4:1",)),
     M("mutant-write-kv-null-page", "write_kv", _write_kv_null_page,

@@ -1,0 +1,218 @@
+"""Launching an already compiled Triton kernel without Triton's per-call argument binding.
+
+``jit_fn[grid](*args, **kw)`` re-derives on every call what the kernel was compiled for: it
+binds ~50 arguments, specialises each one (dtype and 16-byte alignment of every tensor, value
+classes of every int), hashes the result into the kernel cache and builds launch metadata.
+That is most of a decode layer's host time (29 µs of the 46 µs ``AttentionBackend.forward``
+took on the H200 host; ``docs/benchmarks.md``). The caller of :meth:`Launcher.launch` knows
+which arguments can change between calls that share a cache (the per-call tensors: ``q``,
+``out``, ...) and passes their specialisation-relevant properties as a small key; everything
+else must be fixed for the cache dict it passes (a plan's, per layer). The first call per
+key goes through ``jit_fn[grid]`` (compiling if needed), which returns the
+``CompiledKernel``; later calls hand the same argument list to its C launcher directly,
+exactly as ``JITFunction.run`` does after its cache hit (Triton 3.6: ``kernel.run(gx, gy, gz,
+stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *bound_args)``).
+
+The direct path is taken only where it was checked to be equivalent: a plain ``JITFunction``
+(not the interpreter, not an autotuner), NVIDIA CUDA (ROCm's backend specialises tensors on
+more than alignment), a Triton version in :data:`DIRECT_VERSIONS`, no launch hooks or
+pre-run hooks installed (profilers get the regular path with its launch metadata), Triton's
+debug mode off, and ``AITER_ATTN_DIRECT_LAUNCH`` not ``0``. Otherwise every call is the
+regular ``jit_fn[grid](*args, **kw)``.
+
+A tensor argument's specialisation in Triton 3.6 is its dtype and whether its address is a
+multiple of 16; an int's is its value class (1, multiple of 16, 32/64-bit), so a key holding
+the per-call tensors' ``(dtype, data_ptr() % 16 == 0)`` and the per-call ints' values
+identifies the compiled kernel (:func:`tensor_key`; ``tests/test_direct_launch.py`` checks the
+rule against Triton's own ``native_specialize_impl``).
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["Launcher", "DIRECT_VERSIONS", "DIRECT_ENV", "tensor_key"]
+
+#: Triton versions whose launch path was read and the direct launch checked against.
+DIRECT_VERSIONS = ((3, 6),)
+#: ``AITER_ATTN_DIRECT_LAUNCH=0`` turns the direct launch off (every call through the JIT).
+DIRECT_ENV = "AITER_ATTN_DIRECT_LAUNCH"
+
+
+def tensor_key(t) -> tuple:
+    """What Triton 3.6 specialises a tensor argument on: dtype and 16-byte alignment."""
+    return (t.dtype, t.data_ptr() % 16 == 0)
+
+
+def _direct_supported(fn) -> bool:
+    if os.environ.get(DIRECT_ENV, "1") in ("0", ""):
+        return False
+    try:
+        import torch
+        import triton
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # pragma: no cover - triton is a dependency
+        return False
+    if type(fn) is not JITFunction:  # the interpreter, autotuners, heuristics: regular path
+        return False
+    version = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
+    if version not in DIRECT_VERSIONS:
+        return False
+    return bool(torch.cuda.is_available()) and torch.version.hip is None
+
+
+class Launcher:
+    """``fn[grid](*args, **kw)``, with the compiled kernel reused per caller-given cache.
+
+    Attributes:
+        fn: the ``@triton.jit`` function.
+        direct: whether the direct launch is used (decided on first launch; see the module
+            docstring).
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.direct = None  # decided lazily (CUDA may not be initialised at import)
+        self._device = None
+        self._stream = None
+        self._names = None
+        self._rt = None  # triton.knobs.runtime (launch hooks, debug)
+        self._pre = ()  # the JITFunction's pre-run hooks
+        self._cache: dict = {}  # (device, key) -> (CompiledKernel, constexpr tail)
+
+    def force_direct(self, compiled, stream=lambda: 0) -> None:
+        """Profiling: every launch is a direct one of ``compiled`` on the stream ``stream()``
+        (no JIT, no GPU, hooks not read): the CPU host-cost proxy
+        (``benchmarks/host_profile.py``) uses it."""
+        self.direct = True
+        self._device = lambda: 0
+        self._stream = lambda device: stream()
+        self._first = lambda grid, args, kw: compiled
+        self._rt = _NoHooks()
+        self._pre = ()
+
+    def _decide(self) -> bool:
+        self.direct = _direct_supported(self.fn)
+        if self.direct:
+            import torch
+            from triton import knobs
+            from triton.runtime.driver import driver
+
+            active = driver.active
+            # torch.cuda.current_device() without its lazy-init check (CUDA is initialised:
+            # the tensors being launched on live there)
+            self._device = getattr(torch._C, "_cuda_getDevice", active.get_current_device)
+            self._stream = active.get_current_stream
+            self._rt = knobs.runtime
+            self._pre = self.fn.pre_run_hooks  # the live list add_pre_run_hook appends to
+            if self.fn.debug:  # a debug kernel: Triton's path (its checks, its options)
+                self.direct = False
+        return self.direct
+
+    def _hooked(self) -> bool:
+        """Launch hooks, pre-run hooks or Triton's debug mode are on: the regular path (with
+        its launch metadata) must run. Read per launch (profilers attach at run time)."""
+        rt = self._rt
+        try:
+            return bool(rt.launch_enter_hook.calls or rt.launch_exit_hook.calls or rt.debug
+                        or self._pre)
+        except AttributeError:  # hooks not in Triton 3.6's shape: take the regular path
+            return True
+
+    def _first(self, grid, args, kw):
+        """The regular launch; returns the ``CompiledKernel`` it ran (or ``None``)."""
+        return self.fn[grid](*args, **kw)
+
+    def _params(self) -> list:
+        """``[(name, has_default, default)]`` of the kernel's parameters, in order."""
+        if self._names is None:
+            params = getattr(self.fn, "params", None)
+            if params is not None:  # JITFunction
+                self._names = [(p.name, p.has_default, p._param.default) for p in params]
+            else:  # the interpreter's function (profiling with force_direct)
+                import inspect
+
+                sig = inspect.signature(getattr(self.fn, "fn", self.fn))
+                self._names = [(n, p.default is not inspect.Parameter.empty, p.default)
+                               for n, p in sig.parameters.items()]
+        return self._names
+
+    def _tail(self, nargs: int, kw: dict) -> tuple:
+        """The parameters after the positional ones, in declaration order (constexprs from
+        ``kw``, else their defaults): what ``JITFunction.run`` passes after ``args``."""
+        tail = []
+        for name, has_default, default in self._params()[nargs:]:
+            if name in kw:
+                tail.append(kw[name])
+            elif has_default:
+                tail.append(default)
+            else:
+                raise TypeError(f"{self.fn}: no value for parameter {name!r}")
+        return tuple(tail)
+
+    def launch_cached(self, grid, args: tuple, key) -> bool:
+        """Launch directly if ``key`` was launched before (see :meth:`launch`); ``False``
+        (nothing launched) otherwise: the caller then calls :meth:`launch` with the
+        constexprs, which it need not build on the direct path."""
+        if not self.direct:
+            return False
+        rt = self._rt
+        try:  # launch hooks, pre-run hooks, debug: the regular path (see _hooked)
+            if (rt.launch_enter_hook.calls or rt.launch_exit_hook.calls or rt.debug
+                    or self._pre):
+                return False
+        except AttributeError:
+            return False
+        device = self._device()
+        hit = self._cache.get((device, key))
+        if hit is None:
+            return False
+        compiled, tail = hit
+        compiled.run(grid[0], grid[1], grid[2], self._stream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *args, *tail)
+        return True
+
+    def launch(self, grid, args: tuple, kw: dict, key) -> None:
+        """Launch ``fn[grid](*args, **kw)``.
+
+        ``key``: hashable, determines everything Triton specialises this launch on (every
+        argument's dtype / alignment / int value class and ``kw``): the caller's interned
+        ids of its fixed argument groups plus :func:`tensor_key` of each per-call tensor and
+        the per-call ints. The grid is not part of it (it is passed on every launch).
+        """
+        direct = self.direct
+        if direct is None:
+            direct = self._decide()
+        if not direct or self._hooked():
+            self.fn[grid](*args, **kw)
+            return
+        device = self._device()
+        hit = self._cache.get((device, key))
+        if hit is None:
+            compiled = self._first(grid, args, kw)  # launches (compiling on first use)
+            if compiled is not None and hasattr(compiled, "packed_metadata"):
+                if len(self._cache) >= _KEEP:
+                    self._cache.clear()
+                self._cache[(device, key)] = (compiled, self._tail(len(args), kw))
+            return
+        compiled, tail = hit
+        compiled.run(grid[0], grid[1], grid[2], self._stream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *args, *tail)
+
+
+class _NoChain:
+    calls = ()
+
+
+class _NoHooks:
+    """A ``triton.knobs.runtime`` stand-in with no hooks (:meth:`Launcher.force_direct`)."""
+
+    launch_enter_hook = _NoChain()
+    launch_exit_hook = _NoChain()
+    debug = False
+
+
+#: compiled kernels remembered per launcher (distinct launch keys; cleared when full)
+_KEEP = 4096
+
+
