@@ -47,9 +47,11 @@ __all__ = [
 ]
 
 #: Ops whose implementations are attention kernels (``run(q, cache, plan, params, out)``;
-#: ``cache`` is ``(k_cache, v_cache)``, or ``(kv_cache,)`` for ``mla_paged_attention``);
-#: every other op stays a plain function.
-ATTENTION_OPS = frozenset({"paged_attention", "paged_attention_5d", "mla_paged_attention"})
+#: ``cache`` is ``(k_cache, v_cache)``, or ``(kv_cache,)`` for ``mla_paged_attention``;
+#: ``extend_attention`` also takes the step's new ``k=``/``v=``); every other op stays a
+#: plain function.
+ATTENTION_OPS = frozenset({"paged_attention", "paged_attention_5d", "mla_paged_attention",
+                           "extend_attention"})
 
 
 def _scale_tensor(value, device) -> torch.Tensor:

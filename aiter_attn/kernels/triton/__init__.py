@@ -54,6 +54,16 @@ def aiter_attn_register_kernels(register):
     register("paged_attention", "triton", TritonPagedAttention,
              attrs.evolve(attn_caps, features=attn_caps.features | {TOKEN_SCALE_FEATURE}),
              priority=triton_priority())
+    # extend/prefill in two passes (dense new tokens + paged prefix, merged by LSE):
+    # kernels/triton/extend.py; strategies use it where BackendConfig.dense_extend is on
+    from .extend import EXTEND_FEATURES, TritonExtendAttention, extend_reject_reason
+    from .prefill import MAX_HEAD_DIM as PREFILL_MAX_HEAD_DIM
+
+    register("extend_attention", "triton", TritonExtendAttention,
+             Capabilities(devices=TRITON_DEVICES, dtypes=_FLOAT_DTYPES,
+                          max_head_dim=PREFILL_MAX_HEAD_DIM, features=EXTEND_FEATURES,
+                          cg_support=CGSupport.ALWAYS, predicate=extend_reject_reason),
+             priority=triton_priority())
     # the same kernel over the vectorised 5-D layout (only the cache addressing differs)
     register("paged_attention_5d", "triton", TritonPagedAttention5D, attn_caps,
              priority=triton_priority())

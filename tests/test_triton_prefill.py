@@ -1,0 +1,182 @@
+"""The dense prefill kernel (:mod:`aiter_attn.kernels.triton.prefill`) against the float64
+oracle: ragged batches (lengths 1 upward, queries bottom-right aligned over more keys), GQA
+5:1, head dim 80 (padded tiles), window, soft-cap, sinks, the LSE, the prefix merge, and the
+TMA (tensor-descriptor) and plain-pointer paths. CPU: Triton's interpreter in float32/float16;
+bf16 and the sm_90 configurations under the ``gpu`` marker.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aiter_attn.kernels.triton.prefill import PrefillConfig, dense_prefill
+from aiter_attn.testing.compare import assert_close_rel
+from aiter_attn.testing.oracle import dense_attention
+
+from ._triton_util import DEVICE, HAS_CUDA, requires_triton
+
+pytestmark = requires_triton
+
+RTOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+LSE_RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+class DenseCase:
+    """Ragged q/k/v packed along tokens; request ``b`` has ``q_lens[b]`` queries over
+    ``k_lens[b]`` keys (queries are the last positions)."""
+
+    def __init__(self, q_lens, k_lens, *, hq=10, hkv=2, d=80, dv=None, dtype=torch.float32,
+                 seed=0, device=DEVICE):
+        g = torch.Generator().manual_seed(seed)
+        dv = dv or d
+        self.q_lens, self.k_lens = list(q_lens), list(k_lens)
+        self.hq, self.hkv, self.d, self.dv, self.dtype = hq, hkv, d, dv, dtype
+        self.q = torch.randn(sum(q_lens), hq, d, generator=g).to(dtype)
+        self.k = torch.randn(sum(k_lens), hkv, d, generator=g).to(dtype)
+        self.v = torch.randn(sum(k_lens), hkv, dv, generator=g).to(dtype)
+        self.cu_q = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+        self.cu_k = torch.tensor([0] + torch.tensor(k_lens).cumsum(0).tolist(), dtype=torch.int32)
+        self.scale = d ** -0.5
+        self.device = device
+
+    def oracle(self, **kw):
+        outs, lses = [], []
+        for b in range(len(self.q_lens)):
+            qs = slice(int(self.cu_q[b]), int(self.cu_q[b + 1]))
+            ks = slice(int(self.cu_k[b]), int(self.cu_k[b + 1]))
+            o, l = dense_attention(self.q[qs], self.k[ks], self.v[ks], scale=self.scale,
+                                   return_lse=True, **kw)
+            outs.append(o)
+            lses.append(l)
+        return torch.cat(outs), torch.cat(lses)
+
+    def run(self, *, config=None, lse=True, prefix=None, causal=True, window=(-1, -1),
+            softcap=0.0, sinks=None):
+        dev = self.device
+        out = torch.full((self.q.shape[0], self.hq, self.dv), float("nan"), dtype=self.dtype,
+                         device=dev)
+        lse_t = (torch.full((self.q.shape[0], self.hq), float("nan"), dtype=torch.float32,
+                            device=dev) if lse else None)
+        dense_prefill(
+            self.q.to(dev), self.k.to(dev), self.v.to(dev), out, cu_seqlens_q=self.cu_q.to(dev),
+            cu_seqlens_k=self.cu_k.to(dev), max_seqlen_q=max(self.q_lens),
+            max_seqlen_k=max(self.k_lens), softmax_scale=self.scale, causal=causal,
+            window_size=window, softcap=softcap,
+            sinks=None if sinks is None else sinks.to(dev), lse=lse_t,
+            prefix=None if prefix is None else tuple(t.to(dev) for t in prefix), config=config)
+        return out, lse_t
+
+
+def assert_lse(actual, expected, rtol, what):
+    a, e = actual.double().cpu(), expected.double().cpu()
+    inf_e = torch.isneginf(e)
+    assert torch.equal(torch.isneginf(a), inf_e), f"{what}: -inf rows differ"
+    assert not torch.isnan(a).any(), f"{what}: NaN in lse"
+    assert_close_rel(a[~inf_e], e[~inf_e], rtol, what + " (lse)")
+
+
+#: the interpreter's tiles are 16 × 16: these lengths cross every stage boundary
+LENS = [([1, 37, 16, 50], [1, 37, 16, 50]),          # prefill, incl. one token
+        ([3, 20, 1], [40, 20, 33]),                   # queries over more keys (bottom-right)
+        ([33], [33])]
+CONFIGS = {"tma": PrefillConfig(16, 16, 4, 1, False, True),
+           "ptr": PrefillConfig(16, 16, 4, 1, False, False),
+           "bm32": PrefillConfig(32, 16, 4, 2, False, True),
+           # one loop, mask only where it cuts (the warp-specialised form)
+           "one": PrefillConfig(16, 16, 4, 1, False, True, True),
+           "one_ptr": PrefillConfig(32, 16, 4, 1, False, False, True)}
+
+
+@pytest.mark.parametrize("lens", LENS, ids=["prefill", "bottom_right", "one"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("d", [80, 64])
+def test_dense_causal(lens, dtype, d):
+    c = DenseCase(*lens, d=d, dtype=dtype)
+    eo, el = c.oracle(causal=True)
+    for name, cfg in CONFIGS.items():
+        o, l = c.run(config=cfg)
+        assert_close_rel(o, eo, RTOL[dtype], f"out {name}")
+        assert_lse(l, el, LSE_RTOL[dtype], f"lse {name}")
+
+
+@pytest.mark.parametrize("cfg", ["tma", "ptr", "one"])
+def test_dense_features(cfg):
+    """Window (left, and both sides non-causal), soft-cap and sinks, on GQA 5:1."""
+    c = DenseCase([1, 45, 21], [30, 45, 50], d=64)
+    sinks = torch.randn(c.hq, generator=torch.Generator().manual_seed(3))
+    for kw in (dict(window=(7, -1)), dict(window=(20, 0), softcap=5.0),
+               dict(causal=False, window=(9, 4)), dict(causal=False),
+               dict(sinks=sinks), dict(sinks=sinks, softcap=2.0, window=(16, -1))):
+        causal = kw.pop("causal", True)
+        window = kw.pop("window", (-1, -1))
+        eo, el = c.oracle(causal=causal, window=window, **kw)
+        o, l = c.run(config=CONFIGS[cfg], causal=causal, window=window, **kw)
+        assert_close_rel(o, eo, RTOL[torch.float32], f"out {kw} {window} {causal}")
+        assert_lse(l, el, LSE_RTOL[torch.float32], f"lse {kw} {window} {causal}")
+
+
+def test_dense_empty_rows_and_no_lse():
+    """Rows that see nothing (more queries than keys) output 0 with lse -inf; without
+    ``lse`` the output is the same."""
+    c = DenseCase([5, 4], [2, 4], d=32, hq=4, hkv=4)
+    eo, el = c.oracle(causal=True)
+    o, l = c.run(config=CONFIGS["tma"])
+    assert_close_rel(o, eo, 2e-5, "out")
+    assert_lse(l, el, 1e-5, "lse")
+    o2, _ = c.run(config=CONFIGS["ptr"], lse=False)
+    assert_close_rel(o2, eo, 2e-5, "out (no lse)")
+
+
+def test_prefix_merge_in_epilogue():
+    """``prefix=(o_p, lse_p)`` merges exactly: the dense pass over the last keys merged with
+    the oracle's result over the first keys equals the oracle over all keys (sinks once;
+    rows with an empty prefix, lse_p = -inf over a NaN o_p, included)."""
+    g = torch.Generator().manual_seed(5)
+    q_lens, p_lens = [4, 19, 1], [10, 0, 26]
+    full = DenseCase(q_lens, [n + p for n, p in zip(q_lens, p_lens)], d=64, hq=6, hkv=3)
+    sinks = torch.randn(full.hq, generator=g)
+    # split each request's keys into prefix and new
+    new_k, new_v, op, lp = [], [], [], []
+    for b, (n, p) in enumerate(zip(q_lens, p_lens)):
+        ks = slice(int(full.cu_k[b]), int(full.cu_k[b + 1]))
+        k, v = full.k[ks], full.v[ks]
+        new_k.append(k[p:])
+        new_v.append(v[p:])
+        qb = full.q[int(full.cu_q[b]):int(full.cu_q[b + 1])]
+        if p:
+            o, l = dense_attention(qb, k[:p], v[:p], scale=full.scale, causal=False,
+                                   return_lse=True)
+            op.append(o.float())
+            lp.append(l.float())
+        else:
+            op.append(torch.full((n, full.hq, full.dv), float("nan")))
+            lp.append(torch.full((n, full.hq), float("-inf")))
+    dense = DenseCase(q_lens, q_lens, d=64, hq=6, hkv=3)
+    dense.q, dense.k, dense.v = full.q, torch.cat(new_k), torch.cat(new_v)
+    eo, el = full.oracle(causal=True, sinks=sinks)
+    for cfg in ("tma", "ptr", "one"):
+        o, l = dense.run(config=CONFIGS[cfg], sinks=sinks, prefix=(torch.cat(op), torch.cat(lp)))
+        assert_close_rel(o, eo, 2e-5, f"merged out {cfg}")
+        assert_lse(l, el, 1e-5, f"merged lse {cfg}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cfg", [None, PrefillConfig(128, 64, 8, 3, False, True),
+                                 PrefillConfig(128, 128, 8, 2, True, True),
+                                 PrefillConfig(128, 64, 4, 2, True, True),
+                                 PrefillConfig(128, 128, 4, 2, True, True),
+                                 PrefillConfig(128, 128, 8, 2, False, False)],
+                         ids=["default", "bn64", "bn128_8w_ws_ignored", "bn64_4w_ws", "bn128_4w_ws", "ptr"])
+def test_dense_gpu(dtype, cfg):
+    """sm_90 configurations (TMA, warp specialisation) in bf16/fp16, GQA 32/8, d128, ragged,
+    and d80 (pointer path)."""
+    for d in (128, 80):
+        c = DenseCase([1, 300, 1000, 257], [1, 300, 1200, 257], hq=32, hkv=8, d=d, dtype=dtype,
+                      device="cuda")
+        eo, el = c.oracle(causal=True)
+        o, l = c.run(config=cfg)
+        assert_close_rel(o, eo, RTOL[dtype], f"out d{d}")
+        assert_lse(l, el, LSE_RTOL[dtype], f"lse d{d}")
