@@ -259,16 +259,14 @@ def paged_attention(
     if key is not None:
         hit = reg.calls.get(key)
         if hit is not None:
-            kernel, plan, params, shape, reusable = hit
+            kernel, plan, params, shape, reusable, _ = hit
             if reusable is None or reusable(plan):
                 if out is None:
                     out = q.new_empty(shape)  # q's dtype and device
                 if out_lse is None and not return_lse:
-                    kernel.run(q, (k_cache, v_cache), plan, params, out)
-                    return out
+                    return kernel.run(q, (k_cache, v_cache), plan, params, out)
                 lse = _lse_buffer(True, out_lse, q)
-                kernel.run(q, (k_cache, v_cache), plan, params, out, lse=lse)
-                return out, lse
+                return kernel.run(q, (k_cache, v_cache), plan, params, out, lse=lse), lse
     _validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, out,
                     sinks=sinks, custom_mask=custom_mask, mask_indptr=mask_indptr)
     _check_window(window_size)
@@ -321,21 +319,22 @@ def paged_attention(
         fp8=k_cache.dtype in FP8_DTYPES)
     plan = kernel.plan(md)
     if lse is None:
-        kernel.run(q, (k_cache, v_cache), plan, params, out)
+        out = kernel.run(q, (k_cache, v_cache), plan, params, out)
     else:
-        kernel.run(q, (k_cache, v_cache), plan, params, out, lse=lse)
+        out = kernel.run(q, (k_cache, v_cache), plan, params, out, lse=lse)
     # memoise only a plan that reads the caller's own tensors (the kernels copy a strided
     # index input or strided sinks: a memo would keep reading the copy) and holds no
     # workspace of its own (``plan_reusable``)
     reusable = getattr(kernel, "plan_reusable", None)
-    if (all(unit_stride(t) is t for t in (cu_seqlens_q, seqused_k, block_table, sinks,
-                                          custom_mask, mask_indptr))
+    held = (cu_seqlens_q, seqused_k, block_table, sinks, custom_mask, mask_indptr)
+    if (all(unit_stride(t) is t for t in held)
             and (reusable is None or reusable(plan))):
         calls = reg.calls
         if len(calls) >= _CALLS_KEEP:
             calls.pop(next(iter(calls)))
+        # the entry holds the keyed tensors themselves, so their ids stay theirs
         calls[key] = (kernel, plan, params, (q.shape[0], q.shape[1], v_cache.shape[3]),
-                      reusable)
+                      reusable, held)
     return out if lse is None else (out, lse)
 
 

@@ -200,3 +200,21 @@ def test_memo_holds_few_calls(reg):
         fresh = dict(kw, seqused_k=kw["seqused_k"].clone())  # a new index tensor each time
         ops.paged_attention(q, kc, vc, **fresh)
     assert len(reg.calls) == ops._CALLS_KEEP
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_memo_with_a_tree_mask_holds_it(backend, reg):
+    """A custom mask is keyed by identity: the memo holds the mask tensor itself (the plan may
+    keep only a view of it), and values written into it in place are read by the next call."""
+    q, kc, vc, kw = _case()
+    keys = kw["seqused_k"].tolist()
+    mask = torch.ones(sum(keys), dtype=torch.bool)
+    indptr = torch.tensor([0, keys[0], sum(keys)], dtype=torch.int64)
+    kw.update(backend=backend, custom_mask=mask, mask_indptr=indptr, causal=False)
+    ops.paged_attention(q, kc, vc, **kw)
+    entry = next(iter(reg.calls.values()))
+    assert any(t is mask for t in entry[-1]) and any(t is indptr for t in entry[-1])
+    mask[: keys[0] // 2] = False  # request 0 now sees only its later keys
+    got = ops.paged_attention(q, kc, vc, **kw)
+    assert len(reg.calls) == 1
+    torch.testing.assert_close(got, _expected(q, kc, vc, kw), rtol=1e-4, atol=1e-5)

@@ -128,7 +128,7 @@ class Launcher:
         if self._names is None:
             params = getattr(self.fn, "params", None)
             if params is not None:  # JITFunction
-                self._names = [(p.name, p.has_default, p._param.default) for p in params]
+                self._names = [(p.name, p.has_default, p.default) for p in params]
             else:  # the interpreter's function (profiling with force_direct)
                 import inspect
 
