@@ -279,6 +279,11 @@ class BackendConfig:
             up to whole pages) read those pages once for all of the run's queries, merged by
             LSE with each request's own pages (docs/modes.md). ``None`` or 0 disables it.
             The grouping is planned on the device per step (no sync, CUDA-graph safe).
+        dense_extend: MHA extend/prefill steps attend to their new tokens with a dense-tile
+            kernel over the step's own K/V and to the cached prefix with the paged kernel,
+            merged by LSE (op ``extend_attention``, where a backend registers one and the
+            layer's features allow: windows, tree masks and non-causal layers keep the
+            paged kernel). Off by default until measured (docs/triton_tuning.md).
     """
 
     page_size: int = attrs.field(default=1, validator=_positive)
@@ -296,6 +301,7 @@ class BackendConfig:
     batch_invariant: bool = False
     kv_scale_granularity: str = "per_layer"
     cascade_min_shared_tokens: Optional[int] = None
+    dense_extend: bool = False
 
     def __attrs_post_init__(self):
         if self.kv_cache_dtype is None:

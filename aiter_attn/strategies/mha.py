@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import attrs
 import torch
 
 from .. import ops
@@ -19,7 +20,8 @@ from ..metadata import AttnMetadata, PageTable, QueryLayout
 from ..kernels.registry import KernelRequest
 from ..registry import Cell, register_cells
 from ..types import AttnArch, CGSupport, ForwardMode, LayerSpec
-from .base import BufferSpec, ExecutionStrategy, MetadataStrategy
+from .base import (BufferSpec, ExecutionStrategy, KernelGroup, LayerBinding,
+                   MetadataStrategy)
 from .cascade import CascadeExecutionMixin
 from .common import attend_layer, write_kwargs
 from .common import write_kv_request as common_write_request
@@ -108,9 +110,20 @@ class DecodeMetadata(PagedMetadata):
 
 
 class ExtendMetadata(PagedMetadata):
-    """EXTEND: ragged query lengths (prefill, prefix-cached extend, chunked prefill)."""
+    """EXTEND: ragged query lengths (prefill, prefix-cached extend, chunked prefill).
+
+    ``md.extras["max_prefix_len"]``: the longest cached prefix of the batch (a host int from
+    ``extend_prefix_lens_cpu``, when the batch has it): ``extend_attention`` skips its prefix
+    pass on a step without one."""
 
     cg_support = CGSupport.NEVER
+
+    def plan(self, batch: ForwardBatch, out: Optional[dict] = None) -> AttnMetadata:
+        md = super().plan(batch, out)
+        pre = batch.extend_prefix_lens_cpu
+        if pre is not None:
+            md.extras["max_prefix_len"] = int(pre.max()) if batch.batch_size else 0
+        return md
 
 
 def write_kv_request(k_cache: torch.Tensor, k: torch.Tensor,
@@ -136,6 +149,14 @@ class PagedExecution(CascadeExecutionMixin, ExecutionStrategy):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.token_scales = ctx.config.per_token_head_scales
+        cfg = ctx.config
+        # the two-pass extend kernel (dense new tokens + paged prefix): opt-in, and not with
+        # the modes that wrap or check the paged kernel (cascade, batch-invariant, debug)
+        self.dense_extend = bool(getattr(cfg, "dense_extend", False)
+                                 and not cfg.batch_invariant and not cfg.debug_checks
+                                 and not cfg.cascade_min_shared_tokens)
+        #: id(layer) → (layer, binding or None, reason): the extend_attention bindings
+        self._extend: dict = {}
 
     def run(self, q, k, v, layer: LayerSpec, batch: ForwardBatch, metadata: AttnMetadata, *,
             save_kv_cache: bool = True, sinks=None):
@@ -161,8 +182,57 @@ class PagedExecution(CascadeExecutionMixin, ExecutionStrategy):
                 v.view(num_tokens, layer.num_kv_heads, layer.v_head_dim),
                 **write_kwargs(layer, kv_scales),
             )
+        if (self.dense_extend and k is not None and v is not None and metadata.mask is None
+                and metadata.mode is ForwardMode.EXTEND):
+            b = self._extend_binding(layer, q, k_cache, v_cache, sinks, kv_scales)
+            if b is not None:
+                kp = metadata.kernel_plans.get(b.group)
+                if kp is None:
+                    kp = self.plan_group(self.groups[b.group], metadata, batch)
+                out = torch.empty(num_tokens, layer.num_q_heads, layer.v_head_dim,
+                                  dtype=q.dtype, device=q.device)
+                b.kernel.run(q, (k_cache, v_cache), kp, b.params, out,
+                             k=k.view(num_tokens, layer.num_kv_heads, layer.head_dim),
+                             v=v.view(num_tokens, layer.num_kv_heads, layer.v_head_dim))
+                return out.view(num_tokens, layer.num_q_heads * layer.v_head_dim)
         return attend_layer(self, ops.paged_attention_request, q, k_cache, v_cache, layer,
                             batch, metadata, metadata.pages, sinks, kv_scales=kv_scales)
+
+    def _extend_binding(self, layer: LayerSpec, q, k_cache, v_cache, sinks, kv_scales):
+        """The layer's ``extend_attention`` binding, or ``None`` when no kernel serves its
+        features (the reason is kept in ``self._extend``; the paged kernel runs). Selected
+        through the registry once per layer (a dict lookup after that)."""
+        hit = self._extend.get(id(layer))
+        if hit is not None and hit[0] is layer and hit[3] is sinks:
+            return hit[1]
+        from ..kernels.base import LayerParams
+        from ..kernels.registry import KernelSelectionError
+        from ..kv_scales import TOKEN_SCALE_FEATURE
+        from ..types import FP8_DTYPES
+
+        sinks_t = sinks if sinks is not None else layer.sinks
+        req = attrs.evolve(ops.paged_attention_request(
+            q, k_cache, v_cache, window_size=layer.window_size(), softcap=layer.logit_cap,
+            sinks=sinks_t, causal=not layer.is_cross_attention), op="extend_attention")
+        if kv_scales is not None:
+            req = attrs.evolve(req, features=req.features | {TOKEN_SCALE_FEATURE})
+        gkey = ("extend_attention", req)
+        binding, reason = None, ""
+        group = self.groups.get(gkey)
+        if group is None:
+            try:
+                kernel = self.ctx.kernels.select(
+                    req, backend=self.ctx.config.kernel_backend).bind(req)
+            except KernelSelectionError as exc:
+                reason = str(exc)
+            else:
+                group = self.groups[gkey] = KernelGroup(key=gkey, kernel=kernel)
+        if group is not None:
+            params = LayerParams.from_spec(layer, q.device, fp8=k_cache.dtype in FP8_DTYPES,
+                                           sinks=sinks_t, kv_scales=kv_scales)
+            binding = LayerBinding(layer=layer, group=gkey, kernel=group.kernel, params=params)
+        self._extend[id(layer)] = (layer, binding, reason, sinks)
+        return binding
 
 
 #: The MHA family's cells (speculative ones are in :mod:`.spec`).

@@ -1,0 +1,82 @@
+"""``BackendConfig(dense_extend=True)``: MHA extend steps go through ``extend_attention``
+(dense new tokens + paged prefix) where the registry serves the layer, the paged kernel where
+it declines (sliding window), and decode is unchanged; end to end against the float64 oracle
+over block-permuted pools (prefix 0 / one page / crossing pages, chunked prefill)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aiter_attn import AttentionBackend, BackendConfig, ForwardMode, LayerSpec
+from aiter_attn.testing import PagedScenario
+from aiter_attn.testing.compare import assert_close_rel
+
+from ._triton_util import requires_triton
+
+pytestmark = requires_triton
+
+RTOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def _run_step(sc, be, mode, new_lens, dtype):
+    batch = sc.next_batch(mode, new_lens)
+    be.init_forward_metadata(batch)
+    for layer in sc.layers:
+        q, k, v = sc.step_inputs(layer)
+        out = be.forward(q, k, v, layer, batch)
+        assert_close_rel(out, sc.expected(layer, q), RTOL[dtype],
+                         f"{mode} layer {layer.layer_id}")
+    sc.commit_step()
+
+
+def _extend_executor(be):
+    return be.strategies_for(ForwardMode.EXTEND)[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("page,hq,hkv,d", [(16, 10, 2, 80), (7, 4, 4, 16)],
+                         ids=["page16-GQA5:1-D80", "page7-MHA-D16"])
+def test_dense_extend_end_to_end(dtype, page, hq, hkv, d):
+    cfg = BackendConfig(page_size=page, max_batch_size=8, max_context_len=512, dtype=dtype,
+                        kernel_backend="triton", dense_extend=True)
+    layers = [LayerSpec(layer_id=0, num_q_heads=hq, num_kv_heads=hkv, head_dim=d),
+              LayerSpec(layer_id=1, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                        logit_cap=4.0)]
+    sc = PagedScenario.make(cfg, layers, [0, page, page + 3, 2 * page + 5], seed=page + hq)
+    be = AttentionBackend(cfg, sc.req_pool, sc.kv_pool)
+    _run_step(sc, be, ForwardMode.EXTEND, [5, 1, 9, 3], dtype)
+    ex = _extend_executor(be)
+    assert all(entry[1] is not None for entry in ex._extend.values()), ex._extend
+    assert {type(g.kernel).op for g in ex.groups.values()} == {"extend_attention"}
+    _run_step(sc, be, ForwardMode.DECODE, [1, 1, 1, 1], dtype)
+    _run_step(sc, be, ForwardMode.EXTEND, [page + 2, 2, 1, 7], dtype)  # chunked prefill
+
+
+def test_dense_extend_declined_layers_keep_paged_kernel():
+    """A sliding-window layer is declined by ``extend_attention`` (reason kept) and runs
+    the paged kernel; the plain layer next to it runs the dense path."""
+    cfg = BackendConfig(page_size=16, max_batch_size=4, max_context_len=256,
+                        dtype=torch.float32, kernel_backend="triton", dense_extend=True)
+    layers = [LayerSpec(layer_id=0, num_q_heads=4, num_kv_heads=2, head_dim=32),
+              LayerSpec(layer_id=1, num_q_heads=4, num_kv_heads=2, head_dim=32,
+                        sliding_window=8)]
+    sc = PagedScenario.make(cfg, layers, [20, 3], seed=1)
+    be = AttentionBackend(cfg, sc.req_pool, sc.kv_pool)
+    _run_step(sc, be, ForwardMode.EXTEND, [11, 4], torch.float32)
+    ex = _extend_executor(be)
+    by_layer = {entry[0].layer_id: entry for entry in ex._extend.values()}
+    assert by_layer[0][1] is not None
+    assert by_layer[1][1] is None and "window" in by_layer[1][2]
+
+
+def test_dense_extend_off_by_default():
+    cfg = BackendConfig(page_size=16, max_batch_size=4, max_context_len=256,
+                        dtype=torch.float32, kernel_backend="triton")
+    layers = [LayerSpec(layer_id=0, num_q_heads=4, num_kv_heads=2, head_dim=32)]
+    sc = PagedScenario.make(cfg, layers, [20, 3], seed=1)
+    be = AttentionBackend(cfg, sc.req_pool, sc.kv_pool)
+    _run_step(sc, be, ForwardMode.EXTEND, [11, 4], torch.float32)
+    ex = _extend_executor(be)
+    assert not ex._extend
+    assert {type(g.kernel).op for g in ex.groups.values()} == {"paged_attention"}
