@@ -281,8 +281,9 @@ class TritonPagedAttention(AttentionKernel):
     def plan_reusable(self, plan: TritonPlan) -> bool:
         """Whether ``plan`` (made for a functional call) can serve a later call with the same
         index tensors and hints: it holds no workspace of its own (the split partials and
-        counters are one call's scratch) and the launch tuning it was made under is still
-        the current one (``TUNING_OVERRIDES``)."""
+        counters are one call's scratch: a later call on another stream could overwrite
+        them while this one reads) and the launch tuning it was made under is still the
+        current one (``TUNING_OVERRIDES``). Otherwise ``ops`` plans again."""
         if plan.part_acc is not None or plan.counters is not None:
             return False
         made = plan.kw_cache.get(_OVERRIDES)
@@ -318,6 +319,7 @@ class TritonPagedAttention(AttentionKernel):
               (*p1, cu, cu, cu, cu, cu, *p2),  # [6]: p1, the scale stand-ins, p2
               (*p4, 0, 0))  # [7]: p4 and the strides of an absent lse
         plan.kw_cache[_PLAN_LAUNCH] = pl
+        plan.kw_cache.setdefault(_OVERRIDES, dict(TUNING_OVERRIDES))  # see plan_reusable
         return pl
 
     def _params_launch(self, params) -> tuple:
