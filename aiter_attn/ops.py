@@ -259,14 +259,18 @@ def paged_attention(
     if key is not None:
         hit = reg.calls.get(key)
         if hit is not None:
-            kernel, plan, params, shape, reusable, _ = hit
-            if reusable is None or reusable(plan):
-                if out is None:
-                    out = q.new_empty(shape)  # q's dtype and device
-                if out_lse is None and not return_lse:
-                    return kernel.run(q, (k_cache, v_cache), plan, params, out)
-                lse = _lse_buffer(True, out_lse, q)
-                return kernel.run(q, (k_cache, v_cache), plan, params, out, lse=lse), lse
+            kernel, plan, params, shape, reusable, md, _ = hit
+            if plan is None or (reusable is not None and not reusable(plan)):
+                # a split workspace (one call's scratch) or changed launch tuning: plan
+                # again from the kept metadata (validation, selection, params still hold)
+                plan = kernel.plan(md)
+                hit[1] = plan if reusable is None or reusable(plan) else None
+            if out is None:
+                out = q.new_empty(shape)  # q's dtype and device
+            if out_lse is None and not return_lse:
+                return kernel.run(q, (k_cache, v_cache), plan, params, out)
+            lse = _lse_buffer(True, out_lse, q)
+            return kernel.run(q, (k_cache, v_cache), plan, params, out, lse=lse), lse
     _validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, out,
                     sinks=sinks, custom_mask=custom_mask, mask_indptr=mask_indptr)
     _check_window(window_size)
@@ -322,19 +326,20 @@ def paged_attention(
         out = kernel.run(q, (k_cache, v_cache), plan, params, out)
     else:
         out = kernel.run(q, (k_cache, v_cache), plan, params, out, lse=lse)
-    # memoise only a plan that reads the caller's own tensors (the kernels copy a strided
-    # index input or strided sinks: a memo would keep reading the copy) and holds no
-    # workspace of its own (``plan_reusable``)
-    reusable = getattr(kernel, "plan_reusable", None)
+    # memoise only a call whose plan reads the caller's own tensors (the kernels copy a
+    # strided index input or strided sinks: a memo would keep reading the copy); a plan that
+    # holds a workspace of its own (``plan_reusable`` false) is made again per call from the
+    # kept metadata
     held = (cu_seqlens_q, seqused_k, block_table, sinks, custom_mask, mask_indptr)
-    if (all(unit_stride(t) is t for t in held)
-            and (reusable is None or reusable(plan))):
+    if all(unit_stride(t) is t for t in held):
         calls = reg.calls
         if len(calls) >= _CALLS_KEEP:
             calls.pop(next(iter(calls)))
-        # the entry holds the keyed tensors themselves, so their ids stay theirs
-        calls[key] = (kernel, plan, params, (q.shape[0], q.shape[1], v_cache.shape[3]),
-                      reusable, held)
+        # the entry holds the keyed tensors themselves, so their ids stay theirs (and no
+        # plan with a workspace: that is planned per call)
+        reusable = getattr(kernel, "plan_reusable", None)
+        calls[key] = [kernel, plan if reusable is None or reusable(plan) else None, params,
+                      (q.shape[0], q.shape[1], v_cache.shape[3]), reusable, md, held]
     return out if lse is None else (out, lse)
 
 

@@ -257,3 +257,29 @@ def test_direct_launch_matches_triton_launch_on_gpu(case, monkeypatch):
     torch.cuda.synchronize()
     for a, b, c in zip(first, second, jit):
         assert torch.equal(a, c) and torch.equal(b, c)
+
+
+@requires_triton
+def test_launch_memos_do_not_outlive_the_backend():
+    """The per-layer launch parts live on the bound kernel object, so a discarded backend's
+    layer tensors (sinks here; per-token scale buffers alike) are freed with it."""
+    import gc
+    import weakref
+
+    from aiter_attn import AttentionBackend, BackendConfig, ForwardMode, LayerSpec
+    from aiter_attn.testing import PagedScenario
+
+    cfg = BackendConfig(page_size=4, max_batch_size=2, max_context_len=40, dtype=torch.float32,
+                        kernel_backend="triton")
+    sinks = torch.randn(4)
+    layer = LayerSpec(layer_id=0, num_q_heads=4, num_kv_heads=2, head_dim=16, sinks=sinks)
+    sc = PagedScenario.make(cfg, [layer], [9, 17], seed=3)
+    be = AttentionBackend(cfg, sc.req_pool, sc.kv_pool)
+    batch = sc.next_batch(ForwardMode.DECODE, [1, 1])
+    be.init_forward_metadata(batch)
+    q, _, _ = sc.step_inputs(layer)
+    be.forward(q, None, None, layer, batch, save_kv_cache=False)
+    ref = weakref.ref(sinks)
+    del be, batch, sc, layer, sinks, q
+    gc.collect()
+    assert ref() is None

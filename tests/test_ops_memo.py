@@ -167,6 +167,44 @@ def test_tuning_override_change_replans(reg, monkeypatch):
     got = ops.paged_attention(q, kc, vc, **kw)
     assert planned == [1]
     torch.testing.assert_close(got, _expected(q, kc, vc, kw), rtol=1e-4, atol=1e-5)
+    ops.paged_attention(q, kc, vc, **kw)
+    assert planned == [1]  # the new plan was kept
+
+
+@requires_triton
+def test_split_plan_gets_a_fresh_workspace_per_call(reg, monkeypatch):
+    """A plan with split partials is one call's scratch: a memoised call skips validation
+    and selection but plans again, so two calls never share a workspace."""
+    from aiter_attn import validation
+    from aiter_attn.kernels.triton import _launch_config
+
+    monkeypatch.setitem(_launch_config.TUNING_OVERRIDES, "num_splits", 3)
+    q, kc, vc, kw = _case(keys=(30, 41))
+    kw["backend"] = "triton"
+    first = ops.paged_attention(q, kc, vc, **kw)
+    entry = next(iter(reg.calls.values()))
+    kernel = entry[0]
+    assert entry[1] is None  # the memo keeps no workspace alive
+    plans = []
+    real = kernel.plan
+
+    def spy(md, out=None):
+        plans.append(real(md, out))
+        return plans[-1]
+
+    def boom(*a, **k):
+        raise AssertionError("a memoised call validated")
+
+    monkeypatch.setattr(kernel, "plan", spy)
+    monkeypatch.setattr(ops, "_validate_paged", boom)
+    monkeypatch.setattr(validation, "check_tensor", boom)
+    again = ops.paged_attention(q, kc, vc, **kw)
+    third = ops.paged_attention(q, kc, vc, **kw)
+    assert len(plans) == 2 and plans[0].part_acc is not None
+    assert plans[1].part_acc is not plans[0].part_acc
+    torch.testing.assert_close(again, first)
+    torch.testing.assert_close(third, first)
+    torch.testing.assert_close(first, _expected(q, kc, vc, kw), rtol=1e-4, atol=1e-5)
 
 
 @requires_triton

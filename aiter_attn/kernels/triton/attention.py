@@ -87,6 +87,7 @@ class TritonPagedAttention(AttentionKernel):
     def __init__(self, request=None):
         super().__init__(request)
         self._layouts: dict = {}
+        self._pmemo: dict = {}  # id(LayerParams) -> the layer's launch part
         if request is not None:
             self._bind(request)
 
@@ -280,8 +281,9 @@ class TritonPagedAttention(AttentionKernel):
     def plan_reusable(self, plan: TritonPlan) -> bool:
         """Whether ``plan`` (made for a functional call) can serve a later call with the same
         index tensors and hints: it holds no workspace of its own (the split partials and
-        counters are one call's scratch) and the launch tuning it was made under is still
-        the current one (``TUNING_OVERRIDES``)."""
+        counters are one call's scratch: a later call on another stream could overwrite
+        them while this one reads) and the launch tuning it was made under is still the
+        current one (``TUNING_OVERRIDES``). Otherwise ``ops`` plans again."""
         if plan.part_acc is not None or plan.counters is not None:
             return False
         made = plan.kw_cache.get(_OVERRIDES)
@@ -292,7 +294,7 @@ class TritonPagedAttention(AttentionKernel):
     # -- the per-layer launch ------------------------------------------------------------
     # A layer call combines three groups of launch arguments, each prepared once where it
     # stops changing: the plan's (index tensors, workspace, ints: once per step, memoised in
-    # ``plan.kw_cache``), the layer's (:class:`LayerParams`: once per layer, ``_PARAMS``) and
+    # ``plan.kw_cache``), the layer's (:class:`LayerParams`: once per layer, ``_pmemo``) and
     # the cache layout's (strides: once per cache shape, ``self._layouts``). Each group has an
     # interned id of everything Triton specialises on (:func:`_intern`), so the call's key
     # for the direct launch (:mod:`._launch`) is those ids plus the per-call tensors' dtype,
@@ -317,12 +319,13 @@ class TritonPagedAttention(AttentionKernel):
               (*p1, cu, cu, cu, cu, cu, *p2),  # [6]: p1, the scale stand-ins, p2
               (*p4, 0, 0))  # [7]: p4 and the strides of an absent lse
         plan.kw_cache[_PLAN_LAUNCH] = pl
+        plan.kw_cache.setdefault(_OVERRIDES, dict(TUNING_OVERRIDES))  # see plan_reusable
         return pl
 
-    @staticmethod
-    def _params_launch(params) -> tuple:
+    def _params_launch(self, params) -> tuple:
         """The layer's part: ``(params, sid, flags, scales, values, scale_strides)``
-        (memoised per :class:`LayerParams` object in ``_PARAMS``). ``scales`` = (sinks,
+        (memoised per :class:`LayerParams` object in ``self._pmemo``: the kernel object
+        lives with its backend, so the memo never outlives the layers' buffers). ``scales`` = (sinks,
         k_scale, v_scale, k_scale_cache, v_scale_cache) tensors with a present one standing
         in for absent ones, or ``None`` when the layer has none (the plan's
         ``cu_seqlens_q`` stands in then); ``values`` = (scale, softcap, left, right);
@@ -345,9 +348,10 @@ class TritonPagedAttention(AttentionKernel):
         sstr = tuple(ksc.stride()) if token_scales else (0, 0, 0)
         sid = _intern(("params", flags, left, right, sstr,
                        None if scales is None else tuple(tensor_key(t) for t in scales)))
-        if len(_PARAMS) >= _PARAMS_KEEP:
-            _PARAMS.clear()
-        pe = _PARAMS[id(params)] = (params, sid, flags, scales, values, sstr)
+        memo = self._pmemo
+        if len(memo) >= _PARAMS_KEEP:
+            memo.clear()
+        pe = memo[id(params)] = (params, sid, flags, scales, values, sstr)
         return pe
 
     def _layout_launch(self, k_cache, v_cache) -> tuple:
@@ -369,7 +373,7 @@ class TritonPagedAttention(AttentionKernel):
         pl = plan.kw_cache.get(_PLAN_LAUNCH)
         if pl is None:
             pl = self._plan_launch(plan)
-        pe = _PARAMS.get(id(params))
+        pe = self._pmemo.get(id(params))
         if pe is None or pe[0] is not params:
             pe = self._params_launch(params)
         qs, os_ = q.stride(), out.stride()
@@ -480,11 +484,12 @@ class TritonPagedAttention(AttentionKernel):
 #: memo keys of a plan's launch part / the tuning it was made under in ``TritonPlan.kw_cache``
 _PLAN_LAUNCH = "launch"
 _OVERRIDES = "overrides"
-#: id(LayerParams) -> the layer's launch part (holds the params: the id stays theirs)
-_PARAMS: dict = {}
+#: layers' launch parts a kernel object keeps (id(LayerParams) -> part, holding the params
+#: so the id stays theirs; cleared when full)
 _PARAMS_KEEP = 1024
 #: launch-relevant specs -> small ints (plan, layer and layout parts of a launch key)
 _SPECS: dict = {}
+_SPECS_KEEP = 4096
 _SPEC_IDS = itertools.count()
 _ATTN = Launcher(_paged_attn_kernel)
 _REDUCE = Launcher(_reduce_splits_kernel)
@@ -496,7 +501,7 @@ def _intern(spec) -> int:
     with an old id can only miss."""
     sid = _SPECS.get(spec)
     if sid is None:
-        if len(_SPECS) >= _PARAMS_KEEP:
+        if len(_SPECS) >= _SPECS_KEEP:
             _SPECS.clear()
         sid = _SPECS[spec] = next(_SPEC_IDS)
     return sid
