@@ -336,7 +336,10 @@ def paged_attention(
             q.is_cuda and torch.cuda.is_current_stream_capturing()):
         calls = reg.calls
         if len(calls) >= _CALLS_KEEP:
-            calls.pop(next(iter(calls)))
+            try:  # the oldest; another thread may be storing too
+                calls.pop(next(iter(calls)), None)
+            except (RuntimeError, StopIteration):
+                calls.clear()
         # the entry holds the keyed tensors themselves, so their ids stay theirs (and no
         # plan with a workspace: that is planned per call)
         reusable = getattr(kernel, "plan_reusable", None)
