@@ -327,14 +327,19 @@ def paged_attention(
     else:
         out = kernel.run(q, (k_cache, v_cache), plan, params, out, lse=lse)
     # memoise only a call whose plan reads the caller's own tensors (the kernels copy a
-    # strided index input or strided sinks: a memo would keep reading the copy); a plan that
-    # holds a workspace of its own (``plan_reusable`` false) is made again per call from the
-    # kept metadata
+    # strided index input or strided sinks: a memo would keep reading the copy), and not
+    # while a CUDA graph is captured (tensors made now, the params' fp8 scale tensors, hold
+    # their values only once the graph replays); a plan that holds a workspace of its own
+    # (``plan_reusable`` false) is made again per call from the kept metadata
     held = (cu_seqlens_q, seqused_k, block_table, sinks, custom_mask, mask_indptr)
-    if all(unit_stride(t) is t for t in held):
+    if all(unit_stride(t) is t for t in held) and not (
+            q.is_cuda and torch.cuda.is_current_stream_capturing()):
         calls = reg.calls
         if len(calls) >= _CALLS_KEEP:
-            calls.pop(next(iter(calls)))
+            try:  # the oldest; another thread may be storing too
+                calls.pop(next(iter(calls)), None)
+            except (RuntimeError, StopIteration):
+                calls.clear()
         # the entry holds the keyed tensors themselves, so their ids stay theirs (and no
         # plan with a workspace: that is planned per call)
         reusable = getattr(kernel, "plan_reusable", None)
