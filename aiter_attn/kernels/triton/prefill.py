@@ -321,10 +321,11 @@ def _choose_cached(max_q, max_k, d_pad, dv_pad, elem, sm90, smem, interp, ov):
         cfg = PrefillConfig(64, 32, 4, 2, False, False)
     elif max(d_pad, dv_pad) > 128:
         cfg = PrefillConfig(64, 64, 4, 2, False, sm90)
-    elif max_k >= 4096:
-        cfg = PrefillConfig(128, 128, 8, 2, False, sm90)
     else:
-        cfg = PrefillConfig(128, 64, 8, 3, False, sm90)
+        # 8 warps = two warpgroups of 64 rows each; 128-key tiles keep each wgmma N = 128
+        # (narrower tiles at 8 warps ran slower in Triton's own Hopper attention sweeps);
+        # the H200 sweep (benchmarks/bench_prefill.py) decides per shape
+        cfg = PrefillConfig(128, 128, 8, 2, False, sm90)
     if ov:
         cfg = attrs.evolve(cfg, **dict(ov))
     if smem is not None and not interp:  # fit the device: fewer stages, then narrower tiles
