@@ -169,7 +169,8 @@ def test_prefix_merge_in_epilogue():
                                  PrefillConfig(128, 64, 4, 2, True, True),
                                  PrefillConfig(128, 128, 4, 2, True, True),
                                  PrefillConfig(128, 128, 8, 2, False, False)],
-                         ids=["default", "bn64", "bn128_8w_ws_ignored", "bn64_4w_ws", "bn128_4w_ws", "ptr"])
+                         ids=["default", "bn64", "bn128_8w_ws_ignored", "bn64_4w_ws",
+                              "bn128_4w_ws", "ptr"])
 def test_dense_gpu(dtype, cfg):
     """sm_90 configurations (TMA, warp specialisation) in bf16/fp16, GQA 32/8, d128, ragged,
     and d80 (pointer path)."""

@@ -12,7 +12,7 @@ from aiter_attn import AttentionBackend, BackendConfig, ForwardMode, LayerSpec
 from aiter_attn.testing import PagedScenario
 from aiter_attn.testing.compare import assert_close_rel
 
-from ._triton_util import requires_triton
+from ._triton_util import DEVICE, requires_triton
 
 pytestmark = requires_triton
 
@@ -39,7 +39,7 @@ def _extend_executor(be):
                          ids=["page16-GQA5:1-D80", "page7-MHA-D16"])
 def test_dense_extend_end_to_end(dtype, page, hq, hkv, d):
     cfg = BackendConfig(page_size=page, max_batch_size=8, max_context_len=512, dtype=dtype,
-                        kernel_backend="triton", dense_extend=True)
+                        kernel_backend="triton", dense_extend=True, device=DEVICE)
     layers = [LayerSpec(layer_id=0, num_q_heads=hq, num_kv_heads=hkv, head_dim=d),
               LayerSpec(layer_id=1, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                         logit_cap=4.0)]
@@ -57,7 +57,8 @@ def test_dense_extend_declined_layers_keep_paged_kernel():
     """A sliding-window layer is declined by ``extend_attention`` (reason kept) and runs
     the paged kernel; the plain layer next to it runs the dense path."""
     cfg = BackendConfig(page_size=16, max_batch_size=4, max_context_len=256,
-                        dtype=torch.float32, kernel_backend="triton", dense_extend=True)
+                        dtype=torch.float32, kernel_backend="triton", dense_extend=True,
+                        device=DEVICE)
     layers = [LayerSpec(layer_id=0, num_q_heads=4, num_kv_heads=2, head_dim=32),
               LayerSpec(layer_id=1, num_q_heads=4, num_kv_heads=2, head_dim=32,
                         sliding_window=8)]
@@ -72,7 +73,7 @@ def test_dense_extend_declined_layers_keep_paged_kernel():
 
 def test_dense_extend_off_by_default():
     cfg = BackendConfig(page_size=16, max_batch_size=4, max_context_len=256,
-                        dtype=torch.float32, kernel_backend="triton")
+                        dtype=torch.float32, kernel_backend="triton", device=DEVICE)
     layers = [LayerSpec(layer_id=0, num_q_heads=4, num_kv_heads=2, head_dim=32)]
     sc = PagedScenario.make(cfg, layers, [20, 3], seed=1)
     be = AttentionBackend(cfg, sc.req_pool, sc.kv_pool)

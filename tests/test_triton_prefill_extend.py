@@ -166,3 +166,46 @@ def test_extend_gpu(dtype):
     case = Case([1, 700, 300, 1024], [1, 1500, 300, 2048], hq=32, hkv=8, d=128, page=16,
                 dtype=dtype, seed=5, device="cuda")
     _check(case, "extend gpu", lse_rtol=2e-3 if dtype == torch.bfloat16 else None)
+
+
+def test_extend_per_token_head_scales():
+    """Per-(token, head) fp8 scales (``k_scale_cache``/``v_scale_cache``) reach the prefix
+    pass; magnitudes spread over 10⁴ across tokens, layer scales on top, sinks and soft-cap."""
+    from .test_fp8_formats import _oracle as fp8_oracle
+    from .test_fp8_formats import _token_case
+
+    q_lens, kv_lens = [7, 1, 20], [30, 130, 20]
+    q, kc, vc, kw, dense = _token_case(q_lens, kv_lens, fp8=torch.float8_e4m3fn, hq=10, hkv=2,
+                                       d=80, page=16, dtype=torch.float16, layer=(0.5, 2.0),
+                                       seed=9)
+    k_new = torch.cat([k[len(k) - n:] for (k, _), n in zip(dense, q_lens)]).to(q.dtype)
+    v_new = torch.cat([v[len(v) - n:] for (_, v), n in zip(dense, q_lens)]).to(q.dtype)
+    sinks = torch.randn(10, generator=torch.Generator().manual_seed(2))
+    dev = DEVICE
+    args = {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in kw.items()}
+    out = torch.full((q.shape[0], 10, 80), float("nan"), dtype=q.dtype, device=dev)
+    req = extend_attention_request(q, kc, vc, softcap=5.0, sinks=sinks)
+    import attrs
+
+    req = attrs.evolve(req, features=req.features | {"kv_scale_per_token_head"})
+    fn = kernel_registry().select(req, backend="triton").fn
+    fn(q.to(dev), k_new.to(dev), v_new.to(dev), kc.to(dev), vc.to(dev), out, softcap=5.0,
+       sinks=sinks.to(dev), max_seqlen_q=20, max_seqlen_k=130, **args)
+    exp = fp8_oracle(q, q_lens, dense, kw["softmax_scale"], softcap=5.0, sinks=sinks)
+    # fp16 new-token K/V (the oracle's are the float32 dequantised values): fp16 bound
+    assert_close_rel(out, exp, RTOL[torch.float16], "per-token-head scales")
+
+
+def test_extend_rejects_strided_head_dim():
+    case = Case([3], [10], hq=4, hkv=2, d=32, page=16)
+    dev = case.device
+    k, v = (t.to(dev) for t in _new_kv(case))
+    k_bad = torch.empty(k.shape[0], k.shape[1], 2 * k.shape[2], dtype=k.dtype,
+                        device=dev)[..., ::2]
+    req = extend_attention_request(case.q, case.k_cache, case.v_cache)
+    fn = kernel_registry().select(req, backend="triton").fn
+    out = torch.empty(3, 4, 32, dtype=case.dtype, device=dev)
+    with pytest.raises(ValueError, match="last .*axis"):
+        fn(case.q.to(dev), k_bad, v, case.k_cache.to(dev), case.v_cache.to(dev), out,
+           cu_seqlens_q=case.cu.to(dev), seqused_k=case.seqused_k.to(dev),
+           block_table=case.block_table.to(dev), softmax_scale=case.scale)

@@ -35,7 +35,8 @@ __all__ = ["Launcher", "DIRECT_VERSIONS", "DIRECT_ENV", "tensor_key"]
 
 #: Triton versions whose launch path was read and the direct launch checked against.
 DIRECT_VERSIONS = ((3, 6),)
-#: ``AITER_ATTN_DIRECT_LAUNCH=0`` turns the direct launch off (every call through the JIT).
+#: ``AITER_ATTN_DIRECT_LAUNCH=0`` turns the direct launch off (every call through the JIT);
+#: read once per launcher, at its first launch.
 DIRECT_ENV = "AITER_ATTN_DIRECT_LAUNCH"
 
 
@@ -62,7 +63,7 @@ def _direct_supported(fn) -> bool:
 
 
 class Launcher:
-    """``fn[grid](*args, **kw)``, with the compiled kernel reused per caller-given cache.
+    """``fn[grid](*args, **kw)``, with the compiled kernel of a launch key reused.
 
     Attributes:
         fn: the ``@triton.jit`` function.

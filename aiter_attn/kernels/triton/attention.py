@@ -298,7 +298,10 @@ class TritonPagedAttention(AttentionKernel):
     # the cache layout's (strides: once per cache shape, ``self._layouts``). Each group has an
     # interned id of everything Triton specialises on (:func:`_intern`), so the call's key
     # for the direct launch (:mod:`._launch`) is those ids plus the per-call tensors' dtype,
-    # alignment and strides.
+    # alignment and strides. A new kernel argument goes into the part where it stops
+    # changing AND into that part's spec (tensors by ``tensor_key``, ints by value), or into
+    # the call key if it changes per call: a key that misses an argument Triton specialises
+    # on would launch a kernel compiled for other values (tests/test_direct_launch.py).
 
     def _plan_launch(self, plan: TritonPlan) -> tuple:
         """The plan's part of the launch (memoised on the plan): ``(sid, p1, p2, ints, p4,

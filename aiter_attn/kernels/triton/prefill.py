@@ -433,7 +433,17 @@ def dense_prefill(
 
 def prefill_launch_args(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap, sinks, lse,
                         prefix, config: PrefillConfig):
-    """``(args, kwargs)`` of one launch (O(1) host work: strides, descriptors)."""
+    """``(args, kwargs)`` of one launch (O(1) host work: strides, descriptors). Raises
+    ValueError when a head-dim axis is strided or the head counts do not divide."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if t.stride(-1) != 1:
+            raise ValueError(
+                f"dense prefill: the last (head-dim) axis of {name} must be contiguous "
+                f"(stride {t.stride(-1)}); pass a .contiguous() tensor.")
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+        raise ValueError(
+            f"dense prefill: q has {q.shape[1]} heads, k {k.shape[1]}, v {v.shape[1]}; k and "
+            "v need the same head count, dividing q's.")
     num_tokens, hq, d = q.shape
     tk, hkv, dv = k.shape[0], k.shape[1], v.shape[2]
     d_pad, dv_pad = max(16, next_pow2(d)), max(16, next_pow2(dv))
