@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 
 from .batch import ForwardBatch
+from .contract import contract_of
 from .kernels.registry import CheckedRegistry
 from .kv_scales import check_pool_format
 from .metadata import AttnMetadata
@@ -61,7 +62,8 @@ def validate_batch(batch: ForwardBatch, config: BackendConfig, req_to_token: tor
     if int(batch.seq_lens_cpu.min()) < 1:
         raise ValueError("batch.seq_lens_cpu has a request with length < 1; every request needs "
                          "at least its own token.")
-    if batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND):
+    ragged = not contract_of(batch.forward_mode).uniform  # query lengths from extend_seq_lens
+    if ragged:
         if batch.extend_seq_lens is None or batch.extend_seq_lens_cpu is None:
             raise ValueError(
                 f"{batch.forward_mode.name} needs extend_seq_lens and extend_seq_lens_cpu; "
@@ -70,7 +72,7 @@ def validate_batch(batch: ForwardBatch, config: BackendConfig, req_to_token: tor
         check_tensor("batch.extend_seq_lens", batch.extend_seq_lens, dtypes=(torch.int32,),
                      ndim=1, shape=(bs,))
     q_lens = batch.q_lens_cpu
-    if batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND):
+    if ragged:
         if bool((q_lens > batch.seq_lens_cpu).any()) or bool((q_lens < 0).any()):
             raise ValueError("extend_seq_lens must be in 0..seq_lens per request (new tokens "
                              "cannot exceed the request's total length).")

@@ -46,6 +46,12 @@ class SpecInfo:
     block_table: Optional[torch.Tensor] = None
 
 
+def _uniform_q_len(mode, spec_info: Optional[SpecInfo]) -> Optional[int]:
+    """Query tokens per request by ``mode``'s contract (``None``: ragged); a draft-count mode
+    without ``spec_info`` counts one (a plain :class:`SpecInfo`)."""
+    return contract_of(mode).q_len(spec_info=spec_info if spec_info is not None else SpecInfo())
+
+
 @attrs.define(kw_only=True, eq=False)
 class ForwardBatch:
     """One forward step.
@@ -87,13 +93,10 @@ class ForwardBatch:
     @property
     def q_lens_cpu(self) -> torch.Tensor:
         """int64 ``[batch]`` query tokens per request, on the CPU (no sync)."""
-        c = contract_of(self.forward_mode)
-        if c.tokens == "one":
-            return torch.ones(self.batch_size, dtype=torch.int64)
-        if c.tokens == "draft":
-            n = self.spec_info.num_draft_tokens if self.spec_info is not None else 1
-            return torch.full((self.batch_size,), n, dtype=torch.int64)
-        return self.extend_seq_lens_cpu.to(torch.int64)
+        n = _uniform_q_len(self.forward_mode, self.spec_info)
+        if n is None:
+            return self.extend_seq_lens_cpu.to(torch.int64)
+        return torch.full((self.batch_size,), n, dtype=torch.int64)
 
     @property
     def num_tokens(self) -> int:
@@ -131,10 +134,7 @@ class ForwardBatch:
         seq_cpu = torch.as_tensor(list(seq_lens), dtype=torch.int64)
         bs = int(seq_cpu.shape[0])
         if extend_seq_lens is None:
-            if contract_of(mode).tokens == "draft" and spec_info:
-                ext = torch.full((bs,), spec_info.num_draft_tokens, dtype=torch.int64)
-            else:
-                ext = torch.ones(bs, dtype=torch.int64)
+            ext = torch.full((bs,), _uniform_q_len(mode, spec_info) or 1, dtype=torch.int64)
         else:
             ext = torch.as_tensor(list(extend_seq_lens), dtype=torch.int64)
         prefix = seq_cpu - ext

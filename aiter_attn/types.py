@@ -66,13 +66,12 @@ class ForwardMode(enum.Enum):
 
     @property
     def is_decode_like(self) -> bool:
-        """True for modes whose planning must make no device→host synchronisation."""
-        return self in (
-            ForwardMode.DECODE,
-            ForwardMode.IDLE,
-            ForwardMode.TARGET_VERIFY,
-            ForwardMode.DRAFT_EXTEND_V2,
-        )
+        """True for modes whose planning must make no device→host synchronisation: those
+        whose contract gives every request the same query length
+        (:attr:`aiter_attn.contract.ModeContract.uniform`)."""
+        from .contract import contract_of
+
+        return contract_of(self).uniform
 
     @classmethod
     def parse(cls, value: "ForwardMode | str") -> "ForwardMode":
@@ -348,8 +347,3 @@ class BackendConfig:
             f"{total_heads} heads cannot be split over tp_size={self.tp_size}; "
             "choose a tp_size that divides the head count (or a multiple of it)."
         )
-
-    @property
-    def max_query_tokens_per_request(self) -> int:
-        """Query tokens one request contributes in decode-like modes (draft slack included)."""
-        return self.spec.num_draft_tokens if self.spec is not None else 1

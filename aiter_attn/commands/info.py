@@ -11,7 +11,7 @@ import torch
 from ..types import AttnArch, ForwardMode
 
 __all__ = ["add_parser", "collect_info", "mode_arch_table", "table_markdown", "kv_formats_table",
-           "kv_formats_markdown", "CASCADE_NOTE"]
+           "kv_formats_markdown", "CASCADE_NOTE", "BATCH_INVARIANT_NOTE", "ENGINE_STEPS_NOTE"]
 
 
 def _kernel_for_cell(kernels, pair, mode, cfg, device: str, dtype: torch.dtype):
@@ -203,6 +203,7 @@ def collect_info() -> dict:
         "table": mode_arch_table(),
         "engine_steps": ENGINE_STEPS_NOTE,
         "cascade": CASCADE_NOTE,
+        "batch_invariant": BATCH_INVARIANT_NOTE,
         "kv_formats": kv_formats_table(),
     }
 
@@ -226,6 +227,19 @@ CASCADE_NOTE = (
     "Triton kernels (eager-only over the reference).")
 
 
+#: Batch-invariant mode (issue 16): how it is turned on, what it promises, what it turns off.
+BATCH_INVARIANT_NOTE = (
+    "Batch-invariant mode (`BackendConfig(batch_invariant=True)`, "
+    "`EngineConfig(batch_invariant=True)`, `aiter-attn generate --deterministic`, "
+    "`ops.*(..., batch_invariant=True)`; off by default): every cell above selects only "
+    "kernels declaring the `batch_invariant` feature (reference and Triton for "
+    "`paged_attention`, `paged_attention_5d` and `mla_paged_attention`; not aiter's), with "
+    "tiles fixed by the head geometry, keys split at absolute 512-key positions and the "
+    "splits reduced in index order without atomics, so a request's attention output is "
+    "bitwise identical whatever shares its batch, eager or CUDA-graph replayed; cascade "
+    "attention and the engine's one-forward mixed steps are off in this mode.")
+
+
 def _print_text(info: dict) -> None:
     print(f"aiter_attn {info['aiter_attn']}  python {info['python']}  torch {info['torch']}  "
           f"triton {info['triton']}")
@@ -239,15 +253,17 @@ def _print_text(info: dict) -> None:
               f"dtypes={k['dtypes']} pages={k['page_sizes']} cg={k['cg_support']} "
               f"features={','.join(k['features']) or '-'}")
     print("\nmode × architecture:")
-    print(f"  {'mode':<20} {'arch':<6} {'strategy':<24} {'cuda graph':<14} kernel / why not")
+    print(f"  {'mode':<20} {'arch':<6} {'strategy':<24} {'graph: pair/cell':<28} "
+          "kernel / why not")
     for r in info["table"]:
         if r["strategy"]:
-            print(f"  {r['mode']:<20} {r['arch']:<6} {r['strategy']:<24} {r['cg_support']:<14} "
-                  f"{r['kernel']}")
+            cg = f"{r['cg_support']}/{r['cell_cg_support']}"
+            print(f"  {r['mode']:<20} {r['arch']:<6} {r['strategy']:<24} {cg:<28} {r['kernel']}")
         else:
-            print(f"  {r['mode']:<20} {r['arch']:<6} {'-':<24} {'-':<14} {r['why']}")
+            print(f"  {r['mode']:<20} {r['arch']:<6} {'-':<24} {'-':<28} {r['why']}")
     print(f"\n{info['engine_steps']}")
     print(f"\n{info['cascade']}")
+    print(f"\n{info['batch_invariant']}")
     print("\nKV formats (built-in kernels per architecture family):")
     for r in info["kv_formats"]:
         print(f"  {r['format']:<36} {r['kv_scale_granularity']:<15} "
@@ -258,15 +274,15 @@ def _print_text(info: dict) -> None:
 
 def table_markdown(rows: list[dict]) -> str:
     """The mode × architecture table as Markdown (``docs/modes.md`` embeds it)."""
-    lines = ["| mode | arch | strategy | CUDA graph | kernel op:impl (or why none) |",
+    lines = ["| mode | arch | strategy | CUDA graph: pair / cell | kernel op:impl (or why none) |",
              "| --- | --- | --- | --- | --- |"]
     for r in rows:
         if r["strategy"]:
-            lines.append(f"| {r['mode']} | {r['arch']} | `{r['strategy']}` | {r['cg_support']} | "
-                         f"{r['kernel']} |")
+            lines.append(f"| {r['mode']} | {r['arch']} | `{r['strategy']}` | {r['cg_support']} / "
+                         f"{r['cell_cg_support']} | {r['kernel']} |")
         else:
             lines.append(f"| {r['mode']} | {r['arch']} | — | — | {r['why']} |")
-    lines += ["", ENGINE_STEPS_NOTE, "", CASCADE_NOTE]
+    lines += ["", ENGINE_STEPS_NOTE, "", CASCADE_NOTE, "", BATCH_INVARIANT_NOTE]
     return "\n".join(lines) + "\n"
 
 

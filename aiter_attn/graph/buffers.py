@@ -175,20 +175,20 @@ class StaticInputs:
                 if isinstance(getattr(self, f.name), torch.Tensor)}
 
     def batch_view(self, mode: ForwardMode, bs: int, q_len: int,
-                   spec: Optional[SpecInfo] = None) -> ForwardBatch:
+                   spec: Optional[SpecInfo] = None, *, tree_mask: bool = False) -> ForwardBatch:
         """A :class:`ForwardBatch` of ``bs`` requests whose tensors are views of these buffers.
 
         The same object is planned at capture and at every replay of that graph, so its
         tensors (pointers, shapes) never change; only their contents are refilled.
         ``spec`` (verify / draft-extend v2) gets a static ``custom_mask`` (the whole buffer)
-        when the mode takes a tree mask.
+        when ``tree_mask``: the serving pair's mode contract plans a tree mask (the manager
+        passes ``limits.mask_numel > 0``, which :meth:`GraphLimits.from_config` set from it).
         """
         n = bs * q_len
         spec_view = None
         if spec is not None:
-            has_mask = contract_of(mode).has_mask(topk=spec.topk)
             spec_view = SpecInfo(num_draft_tokens=spec.num_draft_tokens, topk=spec.topk,
-                                 custom_mask=self.custom_mask if has_mask else None,
+                                 custom_mask=self.custom_mask if tree_mask else None,
                                  mask_indptr=None)
         return ForwardBatch(
             forward_mode=mode,

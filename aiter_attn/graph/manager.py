@@ -39,6 +39,7 @@ import attrs
 import torch
 
 from ..batch import ForwardBatch, SpecInfo
+from ..contract import contract_of
 from ..types import ForwardMode
 from .buffers import (CAPTURABLE_MODES, GraphLimits, StaticInputs, default_capture_sizes)
 from .padding import GraphLimitError, check_mask_fits, load_padded, next_capture_size
@@ -54,9 +55,11 @@ StepFn = Callable[[ForwardBatch, dict], object]
 
 
 def graph_mode(mode) -> ForwardMode:
-    """The mode whose graphs serve ``mode``: IDLE replays DECODE graphs (an all-padding batch)."""
-    mode = ForwardMode.parse(mode)
-    return ForwardMode.DECODE if mode == ForwardMode.IDLE else mode
+    """The mode whose graphs serve ``mode``: its contract's ``graph_mode`` (IDLE replays
+    DECODE graphs, an all-padding batch); a mode that is never captured maps to itself (the
+    limits then say why it cannot be)."""
+    contract = contract_of(mode)
+    return contract.graph_mode if contract.graph_mode is not None else contract.mode
 
 
 @attrs.define(eq=False)
@@ -252,7 +255,8 @@ class CudaGraphManager:
                 raise GraphLimitError(
                     f"batch size {bs} > the graph buffers' max_bs={st.limits.max_bs}; raise "
                     "max_bs / BackendConfig.max_batch_size.")
-            batch = self.static.batch_view(mode, bs, st.limits.q_len, st.spec)
+            batch = self.static.batch_view(mode, bs, st.limits.q_len, st.spec,
+                                           tree_mask=st.limits.mask_numel > 0)
             # A graph replays the host values its function saw at capture; give fn a batch
             # whose CPU mirrors stay frozen so no-capture runs see exactly what a graph sees.
             run_batch = attrs.evolve(batch, **{m: getattr(batch, m).clone() for m in _MIRRORS})
@@ -401,9 +405,8 @@ class CudaGraphManager:
             fn(e.run_batch, e.inputs)  # warm-up: compile kernels, bind layers, workspaces
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        check = getattr(self._modes[mode].planner, "check_capturable", None)
-        if check is not None:  # a cell's support is the weaker of its pair's and kernels'
-            check()
+        # a cell's support is the weaker of its pair's and kernels': raise naming the kernel
+        self._modes[mode].planner.check_capturable()
         self._plan(e, capturing=True)  # the layers bound in the warm-up plan their kernels
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):

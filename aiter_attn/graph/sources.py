@@ -113,10 +113,10 @@ class BackendSource:
         modes = [ForwardMode.DECODE]
         if self.config.spec is not None:
             for m in capturable_modes():
-                if contract_of(m).tokens != "draft":
-                    continue
                 pair, _ = self.backend.strategies.candidates(m, self.config.arch, self.config)
-                if pair is not None and pair.cg_support >= _min_support(m, pair):
+                if pair is None or pair.contract(m).tokens != "draft":
+                    continue
+                if pair.cg_support >= _min_support(m, pair):
                     modes.append(m)
         return modes
 

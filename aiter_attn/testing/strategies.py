@@ -10,6 +10,7 @@ import torch
 from hypothesis import strategies as st
 
 from ..batch import ForwardBatch
+from ..contract import contract_of
 from ..kvcache import PageAllocator, ReqToTokenPool
 from ..types import BackendConfig, ForwardMode, LayerSpec
 
@@ -37,10 +38,10 @@ def request_lengths(draw, *, mode: ForwardMode, max_bs: int = 6, max_prefix: int
     """``(prefix_lens, new_lens)`` per request; ``new ≤`` total, decode-like modes uniform."""
     bs = draw(st.integers(min_bs, max_bs))
     prefix = draw(st.lists(st.integers(0, max_prefix), min_size=bs, max_size=bs))
-    if mode in (ForwardMode.DECODE, ForwardMode.IDLE):
+    tokens = contract_of(mode).tokens  # what the mode contract gives each request
+    if tokens == "one":
         new = [1] * bs
-        prefix = [max(p, 0) for p in prefix]
-    elif mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
+    elif tokens == "draft":
         new = [draft_tokens] * bs
     else:
         new = draw(st.lists(st.integers(1, max_new), min_size=bs, max_size=bs))

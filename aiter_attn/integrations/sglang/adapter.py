@@ -34,6 +34,7 @@ import attrs
 import torch
 
 from ...backend import AttentionBackend
+from ...graph.manager import graph_mode
 from ...types import ForwardMode, SpecDecodeConfig
 from .translate import SGLangMHAPool, config_from_runner, layer_spec, map_mode, to_forward_batch
 
@@ -128,7 +129,7 @@ class AiterAttnSGLangBackend:
                                "max_num_tokens); SGLang calls it when it builds its graph "
                                "runner.")
         mode = map_mode(forward_mode)
-        gmode = ForwardMode.DECODE if mode == ForwardMode.IDLE else mode
+        gmode = graph_mode(mode)  # the mode whose graphs serve it (its contract's)
         q = mgr.limits(gmode).q_len
         if seq_lens_cpu is None:
             if not capturing:
