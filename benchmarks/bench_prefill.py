@@ -48,12 +48,13 @@ ROWS = [("prefill 1x2k", 1, 2048, 0), ("prefill 1x8k", 1, 8192, 0),
         ("prefill 1x16k", 1, 16384, 0), ("prefill 8x2k", 8, 2048, 0),
         ("extend 1x8k+4k", 1, 8192, 4096)]
 SMOKE_ROWS = [("smoke 2x40+0", 2, 40, 0), ("smoke 1x24+48", 1, 24, 48)]
-#: dense launch configs of the sweep: (block_m, block_n, num_warps, num_stages, warp_spec, tma)
-SWEEP = [(128, 64, 8, 3, False, True), (128, 128, 8, 2, False, True),
-         (128, 128, 8, 3, False, True), (128, 64, 4, 2, True, True),
-         (128, 128, 4, 2, True, True), (128, 64, 4, 3, True, True),
-         (64, 64, 4, 3, False, True), (128, 128, 8, 2, False, False)]
-SMOKE_SWEEP = [(16, 16, 4, 1, False, True), (16, 16, 4, 1, False, False)]
+#: dense launch configs of the sweep: (block_m, block_n, num_warps, num_stages, warp_spec, tma,
+#: m_slow)
+SWEEP = [(128, 64, 8, 3, False, True, False), (128, 128, 8, 2, False, True, False),
+         (128, 128, 8, 3, False, True, False), (128, 64, 4, 2, True, True, False),
+         (128, 128, 4, 2, True, True, False), (128, 64, 4, 3, True, True, False),
+         (128, 128, 8, 2, False, True, True), (128, 128, 8, 2, False, False, False)]
+SMOKE_SWEEP = [(16, 16, 4, 1, False, True, False), (16, 16, 4, 1, False, False, True)]
 RTOL = 2e-2
 
 
@@ -149,9 +150,9 @@ def make_dense(x, config=None):
     md.extras["max_prefix_len"] = x.prefix
     saved = dict(pf.PREFILL_OVERRIDES)
     if config is not None:
-        bm, bn, nw, ns, ws, tma = config
+        bm, bn, nw, ns, ws, tma, m_slow = config
         pf.PREFILL_OVERRIDES.update(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns,
-                                    warp_spec=ws, tma=tma)
+                                    warp_spec=ws, tma=tma, m_slow=m_slow)
     try:
         plan = kernel.plan(md)
     finally:
@@ -299,8 +300,9 @@ def summarize(rec) -> str:
 
 
 def _cfg_name(c) -> str:
-    bm, bn, nw, ns, ws, tma = c
-    return f"dense {bm}x{bn} w{nw} s{ns}{' ws' if ws else ''}{'' if tma else ' ptr'}"
+    bm, bn, nw, ns, ws, tma, m_slow = c
+    return (f"dense {bm}x{bn} w{nw} s{ns}{' ws' if ws else ''}{'' if tma else ' ptr'}"
+            f"{' m-slow' if m_slow else ''}")
 
 
 def run(args) -> list:
@@ -360,7 +362,7 @@ def _get(row, impl, mode):
 
 def table(results, mode) -> str:
     lines = ["| row | ours-paged | ours-dense | dense best | cuDNN | paged/cuDNN | dense/cuDNN | "
-             "best/cuDNN | best config (bm×bn w s ws tma) |",
+             "best/cuDNN | best config (bm, bn, w, s, ws, tma, m_slow) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
     def f(v):

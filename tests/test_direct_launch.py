@@ -283,3 +283,16 @@ def test_launch_memos_do_not_outlive_the_backend():
     del be, batch, sc, layer, sinks, q
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.parametrize("grid", [(6,), (6, 5), (6, 5, 1)])
+def test_direct_launch_takes_short_grids(monkeypatch, grid):
+    """Triton accepts 1-, 2- and 3-D grids; the direct path pads them to three (the split
+    reduction's 2-D grid raised IndexError on the H200 at 09:45 UTC, before this)."""
+    launcher, compiled, jit_calls = _launcher(monkeypatch)
+    args = ("x", "y", 7)
+    launcher.launch(grid, args, {"BLOCK": 64}, key=("k",))
+    launcher.launch(grid, args, {"BLOCK": 64}, key=("k",))
+    assert launcher.launch_cached(grid, args, ("k",))
+    want = (grid + (1, 1))[:3]
+    assert [c[:3] for c in compiled.calls] == [want, want]

@@ -85,7 +85,8 @@ CONFIGS = {"tma": PrefillConfig(16, 16, 4, 1, False, True),
            "bm32": PrefillConfig(32, 16, 4, 2, False, True),
            # one loop, mask only where it cuts (the warp-specialised form)
            "one": PrefillConfig(16, 16, 4, 1, False, True, True),
-           "one_ptr": PrefillConfig(32, 16, 4, 1, False, False, True)}
+           "one_ptr": PrefillConfig(32, 16, 4, 1, False, False, True),
+           "m_slow": PrefillConfig(16, 16, 4, 1, False, True, False, True)}
 
 
 @pytest.mark.parametrize("lens", LENS, ids=["prefill", "bottom_right", "one"])
@@ -100,7 +101,7 @@ def test_dense_causal(lens, dtype, d):
         assert_lse(l, el, LSE_RTOL[dtype], f"lse {name}")
 
 
-@pytest.mark.parametrize("cfg", ["tma", "ptr", "one"])
+@pytest.mark.parametrize("cfg", ["tma", "ptr", "one", "m_slow"])
 def test_dense_features(cfg):
     """Window (left, and both sides non-causal), soft-cap and sinks, on GQA 5:1."""
     c = DenseCase([1, 45, 21], [30, 45, 50], d=64)
@@ -168,9 +169,10 @@ def test_prefix_merge_in_epilogue():
                                  PrefillConfig(128, 128, 8, 2, True, True),
                                  PrefillConfig(128, 64, 4, 2, True, True),
                                  PrefillConfig(128, 128, 4, 2, True, True),
-                                 PrefillConfig(128, 128, 8, 2, False, False)],
+                                 PrefillConfig(128, 128, 8, 2, False, False),
+                                 PrefillConfig(128, 128, 8, 2, False, True, False, True)],
                          ids=["default", "bn64", "bn128_8w_ws_ignored", "bn64_4w_ws",
-                              "bn128_4w_ws", "ptr"])
+                              "bn128_4w_ws", "ptr", "m_slow"])
 def test_dense_gpu(dtype, cfg):
     """sm_90 configurations (TMA, warp specialisation) in bf16/fp16, GQA 32/8, d128, ragged,
     and d80 (pointer path)."""

@@ -169,7 +169,9 @@ class Launcher:
         if hit is None:
             return False
         compiled, tail = hit
-        compiled.run(grid[0], grid[1], grid[2], self._stream(device), compiled.function,
+        g1 = grid[1] if len(grid) > 1 else 1  # Triton's launch takes 1-, 2- or 3-D grids
+        g2 = grid[2] if len(grid) > 2 else 1
+        compiled.run(grid[0], g1, g2, self._stream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *args, *tail)
         return True
 
@@ -197,7 +199,9 @@ class Launcher:
                 self._cache[(device, key)] = (compiled, self._tail(len(args), kw))
             return
         compiled, tail = hit
-        compiled.run(grid[0], grid[1], grid[2], self._stream(device), compiled.function,
+        g1 = grid[1] if len(grid) > 1 else 1  # Triton's launch takes 1-, 2- or 3-D grids
+        g2 = grid[2] if len(grid) > 2 else 1
+        compiled.run(grid[0], g1, g2, self._stream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *args, *tail)
 
 

@@ -419,7 +419,7 @@ class TritonPagedAttention(AttentionKernel):
         return kw if kw is not None else self._kw(plan, fkey)
 
     def _reduce(self, plan: TritonPlan, params, out, args, lse, key, jit=False):
-        grid = (plan.num_tokens, out.shape[1])
+        grid = (plan.num_tokens, out.shape[1], 1)
         rargs, rkey = self._reduce_args(plan, params, out, args, lse, key)
         if not jit and _REDUCE.launch_cached(grid, rargs, rkey):
             return

@@ -29,7 +29,6 @@ from typing import Optional
 
 import attrs
 import torch
-import triton
 
 from ..base import AttentionKernel, KernelPlan, plan_hints
 from .attention import TritonPagedAttention
@@ -133,7 +132,7 @@ class TritonExtendAttention(AttentionKernel):
         cfg = choose_prefill_config(max_q=max_q, max_k=max_q, head_dim=self.head_dim,
                                     v_head_dim=self.v_head_dim, dtype=self.dtype,
                                     device=device)
-        grid = (triton.cdiv(max_q, cfg.block_m), self.q_heads, max(batch, 0))
+        grid = cfg.grid(max_q, self.q_heads, max(batch, 0))
         max_prefix = md.extras.get("max_prefix_len")
         if max_prefix is None:  # no hint: at most the keys' bound minus nothing
             max_prefix = (int(hint_k) if hint_k is not None

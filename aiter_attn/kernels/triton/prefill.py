@@ -183,12 +183,18 @@ def _dense_prefill_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_PREFIX: tl.constexpr, WRITE_LSE: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-    WARP_SPEC: tl.constexpr, ONE_LOOP: tl.constexpr,
+    WARP_SPEC: tl.constexpr, ONE_LOOP: tl.constexpr, M_SLOW: tl.constexpr,
 ):
-    # longest blocks first (causal: the last query blocks see the most keys)
-    start_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
+    # longest blocks first (causal: the last query blocks see the most keys): within each
+    # (head, request) with the block index fastest, or across the whole grid (M_SLOW)
+    if M_SLOW:
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+        start_m = tl.num_programs(2) - 1 - tl.program_id(2)
+    else:
+        start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2)
     q0 = tl.load(CuQ + b)
     nq = tl.load(CuQ + b + 1) - q0
     k0 = tl.load(CuK + b)
@@ -307,6 +313,13 @@ class PrefillConfig:
     warp_spec: bool = False
     tma: bool = True
     one_loop: bool = False
+    m_slow: bool = False
+
+    def grid(self, max_q: int, num_q_heads: int, batch: int) -> tuple:
+        """The launch grid: query blocks × heads × requests (``m_slow``: heads × requests ×
+        query blocks, so every request's longest blocks start first)."""
+        m = triton.cdiv(max(max_q, 1), self.block_m)
+        return (num_q_heads, batch, m) if self.m_slow else (m, num_q_heads, batch)
 
 
 def _smem_need(bm, bn, d_pad, dv_pad, stages, elem):
@@ -321,10 +334,11 @@ def _choose_cached(max_q, max_k, d_pad, dv_pad, elem, sm90, smem, interp, ov):
         cfg = PrefillConfig(64, 32, 4, 2, False, False)
     elif max(d_pad, dv_pad) > 128:
         cfg = PrefillConfig(64, 64, 4, 2, False, sm90)
-    elif max_k >= 4096:
-        cfg = PrefillConfig(128, 128, 8, 2, False, sm90)
     else:
-        cfg = PrefillConfig(128, 64, 8, 3, False, sm90)
+        # 8 warps = two warpgroups of 64 rows each; 128-key tiles keep each wgmma N = 128
+        # (narrower tiles at 8 warps ran slower in Triton's own Hopper attention sweeps);
+        # the H200 sweep (benchmarks/bench_prefill.py) decides per shape
+        cfg = PrefillConfig(128, 128, 8, 2, False, sm90)
     if ov:
         cfg = attrs.evolve(cfg, **dict(ov))
     if smem is not None and not interp:  # fit the device: fewer stages, then narrower tiles
@@ -426,7 +440,7 @@ def dense_prefill(
                                        v_head_dim=dv, dtype=q.dtype, device=q.device)
     args = prefill_launch_args(q, k, v, out, cu_seqlens_q, cu_seqlens_k, softmax_scale,
                                causal, window_size, softcap, sinks, lse, prefix, config)
-    grid = (triton.cdiv(max_seqlen_q, config.block_m), hq, batch)
+    grid = config.grid(max_seqlen_q, hq, batch)
     _dense_prefill_kernel[grid](*args[0], **args[1])
     return out
 
@@ -481,5 +495,6 @@ def prefill_launch_args(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap
               HAS_SINKS=sinks is not None, HAS_PREFIX=prefix is not None,
               WRITE_LSE=lse is not None, USE_TMA=use_tma,
               DOT_PRECISION=_DOT_PRECISION[q.dtype], NUM_STAGES=config.num_stages,
-              WARP_SPEC=ws, ONE_LOOP=ws or config.one_loop, num_warps=config.num_warps)
+              WARP_SPEC=ws, ONE_LOOP=ws or config.one_loop, M_SLOW=config.m_slow,
+              num_warps=config.num_warps)
     return args, kw
