@@ -17,7 +17,8 @@ import attrs
 
 from .types import BackendConfig, CGSupport, ForwardMode
 
-__all__ = ["ModeContract", "MODE_CONTRACTS", "contract_of", "capturable_modes"]
+__all__ = ["ModeContract", "MODE_CONTRACTS", "CHAIN_VERIFY", "TREE_VERIFY", "contract_of",
+           "capturable_modes"]
 
 #: query tokens per request
 ONE, DRAFT, RAGGED = "one", "draft", "ragged"
@@ -107,6 +108,12 @@ MODE_CONTRACTS = {
                                     capture_needs=CGSupport.UNIFORM_BATCH,
                                     graph_mode=ForwardMode.DRAFT_EXTEND_V2),
 }
+
+
+#: TARGET_VERIFY as a chain pair serves it (``spec.topk == 1``): causal, no mask.
+CHAIN_VERIFY = attrs.evolve(MODE_CONTRACTS[ForwardMode.TARGET_VERIFY], mask=NO_MASK)
+#: TARGET_VERIFY as a tree pair serves it (``spec.topk > 1``): always a tree mask.
+TREE_VERIFY = attrs.evolve(MODE_CONTRACTS[ForwardMode.TARGET_VERIFY], mask=TREE)
 
 
 def contract_of(mode) -> ModeContract:

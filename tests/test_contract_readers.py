@@ -120,3 +120,20 @@ def test_graph_batch_view_takes_the_mask_from_the_pairs_contract():
         view = static.batch_view(ForwardMode.TARGET_VERIFY, 2, lim.q_len, spec,
                                  tree_mask=lim.mask_numel > 0)
         assert (view.spec_info.custom_mask is not None) == has_mask
+
+
+def test_verify_pairs_carry_their_mask_layout():
+    """A chain-verify pair's contract plans no mask and a tree-verify pair's always plans
+    one (the data says what the pair's ``supports`` check enforces); MLA's one verify pair
+    plans a tree exactly when ``spec.topk > 1``."""
+    from aiter_attn.plugins import strategy_registry
+
+    pairs = {p.name: p for p in strategy_registry().pairs()}
+    verify = [n for n in pairs if ".verify" in n]
+    assert verify
+    for name in verify:
+        c = pairs[name].contract(ForwardMode.TARGET_VERIFY)
+        want = {"chain": "none", "tree": "tree"}.get(name.rsplit(".", 1)[-1], "tree_if_topk")
+        assert c.mask == want, (name, c.mask)
+        assert (c.tokens, c.kv_slack, c.capture_needs) == ("draft", True, MODE_CONTRACTS[
+            ForwardMode.TARGET_VERIFY].capture_needs)

@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 
 from ..batch import ForwardBatch
+from ..contract import CHAIN_VERIFY, TREE_VERIFY
 from ..hookspecs import hookimpl
 from ..metadata import AttnMetadata, CustomMask, PageTable, QueryLayout
 from ..ops import build_tree_mask
@@ -292,9 +293,11 @@ def _needs_tree(config: BackendConfig):
 #: The MHA family's speculative cells.
 CELLS = (
     Cell(name="mha.verify.chain", modes={ForwardMode.TARGET_VERIFY},
+         contracts={ForwardMode.TARGET_VERIFY: CHAIN_VERIFY},
          metadata=VerifyChainMetadata, cg_support=CGSupport.UNIFORM_BATCH, supports=_needs_chain,
          description="EAGLE chain (topk=1): num_draft_tokens per request, causal, page table"),
     Cell(name="mha.verify.tree", modes={ForwardMode.TARGET_VERIFY},
+         contracts={ForwardMode.TARGET_VERIFY: TREE_VERIFY},
          metadata=VerifyTreeMetadata, cg_support=CGSupport.UNIFORM_BATCH, supports=_needs_tree,
          description="EAGLE tree (topk>1): page table + custom mask with mask_indptr"),
     Cell(name="mha.draft_extend", modes={ForwardMode.DRAFT_EXTEND}, metadata=ExtendMetadata,

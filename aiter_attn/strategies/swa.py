@@ -32,6 +32,7 @@ import attrs
 import torch
 
 from ..batch import ForwardBatch
+from ..contract import CHAIN_VERIFY, TREE_VERIFY
 from ..hookspecs import hookimpl
 from ..metadata import AttnMetadata, PageTable
 from ..ops import paged_attention_request
@@ -232,9 +233,11 @@ CELLS = (
          metadata=SWAExtendMetadata, cg_support=CGSupport.NEVER,
          description="ragged extend/draft-extend; SWA layers on their own pool"),
     Cell(name="swa.verify.chain", modes={ForwardMode.TARGET_VERIFY},
+         contracts={ForwardMode.TARGET_VERIFY: CHAIN_VERIFY},
          metadata=SWAVerifyChainMetadata, cg_support=CGSupport.UNIFORM_BATCH,
          supports=chain_verify_only, description="EAGLE chain: causal, SWA tables"),
     Cell(name="swa.verify.tree", modes={ForwardMode.TARGET_VERIFY},
+         contracts={ForwardMode.TARGET_VERIFY: TREE_VERIFY},
          metadata=SWAVerifyTreeMetadata, cg_support=CGSupport.UNIFORM_BATCH,
          supports=tree_verify_only,
          description="EAGLE tree: custom mask, window at path positions, SWA tables"),

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from ..batch import ForwardBatch
+from ..contract import CHAIN_VERIFY, TREE_VERIFY
 from ..hookspecs import hookimpl
 from ..kernels.reference_5d import paged_attention_5d_reference, v_layout_of, vec_width
 from ..kernels.registry import Capabilities, KernelRequest
@@ -233,9 +234,11 @@ CELLS = (
          metadata=ExtendMetadata, cg_support=CGSupport.NEVER,
          description="ragged extend/draft-extend over the 5-D pool"),
     Cell(name="vec5d.verify.chain", modes={ForwardMode.TARGET_VERIFY},
+         contracts={ForwardMode.TARGET_VERIFY: CHAIN_VERIFY},
          metadata=VerifyChainMetadata, cg_support=CGSupport.UNIFORM_BATCH,
          supports=chain_verify_only, description="EAGLE chain over the 5-D pool: causal"),
     Cell(name="vec5d.verify.tree", modes={ForwardMode.TARGET_VERIFY},
+         contracts={ForwardMode.TARGET_VERIFY: TREE_VERIFY},
          metadata=VerifyTreeMetadata, cg_support=CGSupport.UNIFORM_BATCH,
          supports=tree_verify_only, description="EAGLE tree over the 5-D pool: custom mask"),
     Cell(name="vec5d.draft_extend_v2", modes={ForwardMode.DRAFT_EXTEND_V2},
