@@ -323,3 +323,23 @@ def test_replay_host_time_and_metadata_share(llama):
                            device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
     for r in rows:
         assert r["step_gpu_us"] > r["load_gpu_us"] > 0
+
+
+@pytest.mark.parametrize("arch", ["mha", "mla"])
+def test_capturing_a_cell_whose_kernel_cannot_be_captured_names_it(arch):
+    """Issue 13.2 on the real capture path: with the reference kernel forced (cg_support
+    NEVER), ``capture`` warms up (binding the layers), then refuses to record, naming the
+    kernel and the setting to change; nothing is captured."""
+    import attrs
+
+    from aiter_attn import AttentionBackend
+
+    rig = Rig.make(arch, page_size=16, hq=16 if arch == "mla" else 8, hkv=2,
+                   head_dim=128 if arch != "mla" else 512, num_layers=2, max_context_len=256,
+                   max_bs=4, dtype=torch.bfloat16, device="cuda", seed=3, rope=64)
+    rig.backend = AttentionBackend(attrs.evolve(rig.config, kernel_backend="reference"),
+                                   rig.req_pool, rig.kv_pool)
+    rig.join(40)
+    mgr = rig.manager(capture_sizes=[1, 2], modes=["decode"])
+    with pytest.raises(ValueError, match=r"kernel 'reference'.*cg_support=NEVER.*kernel_backend"):
+        mgr.capture(rig.step_fn())
