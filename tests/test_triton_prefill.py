@@ -190,3 +190,23 @@ def test_dense_gpu(dtype, cfg, dims):
         o, l = c.run(config=cfg)
         assert_close_rel(o, eo, RTOL[dtype], f"out d{d}")
         assert_lse(l, el, LSE_RTOL[dtype], f"lse d{d}")
+
+
+def test_grid_searches_on_ragged_batches():
+    """Many short rows beside a long one: one program per present query block (search),
+    not batch × blocks(max_q); never with warp specialisation (no branch before its loop)."""
+    cfg = PrefillConfig(128, 128, 8, 2)
+    assert cfg.grid(8192, 8192, 32, 1) == ((64, 32, 1), False)
+    assert cfg.grid(8192, 8192 + 255, 32, 256) == ((66 + 256, 32, 1), True)
+    assert PrefillConfig(128, 128, 4, 2, True).grid(8192, 8192 + 255, 32, 256)[1] is False
+    assert PrefillConfig(128, 128, 8, 2, m_slow=True).grid(4096, 8192, 32, 2) == \
+        ((32, 2, 32), False)
+
+
+def test_dense_very_ragged_batch():
+    """Nine 1-token rows (over longer keys) and one 40-token row: the search path."""
+    c = DenseCase([1] * 9 + [40], [5, 1, 17, 2, 1, 30, 1, 1, 9, 40], d=32, hq=4, hkv=2)
+    eo, el = c.oracle(causal=True)
+    o, l = c.run(config=CONFIGS["tma"])
+    assert_close_rel(o, eo, 2e-5, "out")
+    assert_lse(l, el, 1e-5, "lse")
