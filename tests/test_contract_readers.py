@@ -137,3 +137,34 @@ def test_verify_pairs_carry_their_mask_layout():
         assert c.mask == want, (name, c.mask)
         assert (c.tokens, c.kv_slack, c.capture_needs) == ("draft", True, MODE_CONTRACTS[
             ForwardMode.TARGET_VERIFY].capture_needs)
+
+
+def test_one_registration_path():
+    """Every family registers through the plugin hooks: kernel registries are filled only by
+    the loader (``plugins.build_registries``) from ``aiter_attn_register_kernels(register)``,
+    and strategy pairs are made only by ``registry.register_cells`` from a family's table of
+    cells. (A registry's ``register`` called anywhere else would be a second style.)"""
+    found = []
+    for rel, tree in _sources():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr == "register" and len(node.args) >= 4 \
+                    and rel != "plugins.py":
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(f)}(...)")
+            if isinstance(f, ast.Name) and f.id == "StrategyPair" and rel != "registry.py":
+                found.append(f"{rel}:{node.lineno}: StrategyPair(...)")
+    assert not found, "registration outside the hooks:\n" + "\n".join(found)
+
+
+def test_mutants_register_through_their_hook():
+    from aiter_attn.kernels.registry import KernelRegistry
+    from aiter_attn.testing.conformance.mutants import MUTANTS, register_mutants
+
+    reg = KernelRegistry()
+    register_mutants(reg)
+    register_mutants(reg)  # idempotent
+    got = sorted((i.op, i.name) for op in reg.ops() for i in reg.implementations(op))
+    assert got == sorted((m.op, m.name) for m in MUTANTS)
+    assert {i.source for op in reg.ops() for i in reg.implementations(op)} == {"mutants"}
