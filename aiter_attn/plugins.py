@@ -53,6 +53,7 @@ __all__ = [
     "register_plugin",
     "load_plugins",
     "build_registries",
+    "add_kernels",
     "get_plugin_manager",
     "kernel_registry",
     "strategy_registry",
@@ -356,6 +357,22 @@ def _apply_kernel(kernels, capabilities_type, source, op, name, fn, capabilities
             "(how far the kernel runs under CUDA-graph capture)."
         )
     kernels.register(op, name, fn, capabilities, priority, source=source, replace=replace)
+
+
+def add_kernels(registry, hook, *, source: str, skip_registered: bool = False) -> None:
+    """Run one plugin's kernel hook (``aiter_attn_register_kernels``) into an existing
+    ``registry`` (the same checks as loading; ``skip_registered``: leave names the registry
+    already has for an op). For callers that extend a registry after loading, e.g. the
+    conformance self-test adding its mutants."""
+    from .kernels.registry import Capabilities
+
+    def register(op, name, fn, capabilities=None, priority=0, *, replace=False):
+        if skip_registered and any(i.name == name for i in registry.implementations(op)):
+            return
+        _apply_kernel(registry, Capabilities, source, op, name, fn, capabilities, priority,
+                      replace=replace)
+
+    hook(register=register)
 
 
 def _apply_strategy(strategies, source, pair, *, replace=False):

@@ -179,8 +179,8 @@ class SpecStats:
 
 def _rewind(allocator, row: int, num_tokens: int) -> None:
     """Set ``row``'s held length back to ``num_tokens`` (drops rejected drafts' slots; the
-    row keeps its pages). Works for ``PageAllocator`` and ``SWAPageAllocator`` (its ``full``)."""
-    getattr(allocator, "full", allocator).truncate(row, num_tokens)
+    row keeps its pages). ``PageAllocator`` and ``SWAPageAllocator`` both have ``truncate``."""
+    allocator.truncate(row, num_tokens)
 
 
 class SpecDecoder:
@@ -334,7 +334,7 @@ class SpecDecoder:
 
 def make_spec_decoder(config) -> Optional[SpecDecoder]:
     """The engine's :class:`SpecDecoder` for ``config.speculative`` (``None`` = off)."""
-    mode = getattr(config, "speculative", None)
+    mode = config.speculative
     if mode is None:
         return None
     if mode not in SPECULATIVE_MODES:

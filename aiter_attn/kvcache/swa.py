@@ -199,6 +199,11 @@ class SWAPageAllocator:
     def tokens_held(self, row: int) -> int:
         return self.full.tokens_held(row)
 
+    def truncate(self, row: int, num_tokens: int) -> None:
+        """As :meth:`PageAllocator.truncate`: the row keeps its full pages and their SWA
+        pages; only the held length moves back (rejected speculative drafts)."""
+        self.full.truncate(row, num_tokens)
+
     def pages_of(self, row: int) -> list[int]:
         """Full pages of ``row`` (as :meth:`PageAllocator.pages_of`)."""
         return self.full.pages_of(row)

@@ -20,8 +20,8 @@ Planning reuses the MHA and speculative planners (:mod:`aiter_attn.strategies.mh
 :mod:`aiter_attn.strategies.spec`: query layouts, page tables, draft-token checks, tree masks
 and their static buffers) and adds the SWA table on top (:class:`SWATablesMixin`). Chain and
 tree verify are separate pairs chosen by ``BackendConfig.spec.topk``, as for MHA. The
-execution helpers (:func:`attend`, :func:`window_tree_mask`) are shared with
-:mod:`aiter_attn.strategies.vec5d`.
+execution helpers (:func:`~aiter_attn.strategies.common.attend_layer`,
+:func:`window_tree_mask`) are shared with :mod:`aiter_attn.strategies.vec5d`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from ..registry import Cell, register_cells
 from ..types import AttnArch, CGSupport, ForwardMode, LayerSpec
 from .base import BufferSpec, ExecutionStrategy
 from .cascade import CascadeExecutionMixin
-from .common import (attend, attend_layer, effective_causal, effective_window, require_pool,
+from .common import (attend_layer, effective_causal, effective_window, require_pool,
                      window_tree_mask, write_kv_request, write_kwargs)
 from .mha import DecodeMetadata, ExtendMetadata, plan_page_table
 from .spec import (
@@ -61,7 +61,6 @@ __all__ = [
     "SWAExecution",
     "plan_swa_tables",
     "window_tree_mask",
-    "attend",
     "effective_window",
     "effective_causal",
     "chain_verify_only",

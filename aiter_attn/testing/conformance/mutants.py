@@ -290,9 +290,10 @@ def register_mutants(registry=None) -> None:
         from ...plugins import kernel_registry
 
         registry = kernel_registry()
-    for m in MUTANTS:
-        if not any(i.name == m.name for i in registry.implementations(m.op)):
-            registry.register(m.op, m.name, m.fn, _capabilities(m), PRIORITY, source="mutants")
+    from ...plugins import add_kernels
+
+    # the plugin's own hook, through the loader's registration path
+    add_kernels(registry, aiter_attn_register_kernels, source="mutants", skip_registered=True)
 
 
 def self_test(device: str = "cpu", *, quick: bool = False) -> list:
