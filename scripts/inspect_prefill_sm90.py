@@ -27,7 +27,7 @@ def compile_prefill(q="bf16", warps=8, stages=2, **const):
     c = dict(GROUP=4, D=128, D_PAD=128, DV=128, DV_PAD=128, BLOCK_M=128, BLOCK_N=128,
              CAUSAL=True, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_SINKS=False,
              HAS_PREFIX=False, WRITE_LSE=False, USE_TMA=True, DOT_PRECISION="tf32",
-             NUM_STAGES=stages, WARP_SPEC=False, ONE_LOOP=False, M_SLOW=False)
+             NUM_STAGES=stages, WARP_SPEC=False, ONE_LOOP=False, M_SLOW=False, SEARCH=False)
     if const.get("WARP_SPEC"):
         c["ONE_LOOP"] = True
     c.update(const)
@@ -51,7 +51,7 @@ def compile_prefill(q="bf16", warps=8, stages=2, **const):
             sig[n] = "fp32"
         else:
             sig[n] = "i32"
-    no_div = {"left", "right", "qk2", "softcap"}
+    no_div = {"left", "right", "qk2", "softcap", "num_seqs"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n] not in ("constexpr", "fp32") and not sig[n].startswith("tensordesc")
              and n not in no_div}

@@ -73,7 +73,8 @@ class ExtendPlan(KernelPlan):
 
     Attributes:
         cu_seqlens_q: int32 ``[B + 1]`` (the new tokens' offsets: queries and new K/V alike).
-        grid: the dense kernel's grid.
+        grid / search: the dense kernel's grid and whether its programs search their
+            request (ragged batches: :meth:`~.prefill.PrefillConfig.grid`).
         dense_cfg: its :class:`~.prefill.PrefillConfig`.
         paged_plan: the prefix pass's plan, or ``None`` when no request has a prefix.
         o_prefix / lse_prefix: the prefix pass's output ``[T, Hq, Dv]`` and float32 LSE
@@ -82,6 +83,7 @@ class ExtendPlan(KernelPlan):
 
     cu_seqlens_q: torch.Tensor = attrs.field(**_T)
     grid: tuple
+    search: bool = False
     dense_cfg: PrefillConfig
     paged_plan: Optional[KernelPlan] = attrs.field(default=None, **_T)
     o_prefix: Optional[torch.Tensor] = attrs.field(default=None, **_T)
@@ -132,7 +134,7 @@ class TritonExtendAttention(AttentionKernel):
         cfg = choose_prefill_config(max_q=max_q, max_k=max_q, head_dim=self.head_dim,
                                     v_head_dim=self.v_head_dim, dtype=self.dtype,
                                     device=device)
-        grid = cfg.grid(max_q, self.q_heads, max(batch, 0))
+        grid, search = cfg.grid(max_q, num_tokens, self.q_heads, max(batch, 0))
         max_prefix = md.extras.get("max_prefix_len")
         if max_prefix is None:  # no hint: at most the keys' bound minus nothing
             max_prefix = (int(hint_k) if hint_k is not None
@@ -156,7 +158,7 @@ class TritonExtendAttention(AttentionKernel):
             lse_p = self._workspace(out, "triton.extend.lse_prefix", (num_tokens, self.q_heads),
                                     torch.float32, device)
         return ExtendPlan(num_tokens=num_tokens if batch > 0 else 0, cu_seqlens_q=cu,
-                          grid=grid, dense_cfg=cfg, paged_plan=paged_plan, o_prefix=o_p,
+                          grid=grid, search=search, dense_cfg=cfg, paged_plan=paged_plan, o_prefix=o_p,
                           lse_prefix=lse_p)
 
     # -- run -----------------------------------------------------------------------------
@@ -195,6 +197,8 @@ class TritonExtendAttention(AttentionKernel):
         args, kw = prefill_launch_args(q, k, v, out, cu, cu, params.scale, True, params.window,
                                        params.softcap, params.sinks, lse, prefix,
                                        plan.dense_cfg)
+        if plan.search:
+            kw["SEARCH"] = True
         _dense_prefill_kernel[plan.grid](*args, **kw)
         return out
 

@@ -176,7 +176,7 @@ def _dense_tiles(
 @triton.jit
 def _dense_prefill_kernel(
     Q, K, V, O, LSE, OP, LSEP, Sinks, Qd, Kd, Vd, CuQ, CuK,
-    qk2, softcap, left, right,
+    qk2, softcap, left, right, num_seqs,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_lt, s_lh, s_pt, s_ph, s_plt, s_plh,
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr,
     DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -184,10 +184,27 @@ def _dense_prefill_kernel(
     HAS_SINKS: tl.constexpr, HAS_PREFIX: tl.constexpr, WRITE_LSE: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     WARP_SPEC: tl.constexpr, ONE_LOOP: tl.constexpr, M_SLOW: tl.constexpr,
+    SEARCH: tl.constexpr,
 ):
     # longest blocks first (causal: the last query blocks see the most keys): within each
     # (head, request) with the block index fastest, or across the whole grid (M_SLOW)
-    if M_SLOW:
+    if SEARCH:
+        # ragged batches (e.g. many 1-token rows beside one long prompt): one program per
+        # query block actually present; block starts are cu_seqlens_q[b] // BLOCK_M + b (an
+        # upper bound on the blocks before b): the last b whose start is ≤ the program's
+        pid = tl.num_programs(0) - 1 - tl.program_id(0)
+        h = tl.program_id(1)
+        lo_b = 0
+        hi_b = num_seqs
+        while lo_b < hi_b:
+            mid = (lo_b + hi_b) // 2
+            if tl.load(CuQ + mid) // BLOCK_M + mid <= pid:
+                lo_b = mid + 1
+            else:
+                hi_b = mid
+        b = lo_b - 1
+        start_m = pid - (tl.load(CuQ + b) // BLOCK_M + b)
+    elif M_SLOW:
         h = tl.program_id(0)
         b = tl.program_id(1)
         start_m = tl.num_programs(2) - 1 - tl.program_id(2)
@@ -200,9 +217,13 @@ def _dense_prefill_kernel(
     k0 = tl.load(CuK + b)
     nk = tl.load(CuK + b + 1) - k0
     min_i = start_m * BLOCK_M
-    # a block past this request's queries runs no key tile and stores nothing (no early
-    # return: Triton's Hopper warp specialisation wants the key loops outside any branch)
+    # a block past this request's queries runs no key tile and stores nothing; the
+    # one-loop (warp-specialised) form has no early return: Triton's Hopper warp
+    # specialisation wants the key loop outside any branch
     live = min_i < nq
+    if not ONE_LOOP:
+        if not live:
+            return
     kvh = h // GROUP
     delta = nk - nq
     max_i = tl.minimum(min_i + BLOCK_M, nq) - 1
@@ -315,11 +336,18 @@ class PrefillConfig:
     one_loop: bool = False
     m_slow: bool = False
 
-    def grid(self, max_q: int, num_q_heads: int, batch: int) -> tuple:
-        """The launch grid: query blocks × heads × requests (``m_slow``: heads × requests ×
-        query blocks, so every request's longest blocks start first)."""
+    def grid(self, max_q: int, num_tokens: int, num_q_heads: int, batch: int) -> tuple:
+        """``(grid, search)``: query blocks × heads × requests (``m_slow``: heads × requests
+        × query blocks, so every request's longest blocks start first); ``search`` when
+        ``batch · blocks(max_q)`` would exceed the blocks actually present (ragged batches):
+        then one program per present block (at most ``blocks(num_tokens) + batch``), its
+        request found by binary search (not with warp specialisation, which wants no
+        branch before its loop)."""
         m = triton.cdiv(max(max_q, 1), self.block_m)
-        return (num_q_heads, batch, m) if self.m_slow else (m, num_q_heads, batch)
+        present = triton.cdiv(max(num_tokens, 1), self.block_m) + batch
+        if not self.warp_spec and batch * m > present:
+            return (present, num_q_heads, 1), True
+        return ((num_q_heads, batch, m) if self.m_slow else (m, num_q_heads, batch)), False
 
 
 def _smem_need(bm, bn, d_pad, dv_pad, stages, elem):
@@ -440,8 +468,11 @@ def dense_prefill(
                                        v_head_dim=dv, dtype=q.dtype, device=q.device)
     args = prefill_launch_args(q, k, v, out, cu_seqlens_q, cu_seqlens_k, softmax_scale,
                                causal, window_size, softcap, sinks, lse, prefix, config)
-    grid = config.grid(max_seqlen_q, hq, batch)
-    _dense_prefill_kernel[grid](*args[0], **args[1])
+    grid, search = config.grid(max_seqlen_q, num_tokens, hq, batch)
+    args, kw = args
+    if search:
+        kw = dict(kw, SEARCH=True)
+    _dense_prefill_kernel[grid](*args, **kw)
     return out
 
 
@@ -487,6 +518,7 @@ def prefill_launch_args(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
     args = (q, k, v, out, lse_t, op, lp, sinks if sinks is not None else cu_q, qd, kd, vd,
             cu_q, cu_k, float(scale) * 1.4426950408889634, float(softcap), left, right,
+            cu_q.shape[0] - 1,
             qs[0], qs[1], ks[0], ks[1], vs[0], vs[1], os_[0], os_[1], ls[0], ls[1], ps[0], ps[1],
             pls[0], pls[1])
     ws = bool(config.warp_spec and use_tma)
@@ -496,5 +528,5 @@ def prefill_launch_args(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap
               WRITE_LSE=lse is not None, USE_TMA=use_tma,
               DOT_PRECISION=_DOT_PRECISION[q.dtype], NUM_STAGES=config.num_stages,
               WARP_SPEC=ws, ONE_LOOP=ws or config.one_loop, M_SLOW=config.m_slow,
-              num_warps=config.num_warps)
+              SEARCH=False, num_warps=config.num_warps)
     return args, kw
