@@ -22,7 +22,7 @@ import attrs
 import torch
 
 from ..batch import ForwardBatch, SpecInfo
-from ..contract import ModeContract, capturable_modes, contract_of
+from ..contract import MODE_CONTRACTS, ModeContract, capturable_modes, contract_of
 from ..types import BackendConfig, ForwardMode
 
 __all__ = [
@@ -95,7 +95,7 @@ class GraphLimits:
         if contract.graph_mode is not None:
             mode = contract.graph_mode
         if not contract.capturable or mode not in CAPTURABLE_MODES:
-            allowed = ", ".join(m.name for m in CAPTURABLE_MODES + (ForwardMode.IDLE,))
+            allowed = ", ".join(m.name for m, c in MODE_CONTRACTS.items() if c.capturable)
             raise ValueError(
                 f"forward_mode={mode.name} cannot be captured in a CUDA graph (its query "
                 f"lengths are ragged); capturable: {allowed}. Run it eagerly."
