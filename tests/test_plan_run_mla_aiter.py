@@ -95,7 +95,7 @@ def test_mla_layer_call_only_launches(monkeypatch):
     for _ in range(3):  # three layer calls of the step
         with _Allocations() as spy:
             out = sc.backend.forward(q, k, None, sc.absorbed, sc.batch)
-        assert spy.allocs == ["empty.memory_format"], spy.allocs
+        assert spy.allocs in (["empty.memory_format"], ["new_empty.default"]), spy.allocs
         assert out.shape == (2, 16 * sc.lora)
     assert [e[0] for e in SpyMLA.events] == ["run"] * 3
     assert len({id(e[1]) for e in SpyMLA.events}) == 1  # the step's one plan
@@ -400,7 +400,7 @@ def test_aiter_paged_layer_call_only_launches(monkeypatch):
     for layer, (q, k, v) in zip(layers, inputs):
         with _Allocations() as spy:
             be.forward(q, k, v, layer, batch)
-        assert spy.allocs == ["empty.memory_format"], spy.allocs
+        assert spy.allocs in (["empty.memory_format"], ["new_empty.default"]), spy.allocs
     assert counts == {}  # no routing, no index building per layer
     assert [n for n, _ in calls] == ["paged_attention_ragged"] * 3
     first = calls[0][1]
@@ -439,7 +439,7 @@ def test_aiter_mla_layer_call_only_launches(monkeypatch):
     for _ in range(3):
         with _Allocations() as spy:
             out = sc.backend.forward(q, k, None, sc.absorbed, sc.batch)
-        assert spy.allocs == ["empty.memory_format"], spy.allocs
+        assert spy.allocs in (["empty.memory_format"], ["new_empty.default"]), spy.allocs
         # the fake decode copies each padded head's query: unpadded, each head's own
         torch.testing.assert_close(out.view(2, 4, sc.lora), q.view(2, 4, -1)[..., : sc.lora],
                                    rtol=0, atol=0)
