@@ -64,7 +64,7 @@ def _dst_offsets(page, off, h, d, s0, s1, s2, s3, s4, LAYOUT: tl.constexpr, X: t
 @triton.jit
 def _quantise(x, scale, FMAX: tl.constexpr, FP8: tl.constexpr, dst_ptr):
     if FP8:
-        y = x.to(tl.float32) / scale
+        y = tl.math.div_rn(x.to(tl.float32), scale)  # IEEE division, as torch's (see below)
         y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
         return y.to(dst_ptr.dtype.element_ty)
     else:
@@ -84,11 +84,14 @@ def _write_one(src_ptr, dst_ptr, sc_ptr, t, page, off, ok, scale, num_heads,
     x = tl.load(src_ptr + t * s_t + offs_h[:, None] * s_h + offs_d[None, :], mask=m, other=0.0)
     if TOKEN_SCALES:
         # one scale per (token, head): s = amax / (FMAX · scale), 1 for an all-zero vector;
-        # stored = saturate(x / (s · scale)) (the reference's operations, in its order)
+        # stored = saturate(x / (s · scale)) (the reference's operations, in its order).
+        # Divisions are div_rn: Triton's fp32 ``/`` is the approximate div.full.f32 on NVIDIA
+        # (up to 2 ulp), so the stored scales differed from torch's in the last bits on the
+        # H200 (test_gpu_token_head_write_bytes_equal_reference, 10:05 UTC run).
         xf = x.to(tl.float32)
-        s = tl.max(tl.abs(xf), axis=1) / (FMAX * scale)
+        s = tl.math.div_rn(tl.max(tl.abs(xf), axis=1), FMAX * scale)
         s = tl.where(s > 0.0, s, 1.0)
-        y = xf / (s * scale)[:, None]
+        y = tl.math.div_rn(xf, (s * scale)[:, None])
         y = tl.minimum(tl.maximum(y, -FMAX), FMAX).to(dst_ptr.dtype.element_ty)
         tl.store(sc_ptr + page * c0 + off * c1 + offs_h.to(tl.int64) * c2, s, mask=h_ok)
     else:
