@@ -1,5 +1,5 @@
 """Execution helpers shared by the NHD-family strategies (MHA, SWA, VEC5D): one attention call
-with the layer's features, and a tree mask with a sliding window folded in at the tokens' path
+through the layer group's bound kernel object (:func:`attend_layer`), and a tree mask with a sliding window folded in at the tokens' path
 positions, derived from the mask (a branch sees the ``w`` most recent tokens of its own path)."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ from __future__ import annotations
 import torch
 
 from ..batch import ForwardBatch
-from ..kernels.registry import KernelRequest, Selection
+from ..kernels.registry import KernelRequest
 from ..kv_scales import TOKEN_SCALE_FEATURE
 from ..metadata import AttnMetadata, CustomMask, PageTable, QueryLayout
-from ..types import FP8_DTYPES, LayerSpec, kv_dequant_scales
+from ..types import FP8_DTYPES, LayerSpec
 from .base import ExecutionStrategy
 
-__all__ = ["attend", "attend_layer", "effective_causal", "effective_window", "require_pool",
+__all__ = ["attend_layer", "effective_causal", "effective_window", "require_pool",
            "window_tree_mask", "write_kv_request", "write_kwargs"]
 
 
@@ -63,41 +63,6 @@ def window_tree_mask(mask: CustomMask, batch: ForwardBatch, query: QueryLayout,
     k_pos = torch.where(is_draft, prefix + depth[key_row], j)
     keep = visible & (k_pos >= q_pos - (window - 1))
     return CustomMask(custom_mask=keep.view(mask.custom_mask.shape), mask_indptr=mask.mask_indptr)
-
-
-def attend(executor: ExecutionStrategy, op_request, q, k_cache, v_cache,
-           layer: LayerSpec, batch: ForwardBatch, md: AttnMetadata, pages: PageTable, sinks):
-    """One attention call of ``layer`` through the kernel chosen for ``op_request``'s op
-    (``paged_attention`` semantics; the caches are in whatever layout that op takes).
-    ``op_request`` is a :class:`KernelRequest` or an already made ``Selection``.
-
-    Applies the layer's window (``(w - 1, 0)``), soft-cap, sinks and k/v scales (fp8 caches
-    only: :func:`~aiter_attn.types.kv_dequant_scales`; the kernel gets ``None`` otherwise); a tree mask
-    is applied literally (non-causal), and a window is folded into it at the tokens' true
-    positions.
-    """
-    num_tokens = q.shape[0]
-    window = layer.window_size()
-    mask = md.mask
-    if mask is not None and layer.sliding_window is not None:
-        mask = window_tree_mask(mask, batch, md.query, layer.sliding_window)
-        window = (-1, -1)
-    sel = (op_request if isinstance(op_request, Selection)
-           else executor.kernel_for(op_request, op_request))
-    k_scale, v_scale = kv_dequant_scales(k_cache.dtype, layer.k_scale, layer.v_scale)
-    out = torch.empty(num_tokens, layer.num_q_heads, layer.v_head_dim, dtype=q.dtype,
-                      device=q.device)
-    sel.fn(
-        q, k_cache, v_cache, out,
-        cu_seqlens_q=md.query.cu_seqlens_q, seqused_k=pages.seqused_k,
-        block_table=pages.block_table, softmax_scale=layer.scaling,
-        causal=effective_causal(layer, md), window_size=window, softcap=layer.logit_cap,
-        sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-        custom_mask=None if mask is None else mask.custom_mask,
-        mask_indptr=None if mask is None else mask.mask_indptr,
-        max_seqlen_q=md.query.max_seqlen_q, max_seqlen_k=pages.max_seqlen_k,
-    )
-    return out.view(num_tokens, layer.num_q_heads * layer.v_head_dim)
 
 
 def attend_layer(executor: ExecutionStrategy, request_fn, q, k_cache, v_cache, layer: LayerSpec,

@@ -253,7 +253,10 @@ def shared_config(*, group: int, head_dim_pad: int, fp32: bool, on_gpu: bool,
     block_m = max(block_m, heads)
     block_n = CASCADE_TUNING.get("block_n", block_n)
     block_t = max(1, block_m // heads)
-    split_keys = CASCADE_TUNING.get("split_keys", 512)
+    # 1024 shared keys per split: the H200 sweep of 2026-12-03 10:05 UTC (64 × (4096 + 256),
+    # GQA 32/8, d128, bf16) replayed 0.0696 ms against 0.0765 ms with 512 and 0.0764 with 256
+    # (docs/benchmarks.md, "Fourth session")
+    split_keys = CASCADE_TUNING.get("split_keys", 1024)
     max_splits = CASCADE_TUNING.get("max_splits", 16)
     q_tiles = -(-max(num_tokens, 1) // block_t) * num_kv_heads
     splits = 1
