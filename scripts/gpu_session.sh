@@ -3,6 +3,8 @@
 #   scripts/gpu_session.sh tests   # every gpu-marked test + verify on CUDA  -> $OUT/gpu_tests.log
 #   scripts/gpu_session.sh bench   # decode variants, host cost, mixed steps -> $OUT/*.json, *.md
 #   scripts/gpu_session.sh all     # both, with shorter limits (fits one 10-minute device call)
+#   scripts/gpu_session.sh next    # the fourth session's open checks, most important first
+#                                  # (-v: a time cap still leaves which tests passed/failed)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -11,6 +13,16 @@ mkdir -p "$OUT"
 T=330 V=120 B1=200 B2=200 B3=150
 if [ "${1:-tests}" = all ]; then T=200 V=50 B1=90 B2=110 B3=80; fi
 case "${1:-tests}" in
+  next)
+    timeout 90 python3 -m pytest -q -m gpu tests/test_graph_gpu.py -k multi_step -x \
+      -p no:cacheprovider --tb=short 2>&1 | tail -30 | tee "$OUT/next_multistep.log"
+    timeout 150 python3 -m pytest -q -m gpu tests/test_conformance_contract.py \
+      tests/test_fp8_formats.py -p no:cacheprovider --tb=short 2>&1 | tail -40 \
+      | tee "$OUT/next_verify_fp8.log"
+    timeout 300 python3 -m pytest -m gpu -n 8 -v --tb=short --timeout 150 tests \
+      -p no:cacheprovider -p no:warnings > "$OUT/gpu_tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed" "$OUT/gpu_tests.log" | tail -30
+    ;;
   tests|all)
     timeout $T python3 -m pytest -q -n 8 -m gpu tests -p no:cacheprovider -p no:warnings \
       --timeout 240 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
