@@ -45,7 +45,8 @@ from ..hookspecs import hookimpl
 from ..types import FP8_DTYPES, CGSupport
 from ..validation import unit_stride
 from . import aiter_marshal as M
-from .base import AttentionKernel, KernelPlan, MLAKernel, mask_literal, mla_request, plan_hints
+from .base import (AttentionKernel, KernelPlan, MLAKernel, mask_literal, mla_request, plan_hints,
+                   token_count_error)
 from .registry import Capabilities
 
 __all__ = [
@@ -364,8 +365,7 @@ class AiterPagedAttention(_AiterKernel, AttentionKernel):
         """The planned route's aiter call; allocates nothing (a prefill release that returns
         a new tensor is copied into ``out``)."""
         if q.shape[0] != plan.num_tokens:
-            raise ValueError(f"{self.name}: q has {q.shape[0]} tokens but the plan was made for "
-                             f"{plan.num_tokens}; plan this step's metadata first.")
+            raise token_count_error(self.name, q.shape[0], plan)
         k_cache, v_cache = cache
         cu, seqused_k, block_table = plan.args
         ks = params.k_scale_t if params.has_scales else None
@@ -548,8 +548,7 @@ class AiterMLA(_AiterKernel, MLAKernel):
         plan's buffers)."""
         t = q.shape[0]
         if t != plan.num_tokens:
-            raise ValueError(f"{self.name}: q has {t} tokens but the plan was made for "
-                             f"{plan.num_tokens}; plan this step's metadata first.")
+            raise token_count_error(self.name, t, plan)
         kv_cache = cache[0]
         cu, kv_indptr, kv_indices, ones = plan.args
         scale = params.k_scale_t if params.has_scales else None  # fp8 caches only
@@ -681,8 +680,7 @@ class AiterPagedAttention5D(_AiterKernel, AttentionKernel):
         if plan.fallback is not None:
             return plan.fallback.run(q, cache, plan.inner, params, out, lse=lse)
         if q.shape[0] != plan.num_tokens:
-            raise ValueError(f"{self.name}: q has {q.shape[0]} tokens but the plan was made for "
-                             f"{plan.num_tokens}; plan this step's metadata first.")
+            raise token_count_error(self.name, q.shape[0], plan)
         k_cache, v_cache = cache
         seqused_k, block_table = plan.args
         self._call(M.build_pa_decode_gluon_call(

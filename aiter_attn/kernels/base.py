@@ -44,6 +44,7 @@ __all__ = [
     "ATTENTION_OPS",
     "mask_literal",
     "plan_hints",
+    "token_count_error",
 ]
 
 #: Ops whose implementations are attention kernels (``run(q, cache, plan, params, out)``;
@@ -186,6 +187,13 @@ class KernelPlan:
 
     num_tokens: int
     mask_literal: bool = False
+
+
+def token_count_error(kernel_name: str, num_tokens: int, plan: "KernelPlan") -> ValueError:
+    """The error of a ``run`` whose ``q`` holds ``num_tokens`` tokens while ``plan`` was made
+    for ``plan.num_tokens`` (every kernel's O(1) check raises this one)."""
+    return ValueError(f"{kernel_name}: q has {num_tokens} tokens but the plan was made for "
+                      f"{plan.num_tokens}; plan this step's metadata first.")
 
 
 class StepPlans:

@@ -35,7 +35,7 @@ from ..graph.signature import SIGNATURE_KEY
 from ..metadata import PageTable
 from ..types import CGSupport, FP8_DTYPES
 from ..validation import check_tensor
-from .base import AttentionKernel, KernelPlan, LayerParams, plan_hints
+from .base import AttentionKernel, KernelPlan, LayerParams, plan_hints, token_count_error
 from .cascade_plan import (CascadeIndex, cascade_index_buffers, num_tiles_bound,
                            plan_cascade_index)
 
@@ -321,8 +321,7 @@ class CascadeKernel(AttentionKernel):
         if not plan.cascade:
             return self.inner.run(q, cache, plan.inner, params, out, lse=lse)
         if q.shape[0] != plan.num_tokens:
-            raise ValueError(f"{self.name}: q has {q.shape[0]} tokens but the plan was made "
-                             f"for {plan.num_tokens}; plan this step's metadata first.")
+            raise token_count_error(self.name, q.shape[0], plan)
         self.inner.run(q, cache, plan.inner, params, out, lse=plan.own_lse)
         k_cache, v_cache = cache
         if self.impl == "reference":

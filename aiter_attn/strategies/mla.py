@@ -416,17 +416,23 @@ class MLAExecution(ExecutionStrategy):
             return self._run_absorbed(q, k, layer, batch, metadata, save_kv_cache)
         return self._run_expanded(q, k, v, layer, batch, metadata, save_kv_cache)
 
-    # -- absorbed --------------------------------------------------------------------------
-    def _check_absorbed(self, layer: LayerSpec) -> tuple[int, int]:
+    def _check_latent_dims(self, layer: LayerSpec, form: str) -> tuple[int, int]:
+        """The latent pool's ``(kv_lora_rank, qk_rope_head_dim)``; raises if ``layer``
+        (called in the ``form`` MLA form) was built for other ones."""
         pool = self.ctx.kv_pool
         lora, rope = pool.kv_lora_rank, pool.qk_rope_head_dim
         if (layer.kv_lora_rank, layer.qk_rope_head_dim) != (lora, rope):
             raise ValueError(
-                f"layer {layer.layer_id} called in the absorbed MLA form has kv_lora_rank="
+                f"layer {layer.layer_id} called in the {form} MLA form has kv_lora_rank="
                 f"{layer.kv_lora_rank}, qk_rope_head_dim={layer.qk_rope_head_dim}; the latent "
                 f"pool has ({lora}, {rope}). Build MLA layers with aiter_attn.mla_layer_specs("
                 "..., scaling=...), which sets them and the softmax scale explicitly."
             )
+        return lora, rope
+
+    # -- absorbed --------------------------------------------------------------------------
+    def _check_absorbed(self, layer: LayerSpec) -> tuple[int, int]:
+        lora, rope = self._check_latent_dims(layer, "absorbed")
         if (layer.num_kv_heads, layer.head_dim, layer.v_head_dim) != (1, lora + rope, lora):
             raise ValueError(
                 f"layer {layer.layer_id} called in the absorbed MLA form (v=None) has "
@@ -552,15 +558,7 @@ class MLAExecution(ExecutionStrategy):
                 "from per-head K/V; write the step's latent with MLAKVPool.write_latent(...) "
                 "and call forward(..., save_kv_cache=False)."
             )
-        rope = self.ctx.kv_pool.qk_rope_head_dim
-        lora = self.ctx.kv_pool.kv_lora_rank
-        if (layer.kv_lora_rank, layer.qk_rope_head_dim) != (lora, rope):
-            raise ValueError(
-                f"layer {layer.layer_id} called in the expanded MLA form has kv_lora_rank="
-                f"{layer.kv_lora_rank}, qk_rope_head_dim={layer.qk_rope_head_dim}; the latent "
-                f"pool has ({lora}, {rope}). Build MLA layers with aiter_attn.mla_layer_specs("
-                "..., scaling=...), which sets them and the softmax scale explicitly."
-            )
+        lora, rope = self._check_latent_dims(layer, "expanded")
         heads, dim, dv = layer.num_q_heads, layer.head_dim, layer.v_head_dim
         nope = dim - rope
         if layer.num_kv_heads != heads or nope <= 0:

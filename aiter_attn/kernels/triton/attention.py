@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ...types import FP8_DTYPES
 from ...validation import unit_stride
-from ..base import MEMO, AttentionKernel, KernelPlan, mask_literal, plan_hints
+from ..base import MEMO, AttentionKernel, KernelPlan, mask_literal, plan_hints, token_count_error
 from ._kvutil import next_pow2
 from ._launch import Launcher, tensor_key
 from ._launch_config import TUNING_OVERRIDES, _cdiv, choose_config
@@ -448,8 +448,7 @@ class TritonPagedAttention(AttentionKernel):
         if n != plan.num_tokens:
             if plan.num_tokens == 0:
                 return out
-            raise ValueError(f"{self.name}: q has {n} tokens but the plan was made for "
-                             f"{plan.num_tokens}; plan this step's metadata first.")
+            raise token_count_error(self.name, n, plan)
         if n == 0:
             return out
         args, key, pe, layout = self._launch_args(q, cache, plan, params, out, lse)

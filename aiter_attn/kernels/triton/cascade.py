@@ -36,6 +36,7 @@ import triton.language as tl
 
 from ._kvutil import next_pow2
 from ._paging import load_chunk_pages, tile_pages_of
+from ._softmax import online_softmax_tile, tanh
 
 __all__ = ["cascade_shared_triton", "cascade_merge_triton", "CASCADE_TUNING",
            "shared_config"]
@@ -47,11 +48,6 @@ _UNBOUNDED = tl.constexpr(1 << 30)  # jit functions read only constexpr globals
 #: ``num_stages``, ``split_keys`` (shared keys per split), ``max_splits``, ``num_splits``,
 #: ``page_chunk`` (key tiles per block-table load; 0 = a lookup per tile).
 CASCADE_TUNING: dict = {}
-
-
-@triton.jit
-def _tanh(x):
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
 @triton.jit
@@ -69,21 +65,14 @@ def _shared_tile(acc, m_i, l_i, q, qk_scale, softcap, k_base, v_base, page, in_p
                 mask=kin[:, None] & dv_mask[None, :], other=0.0)
     s = tl.dot(q, k.to(COMPUTE_DTYPE), input_precision=DOT_PRECISION)
     if HAS_SOFTCAP:
-        s = softcap * _tanh(s * qk_scale / softcap) * _LOG2E
+        s = softcap * tanh(s * qk_scale / softcap) * _LOG2E
     else:
         s = s * (qk_scale * _LOG2E)
     vis = kin[None, :] & row_valid[:, None]
     if HAS_WINDOW:
         vis = vis & (kpos[None, :] >= pos[:, None] - left)
     s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE), acc, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+    return online_softmax_tile(acc, m_i, l_i, s, v, COMPUTE_DTYPE, DOT_PRECISION)
 
 
 @triton.jit

@@ -30,7 +30,7 @@ from typing import Optional
 import attrs
 import torch
 
-from ..base import AttentionKernel, KernelPlan, plan_hints
+from ..base import AttentionKernel, KernelPlan, plan_hints, token_count_error
 from .attention import TritonPagedAttention
 from .prefill import MAX_HEAD_DIM, PrefillConfig, choose_prefill_config, prefill_launch_args
 from .prefill import _dense_prefill_kernel
@@ -180,8 +180,7 @@ class TritonExtendAttention(AttentionKernel):
         if q.shape[0] != plan.num_tokens:
             if plan.num_tokens == 0:
                 return out
-            raise ValueError(f"{self.name}: q has {q.shape[0]} tokens but the plan was made for "
-                             f"{plan.num_tokens}; plan this step's metadata first.")
+            raise token_count_error(self.name, q.shape[0], plan)
         if plan.num_tokens == 0:
             return out
         if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:

@@ -38,7 +38,7 @@ import triton.language as tl
 from ...types import FP8_DTYPES
 from ...validation import INDEX_DTYPES, unit_stride
 from ..base import (MEMO, KernelPlan, MLAKernel, _adhoc_metadata, mask_literal,
-                    mla_layer_params, mla_request, plan_hints)
+                    mla_layer_params, mla_request, plan_hints, token_count_error)
 from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
 from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS
 from ._paging import load_chunk_pages, tile_pages_of
@@ -575,8 +575,7 @@ class TritonMLA(MLAKernel):
         if q.shape[0] != plan.num_tokens:
             if plan.num_tokens == 0:
                 return out
-            raise ValueError(f"{self.name}: q has {q.shape[0]} tokens but the plan was made for "
-                             f"{plan.num_tokens}; plan this step's metadata first.")
+            raise token_count_error(self.name, q.shape[0], plan)
         if plan.num_tokens == 0:
             return out
         kv_cache = cache[0]

@@ -39,6 +39,7 @@ import triton.language as tl
 from ...types import FP8_DTYPES
 from ._kvutil import next_pow2
 from ._paging import load_chunk_pages, tile_pages_of
+from ._softmax import online_softmax_tile, tanh
 from ._launch_config import TUNING_OVERRIDES, _cdiv, choose_config
 
 __all__ = ["paged_attention_triton", "paged_attention_5d_triton", "reject_reason", "MAX_HEAD_DIM",
@@ -48,12 +49,6 @@ MAX_HEAD_DIM = 256
 MAX_GROUP = 128
 _LOG2E = tl.constexpr(1.4426950408889634)  # logits run in the log2 domain (exp2)
 _UNBOUNDED = 1 << 30  # window side "-1": far beyond any context length, no int32 overflow
-
-
-@triton.jit
-def _tanh(x):
-    # Portable tanh (works in the interpreter and on every backend): 1 - 2 / (e^{2x} + 1).
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
 @triton.jit
@@ -111,7 +106,7 @@ def _tile_step(
             v = tl.minimum(tl.maximum(v, -65504.0), 65504.0)
     if HAS_SOFTCAP:
         # softcap·tanh(x/softcap) on natural-unit logits, then to the log2 domain
-        s = softcap * _tanh(s * qk_scale / softcap) * _LOG2E
+        s = softcap * tanh(s * qk_scale / softcap) * _LOG2E
     else:
         s = s * (qk_scale * _LOG2E)
     if MASKED:
@@ -125,14 +120,7 @@ def _tile_step(
                          mask=vis, other=0)
             vis = vis & (mk != 0)
         s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE), acc, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+    return online_softmax_tile(acc, m_i, l_i, s, v, COMPUTE_DTYPE, DOT_PRECISION)
 
 
 @triton.jit

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from ._kvutil import interpreting, max_shared_mem, next_pow2
+from ._softmax import tanh
 
 __all__ = ["PrefillConfig", "choose_prefill_config", "dense_prefill", "PREFILL_OVERRIDES",
            "MAX_HEAD_DIM", "tma_ok"]
@@ -60,11 +61,6 @@ try:  # Triton ≥ 3.3: host tensor descriptors (TMA on sm_90)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
-
-
-@triton.jit
-def _tanh(x):
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
 @triton.jit
@@ -138,7 +134,7 @@ def _dense_tiles(
         else:
             s = tl.dot(q, k, input_precision=DOT_PRECISION)
         if HAS_SOFTCAP:
-            s = softcap * _tanh(s * (qk2 / _LOG2E) / softcap) * _LOG2E
+            s = softcap * tanh(s * (qk2 / _LOG2E) / softcap) * _LOG2E
         if MASKED == 0:
             if HAS_SOFTCAP:
                 m_new = tl.maximum(m_i, tl.max(s, 1))

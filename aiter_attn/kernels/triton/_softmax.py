@@ -1,0 +1,33 @@
+"""Online-softmax pieces shared by the Triton attention kernels (paged, cascade shared pass,
+dense prefill): a portable tanh for the soft-cap and one key tile's update of the running
+``(acc, m, l)`` in the base-2 domain (logits already scaled by ``log2 e``)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["tanh", "online_softmax_tile"]
+
+
+@triton.jit
+def tanh(x):
+    """Portable tanh (the interpreter and every backend): ``1 - 2 / (e^{2x} + 1)``."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def online_softmax_tile(acc, m_i, l_i, s, v, COMPUTE_DTYPE: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
+    """Fold one key tile into the running state. ``s`` float32 ``[M, N]`` base-2 logits
+    (masked keys ``-inf``), ``v`` ``[N, Dv]``, ``acc`` float32 ``[M, Dv]``, ``m_i``/``l_i``
+    float32 ``[M]`` (running max / exp-sum). A row that has seen nothing keeps ``m = -inf``,
+    ``l = 0``, ``acc = 0`` (no NaN). Returns ``(acc, m_new, l_i)``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE), acc, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
