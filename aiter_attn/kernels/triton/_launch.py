@@ -155,14 +155,7 @@ class Launcher:
         """Launch directly if ``key`` was launched before (see :meth:`launch`); ``False``
         (nothing launched) otherwise: the caller then calls :meth:`launch` with the
         constexprs, which it need not build on the direct path."""
-        if not self.direct:
-            return False
-        rt = self._rt
-        try:  # launch hooks, pre-run hooks, debug: the regular path (see _hooked)
-            if (rt.launch_enter_hook.calls or rt.launch_exit_hook.calls or rt.debug
-                    or self._pre):
-                return False
-        except AttributeError:
+        if not self.direct or self._hooked():  # hooks or debug: the regular path
             return False
         device = self._device()
         hit = self._cache.get((device, key))
