@@ -230,6 +230,12 @@ SWEEP = [
     {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "split_keys": 512},
     {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "split_keys": 2048},
     {"block_m": 32, "block_n": 64, "num_warps": 4, "num_stages": 3},
+    {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "split_keys": 512},
+    {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3, "split_keys": 512},
+    {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "split_keys": 1024},
+    {"block_m": 256, "block_n": 32, "num_warps": 8, "num_stages": 3, "split_keys": 256},
+    {"block_m": 256, "block_n": 64, "num_warps": 8, "num_stages": 2, "split_keys": 512},
+    {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "split_keys": 1024},
 ]
 
 

@@ -5,6 +5,8 @@
 #   scripts/gpu_session.sh all     # both, with shorter limits (fits one 10-minute device call)
 #   scripts/gpu_session.sh next    # the fourth session's open checks, most important first
 #                                  # (-v: a time cap still leaves which tests passed/failed)
+#   scripts/gpu_session.sh fifth   # multi-step graphs, CUDA verify + fp8 (full tracebacks),
+#                                  # cascade sweep + mixed steps, prefill rows, ncu evidence
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -22,6 +24,25 @@ case "${1:-tests}" in
     timeout 300 python3 -m pytest -m gpu -n 8 -v --tb=short --timeout 150 tests \
       -p no:cacheprovider -p no:warnings > "$OUT/gpu_tests.log" 2>&1
     grep -E "FAILED|ERROR| passed| failed" "$OUT/gpu_tests.log" | tail -30
+    ;;
+  fifth)
+    timeout 70 python3 -m pytest -v -m gpu tests/test_graph_gpu.py -k multi_step \
+      -p no:cacheprovider --tb=short > "$OUT/multistep.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/multistep.log" | tail -20
+    timeout 120 python3 -m pytest -v -m gpu tests/test_conformance_contract.py \
+      tests/test_fp8_formats.py tests/test_kv_scales.py -p no:cacheprovider --tb=long \
+      > "$OUT/verify_fp8.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/verify_fp8.log" | tail -40
+    timeout 190 python3 benchmarks/bench_attention.py --only mixed,cascade --cascade-sweep \
+      --out "$OUT/bench" 2>&1 | grep -v "^ *$" | tail -40
+    timeout 80 python3 benchmarks/bench_prefill.py --no-sweep --out "$OUT/prefill" 2>&1 \
+      | tail -22
+    timeout 100 ncu --clock-control none --profile-from-start off --nvtx \
+      --target-processes all --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section MemoryWorkloadAnalysis --section WarpStateStats \
+      python3 benchmarks/ncu_kernels.py > "$OUT/ncu.log" 2>&1
+    tail -5 "$OUT/ncu.log"
+    rm -f "$OUT"/*/*.png
     ;;
   tests|all)
     timeout $T python3 -m pytest -q -n 8 -m gpu tests -p no:cacheprovider -p no:warnings \
