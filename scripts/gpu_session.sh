@@ -7,6 +7,8 @@
 #                                  # (-v: a time cap still leaves which tests passed/failed)
 #   scripts/gpu_session.sh fifth   # multi-step graphs, CUDA verify + fp8 (full tracebacks),
 #                                  # cascade sweep + mixed steps, prefill rows, ncu evidence
+#   scripts/gpu_session.sh sixth   # the whole gpu suite (-v, per-test timeout with stacks),
+#                                  # per-kernel time split (profile_kernels.py), mixed steps
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -43,6 +45,14 @@ case "${1:-tests}" in
       python3 benchmarks/ncu_kernels.py > "$OUT/ncu.log" 2>&1
     tail -5 "$OUT/ncu.log"
     rm -f "$OUT"/*/*.png
+    ;;
+  sixth)
+    timeout 320 python3 -m pytest -m gpu -n 8 -v --tb=short --timeout 280 --durations=30 tests \
+      -p no:cacheprovider -p no:warnings > "$OUT/gpu_tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed|Timeout" "$OUT/gpu_tests.log" | tail -30
+    timeout 80 python3 benchmarks/profile_kernels.py --out "$OUT" 2>&1 | tail -45
+    timeout 170 python3 benchmarks/bench_attention.py --only mixed --out "$OUT/mixed" 2>&1 \
+      | tail -8
     ;;
   tests|all)
     timeout $T python3 -m pytest -q -n 8 -m gpu tests -p no:cacheprovider -p no:warnings \
