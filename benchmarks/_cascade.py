@@ -222,6 +222,7 @@ def run_cascade(device=None, *, smoke: bool = False, bs: int = 64, shared: int =
 
 #: Launch variants of the shared pass timed by ``--cascade-sweep`` (``CASCADE_TUNING`` keys).
 SWEEP = [
+    {"overlap": False},  # both passes on one stream (the default before 2026-12-03 23:50)
     {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
     {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2},
     {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},

@@ -182,3 +182,43 @@ def test_gpu_bench_shape(dtype, rtol):
                                   min_shared_tokens=1024, backend="triton",
                                   max_seqlen_q=1, max_seqlen_k=4096 + 256)
     assert_close_rel(out, case.oracle(), rtol, f"bench shape {dtype}")
+
+
+@pytest.mark.gpu
+def test_gpu_overlap_equals_one_stream_eager_and_replayed():
+    """The own pass on the side stream (default) gives the bits of both passes on one stream,
+    eager and replayed from a captured graph (a missing fork or join would race: the merge
+    reading the own pass's output or LSE before it is written, or the capture losing it)."""
+    from aiter_attn.kernels.triton import cascade as tmod
+
+    layout = [(256, [(256, 256, 1)] * 64)]
+    case = SharedCase(layout, hq=32, hkv=8, d=128, page=16, dtype=torch.bfloat16,
+                      seed=3).to("cuda")
+    kw = dict(**case.args(), min_shared_tokens=1024, backend="triton", max_seqlen_q=1,
+              max_seqlen_k=4096 + 256)
+    saved = dict(tmod.CASCADE_TUNING)
+    try:
+        tmod.CASCADE_TUNING["overlap"] = False
+        one = cascade_paged_attention(case.q, case.k_cache, case.v_cache, **kw)
+        tmod.CASCADE_TUNING["overlap"] = True
+        eager = cascade_paged_attention(case.q, case.k_cache, case.v_cache, **kw)
+        torch.cuda.synchronize()
+        assert torch.equal(eager, one)
+        out = torch.full_like(one, float("nan"))
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up (compiles) off the capture
+            cascade_paged_attention(case.q, case.k_cache, case.v_cache, out=out, **kw)
+        torch.cuda.current_stream().wait_stream(s)
+        out.fill_(float("nan"))
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            cascade_paged_attention(case.q, case.k_cache, case.v_cache, out=out, **kw)
+        for _ in range(3):
+            out.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, one)
+    finally:
+        tmod.CASCADE_TUNING.clear()
+        tmod.CASCADE_TUNING.update(saved)

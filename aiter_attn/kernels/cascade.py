@@ -8,6 +8,7 @@ runs of consecutive requests whose leading page ids agree over at least
 after the run's shared pages, ``seqused_k − S``) and sizes the shared pass; ``run`` launches
 
 1. the wrapped kernel over the own pages with the LSE (sinks, window, soft-cap as usual),
+   on a GPU on a side stream of the kernel object, concurrent with
 2. the shared pass: each run's queries tiled together against the run's shared pages, read
    once per (run, KV head, query tile, key split) (:mod:`aiter_attn.kernels.triton.cascade`),
 3. the merge by LSE, in place into ``out``.
@@ -97,6 +98,10 @@ class CascadePlan(KernelPlan):
     part_acc: Optional[torch.Tensor] = attrs.field(default=None, **_T)
     part_ml: Optional[torch.Tensor] = attrs.field(default=None, **_T)
     cfg: dict = attrs.field(factory=dict, **_T)
+    #: the stream of the own pass when it overlaps the shared pass (a real GPU, the
+    #: ``overlap`` tuning on); ``None``: both passes on the caller's stream
+    side_stream: Optional[object] = attrs.field(default=None, metadata={SIGNATURE_KEY: False},
+                                                **_T)
     # host groups of the (eager-only) reference path: never read by a graph
     groups: tuple = attrs.field(default=(), metadata={SIGNATURE_KEY: False})
 
@@ -147,6 +152,7 @@ class CascadeKernel(AttentionKernel):
         req = inner.request
         self.head_dim = req.head_dim if req is not None else None
         self.v_head_dim = (req.v_head_dim or req.head_dim) if req is not None else None
+        self._side_stream = None
 
     @property
     def cg_support(self) -> CGSupport:
@@ -309,7 +315,13 @@ class CascadeKernel(AttentionKernel):
             groups = tuple(cascade_groups_reference(
                 pages.block_table, pages.seqused_k, query.cu_seqlens_q, pages.page_size,
                 min_shared_pages(self.min_shared_tokens, pages.page_size)))
+        side = None
+        if self.impl == "triton" and _on_gpu(device) and cfg.get("overlap"):
+            if self._side_stream is None:  # once per kernel object, on its first GPU plan
+                self._side_stream = torch.cuda.Stream(device)
+            side = self._side_stream
         return CascadePlan(
+            side_stream=side,
             num_tokens=num_tokens, inner=self.inner.plan(own_view, out), cascade=True,
             index=index, block_table=pages.block_table, cu_seqlens_q=query.cu_seqlens_q,
             seqused_k=pages.seqused_k, own_lse=own_lse,
@@ -322,12 +334,23 @@ class CascadeKernel(AttentionKernel):
             return self.inner.run(q, cache, plan.inner, params, out, lse=lse)
         if q.shape[0] != plan.num_tokens:
             raise token_count_error(self.name, q.shape[0], plan)
-        self.inner.run(q, cache, plan.inner, params, out, lse=plan.own_lse)
         k_cache, v_cache = cache
         if self.impl == "reference":
+            self.inner.run(q, cache, plan.inner, params, out, lse=plan.own_lse)
             return self._run_reference(q, k_cache, v_cache, plan, params, out, lse)
         from .triton.cascade import cascade_merge_triton, cascade_shared_triton
 
+        side = plan.side_stream
+        if side is not None:
+            # the own pass (memory-bound, many small programs) on a side stream, concurrent
+            # with the shared pass (compute-bound): a fork and a join of events, no host
+            # sync; under capture the graph gets two parallel branches
+            main = torch.cuda.current_stream(q.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                self.inner.run(q, cache, plan.inner, params, out, lse=plan.own_lse)
+        else:
+            self.inner.run(q, cache, plan.inner, params, out, lse=plan.own_lse)
         ix = plan.index
         cascade_shared_triton(
             q, k_cache, v_cache, plan.part_acc, plan.part_ml, ix.tiles, ix.q_pos,
@@ -335,6 +358,8 @@ class CascadeKernel(AttentionKernel):
             softcap=params.softcap,
             k_scale_t=params.k_scale_t if params.has_scales else None,
             v_scale_t=params.v_scale_t if params.has_scales else None, cfg=plan.cfg)
+        if side is not None:
+            main.wait_stream(side)
         cascade_merge_triton(out, plan.own_lse, plan.part_acc, plan.part_ml, ix.tok_shared, lse)
         return out
 

@@ -46,7 +46,8 @@ _UNBOUNDED = tl.constexpr(1 << 30)  # jit functions read only constexpr globals
 
 #: Launch overrides (tests and tuning): ``block_m``, ``block_n``, ``num_warps``,
 #: ``num_stages``, ``split_keys`` (shared keys per split), ``max_splits``, ``num_splits``,
-#: ``page_chunk`` (key tiles per block-table load; 0 = a lookup per tile).
+#: ``page_chunk`` (key tiles per block-table load; 0 = a lookup per tile), ``overlap`` (on a
+#: GPU the own pass runs on a side stream beside the shared pass; default on).
 CASCADE_TUNING: dict = {}
 
 
@@ -254,6 +255,7 @@ def shared_config(*, group: int, head_dim_pad: int, fp32: bool, on_gpu: bool,
     splits = CASCADE_TUNING.get("num_splits", splits)
     page_chunk = int(CASCADE_TUNING.get("page_chunk", 16))
     return dict(heads=heads, block_m=block_m, block_n=block_n, block_t=block_t,
+                overlap=bool(CASCADE_TUNING.get("overlap", True)),
                 page_chunk=next_pow2(page_chunk) if page_chunk else 0,
                 num_warps=CASCADE_TUNING.get("num_warps", num_warps),
                 num_stages=CASCADE_TUNING.get("num_stages", num_stages), num_splits=splits)
