@@ -107,9 +107,10 @@ def _timer(device, rep):
 
 def run_cascade(device=None, *, smoke: bool = False, bs: int = 64, shared: int = 4096,
                 own: int = 256, rep: int = 60, graphs: bool = True,
-                min_shared_tokens: int = 1024, sweep: bool = False) -> list[dict]:
+                min_shared_tokens: int = 1024, sweep=False) -> list[dict]:
     """Rows ``without cascade`` and ``with cascade`` (ms eager/graph, tokens/s, error) and
-    the ratio on the cascade row; ``sweep`` adds a row per :data:`SWEEP` launch variant."""
+    the ratio on the cascade row; ``sweep`` adds a row per :data:`SWEEP` launch variant
+    (``True`` or ``-1``: all of them; an int ``N``: the first ``N``)."""
     from aiter_attn.kernels.base import LayerParams
     from aiter_attn.kernels.cascade import CascadeKernel, _impl_for
     from aiter_attn.kernels.reference import paged_attention_reference
@@ -185,7 +186,8 @@ def run_cascade(device=None, *, smoke: bool = False, bs: int = 64, shared: int =
         a, b = base.get(f"{mode}_ms"), casc.get(f"{mode}_ms")
         if a and b:
             casc[f"{mode}_speedup"] = a / b
-    for tune in (SWEEP if sweep else ()):
+    variants = SWEEP if sweep is True or sweep == -1 else SWEEP[:max(int(sweep), 0)]
+    for tune in variants:
         from aiter_attn.kernels.triton import cascade as tmod
 
         saved = dict(tmod.CASCADE_TUNING)

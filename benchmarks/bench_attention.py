@@ -363,8 +363,9 @@ def main(argv=None):
     p.add_argument("--mla-sweep", action="store_true", help="also time MLA launch configs")
     p.add_argument("--budget-s", type=float, default=0,
                    help="skip the remaining rows after this many seconds (0 = no limit)")
-    p.add_argument("--cascade-sweep", action="store_true",
-                   help="also time launch variants of the cascade shared pass")
+    p.add_argument("--cascade-sweep", nargs="?", type=int, const=-1, default=0, metavar="N",
+                   help="also time launch variants of the cascade (_cascade.SWEEP; the first N "
+                        "of them with a number)")
     p.add_argument("--flex-prefill", action="store_true", help="flex_attention on prefill too")
     p.add_argument("--host-calls", type=int, default=2000,
                    help="calls per timed round of the host rows (≥ 2,000 for the record)")

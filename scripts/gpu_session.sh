@@ -47,11 +47,13 @@ case "${1:-tests}" in
     rm -f "$OUT"/*/*.png
     ;;
   sixth)
-    timeout 320 python3 -m pytest -m gpu -n 8 -v --tb=short --timeout 280 --durations=30 tests \
+    timeout 290 python3 -m pytest -m gpu -n 8 -v --tb=short --timeout 260 --durations=30 tests \
       -p no:cacheprovider -p no:warnings > "$OUT/gpu_tests.log" 2>&1
     grep -E "FAILED|ERROR| passed| failed|Timeout" "$OUT/gpu_tests.log" | tail -30
-    timeout 80 python3 benchmarks/profile_kernels.py --out "$OUT" 2>&1 | tail -45
-    timeout 170 python3 benchmarks/bench_attention.py --only mixed --out "$OUT/mixed" 2>&1 \
+    timeout 60 python3 benchmarks/profile_kernels.py --out "$OUT" 2>&1 | tail -45
+    timeout 100 python3 benchmarks/bench_attention.py --only cascade --cascade-sweep 1 \
+      --out "$OUT/cascade" 2>&1 | grep -v "^ *$" | tail -12
+    timeout 110 python3 benchmarks/bench_attention.py --only mixed --out "$OUT/mixed" 2>&1 \
       | tail -8
     ;;
   tests|all)
