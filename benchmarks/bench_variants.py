@@ -30,14 +30,29 @@ from bench_attention import RTOL_BF16, reference_mha, rel_err  # noqa: E402
 
 ROWS = [(1, 4096), (16, 4096), (1, 32768), (64, 4096), (8, 65536)]
 VARIANTS = ("default", "fused_reduce", "batch_invariant")
+#: ``--variants`` beyond :data:`VARIANTS`: launch overrides (``TUNING_OVERRIDES`` keys) of the
+#: small-batch decode rows (more, shorter splits; narrower key tiles with a deeper pipeline;
+#: 8 warps)
+OVERRIDES = {
+    "splits128": {"min_split_tokens": 128},
+    "splits64": {"min_split_tokens": 64},
+    "bn64": {"block_n": 64},
+    "bn64-s4": {"block_n": 64, "num_stages": 4},
+    "splits128-bn64": {"min_split_tokens": 128, "block_n": 64},
+    "w8": {"num_warps": 8},
+    "chunk16": {"page_chunk": 16},
+}
 
 
 def _ours(x, variant):
+    from aiter_attn import ops
     from aiter_attn.kernels.triton import _launch_config as lc
 
     lc.TUNING_OVERRIDES.clear()
+    ops._registry().calls.clear()  # the ops call memo keeps a plan made under other overrides
     if variant == "fused_reduce":
         lc.TUNING_OVERRIDES["fused_reduce"] = True
+    lc.TUNING_OVERRIDES.update(OVERRIDES.get(variant, {}))
     extra = {"batch_invariant": True} if variant == "batch_invariant" else {}
     fn, res = make_ours(x, **extra)
     return fn, res
@@ -49,15 +64,21 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--rep", type=int, default=40)
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma list of {VARIANTS + tuple(OVERRIDES)}")
+    p.add_argument("--rows", default=None, help="comma list of BSxCTX (e.g. 1x4096,16x4096)")
     args = p.parse_args()
+    variants = tuple(args.variants.split(","))
+    rows_wanted = ROWS if not args.rows else [tuple(int(v) for v in r.split("x"))
+                                              for r in args.rows.split(",")]
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    for bs, ctx in ROWS:
+    for bs, ctx in rows_wanted:
         x = make_mha(bs, ctx)
         nbytes = 2 * bs * ctx * x.hkv * x.d * x.k_cache.element_size()
         expected, sel = reference_mha(x, min(bs, 4), 1)
         row = {"row": f"{bs}x{ctx // 1024}k"}
-        for variant in VARIANTS:
+        for variant in variants:
             try:
                 fn, res = _ours(x, variant)
                 fn()
@@ -85,7 +106,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "bench_variants.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-    cols = list(VARIANTS) + ["cudnn"]
+    cols = list(variants) + ["cudnn"]
     print("| row | " + " | ".join(f"{c} TB/s" for c in cols) + " | fused/cuDNN | invariant/default |")
     print("| --- |" + " --- |" * (len(cols) + 2))
     for r in rows:

@@ -8,7 +8,8 @@
 #   scripts/gpu_session.sh fifth   # multi-step graphs, CUDA verify + fp8 (full tracebacks),
 #                                  # cascade sweep + mixed steps, prefill rows, ncu evidence
 #   scripts/gpu_session.sh sixth   # the whole gpu suite (-v, per-test timeout with stacks),
-#                                  # per-kernel time split (profile_kernels.py), mixed steps
+#                                  # per-kernel time split (profile_kernels.py), cascade rows,
+#                                  # small-batch decode launch variants
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -47,14 +48,15 @@ case "${1:-tests}" in
     rm -f "$OUT"/*/*.png
     ;;
   sixth)
-    timeout 290 python3 -m pytest -m gpu -n 8 -v --tb=short --timeout 260 --durations=30 tests \
+    timeout 280 python3 -m pytest -m gpu -n 8 -v --tb=short --timeout 250 --durations=30 tests \
       -p no:cacheprovider -p no:warnings > "$OUT/gpu_tests.log" 2>&1
     grep -E "FAILED|ERROR| passed| failed|Timeout" "$OUT/gpu_tests.log" | tail -30
     timeout 60 python3 benchmarks/profile_kernels.py --out "$OUT" 2>&1 | tail -45
     timeout 100 python3 benchmarks/bench_attention.py --only cascade --cascade-sweep 1 \
       --out "$OUT/cascade" 2>&1 | grep -v "^ *$" | tail -12
-    timeout 110 python3 benchmarks/bench_attention.py --only mixed --out "$OUT/mixed" 2>&1 \
-      | tail -8
+    timeout 90 python3 benchmarks/bench_variants.py --rows 1x4096,16x4096,1x32768 --rep 20 \
+      --variants default,splits128,splits64,bn64,bn64-s4,splits128-bn64,w8 --out "$OUT" \
+      2>&1 | tail -6
     ;;
   tests|all)
     timeout $T python3 -m pytest -q -n 8 -m gpu tests -p no:cacheprovider -p no:warnings \
