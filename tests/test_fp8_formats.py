@@ -293,6 +293,19 @@ def _raw(t):
     return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
 
 
+def _byte_diff(name, ref, got) -> str:
+    """How many elements of ``got`` differ bytewise from ``ref`` and the first few (index,
+    both values as float32 and raw), for a failure message that says what went wrong."""
+    diff = (_raw(ref) != _raw(got)).nonzero()
+    lines = [f"{name}: {diff.shape[0]} of {ref.numel()} Triton values differ bytewise from "
+             "the reference"]
+    for idx in diff[:4].tolist():
+        r, g = ref[tuple(idx)], got[tuple(idx)]
+        lines.append(f"  at {idx}: reference {float(r.float()):.9g} ({int(_raw(r.reshape(1))[0])})"
+                     f", Triton {float(g.float()):.9g} ({int(_raw(g.reshape(1))[0])})")
+    return "\n".join(lines)
+
+
 @pytest.mark.parametrize("fp8", FORMATS)
 @pytest.mark.parametrize("layer", [1.0, 0.25, 3.0])
 def test_token_head_round_trip_bound(fp8, layer):
@@ -860,7 +873,7 @@ def test_gpu_token_head_write_bytes_equal_reference(fp8, translated):
     ref_fn(a[0], a[1], slots, src, vsrc, k_scale_cache=a[2], v_scale_cache=a[3], **kw)
     fn(b[0], b[1], slots, src, vsrc, k_scale_cache=b[2], v_scale_cache=b[3], **kw)
     for name, x, y in zip(("k", "v", "k_scales", "v_scales"), a, b):
-        assert torch.equal(_raw(x), _raw(y)), f"{name}: Triton bytes differ from the reference"
+        assert torch.equal(_raw(x), _raw(y)), _byte_diff(name, x, y)
 
 
 @pytest.mark.gpu

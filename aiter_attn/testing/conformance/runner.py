@@ -26,6 +26,8 @@ What one case checks (``run_case``), in order:
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from typing import Iterable, Optional, Sequence
 
@@ -344,5 +346,12 @@ def run_conformance(
                             quick=quick, names=set(names or ()))
     if dtype is not None:
         selected = [with_dtype(c, dtype) for c in selected]
-    return ConformanceReport(backend, device, tuple(run_case(c, backend, device)
-                                                    for c in selected))
+    progress = os.environ.get("AITER_ATTN_VERIFY_PROGRESS", "") not in ("", "0")
+    results = []
+    for c in selected:
+        results.append(run_case(c, backend, device))
+        if progress:  # a slow device run shows where its time goes (stderr, per case)
+            r = results[-1]
+            print(f"verify {backend} {device} {r.name}: {r.status} in {r.seconds:.1f} s",
+                  file=sys.stderr, flush=True)
+    return ConformanceReport(backend, device, tuple(results))
