@@ -10,6 +10,8 @@
 #   scripts/gpu_session.sh sixth   # the whole gpu suite (-v, per-test timeout with stacks),
 #                                  # per-kernel time split (profile_kernels.py), cascade rows,
 #                                  # small-batch decode launch variants
+#   scripts/gpu_session.sh seventh # fp8 write bytes (full message), cascade + mixed rows,
+#                                  # then the whole gpu suite (-v) in what is left
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -57,6 +59,17 @@ case "${1:-tests}" in
     timeout 90 python3 benchmarks/bench_variants.py --rows 1x4096,16x4096,1x32768 --rep 20 \
       --variants default,splits128,splits64,bn64,bn64-s4,splits128-bn64,w8 --out "$OUT" \
       2>&1 | tail -6
+    ;;
+  seventh)
+    timeout 40 python3 -m pytest -m gpu tests/test_fp8_formats.py -k bytes_equal -q \
+      -p no:cacheprovider --tb=short 2>&1 | grep -vE "^\s*$|warn" | tail -40
+    timeout 90 python3 benchmarks/bench_attention.py --only cascade --cascade-sweep 1 \
+      --out "$OUT/cascade" 2>&1 | grep -v "^ *$" | tail -8
+    timeout 110 python3 benchmarks/bench_attention.py --only mixed --out "$OUT/mixed" 2>&1 \
+      | tail -6
+    timeout 300 python3 -m pytest -m gpu -n 8 -v --tb=short --timeout 200 --durations=20 tests \
+      -p no:cacheprovider -p no:warnings > "$OUT/gpu_tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed|Timeout" "$OUT/gpu_tests.log" | tail -30
     ;;
   tests|all)
     timeout $T python3 -m pytest -q -n 8 -m gpu tests -p no:cacheprovider -p no:warnings \

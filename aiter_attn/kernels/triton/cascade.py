@@ -219,6 +219,9 @@ def _cascade_merge_kernel(
 # host side
 # ----------------------------------------------------------------------------------------------
 
+#: merge programs to aim for (4 waves of 132 SMs); host ints only, no device query
+_MERGE_PROGRAMS = 528
+
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -305,11 +308,17 @@ def cascade_merge_triton(out, own_lse, part_acc, part_ml, tok_shared, lse=None):
         return out
     dv_pad = part_acc.shape[3]
     block_h = max(1, min(next_pow2(hq), max(1, 4096 // dv_pad)))
+    # enough programs to cover the SMs a few times: each program's split loop is a chain of
+    # dependent loads (H200, 64 decode tokens × 32 heads, 5 splits: one 32-head program per
+    # token took 12.2 µs of the cascade's 69 µs; profile_kernels.py, 2026-12-03 23:51 UTC)
+    while block_h > 1 and num_tokens * -(-hq // block_h) < _MERGE_PROGRAMS:
+        block_h //= 2
+    warps = max(1, min(4, block_h * dv_pad // 256))
     ls = lse.stride() if lse is not None else (0, 0)
     _cascade_merge_kernel[(num_tokens, triton.cdiv(hq, block_h))](
         out, own_lse, part_acc, part_ml, tok_shared, lse if lse is not None else own_lse, hq,
         part_acc.shape[0], out.stride(0), out.stride(1), own_lse.stride(0), own_lse.stride(1),
         part_acc.stride(0), part_acc.stride(1), part_ml.stride(0), part_ml.stride(1),
         ls[0], ls[1], DV=dv, DV_PAD=dv_pad, BLOCK_H=block_h, WRITE_LSE=lse is not None,
-        num_warps=4)
+        num_warps=warps)
     return out
