@@ -34,3 +34,28 @@ def test_negative_slots_are_skipped(backend, dtype):
     exp_v[slots[live]] = v[live]
     assert torch.equal(k_cache.view(-1, heads, d), exp_k), "K: a slot outside the batch changed"
     assert torch.equal(v_cache.view(-1, heads, d), exp_v), "V: a slot outside the batch changed"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("slots", [[0, -1, 18, -1], [-1, 5, 0, -1, -1], [-1, -1], [0]],
+                         ids=["live0-then-pad", "pad-live0-pad", "all-pad", "only0"])
+def test_live_slot_zero_beside_padding_rows(backend, slots):
+    """Slot 0 written by a live row while padding rows are in the batch: the live value
+    lands (the reference once sent padding rows to slot 0 with its old bytes, and the later
+    duplicate write won: wrong on the CPU for a padding row after the live one, and on CUDA
+    whatever the order)."""
+    g = torch.Generator().manual_seed(5)
+    pages, page, heads, d = 4, 16, 2, 16
+    k_cache = torch.randn(pages, page, heads, d, generator=g).to(DEVICE)
+    v_cache = torch.randn(pages, page, heads, d, generator=g).to(DEVICE)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    k = torch.randn(slots.shape[0], heads, d, generator=g).to(DEVICE)
+    v = torch.randn(slots.shape[0], heads, d, generator=g).to(DEVICE)
+    ops.write_kv(k_cache, v_cache, slots, k, v, backend=backend)
+    exp_k, exp_v = before_k.view(-1, heads, d).clone(), before_v.view(-1, heads, d).clone()
+    live = slots >= 0
+    exp_k[slots[live]] = k[live]
+    exp_v[slots[live]] = v[live]
+    assert torch.equal(k_cache.view(-1, heads, d), exp_k)
+    assert torch.equal(v_cache.view(-1, heads, d), exp_v)

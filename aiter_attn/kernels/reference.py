@@ -299,13 +299,30 @@ _RAW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def _write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
     """``cache.flat[slots[t]] = values[t]`` for ``slots[t] ≥ 0``; negative slots untouched.
-    Compares raw bytes (``torch.where`` has no fp8 kernels)."""
+    Compares raw bytes (``torch.where`` has no fp8 kernels).
+
+    Without a host sync (no boolean indexing), every row writes somewhere: a padding row
+    writes the last live row's value into that row's slot (the same bytes the live row
+    writes, so the duplicate index is harmless whichever write lands last), or, in a batch
+    with no live row, slot 0's own bytes back. (Redirecting padding rows to slot 0 with slot
+    0's old bytes raced with a live row writing slot 0: on CUDA the stale bytes won; H200,
+    ``test_gpu_token_head_write_bytes_equal_reference``, 2026-12-04.)"""
     raw_dtype = _RAW_DTYPES[cache.element_size()]
     flat = cache.view(-1, *cache.shape[2:]).view(raw_dtype)
+    if slots.numel() == 0:
+        return
     slots = slots.long()
-    keep = (slots >= 0).view(-1, *([1] * (flat.dim() - 1)))
-    idx = slots.clamp_min(0)
-    flat[idx] = torch.where(keep, values.view(raw_dtype), flat[idx])
+    vals = values.view(raw_dtype)
+    live = slots >= 0
+    pos = torch.arange(slots.shape[0], device=slots.device)
+    last = torch.where(live, pos, -1).max()  # 0-dim, on the device
+    has_live = last >= 0
+    last = last.clamp_min(0)
+    target = torch.where(has_live, slots[last], torch.zeros_like(slots[0]))
+    target_val = torch.where(has_live, vals[last], flat[0])
+    shape = (-1, *([1] * (flat.dim() - 1)))
+    idx = torch.where(live, slots, target)
+    flat[idx] = torch.where(live.view(shape), vals, target_val.unsqueeze(0))
 
 
 def build_page_table_reference(
