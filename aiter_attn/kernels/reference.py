@@ -317,12 +317,13 @@ def _write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor)
     pos = torch.arange(slots.shape[0], device=slots.device)
     last = torch.where(live, pos, -1).max()  # 0-dim, on the device
     has_live = last >= 0
-    last = last.clamp_min(0)
-    target = torch.where(has_live, slots[last], torch.zeros_like(slots[0]))
-    target_val = torch.where(has_live, vals[last], flat[0])
+    # index_select with a 1-element index: indexing with a 0-dim tensor reads it on the host
+    last = last.clamp_min(0).view(1)
+    target = torch.where(has_live, slots.index_select(0, last), 0)
+    target_val = torch.where(has_live, vals.index_select(0, last), flat[:1])
     shape = (-1, *([1] * (flat.dim() - 1)))
     idx = torch.where(live, slots, target)
-    flat[idx] = torch.where(live.view(shape), vals, target_val.unsqueeze(0))
+    flat[idx] = torch.where(live.view(shape), vals, target_val)
 
 
 def build_page_table_reference(
