@@ -13,6 +13,7 @@
 #   scripts/gpu_session.sh seventh # fp8 write bytes (full message), cascade + mixed rows,
 #                                  # then the whole gpu suite (-v) in what is left
 #   scripts/gpu_session.sh eighth  # the seventh call's failures, with their reasons
+#   scripts/gpu_session.sh ninth   # a 90-second check of the KV-write fixes (logs in $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -86,6 +87,16 @@ case "${1:-tests}" in
     timeout 45 python3 -m pytest -m gpu "tests/test_triton_prefill.py::test_dense_gpu" -q \
       -p no:cacheprovider --tb=short -k "bn64-4w-ws" 2>&1 | grep -E "^E |passed|failed" \
       | head -20
+    ;;
+  ninth)
+    timeout 40 python3 -m pytest -m gpu tests/test_fp8_formats.py tests/test_write_kv_padding.py \
+      -k "bytes_equal or token_head_attention_and_backend or padding" -q -p no:cacheprovider \
+      --tb=short > "$OUT/fp8.log" 2>&1
+    timeout 15 python3 -m aiter_attn.cli verify --backend reference --device cuda \
+      --op write_kv --op write_kv_swa --op write_kv_5d > "$OUT/verify_ref_writes.log" 2>&1
+    timeout 30 python3 -m aiter_attn.cli verify --backend triton --device cuda \
+      --op paged_attention_5d > "$OUT/verify_triton_5d.log" 2>&1
+    tail -15 "$OUT/fp8.log"; tail -3 "$OUT/verify_ref_writes.log"; cat "$OUT/verify_triton_5d.log"
     ;;
   tests|all)
     timeout $T python3 -m pytest -q -n 8 -m gpu tests -p no:cacheprovider -p no:warnings \
