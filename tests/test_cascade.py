@@ -186,9 +186,10 @@ def test_gpu_bench_shape(dtype, rtol):
 
 @pytest.mark.gpu
 def test_gpu_overlap_equals_one_stream_eager_and_replayed():
-    """The own pass on the side stream (default) gives the bits of both passes on one stream,
-    eager and replayed from a captured graph (a missing fork or join would race: the merge
-    reading the own pass's output or LSE before it is written, or the capture losing it)."""
+    """The own pass on the side stream (default under capture) gives the bits of both passes
+    on one stream, replayed from a captured graph (a missing fork or join would race: the
+    merge reading the own pass's output or LSE before it is written, or the capture losing
+    it); eager calls run on one stream either way."""
     from aiter_attn.kernels.triton import cascade as tmod
 
     layout = [(256, [(256, 256, 1)] * 64)]
