@@ -19,6 +19,9 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+# every failing test's reason lands here at once (tests/conftest.py), even if a cap kills
+# pytest before its summary
+export AITER_ATTN_FAIL_LOG="$OUT/failures.log"
 T=330 V=120 B1=200 B2=200 B3=150
 if [ "${1:-tests}" = all ]; then T=200 V=50 B1=90 B2=110 B3=80; fi
 case "${1:-tests}" in
