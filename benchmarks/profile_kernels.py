@@ -55,23 +55,19 @@ def _cascade(with_cascade: bool):
     return lambda: kernel.run(q, (kc, vc), plan, params, out)
 
 
-def _decode(bs, ctx, impl):
-    from _inputs import make_mha
-    from _runners import make_cudnn, make_ours
+def _ncu_case(name):
+    """A decode case of ``ncu_kernels.py`` (the same inputs and runners): its launch."""
+    from ncu_kernels import CASES as NCU_CASES
 
-    x = make_mha(bs, ctx, dense=impl == "cudnn")
-    return (make_cudnn if impl == "cudnn" else make_ours)(x)[0]
+    return NCU_CASES[name]()[0]
 
 
 CASES = {
     "cascade": lambda: _cascade(True),
     "no-cascade": lambda: _cascade(False),
-    "decode1x4k": lambda: _decode(1, 4096, "ours"),
-    "decode1x4k-cudnn": lambda: _decode(1, 4096, "cudnn"),
-    "decode16x4k": lambda: _decode(16, 4096, "ours"),
-    "decode16x4k-cudnn": lambda: _decode(16, 4096, "cudnn"),
-    "decode1x32k": lambda: _decode(1, 32768, "ours"),
-    "decode1x32k-cudnn": lambda: _decode(1, 32768, "cudnn"),
+    **{name: (lambda name=name: _ncu_case(name))
+       for name in ("decode1x4k", "decode1x4k-cudnn", "decode16x4k", "decode16x4k-cudnn",
+                    "decode1x32k", "decode1x32k-cudnn")},
 }
 
 

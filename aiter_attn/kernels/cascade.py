@@ -27,6 +27,7 @@ served by the ordinary kernel (``cascade_reject_reason``).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import attrs
@@ -335,28 +336,27 @@ class CascadeKernel(AttentionKernel):
             return self.inner.run(q, cache, plan.inner, params, out, lse=lse)
         if q.shape[0] != plan.num_tokens:
             raise token_count_error(self.name, q.shape[0], plan)
-        k_cache, v_cache = cache
-        if self.impl == "reference":
-            self.inner.run(q, cache, plan.inner, params, out, lse=plan.own_lse)
-            return self._run_reference(q, k_cache, v_cache, plan, params, out, lse)
-        from .triton.cascade import cascade_merge_triton, cascade_shared_triton
-
-        side = plan.side_stream
+        side = plan.side_stream  # set for the Triton path on a GPU only
         if side is not None and not torch.cuda.is_current_stream_capturing():
             # eager calls stay on one stream: the fork and join cost more host time than the
             # overlap saves GPU time (H200, 2026-12-04 00:24: 0.2195 ms eager with the side
             # stream against 0.1464 on one stream; replayed 0.0565 against 0.0603)
             side = None
+        own_stream = contextlib.nullcontext()
         if side is not None:
             # the own pass (memory-bound, many small programs) on a side stream, concurrent
             # with the shared pass (compute-bound): a fork and a join of events, no host
             # sync; the captured graph gets two parallel branches
             main = torch.cuda.current_stream(q.device)
             side.wait_stream(main)
-            with torch.cuda.stream(side):
-                self.inner.run(q, cache, plan.inner, params, out, lse=plan.own_lse)
-        else:
+            own_stream = torch.cuda.stream(side)
+        with own_stream:
             self.inner.run(q, cache, plan.inner, params, out, lse=plan.own_lse)
+        k_cache, v_cache = cache
+        if self.impl == "reference":
+            return self._run_reference(q, k_cache, v_cache, plan, params, out, lse)
+        from .triton.cascade import cascade_merge_triton, cascade_shared_triton
+
         ix = plan.index
         cascade_shared_triton(
             q, k_cache, v_cache, plan.part_acc, plan.part_ml, ix.tiles, ix.q_pos,
