@@ -57,18 +57,34 @@ def _workload(model, device, *, mixed: bool, running: int, prompt_len: int, arri
         if len(added) < arrivals and i % arrive_every == 0:
             added.append(engine.add_request(late[len(added)], SamplingParams(max_new_tokens=64)))
         ts = time.perf_counter()
-        decode_before = engine.stats.decode_tokens
+        st = engine.stats
+        before = (st.decode_tokens, st.prefill_tokens, st.mixed_steps)
         engine.step()
         _sync(device)
         step_s.append(time.perf_counter() - ts)
-        kinds.append(engine.stats.decode_tokens - decode_before)
+        decoded, prefilled = st.decode_tokens - before[0], st.prefill_tokens - before[1]
+        kinds.append((decoded, "one-forward mixed" if st.mixed_steps > before[2] else
+                      "decode+extend" if decoded and prefilled else
+                      "decode" if decoded else "extend"))
         i += 1
     elapsed = time.perf_counter() - t0
-    decode_tokens = sum(kinds)
+    decode_tokens = sum(d for d, _ in kinds)
+    by_kind: dict = {}
+    for t, (_, kind) in zip(step_s, kinds):
+        by_kind.setdefault(kind, []).append(t)
+    graphs = engine.runner.graphs
     return {"steps": i, "seconds": elapsed, "steps_per_s": i / elapsed,
             "decode_tokens_per_s": decode_tokens / elapsed,
             "mixed_steps": engine.stats.mixed_steps,
-            "step_ms_median": sorted(step_s)[len(step_s) // 2] * 1e3}
+            "step_ms_median": _median(step_s) * 1e3,
+            # where the time goes: median step time of each kind of step, and how many
+            # forwards replayed a graph (pure decode steps should, in both modes)
+            "step_ms_by_kind": {k: (len(v), _median(v) * 1e3) for k, v in by_kind.items()},
+            "graph_replays": dict(graphs.replays) if graphs is not None else {}}
+
+
+def _median(xs: list) -> float:
+    return sorted(xs)[len(xs) // 2]
 
 
 def run_mixed(device=None, dtype=None, *, smoke: bool = False, running: int = 32,
@@ -102,10 +118,15 @@ def run_mixed(device=None, dtype=None, *, smoke: bool = False, running: int = 32
 
 def mixed_table(rows: list[dict]) -> str:
     """A markdown table of the mixed rows."""
-    lines = ["| row | steps/s | decode tok/s | median step | mixed steps | vs two forwards |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| row | steps/s | decode tok/s | median step | mixed steps | vs two forwards | "
+             "median step by kind (count) | graph replays |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         ratio = f"{r['vs_two_forwards']:.2f}×" if "vs_two_forwards" in r else ""
+        kinds = "; ".join(f"{k} {ms:.2f} ms ({n})"
+                          for k, (n, ms) in sorted(r.get("step_ms_by_kind", {}).items()))
+        replays = ", ".join(f"{k} {v}" for k, v in sorted(r.get("graph_replays", {}).items()))
         lines.append(f"| {r['row']} | {r['steps_per_s']:.1f} | {r['decode_tokens_per_s']:.0f} | "
-                     f"{r['step_ms_median']:.2f} ms | {r['mixed_steps']} | {ratio} |")
+                     f"{r['step_ms_median']:.2f} ms | {r['mixed_steps']} | {ratio} | {kinds} | "
+                     f"{replays or '–'} |")
     return "\n".join(lines)

@@ -14,6 +14,10 @@
 #                                  # then the whole gpu suite (-v) in what is left
 #   scripts/gpu_session.sh eighth  # the seventh call's failures, with their reasons
 #   scripts/gpu_session.sh ninth   # a 90-second check of the KV-write fixes (logs in $OUT)
+#   scripts/gpu_session.sh eleventh # the pending gpu tests (-n 6), then the mixed rows with
+#                                  # each kind of step's median time and the graph replays
+#   scripts/gpu_session.sh tenth   # ninth, Triton verify tables (paged, 5-D, MLA) with each
+#                                  # failure's reason, then the pending gpu tests (logs in $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -100,6 +104,33 @@ case "${1:-tests}" in
     timeout 30 python3 -m aiter_attn.cli verify --backend triton --device cuda \
       --op paged_attention_5d > "$OUT/verify_triton_5d.log" 2>&1
     tail -15 "$OUT/fp8.log"; tail -3 "$OUT/verify_ref_writes.log"; cat "$OUT/verify_triton_5d.log"
+    ;;
+  tenth)
+    timeout 40 python3 -m pytest -m gpu tests/test_fp8_formats.py tests/test_write_kv_padding.py \
+      -k "bytes_equal or token_head_attention_and_backend or padding" -v -p no:cacheprovider \
+      --tb=long > "$OUT/fp8.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR| passed| failed" "$OUT/fp8.log" | tail -15
+    timeout 20 python3 -m aiter_attn.cli verify --backend reference --device cuda \
+      --op write_kv --op write_kv_swa --op write_kv_5d > "$OUT/verify_ref_writes.log" 2>&1
+    tail -3 "$OUT/verify_ref_writes.log"
+    for op in paged_attention_5d paged_attention mla_paged_attention; do
+      AITER_ATTN_VERIFY_PROGRESS=1 timeout 100 python3 -m aiter_attn.cli verify \
+        --backend triton --device cuda --op $op > "$OUT/verify_triton_$op.log" 2>&1
+      echo "== $op rc=$?"; grep -vE " pass( |$)|: pass in" "$OUT/verify_triton_$op.log" | tail -8
+    done
+    sel=tests; [ -f scripts/gpu_pending.txt ] && sel=@scripts/gpu_pending.txt
+    timeout ${SUITE_S:-200} python3 -m pytest -m gpu -n 8 -v --tb=short --timeout 180 \
+      --durations=20 $sel -p no:cacheprovider -p no:warnings > "$OUT/gpu_tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed|Timeout" "$OUT/gpu_tests.log" | tail -30
+    ;;
+  eleventh)
+    sel=tests; [ -f scripts/gpu_pending.txt ] && sel=@scripts/gpu_pending.txt
+    timeout ${SUITE_S:-300} python3 -m pytest -m gpu -n 6 -v --tb=short --timeout 240 \
+      --durations=25 $sel -p no:cacheprovider -p no:warnings > "$OUT/gpu_tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed|Timeout" "$OUT/gpu_tests.log" | tail -30
+    timeout ${MIXED_S:-170} python3 benchmarks/bench_attention.py --only mixed \
+      --out "$OUT/mixed" > "$OUT/mixed.log" 2>&1
+    tail -6 "$OUT/mixed.log"
     ;;
   tests|all)
     timeout $T python3 -m pytest -q -n 8 -m gpu tests -p no:cacheprovider -p no:warnings \

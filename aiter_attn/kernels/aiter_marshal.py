@@ -234,7 +234,7 @@ def token_kv_indices(
             f"{bs}·{width}·{page_size} = {cap}. Size the buffer from the static bounds."
         )
     lens = seqused_k.to(torch.int64)
-    kv_indptr[0] = 0
+    kv_indptr[:1].zero_()  # a tensor op: a scalar store copies from the host (no capture)
     torch.cumsum(lens, 0, out=kv_indptr[1 : bs + 1])
     j = torch.arange(width * page_size, device=dev)  # [W·P]
     slots = block_table.to(torch.int64)[:, j // page_size] * page_size + j % page_size  # [B, W·P]

@@ -387,7 +387,7 @@ def build_ragged_kv_indices_reference(
     kv_indptr int32 ``[B + 1]``; kv_indices int32 ``[≥ total]``.
     """
     bs = seq_lens.shape[0]
-    kv_indptr[0] = 0
+    kv_indptr[:1].zero_()  # a tensor op: a scalar store copies from the host (no capture)
     torch.cumsum(seq_lens, dim=0, out=kv_indptr[1 : bs + 1])
     if total:
         req = torch.repeat_interleave(

@@ -34,12 +34,13 @@ def dense_attention(
     n, hq, _ = q.shape
     L, hkv = k.shape[0], k.shape[1]
     g = hq // hkv
-    qd = q.double().cpu()
-    kd = k.double().cpu().repeat_interleave(g, 1)
-    vd = v.double().cpu().repeat_interleave(g, 1)
-    pos = torch.arange(L - n, L).view(n, 1)  # absolute position of each query
-    key = torch.arange(L).view(1, L)
-    visible = torch.ones(n, L, dtype=torch.bool)
+    dev = q.device  # float64 on the inputs' device: a GPU test's oracle stays off the host
+    qd = q.double()
+    kd = k.to(dev, torch.float64).repeat_interleave(g, 1)
+    vd = v.to(dev, torch.float64).repeat_interleave(g, 1)
+    pos = torch.arange(L - n, L, device=dev).view(n, 1)  # absolute position of each query
+    key = torch.arange(L, device=dev).view(1, L)
+    visible = torch.ones(n, L, dtype=torch.bool, device=dev)
     if causal:
         visible &= key <= pos
     if window[0] >= 0:
@@ -47,19 +48,25 @@ def dense_attention(
     if window[1] >= 0:
         visible &= key <= pos + window[1]
     if mask is not None:
-        visible &= mask.bool().cpu()
-    logits = torch.einsum("nhd,lhd->hnl", qd, kd) * scale
-    if softcap > 0:
-        logits = softcap * torch.tanh(logits / softcap)
-    logits = logits.masked_fill(~visible, float("-inf"))
-    if sinks is not None:
-        logits = torch.cat([logits, sinks.double().cpu().view(hq, 1, 1).expand(hq, n, 1)], -1)
-    out = torch.zeros(n, hq, v.shape[-1], dtype=torch.float64)
-    lse = torch.logsumexp(logits, dim=-1).transpose(0, 1).contiguous()  # [n, Hq]
-    for i in range(n):
-        row = logits[:, i]  # [Hq, L (+1)]
-        if not torch.isfinite(row).any():
-            continue  # nothing visible, no sink: zeros
-        w = torch.softmax(row, dim=-1)[:, :L]
-        out[i] = torch.einsum("hl,lhd->hd", w, vd)
+        visible &= mask.to(dev).bool()
+    sink = None if sinks is None else sinks.to(dev, torch.float64).view(hq, 1, 1)
+    out = torch.empty(n, hq, v.shape[-1], dtype=torch.float64, device=dev)
+    lse = torch.empty(n, hq, dtype=torch.float64, device=dev)
+    # query rows in chunks of at most ~64 Mi logits each, all rows of a chunk at once
+    rows = max(1, (1 << 26) // max(1, hq * (L + 1)))
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        logits = torch.einsum("nhd,lhd->hnl", qd[a:b], kd) * scale  # [Hq, c, L]
+        if softcap > 0:
+            logits = softcap * torch.tanh(logits / softcap)
+        logits = logits.masked_fill(~visible[a:b], float("-inf"))
+        if sink is not None:
+            logits = torch.cat([logits, sink.expand(hq, b - a, 1)], -1)
+        chunk_lse = torch.logsumexp(logits, dim=-1)  # [Hq, c]; -inf: nothing visible, no sink
+        lse[a:b] = chunk_lse.transpose(0, 1)
+        finite = torch.isfinite(chunk_lse).unsqueeze(-1)
+        w = torch.where(finite, torch.exp(logits - torch.where(finite, chunk_lse.unsqueeze(-1),
+                                                                0.0)), 0.0)[..., :L]
+        out[a:b] = torch.einsum("hnl,lhd->nhd", w, vd)  # rows with nothing visible: zeros
+    out, lse = out.cpu(), lse.cpu()
     return (out, lse) if return_lse else out
