@@ -16,6 +16,8 @@
 #   scripts/gpu_session.sh ninth   # a 90-second check of the KV-write fixes (logs in $OUT)
 #   scripts/gpu_session.sh eleventh # the pending gpu tests (-n 6), then the mixed rows with
 #                                  # each kind of step's median time and the graph replays
+#   scripts/gpu_session.sh twelfth # the mixed rows again, then the whole gpu suite (-n 8, -v,
+#                                  # failures to $OUT/failures.log as they happen)
 #   scripts/gpu_session.sh tenth   # ninth, Triton verify tables (paged, 5-D, MLA) with each
 #                                  # failure's reason, then the pending gpu tests (logs in $OUT)
 set -uo pipefail
@@ -131,6 +133,14 @@ case "${1:-tests}" in
     timeout ${MIXED_S:-170} python3 benchmarks/bench_attention.py --only mixed \
       --out "$OUT/mixed" > "$OUT/mixed.log" 2>&1
     tail -6 "$OUT/mixed.log"
+    ;;
+  twelfth)
+    timeout ${MIXED_S:-100} python3 benchmarks/bench_attention.py --only mixed \
+      --out "$OUT/mixed" > "$OUT/mixed.log" 2>&1
+    tail -4 "$OUT/mixed.log"
+    timeout ${SUITE_S:-380} python3 -m pytest -m gpu -n 8 -v --tb=short --timeout 300 \
+      --durations=25 tests -p no:cacheprovider -p no:warnings > "$OUT/gpu_tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed|Timeout" "$OUT/gpu_tests.log" | tail -30
     ;;
   tests|all)
     timeout $T python3 -m pytest -q -n 8 -m gpu tests -p no:cacheprovider -p no:warnings \
