@@ -18,6 +18,9 @@
 #                                  # each kind of step's median time and the graph replays
 #   scripts/gpu_session.sh twelfth # the mixed rows again, then the whole gpu suite (-n 8, -v,
 #                                  # failures to $OUT/failures.log as they happen)
+#   scripts/gpu_session.sh thirteenth # the 3 gpu tests the twelfth call left (the warp-
+#                                  # specialised dense prefill configurations, extend bf16),
+#                                  # one at a time with durations (logs in $OUT)
 #   scripts/gpu_session.sh tenth   # ninth, Triton verify tables (paged, 5-D, MLA) with each
 #                                  # failure's reason, then the pending gpu tests (logs in $OUT)
 set -uo pipefail
@@ -141,6 +144,15 @@ case "${1:-tests}" in
     timeout ${SUITE_S:-380} python3 -m pytest -m gpu -n 8 -v --tb=short --timeout 300 \
       --durations=25 tests -p no:cacheprovider -p no:warnings > "$OUT/gpu_tests.log" 2>&1
     grep -E "FAILED|ERROR| passed| failed|Timeout" "$OUT/gpu_tests.log" | tail -30
+    ;;
+  thirteenth)
+    for t in "tests/test_triton_prefill_extend.py::test_extend_gpu[dtype1]" \
+             "tests/test_triton_prefill.py::test_dense_gpu[bf16-bn64-4w-ws]" \
+             "tests/test_triton_prefill.py::test_dense_gpu[bf16-bn128-4w-ws]"; do
+      timeout ${EACH_S:-200} python3 -m pytest -m gpu -v --tb=short --timeout 190 \
+        --durations=3 "$t" -p no:cacheprovider -p no:warnings >> "$OUT/left.log" 2>&1
+      echo "== $t rc=$?"; grep -E "PASSED|FAILED|Timeout|s call" "$OUT/left.log" | tail -3
+    done
     ;;
   tests|all)
     timeout $T python3 -m pytest -q -n 8 -m gpu tests -p no:cacheprovider -p no:warnings \
