@@ -32,7 +32,8 @@ ROWS = [(1, 4096), (16, 4096), (1, 32768), (64, 4096), (8, 65536)]
 VARIANTS = ("default", "fused_reduce", "batch_invariant")
 #: ``--variants`` beyond :data:`VARIANTS`: launch overrides (``TUNING_OVERRIDES`` keys) of the
 #: small-batch decode rows (more, shorter splits; narrower key tiles with a deeper pipeline;
-#: 8 warps)
+#: 8 warps; the chunked page lookup, which lets every K/V copy of a short split be in flight at
+#: once instead of one tile ahead; fewer, longer splits)
 OVERRIDES = {
     "splits128": {"min_split_tokens": 128},
     "splits64": {"min_split_tokens": 64},
@@ -41,6 +42,11 @@ OVERRIDES = {
     "splits128-bn64": {"min_split_tokens": 128, "block_n": 64},
     "w8": {"num_warps": 8},
     "chunk16": {"page_chunk": 16},
+    "chunk16-s4": {"page_chunk": 16, "num_stages": 4},
+    "chunk16-bn64-s4": {"page_chunk": 16, "block_n": 64, "num_stages": 4},
+    "chunk16-splits128": {"page_chunk": 16, "min_split_tokens": 128},
+    "splits512": {"min_split_tokens": 512},
+    "chunk16-splits512": {"page_chunk": 16, "min_split_tokens": 512},
 }
 
 

@@ -20,7 +20,8 @@
 #                                  # failures to $OUT/failures.log as they happen)
 #   scripts/gpu_session.sh thirteenth # the 3 gpu tests the twelfth call left (the warp-
 #                                  # specialised dense prefill configurations, extend bf16),
-#                                  # one at a time with durations (logs in $OUT)
+#                                  # one at a time with durations (logs in $OUT), then
+#                                  # small-batch decode launch variants (chunked lookup)
 #   scripts/gpu_session.sh tenth   # ninth, Triton verify tables (paged, 5-D, MLA) with each
 #                                  # failure's reason, then the pending gpu tests (logs in $OUT)
 set -uo pipefail
@@ -153,6 +154,11 @@ case "${1:-tests}" in
         --durations=3 "$t" -p no:cacheprovider -p no:warnings >> "$OUT/left.log" 2>&1
       echo "== $t rc=$?"; grep -E "PASSED|FAILED|Timeout|s call" "$OUT/left.log" | tail -3
     done
+    # small-batch decode: the chunked page lookup (every copy of a short split in flight)
+    timeout ${VAR_S:-120} python3 benchmarks/bench_variants.py --rows 1x4096,16x4096,1x32768 \
+      --rep 20 --variants default,chunk16,chunk16-s4,chunk16-bn64-s4,chunk16-splits128,\
+splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
+    tail -6 "$OUT/variants.log"
     ;;
   tests|all)
     timeout $T python3 -m pytest -q -n 8 -m gpu tests -p no:cacheprovider -p no:warnings \
