@@ -7,11 +7,16 @@ Usage::
 
     python scripts/inspect_sm90.py paged '{"kv": "bf16", "BLOCK_M": 128, "BLOCK_N": 128,
         "warps": 8, "stages": 3, "PAGE_CHUNK": 16}' [--dump DIR]
+    python scripts/inspect_sm90.py paged '{"launched": "64x16384", "kv": "fp8e4nv"}'
     python scripts/inspect_sm90.py mla '{"kv": "fp8e4nv", "BLOCK_H": 16, "BLOCK_N": 64,
         "warps": 4, "stages": 3}'
 
 The JSON sets the kernel's constexprs (see the kernels' signatures) and launch options;
-``kv``/``q`` are Triton type names (bf16, fp16, fp8e4nv). ``--dump`` writes TTGIR and PTX.
+``kv``/``q`` are Triton type names (bf16, fp16, fp8e4nv). ``"launched": "BSxCTX"`` (with
+``"q_len"``, default 1) starts from the tiles, warps, stages, split and page lookup the
+library itself picks for that shape on an H200. ``--dump`` writes TTGIR and PTX. The report
+includes the cubin's registers and stack bytes (``cuobjdump -res-usage``): stack > 0 means
+ptxas spilled.
 """
 
 from __future__ import annotations
@@ -49,10 +54,35 @@ def _compile(fn, ptr_types, scalars_f32, no_div, const, warps, stages):
                           options=dict(num_warps=warps, num_stages=stages))
 
 
-def compile_paged(kv="bf16", q="bf16", warps=8, stages=3, **const):
+def launched_constexprs(launched: str, q_len: int = 1, fp8: bool = False) -> dict:
+    """The tile constexprs and launch options the library picks on an H200 (132 SMs, 227 KB
+    of shared memory) for ``launched`` = ``"BSxCTX"`` (GQA 32/8, head dim 128, page 16,
+    ``q_len`` queries per request, hinted as in the engine), from the real chooser
+    (:func:`aiter_attn.kernels.triton._launch_config.choose_config`'s cached core)."""
+    from aiter_attn.kernels.triton import _launch_config as lc
+
+    bs, ctx = (int(x) for x in launched.lower().split("x"))
+    cfg = lc._choose_config_cached(4, q_len, ctx, 128, bs, 8, 132, (), False, False, fp8,
+                                   232448 - 2048)
+    page = 16
+    chunk = cfg.page_chunk if page % cfg.block_n == 0 or cfg.block_n % page == 0 else 0
+    blocks = -(-q_len // cfg.block_q)
+    search = bs * blocks > -(-(bs * q_len) // cfg.block_q) + bs
+    return dict(HEADS=cfg.heads, NUM_HCHUNKS=-(-4 // cfg.heads), BLOCK_Q=cfg.block_q,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=page, PAGE_CHUNK=chunk,
+                SPLIT=cfg.num_splits > 1, SEARCH_SEQ=search, WARP_SPEC=cfg.warp_spec,
+                warps=cfg.num_warps, stages=cfg.num_stages, num_splits=cfg.num_splits)
+
+
+def compile_paged(kv="bf16", q="bf16", warps=8, stages=3, launched=None, q_len=1, **const):
     from aiter_attn.kernels.triton import paged_attention as pa
 
     fp8 = kv.startswith("fp8")
+    if launched is not None:  # the library's own choice for this shape, then the JSON's
+        chosen = launched_constexprs(launched, q_len, fp8)
+        chosen.pop("num_splits")
+        warps, stages = chosen.pop("warps"), chosen.pop("stages")
+        const = {**chosen, **const}
     c = dict(GROUP=4, HEADS=4, NUM_HCHUNKS=1, BLOCK_M=128, BLOCK_N=128, D=128, D_PAD=128,
              DV=128, DV_PAD=128, PAGE_SIZE=16, CAUSAL=True, HAS_SOFTCAP=False, HAS_SINKS=False,
              HAS_SCALES=fp8, HAS_CUSTOM_MASK=False, SEARCH_SEQ=False, SPLIT=False,
@@ -92,13 +122,35 @@ def compile_mla(kv="bf16", q="bf16", warps=4, stages=3, **const):
                     {"num_heads", "batch", "num_head_blocks"}, c, warps, stages)
 
 
+def resource_usage(kernel) -> dict:
+    """``{"REG": n, "STACK": bytes, "LOCAL": bytes, ...}`` of the compiled cubin, read with
+    the ``cuobjdump -res-usage`` that Triton's wheel carries. ``STACK`` > 0 means ptxas
+    spilled registers (spills never show in the PTX: ptxas allocates the registers)."""
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia.compiler as nvidia
+
+    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        text = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True,
+                              check=True).stdout
+    return {k: int(v) for k, v in re.findall(r"\b([A-Z]+):(\d+)", text)}
+
+
 def report(kernel) -> dict:
     ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+    res = resource_usage(kernel)
     return {
+        "registers": res["REG"],
+        "stack bytes (ptxas spills)": res.get("STACK", 0),
         "shared_bytes": kernel.metadata.shared,
         "cp.async (16 B)": len(re.findall(r"cp\.async\.cg", ptx)),
         "ld.global": len(re.findall(r"ld\.global", ptx)),
-        "local-memory ops (spills)": len(re.findall(r"(ld|st)\.local", ptx)),
+        "local-memory ops in the PTX": len(re.findall(r"(ld|st)\.local", ptx)),
         "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
         "mma.sync": len(re.findall(r"mma\.sync", ptx)),
         "async_wait per loop": re.findall(r"async_wait.*?\{num = (\d+)", ttgir),

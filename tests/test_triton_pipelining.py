@@ -40,10 +40,36 @@ def test_chunked_page_lookup_keeps_two_tiles_in_flight(config):
     rep = _inspect("paged", dict(config, warps=8, stages=3))
     waits = [int(n) for n in rep["async_wait per loop"]]
     assert max(waits) >= 2, rep  # the unmasked key loop: 2 tiles in flight with 3 stages
-    assert rep["local-memory ops (spills)"] == 0, rep
 
 
 def test_fp8_mla_value_load_is_pipelined():
     rep = _inspect("mla", dict(kv="fp8e4nv", BLOCK_H=16, BLOCK_N=64, warps=4, stages=3))
     assert max(int(n) for n in rep["async_wait per loop"]) >= 2, rep
     assert rep["ld.global"] < rep["cp.async (16 B)"], rep  # latent rows come via cp.async
+
+
+#: ptxas spills (cubin stack bytes, ``cuobjdump -res-usage``) of the launches the library
+#: picks on an H200 (``"launched"``: the real chooser), at most what they were on 2026-12-04.
+#: Zero must stay zero; the rows that spill are #14's register-pressure evidence
+#: (docs/triton_tuning.md, "Registers and spills"): a change may lower them, never raise them.
+#: (The PTX cannot show spills: ptxas allocates the registers.)
+SPILL_CEILINGS = [
+    pytest.param("paged", dict(launched="1x4096"), 8, id="decode-bf16-1x4k"),
+    pytest.param("paged", dict(launched="64x4096"), 0, id="decode-bf16-64x4k"),
+    pytest.param("paged", dict(launched="64x16384", kv="fp8e4nv"), 216, id="decode-fp8-64x16k"),
+    pytest.param("paged", dict(launched="8x2048", q_len=2048), 0, id="prefill-8x2k"),
+    pytest.param("paged", dict(launched="1x8192", q_len=8192), 72, id="prefill-1x8k"),
+    pytest.param("mla", dict(BLOCK_H=16, BLOCK_N=64, warps=4, stages=3), 56,
+                 id="mla-16h-default"),
+    pytest.param("mla", dict(BLOCK_H=16, BLOCK_N=64, warps=8, stages=3), 0,
+                 id="mla-16h-8warps"),
+    pytest.param("mla", dict(BLOCK_H=64, BLOCK_N=64, warps=8, stages=2), 40,
+                 id="mla-128h-default"),
+]
+
+
+@pytest.mark.parametrize("kernel,config,ceiling", SPILL_CEILINGS)
+def test_register_spills_do_not_grow(kernel, config, ceiling):
+    rep = _inspect(kernel, config)
+    assert 0 < rep["registers"] <= 255, rep
+    assert rep["stack bytes (ptxas spills)"] <= ceiling, rep
