@@ -21,7 +21,8 @@
 #   scripts/gpu_session.sh thirteenth # the 3 gpu tests the twelfth call left (the warp-
 #                                  # specialised dense prefill configurations, extend bf16),
 #                                  # one at a time with durations (logs in $OUT), then
-#                                  # small-batch decode launch variants (chunked lookup)
+#                                  # small-batch decode launch variants (chunked lookup) and
+#                                  # the MLA launch sweep
 #   scripts/gpu_session.sh tenth   # ninth, Triton verify tables (paged, 5-D, MLA) with each
 #                                  # failure's reason, then the pending gpu tests (logs in $OUT)
 set -uo pipefail
@@ -159,6 +160,10 @@ case "${1:-tests}" in
       --rep 20 --variants default,chunk16,chunk16-s4,chunk16-bn64-s4,chunk16-splits128,\
 splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
     tail -6 "$OUT/variants.log"
+    # MLA launch sweep, with the spill-free 8-warp 16-head launch (docs/triton_tuning.md)
+    timeout ${MLA_S:-150} python3 benchmarks/bench_attention.py --only mla --mla-sweep \
+      --out "$OUT/mla" > "$OUT/mla.log" 2>&1
+    grep -E "ours|mla H" "$OUT/mla.log" | tail -30
     ;;
   tests|all)
     timeout $T python3 -m pytest -q -n 8 -m gpu tests -p no:cacheprovider -p no:warnings \
