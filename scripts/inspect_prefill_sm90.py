@@ -62,14 +62,19 @@ def compile_prefill(q="bf16", warps=8, stages=2, **const):
 
 
 def report(kernel) -> dict:
+    from inspect_sm90 import resource_usage
+
     ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+    res = resource_usage(kernel)
     return {
+        "registers": res["REG"],
+        "stack bytes (ptxas spills)": res.get("STACK", 0),
         "shared_bytes": kernel.metadata.shared,
         "num_warps (incl. partitions)": kernel.metadata.num_warps,
         "tma loads (cp.async.bulk.tensor)": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
         "cp.async (16 B)": len(re.findall(r"cp\.async\.cg", ptx)),
         "ld.global": len(re.findall(r"ld\.global", ptx)),
-        "local-memory ops (spills)": len(re.findall(r"(ld|st)\.local", ptx)),
+        "local-memory ops in the PTX": len(re.findall(r"(ld|st)\.local", ptx)),
         "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
         "mma.sync": len(re.findall(r"mma\.sync", ptx)),
         "warp_specialize ops": len(re.findall(r"ttg\.warp_specialize", ttgir)),

@@ -61,11 +61,18 @@ def index_kernels():
                                dict(PAGE_SIZE=16, BLOCK_W=128), 4, 2))
     return r
 
+def _launched(fp32):
+    """The library's own shared-pass launch on an H200 (GQA 32/8, d128)."""
+    cfg = c.shared_config(group=4, head_dim_pad=128, fp32=fp32, on_gpu=True, num_tokens=64,
+                          max_k=4096, num_kv_heads=8, sms=132)
+    return dict(bm=cfg["block_m"], bn=cfg["block_n"], warps=cfg["num_warps"],
+                stages=cfg["num_stages"])
+
 out = {**index_kernels(),
     "bench": shared(),
     "page1": shared(page=1),
     "page48-gqa5-d80-softcap": shared(page=48, group=5, heads=8, d=80, softcap=True),
-    "fp32": shared(dtype="fp32", bm=32, bn=32, stages=2),
+    "fp32": shared(dtype="fp32", **_launched(fp32=True)),
     "merge": merge(),
     "merge-fp32-nolse": merge(dtype="fp32", lse=False),
 }
@@ -81,7 +88,8 @@ def test_cascade_kernels_compile_and_pipeline_for_sm90():
     assert res.returncode == 0, res.stderr[-3000:]
     rep = json.loads(res.stdout.strip().splitlines()[-1])
     for name, r in rep.items():
-        assert r["local-memory ops (spills)"] == 0, (name, r)
+        # ptxas spills, from the cubin (the PTX cannot show them)
+        assert r["stack bytes (ptxas spills)"] == 0, (name, r)
     # the shared pass's key loop keeps 2 tiles in flight (chunked lookup, 3 stages)
     for name in ("bench", "page1"):
         assert max(int(n) for n in rep[name]["async_wait per loop"]) >= 2, (name, rep[name])

@@ -240,6 +240,8 @@ def shared_config(*, group: int, head_dim_pad: int, fp32: bool, on_gpu: bool,
         block_m = 32 if small else 64
         block_n = 32 if small else 64
         num_warps, num_stages = 4, (2 if small else 3)
+        if fp32:  # ieee fp32 dots: 4 warps spill 848 B at 255 registers, 8 warps use 109
+            num_warps = 8  # and spill nothing (scripts/inspect_sm90.py, cubin, sm_90)
     else:  # the interpreter: small tiles run fastest
         block_m, block_n, num_warps, num_stages = 16, 16, 4, 1
     block_m = CASCADE_TUNING.get("block_m", block_m)
