@@ -65,11 +65,10 @@ def launched_constexprs(launched: str, q_len: int = 1, fp8: bool = False) -> dic
     cfg = lc._choose_config_cached(4, q_len, ctx, 128, bs, 8, 132, (), False, False, fp8,
                                    232448 - 2048)
     page = 16
-    chunk = cfg.page_chunk if page % cfg.block_n == 0 or cfg.block_n % page == 0 else 0
     blocks = -(-q_len // cfg.block_q)
     search = bs * blocks > -(-(bs * q_len) // cfg.block_q) + bs
     return dict(HEADS=cfg.heads, NUM_HCHUNKS=-(-4 // cfg.heads), BLOCK_Q=cfg.block_q,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=page, PAGE_CHUNK=chunk,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=page, PAGE_CHUNK=cfg.page_chunk_for(page),
                 SPLIT=cfg.num_splits > 1, SEARCH_SEQ=search, WARP_SPEC=cfg.warp_spec,
                 warps=cfg.num_warps, stages=cfg.num_stages, num_splits=cfg.num_splits)
 

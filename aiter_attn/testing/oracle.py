@@ -64,9 +64,10 @@ def dense_attention(
             logits = torch.cat([logits, sink.expand(hq, b - a, 1)], -1)
         chunk_lse = torch.logsumexp(logits, dim=-1)  # [Hq, c]; -inf: nothing visible, no sink
         lse[a:b] = chunk_lse.transpose(0, 1)
-        finite = torch.isfinite(chunk_lse).unsqueeze(-1)
-        w = torch.where(finite, torch.exp(logits - torch.where(finite, chunk_lse.unsqueeze(-1),
-                                                                0.0)), 0.0)[..., :L]
-        out[a:b] = torch.einsum("hnl,lhd->nhd", w, vd)  # rows with nothing visible: zeros
+        # a row with nothing visible has lse -inf: subtract 0 there, so its weights are
+        # exp(-inf) = 0 and its output zeros
+        shift = torch.where(torch.isfinite(chunk_lse), chunk_lse, 0.0).unsqueeze(-1)
+        w = torch.exp(logits - shift)[..., :L]
+        out[a:b] = torch.einsum("hnl,lhd->nhd", w, vd)
     out, lse = out.cpu(), lse.cpu()
     return (out, lse) if return_lse else out

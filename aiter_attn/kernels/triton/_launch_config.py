@@ -56,6 +56,12 @@ class LaunchConfig:
     def batch_invariant(self) -> bool:
         return self.split_tiles > 0
 
+    def page_chunk_for(self, page_size: int) -> int:
+        """The chunked page lookup's tiles per chunk for ``page_size``: ``page_chunk`` where
+        the page size divides ``block_n`` or is a multiple of it, else 0 (a lookup per tile)."""
+        fits = page_size % self.block_n == 0 or self.block_n % page_size == 0
+        return self.page_chunk if fits else 0
+
 
 #: Tuning overrides (scripts/tune_triton_paged_attention.py and tests only): ``block_m``,
 #: ``block_n``, ``num_warps``, ``num_stages``, ``min_split_tokens``, ``num_splits``, ``heads``

@@ -226,7 +226,7 @@ class TritonPagedAttention(AttentionKernel):
                     if fused else None)
         page_size = pages.page_size
         tile_in_page = page_size % cfg.block_n == 0
-        page_chunk = cfg.page_chunk if tile_in_page or cfg.block_n % page_size == 0 else 0
+        page_chunk = cfg.page_chunk_for(page_size)
         mask = md.mask
         mask_t = None
         if mask is not None:
