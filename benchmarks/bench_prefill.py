@@ -48,13 +48,13 @@ ROWS = [("prefill 1x2k", 1, 2048, 0), ("prefill 1x8k", 1, 8192, 0),
         ("prefill 1x16k", 1, 16384, 0), ("prefill 8x2k", 8, 2048, 0),
         ("extend 1x8k+4k", 1, 8192, 4096)]
 SMOKE_ROWS = [("smoke 2x40+0", 2, 40, 0), ("smoke 1x24+48", 1, 24, 48)]
-#: dense launch configs of the sweep: (block_m, block_n, num_warps, num_stages, warp_spec, tma,
-#: m_slow)
-SWEEP = [(128, 64, 8, 3, False, True, False), (128, 128, 8, 2, False, True, False),
-         (128, 128, 8, 3, False, True, False), (128, 64, 4, 2, True, True, False),
-         (128, 128, 4, 2, True, True, False), (128, 64, 4, 3, True, True, False),
-         (128, 128, 8, 2, False, True, True), (128, 128, 8, 2, False, False, False)]
-SMOKE_SWEEP = [(16, 16, 4, 1, False, True, False), (16, 16, 4, 1, False, False, True)]
+#: dense launch configs of the sweep: (block_m, block_n, num_warps, num_stages, tma, m_slow,
+#: one_loop); 64-row 4-warp tiles put two CTAs on an SM (two independent warpgroups)
+SWEEP = [(128, 64, 8, 3, True, False, False), (128, 128, 8, 2, True, False, False),
+         (64, 64, 4, 3, True, False, False), (64, 128, 4, 2, True, False, False),
+         (64, 64, 4, 2, True, False, False), (128, 128, 8, 2, True, False, True),
+         (128, 128, 8, 2, True, True, False), (128, 128, 8, 2, False, False, False)]
+SMOKE_SWEEP = [(16, 16, 4, 1, True, False, False), (16, 16, 4, 1, True, True, True)]
 RTOL = 2e-2
 
 
@@ -150,9 +150,9 @@ def make_dense(x, config=None):
     md.extras["max_prefix_len"] = x.prefix
     saved = dict(pf.PREFILL_OVERRIDES)
     if config is not None:
-        bm, bn, nw, ns, ws, tma, m_slow = config
+        bm, bn, nw, ns, tma, m_slow, one_loop = config
         pf.PREFILL_OVERRIDES.update(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns,
-                                    warp_spec=ws, tma=tma, m_slow=m_slow)
+                                    tma=tma, m_slow=m_slow, one_loop=one_loop)
     try:
         plan = kernel.plan(md)
     finally:
@@ -300,9 +300,9 @@ def summarize(rec) -> str:
 
 
 def _cfg_name(c) -> str:
-    bm, bn, nw, ns, ws, tma, m_slow = c
-    return (f"dense {bm}x{bn} w{nw} s{ns}{' ws' if ws else ''}{'' if tma else ' ptr'}"
-            f"{' m-slow' if m_slow else ''}")
+    bm, bn, nw, ns, tma, m_slow, one_loop = c
+    return (f"dense {bm}x{bn} w{nw} s{ns}{'' if tma else ' ptr'}"
+            f"{' m-slow' if m_slow else ''}{' one-loop' if one_loop else ''}")
 
 
 def run(args) -> list:
@@ -364,7 +364,7 @@ def _get(row, impl, mode):
 
 def table(results, mode) -> str:
     lines = ["| row | ours-paged | ours-dense | dense best | cuDNN | paged/cuDNN | dense/cuDNN | "
-             "best/cuDNN | best config (bm, bn, w, s, ws, tma, m_slow) |",
+             "best/cuDNN | best config (bm, bn, w, s, tma, m_slow, one_loop) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
     def f(v):

@@ -5,7 +5,7 @@ memory, TMA / ``cp.async`` / plain loads, ``wgmma``, warp-specialised partitions
 Usage::
 
     python scripts/inspect_prefill_sm90.py '{"BLOCK_M": 128, "BLOCK_N": 128, "warps": 8,
-        "stages": 2, "USE_TMA": true, "WARP_SPEC": true}' [--dump DIR]
+        "stages": 2, "USE_TMA": true, "ONE_LOOP": true}' [--dump DIR]
 """
 
 from __future__ import annotations
@@ -27,9 +27,7 @@ def compile_prefill(q="bf16", warps=8, stages=2, **const):
     c = dict(GROUP=4, D=128, D_PAD=128, DV=128, DV_PAD=128, BLOCK_M=128, BLOCK_N=128,
              CAUSAL=True, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_SINKS=False,
              HAS_PREFIX=False, WRITE_LSE=False, USE_TMA=True, DOT_PRECISION="tf32",
-             NUM_STAGES=stages, WARP_SPEC=False, ONE_LOOP=False, M_SLOW=False, SEARCH=False)
-    if const.get("WARP_SPEC"):
-        c["ONE_LOOP"] = True
+             NUM_STAGES=stages, ONE_LOOP=False, M_SLOW=False, SEARCH=False)
     c.update(const)
     fn = pf._dense_prefill_kernel
     names = fn.arg_names

@@ -80,13 +80,13 @@ def assert_lse(actual, expected, rtol, what):
 LENS = [([1, 37, 16, 50], [1, 37, 16, 50]),          # prefill, incl. one token
         ([3, 20, 1], [40, 20, 33]),                   # queries over more keys (bottom-right)
         ([33], [33])]
-CONFIGS = {"tma": PrefillConfig(16, 16, 4, 1, False, True),
-           "ptr": PrefillConfig(16, 16, 4, 1, False, False),
-           "bm32": PrefillConfig(32, 16, 4, 2, False, True),
-           # one loop, mask only where it cuts (the warp-specialised form)
-           "one": PrefillConfig(16, 16, 4, 1, False, True, True),
-           "one_ptr": PrefillConfig(32, 16, 4, 1, False, False, True),
-           "m_slow": PrefillConfig(16, 16, 4, 1, False, True, False, True)}
+CONFIGS = {"tma": PrefillConfig(16, 16, 4, 1, tma=True),
+           "ptr": PrefillConfig(16, 16, 4, 1, tma=False),
+           "bm32": PrefillConfig(32, 16, 4, 2, tma=True),
+           # one loop, mask only where it cuts
+           "one": PrefillConfig(16, 16, 4, 1, tma=True, one_loop=True),
+           "one_ptr": PrefillConfig(32, 16, 4, 1, tma=False, one_loop=True),
+           "m_slow": PrefillConfig(16, 16, 4, 1, tma=True, m_slow=True)}
 
 
 @pytest.mark.parametrize("lens", LENS, ids=["prefill", "bottom_right", "one"])
@@ -165,13 +165,12 @@ def test_prefix_merge_in_epilogue():
 GPU_CONFIGS = [
     pytest.param(torch.bfloat16, None, (128, 80), id="bf16-default"),
     pytest.param(torch.float16, None, (128,), id="fp16-default"),
-    pytest.param(torch.bfloat16, PrefillConfig(128, 64, 4, 2, True, True), (128,),
-                 id="bf16-bn64-4w-ws"),
-    pytest.param(torch.bfloat16, PrefillConfig(128, 128, 4, 2, True, True), (128,),
-                 id="bf16-bn128-4w-ws"),
-    pytest.param(torch.bfloat16, PrefillConfig(128, 128, 8, 2, False, True, False, True),
-                 (128,), id="bf16-m-slow"),
-    pytest.param(torch.bfloat16, PrefillConfig(128, 128, 8, 2, False, False), (128,),
+    pytest.param(torch.bfloat16, PrefillConfig(128, 128, 8, 2, one_loop=True), (128,),
+                 id="bf16-one-loop"),
+    pytest.param(torch.bfloat16, PrefillConfig(64, 64, 4, 3), (128,), id="bf16-m64-4w"),
+    pytest.param(torch.bfloat16, PrefillConfig(128, 128, 8, 2, m_slow=True), (128,),
+                 id="bf16-m-slow"),
+    pytest.param(torch.bfloat16, PrefillConfig(128, 128, 8, 2, tma=False), (128,),
                  id="bf16-ptr"),
 ]
 
@@ -180,7 +179,7 @@ GPU_CONFIGS = [
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype,cfg,dims", GPU_CONFIGS)
 def test_dense_gpu(dtype, cfg, dims):
-    """sm_90 configurations (TMA, warp specialisation, grid order, pointer loads) compiled,
+    """sm_90 configurations (TMA, one key loop, 64-row tiles, grid order, pointer loads),
     GQA 32/8, ragged lengths incl. 1 and queries over more keys; d128 (TMA) and d80
     (pointer path, padded tiles). The benchmark's sweep checks the rest before timing."""
     for d in dims:
@@ -194,11 +193,10 @@ def test_dense_gpu(dtype, cfg, dims):
 
 def test_grid_searches_on_ragged_batches():
     """Many short rows beside a long one: one program per present query block (search),
-    not batch × blocks(max_q); never with warp specialisation (no branch before its loop)."""
+    not batch × blocks(max_q)."""
     cfg = PrefillConfig(128, 128, 8, 2)
     assert cfg.grid(8192, 8192, 32, 1) == ((64, 32, 1), False)
     assert cfg.grid(8192, 8192 + 255, 32, 256) == ((66 + 256, 32, 1), True)
-    assert PrefillConfig(128, 128, 4, 2, True).grid(8192, 8192 + 255, 32, 256)[1] is False
     assert PrefillConfig(128, 128, 8, 2, m_slow=True).grid(4096, 8192, 32, 2) == \
         ((32, 2, 32), False)
 

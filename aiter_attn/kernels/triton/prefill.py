@@ -22,9 +22,11 @@ two stages: the tiles every row of the block sees (no mask arithmetic; the exp2 
 one fused multiply-add with the scale folded into log2(e)), then the tiles the causal
 diagonal, the window or the sequence end cut (masked). Programs are ordered longest-first.
 On sm_90 with 16-byte-aligned, head-contiguous inputs and a power-of-two head dim, Q/K/V
-tiles come through host tensor descriptors (TMA), and the key loop may be warp-specialised
-(``tl.range(..., warp_specialize=True)``); otherwise plain pointers with head-dim masks
-(any head dim ≤ 256, e.g. 80 padded to 128). Offsets are int64.
+tiles come through host tensor descriptors (TMA); otherwise plain pointers with head-dim
+masks (any head dim ≤ 256, e.g. 80 padded to 128). Offsets are int64. There is no
+warp-specialised form: with Triton 3.6 its Hopper key loop (``tl.range(...,
+warp_specialize=True)``) did not finish on an H200 (two test launches stopped at 120 s;
+docs/benchmarks.md, eighth session).
 
 Host work: the launch configuration is chosen by :func:`choose_prefill_config` from host
 integers only (``max_seqlen_q``, ``max_seqlen_k``, head dim, dtype, device); nothing reads a
@@ -116,15 +118,14 @@ def _dense_tiles(
     offs_d, offs_dv, d_mask, dv_mask,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Online-softmax update of ``(acc, m_i, l_i)`` (log2 domain) over keys ``[lo, hi)`` in
     ``BLOCK_N`` tiles. ``MASKED``: 0 every tile is visible to every row (no mask
     arithmetic); 1 every tile is masked (length/causal/window); 2 one loop over all tiles
-    that masks those outside ``[f_lo, f_hi)`` (Triton 3.6's Hopper warp specialisation
-    partitions a single key loop per kernel)."""
+    that masks those outside ``[f_lo, f_hi)``."""
     offs_n = tl.arange(0, BLOCK_N)
-    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         kpos = start_n + offs_n
         k = _load_k(K, Kd, k_row0, k_col, k_head_off, s_kt, start_n, kpos, nk, offs_d, d_mask,
@@ -150,8 +151,7 @@ def _dense_tiles(
             if MASKED == 1:
                 s = _visible(s, kpos, pos_q, nk, left, right, CAUSAL, HAS_WINDOW, True)
             else:
-                # branch-free (a branch stops the warp-specialisation pass): fully visible
-                # tiles compare against bounds that every key passes
+                # branch-free: fully visible tiles compare against bounds every key passes
                 cut = (start_n < f_lo) | (start_n >= f_hi)
                 s = _visible(s, kpos, pos_q, tl.where(cut, nk, _BIG),
                              tl.where(cut, left, _BIG), tl.where(cut, right, _BIG),
@@ -179,7 +179,7 @@ def _dense_prefill_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_PREFIX: tl.constexpr, WRITE_LSE: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-    WARP_SPEC: tl.constexpr, ONE_LOOP: tl.constexpr, M_SLOW: tl.constexpr,
+    ONE_LOOP: tl.constexpr, M_SLOW: tl.constexpr,
     SEARCH: tl.constexpr,
 ):
     # longest blocks first (causal: the last query blocks see the most keys): within each
@@ -213,9 +213,8 @@ def _dense_prefill_kernel(
     k0 = tl.load(CuK + b)
     nk = tl.load(CuK + b + 1) - k0
     min_i = start_m * BLOCK_M
-    # a block past this request's queries runs no key tile and stores nothing; the
-    # one-loop (warp-specialised) form has no early return: Triton's Hopper warp
-    # specialisation wants the key loop outside any branch
+    # a block past this request's queries runs no key tile and stores nothing (the
+    # one-loop form runs an empty key range instead of returning)
     live = min_i < nq
     if not ONE_LOOP:
         if not live:
@@ -262,31 +261,31 @@ def _dense_prefill_kernel(
     k_head_off = kvh.to(tl.int64) * s_kh
     v_head_off = kvh.to(tl.int64) * s_vh
     if ONE_LOOP:
-        # every tile in one (warp-specialised) loop; the mask only where it cuts
+        # every tile in one loop; the mask only where it cuts
         acc, m_i, l_i = _dense_tiles(
             acc, m_i, l_i, q, qk2, softcap, K, V, Kd, Vd, k0, kvh * D, kvh * DV, k_head_off,
             v_head_off, s_kt, s_vt, lo, hi, f_lo, f_hi, pos_q, nk, left, right, offs_d,
             offs_dv, d_mask, dv_mask, BLOCK_N, 2, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_TMA,
-            DOT_PRECISION, NUM_STAGES, WARP_SPEC)
+            DOT_PRECISION, NUM_STAGES)
     else:
         # stage 1: fully visible tiles (no mask arithmetic)
         acc, m_i, l_i = _dense_tiles(
             acc, m_i, l_i, q, qk2, softcap, K, V, Kd, Vd, k0, kvh * D, kvh * DV, k_head_off,
             v_head_off, s_kt, s_vt, f_lo, f_hi, f_lo, f_hi, pos_q, nk, left, right, offs_d,
             offs_dv, d_mask, dv_mask, BLOCK_N, 0, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_TMA,
-            DOT_PRECISION, NUM_STAGES, False)
+            DOT_PRECISION, NUM_STAGES)
         # stage 2: the diagonal / sequence-end tiles (masked)
         acc, m_i, l_i = _dense_tiles(
             acc, m_i, l_i, q, qk2, softcap, K, V, Kd, Vd, k0, kvh * D, kvh * DV, k_head_off,
             v_head_off, s_kt, s_vt, f_hi, hi, f_lo, f_hi, pos_q, nk, left, right, offs_d,
             offs_dv, d_mask, dv_mask, BLOCK_N, 1, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_TMA,
-            DOT_PRECISION, NUM_STAGES, False)
+            DOT_PRECISION, NUM_STAGES)
         if HAS_WINDOW:  # the window's left edge (masked)
             acc, m_i, l_i = _dense_tiles(
                 acc, m_i, l_i, q, qk2, softcap, K, V, Kd, Vd, k0, kvh * D, kvh * DV,
                 k_head_off, v_head_off, s_kt, s_vt, lo, f_lo, f_lo, f_hi, pos_q, nk, left,
                 right, offs_d, offs_dv, d_mask, dv_mask, BLOCK_N, 1, CAUSAL, HAS_WINDOW,
-                HAS_SOFTCAP, USE_TMA, DOT_PRECISION, NUM_STAGES, False)
+                HAS_SOFTCAP, USE_TMA, DOT_PRECISION, NUM_STAGES)
 
     # epilogue: sink (once, here), prefix merge, normalise
     if HAS_SINKS:
@@ -320,14 +319,14 @@ def _dense_prefill_kernel(
 
 @attrs.frozen
 class PrefillConfig:
-    """A launch of the dense kernel: tile shapes, warps, software-pipeline depth, warp
-    specialisation of the key loop, TMA (tensor-descriptor) loads when the inputs allow."""
+    """A launch of the dense kernel: tile shapes, warps, software-pipeline depth, TMA
+    (tensor-descriptor) loads when the inputs allow, one key loop (``one_loop``: the mask
+    only where it cuts) instead of unmasked then masked tiles, grid order (``m_slow``)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    warp_spec: bool = False
     tma: bool = True
     one_loop: bool = False
     m_slow: bool = False
@@ -337,11 +336,10 @@ class PrefillConfig:
         × query blocks, so every request's longest blocks start first); ``search`` when
         ``batch · blocks(max_q)`` would exceed the blocks actually present (ragged batches):
         then one program per present block (at most ``blocks(num_tokens) + batch``), its
-        request found by binary search (not with warp specialisation, which wants no
-        branch before its loop)."""
+        request found by binary search."""
         m = triton.cdiv(max(max_q, 1), self.block_m)
         present = triton.cdiv(max(num_tokens, 1), self.block_m) + batch
-        if not self.warp_spec and batch * m > present:
+        if batch * m > present:
             return (present, num_q_heads, 1), True
         return ((num_q_heads, batch, m) if self.m_slow else (m, num_q_heads, batch)), False
 
@@ -353,16 +351,16 @@ def _smem_need(bm, bn, d_pad, dv_pad, stages, elem):
 @functools.lru_cache(maxsize=256)
 def _choose_cached(max_q, max_k, d_pad, dv_pad, elem, sm90, smem, interp, ov):
     if interp:  # small tiles: short test sequences still cross every stage boundary
-        cfg = PrefillConfig(16, 16, 4, 1, False, True)
+        cfg = PrefillConfig(16, 16, 4, 1, tma=True)
     elif elem == 4:
-        cfg = PrefillConfig(64, 32, 4, 2, False, False)
+        cfg = PrefillConfig(64, 32, 4, 2, tma=False)
     elif max(d_pad, dv_pad) > 128:
-        cfg = PrefillConfig(64, 64, 4, 2, False, sm90)
+        cfg = PrefillConfig(64, 64, 4, 2, tma=sm90)
     else:
         # 8 warps = two warpgroups of 64 rows each; 128-key tiles keep each wgmma N = 128
         # (narrower tiles at 8 warps ran slower in Triton's own Hopper attention sweeps);
         # the H200 sweep (benchmarks/bench_prefill.py) decides per shape
-        cfg = PrefillConfig(128, 128, 8, 2, False, sm90)
+        cfg = PrefillConfig(128, 128, 8, 2, tma=sm90)
     if ov:
         cfg = attrs.evolve(cfg, **dict(ov))
     if smem is not None and not interp:  # fit the device: fewer stages, then narrower tiles
@@ -517,12 +515,11 @@ def prefill_launch_args(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap
             cu_q.shape[0] - 1,
             qs[0], qs[1], ks[0], ks[1], vs[0], vs[1], os_[0], os_[1], ls[0], ls[1], ps[0], ps[1],
             pls[0], pls[1])
-    ws = bool(config.warp_spec and use_tma)
     kw = dict(GROUP=hq // hkv, D=d, D_PAD=d_pad, DV=dv, DV_PAD=dv_pad, BLOCK_M=bm, BLOCK_N=bn,
               CAUSAL=bool(causal), HAS_WINDOW=has_window, HAS_SOFTCAP=softcap > 0,
               HAS_SINKS=sinks is not None, HAS_PREFIX=prefix is not None,
               WRITE_LSE=lse is not None, USE_TMA=use_tma,
               DOT_PRECISION=_DOT_PRECISION[q.dtype], NUM_STAGES=config.num_stages,
-              WARP_SPEC=ws, ONE_LOOP=ws or config.one_loop, M_SLOW=config.m_slow,
+              ONE_LOOP=config.one_loop, M_SLOW=config.m_slow,
               SEARCH=False, num_warps=config.num_warps)
     return args, kw
