@@ -50,10 +50,10 @@ ROWS = [("prefill 1x2k", 1, 2048, 0), ("prefill 1x8k", 1, 8192, 0),
 SMOKE_ROWS = [("smoke 2x40+0", 2, 40, 0), ("smoke 1x24+48", 1, 24, 48)]
 #: dense launch configs of the sweep: (block_m, block_n, num_warps, num_stages, tma, m_slow,
 #: one_loop); 64-row 4-warp tiles put two CTAs on an SM (two independent warpgroups)
-SWEEP = [(128, 64, 8, 3, True, False, False), (128, 128, 8, 2, True, False, False),
-         (64, 64, 4, 3, True, False, False), (64, 128, 4, 2, True, False, False),
-         (64, 64, 4, 2, True, False, False), (128, 128, 8, 2, True, False, True),
-         (128, 128, 8, 2, True, True, False), (128, 128, 8, 2, False, False, False)]
+SWEEP = [(128, 128, 8, 2, True, False, False), (128, 128, 8, 2, True, True, False),
+         (64, 64, 4, 3, True, False, False), (64, 64, 4, 3, True, True, False),
+         (64, 64, 4, 2, True, False, False), (128, 64, 8, 3, True, True, False),
+         (64, 32, 4, 3, True, False, False)]
 SMOKE_SWEEP = [(16, 16, 4, 1, True, False, False), (16, 16, 4, 1, True, True, True)]
 RTOL = 2e-2
 

@@ -33,7 +33,7 @@ VARIANTS = ("default", "fused_reduce", "batch_invariant")
 #: ``--variants`` beyond :data:`VARIANTS`: launch overrides (``TUNING_OVERRIDES`` keys) of the
 #: small-batch decode rows (more, shorter splits; narrower key tiles with a deeper pipeline;
 #: 8 warps; the chunked page lookup, which lets every K/V copy of a short split be in flight at
-#: once instead of one tile ahead; fewer, longer splits)
+#: once instead of one tile ahead; fewer, longer splits; programmatic dependent launch off)
 OVERRIDES = {
     "splits128": {"min_split_tokens": 128},
     "splits64": {"min_split_tokens": 64},
@@ -47,6 +47,19 @@ OVERRIDES = {
     "chunk16-splits128": {"page_chunk": 16, "min_split_tokens": 128},
     "splits512": {"min_split_tokens": 512},
     "chunk16-splits512": {"page_chunk": 16, "min_split_tokens": 512},
+    # programmatic dependent launch (the default on sm_90) off: the attention launch and the
+    # split reduction each wait for the kernel before to finish before they start
+    "nopdl": {"pdl": False},
+    "chunk16-nopdl": {"page_chunk": 16, "pdl": False},
+    "pdl": {"pdl": True},
+    "pdl-reduce": {"pdl": "reduce"},  # only the reduction launched early
+    "chunk0": {"page_chunk": 0},  # the per-tile lookup (1x4k's default before 2026-12-04)
+    "chunk4": {"page_chunk": 4},
+    "chunk8": {"page_chunk": 8},
+    "chunk16-s2": {"page_chunk": 16, "num_stages": 2},
+    # fewer, longer splits (16x4k: 2 and 1 split instead of 3)
+    "min2k": {"min_split_tokens": 2048},
+    "min4k": {"min_split_tokens": 4096},
 }
 
 

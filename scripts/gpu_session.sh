@@ -23,6 +23,13 @@
 #                                  # one at a time with durations (logs in $OUT), then
 #                                  # small-batch decode launch variants (chunked lookup) and
 #                                  # the MLA launch sweep
+#   scripts/gpu_session.sh fourteenth # PDL and dense-prefill gpu tests, decode variants (PDL
+#                                  # on/off, chunked lookup, longer splits), the prefill
+#                                  # sweep, the MLA sweep replayed, decode + fp8 tables
+#   scripts/gpu_session.sh fifteenth # PDL modes, new prefill/decode defaults (gpu tests),
+#                                  # decode page-lookup variants, prefill and MLA sweeps
+#   scripts/gpu_session.sh sixteenth # the new defaults (dense prefill 64x64, MLA 16 heads,
+#                                  # 1x4k lookup): gpu tests, decode/MLA/fp8 and prefill tables
 #   scripts/gpu_session.sh tenth   # ninth, Triton verify tables (paged, 5-D, MLA) with each
 #                                  # failure's reason, then the pending gpu tests (logs in $OUT)
 set -uo pipefail
@@ -164,6 +171,61 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
     timeout ${MLA_S:-150} python3 benchmarks/bench_attention.py --only mla --mla-sweep \
       --out "$OUT/mla" > "$OUT/mla.log" 2>&1
     grep -E "ours|mla H" "$OUT/mla.log" | tail -30
+    ;;
+  fourteenth)
+    timeout ${TEST_S:-150} python3 -m pytest -m gpu -n 4 -v --tb=short --timeout 140 \
+      tests/test_pdl.py tests/test_triton_prefill.py tests/test_triton_paged_attention.py \
+      tests/test_triton_mla.py "tests/test_graph_gpu.py::test_replays_make_no_host_sync_and_match_eager" \
+      -p no:cacheprovider -p no:warnings > "$OUT/tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed|Timeout" "$OUT/tests.log" | tail -15
+    timeout ${VAR_S:-110} python3 benchmarks/bench_variants.py \
+      --rows 1x4096,16x4096,1x32768,64x4096,8x65536 --rep 20 \
+      --variants default,nopdl,chunk16,chunk16-nopdl,min2k,min4k --out "$OUT" \
+      > "$OUT/variants.log" 2>&1
+    tail -8 "$OUT/variants.log"
+    timeout ${PF_S:-170} python3 benchmarks/bench_prefill.py --budget-s 110 --out "$OUT/prefill" \
+      > "$OUT/prefill.log" 2>&1
+    tail -9 "$OUT/prefill.log"
+    timeout ${MLA_S:-100} python3 benchmarks/bench_attention.py --only mla --mla-sweep \
+      --out "$OUT/mla" > "$OUT/mla.log" 2>&1
+    grep -E "ours" "$OUT/mla.log" | head -40
+    timeout ${DEC_S:-90} python3 benchmarks/bench_attention.py --only decode,fp8 \
+      --out "$OUT/decode" > "$OUT/decode.log" 2>&1
+    grep -A12 "CUDA-graph replay" "$OUT/decode.log" | head -14
+    rm -f "$OUT"/*/*.png
+    ;;
+  fifteenth)
+    timeout ${TEST_S:-120} python3 -m pytest -m gpu -n 4 -v --tb=short --timeout 110 \
+      tests/test_pdl.py tests/test_triton_prefill.py tests/test_triton_prefill_extend.py \
+      tests/test_triton_prefill_backend.py tests/test_triton_paged_attention.py \
+      -p no:cacheprovider -p no:warnings > "$OUT/tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed|Timeout" "$OUT/tests.log" | tail -15
+    timeout ${VAR_S:-100} python3 benchmarks/bench_variants.py \
+      --rows 1x4096,16x4096,1x32768 --rep 20 \
+      --variants default,chunk0,pdl,pdl-reduce,chunk4,chunk8,chunk16-s2 --out "$OUT" \
+      > "$OUT/variants.log" 2>&1
+    tail -5 "$OUT/variants.log"
+    timeout ${PF_S:-150} python3 benchmarks/bench_prefill.py --budget-s 95 --out "$OUT/prefill" \
+      > "$OUT/prefill.log" 2>&1
+    grep -A7 "CUDA-graph replay" "$OUT/prefill.log"; grep -E "dense |ours-dense" "$OUT/prefill.log"
+    timeout ${MLA_S:-100} python3 benchmarks/bench_attention.py --only mla --mla-sweep \
+      --out "$OUT/mla" > "$OUT/mla.log" 2>&1
+    grep -E "== mla H16 .*bf16|ours" "$OUT/mla.log" | head -34
+    rm -f "$OUT"/*/*.png "$OUT"/*/*.json
+    ;;
+  sixteenth)
+    timeout ${TEST_S:-100} python3 -m pytest -m gpu -n 4 -v --tb=short --timeout 90 \
+      tests/test_triton_prefill.py tests/test_triton_prefill_extend.py \
+      tests/test_triton_prefill_backend.py tests/test_triton_mla.py tests/test_pdl.py \
+      -p no:cacheprovider -p no:warnings > "$OUT/tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed|Timeout" "$OUT/tests.log" | tail -15
+    timeout ${PF_S:-80} python3 benchmarks/bench_prefill.py --no-sweep --out "$OUT/prefill" \
+      > "$OUT/prefill.log" 2>&1
+    grep -A8 "CUDA-graph replay" "$OUT/prefill.log"; grep -A8 "^Eager" "$OUT/prefill.log"
+    timeout ${DEC_S:-170} python3 benchmarks/bench_attention.py --only decode,mla,fp8 \
+      --anchors cudnn --out "$OUT/attn" > "$OUT/attn.log" 2>&1
+    grep -A22 "CUDA-graph replay" "$OUT/attn.log" | head -24
+    rm -f "$OUT"/*/*.png
     ;;
   tests|all)
     timeout $T python3 -m pytest -q -n 8 -m gpu tests -p no:cacheprovider -p no:warnings \

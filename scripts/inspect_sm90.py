@@ -70,7 +70,7 @@ def launched_constexprs(launched: str, q_len: int = 1, fp8: bool = False) -> dic
     return dict(HEADS=cfg.heads, NUM_HCHUNKS=-(-4 // cfg.heads), BLOCK_Q=cfg.block_q,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=page, PAGE_CHUNK=cfg.page_chunk_for(page),
                 SPLIT=cfg.num_splits > 1, SEARCH_SEQ=search, WARP_SPEC=cfg.warp_spec,
-                warps=cfg.num_warps, stages=cfg.num_stages, num_splits=cfg.num_splits)
+                PDL=cfg.pdl, warps=cfg.num_warps, stages=cfg.num_stages, num_splits=cfg.num_splits)
 
 
 def compile_paged(kv="bf16", q="bf16", warps=8, stages=3, launched=None, q_len=1, **const):
@@ -140,10 +140,21 @@ def resource_usage(kernel) -> dict:
     return {k: int(v) for k, v in re.findall(r"\b([A-Z]+):(\d+)", text)}
 
 
+def _gdc_wait_first(ptx: str):
+    """With programmatic dependent launch: whether ``griddepcontrol.wait`` comes before the
+    kernel's first global read (``ld.global`` / ``cp.async``); ``None`` without it."""
+    wait = ptx.find("griddepcontrol.wait")
+    if wait < 0:
+        return None
+    reads = [i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0]
+    return not reads or wait < min(reads)
+
+
 def report(kernel) -> dict:
     ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
     res = resource_usage(kernel)
     return {
+        "gdc wait before first read": _gdc_wait_first(ptx),
         "registers": res["REG"],
         "stack bytes (ptxas spills)": res.get("STACK", 0),
         "shared_bytes": kernel.metadata.shared,

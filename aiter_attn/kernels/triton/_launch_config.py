@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 
-from ._kvutil import interpreting, max_shared_mem, next_pow2, num_sms
+from ._kvutil import interpreting, max_shared_mem, next_pow2, num_sms, pdl_supported
 
 __all__ = ["TUNING_OVERRIDES", "LaunchConfig", "choose_config", "BATCH_INVARIANT_SPLIT_TOKENS"]
 
@@ -36,10 +36,10 @@ class LaunchConfig:
     """Launch parameters chosen from shapes and host hints only."""
 
     __slots__ = ("block_m", "block_n", "num_warps", "num_stages", "heads", "block_q",
-                 "num_splits", "warp_spec", "page_chunk", "split_tiles", "fused_reduce")
+                 "num_splits", "warp_spec", "page_chunk", "split_tiles", "fused_reduce", "pdl")
 
     def __init__(self, block_m, block_n, num_warps, num_stages, heads, block_q, num_splits,
-                 warp_spec=False, page_chunk=0, split_tiles=0, fused_reduce=False):
+                 warp_spec=False, page_chunk=0, split_tiles=0, fused_reduce=False, pdl=False):
         self.block_m, self.block_n = block_m, block_n
         self.num_warps, self.num_stages = num_warps, num_stages
         self.heads, self.block_q, self.num_splits = heads, block_q, num_splits
@@ -51,6 +51,13 @@ class LaunchConfig:
         #: per-tile atomic counter); never in batch-invariant mode. Off by default until
         #: measured (``TUNING_OVERRIDES["fused_reduce"] = True`` turns it on)
         self.fused_reduce = fused_reduce
+        #: programmatic dependent launch (sm_90+; the kernels wait, ``gdc_wait``, before
+        #: their first read, so results are the same): ``True`` the attention launch and
+        #: its split reduction may each start while the kernel before finishes;
+        #: ``"reduce"`` only the reduction; ``False`` neither. Off by default: on the H200
+        #: both launches early cost 1x4k 1.38 -> 1.25 TB/s and 16x4k 3.63 -> 3.45
+        #: (docs/benchmarks.md, eighth session)
+        self.pdl = pdl
 
     @property
     def batch_invariant(self) -> bool:
@@ -68,7 +75,9 @@ class LaunchConfig:
 #: (query heads packed per program), ``warp_spec`` (Triton's automatic warp specialisation of
 #: the unmasked key loop), ``page_chunk`` (key tiles per block-table load, 0 = per tile),
 #: ``split_tokens`` (keys per split in batch-invariant mode), ``fused_reduce`` (the split
-#: reduction inside the attention launch: the last split of a tile reduces it).
+#: reduction inside the attention launch: the last split of a tile reduces it), ``pdl``
+#: (programmatic dependent launch where the device has it: ``True`` or ``"reduce"``, see
+#: :attr:`LaunchConfig.pdl`).
 TUNING_OVERRIDES: dict = {}
 
 
@@ -82,15 +91,17 @@ def choose_config(*, group, max_q, max_k, head_dim_pad, batch, num_kv_heads, dev
     ov = tuple(sorted(TUNING_OVERRIDES.items()))
     on_gpu = device.type == "cuda" and not interpreting()
     smem = max_shared_mem(device) - 2048 if on_gpu else 0  # margin for Triton's own buffers
+    pdl = TUNING_OVERRIDES.get("pdl", False)
+    pdl = (pdl if pdl == "reduce" else bool(pdl)) if pdl and pdl_supported(device) else False
     if batch_invariant:
         cfg = _invariant_config_cached(group, head_dim_pad, ov, interpreting(), fp32, smem)
         per_split = cfg.split_tiles * cfg.block_n
         return LaunchConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.heads,
                             cfg.block_q, max(1, _cdiv(max(max_k, 1), per_split)),
-                            cfg.warp_spec, cfg.page_chunk, cfg.split_tiles)
+                            cfg.warp_spec, cfg.page_chunk, cfg.split_tiles, pdl=pdl)
     sms = num_sms(device) if on_gpu else 0
     return _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads, sms, ov,
-                                 interpreting(), fp32, fp8_kv, smem)
+                                 interpreting(), fp32, fp8_kv, smem, pdl)
 
 
 @functools.lru_cache(maxsize=256)
@@ -134,7 +145,7 @@ def _fit_smem(block_m, block_n, num_stages, head_dim_pad, elem, budget):
 
 @functools.lru_cache(maxsize=4096)
 def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads, sms, ov,
-                          interpreting, fp32, fp8_kv, smem):
+                          interpreting, fp32, fp8_kv, smem, pdl=False):
     ov = dict(ov)
     decode_like = max_q * min(group, 64) <= 64
     if decode_like:
@@ -182,8 +193,15 @@ def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads
             target = _cdiv(2 * sms, ctas)
         num_splits = max(1, min(target, _cdiv(max_k, min_tokens), 64))
     num_splits = ov.get("num_splits", num_splits)
+    if (decode_like and not fp32 and num_splits > 1 and "page_chunk" not in ov
+            and _cdiv(max_k, num_splits * block_n) <= 2):
+        # splits of one or two key tiles (1x4k: 16 splits of 256 keys): the chunked lookup
+        # issues every copy of the split at once (H200, 1x4k: 1.39 -> 1.55 TB/s with chunks
+        # of 4 tiles, 1.52 with 8, 1.49 with 16; at 3 or more tiles per split, 16x4k and
+        # 1x32k, it was slower: 3.69 -> 2.97, 3.00 -> 2.52 with chunks of 4)
+        page_chunk = 4
     return LaunchConfig(block_m, block_n, num_warps, num_stages, heads, block_q, num_splits,
                    bool(ov.get("warp_spec", False)),
                    next_pow2(int(ov.get("page_chunk", page_chunk))) if ov.get("page_chunk",
                                                                                page_chunk) else 0,
-                   fused_reduce=bool(ov.get("fused_reduce", False)))
+                   fused_reduce=bool(ov.get("fused_reduce", False)), pdl=pdl)

@@ -244,7 +244,9 @@ class TritonPagedAttention(AttentionKernel):
             COMPUTE_DTYPE=self.compute,
             CLAMP_Q=self.clamp_q, DOT_PRECISION=self.dot_precision,
             NUM_STAGES=cfg.num_stages, WARP_SPEC=cfg.warp_spec, PAGE_CHUNK=page_chunk,
-            num_warps=cfg.num_warps)
+            PDL=bool(cfg.pdl), num_warps=cfg.num_warps)
+        if cfg.pdl is True:  # a compile option, set only where it is on
+            cfg_kw["launch_pdl"] = True
         return TritonPlan(
             num_tokens=num_tokens if batch else 0, mask_literal=mask_literal(md),
             grid=(grid_q, self.kv_heads * num_hchunks, splits),
@@ -426,6 +428,8 @@ class TritonPagedAttention(AttentionKernel):
         rkw = dict(DV=self.v_head_dim, DV_PAD=plan.dv_pad, SPLITS_PAD=next_pow2(plan.num_splits),
                    HAS_SINKS=params.sinks is not None, WRITE_LSE=lse is not None,
                    FIXED_ORDER=plan.fixed_order, num_warps=4)
+        if plan.cfg_kw.get("PDL"):
+            rkw.update(PDL=True, launch_pdl=True)
         if jit:
             _reduce_splits_kernel[grid](*rargs, **rkw)
         else:

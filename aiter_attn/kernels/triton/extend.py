@@ -133,7 +133,8 @@ class TritonExtendAttention(AttentionKernel):
         device = cu.device
         cfg = choose_prefill_config(max_q=max_q, max_k=max_q, head_dim=self.head_dim,
                                     v_head_dim=self.v_head_dim, dtype=self.dtype,
-                                    device=device)
+                                    device=device, num_tokens=num_tokens,
+                                    q_heads=self.q_heads)
         grid, search = cfg.grid(max_q, num_tokens, self.q_heads, max(batch, 0))
         max_prefix = md.extras.get("max_prefix_len")
         if max_prefix is None:  # no hint: at most the keys' bound minus nothing

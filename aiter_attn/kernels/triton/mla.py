@@ -39,9 +39,10 @@ from ...types import FP8_DTYPES
 from ...validation import INDEX_DTYPES, unit_stride
 from ..base import (MEMO, KernelPlan, MLAKernel, _adhoc_metadata, mask_literal,
                     mla_layer_params, mla_request, plan_hints, token_count_error)
-from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
+from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms, pdl_supported
 from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS
 from ._paging import load_chunk_pages, tile_pages_of
+from ._pdl import gdc_launch_dependents, gdc_wait
 
 __all__ = ["mla_paged_attention", "mla_launch_config", "TritonMLA", "TritonMLAPlan",
            "mla_request"]
@@ -136,7 +137,11 @@ def _mla_fwd_kernel(
     SPLIT_V_LOAD: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     FIXED_CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel's writes first
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     split = tl.program_id(1)
     t = pid // num_head_blocks  # head blocks of one token are neighbours: they share KV in L2
@@ -271,7 +276,11 @@ def _mla_merge_kernel(
     BLOCK_S: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     FIXED_ORDER: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # launched while the attention kernel runs: its partials first
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -311,11 +320,14 @@ def _mla_merge_kernel(
         tl.store(lse_ptr + t * stride_ot_lse + h * stride_oh_lse, lse_out)
 
 
-#: Launch defaults, from the H200 sweep of ``benchmarks/bench_attention.py --mla-sweep``
-#: (2026-12-02 14:00 UTC; bf16, kv_lora 512 + rope 64, page 64): 16 heads: (16, 64, 4, 3) was
-#: fastest of 6 configs; 128 heads: (64, 32, 8, 2) within 5% of the best of 9 and reads each
-#: latent tile once per 64 heads.
-_DEFAULTS = {16: (64, 4, 3), 32: (32, 8, 3), 64: (64, 8, 2)}  # block_h -> (block_n, warps, stages)
+#: Launch defaults, from the H200 sweeps of ``benchmarks/bench_attention.py --mla-sweep``
+#: (bf16, kv_lora 512 + rope 64, page 64). 16 heads (2026-12-04, CUDA-graph replay): 32-key
+#: tiles, 4 warps, 3 stages, two programs per SM: 64x4k 3.73 TB/s and 128x8k 4.31 against
+#: 3.50 and 3.92 with (64, 4, 3) at one program per SM. 128 heads (2026-12-02): (64, 32, 8, 2)
+#: within 5% of the best of 9 and reads each latent tile once per 64 heads.
+_DEFAULTS = {16: (32, 4, 3), 32: (32, 8, 3), 64: (64, 8, 2)}  # block_h -> (block_n, warps, stages)
+#: programs of the 16-head tiles that share an SM (registers: 255 × 128 threads each)
+_MAX_RESIDENT = 2
 
 
 def _smem_budget(device: torch.device) -> Optional[int]:
@@ -367,11 +379,15 @@ def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: to
     head_blocks = triton.cdiv(num_heads, block_h)
     programs = max(1, head_blocks * num_tokens)
     if num_kv_splits is None:
-        # one program per SM fits (the latent ring fills shared memory): split so that the
-        # programs make at most one full wave (H200, 16 heads 64x4k: 2 splits 3.17 TB/s,
-        # 4 splits 2.95, the former 2-wave target's 5 splits 2.55)
+        # split so that the programs fill the SMs once: one program per SM where the latent
+        # ring fills shared memory, two where it fits twice (H200, 16 heads 64x4k with
+        # 64-key tiles: 2 splits 3.17 TB/s, 4 splits 2.95; with 32-key tiles, two per SM:
+        # 4 splits 3.73)
+        resident = 1
+        if budget is not None and num_warps <= 4:
+            resident = max(1, min(_MAX_RESIDENT, budget // need(block_n, num_stages)))
         by_len = max(1, triton.cdiv(max(kv_bound, 1), 4 * block_n))
-        num_kv_splits = max(1, min(64, num_sms(device) // programs, by_len))
+        num_kv_splits = max(1, min(64, resident * num_sms(device) // programs, by_len))
     return block_h, block_n, int(num_kv_splits), num_warps, num_stages
 
 
@@ -555,6 +571,9 @@ class TritonMLA(MLAKernel):
             FP16_DOTS=is_fp8(self.kv_dtype) and self.dtype == torch.bfloat16,
             SPLIT_V_LOAD=self.kv_dtype != self.dtype if split_v is None else bool(split_v),
             FIXED_CHUNK=fixed_chunk, num_warps=warps, num_stages=stages)
+        pdl = t.get("pdl", False)  # tuning only (see _launch_config's LaunchConfig.pdl)
+        if pdl and pdl_supported(device):
+            cfg_kw.update(PDL=True, **({"launch_pdl": True} if pdl is True else {}))
         return TritonMLAPlan(
             num_tokens=0 if empty else num_tokens, mask_literal=mask_literal(md),
             grid=(num_tokens * head_blocks, splits), args=(cu, seqused_k, block_table),
@@ -611,7 +630,8 @@ class TritonMLA(MLAKernel):
                 ps_l[0], ps_l[1], *ls,
                 KV_LORA=self.rank, BLOCK_DV=self.block_dv, NUM_SPLITS=plan.splits,
                 BLOCK_S=max(2, next_pow2(plan.splits)), WRITE_LSE=write_lse,
-                FIXED_ORDER=self.batch_invariant, num_warps=4)
+                FIXED_ORDER=self.batch_invariant, num_warps=4,
+                **({"PDL": True, "launch_pdl": True} if plan.cfg_kw.get("PDL") else {}))
         return out
 
 

@@ -41,6 +41,7 @@ from ._kvutil import next_pow2
 from ._paging import load_chunk_pages, tile_pages_of
 from ._softmax import online_softmax_tile, tanh
 from ._launch_config import TUNING_OVERRIDES, _cdiv, choose_config
+from ._pdl import gdc_launch_dependents, gdc_wait
 
 __all__ = ["paged_attention_triton", "paged_attention_5d_triton", "reject_reason", "MAX_HEAD_DIM",
            "MAX_GROUP", "TUNING_OVERRIDES"]
@@ -262,8 +263,14 @@ def _paged_attn_kernel(
     COMPUTE_DTYPE: tl.constexpr, CLAMP_Q: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr, PAGE_CHUNK: tl.constexpr,
     KX: tl.constexpr, VX: tl.constexpr, WRITE_LSE: tl.constexpr, FIXED_SPLITS: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr, TOKEN_SCALES: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr, TOKEN_SCALES: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:
+        # launched while the kernel before finishes (programmatic dependent launch): wait
+        # for its writes (the K/V cache, indices) before the first read, then let the split
+        # reduction be launched (it waits for this kernel in turn)
+        gdc_wait()
+        gdc_launch_dependents()
     # longest causal q-blocks (latest positions) first: better tail balance in prefill
     pid_q = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -447,13 +454,17 @@ def _reduce_splits_kernel(
     O, PartAcc, PartML, Sinks, Lse, num_splits,
     stride_ot, stride_oh, stride_ps, stride_pt, stride_mls, stride_mlt, stride_lt, stride_lh,
     DV: tl.constexpr, DV_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
-    WRITE_LSE: tl.constexpr, FIXED_ORDER: tl.constexpr,
+    WRITE_LSE: tl.constexpr, FIXED_ORDER: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Merge split partials of one (token, head): ``o = Σ_s 2^{m_s - M} acc_s / Σ_s 2^{m_s - M} l_s``
     with the sink as one more term of the denominator (no atomics); ``WRITE_LSE``:
     ``lse = ln 2 · (M + log2 denom)``, ``-inf`` when empty. ``FIXED_ORDER``
     (batch-invariant): the sums run split by split in index order, so splits past a request's
-    keys (exact zeros) leave its bits unchanged whatever number of splits was launched."""
+    keys (exact zeros) leave its bits unchanged whatever number of splits was launched.
+    ``PDL``: launched while the attention kernel runs; waits for its partials first."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs_dv = tl.arange(0, DV_PAD)

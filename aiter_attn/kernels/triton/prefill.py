@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._kvutil import interpreting, max_shared_mem, next_pow2
+from ._kvutil import interpreting, max_shared_mem, next_pow2, num_sms
 from ._softmax import tanh
 
 __all__ = ["PrefillConfig", "choose_prefill_config", "dense_prefill", "PREFILL_OVERRIDES",
@@ -349,18 +349,24 @@ def _smem_need(bm, bn, d_pad, dv_pad, stages, elem):
 
 
 @functools.lru_cache(maxsize=256)
-def _choose_cached(max_q, max_k, d_pad, dv_pad, elem, sm90, smem, interp, ov):
+def _choose_cached(max_q, max_k, d_pad, dv_pad, elem, sm90, smem, interp, ov, programs=0,
+                   sms=0):
     if interp:  # small tiles: short test sequences still cross every stage boundary
         cfg = PrefillConfig(16, 16, 4, 1, tma=True)
     elif elem == 4:
         cfg = PrefillConfig(64, 32, 4, 2, tma=False)
     elif max(d_pad, dv_pad) > 128:
         cfg = PrefillConfig(64, 64, 4, 2, tma=sm90)
-    else:
-        # 8 warps = two warpgroups of 64 rows each; 128-key tiles keep each wgmma N = 128
-        # (narrower tiles at 8 warps ran slower in Triton's own Hopper attention sweeps);
-        # the H200 sweep (benchmarks/bench_prefill.py) decides per shape
+    elif not sms:  # a device of unknown size: two warpgroups of 64 rows, 128-key tiles
         cfg = PrefillConfig(128, 128, 8, 2, tma=sm90)
+    else:
+        # 64-row tiles of one warpgroup, two programs per SM (their softmax and tensor-core
+        # phases interleave). H200, CUDA-graph replay against 128x128 / 8 warps / 2 stages:
+        # 1x8k 440 -> 458 TFLOP/s, 8x2k 371 -> 415, 1x16k 468 -> 468-484; with four waves
+        # or fewer of 128-row programs (1x2k, 32 heads: 512) every head's longest blocks
+        # first (m_slow): 1x2k 306 -> 415 (docs/benchmarks.md, eighth session)
+        few = bool(programs) and programs <= 4 * sms
+        cfg = PrefillConfig(64, 64, 4, 3, tma=sm90, m_slow=few)
     if ov:
         cfg = attrs.evolve(cfg, **dict(ov))
     if smem is not None and not interp:  # fit the device: fewer stages, then narrower tiles
@@ -374,16 +380,21 @@ def _choose_cached(max_q, max_k, d_pad, dv_pad, elem, sm90, smem, interp, ov):
 
 
 def choose_prefill_config(*, max_q: int, max_k: int, head_dim: int, v_head_dim: int,
-                          dtype: torch.dtype, device: torch.device) -> PrefillConfig:
+                          dtype: torch.dtype, device: torch.device, num_tokens: int = 0,
+                          q_heads: int = 0) -> PrefillConfig:
     """The launch configuration for a dense pass (host integers only; cached).
-    :data:`PREFILL_OVERRIDES` replaces fields (benchmark sweeps)."""
+    ``num_tokens``/``q_heads`` (0: unknown) count the 128-row programs against the device's
+    SMs (few waves: longest blocks of every head first). :data:`PREFILL_OVERRIDES` replaces
+    fields (benchmark sweeps)."""
     d_pad = max(16, next_pow2(head_dim))
     dv_pad = max(16, next_pow2(v_head_dim))
     sm90 = (device.type == "cuda" and TensorDescriptor is not None
             and _capability(device) >= (9, 0))
+    programs = q_heads * -(-int(num_tokens) // 128) if num_tokens and q_heads else 0
+    sms = num_sms(device) if device.type == "cuda" and not interpreting() else 0
     return _choose_cached(int(max_q), int(max_k), d_pad, dv_pad, torch.empty(
         (), dtype=dtype).element_size(), sm90, max_shared_mem(device), interpreting(),
-        tuple(sorted(PREFILL_OVERRIDES.items())))
+        tuple(sorted(PREFILL_OVERRIDES.items())), programs, sms)
 
 
 @functools.lru_cache(maxsize=None)
@@ -459,7 +470,8 @@ def dense_prefill(
         return out
     if config is None:
         config = choose_prefill_config(max_q=max_seqlen_q, max_k=max_seqlen_k, head_dim=d,
-                                       v_head_dim=dv, dtype=q.dtype, device=q.device)
+                                       v_head_dim=dv, dtype=q.dtype, device=q.device,
+                                       num_tokens=num_tokens, q_heads=hq)
     args = prefill_launch_args(q, k, v, out, cu_seqlens_q, cu_seqlens_k, softmax_scale,
                                causal, window_size, softcap, sinks, lse, prefix, config)
     grid, search = config.grid(max_seqlen_q, num_tokens, hq, batch)
