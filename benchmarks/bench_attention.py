@@ -75,7 +75,10 @@ MLA_SWEEP = [(16, 32, 4, 2, None), (16, 32, 4, 4, None), (16, 64, 4, 3, None),
              (16, 64, 8, 3, None), (16, 64, 8, 3, "x2"),
              # more splits (16 heads, 64x4k replayed: 32-key tiles with 4 splits 3.70 TB/s
              # against the default's 3.54)
-             (16, 64, 4, 3, "x2"), (16, 32, 8, 3, "x2"), (16, 32, 4, 4, "x2")]
+             (16, 64, 4, 3, "x2"), (16, 32, 8, 3, "x2"), (16, 32, 4, 4, "x2"),
+             # around the new 16-head default (32-key tiles, two programs per SM, 2x the
+             # one-per-SM split count): 6 and 8 splits (64x4k: 4 by default)
+             (16, 32, 4, 3, 6), (16, 32, 4, 3, 8)]
 RTOL_BF16 = 2e-2
 RTOL_FP8 = 6e-2  # e4m3 cache: the reference reads the same dequantised values; q/P/out in bf16
 

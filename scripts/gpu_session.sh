@@ -30,6 +30,11 @@
 #                                  # decode page-lookup variants, prefill and MLA sweeps
 #   scripts/gpu_session.sh sixteenth # the new defaults (dense prefill 64x64, MLA 16 heads,
 #                                  # 1x4k lookup): gpu tests, decode/MLA/fp8 and prefill tables
+#   scripts/gpu_session.sh seventeenth # the new defaults under capture: graph replays,
+#                                  # CUDA verify (Triton), engine graphs, cascade
+#   scripts/gpu_session.sh eighteenth # next: the rows still short of #14's targets:
+#                                  # prefill 1x16k / 8x2k configurations replayed, the MLA
+#                                  # 16-head split counts, the whole gpu suite
 #   scripts/gpu_session.sh tenth   # ninth, Triton verify tables (paged, 5-D, MLA) with each
 #                                  # failure's reason, then the pending gpu tests (logs in $OUT)
 set -uo pipefail
@@ -225,6 +230,25 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
     timeout ${DEC_S:-170} python3 benchmarks/bench_attention.py --only decode,mla,fp8 \
       --anchors cudnn --out "$OUT/attn" > "$OUT/attn.log" 2>&1
     grep -A22 "CUDA-graph replay" "$OUT/attn.log" | head -24
+    rm -f "$OUT"/*/*.png
+    ;;
+  seventeenth)
+    timeout ${TEST_S:-190} python3 -m pytest -m gpu -n 6 -v --tb=short --timeout 180 \
+      tests/test_graph_gpu.py tests/test_engine_graphs.py tests/test_cascade.py \
+      tests/test_cascade_backend.py "tests/test_conformance_contract.py::test_verify_on_cuda_captures_and_replays" \
+      -k "not reference" -p no:cacheprovider -p no:warnings > "$OUT/tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed|Timeout" "$OUT/tests.log" | tail -20
+    ;;
+  eighteenth)
+    timeout ${PF_S:-150} python3 benchmarks/bench_prefill.py --rows "prefill 1x16k,prefill 8x2k" \
+      --sweep-graphs --budget-s 110 --out "$OUT/prefill" > "$OUT/prefill.log" 2>&1
+    grep -E "== |ours-dense|cudnn|dense " "$OUT/prefill.log"
+    timeout ${MLA_S:-120} python3 benchmarks/bench_attention.py --only mla --mla-sweep \
+      --out "$OUT/mla" > "$OUT/mla.log" 2>&1
+    grep -E "== mla H16 .*bf16|ours16/32/4/3" "$OUT/mla.log" | head -20
+    timeout ${SUITE_S:-280} python3 -m pytest -m gpu -n 8 -q --timeout 200 tests \
+      -p no:cacheprovider -p no:warnings > "$OUT/gpu_tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed" "$OUT/gpu_tests.log" | tail -20
     rm -f "$OUT"/*/*.png
     ;;
   tests|all)

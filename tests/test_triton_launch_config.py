@@ -39,6 +39,13 @@ def test_regimes_pick_the_measured_page_lookup():
     assert _cfg(max_q=2048, max_k=2048, batch=8).block_n == 64
     decode = _cfg(max_q=1, max_k=4096, batch=64)
     assert decode.page_chunk == 0 and decode.num_splits >= 1
+    # splits of at most two key tiles take the chunked lookup in chunks of 4 (H200 1x4k:
+    # 1.39 -> 1.55 TB/s); longer splits (16x4k, 1x32k) keep the per-tile lookup
+    short = _cfg(max_q=1, max_k=4096, batch=1)
+    assert (short.num_splits, short.page_chunk) == (16, 4)
+    for batch, max_k in ((16, 4096), (1, 32768)):
+        assert _cfg(max_q=1, max_k=max_k, batch=batch).page_chunk == 0, (batch, max_k)
+    assert _cfg(max_q=1, max_k=4096, batch=1, ov=(("page_chunk", 0),)).page_chunk == 0
     fp8 = _cfg(max_q=1, max_k=65536, batch=8, fp8_kv=True)
     assert fp8.page_chunk == 16
     assert fp8.num_splits * 8 * 8 <= 4 * 132  # whole waves: 8 requests x 8 KV heads

@@ -65,6 +65,9 @@ SPILL_CEILINGS = [
     pytest.param("paged", dict(launched="8x2048", q_len=2048), 0, id="prefill-8x2k"),
     pytest.param("paged", dict(launched="1x8192", q_len=8192), 72, id="prefill-1x8k"),
     pytest.param("mla", dict(BLOCK_H=16, BLOCK_N=64, warps=4, stages=3), 56,
+                 id="mla-16h-64key"),
+    # the 16-head default since 2026-12-04: 32-key tiles (180 registers)
+    pytest.param("mla", dict(BLOCK_H=16, BLOCK_N=32, warps=4, stages=3), 0,
                  id="mla-16h-default"),
     pytest.param("mla", dict(BLOCK_H=16, BLOCK_N=64, warps=8, stages=3), 0,
                  id="mla-16h-8warps"),
