@@ -326,7 +326,8 @@ def _mla_merge_kernel(
 #: 3.50 and 3.92 with (64, 4, 3) at one program per SM. 128 heads (2026-12-02): (64, 32, 8, 2)
 #: within 5% of the best of 9 and reads each latent tile once per 64 heads.
 _DEFAULTS = {16: (32, 4, 3), 32: (32, 8, 3), 64: (64, 8, 2)}  # block_h -> (block_n, warps, stages)
-#: programs of the 16-head tiles that share an SM (registers: 255 × 128 threads each)
+#: programs of 4-warp tiles that share an SM: the 16-head default holds 180 registers × 128
+#: threads, so a third would exceed the SM's 65,536 registers
 _MAX_RESIDENT = 2
 
 
