@@ -12,6 +12,8 @@ attention launch is seen by it (a missing wait would read the old K/V).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -28,7 +30,9 @@ def _plan_kw(monkeypatch, supported: bool, override=None):
     from aiter_attn.kernels.triton import _launch_config as lc
     from aiter_attn.kernels.triton.attention import TritonPagedAttention
 
-    monkeypatch.setattr(lc, "pdl_supported", lambda device: supported)
+    from aiter_attn.kernels.triton import _pdl
+
+    monkeypatch.setattr(_pdl, "pdl_supported", lambda device: supported)
     if override is not None:
         monkeypatch.setitem(lc.TUNING_OVERRIDES, "pdl", override)
     c = Case([1, 1], [300, 40], hq=8, hkv=2, d=64, dtype=torch.float16, device="cpu")
@@ -53,11 +57,11 @@ def test_plan_asks_for_pdl_only_when_tuned_on_and_supported(monkeypatch):
 
 
 def test_pdl_is_never_supported_off_cuda_or_in_the_interpreter(monkeypatch):
-    from aiter_attn.kernels.triton import _kvutil
+    from aiter_attn.kernels.triton import _pdl
 
-    assert _kvutil.pdl_supported(torch.device("cpu")) is False
-    monkeypatch.setattr(_kvutil, "interpreting", lambda: True)
-    assert _kvutil.pdl_supported(torch.device("cuda", 0)) is False
+    assert _pdl.pdl_supported(torch.device("cpu")) is False
+    monkeypatch.setattr(_pdl, "interpreting", lambda: True)
+    assert _pdl.pdl_supported(torch.device("cuda", 0)) is False
 
 
 @pytest.mark.gpu
@@ -68,7 +72,7 @@ def test_gpu_pdl_same_bits_and_sees_the_write_before_it():
     (cache write, attention) replayed after new values were staged matches the oracle of
     the new cache, so the attention launch waited for the write."""
     from aiter_attn.kernels.triton import _launch_config as lc
-    from aiter_attn.kernels.triton._kvutil import pdl_supported
+    from aiter_attn.kernels.triton._pdl import pdl_supported
     from aiter_attn.kernels.triton.paged_attention import paged_attention_triton
 
     dev = torch.device("cuda")
@@ -111,19 +115,17 @@ def test_gpu_pdl_same_bits_and_sees_the_write_before_it():
             kc.copy_(staged_k)
             vc.copy_(staged_v)
             paged_attention_triton(q, kc, vc, out, **idx)
-        fresh = Case([1, 1, 1], [3000, 1700, 2500], hq=32, hkv=8, d=128, dtype=torch.bfloat16,
-                     device="cuda", seed=4)
-        # same page placement (same pool size and permutation seed are not guaranteed):
-        # stage the new values into the old case's pages through its own dense copies
-        fresh.block_table = c.block_table
-        fresh.k_cache, fresh.v_cache = c.k_cache.clone(), c.v_cache.clone()
-        for b, L in enumerate(c.kv_lens):
-            pages = c.block_table[b, : -(-L // 16)].tolist()
-            for i, p in enumerate(pages):
-                n = min(16, L - i * 16)
-                fresh.k_cache[p, :n] = fresh.dense_k[b][i * 16:i * 16 + n].to(torch.bfloat16)
-                fresh.v_cache[p, :n] = fresh.dense_v[b][i * 16:i * 16 + n].to(torch.bfloat16)
-        fresh.q = c.q
+        # new cache contents staged; the oracle reads them through the same block table
+        g = torch.Generator().manual_seed(4)
+        fresh = copy.copy(c)
+        fresh.k_cache, fresh.v_cache = (torch.randn(t.shape, generator=g).to(t.dtype)
+                                        for t in (c.k_cache, c.v_cache))
+
+        def dense(cache):  # each request's keys in order, through its pages
+            return [cache[c.block_table[b, : -(-L // 16)].long()].flatten(0, 1)[:L].float()
+                    for b, L in enumerate(c.kv_lens)]
+
+        fresh.dense_k, fresh.dense_v = dense(fresh.k_cache), dense(fresh.v_cache)
         staged_k.copy_(fresh.k_cache)
         staged_v.copy_(fresh.v_cache)
         graph.replay()

@@ -215,23 +215,24 @@ def test_prefill_config_on_an_h200():
     with 3 stages for bf16/fp16 at head dim ≤ 128; with four waves or fewer of 128-row
     programs, every head's longest blocks first (m_slow); wider heads, fp32 and devices of
     unknown size keep their own tiles; the device's shared memory caps the pipeline."""
-    from aiter_attn.kernels.triton.prefill import _choose_cached
+    from aiter_attn.kernels.triton.prefill import _choose_cached, few_waves
 
     smem = 232448 - 2048
 
-    def pick(max_q, programs, d=128, elem=2, sms=132, budget=smem):
-        return _choose_cached(max_q, max_q, d, d, elem, True, budget, False, (), programs, sms)
+    def pick(max_q, heads, d=128, elem=2, sms=132, budget=smem):
+        return _choose_cached(d, d, elem, True, budget, False, (), sms > 0,
+                              few_waves(max_q, heads, sms))
 
-    one_2k = pick(2048, 32 * 16)  # 1x2k, 32 heads: 512 programs of 128 rows
+    one_2k = pick(2048, 32)  # 1x2k, 32 heads: 512 programs of 128 rows
     assert (one_2k.block_m, one_2k.block_n, one_2k.num_warps, one_2k.num_stages,
             one_2k.m_slow) == (64, 64, 4, 3, True)
-    for max_q, programs in ((8192, 32 * 64), (2048, 32 * 128), (16384, 32 * 128)):
-        c = pick(max_q, programs)  # 1x8k, 8x2k, 1x16k
+    for tokens in (8192, 8 * 2048, 16384):  # 1x8k, 8x2k, 1x16k
+        c = pick(tokens, 32)
         assert (c.block_m, c.block_n, c.num_warps, c.num_stages, c.m_slow) == \
-            (64, 64, 4, 3, False), (max_q, c)
-    assert pick(2048, 0).m_slow is False  # programs unknown: launch order as is
-    assert pick(2048, 512, sms=0).block_m == 128  # unknown device size
-    assert pick(2048, 512, d=256).block_m == 64 and pick(2048, 512, d=256).m_slow is False
-    assert pick(2048, 512, elem=4).tma is False
-    small = pick(8192, 4096, budget=48 * 1024)
+            (64, 64, 4, 3, False), (tokens, c)
+    assert pick(2048, 0).m_slow is False  # heads unknown: launch order as is
+    assert pick(2048, 32, sms=0).block_m == 128  # unknown device size
+    assert pick(2048, 32, d=256).block_m == 64 and pick(2048, 32, d=256).m_slow is False
+    assert pick(2048, 32, elem=4).tma is False
+    small = pick(8192, 32, budget=48 * 1024)
     assert (64 * 128 + small.num_stages * small.block_n * 256) * 2 <= 48 * 1024

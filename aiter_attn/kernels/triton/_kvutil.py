@@ -22,7 +22,6 @@ __all__ = [
     "num_sms",
     "next_pow2",
     "scale_args",
-    "pdl_supported",
 ]
 
 
@@ -54,21 +53,6 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _pdl_capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch (``griddepcontrol``, sm_90+ on CUDA, not the
-    interpreter): a kernel may be launched while the one before it on the stream finishes,
-    waiting (``gdc_wait``) before it reads anything that kernel wrote."""
-    if device.type != "cuda" or interpreting() or torch.version.cuda is None:
-        return False
-    return _pdl_capable(device.index if device.index is not None
-                        else torch.cuda.current_device())
 
 
 def next_pow2(n: int) -> int:

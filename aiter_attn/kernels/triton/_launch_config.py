@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import functools
 
-from ._kvutil import interpreting, max_shared_mem, next_pow2, num_sms, pdl_supported
+from ._kvutil import interpreting, max_shared_mem, next_pow2, num_sms
+from ._pdl import pdl_mode
 
 __all__ = ["TUNING_OVERRIDES", "LaunchConfig", "choose_config", "BATCH_INVARIANT_SPLIT_TOKENS"]
 
@@ -91,8 +92,7 @@ def choose_config(*, group, max_q, max_k, head_dim_pad, batch, num_kv_heads, dev
     ov = tuple(sorted(TUNING_OVERRIDES.items()))
     on_gpu = device.type == "cuda" and not interpreting()
     smem = max_shared_mem(device) - 2048 if on_gpu else 0  # margin for Triton's own buffers
-    pdl = TUNING_OVERRIDES.get("pdl", False)
-    pdl = (pdl if pdl == "reduce" else bool(pdl)) if pdl and pdl_supported(device) else False
+    pdl = pdl_mode(TUNING_OVERRIDES.get("pdl"), device)
     if batch_invariant:
         cfg = _invariant_config_cached(group, head_dim_pad, ov, interpreting(), fp32, smem)
         per_split = cfg.split_tiles * cfg.block_n

@@ -1,17 +1,30 @@
-"""Grid dependency control (programmatic dependent launch, sm_90+) for this package's
-kernels: ``gdc_wait`` blocks until the kernel launched before on the stream has finished and
-its writes are visible; ``gdc_launch_dependents`` lets the next kernel (launched with
-``launch_pdl=True``) start while this one still runs. Both are no-ops in a launch without
-the attribute. Kernels call them only under a ``PDL`` constexpr that the host sets where
-:func:`._kvutil.pdl_supported` holds (never in the interpreter, which has no inline PTX)."""
+"""Programmatic dependent launch (PDL, grid dependency control, sm_90+) for this package's
+kernels: one family, host and device side.
+
+Device: :func:`wait_then_release` (``griddepcontrol.wait`` then
+``griddepcontrol.launch_dependents``) at the top of a kernel launched with
+``launch_pdl=True``: it blocks until the kernel before it on the stream has finished and its
+writes are visible, then lets the next PDL launch start. Both are no-ops in a launch without
+the attribute. Kernels call it only under a ``PDL`` constexpr (never in the interpreter,
+which has no inline PTX).
+
+Host: :func:`pdl_mode` turns a tuning request into ``False`` / ``True`` (the attention
+launch and its split reduction both start early) / ``"reduce"`` (only the reduction), where
+the device has PDL; :func:`pdl_kwargs` gives the constexpr and launch option of each launch.
+"""
 
 from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from . import _interpreting as interpreting
 
 try:  # Triton >= 3.4 (NVIDIA)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - older Triton: PDL is never requested then
-    import triton
-
     @triton.jit
     def gdc_wait():
         pass
@@ -20,4 +33,44 @@ except ImportError:  # pragma: no cover - older Triton: PDL is never requested t
     def gdc_launch_dependents():
         pass
 
-__all__ = ["gdc_wait", "gdc_launch_dependents"]
+__all__ = ["wait_then_release", "pdl_supported", "pdl_mode", "pdl_kwargs"]
+
+
+@triton.jit
+def wait_then_release():
+    """The previous kernel's writes first (the K/V cache, indices, split partials), then let
+    the next PDL launch start (it waits for this kernel in turn)."""
+    gdc_wait()
+    gdc_launch_dependents()
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether ``device`` runs programmatic dependent launches: CUDA sm_90+, not the
+    interpreter (cached host query)."""
+    if device.type != "cuda" or interpreting() or torch.version.cuda is None:
+        return False
+    return _pdl_capable(device.index if device.index is not None
+                        else torch.cuda.current_device())
+
+
+def pdl_mode(requested, device: torch.device):
+    """``requested`` (a tuning value: falsy, ``True`` or ``"reduce"``) where ``device`` has
+    PDL, else ``False``."""
+    if not requested or not pdl_supported(device):
+        return False
+    return "reduce" if requested == "reduce" else True
+
+
+def pdl_kwargs(mode, *, reduction: bool) -> dict:
+    """Launch keywords for ``mode`` (:func:`pdl_mode`): the ``PDL`` constexpr of a kernel
+    that signals its dependents, plus ``launch_pdl`` where that launch itself starts early
+    (the reduction under any mode, the attention launch only under ``True``)."""
+    kw = {"PDL": bool(mode)}
+    if mode is True or (mode and reduction):
+        kw["launch_pdl"] = True
+    return kw

@@ -24,6 +24,7 @@ from ..base import MEMO, AttentionKernel, KernelPlan, mask_literal, plan_hints, 
 from ._kvutil import next_pow2
 from ._launch import Launcher, tensor_key
 from ._launch_config import TUNING_OVERRIDES, _cdiv, choose_config
+from ._pdl import pdl_kwargs
 from .paged_attention import (_TL_DTYPES, _UNBOUNDED, _paged_attn_kernel,
                               _reduce_splits_kernel)
 
@@ -244,9 +245,7 @@ class TritonPagedAttention(AttentionKernel):
             COMPUTE_DTYPE=self.compute,
             CLAMP_Q=self.clamp_q, DOT_PRECISION=self.dot_precision,
             NUM_STAGES=cfg.num_stages, WARP_SPEC=cfg.warp_spec, PAGE_CHUNK=page_chunk,
-            PDL=bool(cfg.pdl), num_warps=cfg.num_warps)
-        if cfg.pdl is True:  # a compile option, set only where it is on
-            cfg_kw["launch_pdl"] = True
+            num_warps=cfg.num_warps, **pdl_kwargs(cfg.pdl, reduction=False))
         return TritonPlan(
             num_tokens=num_tokens if batch else 0, mask_literal=mask_literal(md),
             grid=(grid_q, self.kv_heads * num_hchunks, splits),
@@ -427,9 +426,8 @@ class TritonPagedAttention(AttentionKernel):
             return
         rkw = dict(DV=self.v_head_dim, DV_PAD=plan.dv_pad, SPLITS_PAD=next_pow2(plan.num_splits),
                    HAS_SINKS=params.sinks is not None, WRITE_LSE=lse is not None,
-                   FIXED_ORDER=plan.fixed_order, num_warps=4)
-        if plan.cfg_kw.get("PDL"):
-            rkw.update(PDL=True, launch_pdl=True)
+                   FIXED_ORDER=plan.fixed_order, num_warps=4,
+                   **pdl_kwargs(plan.cfg_kw["PDL"], reduction=True))
         if jit:
             _reduce_splits_kernel[grid](*rargs, **rkw)
         else:

@@ -39,10 +39,10 @@ from ...types import FP8_DTYPES
 from ...validation import INDEX_DTYPES, unit_stride
 from ..base import (MEMO, KernelPlan, MLAKernel, _adhoc_metadata, mask_literal,
                     mla_layer_params, mla_request, plan_hints, token_count_error)
-from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms, pdl_supported
+from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
 from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS
 from ._paging import load_chunk_pages, tile_pages_of
-from ._pdl import gdc_launch_dependents, gdc_wait
+from ._pdl import pdl_kwargs, pdl_mode, wait_then_release
 
 __all__ = ["mla_paged_attention", "mla_launch_config", "TritonMLA", "TritonMLAPlan",
            "mla_request"]
@@ -140,8 +140,7 @@ def _mla_fwd_kernel(
     PDL: tl.constexpr = False,
 ):
     if PDL:  # programmatic dependent launch: the previous kernel's writes first
-        gdc_wait()
-        gdc_launch_dependents()
+        wait_then_release()
     pid = tl.program_id(0)
     split = tl.program_id(1)
     t = pid // num_head_blocks  # head blocks of one token are neighbours: they share KV in L2
@@ -279,8 +278,7 @@ def _mla_merge_kernel(
     PDL: tl.constexpr = False,
 ):
     if PDL:  # launched while the attention kernel runs: its partials first
-        gdc_wait()
-        gdc_launch_dependents()
+        wait_then_release()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -571,10 +569,8 @@ class TritonMLA(MLAKernel):
                 page_size % bn == 0 or bn % page_size == 0) else 0,
             FP16_DOTS=is_fp8(self.kv_dtype) and self.dtype == torch.bfloat16,
             SPLIT_V_LOAD=self.kv_dtype != self.dtype if split_v is None else bool(split_v),
-            FIXED_CHUNK=fixed_chunk, num_warps=warps, num_stages=stages)
-        pdl = t.get("pdl", False)  # tuning only (see _launch_config's LaunchConfig.pdl)
-        if pdl and pdl_supported(device):
-            cfg_kw.update(PDL=True, **({"launch_pdl": True} if pdl is True else {}))
+            FIXED_CHUNK=fixed_chunk, num_warps=warps, num_stages=stages,
+            **pdl_kwargs(pdl_mode(t.get("pdl"), device), reduction=False))
         return TritonMLAPlan(
             num_tokens=0 if empty else num_tokens, mask_literal=mask_literal(md),
             grid=(num_tokens * head_blocks, splits), args=(cu, seqused_k, block_table),
@@ -632,7 +628,7 @@ class TritonMLA(MLAKernel):
                 KV_LORA=self.rank, BLOCK_DV=self.block_dv, NUM_SPLITS=plan.splits,
                 BLOCK_S=max(2, next_pow2(plan.splits)), WRITE_LSE=write_lse,
                 FIXED_ORDER=self.batch_invariant, num_warps=4,
-                **({"PDL": True, "launch_pdl": True} if plan.cfg_kw.get("PDL") else {}))
+                **pdl_kwargs(plan.cfg_kw["PDL"], reduction=True))
         return out
 
 

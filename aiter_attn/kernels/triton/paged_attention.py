@@ -41,7 +41,7 @@ from ._kvutil import next_pow2
 from ._paging import load_chunk_pages, tile_pages_of
 from ._softmax import online_softmax_tile, tanh
 from ._launch_config import TUNING_OVERRIDES, _cdiv, choose_config
-from ._pdl import gdc_launch_dependents, gdc_wait
+from ._pdl import wait_then_release
 
 __all__ = ["paged_attention_triton", "paged_attention_5d_triton", "reject_reason", "MAX_HEAD_DIM",
            "MAX_GROUP", "TUNING_OVERRIDES"]
@@ -265,12 +265,8 @@ def _paged_attn_kernel(
     KX: tl.constexpr, VX: tl.constexpr, WRITE_LSE: tl.constexpr, FIXED_SPLITS: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, TOKEN_SCALES: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    if PDL:
-        # launched while the kernel before finishes (programmatic dependent launch): wait
-        # for its writes (the K/V cache, indices) before the first read, then let the split
-        # reduction be launched (it waits for this kernel in turn)
-        gdc_wait()
-        gdc_launch_dependents()
+    if PDL:  # programmatic dependent launch: the previous kernel's writes first
+        wait_then_release()
     # longest causal q-blocks (latest positions) first: better tail balance in prefill
     pid_q = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -463,8 +459,7 @@ def _reduce_splits_kernel(
     keys (exact zeros) leave its bits unchanged whatever number of splits was launched.
     ``PDL``: launched while the attention kernel runs; waits for its partials first."""
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        wait_then_release()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs_dv = tl.arange(0, DV_PAD)

@@ -348,16 +348,24 @@ def _smem_need(bm, bn, d_pad, dv_pad, stages, elem):
     return (bm * d_pad + stages * bn * (d_pad + dv_pad)) * elem
 
 
+def few_waves(num_tokens: int, q_heads: int, sms: int) -> bool:
+    """Four waves or fewer of 128-row programs on ``sms`` SMs (``False`` when a count is
+    unknown, 0): then every head's longest blocks go first (``m_slow``)."""
+    programs = q_heads * -(-int(num_tokens) // 128)
+    return bool(programs and sms) and programs <= 4 * sms
+
+
 @functools.lru_cache(maxsize=256)
-def _choose_cached(max_q, max_k, d_pad, dv_pad, elem, sm90, smem, interp, ov, programs=0,
-                   sms=0):
+def _choose_cached(d_pad, dv_pad, elem, sm90, smem, interp, ov, sized=False, few=False):
+    """``sized``: the device's SM count is known; ``few``: :func:`few_waves`. Nothing
+    per-step (lengths, token counts) enters the key, so an engine's steps hit the cache."""
     if interp:  # small tiles: short test sequences still cross every stage boundary
         cfg = PrefillConfig(16, 16, 4, 1, tma=True)
     elif elem == 4:
         cfg = PrefillConfig(64, 32, 4, 2, tma=False)
     elif max(d_pad, dv_pad) > 128:
         cfg = PrefillConfig(64, 64, 4, 2, tma=sm90)
-    elif not sms:  # a device of unknown size: two warpgroups of 64 rows, 128-key tiles
+    elif not sized:  # a device of unknown size: two warpgroups of 64 rows, 128-key tiles
         cfg = PrefillConfig(128, 128, 8, 2, tma=sm90)
     else:
         # 64-row tiles of one warpgroup, two programs per SM (their softmax and tensor-core
@@ -365,7 +373,6 @@ def _choose_cached(max_q, max_k, d_pad, dv_pad, elem, sm90, smem, interp, ov, pr
         # 1x8k 440 -> 458 TFLOP/s, 8x2k 371 -> 415, 1x16k 468 -> 468-484; with four waves
         # or fewer of 128-row programs (1x2k, 32 heads: 512) every head's longest blocks
         # first (m_slow): 1x2k 306 -> 415 (docs/benchmarks.md, eighth session)
-        few = bool(programs) and programs <= 4 * sms
         cfg = PrefillConfig(64, 64, 4, 3, tma=sm90, m_slow=few)
     if ov:
         cfg = attrs.evolve(cfg, **dict(ov))
@@ -384,17 +391,18 @@ def choose_prefill_config(*, max_q: int, max_k: int, head_dim: int, v_head_dim: 
                           q_heads: int = 0) -> PrefillConfig:
     """The launch configuration for a dense pass (host integers only; cached).
     ``num_tokens``/``q_heads`` (0: unknown) count the 128-row programs against the device's
-    SMs (few waves: longest blocks of every head first). :data:`PREFILL_OVERRIDES` replaces
-    fields (benchmark sweeps)."""
+    SMs (:func:`few_waves`); ``max_q``/``max_k`` (the step's bounds) steer no rule today.
+    :data:`PREFILL_OVERRIDES` replaces fields (benchmark sweeps)."""
     d_pad = max(16, next_pow2(head_dim))
     dv_pad = max(16, next_pow2(v_head_dim))
     sm90 = (device.type == "cuda" and TensorDescriptor is not None
             and _capability(device) >= (9, 0))
-    programs = q_heads * -(-int(num_tokens) // 128) if num_tokens and q_heads else 0
-    sms = num_sms(device) if device.type == "cuda" and not interpreting() else 0
-    return _choose_cached(int(max_q), int(max_k), d_pad, dv_pad, torch.empty(
-        (), dtype=dtype).element_size(), sm90, max_shared_mem(device), interpreting(),
-        tuple(sorted(PREFILL_OVERRIDES.items())), programs, sms)
+    interp = interpreting()
+    sms = num_sms(device) if device.type == "cuda" and not interp else 0
+    return _choose_cached(d_pad, dv_pad, torch.empty((), dtype=dtype).element_size(), sm90,
+                          max_shared_mem(device), interp,
+                          tuple(sorted(PREFILL_OVERRIDES.items())), sms > 0,
+                          few_waves(num_tokens, q_heads, sms))
 
 
 @functools.lru_cache(maxsize=None)
