@@ -60,13 +60,53 @@ OVERRIDES = {
     # fewer, longer splits (16x4k: 2 and 1 split instead of 3)
     "min2k": {"min_split_tokens": 2048},
     "min4k": {"min_split_tokens": 4096},
+    "splits32": {"min_split_tokens": 32},
 }
+
+
+def _ours_planned(x, overrides):
+    """What an engine's CUDA graph replays: the step planned once into the kernel's static
+    workspace (``buffer_spec``, as the graph manager allocates it), only ``run`` timed."""
+    from aiter_attn.graph.buffers import GraphLimits
+    from aiter_attn.kernels.base import LayerParams, _adhoc_metadata
+    from aiter_attn.kernels.triton import _launch_config as lc
+    from aiter_attn.kernels.triton.attention import TritonPagedAttention
+    from aiter_attn.types import FP8_DTYPES, ForwardMode
+
+    lc.TUNING_OVERRIDES.clear()
+    lc.TUNING_OVERRIDES.update(overrides)
+    req = TritonPagedAttention.request_for(x.q, x.k_cache, x.v_cache)
+    kernel = TritonPagedAttention(req)
+    limits = GraphLimits(mode=ForwardMode.DECODE, max_bs=x.bs, q_len=x.q_len,
+                         max_num_tokens=x.bs * x.q_len, max_seq_len=x.ctx)
+    static = kernel.buffer_spec(limits).allocate(x.q.device)
+    md = _adhoc_metadata(x.q, x.k_cache, x.cu_seqlens_q, x.seqused_k, x.block_table, None, None,
+                         x.q_len, x.ctx, "paged_attention")
+    plan = kernel.plan(md, out=static)
+    params = LayerParams.create(scale=x.scale, device=x.q.device, k_scale=x.k_scale,
+                                v_scale=x.v_scale, fp8=x.k_cache.dtype in FP8_DTYPES)
+    out = torch.empty(x.q.shape[0], x.hq, x.d, dtype=x.q.dtype, device=x.q.device)
+    cache = (x.k_cache, x.v_cache)
+
+    def fn():
+        kernel.run(x.q, cache, plan, params, out)
+
+    return fn, lambda: out
 
 
 def _ours(x, variant):
     from aiter_attn import ops
     from aiter_attn.kernels.triton import _launch_config as lc
 
+    if variant.startswith("planned"):  # planned, planned-fused, planned-fused-<override>
+        rest = variant.split("-")[1:]
+        ov = {}
+        if rest and rest[0] == "fused":
+            ov["fused_reduce"] = True
+            rest = rest[1:]
+        if rest:
+            ov.update(OVERRIDES["-".join(rest)])
+        return _ours_planned(x, ov)
     lc.TUNING_OVERRIDES.clear()
     ops._registry().calls.clear()  # the ops call memo keeps a plan made under other overrides
     if variant == "fused_reduce":
@@ -84,7 +124,10 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--rep", type=int, default=40)
     p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma list of {VARIANTS + tuple(OVERRIDES)}")
+                   help=f"comma list of {VARIANTS + tuple(OVERRIDES)}; 'planned' (the step "
+                        "planned once into the static workspace, only run timed: what an "
+                        "engine's graph replays), 'planned-fused' (and the fused reduction), "
+                        "'planned[-fused]-<override>'")
     p.add_argument("--rows", default=None, help="comma list of BSxCTX (e.g. 1x4096,16x4096)")
     args = p.parse_args()
     variants = tuple(args.variants.split(","))

@@ -79,3 +79,47 @@ def test_counters_return_to_zero_and_plan_reruns(monkeypatch):
     monkeypatch.delitem(pa_mod.TUNING_OVERRIDES, "fused_reduce")
     plan_d, *_ = _plan_and_run(case, TritonPagedAttention(req))
     assert plan_d.counters is None
+
+
+@pytest.mark.parametrize("splits", [3, 9])
+def test_fused_reduce_in_the_static_workspace(monkeypatch, splits):
+    """Graph plans take their counters from the kernel's static workspace (buffer_spec, zero
+    filled): the same buffer for every batch size, left at zero after each launch, and the
+    results equal the eager plan's bit for bit. 9 splits exercise a partial last chunk of
+    the vectorised reduction."""
+    from aiter_attn.graph.buffers import GraphLimits
+    from aiter_attn.kernels.base import _adhoc_metadata
+    from aiter_attn.kernels.triton.attention import TritonPagedAttention
+    from aiter_attn.types import ForwardMode
+
+    monkeypatch.setitem(pa_mod.TUNING_OVERRIDES, "fused_reduce", True)
+    monkeypatch.setitem(pa_mod.TUNING_OVERRIDES, "num_splits", splits)
+    case = Case([1, 1, 1], [300, 41, 170], hq=10, hkv=2, d=80, page=48, seed=splits)
+    req = TritonPagedAttention.request_for(case.q, case.k_cache, case.v_cache)
+    kernel = TritonPagedAttention(req)
+    limits = GraphLimits(mode=ForwardMode.DECODE, max_bs=4, q_len=1, max_num_tokens=4,
+                         max_seq_len=320)
+    spec = kernel.buffer_spec(limits).buffers
+    cnt_name = [n for n in spec if n.endswith(".cnt")]
+    assert len(cnt_name) == 1 and spec[cnt_name[0]][1] == torch.int32
+    static = kernel.buffer_spec(limits).allocate(case.device)
+    params = LayerParams.create(scale=case.scale, device=case.device)
+    q, k, v = case.q, case.k_cache, case.v_cache
+    eo, el = _oracle(case)
+    for bs in (3, 2):
+        n = bs
+        md = _adhoc_metadata(q[:n], k, case.cu[: bs + 1], case.seqused_k[:bs],
+                             case.block_table[:bs], None, None, 1, 320, "paged_attention")
+        graph_plan = kernel.plan(md, out=static)
+        assert graph_plan.counters is not None
+        assert graph_plan.counters.data_ptr() == static[cnt_name[0]].data_ptr()
+        out = torch.full((n, case.hq, case.dv), float("nan"), dtype=q.dtype)
+        lse = torch.full((n, case.hq), float("nan"))
+        kernel.run(q[:n], (k, v), graph_plan, params, out, lse=lse)
+        assert int(static[cnt_name[0]].abs().sum()) == 0
+        assert_close_rel(out, eo[:n], 1e-5, f"fused static workspace bs={bs}")
+        assert_lse(lse, el[:n], 1e-5, f"fused static workspace bs={bs}")
+        eager = kernel.plan(md)
+        out_e = torch.full_like(out, float("nan"))
+        kernel.run(q[:n], (k, v), eager, params, out_e)
+        assert torch.equal(out_e, out)

@@ -159,7 +159,33 @@ class TritonPagedAttention(AttentionKernel):
         return BufferSpec({
             self._ws_name + ".acc": ((rows, self.q_heads, self.dv_pad), torch.float32),
             self._ws_name + ".ml": ((rows, self.q_heads, 2), torch.float32),
+            # zero-filled by allocate(); the fused reduction leaves them zero after each launch
+            self._ws_name + ".cnt": ((self._counter_tiles(limits.max_bs, limits.q_len),),
+                                     torch.int32),
         })
+
+    def _counter_tiles(self, max_bs, q_len) -> int:
+        """Fused-reduction counters any batch of up to ``max_bs`` requests of ``q_len``
+        queries needs: one per (q-block, head chunk) tile, the q-blocks bounded by tokens +
+        requests (the searched grid) and the head chunks by the query heads."""
+        return max_bs * (q_len + 1) * self.q_heads
+
+    def _counters(self, tiles, md, out, device):
+        if out is None:
+            return torch.zeros(tiles, dtype=torch.int32, device=device)
+        cnt = out.get(self._ws_name + ".cnt")
+        if cnt is None:
+            cu = out.get("cu_seqlens_q")
+            max_bs = cu.shape[0] - 1 if cu is not None else md.batch_size
+            cap = self._counter_tiles(max(max_bs, 1), md.query.max_seqlen_q)
+            cnt = out.setdefault(self._ws_name + ".cnt", torch.zeros(
+                max(cap, tiles), dtype=torch.int32, device=device))
+        if cnt.numel() < tiles:
+            raise RuntimeError(
+                f"{self.name}: the static split counters hold {cnt.numel()} tiles but this "
+                f"plan needs {tiles}; build CudaGraphManager after binding the layers "
+                "(AttentionBackend.bind_layers) so the kernel's buffer_spec sizes them.")
+        return cnt
 
     def _partials(self, splits, num_tokens, md, out, device):
         rows = splits * num_tokens
@@ -218,13 +244,13 @@ class TritonPagedAttention(AttentionKernel):
         else:
             part_acc = part_ml = None
             part_strides = (0, 0, 0, 0)
-        # the fused reduction (one launch) needs zeroed counters: eager plans allocate them;
-        # graph plans keep the two launches for now (a static counter buffer is the next step)
-        fused = bool(cfg.fused_reduce and split and not cfg.batch_invariant and out is None
+        # the fused reduction (one launch) needs zeroed counters, one per (q-block, head
+        # chunk) tile; its last split puts each back to 0, so a static buffer serves every
+        # replay and layer (graph plans: the workspace's, eager plans: their own)
+        fused = bool(cfg.fused_reduce and split and not cfg.batch_invariant
                      and part_acc is not None)
         grid_h = self.kv_heads * num_hchunks
-        counters = (torch.zeros(grid_q * grid_h, dtype=torch.int32, device=device)
-                    if fused else None)
+        counters = self._counters(grid_q * grid_h, md, out, device) if fused else None
         page_size = pages.page_size
         tile_in_page = page_size % cfg.block_n == 0
         page_chunk = cfg.page_chunk_for(page_size)
@@ -242,6 +268,8 @@ class TritonPagedAttention(AttentionKernel):
             PAGE_SIZE=page_size, TILE_IN_PAGE=tile_in_page, HAS_CUSTOM_MASK=mask is not None,
             SEARCH_SEQ=search, SPLIT=split, FIXED_SPLITS=cfg.batch_invariant,
             FUSED_REDUCE=fused,
+            SPLITS_PAD=next_pow2(splits) if fused else 1,
+            SPLIT_CHUNK=_split_chunk(splits, cfg.block_m, self.dv_pad) if fused else 1,
             COMPUTE_DTYPE=self.compute,
             CLAMP_Q=self.clamp_q, DOT_PRECISION=self.dot_precision,
             NUM_STAGES=cfg.num_stages, WARP_SPEC=cfg.warp_spec, PAGE_CHUNK=page_chunk,
@@ -497,6 +525,15 @@ _SPECS_KEEP = 4096
 _SPEC_IDS = itertools.count()
 _ATTN = Launcher(_paged_attn_kernel)
 _REDUCE = Launcher(_reduce_splits_kernel)
+
+
+def _split_chunk(splits: int, block_m: int, dv_pad: int) -> int:
+    """Splits per load of the fused reduction: a ``[chunk, block_m, dv_pad]`` float32 tile of
+    at most 8192 elements (64 registers a thread at 4 warps), at least 1."""
+    chunk = 1
+    while chunk * 2 <= next_pow2(splits) and chunk * 2 * block_m * dv_pad <= 8192:
+        chunk *= 2
+    return chunk
 
 
 def _intern(spec) -> int:

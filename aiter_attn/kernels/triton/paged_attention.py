@@ -200,42 +200,50 @@ def _attn_tiles(
 def _reduce_rows(O, Lse, PartAcc, PartML, Sinks, row_tok, qh, row_valid, offs_dv, dv_mask,
                  num_splits, stride_ot, stride_oh, stride_ps, stride_pt, stride_mls, stride_mlt,
                  stride_lt, stride_lh, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                 HAS_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr):
+                 HAS_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                 SPLIT_CHUNK: tl.constexpr):
     """The split reduction of ``_reduce_splits_kernel`` for the ``BLOCK_M`` rows
     ``(row_tok, qh)`` of one program (the fused path: run by the last split to finish).
-    Splits in index order; partials read through L2 (``.cg``: written by other SMs)."""
-    ml0 = PartML + row_tok * stride_mlt + qh.to(tl.int64) * 2
-    acc0 = PartAcc + row_tok[:, None] * stride_pt + qh.to(tl.int64)[:, None] * DV_PAD \
-        + offs_dv[None, :]
-    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    ml_ptr = ml0
-    for _ in range(0, num_splits):
-        m_max = tl.maximum(m_max, tl.load(ml_ptr, mask=row_valid, other=float("-inf"),
-                                          cache_modifier=".cg"))
-        ml_ptr += stride_mls
+
+    Partials are read through L2 (``.cg``: other SMs wrote them), many at a time so the
+    reduction pays few L2 round trips, not one per split: every split's (max, sum) as one
+    ``[SPLITS_PAD, BLOCK_M]`` load, the accumulators ``SPLIT_CHUNK`` splits per
+    ``[SPLIT_CHUNK, BLOCK_M, DV_PAD]`` load. Chunks add in index order (deterministic)."""
+    ml0 = PartML + row_tok * stride_mlt + qh.to(tl.int64) * 2  # [BLOCK_M]
+    offs_s = tl.arange(0, SPLITS_PAD)
+    ml_all = ml0[None, :] + offs_s.to(tl.int64)[:, None] * stride_mls
+    ml_mask = (offs_s < num_splits)[:, None] & row_valid[None, :]
+    m_all = tl.load(ml_all, mask=ml_mask, other=float("-inf"), cache_modifier=".cg")
+    l_all = tl.load(ml_all + 1, mask=ml_mask, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(m_all, 0)
     if HAS_SINKS:
         sink = tl.load(Sinks + qh, mask=row_valid, other=float("-inf")).to(tl.float32) * _LOG2E
         m_max = tl.maximum(m_max, sink)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    denom = tl.zeros([BLOCK_M], tl.float32)
+    denom = tl.sum(l_all * tl.exp2(m_all - m_safe[None, :]), 0)
+    # [SPLIT_CHUNK, BLOCK_M, DV_PAD] addressing of the accumulators of splits c .. c+CHUNK-1
+    offs_c = tl.arange(0, SPLIT_CHUNK)
+    acc0 = PartAcc + (row_tok * stride_pt + qh.to(tl.int64) * DV_PAD)[None, :, None] \
+        + offs_dv[None, None, :] + offs_c.to(tl.int64)[:, None, None] * stride_ps
+    ml_c0 = ml0[None, :] + offs_c.to(tl.int64)[:, None] * stride_mls
     o = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
-    ml_ptr = ml0
-    acc_ptr = acc0
-    o_mask = row_valid[:, None] & dv_mask[None, :]
-    for _ in range(0, num_splits):
-        m_s = tl.load(ml_ptr, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(ml_ptr + 1, mask=row_valid, other=0.0, cache_modifier=".cg")
-        w = tl.exp2(m_s - m_safe)
-        denom += l_s * w
-        o += tl.load(acc_ptr, mask=o_mask, other=0.0, cache_modifier=".cg") * w[:, None]
-        ml_ptr += stride_mls
-        acc_ptr += stride_ps
+    row_dv = row_valid[:, None] & dv_mask[None, :]
+    for c in range(0, num_splits, SPLIT_CHUNK):  # pointers advance: no int32 c·stride
+        live = (offs_c + c) < num_splits
+        m_c = tl.load(ml_c0, mask=live[:, None] & row_valid[None, :], other=float("-inf"),
+                      cache_modifier=".cg")
+        a_c = tl.load(acc0, mask=live[:, None, None] & row_dv[None, :, :], other=0.0,
+                      cache_modifier=".cg")
+        ml_c0 += SPLIT_CHUNK * stride_mls
+        acc0 += SPLIT_CHUNK * stride_ps
+        w_c = tl.exp2(m_c - m_safe[None, :])
+        o += tl.sum(a_c * w_c[:, :, None], 0)
     if HAS_SINKS:
         denom += tl.exp2(sink - m_safe)
     safe = tl.where(denom > 0.0, denom, 1.0)
     o = o / safe[:, None]
     o_rows = row_tok * stride_ot + qh.to(tl.int64) * stride_oh
-    tl.store(O + o_rows[:, None] + offs_dv[None, :], o.to(O.dtype.element_ty), mask=o_mask)
+    tl.store(O + o_rows[:, None] + offs_dv[None, :], o.to(O.dtype.element_ty), mask=row_dv)
     if WRITE_LSE:
         lse = tl.where(denom > 0.0, (m_safe + tl.log2(safe)) / _LOG2E, float("-inf"))
         tl.store(Lse + row_tok * stride_lt + qh.to(tl.int64) * stride_lh, lse, mask=row_valid)
@@ -264,6 +272,7 @@ def _paged_attn_kernel(
     NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr, PAGE_CHUNK: tl.constexpr,
     KX: tl.constexpr, VX: tl.constexpr, WRITE_LSE: tl.constexpr, FIXED_SPLITS: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, TOKEN_SCALES: tl.constexpr, PDL: tl.constexpr = False,
+    SPLITS_PAD: tl.constexpr = 1, SPLIT_CHUNK: tl.constexpr = 1,
 ):
     if PDL:  # programmatic dependent launch: the previous kernel's writes first
         wait_then_release()
@@ -431,7 +440,8 @@ def _paged_attn_kernel(
                 _reduce_rows(O, Lse, PartAcc, PartML, Sinks, (q_start + tok).to(tl.int64), qh,
                              row_valid, offs_dv, dv_mask, num_splits, stride_ot, stride_oh,
                              stride_ps, stride_pt, stride_mls, stride_mlt, stride_lt,
-                             stride_lh, DV_PAD, BLOCK_M, HAS_SINKS, WRITE_LSE)
+                             stride_lh, DV_PAD, BLOCK_M, HAS_SINKS, WRITE_LSE, SPLITS_PAD,
+                             SPLIT_CHUNK)
                 tl.atomic_xchg(Counters + cidx, 0, sem="relaxed")
     else:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
