@@ -282,7 +282,13 @@ class BackendConfig:
             kernel over the step's own K/V and to the cached prefix with the paged kernel,
             merged by LSE (op ``extend_attention``, where a backend registers one and the
             layer's features allow: windows, tree masks and non-causal layers keep the
-            paged kernel). Off by default until measured (docs/triton_tuning.md).
+            paged kernel). ``None`` (default): on the steps whose every request brings at
+            least ``dense_extend_min_tokens`` new tokens, where it pays (H200: 1.22-1.53x
+            the paged kernel on 8k/16k prefills and 8 x 2k, break-even at 4 x 1k over a
+            2k prefix, slower on shorter chunks and on mixed steps with decode rows;
+            docs/benchmarks.md); ``True``: every EXTEND step it can serve; ``False``: never.
+        dense_extend_min_tokens: the fewest new tokens every request of a step must bring for
+            ``dense_extend=None`` to take the two-pass path (a host int of the step's plan).
     """
 
     page_size: int = attrs.field(default=1, validator=_positive)
@@ -300,7 +306,8 @@ class BackendConfig:
     batch_invariant: bool = False
     kv_scale_granularity: str = "per_layer"
     cascade_min_shared_tokens: Optional[int] = None
-    dense_extend: bool = False
+    dense_extend: Optional[bool] = None
+    dense_extend_min_tokens: int = attrs.field(default=2048, validator=_positive)
 
     def __attrs_post_init__(self):
         if self.kv_cache_dtype is None:

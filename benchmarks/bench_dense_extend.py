@@ -34,6 +34,12 @@ ROWS = [
     ("prefill 1x16k", [(0, 16384)]),
     ("extend 1x8k over 4k", [(4096, 8192)]),
     ("extend 4x1k over 2k", [(2048, 1024)] * 4),
+    # where the two passes start to pay: few new tokens per request
+    ("extend 16x64 over 1k", [(1024, 64)] * 16),
+    ("extend 8x128 over 2k", [(2048, 128)] * 8),
+    ("extend 8x256 over 2k", [(2048, 256)] * 8),
+    ("prefill 32x128", [(0, 128)] * 32),
+    ("prefill 4x512", [(0, 512)] * 4),
     ("mixed 32x(1k+1) + 512", [(1024, 1)] * 32 + [(0, 512)]),
     ("mixed 32x(1k+1) + 2k", [(1024, 1)] * 32 + [(0, 2048)]),
     ("mixed 64x(4k+1) + 512", [(4096, 1)] * 64 + [(0, 512)]),
@@ -52,7 +58,9 @@ def run_row(reqs, *, device="cuda", dtype=torch.bfloat16, hq=32, hkv=8, d=128, p
     layer = LayerSpec(layer_id=0, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
     base = dict(page_size=page, max_batch_size=len(reqs), max_context_len=max_ctx, dtype=dtype,
                 device=device)
-    sc = PagedScenario.make(BackendConfig(**base), [layer], prefix, seed=0)
+    pages = sum(-(-(p + n) // page) for p, n in reqs)
+    sc = PagedScenario.make(BackendConfig(**base), [layer], prefix, seed=0,
+                            num_pages=2 * pages + 16)
     batch = sc.next_batch(ForwardMode.EXTEND, new)
     q, k, v = sc.step_inputs(layer)
     out = {}
@@ -85,6 +93,7 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--rep", type=int, default=50)
     p.add_argument("--smoke", action="store_true", help="CPU: tiny rows, correctness only")
+    p.add_argument("--rows", default=None, help="comma list of row-name prefixes to run")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
@@ -97,7 +106,10 @@ def main() -> None:
             rows.append(rec)
             print(rec, flush=True)
         return
+    wanted = args.rows.split(",") if args.rows else None
     for name, reqs in ROWS:
+        if wanted and not any(name.startswith(w) for w in wanted):
+            continue
         try:
             rec = run_row(reqs, rep=args.rep)
         except Exception as exc:  # one broken row is a row entry

@@ -71,13 +71,35 @@ def test_dense_extend_declined_layers_keep_paged_kernel():
     assert by_layer[1][1] is None and "window" in by_layer[1][2]
 
 
-def test_dense_extend_off_by_default():
+def _executor_after(cfg_kw, new_lens, prefix=(20, 3)):
     cfg = BackendConfig(page_size=16, max_batch_size=4, max_context_len=256,
-                        dtype=torch.float32, kernel_backend="triton", device=DEVICE)
+                        dtype=torch.float32, kernel_backend="triton", device=DEVICE, **cfg_kw)
     layers = [LayerSpec(layer_id=0, num_q_heads=4, num_kv_heads=2, head_dim=32)]
-    sc = PagedScenario.make(cfg, layers, [20, 3], seed=1)
+    sc = PagedScenario.make(cfg, layers, list(prefix), seed=1)
     be = AttentionBackend(cfg, sc.req_pool, sc.kv_pool)
-    _run_step(sc, be, ForwardMode.EXTEND, [11, 4], torch.float32)
-    ex = _extend_executor(be)
-    assert not ex._extend
-    assert {type(g.kernel).op for g in ex.groups.values()} == {"paged_attention"}
+    _run_step(sc, be, ForwardMode.EXTEND, new_lens, torch.float32)
+    return _extend_executor(be)
+
+
+def _ops(ex):
+    return {type(g.kernel).op for g in ex.groups.values()}
+
+
+def test_dense_extend_auto_by_default():
+    """The default (``dense_extend=None``) takes the two-pass path only on steps whose every
+    request brings ``dense_extend_min_tokens`` new tokens or more (2048 by default: the H200
+    break-even), the paged kernel otherwise; ``False`` never, ``True`` on every step."""
+    assert BackendConfig().dense_extend is None
+    assert BackendConfig().dense_extend_min_tokens == 2048
+    ex = _executor_after({}, [11, 4])  # short chunks: paged
+    assert not ex._extend and _ops(ex) == {"paged_attention"}
+    ex = _executor_after({"dense_extend_min_tokens": 5}, [11, 4])  # one request below: paged
+    assert not ex._extend and _ops(ex) == {"paged_attention"}
+    ex = _executor_after({"dense_extend_min_tokens": 4}, [11, 4])  # every request at/above
+    assert _ops(ex) == {"extend_attention"}
+    ex = _executor_after({"dense_extend": False, "dense_extend_min_tokens": 1}, [11, 4])
+    assert not ex._extend and _ops(ex) == {"paged_attention"}
+    ex = _executor_after({"dense_extend": True}, [2, 1])
+    assert _ops(ex) == {"extend_attention"}
+    with pytest.raises(ValueError):
+        BackendConfig(dense_extend_min_tokens=0)

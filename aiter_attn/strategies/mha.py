@@ -114,12 +114,17 @@ class ExtendMetadata(PagedMetadata):
 
     ``md.extras["max_prefix_len"]``: the longest cached prefix of the batch (a host int from
     ``extend_prefix_lens_cpu``, when the batch has it): ``extend_attention`` skips its prefix
-    pass on a step without one."""
+    pass on a step without one. ``md.extras["min_q_len"]``: the fewest new tokens of a
+    request (host int from ``extend_seq_lens_cpu``): ``BackendConfig.dense_extend``'s auto
+    rule reads it."""
 
     cg_support = CGSupport.NEVER
 
     def plan(self, batch: ForwardBatch, out: Optional[dict] = None) -> AttnMetadata:
         md = super().plan(batch, out)
+        q_lens = batch.extend_seq_lens_cpu
+        if q_lens is not None:
+            md.extras["min_q_len"] = int(q_lens.min()) if batch.batch_size else 0
         pre = batch.extend_prefix_lens_cpu
         if pre is not None:
             md.extras["max_prefix_len"] = int(pre.max()) if batch.batch_size else 0
@@ -150,11 +155,14 @@ class PagedExecution(CascadeExecutionMixin, ExecutionStrategy):
         super().__init__(ctx)
         self.token_scales = ctx.config.per_token_head_scales
         cfg = ctx.config
-        # the two-pass extend kernel (dense new tokens + paged prefix): opt-in, and not with
-        # the modes that wrap or check the paged kernel (cascade, batch-invariant, debug)
-        self.dense_extend = bool(getattr(cfg, "dense_extend", False)
-                                 and not cfg.batch_invariant and not cfg.debug_checks
-                                 and not cfg.cascade_min_shared_tokens)
+        # the two-pass extend kernel (dense new tokens + paged prefix), not with the modes
+        # that wrap or check the paged kernel (cascade, batch-invariant, debug). None (auto):
+        # on steps whose every request brings dense_extend_min_tokens new tokens or more
+        # (the plan's host "min_q_len"); True: every EXTEND step; False: never
+        mode = getattr(cfg, "dense_extend", None)
+        self.dense_extend = bool(mode is not False and not cfg.batch_invariant
+                                 and not cfg.debug_checks and not cfg.cascade_min_shared_tokens)
+        self.dense_min_q = 0 if mode is True else getattr(cfg, "dense_extend_min_tokens", 2048)
         #: id(layer) → (layer, binding or None, reason): the extend_attention bindings
         self._extend: dict = {}
 
@@ -183,7 +191,8 @@ class PagedExecution(CascadeExecutionMixin, ExecutionStrategy):
                 **write_kwargs(layer, kv_scales),
             )
         if (self.dense_extend and k is not None and v is not None and metadata.mask is None
-                and metadata.mode is ForwardMode.EXTEND):
+                and metadata.mode is ForwardMode.EXTEND
+                and metadata.extras.get("min_q_len", 0) >= self.dense_min_q):
             b = self._extend_binding(layer, q, k_cache, v_cache, sinks, kv_scales)
             if b is not None:
                 kp = metadata.kernel_plans.get(b.group)
