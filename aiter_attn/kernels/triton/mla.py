@@ -41,7 +41,6 @@ from ..base import (MEMO, KernelPlan, MLAKernel, _adhoc_metadata, mask_literal,
                     mla_layer_params, mla_request, plan_hints, token_count_error)
 from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
 from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS
-from ._upcast import upcast_rows
 from ._paging import load_chunk_pages, tile_pages_of
 from ._pdl import pdl_kwargs, pdl_mode, wait_then_release
 
@@ -98,11 +97,7 @@ def _mla_tile(acc, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, offs_n, hi, 
         # (the 2-D mask keeps this load distinct from the key load above: with identical
         # operands the compiler merges the two back into one, and pipelines neither)
         c_val = tl.load(kv_ptr + row[:, None] + offs_dv[None, :],
-                        mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
-        if c_val.dtype.is_fp8():  # 16-byte reads, not byte-wise (see upcast_rows)
-            c_val = upcast_rows(c_val, q_nope.dtype)
-        else:
-            c_val = c_val.to(q_nope.dtype)
+                        mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(q_nope.dtype)
     else:
         c_val = c_nope
     acc = acc * alpha[:, None] + _dot(p.to(q_nope.dtype), c_val, IEEE)

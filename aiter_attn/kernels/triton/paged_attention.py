@@ -40,7 +40,6 @@ from ...types import FP8_DTYPES
 from ._kvutil import next_pow2
 from ._paging import load_chunk_pages, tile_pages_of
 from ._softmax import online_softmax_tile, tanh
-from ._upcast import upcast_rows
 from ._launch_config import TUNING_OVERRIDES, _cdiv, choose_config
 from ._pdl import wait_then_release
 
@@ -100,8 +99,6 @@ def _tile_step(
         if TOKEN_SCALES:
             ks = tl.load(KSc + s_rows)
             vs = tl.load(VSc + s_rows)
-    if v.dtype.is_fp8():  # exact: every fp8 value is a float16/bfloat16/float32 value
-        v = upcast_rows(v, tl.float32 if TOKEN_SCALES else COMPUTE_DTYPE)
     s = tl.dot(q, k.to(COMPUTE_DTYPE), input_precision=DOT_PRECISION)
     if TOKEN_SCALES:
         s = s * ks[None, :]
