@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kernel", choices=("paged", "mla"))
     ap.add_argument("config", nargs="?", default="{}", help="JSON constexprs / options")
-    ap.add_argument("--dump", help="write k.ttgir and k.ptx into this folder")
+    ap.add_argument("--dump", help="write k.ttgir, k.ptx, k.cubin and k.sass into this folder")
     ap.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = ap.parse_args(argv)
     cfg = json.loads(args.config)
@@ -187,7 +187,23 @@ def main(argv=None) -> int:
         for ext in ("ttgir", "ptx"):
             with open(os.path.join(args.dump, "k." + ext), "w") as f:
                 f.write(k.asm[ext])
+        write_sass(k, args.dump)
     return 0
+
+
+def write_sass(kernel, folder: str) -> None:
+    """``k.cubin`` and its SASS (``k.sass``, the ``cuobjdump -sass`` of Triton's wheel)."""
+    import subprocess
+
+    import triton.backends.nvidia.compiler as nvidia
+
+    cubin = os.path.join(folder, "k.cubin")
+    with open(cubin, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+    with open(os.path.join(folder, "k.sass"), "w") as f:
+        f.write(subprocess.run([tool, "-sass", cubin], capture_output=True, text=True,
+                               check=True).stdout)
 
 
 if __name__ == "__main__":
