@@ -103,3 +103,27 @@ def test_dense_extend_auto_by_default():
     assert _ops(ex) == {"extend_attention"}
     with pytest.raises(ValueError):
         BackendConfig(dense_extend_min_tokens=0)
+
+
+def test_dense_extend_auto_plans_only_what_the_step_launches():
+    """After a step that took the two-pass path, a short step keeps the paged kernel and does
+    not plan the ``extend_attention`` group (its prefix workspace included); the next long
+    step plans it again. Outputs match the oracle throughout (``_run_step``)."""
+    cfg = BackendConfig(page_size=16, max_batch_size=4, max_context_len=256,
+                        dtype=torch.float32, kernel_backend="triton", device=DEVICE,
+                        dense_extend_min_tokens=4)
+    layers = [LayerSpec(layer_id=0, num_q_heads=4, num_kv_heads=2, head_dim=32)]
+    sc = PagedScenario.make(cfg, layers, [20, 3], seed=2)
+    be = AttentionBackend(cfg, sc.req_pool, sc.kv_pool)
+    ex = _extend_executor(be)
+
+    def planned_ops():
+        return {ex.groups[key].kernel.op for key in ex.groups
+                if be.forward_metadata.kernel_plans.get(key) is not None}
+
+    _run_step(sc, be, ForwardMode.EXTEND, [11, 4], torch.float32)  # dense
+    assert "extend_attention" in planned_ops()
+    _run_step(sc, be, ForwardMode.EXTEND, [2, 5], torch.float32)  # one request below: paged
+    assert "extend_attention" in _ops(ex) and planned_ops() == {"paged_attention"}
+    _run_step(sc, be, ForwardMode.EXTEND, [6, 9], torch.float32)  # dense again
+    assert "extend_attention" in planned_ops()

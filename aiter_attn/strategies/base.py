@@ -222,7 +222,14 @@ class ExecutionStrategy(abc.ABC):
         plans = md.kernel_plans
         plans.out, plans.batch = out, batch
         for group in self.groups.values():
-            self.plan_group(group, md, batch)
+            if self.plans_group(group, md):
+                self.plan_group(group, md, batch)
+
+    def plans_group(self, group: "KernelGroup", md: AttnMetadata) -> bool:
+        """Whether :meth:`plan_kernels` plans ``group`` for this step (all of them here;
+        a strategy whose layers pick a kernel per step skips the ones the step will not
+        launch, and plans them on first use if it does)."""
+        return True
 
     def kernel_buffer_spec(self, limits) -> BufferSpec:
         """The bound kernels' static buffers for ``limits`` (merged by the graph manager)."""

@@ -190,9 +190,7 @@ class PagedExecution(CascadeExecutionMixin, ExecutionStrategy):
                 v.view(num_tokens, layer.num_kv_heads, layer.v_head_dim),
                 **write_kwargs(layer, kv_scales),
             )
-        if (self.dense_extend and k is not None and v is not None and metadata.mask is None
-                and metadata.mode is ForwardMode.EXTEND
-                and metadata.extras.get("min_q_len", 0) >= self.dense_min_q):
+        if k is not None and v is not None and self._dense_step(metadata):
             b = self._extend_binding(layer, q, k_cache, v_cache, sinks, kv_scales)
             if b is not None:
                 kp = metadata.kernel_plans.get(b.group)
@@ -206,6 +204,18 @@ class PagedExecution(CascadeExecutionMixin, ExecutionStrategy):
                 return out.view(num_tokens, layer.num_q_heads * layer.v_head_dim)
         return attend_layer(self, ops.paged_attention_request, q, k_cache, v_cache, layer,
                             batch, metadata, metadata.pages, sinks, kv_scales=kv_scales)
+
+    def _dense_step(self, md: AttnMetadata) -> bool:
+        """Whether this step's layers take the two-pass extend (where a kernel serves the
+        layer): an EXTEND step without a tree mask whose every request brings at least
+        ``dense_min_q`` new tokens (host ints of the plan: no sync)."""
+        return (self.dense_extend and md.mask is None and md.mode is ForwardMode.EXTEND
+                and md.extras.get("min_q_len", 0) >= self.dense_min_q)
+
+    def plans_group(self, group, md: AttnMetadata) -> bool:
+        """``extend_attention`` groups are planned only for the steps that launch them (a
+        short chunk after a long prefill keeps the paged kernel and plans nothing more)."""
+        return group.key[0] != "extend_attention" or self._dense_step(md)
 
     def _extend_binding(self, layer: LayerSpec, q, k_cache, v_cache, sinks, kv_scales):
         """The layer's ``extend_attention`` binding, or ``None`` when no kernel serves its
