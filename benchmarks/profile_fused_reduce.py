@@ -6,6 +6,9 @@ reduction as its own launch and fused into the attention launch
 Usage (GPU)::
 
     python benchmarks/profile_fused_reduce.py
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight \
+        --section LaunchStats --section WarpStateStats --section Occupancy \
+        python benchmarks/profile_fused_reduce.py --ncu     # one 1x4k launch of each
 """
 
 from __future__ import annotations
@@ -24,7 +27,25 @@ import bench_variants as bv  # noqa: E402
 from _inputs import make_mha  # noqa: E402
 
 
+def ncu_launches() -> None:
+    """One 1x4k launch of each variant between ``cudaProfilerStart``/``Stop`` (for ``ncu
+    --profile-from-start off``), after three warm-up launches."""
+    x = make_mha(1, 4096)
+    for variant in ("planned", "planned-fused"):
+        fn, _ = bv._ours(x, variant)
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+
+
 def main() -> None:
+    if "--ncu" in sys.argv[1:]:
+        ncu_launches()
+        return
     for bs, ctx in ((1, 4096), (8, 65536), (1, 32768)):
         x = make_mha(bs, ctx)
         for variant in ("planned", "planned-fused"):
