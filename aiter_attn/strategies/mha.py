@@ -159,10 +159,9 @@ class PagedExecution(CascadeExecutionMixin, ExecutionStrategy):
         # that wrap or check the paged kernel (cascade, batch-invariant, debug). None (auto):
         # on steps whose every request brings dense_extend_min_tokens new tokens or more
         # (the plan's host "min_q_len"); True: every EXTEND step; False: never
-        mode = getattr(cfg, "dense_extend", None)
-        self.dense_extend = bool(mode is not False and not cfg.batch_invariant
+        self.dense_extend = bool(cfg.dense_extend is not False and not cfg.batch_invariant
                                  and not cfg.debug_checks and not cfg.cascade_min_shared_tokens)
-        self.dense_min_q = 0 if mode is True else getattr(cfg, "dense_extend_min_tokens", 2048)
+        self.dense_min_q = 0 if cfg.dense_extend is True else cfg.dense_extend_min_tokens
         #: id(layer) → (layer, binding or None, reason): the extend_attention bindings
         self._extend: dict = {}
 

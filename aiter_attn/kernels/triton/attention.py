@@ -170,22 +170,34 @@ class TritonPagedAttention(AttentionKernel):
         requests (the searched grid) and the head chunks by the query heads."""
         return max_bs * (q_len + 1) * self.q_heads
 
-    def _counters(self, tiles, md, out, device):
-        if out is None:
-            return torch.zeros(tiles, dtype=torch.int32, device=device)
-        cnt = out.get(self._ws_name + ".cnt")
-        if cnt is None:
+    def _static(self, out, suffix, need, md, capacity, make):
+        """The workspace buffer ``<ws><suffix>`` of the graph's static ``out``, whose leading
+        axis holds at least ``need``: made on first use (``make(n)``, ``n`` = the larger of
+        ``need`` and ``capacity(max_bs)`` for the graph's largest batch) when the graph
+        manager was built before the layers were bound."""
+        name = self._ws_name + suffix
+        buf = out.get(name)
+        if buf is None:
             cu = out.get("cu_seqlens_q")
-            max_bs = cu.shape[0] - 1 if cu is not None else md.batch_size
-            cap = self._counter_tiles(max(max_bs, 1), md.query.max_seqlen_q)
-            cnt = out.setdefault(self._ws_name + ".cnt", torch.zeros(
-                max(cap, tiles), dtype=torch.int32, device=device))
-        if cnt.numel() < tiles:
+            max_bs = max(cu.shape[0] - 1 if cu is not None else md.batch_size, 1)
+            buf = out.setdefault(name, make(max(capacity(max_bs), need)))
+        if buf.shape[0] < need:
             raise RuntimeError(
-                f"{self.name}: the static split counters hold {cnt.numel()} tiles but this "
-                f"plan needs {tiles}; build CudaGraphManager after binding the layers "
-                "(AttentionBackend.bind_layers) so the kernel's buffer_spec sizes them.")
-        return cnt
+                f"{self.name}: the static buffer {name} holds {buf.shape[0]} rows but this "
+                f"plan needs {need}; build CudaGraphManager after binding the layers "
+                "(AttentionBackend.bind_layers) so the kernel's buffer_spec sizes it.")
+        return buf
+
+    def _counters(self, tiles, md, out, device):
+        """Zeroed int32 fused-reduction counters, ``tiles`` of them (graph plans: the
+        static workspace's, left at zero by every launch)."""
+        def make(n):
+            return torch.zeros(n, dtype=torch.int32, device=device)
+
+        if out is None:
+            return make(tiles)
+        return self._static(out, ".cnt", tiles, md,
+                            lambda bs: self._counter_tiles(bs, md.query.max_seqlen_q), make)
 
     def _partials(self, splits, num_tokens, md, out, device):
         rows = splits * num_tokens
@@ -195,22 +207,15 @@ class TritonPagedAttention(AttentionKernel):
             ml = torch.empty(splits, num_tokens, self.q_heads, 2, dtype=torch.float32,
                              device=device)
             return acc, ml
-        acc = out.get(self._ws_name + ".acc")
-        if acc is None:
-            cu = out.get("cu_seqlens_q")
-            max_bs = cu.shape[0] - 1 if cu is not None else md.batch_size
-            cap = self._workspace_rows(max(max_bs, 1), md.query.max_seqlen_q,
-                                       md.pages.max_seqlen_k, device)
-            acc = out.setdefault(self._ws_name + ".acc", torch.empty(
-                max(cap, rows), self.q_heads, self.dv_pad, dtype=torch.float32, device=device))
-            out.setdefault(self._ws_name + ".ml", torch.empty(
-                max(cap, rows), self.q_heads, 2, dtype=torch.float32, device=device))
-        ml = out[self._ws_name + ".ml"]
-        if acc.shape[0] < rows:
-            raise RuntimeError(
-                f"{self.name}: the static split workspace holds {acc.shape[0]} rows but this "
-                f"plan needs {rows}; build CudaGraphManager after binding the layers "
-                "(AttentionBackend.bind_layers) so the kernel's buffer_spec sizes it.")
+
+        def capacity(bs):
+            return self._workspace_rows(bs, md.query.max_seqlen_q, md.pages.max_seqlen_k,
+                                        device)
+
+        acc = self._static(out, ".acc", rows, md, capacity, lambda n: torch.empty(
+            n, self.q_heads, self.dv_pad, dtype=torch.float32, device=device))
+        ml = self._static(out, ".ml", rows, md, capacity, lambda n: torch.empty(
+            n, self.q_heads, 2, dtype=torch.float32, device=device))
         return (acc[:rows].view(splits, num_tokens, self.q_heads, self.dv_pad),
                 ml[:rows].view(splits, num_tokens, self.q_heads, 2))
 
