@@ -49,12 +49,16 @@ ROWS = [("prefill 1x2k", 1, 2048, 0), ("prefill 1x8k", 1, 8192, 0),
         ("extend 1x8k+4k", 1, 8192, 4096)]
 SMOKE_ROWS = [("smoke 2x40+0", 2, 40, 0), ("smoke 1x24+48", 1, 24, 48)]
 #: dense launch configs of the sweep: (block_m, block_n, num_warps, num_stages, tma, m_slow,
-#: one_loop); 64-row 4-warp tiles put two CTAs on an SM (two independent warpgroups)
+#: one_loop[, lazy_rescale]); 64-row 4-warp tiles put two CTAs on an SM (two independent warpgroups)
 SWEEP = [(128, 128, 8, 2, True, False, False), (128, 128, 8, 2, True, True, False),
          (64, 64, 4, 3, True, False, False), (64, 64, 4, 3, True, True, False),
          (64, 64, 4, 2, True, False, False), (128, 64, 8, 3, True, True, False),
-         (64, 32, 4, 3, True, False, False)]
-SMOKE_SWEEP = [(16, 16, 4, 1, True, False, False), (16, 16, 4, 1, True, True, True)]
+         (64, 32, 4, 3, True, False, False),
+         # lazy rescaling of the unmasked tiles (8th field; absent: off)
+         (64, 64, 4, 3, True, False, False, True), (64, 64, 4, 3, True, True, False, True),
+         (128, 128, 8, 2, True, False, False, True)]
+SMOKE_SWEEP = [(16, 16, 4, 1, True, False, False), (16, 16, 4, 1, True, True, True),
+               (16, 16, 4, 1, True, False, False, True)]
 RTOL = 2e-2
 
 
@@ -150,9 +154,10 @@ def make_dense(x, config=None):
     md.extras["max_prefix_len"] = x.prefix
     saved = dict(pf.PREFILL_OVERRIDES)
     if config is not None:
-        bm, bn, nw, ns, tma, m_slow, one_loop = config
+        bm, bn, nw, ns, tma, m_slow, one_loop, lazy = (tuple(config) + (False,))[:8]
         pf.PREFILL_OVERRIDES.update(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns,
-                                    tma=tma, m_slow=m_slow, one_loop=one_loop)
+                                    tma=tma, m_slow=m_slow, one_loop=one_loop,
+                                    lazy_rescale=lazy)
     try:
         plan = kernel.plan(md)
     finally:
@@ -300,9 +305,10 @@ def summarize(rec) -> str:
 
 
 def _cfg_name(c) -> str:
-    bm, bn, nw, ns, tma, m_slow, one_loop = c
+    bm, bn, nw, ns, tma, m_slow, one_loop, lazy = (tuple(c) + (False,))[:8]
     return (f"dense {bm}x{bn} w{nw} s{ns}{'' if tma else ' ptr'}"
-            f"{' m-slow' if m_slow else ''}{' one-loop' if one_loop else ''}")
+            f"{' m-slow' if m_slow else ''}{' one-loop' if one_loop else ''}"
+            f"{' lazy' if lazy else ''}")
 
 
 def run(args) -> list:
@@ -311,6 +317,8 @@ def run(args) -> list:
         wanted = {r.strip() for r in args.rows.split(",")}
         rows = [r for r in rows if r[0] in wanted]
     sweep = SMOKE_SWEEP if args.smoke else SWEEP
+    if args.configs:
+        sweep = [sweep[int(i)] for i in args.configs.split(",")]
     device = "cpu" if args.smoke else "cuda"
     dims = dict(hq=4, hkv=2, d=64, page=16, dtype=torch.float16) if args.smoke else {}
     results = []
@@ -406,6 +414,8 @@ def main(argv=None):
                    help="also replay every sweep configuration (and rank them replayed)")
     p.add_argument("--rows", default=None,
                    help="comma list of row labels to run (e.g. 'prefill 1x16k,prefill 8x2k')")
+    p.add_argument("--configs", default=None,
+                   help="comma list of indices into the sweep's configurations (default: all)")
     p.add_argument("--budget-s", type=float, default=150,
                    help="stop sweeping once the sweep has taken this many seconds, compiles "
                         "included (0: no limit)")

@@ -35,6 +35,9 @@
 #   scripts/gpu_session.sh eighteenth # next: the rows still short of #14's targets:
 #                                  # prefill 1x16k / 8x2k configurations replayed, the MLA
 #                                  # 16-head split counts, the whole gpu suite
+#   scripts/gpu_session.sh nineteenth # lazy rescaling of the dense prefill: gpu tests, every
+#                                  # prefill row with the lazy configurations replayed, then
+#                                  # ncu source-level stall sampling of the fused reduction
 #   scripts/gpu_session.sh tenth   # ninth, Triton verify tables (paged, 5-D, MLA) with each
 #                                  # failure's reason, then the pending gpu tests (logs in $OUT)
 set -uo pipefail
@@ -249,6 +252,23 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
     timeout ${SUITE_S:-280} python3 -m pytest -m gpu -n 8 -q --timeout 200 tests \
       -p no:cacheprovider -p no:warnings > "$OUT/gpu_tests.log" 2>&1
     grep -E "FAILED|ERROR| passed| failed" "$OUT/gpu_tests.log" | tail -20
+    rm -f "$OUT"/*/*.png
+    ;;
+  nineteenth)
+    timeout ${LT_S:-75} python3 -m pytest -m gpu -q tests/test_triton_prefill.py -k "lazy or m64" \
+      -p no:cacheprovider -p no:warnings > "$OUT/lazy_tests.log" 2>&1
+    tail -3 "$OUT/lazy_tests.log"
+    timeout ${PF_S:-270} python3 benchmarks/bench_prefill.py --sweep-graphs --configs 2,3,7,8,9 \
+      --budget-s 0 --out "$OUT/prefill" > "$OUT/prefill.log" 2>&1
+    grep -E "== |ours-dense|cudnn|dense " "$OUT/prefill.log"
+    timeout ${NCU_S:-110} ncu --clock-control none --profile-from-start off \
+      --section SourceCounters --section WarpStateStats -f -o "$OUT/fused" \
+      python3 benchmarks/profile_fused_reduce.py --ncu > "$OUT/ncu_fused.log" 2>&1
+    tail -3 "$OUT/ncu_fused.log"
+    ncu --import "$OUT/fused.ncu-rep" --page details > "$OUT/fused_details.txt" 2>&1
+    ncu --import "$OUT/fused.ncu-rep" --page source --csv --print-source sass \
+      > "$OUT/fused_sass.csv" 2>&1
+    ls -la "$OUT"
     rm -f "$OUT"/*/*.png
     ;;
   tests|all)

@@ -86,7 +86,10 @@ CONFIGS = {"tma": PrefillConfig(16, 16, 4, 1, tma=True),
            # one loop, mask only where it cuts
            "one": PrefillConfig(16, 16, 4, 1, tma=True, one_loop=True),
            "one_ptr": PrefillConfig(32, 16, 4, 1, tma=False, one_loop=True),
-           "m_slow": PrefillConfig(16, 16, 4, 1, tma=True, m_slow=True)}
+           "m_slow": PrefillConfig(16, 16, 4, 1, tma=True, m_slow=True),
+           # the running max of unmasked tiles moves only past 2^8
+           "lazy": PrefillConfig(16, 16, 4, 1, tma=True, lazy_rescale=True),
+           "lazy_ptr": PrefillConfig(32, 16, 4, 2, tma=False, lazy_rescale=True)}
 
 
 @pytest.mark.parametrize("lens", LENS, ids=["prefill", "bottom_right", "one"])
@@ -101,7 +104,7 @@ def test_dense_causal(lens, dtype, d):
         assert_lse(l, el, LSE_RTOL[dtype], f"lse {name}")
 
 
-@pytest.mark.parametrize("cfg", ["tma", "ptr", "one", "m_slow"])
+@pytest.mark.parametrize("cfg", ["tma", "ptr", "one", "m_slow", "lazy"])
 def test_dense_features(cfg):
     """Window (left, and both sides non-causal), soft-cap and sinks, on GQA 5:1."""
     c = DenseCase([1, 45, 21], [30, 45, 50], d=64)
@@ -115,6 +118,27 @@ def test_dense_features(cfg):
         o, l = c.run(config=CONFIGS[cfg], causal=causal, window=window, **kw)
         assert_close_rel(o, eo, RTOL[torch.float32], f"out {kw} {window} {causal}")
         assert_lse(l, el, LSE_RTOL[torch.float32], f"lse {kw} {window} {causal}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_lazy_rescale_moves_the_max_mid_sequence(dtype):
+    """Keys that grow along the sequence push each row's max up by far more than 2^8 over
+    the unmasked tiles, so the lazy update must rescale mid-loop (float16: a skipped
+    rescale overflows p to inf); tiles in between keep the stale max. Sinks and the prefix
+    merge read the stale max too."""
+    c = DenseCase([70, 9], [70, 60], d=64, hq=4, hkv=2, dtype=dtype, seed=11)
+    growth = 1.0 + torch.arange(c.k.shape[0], dtype=torch.float32) / 6.0
+    c.k = (c.k.float() * growth[:, None, None]).to(dtype)
+    sinks = torch.randn(c.hq, generator=torch.Generator().manual_seed(2))
+    logits = torch.einsum("qhd,khd->hqk", c.q[:70].float(), c.k[:70].repeat_interleave(2, 1)
+                          .float()) * c.scale
+    assert logits.max() > 30.0  # > 2^43 in the exp2 domain: the max must move
+    for kw in ({}, {"sinks": sinks}):
+        eo, el = c.oracle(causal=True, **kw)
+        for name in ("lazy", "lazy_ptr"):
+            o, l = c.run(config=CONFIGS[name], **kw)
+            assert_close_rel(o, eo, RTOL[dtype], f"out {name} {list(kw)}")
+            assert_lse(l, el, LSE_RTOL[dtype], f"lse {name} {list(kw)}")
 
 
 def test_dense_empty_rows_and_no_lse():
@@ -172,6 +196,10 @@ GPU_CONFIGS = [
                  id="bf16-m-slow"),
     pytest.param(torch.bfloat16, PrefillConfig(128, 128, 8, 2, tma=False), (128,),
                  id="bf16-ptr"),
+    pytest.param(torch.bfloat16, PrefillConfig(64, 64, 4, 3, lazy_rescale=True), (128, 80),
+                 id="bf16-lazy"),
+    pytest.param(torch.float16, PrefillConfig(64, 64, 4, 3, lazy_rescale=True), (128,),
+                 id="fp16-lazy"),
 ]
 
 

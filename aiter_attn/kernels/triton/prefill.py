@@ -118,7 +118,8 @@ def _dense_tiles(
     offs_d, offs_dv, d_mask, dv_mask,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, LAZY: tl.constexpr = False,
+    LAZY_TAU: tl.constexpr = 8.0,
 ):
     """Online-softmax update of ``(acc, m_i, l_i)`` (log2 domain) over keys ``[lo, hi)`` in
     ``BLOCK_N`` tiles. ``MASKED``: 0 every tile is visible to every row (no mask
@@ -136,7 +137,27 @@ def _dense_tiles(
             s = tl.dot(q, k, input_precision=DOT_PRECISION)
         if HAS_SOFTCAP:
             s = softcap * tanh(s * (qk2 / _LOG2E) / softcap) * _LOG2E
-        if MASKED == 0:
+        if MASKED == 0 and LAZY:
+            # lazy rescale: the running max moves (and acc, l are rescaled) only when some
+            # row's tile max passes it by more than 2^LAZY_TAU; otherwise p = exp2(s - m_i)
+            # stays ≤ 2^LAZY_TAU and the acc/l multiply is skipped (exact: o = acc / l and
+            # lse = m + log2 l hold for any m the pair was accumulated against)
+            if HAS_SOFTCAP:
+                m_tile = tl.max(s, 1)
+            else:
+                m_tile = tl.max(s, 1) * qk2
+            if tl.max(m_tile - m_i, 0) > LAZY_TAU:
+                m_up = tl.maximum(m_i, m_tile)
+                scale_up = tl.exp2(m_i - m_up)
+                l_i = l_i * scale_up
+                acc = acc * scale_up[:, None]
+                m_i = m_up
+            if HAS_SOFTCAP:
+                p = tl.exp2(s - m_i[:, None])
+            else:
+                p = tl.exp2(s * qk2 - m_i[:, None])
+            l_i = l_i + tl.sum(p, 1)
+        elif MASKED == 0:
             if HAS_SOFTCAP:
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 p = tl.exp2(s - m_new[:, None])
@@ -160,12 +181,13 @@ def _dense_tiles(
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        if not (MASKED == 0 and LAZY):
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            m_i = m_new
         v = _load_v(V, Vd, k_row0, v_col, v_head_off, s_vt, start_n, kpos, nk, offs_dv, dv_mask,
                     MASKED != 0, USE_TMA)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
     return acc, m_i, l_i
 
 
@@ -180,7 +202,7 @@ def _dense_prefill_kernel(
     HAS_SINKS: tl.constexpr, HAS_PREFIX: tl.constexpr, WRITE_LSE: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     ONE_LOOP: tl.constexpr, M_SLOW: tl.constexpr,
-    SEARCH: tl.constexpr,
+    SEARCH: tl.constexpr, LAZY: tl.constexpr = False,
 ):
     # longest blocks first (causal: the last query blocks see the most keys): within each
     # (head, request) with the block index fastest, or across the whole grid (M_SLOW)
@@ -273,7 +295,7 @@ def _dense_prefill_kernel(
             acc, m_i, l_i, q, qk2, softcap, K, V, Kd, Vd, k0, kvh * D, kvh * DV, k_head_off,
             v_head_off, s_kt, s_vt, f_lo, f_hi, f_lo, f_hi, pos_q, nk, left, right, offs_d,
             offs_dv, d_mask, dv_mask, BLOCK_N, 0, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_TMA,
-            DOT_PRECISION, NUM_STAGES)
+            DOT_PRECISION, NUM_STAGES, LAZY)
         # stage 2: the diagonal / sequence-end tiles (masked)
         acc, m_i, l_i = _dense_tiles(
             acc, m_i, l_i, q, qk2, softcap, K, V, Kd, Vd, k0, kvh * D, kvh * DV, k_head_off,
@@ -321,7 +343,9 @@ def _dense_prefill_kernel(
 class PrefillConfig:
     """A launch of the dense kernel: tile shapes, warps, software-pipeline depth, TMA
     (tensor-descriptor) loads when the inputs allow, one key loop (``one_loop``: the mask
-    only where it cuts) instead of unmasked then masked tiles, grid order (``m_slow``)."""
+    only where it cuts) instead of unmasked then masked tiles, grid order (``m_slow``), lazy
+    rescaling of the unmasked tiles (``lazy_rescale``: the running max, and with it the
+    accumulator, moves only when a row's tile max passes it by more than 2^8)."""
 
     block_m: int
     block_n: int
@@ -330,6 +354,7 @@ class PrefillConfig:
     tma: bool = True
     one_loop: bool = False
     m_slow: bool = False
+    lazy_rescale: bool = False
 
     def grid(self, max_q: int, num_tokens: int, num_q_heads: int, batch: int) -> tuple:
         """``(grid, search)``: query blocks × heads × requests (``m_slow``: heads × requests
@@ -541,5 +566,5 @@ def prefill_launch_args(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap
               WRITE_LSE=lse is not None, USE_TMA=use_tma,
               DOT_PRECISION=_DOT_PRECISION[q.dtype], NUM_STAGES=config.num_stages,
               ONE_LOOP=config.one_loop, M_SLOW=config.m_slow,
-              SEARCH=False, num_warps=config.num_warps)
+              SEARCH=False, LAZY=config.lazy_rescale, num_warps=config.num_warps)
     return args, kw
