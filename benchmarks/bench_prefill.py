@@ -49,16 +49,18 @@ ROWS = [("prefill 1x2k", 1, 2048, 0), ("prefill 1x8k", 1, 8192, 0),
         ("extend 1x8k+4k", 1, 8192, 4096)]
 SMOKE_ROWS = [("smoke 2x40+0", 2, 40, 0), ("smoke 1x24+48", 1, 24, 48)]
 #: dense launch configs of the sweep: (block_m, block_n, num_warps, num_stages, tma, m_slow,
-#: one_loop[, lazy_rescale]); 64-row 4-warp tiles put two CTAs on an SM (two independent warpgroups)
+#: one_loop[, {more PrefillConfig fields}]); 64-row 4-warp tiles put two CTAs on an SM (two independent warpgroups)
 SWEEP = [(128, 128, 8, 2, True, False, False), (128, 128, 8, 2, True, True, False),
          (64, 64, 4, 3, True, False, False), (64, 64, 4, 3, True, True, False),
          (64, 64, 4, 2, True, False, False), (128, 64, 8, 3, True, True, False),
          (64, 32, 4, 3, True, False, False),
-         # lazy rescaling of the unmasked tiles (8th field; absent: off)
-         (64, 64, 4, 3, True, False, False, True), (64, 64, 4, 3, True, True, False, True),
-         (128, 128, 8, 2, True, False, False, True)]
+         # the Gluon kernel (softmax overlapped with the tensor cores; 8th field: more fields)
+         (64, 64, 4, 2, True, False, False, {"gluon": True}),
+         (64, 64, 4, 2, True, True, False, {"gluon": True}),
+         (64, 64, 4, 3, True, False, False, {"gluon": True}),
+         (64, 128, 4, 2, True, False, False, {"gluon": True})]
 SMOKE_SWEEP = [(16, 16, 4, 1, True, False, False), (16, 16, 4, 1, True, True, True),
-               (16, 16, 4, 1, True, False, False, True)]
+               (16, 16, 4, 1, True, False, False, {"gluon": True})]
 RTOL = 2e-2
 
 
@@ -154,10 +156,9 @@ def make_dense(x, config=None):
     md.extras["max_prefix_len"] = x.prefix
     saved = dict(pf.PREFILL_OVERRIDES)
     if config is not None:
-        bm, bn, nw, ns, tma, m_slow, one_loop, lazy = (tuple(config) + (False,))[:8]
+        bm, bn, nw, ns, tma, m_slow, one_loop, extra = (tuple(config) + ({},))[:8]
         pf.PREFILL_OVERRIDES.update(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns,
-                                    tma=tma, m_slow=m_slow, one_loop=one_loop,
-                                    lazy_rescale=lazy)
+                                    tma=tma, m_slow=m_slow, one_loop=one_loop, **extra)
     try:
         plan = kernel.plan(md)
     finally:
@@ -305,10 +306,10 @@ def summarize(rec) -> str:
 
 
 def _cfg_name(c) -> str:
-    bm, bn, nw, ns, tma, m_slow, one_loop, lazy = (tuple(c) + (False,))[:8]
+    bm, bn, nw, ns, tma, m_slow, one_loop, extra = (tuple(c) + ({},))[:8]
     return (f"dense {bm}x{bn} w{nw} s{ns}{'' if tma else ' ptr'}"
             f"{' m-slow' if m_slow else ''}{' one-loop' if one_loop else ''}"
-            f"{' lazy' if lazy else ''}")
+            + "".join(f" {k}" if v is True else f" {k}={v}" for k, v in extra.items()))
 
 
 def run(args) -> list:

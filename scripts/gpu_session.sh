@@ -38,6 +38,8 @@
 #   scripts/gpu_session.sh nineteenth # lazy rescaling of the dense prefill: gpu tests, every
 #                                  # prefill row with the lazy configurations replayed, then
 #                                  # ncu source-level stall sampling of the fused reduction
+#   scripts/gpu_session.sh twentieth # the Gluon dense prefill: gpu tests (-x, tracebacks),
+#                                  # then every prefill row against the Triton default, replayed
 #   scripts/gpu_session.sh tenth   # ninth, Triton verify tables (paged, 5-D, MLA) with each
 #                                  # failure's reason, then the pending gpu tests (logs in $OUT)
 set -uo pipefail
@@ -269,6 +271,16 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
     ncu --import "$OUT/fused.ncu-rep" --page source --csv --print-source sass \
       > "$OUT/fused_sass.csv" 2>&1
     ls -la "$OUT"
+    rm -f "$OUT"/*/*.png
+    ;;
+  twentieth)
+    timeout ${GT_S:-120} python3 -m pytest -m gpu -q -x tests/test_triton_prefill.py \
+      -k "gluon" -p no:cacheprovider -p no:warnings --tb=short > "$OUT/gluon_tests.log" 2>&1
+    tail -30 "$OUT/gluon_tests.log"
+    timeout ${PF_S:-300} python3 benchmarks/bench_prefill.py --sweep-graphs \
+      --configs ${PF_CONFIGS:-2,3,7,8,9,10} --budget-s 0 --out "$OUT/prefill" \
+      > "$OUT/prefill.log" 2>&1
+    grep -E "== |ours-dense|cudnn|dense |Error|error" "$OUT/prefill.log" | head -60
     rm -f "$OUT"/*/*.png
     ;;
   tests|all)

@@ -219,6 +219,75 @@ def test_dense_gpu(dtype, cfg, dims):
         assert_lse(l, el, LSE_RTOL[dtype], f"lse d{d}")
 
 
+def test_gluon_declines_with_reasons():
+    """The Gluon kernel's host predicate names what it cannot serve."""
+    from aiter_attn.kernels.triton.prefill_gluon import gluon_reject_reason
+
+    cfg = PrefillConfig(64, 64, 4, 2, gluon=True)
+    q = torch.randn(8, 4, 128, dtype=torch.bfloat16)
+    kw = dict(causal=True, window=(-1, -1), softcap=0.0, search=False, config=cfg)
+    why = gluon_reject_reason(q, q[:, :2], q[:, :2], **kw)
+    assert why is not None and ("sm_90" in why or "Gluon" in why)
+    if HAS_CUDA and torch.cuda.get_device_capability()[0] == 9:
+        g = q.cuda()
+        assert gluon_reject_reason(g, g[:, :2], g[:, :2], **kw) is None
+        assert "window" in gluon_reject_reason(g, g[:, :2], g[:, :2],
+                                               **dict(kw, window=(8, -1)))
+        assert "ragged" in gluon_reject_reason(g, g[:, :2], g[:, :2], **dict(kw, search=True))
+        assert "head dims" in gluon_reject_reason(g[..., :80], g[:, :2, :80], g[:, :2, :80],
+                                                  **kw)
+
+
+GLUON_CONFIGS = [
+    pytest.param(torch.bfloat16, PrefillConfig(64, 64, 4, 2, gluon=True), id="bf16-s2"),
+    pytest.param(torch.float16, PrefillConfig(64, 64, 4, 3, gluon=True, m_slow=True),
+                 id="fp16-s3-m-slow"),
+    pytest.param(torch.bfloat16, PrefillConfig(64, 128, 4, 2, gluon=True), id="bf16-bn128"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype,cfg", GLUON_CONFIGS)
+def test_gluon_dense_gpu(dtype, cfg):
+    """The Gluon kernel (asserted to serve these launches: plain grids, d128) against the
+    oracle: prefill and queries over more keys (bottom-right, incl. rows past the last key
+    tile and a one-token request), LSE, sinks, and the prefix merge in the epilogue."""
+    from aiter_attn.kernels.triton.prefill_gluon import gluon_reject_reason
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is sm_90 only")
+    g = torch.Generator().manual_seed(4)
+    for q_lens, k_lens in (([300, 257, 200], [300, 257, 200]), ([100, 64, 1], [300, 64, 40])):
+        c = DenseCase(q_lens, k_lens, hq=32, hkv=8, d=128, dtype=dtype, device="cuda")
+        grid, search = cfg.grid(max(q_lens), sum(q_lens), c.hq, len(q_lens))
+        assert not search
+        qd = c.q.cuda()
+        kd = c.k.cuda()
+        assert gluon_reject_reason(qd, kd, kd, causal=True, window=(-1, -1), softcap=0.0,
+                                   search=search, config=cfg) is None
+        sinks = torch.randn(c.hq, generator=g)
+        for kw in ({}, {"sinks": sinks}):
+            eo, el = c.oracle(causal=True, **kw)
+            o, l = c.run(config=cfg, **kw)
+            assert_close_rel(o, eo, RTOL[dtype], f"out {q_lens} {list(kw)}")
+            assert_lse(l, el, LSE_RTOL[dtype], f"lse {q_lens} {list(kw)}")
+        # prefix merge: an arbitrary (o_p, lse_p) merged exactly, one row with lse_p = -inf
+        op = torch.randn(sum(q_lens), c.hq, c.dv, generator=g).to(dtype)
+        lp = torch.randn(sum(q_lens), c.hq, generator=g) + 3.0
+        lp[0] = float("-inf")
+        o, l = c.run(config=cfg, prefix=(op, lp))
+        eo, el = c.oracle(causal=True)
+        eo, el, lp64 = eo.double().cpu(), el.double().cpu(), lp.double()
+        m = torch.maximum(el, lp64)
+        m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+        w_d, w_p = torch.exp(el - m), torch.exp(lp64 - m)
+        exp_o = (eo.double() * w_d[..., None] + torch.nan_to_num(op.double()) * w_p[..., None]) \
+            / (w_d + w_p)[..., None]
+        assert_close_rel(o, exp_o, RTOL[dtype], f"merged out {q_lens}")
+        assert_lse(l, torch.logaddexp(el, lp64), LSE_RTOL[dtype], f"merged lse {q_lens}")
+
+
 def test_grid_searches_on_ragged_batches():
     """Many short rows beside a long one: one program per present query block (search),
     not batch × blocks(max_q)."""

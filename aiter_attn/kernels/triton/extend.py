@@ -32,8 +32,7 @@ import torch
 
 from ..base import AttentionKernel, KernelPlan, plan_hints, token_count_error
 from .attention import TritonPagedAttention
-from .prefill import MAX_HEAD_DIM, PrefillConfig, choose_prefill_config, prefill_launch_args
-from .prefill import _dense_prefill_kernel
+from .prefill import MAX_HEAD_DIM, PrefillConfig, choose_prefill_config, launch_dense
 
 __all__ = ["TritonExtendAttention", "ExtendPlan", "extend_attention_request",
            "extend_reject_reason", "EXTEND_FEATURES"]
@@ -194,13 +193,9 @@ class TritonExtendAttention(AttentionKernel):
                            plan.o_prefix, lse=plan.lse_prefix)
             prefix = (plan.o_prefix, plan.lse_prefix)
         cu = plan.cu_seqlens_q
-        args, kw = prefill_launch_args(q, k, v, out, cu, cu, params.scale, True, params.window,
-                                       params.softcap, params.sinks, lse, prefix,
-                                       plan.dense_cfg)
-        if plan.search:
-            kw["SEARCH"] = True
-        _dense_prefill_kernel[plan.grid](*args, **kw)
-        return out
+        return launch_dense(q, k, v, out, cu, cu, params.scale, True, params.window,
+                            params.softcap, params.sinks, lse, prefix, plan.dense_cfg,
+                            plan.grid, plan.search)
 
     def __call__(self, q, k, v, k_cache, v_cache, out, *, cu_seqlens_q, seqused_k, block_table,
                  softmax_scale, causal=True, window_size=(-1, -1), softcap=0.0, sinks=None,

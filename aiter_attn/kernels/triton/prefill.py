@@ -46,7 +46,8 @@ import triton.language as tl
 from ._kvutil import interpreting, max_shared_mem, next_pow2, num_sms
 from ._softmax import tanh
 
-__all__ = ["PrefillConfig", "choose_prefill_config", "dense_prefill", "PREFILL_OVERRIDES",
+__all__ = ["PrefillConfig", "choose_prefill_config", "dense_prefill", "launch_dense",
+           "PREFILL_OVERRIDES",
            "MAX_HEAD_DIM", "tma_ok"]
 
 MAX_HEAD_DIM = 256
@@ -354,6 +355,7 @@ class PrefillConfig:
     tma: bool = True
     one_loop: bool = False
     m_slow: bool = False
+    gluon: bool = False
     lazy_rescale: bool = False
 
     def grid(self, max_q: int, num_tokens: int, num_q_heads: int, batch: int) -> tuple:
@@ -505,12 +507,27 @@ def dense_prefill(
         config = choose_prefill_config(max_q=max_seqlen_q, max_k=max_seqlen_k, head_dim=d,
                                        v_head_dim=dv, dtype=q.dtype, device=q.device,
                                        num_tokens=num_tokens, q_heads=hq)
-    args = prefill_launch_args(q, k, v, out, cu_seqlens_q, cu_seqlens_k, softmax_scale,
-                               causal, window_size, softcap, sinks, lse, prefix, config)
     grid, search = config.grid(max_seqlen_q, num_tokens, hq, batch)
-    args, kw = args
+    return launch_dense(q, k, v, out, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
+                        window_size, softcap, sinks, lse, prefix, config, grid, search)
+
+
+def launch_dense(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap, sinks, lse, prefix,
+                 config: PrefillConfig, grid, search: bool):
+    """One dense launch on ``grid`` (:meth:`PrefillConfig.grid`): the Gluon kernel when
+    ``config.gluon`` and :func:`.prefill_gluon.gluon_reject_reason` finds nothing against
+    it, else the Triton kernel. Returns ``out``."""
+    if config.gluon:
+        from .prefill_gluon import gluon_reject_reason, launch_gluon_prefill
+
+        if gluon_reject_reason(q, k, v, causal=causal, window=window, softcap=softcap,
+                               search=search, config=config) is None:
+            return launch_gluon_prefill(q, k, v, out, cu_q, cu_k, scale, sinks, lse, prefix,
+                                        config, grid)
+    args, kw = prefill_launch_args(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap,
+                                   sinks, lse, prefix, config)
     if search:
-        kw = dict(kw, SEARCH=True)
+        kw["SEARCH"] = True
     _dense_prefill_kernel[grid](*args, **kw)
     return out
 

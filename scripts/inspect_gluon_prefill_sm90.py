@@ -1,0 +1,84 @@
+"""Compile the Gluon dense prefill kernel (:mod:`aiter_attn.kernels.triton.prefill_gluon`) for
+sm_90 on any host (no GPU: Triton's wheel carries ptxas) and report registers, spills, shared
+memory and how many ``wgmma`` waits keep one group in flight (``wgmma.wait_group.sync.aligned 1``).
+
+Usage::
+
+    python scripts/inspect_gluon_prefill_sm90.py '{"BLOCK_N": 64, "STAGES": 2}' [--dump DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+
+def compile_gluon(q="bf16", warps=4, **const):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from aiter_attn.kernels.triton import prefill_gluon as pg
+
+    c = dict(GROUP=4, D=128, DV=128, BLOCK_M=64, BLOCK_N=64, STAGES=2, HAS_SINKS=False,
+             HAS_PREFIX=False, WRITE_LSE=True, M_SLOW=False, num_warps=warps)
+    c.update(const)
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[q]
+    fn = pg._gluon_prefill_kernel
+    names = fn.arg_names
+    ql = gl.NVMMASharedLayout.get_default_for([c["BLOCK_M"], c["D"]], gdt)
+    kl = gl.NVMMASharedLayout.get_default_for([c["BLOCK_N"], c["D"]], gdt)
+    sig = {}
+    for n in names:
+        if n in c:
+            sig[n] = "constexpr"
+        elif n == "q_desc":
+            sig[n] = f"tensordesc<{q}[{c['BLOCK_M']}, {c['D']}],{ql!r}>"
+        elif n in ("k_desc", "v_desc"):
+            sig[n] = f"tensordesc<{q}[{c['BLOCK_N']}, {c['D']}],{kl!r}>"
+        elif n in ("O", "OP"):
+            sig[n] = "*" + q
+        elif n in ("LSE", "LSEP", "Sinks"):
+            sig[n] = "*fp32"
+        elif n in ("CuQ", "CuK"):
+            sig[n] = "*i32"
+        elif n == "qk2":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in c.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=1))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("const", nargs="?", default="{}")
+    p.add_argument("--dump", default=None)
+    a = p.parse_args()
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from inspect_sm90 import resource_usage
+
+    k = compile_gluon(**json.loads(a.const))
+    ptx = k.asm["ptx"]
+    res = resource_usage(k)
+    print("registers     ", res["REG"])
+    print("stack (spills)", res.get("STACK", 0))
+    print("shared_bytes  ", k.metadata.shared)
+    print("wgmma         ", len(re.findall(r"wgmma\.mma_async", ptx)))
+    print("wait_group    ", re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))
+    if a.dump:
+        os.makedirs(a.dump, exist_ok=True)
+        for key in ("ttgir", "ptx"):
+            with open(os.path.join(a.dump, f"k.{key}"), "w") as f:
+                f.write(k.asm[key])
+
+
+if __name__ == "__main__":
+    main()
