@@ -58,7 +58,10 @@ SWEEP = [(128, 128, 8, 2, True, False, False), (128, 128, 8, 2, True, True, Fals
          (64, 64, 4, 2, True, False, False, {"gluon": True}),
          (64, 64, 4, 2, True, True, False, {"gluon": True}),
          (64, 64, 4, 3, True, False, False, {"gluon": True}),
-         (64, 128, 4, 2, True, False, False, {"gluon": True})]
+         (64, 128, 4, 2, True, False, False, {"gluon": True}),
+         (128, 64, 8, 2, True, False, False, {"gluon": True}),
+         (64, 32, 4, 2, True, False, False, {"gluon": True}),
+         (64, 32, 4, 4, True, False, False, {"gluon": True})]
 SMOKE_SWEEP = [(16, 16, 4, 1, True, False, False), (16, 16, 4, 1, True, True, True),
                (16, 16, 4, 1, True, False, False, {"gluon": True})]
 RTOL = 2e-2
@@ -281,6 +284,14 @@ def measure(name, make, x, ref, args, *, graph=True, rep=None):
         rec["wrong"] = f"relative error {err:.3e} > {RTOL:.0e}; not timed"
         return rec
     rep = rep or args.rep
+    if getattr(args, "host", False) and not args.smoke:
+        # host time of one call: 50 calls queued back to back (the GPU runs behind), the
+        # CPU's own clock; the queue is drained before the timings below
+        t = time.perf_counter()
+        for _ in range(50):
+            fn()
+        rec["host_us"] = (time.perf_counter() - t) / 50 * 1e6
+        torch.cuda.synchronize()
     rec["eager_ms"] = time_ms(fn, False, rep, args.smoke)
     if graph and args.graphs and not args.smoke:
         rec["graph_ms"] = time_ms(fn, True, rep, args.smoke)
@@ -302,6 +313,8 @@ def summarize(rec) -> str:
         if rec.get(f"{mode}_ms"):
             parts.append(f"{mode} {rec[f'{mode}_ms']:.4f} ms = {rec[f'{mode}_tflops']:.1f} "
                          "TFLOP/s")
+    if rec.get("host_us"):
+        parts.append(f"host {rec['host_us']:.0f} us/call")
     return "  ".join(parts)
 
 
@@ -415,6 +428,8 @@ def main(argv=None):
                    help="also replay every sweep configuration (and rank them replayed)")
     p.add_argument("--rows", default=None,
                    help="comma list of row labels to run (e.g. 'prefill 1x16k,prefill 8x2k')")
+    p.add_argument("--host", action="store_true",
+                   help="also record each implementation's host time per call (host_us)")
     p.add_argument("--configs", default=None,
                    help="comma list of indices into the sweep's configurations (default: all)")
     p.add_argument("--budget-s", type=float, default=150,

@@ -277,7 +277,7 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
     timeout ${GT_S:-120} python3 -m pytest -m gpu -q -x tests/test_triton_prefill.py \
       -k "gluon" -p no:cacheprovider -p no:warnings --tb=short > "$OUT/gluon_tests.log" 2>&1
     tail -30 "$OUT/gluon_tests.log"
-    timeout ${PF_S:-300} python3 benchmarks/bench_prefill.py --sweep-graphs \
+    timeout ${PF_S:-300} python3 benchmarks/bench_prefill.py --sweep-graphs --host \
       --configs ${PF_CONFIGS:-2,3,7,8,9,10} --budget-s 0 --out "$OUT/prefill" \
       > "$OUT/prefill.log" 2>&1
     grep -E "== |ours-dense|cudnn|dense |Error|error" "$OUT/prefill.log" | head -60

@@ -67,8 +67,8 @@ def gluon_reject_reason(q, k, v, *, causal, window, softcap, search, config) -> 
         return "window, soft-cap and non-causal layers stay on the Triton kernel"
     if search:
         return "ragged grids (request search) stay on the Triton kernel"
-    if config.block_m != 16 * 4 * (config.num_warps // 4) or config.num_warps != 4:
-        return "one warpgroup of 64 rows (block_m 64, 4 warps)"
+    if config.num_warps not in (4, 8) or config.block_m != 16 * config.num_warps:
+        return "one or two warpgroups of 64 rows (block_m 64 with 4 warps, 128 with 8)"
     if not (tma_ok(q, d) and tma_ok(k, d) and tma_ok(v, dv)):
         return "inputs not TMA-able (head-contiguous, 16-byte aligned)"
     return None
