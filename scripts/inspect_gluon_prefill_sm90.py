@@ -25,7 +25,7 @@ def compile_gluon(q="bf16", warps=4, **const):
     from aiter_attn.kernels.triton import prefill_gluon as pg
 
     c = dict(GROUP=4, D=128, DV=128, BLOCK_M=64, BLOCK_N=64, STAGES=2, HAS_SINKS=False,
-             HAS_PREFIX=False, WRITE_LSE=True, M_SLOW=False, num_warps=warps)
+             HAS_PREFIX=False, WRITE_LSE=True, M_SLOW=False, SCHEDULE=1, num_warps=warps)
     c.update(const)
     gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[q]
     fn = pg._gluon_prefill_kernel

@@ -243,6 +243,12 @@ GLUON_CONFIGS = [
     pytest.param(torch.float16, PrefillConfig(64, 64, 4, 3, gluon=True, m_slow=True),
                  id="fp16-s3-m-slow"),
     pytest.param(torch.bfloat16, PrefillConfig(64, 128, 4, 2, gluon=True), id="bf16-bn128"),
+    # schedule 2: the next tile's q·k^T in flight during the softmax too
+    pytest.param(torch.bfloat16, PrefillConfig(64, 64, 4, 2, gluon=2), id="bf16-ahead-s2"),
+    pytest.param(torch.float16, PrefillConfig(64, 64, 4, 3, gluon=2, m_slow=True),
+                 id="fp16-ahead-s3-m-slow"),
+    pytest.param(torch.bfloat16, PrefillConfig(128, 64, 8, 2, gluon=2), id="bf16-ahead-8w"),
+    pytest.param(torch.bfloat16, PrefillConfig(64, 32, 4, 2, gluon=2), id="bf16-ahead-bn32"),
 ]
 
 

@@ -355,7 +355,7 @@ class PrefillConfig:
     tma: bool = True
     one_loop: bool = False
     m_slow: bool = False
-    gluon: bool = False
+    gluon: int = 0
     lazy_rescale: bool = False
 
     def grid(self, max_q: int, num_tokens: int, num_q_heads: int, batch: int) -> tuple:

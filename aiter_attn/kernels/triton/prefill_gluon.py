@@ -94,13 +94,126 @@ if HAS_GLUON:
         return p, m_new, l_i, alpha
 
     @gluon.jit
+    def _tiles_pv_overlap(acc, m_i, l_i, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc,
+                          k0, kvh, n_tiles, f_hi, pos_q, nk, qk2, s_zero, D: gl.constexpr,
+                          DV: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                          dtype: gl.constexpr, s_layout: gl.constexpr, row_o: gl.constexpr,
+                          p_layout: gl.constexpr):
+        """Schedule 1: ``P_j = softmax(S_j)`` overlaps ``P_{j-1} V_{j-1}`` (``S_j`` is waited
+        for first). ``n_tiles >= 1``. Returns ``(acc, m_i, l_i)``."""
+        mbarrier.wait(k_bars.index(0), 0)
+        s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+        nxt = STAGES < n_tiles
+        mbarrier.expect(k_bars.index(0), k_desc.block_type.nbytes, pred=nxt)
+        tma.async_copy_global_to_shared(k_desc, [k0 + STAGES * BLOCK_N, kvh * D],
+                                        k_bars.index(0), k_smem.index(0), pred=nxt)
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk2, 0, pos_q, nk,
+                                           BLOCK_N > f_hi, BLOCK_N, s_layout)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(1, n_tiles):
+            slot = j % STAGES
+            phase = (j // STAGES) & 1
+            prev = (j - 1) % STAGES
+            prev_phase = ((j - 1) // STAGES) & 1
+            mbarrier.wait(k_bars.index(slot), phase)
+            s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+            mbarrier.wait(v_bars.index(prev), prev_phase)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+            refill = j + STAGES < n_tiles
+            mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes, pred=refill)
+            tma.async_copy_global_to_shared(k_desc, [k0 + (j + STAGES) * BLOCK_N, kvh * D],
+                                            k_bars.index(slot), k_smem.index(slot),
+                                            pred=refill)
+            start_n = j * BLOCK_N
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk2, start_n, pos_q, nk,
+                                               start_n + BLOCK_N > f_hi, BLOCK_N, s_layout)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
+            refill_v = j - 1 + STAGES < n_tiles
+            mbarrier.expect(v_bars.index(prev), v_desc.block_type.nbytes, pred=refill_v)
+            tma.async_copy_global_to_shared(v_desc,
+                                            [k0 + (j - 1 + STAGES) * BLOCK_N, kvh * DV],
+                                            v_bars.index(prev), v_smem.index(prev),
+                                            pred=refill_v)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        last = (n_tiles - 1) % STAGES
+        mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // STAGES) & 1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        acc_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
+        return acc, m_i, l_i
+
+    @gluon.jit
+    def _tiles_qk_ahead(acc, m_i, l_i, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc,
+                        k0, kvh, n_tiles, f_hi, pos_q, nk, qk2, s_zero, D: gl.constexpr,
+                        DV: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        dtype: gl.constexpr, s_layout: gl.constexpr, row_o: gl.constexpr,
+                        p_layout: gl.constexpr):
+        """Schedule 2: ``P_j = softmax(S_j)`` overlaps both ``S_{j+1} = Q K_{j+1}^T`` and
+        ``P_{j-1} V_{j-1}`` on the tensor cores (two logit tiles live). The last iteration
+        recomputes the last tile's logits (unused). ``n_tiles >= 1``."""
+        mbarrier.wait(k_bars.index(0), 0)
+        s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+        t1 = gl.minimum(n_tiles - 1, 1)
+        mbarrier.wait(k_bars.index(t1 % STAGES), (t1 // STAGES) & 1)
+        s_tok = warpgroup_mma(q_smem, k_smem.index(t1 % STAGES).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk2, 0, pos_q, nk, BLOCK_N > f_hi,
+                                           BLOCK_N, s_layout)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+        nxt = STAGES < n_tiles  # K_0's slot is free: tile STAGES
+        mbarrier.expect(k_bars.index(0), k_desc.block_type.nbytes, pred=nxt)
+        tma.async_copy_global_to_shared(k_desc, [k0 + STAGES * BLOCK_N, kvh * D],
+                                        k_bars.index(0), k_smem.index(0), pred=nxt)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(1, n_tiles):
+            tn = gl.minimum(j + 1, n_tiles - 1)
+            mbarrier.wait(k_bars.index(tn % STAGES), (tn // STAGES) & 1)
+            s_tok = warpgroup_mma(q_smem, k_smem.index(tn % STAGES).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+            prev = (j - 1) % STAGES
+            mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            # K_j's logits were waited for last iteration: its slot takes tile j + STAGES
+            # (never the slot K_{j+1} is read from: they differ mod STAGES)
+            slot = j % STAGES
+            refill = j + STAGES < n_tiles
+            mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes, pred=refill)
+            tma.async_copy_global_to_shared(k_desc, [k0 + (j + STAGES) * BLOCK_N, kvh * D],
+                                            k_bars.index(slot), k_smem.index(slot),
+                                            pred=refill)
+            start_n = j * BLOCK_N
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk2, start_n, pos_q, nk,
+                                               start_n + BLOCK_N > f_hi, BLOCK_N, s_layout)
+            s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, acc_tok))
+            refill_v = j - 1 + STAGES < n_tiles
+            mbarrier.expect(v_bars.index(prev), v_desc.block_type.nbytes, pred=refill_v)
+            tma.async_copy_global_to_shared(v_desc, [k0 + (j - 1 + STAGES) * BLOCK_N, kvh * DV],
+                                            v_bars.index(prev), v_smem.index(prev),
+                                            pred=refill_v)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        last = (n_tiles - 1) % STAGES
+        mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // STAGES) & 1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        acc_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
+        return acc, m_i, l_i
+
+    @gluon.jit
     def _gluon_prefill_kernel(
         q_desc, k_desc, v_desc, O, LSE, OP, LSEP, Sinks, CuQ, CuK,
         qk2, s_ot, s_oh, s_lt, s_lh, s_pt, s_ph, s_plt, s_plh,
         GROUP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_SINKS: gl.constexpr,
         HAS_PREFIX: gl.constexpr, WRITE_LSE: gl.constexpr, M_SLOW: gl.constexpr,
-        num_warps: gl.constexpr,
+        SCHEDULE: gl.constexpr, num_warps: gl.constexpr,
     ):
         if M_SLOW:
             h = gl.program_id(0)
@@ -164,50 +277,16 @@ if HAS_GLUON:
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         mbarrier.wait(q_bar, 0)
         if n_tiles > 0:
-            mbarrier.wait(k_bars.index(0), 0)
-            s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-            nxt = STAGES < n_tiles
-            mbarrier.expect(k_bars.index(0), k_desc.block_type.nbytes, pred=nxt)
-            tma.async_copy_global_to_shared(k_desc, [k0 + STAGES * BLOCK_N, kvh * D],
-                                            k_bars.index(0), k_smem.index(0), pred=nxt)
-            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk2, 0, pos_q, nk,
-                                               BLOCK_N > f_hi, BLOCK_N, s_layout)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            for j in range(1, n_tiles):
-                slot = j % STAGES
-                phase = (j // STAGES) & 1
-                prev = (j - 1) % STAGES
-                prev_phase = ((j - 1) // STAGES) & 1
-                mbarrier.wait(k_bars.index(slot), phase)
-                s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero,
-                                      use_acc=False, is_async=True)
-                mbarrier.wait(v_bars.index(prev), prev_phase)
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-                refill = j + STAGES < n_tiles
-                mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes, pred=refill)
-                tma.async_copy_global_to_shared(k_desc, [k0 + (j + STAGES) * BLOCK_N, kvh * D],
-                                                k_bars.index(slot), k_smem.index(slot),
-                                                pred=refill)
-                start_n = j * BLOCK_N
-                p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk2, start_n, pos_q, nk,
-                                                   start_n + BLOCK_N > f_hi, BLOCK_N, s_layout)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
-                refill_v = j - 1 + STAGES < n_tiles
-                mbarrier.expect(v_bars.index(prev), v_desc.block_type.nbytes, pred=refill_v)
-                tma.async_copy_global_to_shared(v_desc,
-                                                [k0 + (j - 1 + STAGES) * BLOCK_N, kvh * DV],
-                                                v_bars.index(prev), v_smem.index(prev),
-                                                pred=refill_v)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-            last = (n_tiles - 1) % STAGES
-            mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // STAGES) & 1)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            acc_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
+            if SCHEDULE == 2:
+                acc, m_i, l_i = _tiles_qk_ahead(
+                    acc, m_i, l_i, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, k0,
+                    kvh, n_tiles, f_hi, pos_q, nk, qk2, s_zero, D, DV, BLOCK_N, STAGES, dtype,
+                    s_layout, row_o, p_layout)
+            else:
+                acc, m_i, l_i = _tiles_pv_overlap(
+                    acc, m_i, l_i, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, k0,
+                    kvh, n_tiles, f_hi, pos_q, nk, qk2, s_zero, D, DV, BLOCK_N, STAGES, dtype,
+                    s_layout, row_o, p_layout)
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_bars.index(i))
@@ -276,5 +355,6 @@ def launch_gluon_prefill(q, k, v, out, cu_q, cu_k, scale, sinks, lse, prefix, co
         float(scale) * _LOG2E, os_[0], os_[1], ls[0], ls[1], ps[0], ps[1], pls[0], pls[1],
         GROUP=hq // hkv, D=d, DV=dv, BLOCK_M=bm, BLOCK_N=bn, STAGES=max(2, config.num_stages),
         HAS_SINKS=sinks is not None, HAS_PREFIX=prefix is not None,
-        WRITE_LSE=lse is not None, M_SLOW=config.m_slow, num_warps=config.num_warps)
+        WRITE_LSE=lse is not None, M_SLOW=config.m_slow, SCHEDULE=int(config.gluon),
+        num_warps=config.num_warps)
     return out
