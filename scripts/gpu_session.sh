@@ -40,6 +40,8 @@
 #                                  # ncu source-level stall sampling of the fused reduction
 #   scripts/gpu_session.sh twentieth # the Gluon dense prefill: gpu tests (-x, tracebacks),
 #                                  # then every prefill row against the Triton default, replayed
+#   scripts/gpu_session.sh twentyfirst # the Gluon default: the whole gpu suite (-n 8,
+#                                  # failures to $OUT/failures.log), then the prefill rows
 #   scripts/gpu_session.sh tenth   # ninth, Triton verify tables (paged, 5-D, MLA) with each
 #                                  # failure's reason, then the pending gpu tests (logs in $OUT)
 set -uo pipefail
@@ -281,6 +283,15 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
       --configs ${PF_CONFIGS:-2,3,7,8,9,10} --budget-s 0 --out "$OUT/prefill" \
       > "$OUT/prefill.log" 2>&1
     grep -E "== |ours-dense|cudnn|dense |Error|error" "$OUT/prefill.log" | head -60
+    rm -f "$OUT"/*/*.png
+    ;;
+  twentyfirst)
+    timeout ${SUITE_S:-290} python3 -m pytest -m gpu -n 8 -q --timeout 200 tests \
+      -p no:cacheprovider -p no:warnings > "$OUT/gpu_tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed" "$OUT/gpu_tests.log" | tail -20
+    timeout ${PF_S:-120} python3 benchmarks/bench_prefill.py --no-sweep --host \
+      --out "$OUT/prefill" > "$OUT/prefill.log" 2>&1
+    grep -E "== |ours-|cudnn|Error|error" "$OUT/prefill.log" | head -40
     rm -f "$OUT"/*/*.png
     ;;
   tests|all)

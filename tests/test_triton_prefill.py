@@ -87,9 +87,8 @@ CONFIGS = {"tma": PrefillConfig(16, 16, 4, 1, tma=True),
            "one": PrefillConfig(16, 16, 4, 1, tma=True, one_loop=True),
            "one_ptr": PrefillConfig(32, 16, 4, 1, tma=False, one_loop=True),
            "m_slow": PrefillConfig(16, 16, 4, 1, tma=True, m_slow=True),
-           # the running max of unmasked tiles moves only past 2^8
-           "lazy": PrefillConfig(16, 16, 4, 1, tma=True, lazy_rescale=True),
-           "lazy_ptr": PrefillConfig(32, 16, 4, 2, tma=False, lazy_rescale=True)}
+           # Gluon asked for: sm_90 only, so on the CPU the Triton kernel serves it
+           "gluon": PrefillConfig(16, 16, 4, 1, tma=True, gluon=1)}
 
 
 @pytest.mark.parametrize("lens", LENS, ids=["prefill", "bottom_right", "one"])
@@ -104,7 +103,7 @@ def test_dense_causal(lens, dtype, d):
         assert_lse(l, el, LSE_RTOL[dtype], f"lse {name}")
 
 
-@pytest.mark.parametrize("cfg", ["tma", "ptr", "one", "m_slow", "lazy"])
+@pytest.mark.parametrize("cfg", ["tma", "ptr", "one", "m_slow"])
 def test_dense_features(cfg):
     """Window (left, and both sides non-causal), soft-cap and sinks, on GQA 5:1."""
     c = DenseCase([1, 45, 21], [30, 45, 50], d=64)
@@ -118,27 +117,6 @@ def test_dense_features(cfg):
         o, l = c.run(config=CONFIGS[cfg], causal=causal, window=window, **kw)
         assert_close_rel(o, eo, RTOL[torch.float32], f"out {kw} {window} {causal}")
         assert_lse(l, el, LSE_RTOL[torch.float32], f"lse {kw} {window} {causal}")
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_lazy_rescale_moves_the_max_mid_sequence(dtype):
-    """Keys that grow along the sequence push each row's max up by far more than 2^8 over
-    the unmasked tiles, so the lazy update must rescale mid-loop (float16: a skipped
-    rescale overflows p to inf); tiles in between keep the stale max. Sinks and the prefix
-    merge read the stale max too."""
-    c = DenseCase([70, 9], [70, 60], d=64, hq=4, hkv=2, dtype=dtype, seed=11)
-    growth = 1.0 + torch.arange(c.k.shape[0], dtype=torch.float32) / 6.0
-    c.k = (c.k.float() * growth[:, None, None]).to(dtype)
-    sinks = torch.randn(c.hq, generator=torch.Generator().manual_seed(2))
-    logits = torch.einsum("qhd,khd->hqk", c.q[:70].float(), c.k[:70].repeat_interleave(2, 1)
-                          .float()) * c.scale
-    assert logits.max() > 30.0  # > 2^43 in the exp2 domain: the max must move
-    for kw in ({}, {"sinks": sinks}):
-        eo, el = c.oracle(causal=True, **kw)
-        for name in ("lazy", "lazy_ptr"):
-            o, l = c.run(config=CONFIGS[name], **kw)
-            assert_close_rel(o, eo, RTOL[dtype], f"out {name} {list(kw)}")
-            assert_lse(l, el, LSE_RTOL[dtype], f"lse {name} {list(kw)}")
 
 
 def test_dense_empty_rows_and_no_lse():
@@ -196,10 +174,6 @@ GPU_CONFIGS = [
                  id="bf16-m-slow"),
     pytest.param(torch.bfloat16, PrefillConfig(128, 128, 8, 2, tma=False), (128,),
                  id="bf16-ptr"),
-    pytest.param(torch.bfloat16, PrefillConfig(64, 64, 4, 3, lazy_rescale=True), (128, 80),
-                 id="bf16-lazy"),
-    pytest.param(torch.float16, PrefillConfig(64, 64, 4, 3, lazy_rescale=True), (128,),
-                 id="fp16-lazy"),
 ]
 
 
@@ -314,10 +288,11 @@ def test_dense_very_ragged_batch():
 
 
 def test_prefill_config_on_an_h200():
-    """The chooser's H200 rules (docs/benchmarks.md, eighth session): 64-row 4-warp tiles
-    with 3 stages for bf16/fp16 at head dim ≤ 128; with four waves or fewer of 128-row
-    programs, every head's longest blocks first (m_slow); wider heads, fp32 and devices of
-    unknown size keep their own tiles; the device's shared memory caps the pipeline."""
+    """The chooser's H200 rules (docs/benchmarks.md, eighth and tenth sessions): the Gluon
+    kernel (64-row tiles, 2 stages) for bf16/fp16 at head dim 64/128; with four waves or
+    fewer of 128-row programs, the Triton kernel with every head's longest blocks first
+    (m_slow, 3 stages); wider heads, fp32 and devices of unknown size keep their own tiles;
+    the device's shared memory caps the pipeline."""
     from aiter_attn.kernels.triton.prefill import _choose_cached, few_waves
 
     smem = 232448 - 2048
@@ -328,11 +303,13 @@ def test_prefill_config_on_an_h200():
 
     one_2k = pick(2048, 32)  # 1x2k, 32 heads: 512 programs of 128 rows
     assert (one_2k.block_m, one_2k.block_n, one_2k.num_warps, one_2k.num_stages,
-            one_2k.m_slow) == (64, 64, 4, 3, True)
-    for tokens in (8192, 8 * 2048, 16384):  # 1x8k, 8x2k, 1x16k
+            one_2k.m_slow, one_2k.gluon) == (64, 64, 4, 3, True, 0)
+    for tokens in (8192, 8 * 2048, 16384):  # 1x8k, 8x2k, 1x16k: the Gluon kernel
         c = pick(tokens, 32)
-        assert (c.block_m, c.block_n, c.num_warps, c.num_stages, c.m_slow) == \
-            (64, 64, 4, 3, False), (tokens, c)
+        assert (c.block_m, c.block_n, c.num_warps, c.num_stages, c.m_slow, c.gluon) == \
+            (64, 64, 4, 2, False, 1), (tokens, c)
+    assert pick(8192, 32, d=256).gluon == 0  # wider heads: the Triton kernel
+    assert pick(8192, 32, elem=4).gluon == 0
     assert pick(2048, 0).m_slow is False  # heads unknown: launch order as is
     assert pick(2048, 32, sms=0).block_m == 128  # unknown device size
     assert pick(2048, 32, d=256).block_m == 64 and pick(2048, 32, d=256).m_slow is False

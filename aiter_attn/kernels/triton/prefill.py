@@ -45,6 +45,7 @@ import triton.language as tl
 
 from ._kvutil import interpreting, max_shared_mem, next_pow2, num_sms
 from ._softmax import tanh
+from .prefill_gluon import HAS_GLUON
 
 __all__ = ["PrefillConfig", "choose_prefill_config", "dense_prefill", "launch_dense",
            "PREFILL_OVERRIDES",
@@ -119,8 +120,7 @@ def _dense_tiles(
     offs_d, offs_dv, d_mask, dv_mask,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, LAZY: tl.constexpr = False,
-    LAZY_TAU: tl.constexpr = 8.0,
+    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Online-softmax update of ``(acc, m_i, l_i)`` (log2 domain) over keys ``[lo, hi)`` in
     ``BLOCK_N`` tiles. ``MASKED``: 0 every tile is visible to every row (no mask
@@ -138,27 +138,7 @@ def _dense_tiles(
             s = tl.dot(q, k, input_precision=DOT_PRECISION)
         if HAS_SOFTCAP:
             s = softcap * tanh(s * (qk2 / _LOG2E) / softcap) * _LOG2E
-        if MASKED == 0 and LAZY:
-            # lazy rescale: the running max moves (and acc, l are rescaled) only when some
-            # row's tile max passes it by more than 2^LAZY_TAU; otherwise p = exp2(s - m_i)
-            # stays ≤ 2^LAZY_TAU and the acc/l multiply is skipped (exact: o = acc / l and
-            # lse = m + log2 l hold for any m the pair was accumulated against)
-            if HAS_SOFTCAP:
-                m_tile = tl.max(s, 1)
-            else:
-                m_tile = tl.max(s, 1) * qk2
-            if tl.max(m_tile - m_i, 0) > LAZY_TAU:
-                m_up = tl.maximum(m_i, m_tile)
-                scale_up = tl.exp2(m_i - m_up)
-                l_i = l_i * scale_up
-                acc = acc * scale_up[:, None]
-                m_i = m_up
-            if HAS_SOFTCAP:
-                p = tl.exp2(s - m_i[:, None])
-            else:
-                p = tl.exp2(s * qk2 - m_i[:, None])
-            l_i = l_i + tl.sum(p, 1)
-        elif MASKED == 0:
+        if MASKED == 0:
             if HAS_SOFTCAP:
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 p = tl.exp2(s - m_new[:, None])
@@ -182,13 +162,12 @@ def _dense_tiles(
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
-        if not (MASKED == 0 and LAZY):
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            m_i = m_new
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
         v = _load_v(V, Vd, k_row0, v_col, v_head_off, s_vt, start_n, kpos, nk, offs_dv, dv_mask,
                     MASKED != 0, USE_TMA)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
     return acc, m_i, l_i
 
 
@@ -203,7 +182,7 @@ def _dense_prefill_kernel(
     HAS_SINKS: tl.constexpr, HAS_PREFIX: tl.constexpr, WRITE_LSE: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     ONE_LOOP: tl.constexpr, M_SLOW: tl.constexpr,
-    SEARCH: tl.constexpr, LAZY: tl.constexpr = False,
+    SEARCH: tl.constexpr,
 ):
     # longest blocks first (causal: the last query blocks see the most keys): within each
     # (head, request) with the block index fastest, or across the whole grid (M_SLOW)
@@ -296,7 +275,7 @@ def _dense_prefill_kernel(
             acc, m_i, l_i, q, qk2, softcap, K, V, Kd, Vd, k0, kvh * D, kvh * DV, k_head_off,
             v_head_off, s_kt, s_vt, f_lo, f_hi, f_lo, f_hi, pos_q, nk, left, right, offs_d,
             offs_dv, d_mask, dv_mask, BLOCK_N, 0, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_TMA,
-            DOT_PRECISION, NUM_STAGES, LAZY)
+            DOT_PRECISION, NUM_STAGES)
         # stage 2: the diagonal / sequence-end tiles (masked)
         acc, m_i, l_i = _dense_tiles(
             acc, m_i, l_i, q, qk2, softcap, K, V, Kd, Vd, k0, kvh * D, kvh * DV, k_head_off,
@@ -344,9 +323,10 @@ def _dense_prefill_kernel(
 class PrefillConfig:
     """A launch of the dense kernel: tile shapes, warps, software-pipeline depth, TMA
     (tensor-descriptor) loads when the inputs allow, one key loop (``one_loop``: the mask
-    only where it cuts) instead of unmasked then masked tiles, grid order (``m_slow``), lazy
-    rescaling of the unmasked tiles (``lazy_rescale``: the running max, and with it the
-    accumulator, moves only when a row's tile max passes it by more than 2^8)."""
+    only where it cuts) instead of unmasked then masked tiles, grid order (``m_slow``), the
+    Gluon kernel of :mod:`.prefill_gluon` where it can serve the launch (``gluon``: 0 off,
+    1 the softmax overlaps the previous tile's ``p · v``, 2 also the next tile's
+    ``q · k^T``)."""
 
     block_m: int
     block_n: int
@@ -356,7 +336,6 @@ class PrefillConfig:
     one_loop: bool = False
     m_slow: bool = False
     gluon: int = 0
-    lazy_rescale: bool = False
 
     def grid(self, max_q: int, num_tokens: int, num_q_heads: int, batch: int) -> tuple:
         """``(grid, search)``: query blocks × heads × requests (``m_slow``: heads × requests
@@ -401,6 +380,14 @@ def _choose_cached(d_pad, dv_pad, elem, sm90, smem, interp, ov, sized=False, few
         # or fewer of 128-row programs (1x2k, 32 heads: 512) every head's longest blocks
         # first (m_slow): 1x2k 306 -> 415 (docs/benchmarks.md, eighth session)
         cfg = PrefillConfig(64, 64, 4, 3, tma=sm90, m_slow=few)
+        if sm90 and not few and elem == 2 and d_pad == dv_pad and d_pad in (64, 128) \
+                and HAS_GLUON:
+            # the Gluon kernel (softmax overlapped with the previous tile's p·v), two stages:
+            # H200 replayed, against the Triton 64x64/3-stage launch, 1x16k 470-482 ->
+            # 498-510 TFLOP/s, 1x8k 445-468 -> 457-478, 8x2k 384-389 -> 410-412 (tenth
+            # session); launches it cannot serve (window, soft-cap, ragged search) fall back
+            # to the Triton kernel with these tiles
+            cfg = PrefillConfig(64, 64, 4, 2, tma=True, gluon=1)
     if ov:
         cfg = attrs.evolve(cfg, **dict(ov))
     if smem is not None and not interp:  # fit the device: fewer stages, then narrower tiles
@@ -532,6 +519,8 @@ def launch_dense(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap, sinks
     return out
 
 
+
+
 def prefill_launch_args(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap, sinks, lse,
                         prefix, config: PrefillConfig):
     """``(args, kwargs)`` of one launch (O(1) host work: strides, descriptors). Raises
@@ -583,5 +572,5 @@ def prefill_launch_args(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap
               WRITE_LSE=lse is not None, USE_TMA=use_tma,
               DOT_PRECISION=_DOT_PRECISION[q.dtype], NUM_STAGES=config.num_stages,
               ONE_LOOP=config.one_loop, M_SLOW=config.m_slow,
-              SEARCH=False, LAZY=config.lazy_rescale, num_warps=config.num_warps)
+              SEARCH=False, num_warps=config.num_warps)
     return args, kw
