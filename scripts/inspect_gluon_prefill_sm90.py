@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 
-def compile_gluon(q="bf16", warps=4, **const):
+def compile_gluon(q="bf16", warps=4, maxnreg=None, **const):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -51,8 +51,10 @@ def compile_gluon(q="bf16", warps=4, **const):
         else:
             sig[n] = "i32"
     src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in c.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, num_stages=1))
+    opts = dict(num_warps=warps, num_stages=1)
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 def main():

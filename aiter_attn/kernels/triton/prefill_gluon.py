@@ -356,5 +356,5 @@ def launch_gluon_prefill(q, k, v, out, cu_q, cu_k, scale, sinks, lse, prefix, co
         GROUP=hq // hkv, D=d, DV=dv, BLOCK_M=bm, BLOCK_N=bn, STAGES=max(2, config.num_stages),
         HAS_SINKS=sinks is not None, HAS_PREFIX=prefix is not None,
         WRITE_LSE=lse is not None, M_SLOW=config.m_slow, SCHEDULE=int(config.gluon),
-        num_warps=config.num_warps)
+        num_warps=config.num_warps, **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
     return out
