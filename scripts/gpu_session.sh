@@ -293,7 +293,7 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
       --out "$OUT/prefill" > "$OUT/prefill.log" 2>&1
     grep -E "== |ours-|cudnn|Error|error" "$OUT/prefill.log" | head -40
     timeout ${SW_S:-100} python3 benchmarks/bench_prefill.py --sweep-graphs \
-      --rows "prefill 8x2k,prefill 1x8k" --configs ${PF_CONFIGS:-7,19,20} --budget-s 0 \
+      --rows "prefill 8x2k,prefill 1x8k" --configs ${PF_CONFIGS:-7,19} --budget-s 0 \
       --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1
     grep -E "== |dense |Error|error" "$OUT/sweep.log" | head -20
     rm -f "$OUT"/*/*.png
