@@ -296,3 +296,61 @@ def test_direct_launch_takes_short_grids(monkeypatch, grid):
     assert launcher.launch_cached(grid, args, ("k",))
     want = (grid + (1, 1))[:3]
     assert [c[:3] for c in compiled.calls] == [want, want]
+
+
+def test_arg_key_separates_what_triton_specialises():
+    """arg_key: tensors by dtype/alignment, ints by value class (1, multiple of 16, 32-bit),
+    host tensor descriptors by dtype and block shape; equal classes give equal keys."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from aiter_attn.kernels.triton._launch import arg_key
+
+    t = torch.zeros(64, 32, dtype=torch.float16)
+    assert arg_key((t, 32, 7, 1.5)) == arg_key((torch.ones_like(t), 48, 9, 2.5))
+    assert arg_key((t, 32)) != arg_key((t[:, 1:], 32))       # 16-byte alignment
+    assert arg_key((t, 32)) != arg_key((t.bfloat16(), 32))   # dtype
+    for a, b in ((1, 2), (16, 17), (5, 1 << 33), (True, False)):
+        assert arg_key((a,)) != arg_key((b,)), (a, b)
+    da = TensorDescriptor(t, [64, 32], [32, 1], [16, 32])
+    db = TensorDescriptor(t, [64, 32], [32, 1], [32, 32])
+    assert arg_key((da,)) == arg_key((TensorDescriptor(t.clone(), [64, 32], [32, 1], [16, 32]),))
+    assert arg_key((da,)) != arg_key((db,))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("gluon", [0, 1])
+def test_dense_prefill_direct_launch_matches_triton_launch_on_gpu(gluon, monkeypatch):
+    """The dense prefill (Triton, and Gluon on sm_90) launched directly from a key's second
+    call is bitwise Triton's own launch."""
+    from aiter_attn.kernels.triton import prefill, prefill_gluon
+    from aiter_attn.kernels.triton.prefill import PrefillConfig, dense_prefill
+
+    if gluon and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is sm_90 only")
+    launcher = prefill_gluon._GLUON if gluon else prefill._DENSE
+    g = torch.Generator().manual_seed(1)
+    lens = [300, 257, 200]
+    cu = torch.tensor([0, 300, 557, 757], dtype=torch.int32, device="cuda")
+    q = torch.randn(757, 32, 128, generator=g).to("cuda", torch.bfloat16)
+    k = torch.randn(757, 8, 128, generator=g).to("cuda", torch.bfloat16)
+    v = torch.randn(757, 8, 128, generator=g).to("cuda", torch.bfloat16)
+    cfg = PrefillConfig(64, 64, 4, 2, gluon=gluon)
+
+    def call():
+        out = torch.empty_like(q)
+        lse = torch.empty(757, 32, dtype=torch.float32, device="cuda")
+        dense_prefill(q, k, v, out, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+                      max_seqlen_k=max(lens), softmax_scale=0.088, lse=lse, config=cfg)
+        return out, lse
+
+    first = call()
+    assert launcher.direct is True
+    n = len(launcher._cache)
+    second = call()
+    assert len(launcher._cache) == n > 0
+    monkeypatch.setattr(launcher, "direct", False)
+    jit = call()
+    torch.cuda.synchronize()
+    for a, b, c in zip(first, second, jit):
+        assert torch.equal(a, c) and torch.equal(b, c)

@@ -14,7 +14,7 @@ exactly as ``JITFunction.run`` does after its cache hit (Triton 3.6: ``kernel.ru
 stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *bound_args)``).
 
 The direct path is taken only where it was checked to be equivalent: a plain ``JITFunction``
-(not the interpreter, not an autotuner), NVIDIA CUDA (ROCm's backend specialises tensors on
+or Gluon's subclass, which only binds differently (not the interpreter, not an autotuner), NVIDIA CUDA (ROCm's backend specialises tensors on
 more than alignment), a Triton version in :data:`DIRECT_VERSIONS`, no launch hooks or
 pre-run hooks installed (profilers get the regular path with its launch metadata), Triton's
 debug mode off, and ``AITER_ATTN_DIRECT_LAUNCH`` not ``0``. Otherwise every call is the
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["Launcher", "DIRECT_VERSIONS", "DIRECT_ENV", "tensor_key"]
+__all__ = ["Launcher", "DIRECT_VERSIONS", "DIRECT_ENV", "tensor_key", "arg_key"]
 
 #: Triton versions whose launch path was read and the direct launch checked against.
 DIRECT_VERSIONS = ((3, 6),)
@@ -45,6 +45,29 @@ def tensor_key(t) -> tuple:
     return (t.dtype, t.data_ptr() % 16 == 0)
 
 
+def arg_key(args) -> tuple:
+    """A launch key of a whole positional argument list, for launches whose arguments all
+    change per call (the dense prefill): every tensor's :func:`tensor_key`, every int's value
+    class (1, multiple of 16, 32-bit), floats as one class, host tensor descriptors by their
+    base dtype, block shape and shared layout. Pair it with the constexpr keywords."""
+    out = []
+    for a in args:
+        if hasattr(a, "data_ptr"):
+            out.append(tensor_key(a))
+        elif isinstance(a, bool) or a is None:
+            out.append(a)
+        elif isinstance(a, int):
+            out.append((a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31)))
+        elif isinstance(a, float):
+            out.append(float)
+        elif hasattr(a, "block_shape"):  # triton / gluon host TensorDescriptor
+            out.append((type(a), a.base.dtype, tuple(a.block_shape),
+                        repr(getattr(a, "layout", None))))
+        else:
+            out.append((type(a), a))
+    return tuple(out)
+
+
 def _direct_supported(fn) -> bool:
     if os.environ.get(DIRECT_ENV, "1") in ("0", ""):
         return False
@@ -54,7 +77,9 @@ def _direct_supported(fn) -> bool:
         from triton.runtime.jit import JITFunction
     except ImportError:  # pragma: no cover - triton is a dependency
         return False
-    if type(fn) is not JITFunction:  # the interpreter, autotuners, heuristics: regular path
+    if type(fn) is not JITFunction and type(fn).__name__ != "GluonJITFunction":
+        return False  # the interpreter, autotuners, heuristics: the regular path
+    if not isinstance(fn, JITFunction):
         return False
     version = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
     if version not in DIRECT_VERSIONS:

@@ -45,6 +45,7 @@ import triton.language as tl
 
 from ._kvutil import interpreting, max_shared_mem, next_pow2, num_sms
 from ._softmax import tanh
+from ._launch import Launcher, arg_key
 from .prefill_gluon import HAS_GLUON
 
 __all__ = ["PrefillConfig", "choose_prefill_config", "dense_prefill", "launch_dense",
@@ -319,6 +320,11 @@ def _dense_prefill_kernel(
         tl.store(LSE + q_rows * s_lt + h * s_lh, lse, mask=row_ok)
 
 
+#: direct launches of the dense kernel (Triton's per-call binding skipped after a key's first
+#: launch; :mod:`._launch`)
+_DENSE = Launcher(_dense_prefill_kernel)
+
+
 @attrs.frozen
 class PrefillConfig:
     """A launch of the dense kernel: tile shapes, warps, software-pipeline depth, TMA
@@ -516,8 +522,12 @@ def launch_dense(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap, sinks
                                    sinks, lse, prefix, config)
     if search:
         kw["SEARCH"] = True
-    _dense_prefill_kernel[grid](*args, **kw)
+    _DENSE.launch(grid, args, kw, (arg_key(args), _kw_key(kw)))
     return out
+
+
+def _kw_key(kw: dict) -> tuple:
+    return tuple(sorted(kw.items()))
 
 
 

@@ -44,6 +44,8 @@ try:  # Triton >= 3.5 with Gluon's Hopper dialect
 except ImportError:  # pragma: no cover - older Triton
     HAS_GLUON = False
 
+from ._launch import Launcher, arg_key
+
 __all__ = ["HAS_GLUON", "gluon_reject_reason", "launch_gluon_prefill"]
 
 _LOG2E = 1.4426950408889634
@@ -350,11 +352,17 @@ def launch_gluon_prefill(q, k, v, out, cu_q, cu_k, scale, sinks, lse, prefix, co
     else:
         op, lp, ps, pls = out, out, (0, 0), (0, 0)
     os_ = out.stride()
-    _gluon_prefill_kernel[grid](
-        qd, kd, vd, out, lse_t, op, lp, sinks if sinks is not None else cu_q, cu_q, cu_k,
-        float(scale) * _LOG2E, os_[0], os_[1], ls[0], ls[1], ps[0], ps[1], pls[0], pls[1],
-        GROUP=hq // hkv, D=d, DV=dv, BLOCK_M=bm, BLOCK_N=bn, STAGES=max(2, config.num_stages),
-        HAS_SINKS=sinks is not None, HAS_PREFIX=prefix is not None,
-        WRITE_LSE=lse is not None, M_SLOW=config.m_slow, SCHEDULE=int(config.gluon),
-        num_warps=config.num_warps, **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
+    args = (qd, kd, vd, out, lse_t, op, lp, sinks if sinks is not None else cu_q, cu_q, cu_k,
+            float(scale) * _LOG2E, os_[0], os_[1], ls[0], ls[1], ps[0], ps[1], pls[0], pls[1])
+    kw = dict(GROUP=hq // hkv, D=d, DV=dv, BLOCK_M=bm, BLOCK_N=bn,
+              STAGES=max(2, config.num_stages), HAS_SINKS=sinks is not None,
+              HAS_PREFIX=prefix is not None, WRITE_LSE=lse is not None, M_SLOW=config.m_slow,
+              SCHEDULE=int(config.gluon), num_warps=config.num_warps)
+    if config.maxnreg:
+        kw["maxnreg"] = config.maxnreg
+    _GLUON.launch(grid, args, kw, (arg_key(args), tuple(sorted(kw.items()))))
     return out
+
+
+#: direct launches of the Gluon kernel (:mod:`._launch`)
+_GLUON = Launcher(_gluon_prefill_kernel) if HAS_GLUON else None
