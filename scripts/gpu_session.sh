@@ -42,6 +42,7 @@
 #                                  # then every prefill row against the Triton default, replayed
 #   scripts/gpu_session.sh twentyfirst # the Gluon default: the whole gpu suite (-n 8,
 #                                  # failures to $OUT/failures.log), then the prefill rows
+#   scripts/gpu_session.sh twentysecond # the 128-row capped Gluon sweep, dense extend rows
 #   scripts/gpu_session.sh tenth   # ninth, Triton verify tables (paged, 5-D, MLA) with each
 #                                  # failure's reason, then the pending gpu tests (logs in $OUT)
 set -uo pipefail
@@ -292,10 +293,16 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
     timeout ${PF_S:-120} python3 benchmarks/bench_prefill.py --no-sweep --host \
       --out "$OUT/prefill" > "$OUT/prefill.log" 2>&1
     grep -E "== |ours-|cudnn|Error|error" "$OUT/prefill.log" | head -40
-    timeout ${SW_S:-100} python3 benchmarks/bench_prefill.py --sweep-graphs \
-      --rows "prefill 8x2k,prefill 1x8k" --configs ${PF_CONFIGS:-7,19} --budget-s 0 \
+    rm -f "$OUT"/*/*.png
+    ;;
+  twentysecond)
+    timeout ${SW_S:-100} python3 benchmarks/bench_prefill.py --sweep-graphs --host \
+      --rows "prefill 8x2k,prefill 1x8k" --configs ${PF_CONFIGS:-2,7,19} --budget-s 0 \
       --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1
     grep -E "== |dense |Error|error" "$OUT/sweep.log" | head -20
+    timeout ${DE_S:-150} python3 benchmarks/bench_dense_extend.py --out "$OUT/dense_extend" \
+      > "$OUT/dense_extend.log" 2>&1
+    tail -22 "$OUT/dense_extend.log"
     rm -f "$OUT"/*/*.png
     ;;
   tests|all)
