@@ -303,6 +303,16 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
     timeout ${DE_S:-150} python3 benchmarks/bench_dense_extend.py --out "$OUT/dense_extend" \
       > "$OUT/dense_extend.log" 2>&1
     tail -22 "$OUT/dense_extend.log"
+    for impl in dense cudnn; do
+      timeout ${NCU_S:-60} ncu --clock-control none --target-processes all --launch-skip 2 \
+        --launch-count 1 -k regex:'prefill|sdpa|fprop|flash|fmha|cudnn' \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy \
+        --section MemoryWorkloadAnalysis --section WarpStateStats \
+        python3 benchmarks/ncu_prefill.py --bs 8 --ctx 2048 --impl $impl \
+        > "$OUT/ncu_$impl.log" 2>&1
+      grep -E "  [a-zA-Z_].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|Issue Slots Busy|Executed Ipc A|Achieved Occupancy|Registers Per|Warp Cycles Per Issued" \
+        "$OUT/ncu_$impl.log" | head -14
+    done
     rm -f "$OUT"/*/*.png
     ;;
   tests|all)
