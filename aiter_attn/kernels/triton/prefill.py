@@ -332,7 +332,10 @@ class PrefillConfig:
     only where it cuts) instead of unmasked then masked tiles, grid order (``m_slow``), the
     Gluon kernel of :mod:`.prefill_gluon` where it can serve the launch (``gluon``: 0 off,
     1 the softmax overlaps the previous tile's ``p · v``, 2 also the next tile's
-    ``q · k^T``), a register cap per thread for the Gluon launch (``maxnreg``, 0: none)."""
+    ``q · k^T``), a register cap per thread for the Gluon launch (``maxnreg``, 0: none), the
+    persistent Gluon kernel (``persistent``: two programs per SM walk the grid's blocks,
+    loading the next block's queries and first key tiles while they finish the current
+    one; schedule 1)."""
 
     block_m: int
     block_n: int
@@ -343,6 +346,7 @@ class PrefillConfig:
     m_slow: bool = False
     gluon: int = 0
     maxnreg: int = 0
+    persistent: bool = False
 
     def grid(self, max_q: int, num_tokens: int, num_q_heads: int, batch: int) -> tuple:
         """``(grid, search)``: query blocks × heads × requests (``m_slow``: heads × requests

@@ -44,6 +44,7 @@ try:  # Triton >= 3.5 with Gluon's Hopper dialect
 except ImportError:  # pragma: no cover - older Triton
     HAS_GLUON = False
 
+from ._kvutil import num_sms
 from ._launch import Launcher, arg_key
 
 __all__ = ["HAS_GLUON", "gluon_reject_reason", "launch_gluon_prefill"]
@@ -209,6 +210,231 @@ if HAS_GLUON:
         return acc, m_i, l_i
 
     @gluon.jit
+    def _epilogue(acc, m_i, l_i, O, LSE, OP, LSEP, Sinks, q0, nq, min_i, h, s_ot, s_oh, s_lt,
+                  s_lh, s_pt, s_ph, s_plt, s_plh, BLOCK_M: gl.constexpr, DV: gl.constexpr,
+                  HAS_SINKS: gl.constexpr, HAS_PREFIX: gl.constexpr, WRITE_LSE: gl.constexpr,
+                  row_o: gl.constexpr, col_o: gl.constexpr):
+        """The Triton kernel's epilogue: the sink once, the prefix merge, normalise, store
+        the rows ``< nq`` of the block at ``min_i`` (and their natural-log LSE)."""
+        m_o = gl.convert_layout(m_i, row_o)
+        l_o = gl.convert_layout(l_i, row_o)
+        offs_m = min_i + gl.arange(0, BLOCK_M, layout=row_o)
+        offs_dv = gl.arange(0, DV, layout=col_o)
+        row_ok = offs_m < nq
+        q_rows = (q0 + offs_m).to(gl.int64)
+        if HAS_SINKS:
+            sink = gl.load(Sinks + h).to(gl.float32) * 1.4426950408889634
+            m_new = gl.maximum(m_o, sink)
+            a_s = gl.exp2(m_o - m_new)
+            l_o = l_o * a_s + gl.exp2(sink - m_new)
+            acc = acc * a_s[:, None]
+            m_o = m_new
+        if HAS_PREFIX:
+            lp = gl.load(LSEP + q_rows * s_plt + h * s_plh, mask=row_ok,
+                         other=float("-inf")) * 1.4426950408889634
+            op = gl.load(OP + q_rows[:, None] * s_pt + h * s_ph + offs_dv[None, :],
+                         mask=row_ok[:, None], other=0.0).to(gl.float32)
+            m_new = gl.maximum(m_o, lp)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            a_o = gl.exp2(m_o - m_safe)
+            w_p = gl.exp2(lp - m_safe)
+            acc = acc * a_o[:, None] + gl.where(w_p[:, None] > 0.0, w_p[:, None] * op, 0.0)
+            l_o = l_o * a_o + w_p
+            m_o = m_new
+        l_safe = gl.where(l_o > 0.0, l_o, 1.0)
+        o = acc / l_safe[:, None]
+        gl.store(O + q_rows[:, None] * s_ot + h * s_oh + offs_dv[None, :],
+                 o.to(O.dtype.element_ty), mask=row_ok[:, None])
+        if WRITE_LSE:
+            lse = gl.where(l_o > 0.0, (m_o + gl.log2(l_safe)) * 0.6931471805599453,
+                           float("-inf"))
+            gl.store(LSE + q_rows * s_lt + h * s_lh, lse, mask=row_ok)
+
+
+    @gluon.jit
+    def _item(item, total, n_mb, HQ, CuQ, CuK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              GROUP: gl.constexpr):
+        """Work item ``item`` of the persistent kernel, numbered as the plain grid's programs
+        (query blocks longest first within each (request, head)): ``(h, q0, nq, k0, nk, kvh,
+        min_i, delta, n_tiles, f_hi)``; ``n_tiles`` is 0 past ``total`` or past the
+        request's queries."""
+        it = gl.minimum(item, total - 1)
+        start_m = n_mb - 1 - it % n_mb
+        h = (it // n_mb) % HQ
+        b = it // (n_mb * HQ)
+        q0 = gl.load(CuQ + b)
+        nq = gl.load(CuQ + b + 1) - q0
+        k0 = gl.load(CuK + b)
+        nk = gl.load(CuK + b + 1) - k0
+        min_i = start_m * BLOCK_M
+        delta = nk - nq
+        max_i = gl.minimum(min_i + BLOCK_M, nq) - 1
+        hi = gl.maximum(gl.minimum(nk, max_i + delta + 1), 0)
+        f_hi = gl.minimum(nk, min_i + delta + 1)
+        n_tiles = gl.cdiv(hi, BLOCK_N)
+        if (item >= total) | (min_i >= nq):
+            n_tiles = 0
+        return h, q0, nq, k0, nk, h // GROUP, min_i, delta, n_tiles, f_hi
+
+    @gluon.jit
+    def _issue(desc, smem, bars, gt, row, col, pred, STAGES: gl.constexpr):
+        """TMA of one tile into the ring slot of global tile ``gt`` (when ``pred``)."""
+        slot = gt % STAGES
+        mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(desc, [row, col], bars.index(slot), smem.index(slot),
+                                        pred=pred)
+
+    @gluon.jit
+    def _refill(desc, smem, bars, g, t, n_a, k0_a, col_a, n_b, k0_b, col_b,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """Load global tile ``g + t`` (``t`` counted from the current item's first tile at
+        ``g``): the current item's tile ``t``, else the next item's tile ``t - n_a``."""
+        if t < n_a:
+            row = k0_a + t * BLOCK_N
+            col = col_a
+            pred = t >= 0
+        else:
+            row = k0_b + (t - n_a) * BLOCK_N
+            col = col_b
+            pred = (t - n_a) < n_b
+        _issue(desc, smem, bars, g + t, row, col, pred, STAGES)
+
+    @gluon.jit
+    def _tiles_persistent(acc, m_i, l_i, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
+                          v_desc, g, k0, kvh, n_tiles, n_b, k0_b, kvh_b, f_hi, pos_q, nk, qk2,
+                          s_zero, D: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr,
+                          STAGES: gl.constexpr, dtype: gl.constexpr, s_layout: gl.constexpr,
+                          row_o: gl.constexpr, p_layout: gl.constexpr):
+        """Schedule 1 over the current item's ``n_tiles >= 1`` tiles, whose ring slots start
+        at global tile ``g``; every freed slot is refilled, with the next item's first tiles
+        (``n_b``, ``k0_b``, ``kvh_b``) once the current item has none left."""
+        mbarrier.wait(k_bars.index(g % STAGES), (g // STAGES) & 1)
+        s_tok = warpgroup_mma(q_smem, k_smem.index(g % STAGES).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+        _refill(k_desc, k_smem, k_bars, g, STAGES, n_tiles, k0, kvh * D, n_b, k0_b, kvh_b * D,
+                BLOCK_N, STAGES)
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk2, 0, pos_q, nk, BLOCK_N > f_hi,
+                                           BLOCK_N, s_layout)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(1, n_tiles):
+            gj = g + j
+            mbarrier.wait(k_bars.index(gj % STAGES), (gj // STAGES) & 1)
+            s_tok = warpgroup_mma(q_smem, k_smem.index(gj % STAGES).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+            gp = gj - 1
+            mbarrier.wait(v_bars.index(gp % STAGES), (gp // STAGES) & 1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc_tok = warpgroup_mma(p_op, v_smem.index(gp % STAGES), acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+            _refill(k_desc, k_smem, k_bars, g, j + STAGES, n_tiles, k0, kvh * D, n_b, k0_b,
+                    kvh_b * D, BLOCK_N, STAGES)
+            start_n = j * BLOCK_N
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk2, start_n, pos_q, nk,
+                                               start_n + BLOCK_N > f_hi, BLOCK_N, s_layout)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
+            _refill(v_desc, v_smem, v_bars, g, j - 1 + STAGES, n_tiles, k0, kvh * DV, n_b, k0_b,
+                    kvh_b * DV, BLOCK_N, STAGES)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        gl_ = g + n_tiles - 1
+        mbarrier.wait(v_bars.index(gl_ % STAGES), (gl_ // STAGES) & 1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        acc_tok = warpgroup_mma(p_op, v_smem.index(gl_ % STAGES), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
+        _refill(v_desc, v_smem, v_bars, g, n_tiles - 1 + STAGES, n_tiles, k0, kvh * DV, n_b,
+                k0_b, kvh_b * DV, BLOCK_N, STAGES)
+        return acc, m_i, l_i
+
+    @gluon.jit
+    def _gluon_prefill_persistent_kernel(
+        q_desc, k_desc, v_desc, O, LSE, OP, LSEP, Sinks, CuQ, CuK,
+        qk2, s_ot, s_oh, s_lt, s_lh, s_pt, s_ph, s_plt, s_plh, total, n_mb, HQ,
+        GROUP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_SINKS: gl.constexpr,
+        HAS_PREFIX: gl.constexpr, WRITE_LSE: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """Schedule 1, persistent: program ``p`` runs items ``p, p + P, ...`` (``P``
+        programs); the K/V rings and a double-buffered Q run on across items, so the next
+        item's Q and first tiles load while the current item computes and stores."""
+        dtype: gl.constexpr = q_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, DV, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                     k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
+        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_bars.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+        n_prog = gl.num_programs(0)
+        item = gl.program_id(0)
+        h, q0, nq, k0, nk, kvh, min_i, delta, n_tiles, f_hi = _item(
+            item, total, n_mb, HQ, CuQ, CuK, BLOCK_M, BLOCK_N, GROUP)
+        mbarrier.expect(q_bars.index(0), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q0 + min_i, h * D], q_bars.index(0),
+                                        q_smem.index(0))
+        for i in gl.static_range(STAGES):
+            _issue(k_desc, k_smem, k_bars, i, k0 + i * BLOCK_N, kvh * D, i < n_tiles, STAGES)
+            _issue(v_desc, v_smem, v_bars, i, k0 + i * BLOCK_N, kvh * DV, i < n_tiles, STAGES)
+        g = 0
+        count = 0
+        while item < total:
+            nxt = item + n_prog
+            h_b, q0_b, nq_b, k0_b, nk_b, kvh_b, min_i_b, delta_b, n_b, f_hi_b = _item(
+                nxt, total, n_mb, HQ, CuQ, CuK, BLOCK_M, BLOCK_N, GROUP)
+            qs = count % 2
+            # the next item's queries into the other Q slot (its last reader finished)
+            mbarrier.expect(q_bars.index(1 - qs), q_desc.block_type.nbytes, pred=nxt < total)
+            tma.async_copy_global_to_shared(q_desc, [q0_b + min_i_b, h_b * D],
+                                            q_bars.index(1 - qs), q_smem.index(1 - qs),
+                                            pred=nxt < total)
+            mbarrier.wait(q_bars.index(qs), (count // 2) & 1)
+            pos_q = min_i + gl.arange(0, BLOCK_M, layout=row_s) + delta
+            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+            l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+            acc = gl.zeros([BLOCK_M, DV], gl.float32, layout=o_layout)
+            if n_tiles > 0:
+                acc, m_i, l_i = _tiles_persistent(
+                    acc, m_i, l_i, q_smem.index(qs), k_smem, v_smem, k_bars, v_bars, k_desc,
+                    v_desc, g, k0, kvh, n_tiles, n_b, k0_b, kvh_b, f_hi, pos_q, nk, qk2,
+                    s_zero, D, DV, BLOCK_N, STAGES, dtype, s_layout, row_o, p_layout)
+            # the next item's first tiles this item had no slots to refill for (it had fewer
+            # than STAGES tiles): their slots' last tiles are all consumed
+            for t in gl.static_range(STAGES):
+                need = (t < STAGES - n_tiles) & (t < n_b)
+                _issue(k_desc, k_smem, k_bars, g + n_tiles + t, k0_b + t * BLOCK_N, kvh_b * D,
+                       need, STAGES)
+                _issue(v_desc, v_smem, v_bars, g + n_tiles + t, k0_b + t * BLOCK_N, kvh_b * DV,
+                       need, STAGES)
+            _epilogue(acc, m_i, l_i, O, LSE, OP, LSEP, Sinks, q0, nq, min_i, h, s_ot, s_oh,
+                      s_lt, s_lh, s_pt, s_ph, s_plt, s_plh, BLOCK_M, DV, HAS_SINKS, HAS_PREFIX,
+                      WRITE_LSE, row_o, col_o)
+            g += n_tiles
+            count += 1
+            item = nxt
+            h, q0, nq, k0, nk, kvh, min_i, delta, n_tiles, f_hi = (
+                h_b, q0_b, nq_b, k0_b, nk_b, kvh_b, min_i_b, delta_b, n_b, f_hi_b)
+        for i in gl.static_range(2):
+            mbarrier.invalidate(q_bars.index(i))
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+
+    @gluon.jit
     def _gluon_prefill_kernel(
         q_desc, k_desc, v_desc, O, LSE, OP, LSEP, Sinks, CuQ, CuK,
         qk2, s_ot, s_oh, s_lt, s_lh, s_pt, s_ph, s_plt, s_plh,
@@ -294,40 +520,9 @@ if HAS_GLUON:
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
 
-        # epilogue (the Triton kernel's): sink once, prefix merge, normalise, store
-        m_o = gl.convert_layout(m_i, row_o)
-        l_o = gl.convert_layout(l_i, row_o)
-        offs_m = min_i + gl.arange(0, BLOCK_M, layout=row_o)
-        offs_dv = gl.arange(0, DV, layout=col_o)
-        row_ok = offs_m < nq
-        q_rows = (q0 + offs_m).to(gl.int64)
-        if HAS_SINKS:
-            sink = gl.load(Sinks + h).to(gl.float32) * 1.4426950408889634
-            m_new = gl.maximum(m_o, sink)
-            a_s = gl.exp2(m_o - m_new)
-            l_o = l_o * a_s + gl.exp2(sink - m_new)
-            acc = acc * a_s[:, None]
-            m_o = m_new
-        if HAS_PREFIX:
-            lp = gl.load(LSEP + q_rows * s_plt + h * s_plh, mask=row_ok,
-                         other=float("-inf")) * 1.4426950408889634
-            op = gl.load(OP + q_rows[:, None] * s_pt + h * s_ph + offs_dv[None, :],
-                         mask=row_ok[:, None], other=0.0).to(gl.float32)
-            m_new = gl.maximum(m_o, lp)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            a_o = gl.exp2(m_o - m_safe)
-            w_p = gl.exp2(lp - m_safe)
-            acc = acc * a_o[:, None] + gl.where(w_p[:, None] > 0.0, w_p[:, None] * op, 0.0)
-            l_o = l_o * a_o + w_p
-            m_o = m_new
-        l_safe = gl.where(l_o > 0.0, l_o, 1.0)
-        o = acc / l_safe[:, None]
-        gl.store(O + q_rows[:, None] * s_ot + h * s_oh + offs_dv[None, :],
-                 o.to(O.dtype.element_ty), mask=row_ok[:, None])
-        if WRITE_LSE:
-            lse = gl.where(l_o > 0.0, (m_o + gl.log2(l_safe)) * 0.6931471805599453,
-                           float("-inf"))
-            gl.store(LSE + q_rows * s_lt + h * s_lh, lse, mask=row_ok)
+        _epilogue(acc, m_i, l_i, O, LSE, OP, LSEP, Sinks, q0, nq, min_i, h, s_ot, s_oh, s_lt,
+                  s_lh, s_pt, s_ph, s_plt, s_plh, BLOCK_M, DV, HAS_SINKS, HAS_PREFIX,
+                  WRITE_LSE, row_o, col_o)
 
 
 def launch_gluon_prefill(q, k, v, out, cu_q, cu_k, scale, sinks, lse, prefix, config, grid):
@@ -356,13 +551,23 @@ def launch_gluon_prefill(q, k, v, out, cu_q, cu_k, scale, sinks, lse, prefix, co
             float(scale) * _LOG2E, os_[0], os_[1], ls[0], ls[1], ps[0], ps[1], pls[0], pls[1])
     kw = dict(GROUP=hq // hkv, D=d, DV=dv, BLOCK_M=bm, BLOCK_N=bn,
               STAGES=max(2, config.num_stages), HAS_SINKS=sinks is not None,
-              HAS_PREFIX=prefix is not None, WRITE_LSE=lse is not None, M_SLOW=config.m_slow,
-              SCHEDULE=int(config.gluon), num_warps=config.num_warps)
+              HAS_PREFIX=prefix is not None, WRITE_LSE=lse is not None,
+              num_warps=config.num_warps)
     if config.maxnreg:
         kw["maxnreg"] = config.maxnreg
-    _GLUON.launch(grid, args, kw, (arg_key(args), tuple(sorted(kw.items()))))
+    if config.persistent:
+        # grid (blocks, heads, requests) -> that many items over two programs per SM
+        n_mb, heads, batch = grid
+        total = n_mb * heads * batch
+        args = args + (total, n_mb, heads)
+        launcher, grid = _PERSISTENT, (max(1, min(total, 2 * num_sms(q.device))),)
+    else:
+        kw.update(M_SLOW=config.m_slow, SCHEDULE=int(config.gluon))
+        launcher = _GLUON
+    launcher.launch(grid, args, kw, (arg_key(args), tuple(sorted(kw.items()))))
     return out
 
 
-#: direct launches of the Gluon kernel (:mod:`._launch`)
+#: direct launches of the Gluon kernels (:mod:`._launch`)
 _GLUON = Launcher(_gluon_prefill_kernel) if HAS_GLUON else None
+_PERSISTENT = Launcher(_gluon_prefill_persistent_kernel) if HAS_GLUON else None
