@@ -296,10 +296,15 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
     rm -f "$OUT"/*/*.png
     ;;
   twentysecond)
-    timeout ${SW_S:-100} python3 benchmarks/bench_prefill.py --sweep-graphs --host \
-      --rows "prefill 8x2k,prefill 1x8k" --configs ${PF_CONFIGS:-2,7,19} --budget-s 0 \
+    timeout ${GT_S:-120} python3 -m pytest -m gpu -q -x tests/test_triton_prefill.py \
+      tests/test_direct_launch.py -k "gluon or dense_prefill" -p no:cacheprovider \
+      -p no:warnings --tb=short > "$OUT/gluon_tests.log" 2>&1
+    tail -15 "$OUT/gluon_tests.log"
+    timeout ${SW_S:-150} python3 benchmarks/bench_prefill.py --sweep-graphs --host \
+      --rows "prefill 8x2k,prefill 1x8k,prefill 1x16k" --configs ${PF_CONFIGS:-2,7,19,20,21} \
+      --budget-s 0 \
       --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1
-    grep -E "== |dense |Error|error" "$OUT/sweep.log" | head -20
+    grep -E "== |dense |cudnn|Error|error" "$OUT/sweep.log" | head -40
     timeout ${DE_S:-150} python3 benchmarks/bench_dense_extend.py --out "$OUT/dense_extend" \
       > "$OUT/dense_extend.log" 2>&1
     tail -22 "$OUT/dense_extend.log"

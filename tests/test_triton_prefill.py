@@ -223,6 +223,12 @@ GLUON_CONFIGS = [
                  id="fp16-ahead-s3-m-slow"),
     pytest.param(torch.bfloat16, PrefillConfig(128, 64, 8, 2, gluon=2), id="bf16-ahead-8w"),
     pytest.param(torch.bfloat16, PrefillConfig(64, 32, 4, 2, gluon=2), id="bf16-ahead-bn32"),
+    # persistent: programs walk several blocks (480 here over 264 programs), short blocks
+    # (fewer tiles than stages) and blocks past a request's queries among them
+    pytest.param(torch.bfloat16, PrefillConfig(64, 64, 4, 2, gluon=1, persistent=True),
+                 id="bf16-persistent-s2"),
+    pytest.param(torch.float16, PrefillConfig(64, 64, 4, 3, gluon=1, persistent=True),
+                 id="fp16-persistent-s3"),
 ]
 
 
