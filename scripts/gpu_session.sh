@@ -42,7 +42,8 @@
 #                                  # then every prefill row against the Triton default, replayed
 #   scripts/gpu_session.sh twentyfirst # the Gluon default: the whole gpu suite (-n 8,
 #                                  # failures to $OUT/failures.log), then the prefill rows
-#   scripts/gpu_session.sh twentysecond # the 128-row capped Gluon sweep, dense extend rows
+#   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
+#                                  # dense extend rows, ncu of Gluon and cuDNN at 8x2k
 #   scripts/gpu_session.sh tenth   # ninth, Triton verify tables (paged, 5-D, MLA) with each
 #                                  # failure's reason, then the pending gpu tests (logs in $OUT)
 set -uo pipefail
@@ -301,7 +302,7 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
       -p no:warnings --tb=short > "$OUT/gluon_tests.log" 2>&1
     tail -15 "$OUT/gluon_tests.log"
     timeout ${SW_S:-150} python3 benchmarks/bench_prefill.py --sweep-graphs --host \
-      --rows "prefill 8x2k,prefill 1x8k,prefill 1x16k" --configs ${PF_CONFIGS:-2,7,19,20,21} \
+      --rows "prefill 8x2k,prefill 1x8k,prefill 1x16k" --configs ${PF_CONFIGS:-2,7,14} \
       --budget-s 0 \
       --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1
     grep -E "== |dense |cudnn|Error|error" "$OUT/sweep.log" | head -40

@@ -18,20 +18,17 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 
-def compile_gluon(q="bf16", warps=4, maxnreg=None, persistent=False, **const):
+def compile_gluon(q="bf16", warps=4, maxnreg=None, **const):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from aiter_attn.kernels.triton import prefill_gluon as pg
 
     c = dict(GROUP=4, D=128, DV=128, BLOCK_M=64, BLOCK_N=64, STAGES=2, HAS_SINKS=False,
-             HAS_PREFIX=False, WRITE_LSE=True, M_SLOW=False, SCHEDULE=1, num_warps=warps)
+             HAS_PREFIX=False, WRITE_LSE=True, M_SLOW=False, num_warps=warps)
     c.update(const)
     gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[q]
-    fn = pg._gluon_prefill_persistent_kernel if persistent else pg._gluon_prefill_kernel
-    if persistent:
-        for k in ("M_SLOW", "SCHEDULE"):
-            c.pop(k)
+    fn = pg._gluon_prefill_kernel
     names = fn.arg_names
     ql = gl.NVMMASharedLayout.get_default_for([c["BLOCK_M"], c["D"]], gdt)
     kl = gl.NVMMASharedLayout.get_default_for([c["BLOCK_N"], c["D"]], gdt)

@@ -88,7 +88,7 @@ CONFIGS = {"tma": PrefillConfig(16, 16, 4, 1, tma=True),
            "one_ptr": PrefillConfig(32, 16, 4, 1, tma=False, one_loop=True),
            "m_slow": PrefillConfig(16, 16, 4, 1, tma=True, m_slow=True),
            # Gluon asked for: sm_90 only, so on the CPU the Triton kernel serves it
-           "gluon": PrefillConfig(16, 16, 4, 1, tma=True, gluon=1)}
+           "gluon": PrefillConfig(16, 16, 4, 1, tma=True, gluon=True)}
 
 
 @pytest.mark.parametrize("lens", LENS, ids=["prefill", "bottom_right", "one"])
@@ -217,18 +217,8 @@ GLUON_CONFIGS = [
     pytest.param(torch.float16, PrefillConfig(64, 64, 4, 3, gluon=True, m_slow=True),
                  id="fp16-s3-m-slow"),
     pytest.param(torch.bfloat16, PrefillConfig(64, 128, 4, 2, gluon=True), id="bf16-bn128"),
-    # schedule 2: the next tile's q·k^T in flight during the softmax too
-    pytest.param(torch.bfloat16, PrefillConfig(64, 64, 4, 2, gluon=2), id="bf16-ahead-s2"),
-    pytest.param(torch.float16, PrefillConfig(64, 64, 4, 3, gluon=2, m_slow=True),
-                 id="fp16-ahead-s3-m-slow"),
-    pytest.param(torch.bfloat16, PrefillConfig(128, 64, 8, 2, gluon=2), id="bf16-ahead-8w"),
-    pytest.param(torch.bfloat16, PrefillConfig(64, 32, 4, 2, gluon=2), id="bf16-ahead-bn32"),
-    # persistent: programs walk several blocks (480 here over 264 programs), short blocks
-    # (fewer tiles than stages) and blocks past a request's queries among them
-    pytest.param(torch.bfloat16, PrefillConfig(64, 64, 4, 2, gluon=1, persistent=True),
-                 id="bf16-persistent-s2"),
-    pytest.param(torch.float16, PrefillConfig(64, 64, 4, 3, gluon=1, persistent=True),
-                 id="fp16-persistent-s3"),
+    # two warpgroups of 64 rows sharing each K/V tile
+    pytest.param(torch.bfloat16, PrefillConfig(128, 64, 8, 2, gluon=True), id="bf16-8w"),
 ]
 
 
@@ -309,13 +299,13 @@ def test_prefill_config_on_an_h200():
 
     one_2k = pick(2048, 32)  # 1x2k, 32 heads: 512 programs of 128 rows
     assert (one_2k.block_m, one_2k.block_n, one_2k.num_warps, one_2k.num_stages,
-            one_2k.m_slow, one_2k.gluon) == (64, 64, 4, 3, True, 0)
+            one_2k.m_slow, one_2k.gluon) == (64, 64, 4, 3, True, False)
     for tokens in (8192, 8 * 2048, 16384):  # 1x8k, 8x2k, 1x16k: the Gluon kernel
         c = pick(tokens, 32)
         assert (c.block_m, c.block_n, c.num_warps, c.num_stages, c.m_slow, c.gluon) == \
-            (64, 64, 4, 2, False, 1), (tokens, c)
-    assert pick(8192, 32, d=256).gluon == 0  # wider heads: the Triton kernel
-    assert pick(8192, 32, elem=4).gluon == 0
+            (64, 64, 4, 2, False, True), (tokens, c)
+    assert not pick(8192, 32, d=256).gluon  # wider heads: the Triton kernel
+    assert not pick(8192, 32, elem=4).gluon
     assert pick(2048, 0).m_slow is False  # heads unknown: launch order as is
     assert pick(2048, 32, sms=0).block_m == 128  # unknown device size
     assert pick(2048, 32, d=256).block_m == 64 and pick(2048, 32, d=256).m_slow is False

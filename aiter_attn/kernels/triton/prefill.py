@@ -330,12 +330,8 @@ class PrefillConfig:
     """A launch of the dense kernel: tile shapes, warps, software-pipeline depth, TMA
     (tensor-descriptor) loads when the inputs allow, one key loop (``one_loop``: the mask
     only where it cuts) instead of unmasked then masked tiles, grid order (``m_slow``), the
-    Gluon kernel of :mod:`.prefill_gluon` where it can serve the launch (``gluon``: 0 off,
-    1 the softmax overlaps the previous tile's ``p · v``, 2 also the next tile's
-    ``q · k^T``), a register cap per thread for the Gluon launch (``maxnreg``, 0: none), the
-    persistent Gluon kernel (``persistent``: two programs per SM walk the grid's blocks,
-    loading the next block's queries and first key tiles while they finish the current
-    one; schedule 1)."""
+    Gluon kernel of :mod:`.prefill_gluon` where it can serve the launch (``gluon``), a
+    register cap per thread for the Gluon launch (``maxnreg``, 0: none)."""
 
     block_m: int
     block_n: int
@@ -344,9 +340,8 @@ class PrefillConfig:
     tma: bool = True
     one_loop: bool = False
     m_slow: bool = False
-    gluon: int = 0
+    gluon: bool = False
     maxnreg: int = 0
-    persistent: bool = False
 
     def grid(self, max_q: int, num_tokens: int, num_q_heads: int, batch: int) -> tuple:
         """``(grid, search)``: query blocks × heads × requests (``m_slow``: heads × requests
@@ -398,7 +393,7 @@ def _choose_cached(d_pad, dv_pad, elem, sm90, smem, interp, ov, sized=False, few
             # 498-510 TFLOP/s, 1x8k 445-468 -> 457-478, 8x2k 384-389 -> 410-412 (tenth
             # session); launches it cannot serve (window, soft-cap, ragged search) fall back
             # to the Triton kernel with these tiles
-            cfg = PrefillConfig(64, 64, 4, 2, tma=True, gluon=1)
+            cfg = PrefillConfig(64, 64, 4, 2, tma=True, gluon=True)
     if ov:
         cfg = attrs.evolve(cfg, **dict(ov))
     if smem is not None and not interp:  # fit the device: fewer stages, then narrower tiles

@@ -21,7 +21,9 @@ Schedule of one program (one warpgroup, ``BLOCK_M`` query rows of one head, key 
 
 Triton's own pipeliner waits for each ``q · k^T`` right after issuing it (checked in the
 sm_90 TTGIR: ``warp_group_dot_wait {pendings = 0}``), so there the softmax and the tensor
-cores of one program never overlap; here they do.
+cores of one program never overlap; here they do. Also measured on the H200 and dropped
+(docs/benchmarks.md, tenth session): keeping ``S_{j+1}`` in flight too (170 registers, no
+faster) and a persistent form carrying the rings across blocks (slower).
 
 Tiles crossing the causal diagonal or the request's last key are masked (one uniform
 branch per tile); others run no mask arithmetic. A row that sees no key has ``m = -inf``
@@ -44,7 +46,6 @@ try:  # Triton >= 3.5 with Gluon's Hopper dialect
 except ImportError:  # pragma: no cover - older Triton
     HAS_GLUON = False
 
-from ._kvutil import num_sms
 from ._launch import Launcher, arg_key
 
 __all__ = ["HAS_GLUON", "gluon_reject_reason", "launch_gluon_prefill"]
@@ -102,8 +103,9 @@ if HAS_GLUON:
                           DV: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                           dtype: gl.constexpr, s_layout: gl.constexpr, row_o: gl.constexpr,
                           p_layout: gl.constexpr):
-        """Schedule 1: ``P_j = softmax(S_j)`` overlaps ``P_{j-1} V_{j-1}`` (``S_j`` is waited
-        for first). ``n_tiles >= 1``. Returns ``(acc, m_i, l_i)``."""
+        """The key loop (see the module docstring): ``P_j = softmax(S_j)`` overlaps
+        ``P_{j-1} V_{j-1}`` (``S_j`` is waited for first). ``n_tiles >= 1``. Returns
+        ``(acc, m_i, l_i)``."""
         mbarrier.wait(k_bars.index(0), 0)
         s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
@@ -140,65 +142,6 @@ if HAS_GLUON:
             mbarrier.expect(v_bars.index(prev), v_desc.block_type.nbytes, pred=refill_v)
             tma.async_copy_global_to_shared(v_desc,
                                             [k0 + (j - 1 + STAGES) * BLOCK_N, kvh * DV],
-                                            v_bars.index(prev), v_smem.index(prev),
-                                            pred=refill_v)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-        last = (n_tiles - 1) % STAGES
-        mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // STAGES) & 1)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        acc_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
-        return acc, m_i, l_i
-
-    @gluon.jit
-    def _tiles_qk_ahead(acc, m_i, l_i, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc,
-                        k0, kvh, n_tiles, f_hi, pos_q, nk, qk2, s_zero, D: gl.constexpr,
-                        DV: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        dtype: gl.constexpr, s_layout: gl.constexpr, row_o: gl.constexpr,
-                        p_layout: gl.constexpr):
-        """Schedule 2: ``P_j = softmax(S_j)`` overlaps both ``S_{j+1} = Q K_{j+1}^T`` and
-        ``P_{j-1} V_{j-1}`` on the tensor cores (two logit tiles live). The last iteration
-        recomputes the last tile's logits (unused). ``n_tiles >= 1``."""
-        mbarrier.wait(k_bars.index(0), 0)
-        s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero,
-                              use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-        t1 = gl.minimum(n_tiles - 1, 1)
-        mbarrier.wait(k_bars.index(t1 % STAGES), (t1 // STAGES) & 1)
-        s_tok = warpgroup_mma(q_smem, k_smem.index(t1 % STAGES).permute((1, 0)), s_zero,
-                              use_acc=False, is_async=True)
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk2, 0, pos_q, nk, BLOCK_N > f_hi,
-                                           BLOCK_N, s_layout)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-        nxt = STAGES < n_tiles  # K_0's slot is free: tile STAGES
-        mbarrier.expect(k_bars.index(0), k_desc.block_type.nbytes, pred=nxt)
-        tma.async_copy_global_to_shared(k_desc, [k0 + STAGES * BLOCK_N, kvh * D],
-                                        k_bars.index(0), k_smem.index(0), pred=nxt)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        for j in range(1, n_tiles):
-            tn = gl.minimum(j + 1, n_tiles - 1)
-            mbarrier.wait(k_bars.index(tn % STAGES), (tn // STAGES) & 1)
-            s_tok = warpgroup_mma(q_smem, k_smem.index(tn % STAGES).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
-            prev = (j - 1) % STAGES
-            mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-            # K_j's logits were waited for last iteration: its slot takes tile j + STAGES
-            # (never the slot K_{j+1} is read from: they differ mod STAGES)
-            slot = j % STAGES
-            refill = j + STAGES < n_tiles
-            mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes, pred=refill)
-            tma.async_copy_global_to_shared(k_desc, [k0 + (j + STAGES) * BLOCK_N, kvh * D],
-                                            k_bars.index(slot), k_smem.index(slot),
-                                            pred=refill)
-            start_n = j * BLOCK_N
-            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk2, start_n, pos_q, nk,
-                                               start_n + BLOCK_N > f_hi, BLOCK_N, s_layout)
-            s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, acc_tok))
-            refill_v = j - 1 + STAGES < n_tiles
-            mbarrier.expect(v_bars.index(prev), v_desc.block_type.nbytes, pred=refill_v)
-            tma.async_copy_global_to_shared(v_desc, [k0 + (j - 1 + STAGES) * BLOCK_N, kvh * DV],
                                             v_bars.index(prev), v_smem.index(prev),
                                             pred=refill_v)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -252,196 +195,13 @@ if HAS_GLUON:
 
 
     @gluon.jit
-    def _item(item, total, n_mb, HQ, CuQ, CuK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              GROUP: gl.constexpr):
-        """Work item ``item`` of the persistent kernel, numbered as the plain grid's programs
-        (query blocks longest first within each (request, head)): ``(h, q0, nq, k0, nk, kvh,
-        min_i, delta, n_tiles, f_hi)``; ``n_tiles`` is 0 past ``total`` or past the
-        request's queries."""
-        it = gl.minimum(item, total - 1)
-        start_m = n_mb - 1 - it % n_mb
-        h = (it // n_mb) % HQ
-        b = it // (n_mb * HQ)
-        q0 = gl.load(CuQ + b)
-        nq = gl.load(CuQ + b + 1) - q0
-        k0 = gl.load(CuK + b)
-        nk = gl.load(CuK + b + 1) - k0
-        min_i = start_m * BLOCK_M
-        delta = nk - nq
-        max_i = gl.minimum(min_i + BLOCK_M, nq) - 1
-        hi = gl.maximum(gl.minimum(nk, max_i + delta + 1), 0)
-        f_hi = gl.minimum(nk, min_i + delta + 1)
-        n_tiles = gl.cdiv(hi, BLOCK_N)
-        if (item >= total) | (min_i >= nq):
-            n_tiles = 0
-        return h, q0, nq, k0, nk, h // GROUP, min_i, delta, n_tiles, f_hi
-
-    @gluon.jit
-    def _issue(desc, smem, bars, gt, row, col, pred, STAGES: gl.constexpr):
-        """TMA of one tile into the ring slot of global tile ``gt`` (when ``pred``)."""
-        slot = gt % STAGES
-        mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(desc, [row, col], bars.index(slot), smem.index(slot),
-                                        pred=pred)
-
-    @gluon.jit
-    def _refill(desc, smem, bars, g, t, n_a, k0_a, col_a, n_b, k0_b, col_b,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """Load global tile ``g + t`` (``t`` counted from the current item's first tile at
-        ``g``): the current item's tile ``t``, else the next item's tile ``t - n_a``."""
-        if t < n_a:
-            row = k0_a + t * BLOCK_N
-            col = col_a
-            pred = t >= 0
-        else:
-            row = k0_b + (t - n_a) * BLOCK_N
-            col = col_b
-            pred = (t - n_a) < n_b
-        _issue(desc, smem, bars, g + t, row, col, pred, STAGES)
-
-    @gluon.jit
-    def _tiles_persistent(acc, m_i, l_i, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
-                          v_desc, g, k0, kvh, n_tiles, n_b, k0_b, kvh_b, f_hi, pos_q, nk, qk2,
-                          s_zero, D: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr,
-                          STAGES: gl.constexpr, dtype: gl.constexpr, s_layout: gl.constexpr,
-                          row_o: gl.constexpr, p_layout: gl.constexpr):
-        """Schedule 1 over the current item's ``n_tiles >= 1`` tiles, whose ring slots start
-        at global tile ``g``; every freed slot is refilled, with the next item's first tiles
-        (``n_b``, ``k0_b``, ``kvh_b``) once the current item has none left."""
-        mbarrier.wait(k_bars.index(g % STAGES), (g // STAGES) & 1)
-        s_tok = warpgroup_mma(q_smem, k_smem.index(g % STAGES).permute((1, 0)), s_zero,
-                              use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-        _refill(k_desc, k_smem, k_bars, g, STAGES, n_tiles, k0, kvh * D, n_b, k0_b, kvh_b * D,
-                BLOCK_N, STAGES)
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk2, 0, pos_q, nk, BLOCK_N > f_hi,
-                                           BLOCK_N, s_layout)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        for j in range(1, n_tiles):
-            gj = g + j
-            mbarrier.wait(k_bars.index(gj % STAGES), (gj // STAGES) & 1)
-            s_tok = warpgroup_mma(q_smem, k_smem.index(gj % STAGES).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
-            gp = gj - 1
-            mbarrier.wait(v_bars.index(gp % STAGES), (gp // STAGES) & 1)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            acc_tok = warpgroup_mma(p_op, v_smem.index(gp % STAGES), acc, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-            _refill(k_desc, k_smem, k_bars, g, j + STAGES, n_tiles, k0, kvh * D, n_b, k0_b,
-                    kvh_b * D, BLOCK_N, STAGES)
-            start_n = j * BLOCK_N
-            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk2, start_n, pos_q, nk,
-                                               start_n + BLOCK_N > f_hi, BLOCK_N, s_layout)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
-            _refill(v_desc, v_smem, v_bars, g, j - 1 + STAGES, n_tiles, k0, kvh * DV, n_b, k0_b,
-                    kvh_b * DV, BLOCK_N, STAGES)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-        gl_ = g + n_tiles - 1
-        mbarrier.wait(v_bars.index(gl_ % STAGES), (gl_ // STAGES) & 1)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        acc_tok = warpgroup_mma(p_op, v_smem.index(gl_ % STAGES), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
-        _refill(v_desc, v_smem, v_bars, g, n_tiles - 1 + STAGES, n_tiles, k0, kvh * DV, n_b,
-                k0_b, kvh_b * DV, BLOCK_N, STAGES)
-        return acc, m_i, l_i
-
-    @gluon.jit
-    def _gluon_prefill_persistent_kernel(
-        q_desc, k_desc, v_desc, O, LSE, OP, LSEP, Sinks, CuQ, CuK,
-        qk2, s_ot, s_oh, s_lt, s_lh, s_pt, s_ph, s_plt, s_plh, total, n_mb, HQ,
-        GROUP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_SINKS: gl.constexpr,
-        HAS_PREFIX: gl.constexpr, WRITE_LSE: gl.constexpr, num_warps: gl.constexpr,
-    ):
-        """Schedule 1, persistent: program ``p`` runs items ``p, p + P, ...`` (``P``
-        programs); the K/V rings and a double-buffered Q run on across items, so the next
-        item's Q and first tiles load while the current item computes and stores."""
-        dtype: gl.constexpr = q_desc.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, DV, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
-                                                     k_width=2)
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
-
-        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
-        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(q_bars.index(i), count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_bars.index(i), count=1)
-            mbarrier.init(v_bars.index(i), count=1)
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-
-        n_prog = gl.num_programs(0)
-        item = gl.program_id(0)
-        h, q0, nq, k0, nk, kvh, min_i, delta, n_tiles, f_hi = _item(
-            item, total, n_mb, HQ, CuQ, CuK, BLOCK_M, BLOCK_N, GROUP)
-        mbarrier.expect(q_bars.index(0), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q0 + min_i, h * D], q_bars.index(0),
-                                        q_smem.index(0))
-        for i in gl.static_range(STAGES):
-            _issue(k_desc, k_smem, k_bars, i, k0 + i * BLOCK_N, kvh * D, i < n_tiles, STAGES)
-            _issue(v_desc, v_smem, v_bars, i, k0 + i * BLOCK_N, kvh * DV, i < n_tiles, STAGES)
-        g = 0
-        count = 0
-        while item < total:
-            nxt = item + n_prog
-            h_b, q0_b, nq_b, k0_b, nk_b, kvh_b, min_i_b, delta_b, n_b, f_hi_b = _item(
-                nxt, total, n_mb, HQ, CuQ, CuK, BLOCK_M, BLOCK_N, GROUP)
-            qs = count % 2
-            # the next item's queries into the other Q slot (its last reader finished)
-            mbarrier.expect(q_bars.index(1 - qs), q_desc.block_type.nbytes, pred=nxt < total)
-            tma.async_copy_global_to_shared(q_desc, [q0_b + min_i_b, h_b * D],
-                                            q_bars.index(1 - qs), q_smem.index(1 - qs),
-                                            pred=nxt < total)
-            mbarrier.wait(q_bars.index(qs), (count // 2) & 1)
-            pos_q = min_i + gl.arange(0, BLOCK_M, layout=row_s) + delta
-            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
-            l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
-            acc = gl.zeros([BLOCK_M, DV], gl.float32, layout=o_layout)
-            if n_tiles > 0:
-                acc, m_i, l_i = _tiles_persistent(
-                    acc, m_i, l_i, q_smem.index(qs), k_smem, v_smem, k_bars, v_bars, k_desc,
-                    v_desc, g, k0, kvh, n_tiles, n_b, k0_b, kvh_b, f_hi, pos_q, nk, qk2,
-                    s_zero, D, DV, BLOCK_N, STAGES, dtype, s_layout, row_o, p_layout)
-            # the next item's first tiles this item had no slots to refill for (it had fewer
-            # than STAGES tiles): their slots' last tiles are all consumed
-            for t in gl.static_range(STAGES):
-                need = (t < STAGES - n_tiles) & (t < n_b)
-                _issue(k_desc, k_smem, k_bars, g + n_tiles + t, k0_b + t * BLOCK_N, kvh_b * D,
-                       need, STAGES)
-                _issue(v_desc, v_smem, v_bars, g + n_tiles + t, k0_b + t * BLOCK_N, kvh_b * DV,
-                       need, STAGES)
-            _epilogue(acc, m_i, l_i, O, LSE, OP, LSEP, Sinks, q0, nq, min_i, h, s_ot, s_oh,
-                      s_lt, s_lh, s_pt, s_ph, s_plt, s_plh, BLOCK_M, DV, HAS_SINKS, HAS_PREFIX,
-                      WRITE_LSE, row_o, col_o)
-            g += n_tiles
-            count += 1
-            item = nxt
-            h, q0, nq, k0, nk, kvh, min_i, delta, n_tiles, f_hi = (
-                h_b, q0_b, nq_b, k0_b, nk_b, kvh_b, min_i_b, delta_b, n_b, f_hi_b)
-        for i in gl.static_range(2):
-            mbarrier.invalidate(q_bars.index(i))
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(k_bars.index(i))
-            mbarrier.invalidate(v_bars.index(i))
-
-    @gluon.jit
     def _gluon_prefill_kernel(
         q_desc, k_desc, v_desc, O, LSE, OP, LSEP, Sinks, CuQ, CuK,
         qk2, s_ot, s_oh, s_lt, s_lh, s_pt, s_ph, s_plt, s_plh,
         GROUP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_SINKS: gl.constexpr,
         HAS_PREFIX: gl.constexpr, WRITE_LSE: gl.constexpr, M_SLOW: gl.constexpr,
-        SCHEDULE: gl.constexpr, num_warps: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         if M_SLOW:
             h = gl.program_id(0)
@@ -505,16 +265,10 @@ if HAS_GLUON:
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         mbarrier.wait(q_bar, 0)
         if n_tiles > 0:
-            if SCHEDULE == 2:
-                acc, m_i, l_i = _tiles_qk_ahead(
-                    acc, m_i, l_i, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, k0,
-                    kvh, n_tiles, f_hi, pos_q, nk, qk2, s_zero, D, DV, BLOCK_N, STAGES, dtype,
-                    s_layout, row_o, p_layout)
-            else:
-                acc, m_i, l_i = _tiles_pv_overlap(
-                    acc, m_i, l_i, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, k0,
-                    kvh, n_tiles, f_hi, pos_q, nk, qk2, s_zero, D, DV, BLOCK_N, STAGES, dtype,
-                    s_layout, row_o, p_layout)
+            acc, m_i, l_i = _tiles_pv_overlap(
+                acc, m_i, l_i, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, k0, kvh,
+                n_tiles, f_hi, pos_q, nk, qk2, s_zero, D, DV, BLOCK_N, STAGES, dtype, s_layout,
+                row_o, p_layout)
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_bars.index(i))
@@ -555,19 +309,10 @@ def launch_gluon_prefill(q, k, v, out, cu_q, cu_k, scale, sinks, lse, prefix, co
               num_warps=config.num_warps)
     if config.maxnreg:
         kw["maxnreg"] = config.maxnreg
-    if config.persistent:
-        # grid (blocks, heads, requests) -> that many items over two programs per SM
-        n_mb, heads, batch = grid
-        total = n_mb * heads * batch
-        args = args + (total, n_mb, heads)
-        launcher, grid = _PERSISTENT, (max(1, min(total, 2 * num_sms(q.device))),)
-    else:
-        kw.update(M_SLOW=config.m_slow, SCHEDULE=int(config.gluon))
-        launcher = _GLUON
-    launcher.launch(grid, args, kw, (arg_key(args), tuple(sorted(kw.items()))))
+    kw["M_SLOW"] = config.m_slow
+    _GLUON.launch(grid, args, kw, (arg_key(args), tuple(sorted(kw.items()))))
     return out
 
 
-#: direct launches of the Gluon kernels (:mod:`._launch`)
+#: direct launches of the Gluon kernel (:mod:`._launch`)
 _GLUON = Launcher(_gluon_prefill_kernel) if HAS_GLUON else None
-_PERSISTENT = Launcher(_gluon_prefill_persistent_kernel) if HAS_GLUON else None
