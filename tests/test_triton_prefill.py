@@ -305,6 +305,9 @@ def test_prefill_config_on_an_h200():
         assert (c.block_m, c.block_n, c.num_warps, c.num_stages, c.m_slow, c.gluon) == \
             (64, 64, 4, 2, False, True), (tokens, c)
     assert not pick(8192, 32, d=256).gluon  # wider heads: the Triton kernel
+    # not NVIDIA sm_90 (ROCm, sm_100): the Triton kernel, its own 3 stages
+    other = _choose_cached(128, 128, 2, True, smem, False, (), True, False, False)
+    assert not other.gluon and other.num_stages == 3
     assert not pick(8192, 32, elem=4).gluon
     assert pick(2048, 0).m_slow is False  # heads unknown: launch order as is
     assert pick(2048, 32, sms=0).block_m == 128  # unknown device size

@@ -368,9 +368,12 @@ def few_waves(num_tokens: int, q_heads: int, sms: int) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _choose_cached(d_pad, dv_pad, elem, sm90, smem, interp, ov, sized=False, few=False):
-    """``sized``: the device's SM count is known; ``few``: :func:`few_waves`. Nothing
-    per-step (lengths, token counts) enters the key, so an engine's steps hit the cache."""
+def _choose_cached(d_pad, dv_pad, elem, sm90, smem, interp, ov, sized=False, few=False,
+                   hopper=None):
+    """``sized``: the device's SM count is known; ``few``: :func:`few_waves`; ``hopper``: an
+    NVIDIA sm_90 device (the Gluon kernel's; default ``sm90``). Nothing per-step (lengths,
+    token counts) enters the key, so an engine's steps hit the cache."""
+    hopper = sm90 if hopper is None else hopper
     if interp:  # small tiles: short test sequences still cross every stage boundary
         cfg = PrefillConfig(16, 16, 4, 1, tma=True)
     elif elem == 4:
@@ -386,7 +389,7 @@ def _choose_cached(d_pad, dv_pad, elem, sm90, smem, interp, ov, sized=False, few
         # or fewer of 128-row programs (1x2k, 32 heads: 512) every head's longest blocks
         # first (m_slow): 1x2k 306 -> 415 (docs/benchmarks.md, eighth session)
         cfg = PrefillConfig(64, 64, 4, 3, tma=sm90, m_slow=few)
-        if sm90 and not few and elem == 2 and d_pad == dv_pad and d_pad in (64, 128) \
+        if hopper and not few and elem == 2 and d_pad == dv_pad and d_pad in (64, 128) \
                 and HAS_GLUON:
             # the Gluon kernel (softmax overlapped with the previous tile's p·v), two stages:
             # H200 replayed, against the Triton 64x64/3-stage launch, 1x16k 470-482 ->
@@ -419,10 +422,11 @@ def choose_prefill_config(*, max_q: int, max_k: int, head_dim: int, v_head_dim: 
             and _capability(device) >= (9, 0))
     interp = interpreting()
     sms = num_sms(device) if device.type == "cuda" and not interp else 0
+    hopper = sm90 and torch.version.hip is None and _capability(device)[0] == 9
     return _choose_cached(d_pad, dv_pad, torch.empty((), dtype=dtype).element_size(), sm90,
                           max_shared_mem(device), interp,
                           tuple(sorted(PREFILL_OVERRIDES.items())), sms > 0,
-                          few_waves(num_tokens, q_heads, sms))
+                          few_waves(num_tokens, q_heads, sms), hopper)
 
 
 @functools.lru_cache(maxsize=None)

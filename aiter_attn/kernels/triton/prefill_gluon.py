@@ -60,8 +60,9 @@ def gluon_reject_reason(q, k, v, *, causal, window, softcap, search, config) -> 
 
     if not HAS_GLUON:
         return "this Triton has no Gluon Hopper dialect"
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return "needs an sm_90 GPU"
+    if (q.device.type != "cuda" or torch.version.hip is not None
+            or torch.cuda.get_device_capability(q.device)[0] != 9):
+        return "needs an NVIDIA sm_90 GPU"
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:
         return f"dtype {q.dtype} (fp16/bf16 only)"
     d, dv = q.shape[2], v.shape[2]
