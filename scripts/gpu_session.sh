@@ -302,7 +302,7 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
       -p no:warnings --tb=short > "$OUT/gluon_tests.log" 2>&1
     tail -15 "$OUT/gluon_tests.log"
     timeout ${SW_S:-150} python3 benchmarks/bench_prefill.py --sweep-graphs --host \
-      --rows "prefill 8x2k,prefill 1x8k,prefill 1x16k" --configs ${PF_CONFIGS:-2,7,14} \
+      --rows "prefill 8x2k,prefill 1x8k,prefill 1x16k" --configs ${PF_CONFIGS:-2,7,11} \
       --budget-s 0 \
       --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1
     grep -E "== |dense |cudnn|Error|error" "$OUT/sweep.log" | head -40

@@ -14,8 +14,8 @@ exactly as ``JITFunction.run`` does after its cache hit (Triton 3.6: ``kernel.ru
 stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *bound_args)``).
 
 The direct path is taken only where it was checked to be equivalent: a plain ``JITFunction``
-or Gluon's subclass, which only binds differently (not the interpreter, not an autotuner), NVIDIA CUDA (ROCm's backend specialises tensors on
-more than alignment), a Triton version in :data:`DIRECT_VERSIONS`, no launch hooks or
+or Gluon's subclass, which only binds differently (not the interpreter, not an autotuner),
+NVIDIA CUDA (ROCm's backend specialises tensors on more than alignment), a Triton version in :data:`DIRECT_VERSIONS`, no launch hooks or
 pre-run hooks installed (profilers get the regular path with its launch metadata), Triton's
 debug mode off, and ``AITER_ATTN_DIRECT_LAUNCH`` not ``0``. Otherwise every call is the
 regular ``jit_fn[grid](*args, **kw)``.
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["Launcher", "DIRECT_VERSIONS", "DIRECT_ENV", "tensor_key", "arg_key"]
+__all__ = ["Launcher", "DIRECT_VERSIONS", "DIRECT_ENV", "tensor_key", "arg_key", "launch_key"]
 
 #: Triton versions whose launch path was read and the direct launch checked against.
 DIRECT_VERSIONS = ((3, 6),)
@@ -68,6 +68,12 @@ def arg_key(args) -> tuple:
     return tuple(out)
 
 
+def launch_key(args, kw: dict) -> tuple:
+    """:meth:`Launcher.launch`'s key of a launch whose every argument changes per call:
+    :func:`arg_key` of ``args`` and the keywords (constexprs, launch options)."""
+    return arg_key(args), tuple(sorted(kw.items()))
+
+
 def _direct_supported(fn) -> bool:
     if os.environ.get(DIRECT_ENV, "1") in ("0", ""):
         return False
@@ -77,9 +83,13 @@ def _direct_supported(fn) -> bool:
         from triton.runtime.jit import JITFunction
     except ImportError:  # pragma: no cover - triton is a dependency
         return False
-    if type(fn) is not JITFunction and type(fn).__name__ != "GluonJITFunction":
-        return False  # the interpreter, autotuners, heuristics: the regular path
-    if not isinstance(fn, JITFunction):
+    plain = [JITFunction]
+    try:
+        from triton.experimental.gluon._runtime import GluonJITFunction
+        plain.append(GluonJITFunction)
+    except ImportError:  # pragma: no cover - a Triton without Gluon
+        pass
+    if type(fn) not in plain:  # the interpreter, autotuners, heuristics: the regular path
         return False
     version = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
     if version not in DIRECT_VERSIONS:

@@ -45,7 +45,7 @@ import triton.language as tl
 
 from ._kvutil import interpreting, max_shared_mem, next_pow2, num_sms
 from ._softmax import tanh
-from ._launch import Launcher, arg_key
+from ._launch import Launcher, launch_key
 from .prefill_gluon import HAS_GLUON
 
 __all__ = ["PrefillConfig", "choose_prefill_config", "dense_prefill", "launch_dense",
@@ -330,8 +330,7 @@ class PrefillConfig:
     """A launch of the dense kernel: tile shapes, warps, software-pipeline depth, TMA
     (tensor-descriptor) loads when the inputs allow, one key loop (``one_loop``: the mask
     only where it cuts) instead of unmasked then masked tiles, grid order (``m_slow``), the
-    Gluon kernel of :mod:`.prefill_gluon` where it can serve the launch (``gluon``), a
-    register cap per thread for the Gluon launch (``maxnreg``, 0: none)."""
+    Gluon kernel of :mod:`.prefill_gluon` where it can serve the launch (``gluon``)."""
 
     block_m: int
     block_n: int
@@ -341,7 +340,6 @@ class PrefillConfig:
     one_loop: bool = False
     m_slow: bool = False
     gluon: bool = False
-    maxnreg: int = 0
 
     def grid(self, max_q: int, num_tokens: int, num_q_heads: int, batch: int) -> tuple:
         """``(grid, search)``: query blocks × heads × requests (``m_slow``: heads × requests
@@ -525,14 +523,19 @@ def launch_dense(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap, sinks
                                    sinks, lse, prefix, config)
     if search:
         kw["SEARCH"] = True
-    _DENSE.launch(grid, args, kw, (arg_key(args), _kw_key(kw)))
+    _DENSE.launch(grid, args, kw, launch_key(args, kw))
     return out
 
 
-def _kw_key(kw: dict) -> tuple:
-    return tuple(sorted(kw.items()))
-
-
+def epilogue_operands(out, lse, prefix) -> tuple:
+    """``(lse, lse strides, o_p, lse_p, o_p strides, lse_p strides)`` of a dense launch's
+    epilogue: absent ones stand in as ``out`` with zero strides (their branch is compiled
+    out)."""
+    lse_t, ls = (lse, lse.stride()) if lse is not None else (out, (0, 0))
+    if prefix is not None:
+        op, lp = prefix
+        return lse_t, ls, op, lp, op.stride(), lp.stride()
+    return lse_t, ls, out, out, (0, 0), (0, 0)
 
 
 def prefill_launch_args(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap, sinks, lse,
@@ -565,15 +568,7 @@ def prefill_launch_args(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap
     has_window = left >= 0 or right >= 0
     left = left if left >= 0 else _UNBOUNDED
     right = right if right >= 0 else _UNBOUNDED
-    if lse is not None:
-        lse_t, ls = lse, lse.stride()
-    else:
-        lse_t, ls = out, (0, 0)
-    if prefix is not None:
-        op, lp = prefix
-        ps, pls = op.stride(), lp.stride()
-    else:
-        op, lp, ps, pls = out, out, (0, 0), (0, 0)
+    lse_t, ls, op, lp, ps, pls = epilogue_operands(out, lse, prefix)
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
     args = (q, k, v, out, lse_t, op, lp, sinks if sinks is not None else cu_q, qd, kd, vd,
             cu_q, cu_k, float(scale) * 1.4426950408889634, float(softcap), left, right,

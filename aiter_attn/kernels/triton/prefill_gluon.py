@@ -32,6 +32,7 @@ handled as in the Triton kernel (output 0, LSE -inf, unless a sink or prefix wei
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -46,7 +47,7 @@ try:  # Triton >= 3.5 with Gluon's Hopper dialect
 except ImportError:  # pragma: no cover - older Triton
     HAS_GLUON = False
 
-from ._launch import Launcher, arg_key
+from ._launch import Launcher, launch_key
 
 __all__ = ["HAS_GLUON", "gluon_reject_reason", "launch_gluon_prefill"]
 
@@ -56,12 +57,12 @@ _GL_DTYPES = {}
 
 def gluon_reject_reason(q, k, v, *, causal, window, softcap, search, config) -> Optional[str]:
     """Why the Gluon kernel cannot serve this launch (``None``: it can). Host checks only."""
-    from .prefill import tma_ok
+    from .prefill import _capability, tma_ok
 
     if not HAS_GLUON:
         return "this Triton has no Gluon Hopper dialect"
     if (q.device.type != "cuda" or torch.version.hip is not None
-            or torch.cuda.get_device_capability(q.device)[0] != 9):
+            or _capability(q.device)[0] != 9):
         return "needs an NVIDIA sm_90 GPU"
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:
         return f"dtype {q.dtype} (fp16/bf16 only)"
@@ -283,36 +284,33 @@ if HAS_GLUON:
 def launch_gluon_prefill(q, k, v, out, cu_q, cu_k, scale, sinks, lse, prefix, config, grid):
     """Launch the Gluon kernel on ``grid`` (:meth:`.prefill.PrefillConfig.grid`, non-search)
     after :func:`gluon_reject_reason` returned ``None``. O(1) host work."""
+    from .prefill import epilogue_operands
+
     num_tokens, hq, d = q.shape
     tk, hkv, dv = k.shape[0], k.shape[1], v.shape[2]
     bm, bn = config.block_m, config.block_n
-    gdt = _GL_DTYPES[q.dtype]
-    q_l = gl.NVMMASharedLayout.get_default_for([bm, d], gdt)
-    kv_l = gl.NVMMASharedLayout.get_default_for([bn, d], gdt)
+    q_l = _smem_layout(bm, d, q.dtype)
+    kv_l = _smem_layout(bn, d, q.dtype)
     qd = GluonDescriptor(q, [num_tokens, hq * d], [q.stride(0), 1], [bm, d], q_l)
     kd = GluonDescriptor(k, [tk, hkv * d], [k.stride(0), 1], [bn, d], kv_l)
     vd = GluonDescriptor(v, [tk, hkv * dv], [v.stride(0), 1], [bn, dv], kv_l)
-    if lse is not None:
-        lse_t, ls = lse, lse.stride()
-    else:
-        lse_t, ls = out, (0, 0)
-    if prefix is not None:
-        op, lp = prefix
-        ps, pls = op.stride(), lp.stride()
-    else:
-        op, lp, ps, pls = out, out, (0, 0), (0, 0)
+    lse_t, ls, op, lp, ps, pls = epilogue_operands(out, lse, prefix)
     os_ = out.stride()
     args = (qd, kd, vd, out, lse_t, op, lp, sinks if sinks is not None else cu_q, cu_q, cu_k,
             float(scale) * _LOG2E, os_[0], os_[1], ls[0], ls[1], ps[0], ps[1], pls[0], pls[1])
     kw = dict(GROUP=hq // hkv, D=d, DV=dv, BLOCK_M=bm, BLOCK_N=bn,
               STAGES=max(2, config.num_stages), HAS_SINKS=sinks is not None,
-              HAS_PREFIX=prefix is not None, WRITE_LSE=lse is not None,
+              HAS_PREFIX=prefix is not None, WRITE_LSE=lse is not None, M_SLOW=config.m_slow,
               num_warps=config.num_warps)
-    if config.maxnreg:
-        kw["maxnreg"] = config.maxnreg
-    kw["M_SLOW"] = config.m_slow
-    _GLUON.launch(grid, args, kw, (arg_key(args), tuple(sorted(kw.items()))))
+    _GLUON.launch(grid, args, kw, launch_key(args, kw))
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
+    """The TMA/wgmma shared layout of a ``[rows, cols]`` tile (cached: a host-side object
+    built per launch otherwise)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], _GL_DTYPES[dtype])
 
 
 #: direct launches of the Gluon kernel (:mod:`._launch`)
