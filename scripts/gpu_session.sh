@@ -42,6 +42,8 @@
 #                                  # then every prefill row against the Triton default, replayed
 #   scripts/gpu_session.sh twentyfirst # the Gluon default: the whole gpu suite (-n 8,
 #                                  # failures to $OUT/failures.log), then the prefill rows
+#   scripts/gpu_session.sh twentythird # the prefill gpu tests (warp-specialised Gluon incl.),
+#                                  # then the Gluon / warp-specialised sweep rows
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
 #                                  # dense extend rows, ncu of Gluon and cuDNN at 8x2k
 #   scripts/gpu_session.sh tenth   # ninth, Triton verify tables (paged, 5-D, MLA) with each
@@ -294,6 +296,19 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
     timeout ${PF_S:-120} python3 benchmarks/bench_prefill.py --no-sweep --host \
       --out "$OUT/prefill" > "$OUT/prefill.log" 2>&1
     grep -E "== |ours-|cudnn|Error|error" "$OUT/prefill.log" | head -40
+    rm -f "$OUT"/*/*.png
+    ;;
+  twentythird)
+    timeout ${GT_S:-200} python3 -m pytest -m gpu -q tests/test_triton_prefill.py \
+      tests/test_direct_launch.py tests/test_triton_prefill_extend.py \
+      tests/test_triton_prefill_backend.py -p no:cacheprovider -p no:warnings --tb=short \
+      --durations=10 > "$OUT/prefill_tests.log" 2>&1
+    tail -25 "$OUT/prefill_tests.log"
+    timeout ${SW_S:-300} python3 benchmarks/bench_prefill.py --sweep-graphs --host \
+      --rows "${PF_ROWS:-prefill 8x2k,prefill 1x8k,prefill 1x16k,prefill 1x2k}" \
+      --configs ${PF_CONFIGS:-7,14,15,16,17,18} --budget-s 0 \
+      --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1
+    grep -E "== |dense |cudnn|Error|error" "$OUT/sweep.log" | head -60
     rm -f "$OUT"/*/*.png
     ;;
   twentysecond)

@@ -1,10 +1,12 @@
 """Compile the Gluon dense prefill kernel (:mod:`aiter_attn.kernels.triton.prefill_gluon`) for
 sm_90 on any host (no GPU: Triton's wheel carries ptxas) and report registers, spills, shared
-memory and how many ``wgmma`` waits keep one group in flight (``wgmma.wait_group.sync.aligned 1``).
+memory and how many ``wgmma`` waits keep one group in flight (``wgmma.wait_group.sync.aligned 1``);
+``--ws``: the warp-specialised form (:mod:`aiter_attn.kernels.triton.prefill_gluon_ws`), with the
+partitions' register re-allocations (``setmaxnreg``).
 
 Usage::
 
-    python scripts/inspect_gluon_prefill_sm90.py '{"BLOCK_N": 64, "STAGES": 2}' [--dump DIR]
+    python scripts/inspect_gluon_prefill_sm90.py '{"BLOCK_N": 64, "STAGES": 2}' [--ws] [--json] [--dump DIR]
 """
 
 from __future__ import annotations
@@ -18,17 +20,21 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 
-def compile_gluon(q="bf16", warps=4, maxnreg=None, **const):
+def compile_gluon(q="bf16", warps=4, maxnreg=None, ws=False, **const):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from aiter_attn.kernels.triton import prefill_gluon as pg
+    from aiter_attn.kernels.triton import prefill_gluon_ws as pw
 
     c = dict(GROUP=4, D=128, DV=128, BLOCK_M=64, BLOCK_N=64, STAGES=2, HAS_SINKS=False,
              HAS_PREFIX=False, WRITE_LSE=True, M_SLOW=False, num_warps=warps)
+    if ws:  # BLOCK_M: rows per consumer
+        c.update(CONSUMER_REGS=pw.CONSUMER_REGS, LOADER_REGS=pw.LOADER_REGS)
+        maxnreg = maxnreg or pw.WS_MAXNREG
     c.update(const)
     gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[q]
-    fn = pg._gluon_prefill_kernel
+    fn = pw._gluon_ws_prefill_kernel if ws else pg._gluon_prefill_kernel
     names = fn.arg_names
     ql = gl.NVMMASharedLayout.get_default_for([c["BLOCK_M"], c["D"]], gdt)
     kl = gl.NVMMASharedLayout.get_default_for([c["BLOCK_N"], c["D"]], gdt)
@@ -60,6 +66,8 @@ def compile_gluon(q="bf16", warps=4, maxnreg=None, **const):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("const", nargs="?", default="{}")
+    p.add_argument("--ws", action="store_true", help="the warp-specialised kernel")
+    p.add_argument("--json", action="store_true", help="one JSON line instead of a table")
     p.add_argument("--dump", default=None)
     a = p.parse_args()
     import sys
@@ -67,14 +75,22 @@ def main():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from inspect_sm90 import resource_usage
 
-    k = compile_gluon(**json.loads(a.const))
+    k = compile_gluon(ws=a.ws, **json.loads(a.const))
     ptx = k.asm["ptx"]
     res = resource_usage(k)
-    print("registers     ", res["REG"])
-    print("stack (spills)", res.get("STACK", 0))
-    print("shared_bytes  ", k.metadata.shared)
-    print("wgmma         ", len(re.findall(r"wgmma\.mma_async", ptx)))
-    print("wait_group    ", re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))
+    report = {
+        "registers": res["REG"], "stack": res.get("STACK", 0), "shared": k.metadata.shared,
+        "warps": k.metadata.num_warps, "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+        "wait_group": [int(x) for x in
+                       re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)],
+        "setmaxnreg": sorted({int(x) for x in
+                              re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+    }
+    if a.json:
+        print(json.dumps(report))
+    else:
+        for key, val in report.items():
+            print(f"{key:<14}", val)
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)
         for key in ("ttgir", "ptx"):

@@ -319,23 +319,26 @@ def test_arg_key_separates_what_triton_specialises():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("gluon", [False, True])
-def test_dense_prefill_direct_launch_matches_triton_launch_on_gpu(gluon, monkeypatch):
-    """The dense prefill (Triton, and Gluon on sm_90) launched directly from a key's second
-    call is bitwise Triton's own launch."""
-    from aiter_attn.kernels.triton import prefill, prefill_gluon
+@pytest.mark.parametrize("kind", ["triton", "gluon", "gluon-ws"])
+def test_dense_prefill_direct_launch_matches_triton_launch_on_gpu(kind, monkeypatch):
+    """The dense prefill (Triton, and Gluon on sm_90, plain and warp-specialised) launched
+    directly from a key's second call is bitwise Triton's own launch."""
+    from aiter_attn.kernels.triton import prefill, prefill_gluon, prefill_gluon_ws
     from aiter_attn.kernels.triton.prefill import PrefillConfig, dense_prefill
 
+    gluon = kind != "triton"
     if gluon and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is sm_90 only")
-    launcher = prefill_gluon._GLUON if gluon else prefill._DENSE
+    launcher = {"triton": prefill._DENSE, "gluon": prefill_gluon._GLUON,
+                "gluon-ws": prefill_gluon_ws._GLUON_WS}[kind]
     g = torch.Generator().manual_seed(1)
     lens = [300, 257, 200]
     cu = torch.tensor([0, 300, 557, 757], dtype=torch.int32, device="cuda")
     q = torch.randn(757, 32, 128, generator=g).to("cuda", torch.bfloat16)
     k = torch.randn(757, 8, 128, generator=g).to("cuda", torch.bfloat16)
     v = torch.randn(757, 8, 128, generator=g).to("cuda", torch.bfloat16)
-    cfg = PrefillConfig(64, 64, 4, 2, gluon=gluon)
+    cfg = PrefillConfig(128 if kind == "gluon-ws" else 64, 64, 4, 2, gluon=gluon,
+                        warp_specialize=kind == "gluon-ws")
 
     def call():
         out = torch.empty_like(q)

@@ -7,6 +7,7 @@ bf16 and the sm_90 configurations under the ``gpu`` marker.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -219,20 +220,41 @@ GLUON_CONFIGS = [
     pytest.param(torch.bfloat16, PrefillConfig(64, 128, 4, 2, gluon=True), id="bf16-bn128"),
     # two warpgroups of 64 rows sharing each K/V tile
     pytest.param(torch.bfloat16, PrefillConfig(128, 64, 8, 2, gluon=True), id="bf16-8w"),
+    # warp-specialised: a loader warp and two 64-row consumers sharing the K/V rings
+    pytest.param(torch.bfloat16, PrefillConfig(128, 64, 4, 2, gluon=True, warp_specialize=True),
+                 id="ws-bf16-s2"),
+    pytest.param(torch.float16, PrefillConfig(128, 128, 4, 2, gluon=True, warp_specialize=True,
+                                              m_slow=True), id="ws-fp16-bn128-m-slow"),
+    pytest.param(torch.bfloat16, PrefillConfig(128, 64, 4, 4, gluon=True, warp_specialize=True),
+                 id="ws-bf16-s4"),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype,cfg", GLUON_CONFIGS)
-def test_gluon_dense_gpu(dtype, cfg):
+def test_gluon_dense_gpu(dtype, cfg, monkeypatch):
     """The Gluon kernel (asserted to serve these launches: plain grids, d128) against the
     oracle: prefill and queries over more keys (bottom-right, incl. rows past the last key
-    tile and a one-token request), LSE, sinks, and the prefix merge in the epilogue."""
+    tile and a one-token request), LSE, sinks, and the prefix merge in the epilogue. The
+    warp-specialised form meets programs whose upper consumer has no rows (the 64- and
+    1-row requests: its lower consumer alone reads the K/V rings) and the diagonal, where
+    the lower consumer needs fewer key tiles than the upper one."""
+    from aiter_attn.kernels.triton import prefill_gluon, prefill_gluon_ws
     from aiter_attn.kernels.triton.prefill_gluon import gluon_reject_reason
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is sm_90 only")
+    served = []
+    for mod, name in ((prefill_gluon, "_GLUON"), (prefill_gluon_ws, "_GLUON_WS")):
+        launcher = getattr(mod, name)
+        real = launcher.launch
+
+        def counted(*a, _real=real, _name=name, **kw):
+            served.append(_name)
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(launcher, "launch", counted)
     g = torch.Generator().manual_seed(4)
     for q_lens, k_lens in (([300, 257, 200], [300, 257, 200]), ([100, 64, 1], [300, 64, 40])):
         c = DenseCase(q_lens, k_lens, hq=32, hkv=8, d=128, dtype=dtype, device="cuda")
@@ -262,6 +284,41 @@ def test_gluon_dense_gpu(dtype, cfg):
             / (w_d + w_p)[..., None]
         assert_close_rel(o, exp_o, RTOL[dtype], f"merged out {q_lens}")
         assert_lse(l, torch.logaddexp(el, lp64), LSE_RTOL[dtype], f"merged lse {q_lens}")
+    want = "_GLUON_WS" if cfg.warp_specialize else "_GLUON"
+    assert served and set(served) == {want}, served
+
+
+def test_warp_specialised_fallback_covers_the_grid():
+    """A warp-specialised launch the Gluon kernel declines runs the Triton kernel with
+    64-row programs of 4 warps on a grid covering every query block."""
+    ws = PrefillConfig(128, 64, 4, 3, gluon=True, warp_specialize=True)
+    grid, search = ws.grid(1000, 1000, 32, 1)
+    cfg, g2, s2 = ws.triton_fallback(grid, search, 1000, 1)
+    assert (cfg.block_m, cfg.num_warps, cfg.gluon, cfg.warp_specialize) == (64, 4, False, False)
+    assert not s2 and g2[0] >= cfg.grid(1000, 1000, 32, 1)[0][0] and g2[1:] == grid[1:]
+    slow = attrs.evolve(ws, m_slow=True)
+    grid, _ = slow.grid(1000, 2000, 32, 2)
+    assert slow.triton_fallback(grid, False, 2000, 2)[1] == (32, 2, 16)
+    grid, search = ws.grid(8192, 8192 + 255, 32, 256)
+    assert search
+    assert ws.triton_fallback(grid, True, 8192 + 255, 256)[1:] == ((132 + 256, 32, 1), True)  # cdiv(8447, 64) + 256
+    plain = PrefillConfig(64, 64, 4, 2, gluon=True)
+    assert plain.triton_fallback((7, 32, 1), False, 400, 1) == \
+        (attrs.evolve(plain, gluon=False), (7, 32, 1), False)
+
+
+def test_dense_falls_back_from_warp_specialised_config():
+    """On a host the Gluon kernel cannot serve (here: the CPU interpreter), a
+    warp-specialised configuration still computes the right answer (Triton fallback),
+    including a ragged (search) batch."""
+    cfg = PrefillConfig(128, 16, 4, 1, tma=True, gluon=True, warp_specialize=True)
+    for q_lens, k_lens in (([40, 300], [40, 310]), ([1] * 9 + [40], [5, 1, 17, 2, 1, 30, 1, 1,
+                                                                     9, 40])):
+        c = DenseCase(q_lens, k_lens, d=32, hq=4, hkv=2)
+        eo, el = c.oracle(causal=True)
+        o, l = c.run(config=cfg)
+        assert_close_rel(o, eo, 2e-5, f"out {q_lens}")
+        assert_lse(l, el, 1e-5, f"lse {q_lens}")
 
 
 def test_grid_searches_on_ragged_batches():

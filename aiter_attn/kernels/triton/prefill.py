@@ -330,7 +330,10 @@ class PrefillConfig:
     """A launch of the dense kernel: tile shapes, warps, software-pipeline depth, TMA
     (tensor-descriptor) loads when the inputs allow, one key loop (``one_loop``: the mask
     only where it cuts) instead of unmasked then masked tiles, grid order (``m_slow``), the
-    Gluon kernel of :mod:`.prefill_gluon` where it can serve the launch (``gluon``)."""
+    Gluon kernel of :mod:`.prefill_gluon` where it can serve the launch (``gluon``), in its
+    warp-specialised form (``warp_specialize``, :mod:`.prefill_gluon_ws`: ``block_m`` 128
+    rows per program, two 64-row consumer warpgroups and a loader warp; ``num_warps`` 4 is
+    the default partition's)."""
 
     block_m: int
     block_n: int
@@ -340,6 +343,7 @@ class PrefillConfig:
     one_loop: bool = False
     m_slow: bool = False
     gluon: bool = False
+    warp_specialize: bool = False
 
     def grid(self, max_q: int, num_tokens: int, num_q_heads: int, batch: int) -> tuple:
         """``(grid, search)``: query blocks × heads × requests (``m_slow``: heads × requests
@@ -352,6 +356,20 @@ class PrefillConfig:
         if batch * m > present:
             return (present, num_q_heads, 1), True
         return ((num_q_heads, batch, m) if self.m_slow else (m, num_q_heads, batch)), False
+
+    def triton_fallback(self, grid, search: bool, num_tokens: int, batch: int) -> tuple:
+        """``(config, grid, search)`` of the Triton kernel standing in for a launch the
+        Gluon kernel declined: the same tiles, except that a warp-specialised launch's
+        128-row programs become two 64-row ones of 4 warps (a covering grid: query blocks
+        doubled, or one search program per present 64-row block)."""
+        if not self.warp_specialize:
+            return attrs.evolve(self, gluon=False), grid, search
+        cfg = attrs.evolve(self, block_m=self.block_m // 2, gluon=False, warp_specialize=False)
+        if search:
+            return cfg, (triton.cdiv(max(num_tokens, 1), cfg.block_m) + batch, grid[1], 1), True
+        if self.m_slow:
+            return cfg, (grid[0], grid[1], 2 * grid[2]), False
+        return cfg, (2 * grid[0], grid[1], grid[2]), False
 
 
 def _smem_need(bm, bn, d_pad, dv_pad, stages, elem):
@@ -517,8 +535,15 @@ def launch_dense(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap, sinks
 
         if gluon_reject_reason(q, k, v, causal=causal, window=window, softcap=softcap,
                                search=search, config=config) is None:
+            if config.warp_specialize:
+                from .prefill_gluon_ws import launch_gluon_ws_prefill
+
+                return launch_gluon_ws_prefill(q, k, v, out, cu_q, cu_k, scale, sinks, lse,
+                                               prefix, config, grid)
             return launch_gluon_prefill(q, k, v, out, cu_q, cu_k, scale, sinks, lse, prefix,
                                         config, grid)
+        config, grid, search = config.triton_fallback(grid, search, q.shape[0],
+                                                      cu_q.shape[0] - 1)
     args, kw = prefill_launch_args(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap,
                                    sinks, lse, prefix, config)
     if search:

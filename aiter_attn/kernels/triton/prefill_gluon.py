@@ -73,7 +73,11 @@ def gluon_reject_reason(q, k, v, *, causal, window, softcap, search, config) -> 
         return "window, soft-cap and non-causal layers stay on the Triton kernel"
     if search:
         return "ragged grids (request search) stay on the Triton kernel"
-    if config.num_warps not in (4, 8) or config.block_m != 16 * config.num_warps:
+    if config.warp_specialize:
+        if config.block_m != 128 or config.num_warps != 4:
+            return ("warp-specialised: two consumers of 64 rows (block_m 128, num_warps 4, "
+                    "the default partition's)")
+    elif config.num_warps not in (4, 8) or config.block_m != 16 * config.num_warps:
         return "one or two warpgroups of 64 rows (block_m 64 with 4 warps, 128 with 8)"
     if not (tma_ok(q, d) and tma_ok(k, d) and tma_ok(v, dv)):
         return "inputs not TMA-able (head-contiguous, 16-byte aligned)"
