@@ -67,7 +67,9 @@ SWEEP = [(128, 128, 8, 2, True, False, False), (128, 128, 8, 2, True, True, Fals
          (128, 64, 4, 3, True, False, False, {"gluon": True, "warp_specialize": True}),
          (128, 64, 4, 4, True, False, False, {"gluon": True, "warp_specialize": True}),
          (128, 128, 4, 2, True, False, False, {"gluon": True, "warp_specialize": True}),
-         (128, 64, 4, 3, True, True, False, {"gluon": True, "warp_specialize": True})]
+         (128, 64, 4, 3, True, True, False, {"gluon": True, "warp_specialize": True}),
+         (128, 128, 4, 2, True, True, False, {"gluon": True, "warp_specialize": True}),
+         (128, 128, 4, 3, True, False, False, {"gluon": True, "warp_specialize": True})]
 SMOKE_SWEEP = [(16, 16, 4, 1, True, False, False), (16, 16, 4, 1, True, True, True),
                (16, 16, 4, 1, True, False, False, {"gluon": True}),
                (32, 16, 4, 1, True, False, False, {"gluon": True, "warp_specialize": True})]

@@ -215,6 +215,8 @@ def test_gluon_declines_with_reasons():
 
 GLUON_CONFIGS = [
     pytest.param(torch.bfloat16, PrefillConfig(64, 64, 4, 2, gluon=True), id="bf16-s2"),
+    pytest.param(torch.bfloat16, PrefillConfig(128, 128, 4, 2, gluon=True,
+                                               warp_specialize=True), id="ws-bf16-bn128"),
     pytest.param(torch.float16, PrefillConfig(64, 64, 4, 3, gluon=True, m_slow=True),
                  id="fp16-s3-m-slow"),
     pytest.param(torch.bfloat16, PrefillConfig(64, 128, 4, 2, gluon=True), id="bf16-bn128"),
@@ -256,8 +258,11 @@ def test_gluon_dense_gpu(dtype, cfg, monkeypatch):
 
         monkeypatch.setattr(launcher, "launch", counted)
     g = torch.Generator().manual_seed(4)
-    for q_lens, k_lens in (([300, 257, 200], [300, 257, 200]), ([100, 64, 1], [300, 64, 40])):
-        c = DenseCase(q_lens, k_lens, hq=32, hkv=8, d=128, dtype=dtype, device="cuda")
+    cases = [(([300, 257, 200], [300, 257, 200]), 128), (([100, 64, 1], [300, 64, 40]), 128)]
+    if cfg.warp_specialize:  # the chooser picks it at head dim 64 too
+        cases.append((([300, 130, 1], [300, 200, 65]), 64))
+    for (q_lens, k_lens), d in cases:
+        c = DenseCase(q_lens, k_lens, hq=32, hkv=8, d=d, dtype=dtype, device="cuda")
         grid, search = cfg.grid(max(q_lens), sum(q_lens), c.hq, len(q_lens))
         assert not search
         qd = c.q.cuda()
@@ -341,11 +346,12 @@ def test_dense_very_ragged_batch():
 
 
 def test_prefill_config_on_an_h200():
-    """The chooser's H200 rules (docs/benchmarks.md, eighth and tenth sessions): the Gluon
-    kernel (64-row tiles, 2 stages) for bf16/fp16 at head dim 64/128; with four waves or
-    fewer of 128-row programs, the Triton kernel with every head's longest blocks first
-    (m_slow, 3 stages); wider heads, fp32 and devices of unknown size keep their own tiles;
-    the device's shared memory caps the pipeline."""
+    """The chooser's H200 rules (docs/benchmarks.md, eighth to eleventh sessions): the
+    warp-specialised Gluon kernel for bf16/fp16 at head dim 64/128 (128-key tiles, 2
+    stages; with four waves or fewer of 128-row programs 64-key tiles, 3 stages, every
+    head's longest blocks first); elsewhere the Triton kernel (m_slow with few waves, 3
+    stages); wider heads, fp32 and devices of unknown size keep their own tiles; the
+    device's shared memory caps the pipeline."""
     from aiter_attn.kernels.triton.prefill import _choose_cached, few_waves
 
     smem = 232448 - 2048
@@ -356,15 +362,24 @@ def test_prefill_config_on_an_h200():
 
     one_2k = pick(2048, 32)  # 1x2k, 32 heads: 512 programs of 128 rows
     assert (one_2k.block_m, one_2k.block_n, one_2k.num_warps, one_2k.num_stages,
-            one_2k.m_slow, one_2k.gluon) == (64, 64, 4, 3, True, False)
-    for tokens in (8192, 8 * 2048, 16384):  # 1x8k, 8x2k, 1x16k: the Gluon kernel
-        c = pick(tokens, 32)
-        assert (c.block_m, c.block_n, c.num_warps, c.num_stages, c.m_slow, c.gluon) == \
-            (64, 64, 4, 2, False, True), (tokens, c)
+            one_2k.m_slow, one_2k.gluon, one_2k.warp_specialize) == \
+        (128, 64, 4, 3, True, True, True)
+    for tokens in (8192, 8 * 2048, 16384):  # 1x8k, 8x2k, 1x16k
+        for d in (64, 128):
+            c = pick(tokens, 32, d=d)
+            assert (c.block_m, c.block_n, c.num_warps, c.num_stages, c.m_slow, c.gluon,
+                    c.warp_specialize) == (128, 128, 4, 2, False, True, True), (tokens, c)
     assert not pick(8192, 32, d=256).gluon  # wider heads: the Triton kernel
+    assert not pick(8192, 32, d=96).gluon
     # not NVIDIA sm_90 (ROCm, sm_100): the Triton kernel, its own 3 stages
     other = _choose_cached(128, 128, 2, True, smem, False, (), True, False, False)
-    assert not other.gluon and other.num_stages == 3
+    assert not other.gluon and other.num_stages == 3 and other.block_m == 64
+    few = _choose_cached(128, 128, 2, True, smem, False, (), True, True, False)
+    assert (few.block_m, few.m_slow, few.gluon) == (64, True, False)
+    # its fallback (window, soft-cap, ragged) is the Triton launch of 64-row tiles
+    fb = one_2k.triton_fallback((16, 32, 1), False, 2048, 1)[0]
+    assert (fb.block_m, fb.num_warps, fb.num_stages, fb.m_slow, fb.gluon) == \
+        (64, 4, 3, True, False)
     assert not pick(8192, 32, elem=4).gluon
     assert pick(2048, 0).m_slow is False  # heads unknown: launch order as is
     assert pick(2048, 32, sms=0).block_m == 128  # unknown device size

@@ -405,14 +405,18 @@ def _choose_cached(d_pad, dv_pad, elem, sm90, smem, interp, ov, sized=False, few
         # or fewer of 128-row programs (1x2k, 32 heads: 512) every head's longest blocks
         # first (m_slow): 1x2k 306 -> 415 (docs/benchmarks.md, eighth session)
         cfg = PrefillConfig(64, 64, 4, 3, tma=sm90, m_slow=few)
-        if hopper and not few and elem == 2 and d_pad == dv_pad and d_pad in (64, 128) \
-                and HAS_GLUON:
-            # the Gluon kernel (softmax overlapped with the previous tile's p·v), two stages:
-            # H200 replayed, against the Triton 64x64/3-stage launch, 1x16k 470-482 ->
-            # 498-510 TFLOP/s, 1x8k 445-468 -> 457-478, 8x2k 384-389 -> 410-412 (tenth
-            # session); launches it cannot serve (window, soft-cap, ragged search) fall back
-            # to the Triton kernel with these tiles
-            cfg = PrefillConfig(64, 64, 4, 2, tma=True, gluon=True)
+        if hopper and elem == 2 and d_pad == dv_pad and d_pad in (64, 128) and HAS_GLUON:
+            # the warp-specialised Gluon kernel (a loader warp, two 64-row consumers sharing
+            # each K/V tile, softmax overlapped with the previous tile's p·v). H200, eager /
+            # replayed TFLOP/s against the one-warpgroup Gluon kernel (64x64, 2 stages):
+            # 128-key tiles, 2 stages: 1x8k 466/460 -> 559/559, 1x16k 505/498 -> 601/603,
+            # 8x2k 412/389 -> 451/443; with few waves, 64-key tiles, 3 stages, longest
+            # blocks first: 1x2k 362/372 -> 409/427 (the Triton m-slow launch: ~405/408)
+            # (eleventh session). Launches it cannot serve (window, soft-cap, ragged search)
+            # fall back to the Triton kernel with 64-row tiles (PrefillConfig.triton_fallback)
+            cfg = (PrefillConfig(128, 64, 4, 3, tma=True, m_slow=True, gluon=True,
+                                 warp_specialize=True) if few else
+                   PrefillConfig(128, 128, 4, 2, tma=True, gluon=True, warp_specialize=True))
     if ov:
         cfg = attrs.evolve(cfg, **dict(ov))
     if smem is not None and not interp:  # fit the device: fewer stages, then narrower tiles
