@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Unavailable", "RUNNERS", "make_ours", "make_ours_mla"]
+__all__ = ["Unavailable", "RUNNERS", "make_ours", "make_ours_dense", "make_ours_mla"]
 
 
 class Unavailable(RuntimeError):
@@ -32,6 +32,38 @@ def make_ours(x, **extra):
     def fn():
         ops.paged_attention(x.q, x.k_cache, x.v_cache, **kw)
 
+    return fn, lambda: out
+
+
+def make_ours_dense(x):
+    """A prefill row through the engine's extend path: the registry's Triton
+    ``extend_attention``, planned once, given the step's new K/V contiguous as an engine
+    has them at forward time (its ``dense_extend`` runs the dense kernel on them; on an
+    H200 the warp-specialised Gluon kernel)."""
+    if x.q_len != x.ctx or x.dense_k is None:
+        raise Unavailable("dense extend: prefill rows with dense K/V only")
+    from aiter_attn.kernels.base import LayerParams, _adhoc_metadata
+    from aiter_attn.kernels.triton.extend import extend_attention_request
+    from aiter_attn.plugins import kernel_registry
+
+    req = extend_attention_request(x.q, x.k_cache, x.v_cache)
+    kernel = kernel_registry().select(req, backend="triton").bind(req)
+    md = _adhoc_metadata(x.q, x.k_cache, x.cu_seqlens_q, x.seqused_k, x.block_table, None,
+                         None, x.q_len, x.ctx, "paged_attention")
+    md.extras["max_prefix_len"] = 0
+    plan = kernel.plan(md)
+    if getattr(plan, "dense_cfg", None) is None:
+        raise Unavailable("the extend plan took the paged kernel (dense_extend off)")
+    k_new = x.dense_k.permute(0, 2, 1, 3).reshape(-1, x.hkv, x.d).contiguous()
+    v_new = x.dense_v.permute(0, 2, 1, 3).reshape(-1, x.hkv, x.d).contiguous()
+    params = LayerParams.create(scale=x.scale, device=x.q.device)
+    out = torch.empty(x.q.shape[0], x.hq, x.d, dtype=x.q.dtype, device=x.q.device)
+    cache = (x.k_cache, x.v_cache)
+
+    def fn():
+        kernel.run(x.q, cache, plan, params, out, k=k_new, v=v_new)
+
+    fn()
     return fn, lambda: out
 
 
@@ -194,6 +226,7 @@ def make_ours_batch_invariant(x):
 
 RUNNERS = {
     "ours": make_ours,
+    "ours-dense": make_ours_dense,
     "ours-bi": make_ours_batch_invariant,
     "cudnn": make_cudnn,
     "fa2": make_fa2,

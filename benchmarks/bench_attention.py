@@ -189,7 +189,8 @@ def run_mha_rows(kind, rows, args, results):
         expected, select = reference_mha(x, rows_b, last_q=1 if decode else 128)
         case = {"case": label, "kind": kind, "bs": bs, "ctx": n, "bytes": x.bytes_moved,
                 "flops": x.flops, "impls": []}
-        impls = ["ours"] + ([] if kind == "fp8" else list(args.anchors))
+        impls = ["ours"] + (["ours-dense"] if kind == "prefill" else []) \
+            + ([] if kind == "fp8" else list(args.anchors))
         if kind == "prefill" and "flex" in impls and not args.flex_prefill:
             impls.remove("flex")  # PERFORMANCE.md's prefill anchors: cuDNN, FA2, aiter
         if kind == "fp8":
@@ -334,6 +335,12 @@ def table(results, mode="graph") -> str:
         lines.append(f"| {c['case']}{extra} | {unit} | {f(vals['ours'])} | {f(vals['cudnn'])} | "
                      f"{f(vals['fa2'])} | {f(vals['flex'])} | {f(vals['aiter'])} | "
                      f"{ratio(vals['ours'], vals['cudnn'])} | {ratio(vals['ours'], vals['aiter'])} |")
+        dense = _val(c, "ours-dense", key, mode)
+        if dense:  # the engine's extend path (new K/V contiguous: the dense kernel)
+            lines.append(f"| {c['case']} (ours-dense) | {unit} | {f(dense)} | "
+                         f"{f(vals['cudnn'])} | {f(vals['fa2'])} | {f(vals['flex'])} | "
+                         f"{f(vals['aiter'])} | {ratio(dense, vals['cudnn'])} | "
+                         f"{ratio(dense, vals['aiter'])} |")
     return "\n".join(lines)
 
 

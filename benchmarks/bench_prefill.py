@@ -169,8 +169,10 @@ def make_dense(x, config=None):
     saved = dict(pf.PREFILL_OVERRIDES)
     if config is not None:
         bm, bn, nw, ns, tma, m_slow, one_loop, extra = (tuple(config) + ({},))[:8]
-        pf.PREFILL_OVERRIDES.update(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns,
-                                    tma=tma, m_slow=m_slow, one_loop=one_loop, **extra)
+        # every field: an entry leaves nothing of the chooser's pick in place (a default
+        # with warp_specialize would otherwise turn a plain entry into a declined launch)
+        pf.PREFILL_OVERRIDES.update(attrs.asdict(pf.PrefillConfig(
+            bm, bn, nw, ns, tma=tma, m_slow=m_slow, one_loop=one_loop, **extra)))
     try:
         plan = kernel.plan(md)
     finally:

@@ -47,6 +47,8 @@
 #   scripts/gpu_session.sh twentyfourth # prefill gpu tests, the sweep with the default
 #                                  # (warp-specialised) rows, bench_attention prefill rows,
 #                                  # dense extend rows
+#   scripts/gpu_session.sh twentyfifth # prefill gpu tests, bench_attention prefill rows
+#                                  # (with ours-dense), sweep rows against the plain forms
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
 #                                  # dense extend rows, ncu of Gluon and cuDNN at 8x2k
 #   scripts/gpu_session.sh tenth   # ninth, Triton verify tables (paged, 5-D, MLA) with each
@@ -330,6 +332,23 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
     timeout ${DE_S:-150} python3 benchmarks/bench_dense_extend.py --out "$OUT/dense_extend" \
       > "$OUT/dense_extend.log" 2>&1
     tail -22 "$OUT/dense_extend.log"
+    rm -f "$OUT"/*/*.png
+    ;;
+  twentyfifth)
+    timeout ${GT_S:-200} python3 -m pytest -m gpu -q tests/test_triton_prefill.py \
+      tests/test_direct_launch.py tests/test_triton_prefill_extend.py \
+      tests/test_triton_prefill_backend.py -p no:cacheprovider -p no:warnings --tb=short \
+      > "$OUT/prefill_tests.log" 2>&1
+    tail -5 "$OUT/prefill_tests.log"
+    timeout ${BA_S:-240} python3 benchmarks/bench_attention.py --only prefill \
+      --out "$OUT/attention" > "$OUT/attention.log" 2>&1
+    grep -E "== |ours|cudnn" "$OUT/attention.log" | head -40
+    tail -28 "$OUT/attention.log"
+    timeout ${SW_S:-150} python3 benchmarks/bench_prefill.py --sweep-graphs --host \
+      --rows "${PF_ROWS:-prefill 8x2k,prefill 1x8k,prefill 1x2k}" \
+      --configs ${PF_CONFIGS:-2,7,17,18,19} --budget-s 0 \
+      --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1
+    grep -E "== |dense |cudnn|ours-|Error|error" "$OUT/sweep.log" | head -40
     rm -f "$OUT"/*/*.png
     ;;
   twentysecond)
