@@ -236,6 +236,13 @@ def run_mla_rows(rows, args, results):
             add_rates(rec, x.bytes_moved, x.flops)
             case["impls"].append(rec)
             print("   ", summarize(rec, True), flush=True)
+            if heads >= 64 and kv == "bf16":  # the default is the Gluon kernel: the Triton one
+                rec = bench_impl("ours-triton", lambda inp: make_ours_mla(inp, gluon=False),
+                                 x, expected, lambda o: o[:rows_b], RTOL_BF16, args.rep,
+                                 args.graphs)
+                add_rates(rec, x.bytes_moved, x.flops)
+                case["impls"].append(rec)
+                print("   ", summarize(rec, True), flush=True)
             key = (heads, bs, ctx) if heads <= 16 else heads
             if args.mla_sweep and kv == "bf16" and key not in swept:
                 swept.add(key)
@@ -335,6 +342,9 @@ def table(results, mode="graph") -> str:
         lines.append(f"| {c['case']}{extra} | {unit} | {f(vals['ours'])} | {f(vals['cudnn'])} | "
                      f"{f(vals['fa2'])} | {f(vals['flex'])} | {f(vals['aiter'])} | "
                      f"{ratio(vals['ours'], vals['cudnn'])} | {ratio(vals['ours'], vals['aiter'])} |")
+        tri = _val(c, "ours-triton", key, mode)
+        if tri:  # MLA at many heads: the Triton kernel beside the default (Gluon)
+            lines.append(f"| {c['case']} (ours-triton) | {unit} | {f(tri)} | — | — | — | — | — | — |")
         dense = _val(c, "ours-dense", key, mode)
         if dense:  # the engine's extend path (new K/V contiguous: the dense kernel)
             lines.append(f"| {c['case']} (ours-dense) | {unit} | {f(dense)} | "

@@ -49,6 +49,7 @@
 #                                  # dense extend rows
 #   scripts/gpu_session.sh twentyfifth # prefill gpu tests, bench_attention prefill rows
 #                                  # (with ours-dense), sweep rows against the plain forms
+#   scripts/gpu_session.sh twentysixth # MLA gpu tests (the Gluon kernel), bench_attention MLA
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
 #                                  # dense extend rows, ncu of Gluon and cuDNN at 8x2k
 #   scripts/gpu_session.sh tenth   # ninth, Triton verify tables (paged, 5-D, MLA) with each
@@ -349,6 +350,15 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
       --configs ${PF_CONFIGS:-2,7,17,18,19} --budget-s 0 \
       --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1
     grep -E "== |dense |cudnn|ours-|Error|error" "$OUT/sweep.log" | head -40
+    rm -f "$OUT"/*/*.png
+    ;;
+  twentysixth)
+    timeout ${GT_S:-240} python3 -m pytest -m gpu -q tests/test_triton_mla.py tests/test_mla.py \
+      -p no:cacheprovider -p no:warnings --tb=short -x > "$OUT/mla_tests.log" 2>&1
+    tail -30 "$OUT/mla_tests.log"
+    timeout ${BA_S:-240} python3 benchmarks/bench_attention.py --only mla \
+      --out "$OUT/attention" > "$OUT/attention.log" 2>&1
+    grep -E "== |ours|Error|error" "$OUT/attention.log" | head -60
     rm -f "$OUT"/*/*.png
     ;;
   twentysecond)

@@ -281,3 +281,75 @@ def test_gpu_cuda_graph_replay_matches_eager():
     eager = torch.empty_like(out)
     fn(q, kv, eager, **kw, max_seqlen_k=1024)
     assert torch.equal(out, eager)
+
+
+# ------------------------------------------------ the warp-specialised Gluon kernel (sm_90)
+
+GLUON_SHAPES = [
+    # 64-key tiles: full ones, a 5-key and a 1-key tail, one tile exactly, a long request
+    pytest.param(dict(q_lens=[1] * 5, kv_lens=[4096, 1000, 64, 5, 129], page=64, heads=128),
+                 {}, id="H128-p64-decode"),
+    pytest.param(dict(q_lens=[1] * 3, kv_lens=[777, 2048, 65], page=128, heads=64),
+                 {"num_kv_splits": 3}, id="H64-p128-split3"),
+    pytest.param(dict(q_lens=[4, 2, 1], kv_lens=[1500, 130, 3], page=64, heads=128),
+                 {}, id="H128-p64-verify"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape,extra", GLUON_SHAPES)
+def test_gpu_gluon_mla(shape, extra, dtype, monkeypatch):
+    """The Gluon kernel (asserted to serve: 64-head blocks, latents 512 + 64, pages of 64k
+    keys) against the oracle, with the cache's unwritten slots and its null page filled with
+    NaN (a tail tile's rows past the last key are zeroed before use), splits (the partials
+    and :mod:`.mla`'s merge), verify rows (causal per token) and the LSE (equal to the
+    Triton kernel's)."""
+    from aiter_attn.kernels.triton import mla_gluon
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon MLA kernel is sm_90 only")
+    calls = []
+    real = mla_gluon._GLUON_MLA.launch
+    monkeypatch.setattr(mla_gluon._GLUON_MLA, "launch",
+                        lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    case = MLACase(**shape, rank=512, rope=64, dtype=dtype, device="cuda")
+    page = shape["page"]
+    case.kv_cache[0] = float("nan")  # the null page
+    for b, L in enumerate(case.kv_lens):
+        last = int(case.block_table[b, (L - 1) // page])
+        if L % page:
+            case.kv_cache[last, L % page:] = float("nan")
+    lse = torch.full((case.q.shape[0], case.heads), float("nan"), device="cuda")
+    out = case.run(lse=lse, **extra)
+    assert calls, "the Gluon kernel did not serve the launch"
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert_close_rel(out, case.expected(), RTOL[dtype], f"gluon {dtype}")
+    n = len(calls)
+    lse_t = torch.empty_like(lse)
+    case.run(lse=lse_t, gluon=False, **extra)
+    assert len(calls) == n  # gluon=False: the Triton kernel
+    assert_close_rel(lse, lse_t, 1e-3, "lse against the Triton kernel's")
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_mla_graph_replay_matches_eager():
+    """128 heads through the Gluon kernel: capture once, change lengths in place, replay."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon MLA kernel is sm_90 only")
+    case = MLACase([1] * 4, [1000, 64, 300, 4000], rank=512, rope=64, page=64, heads=128,
+                   dtype=torch.bfloat16, device="cuda")
+    q, kv = case.q.cuda(), case.kv_cache.cuda()
+    kw = case.kwargs()
+    out = torch.empty(4, 128, 512, dtype=torch.bfloat16, device="cuda")
+    fn = _kernel()
+    fn(q, kv, out, **kw, max_seqlen_k=4096)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(q, kv, out, **kw, max_seqlen_k=4096)
+    kw["seqused_k"].copy_(torch.tensor([5, 64, 129, 3000], device="cuda"))
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    eager = torch.empty_like(out)
+    fn(q, kv, eager, **kw, max_seqlen_k=4096)
+    assert torch.equal(out, eager)

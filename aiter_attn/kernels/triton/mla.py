@@ -41,6 +41,8 @@ from ..base import (MEMO, KernelPlan, MLAKernel, _adhoc_metadata, mask_literal,
                     mla_layer_params, mla_request, plan_hints, token_count_error)
 from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
 from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS
+from .mla_gluon import (GLUON_MLA_BLOCK_H, gluon_mla_reject_reason, gluon_mla_tensors_reason,
+                        launch_gluon_mla)
 from ._paging import load_chunk_pages, tile_pages_of
 from ._pdl import pdl_kwargs, pdl_mode, wait_then_release
 
@@ -419,13 +421,19 @@ class TritonMLAPlan(KernelPlan):
     part_lse: Optional[torch.Tensor] = attrs.field(default=None, **_T)
     cfg_kw: dict = attrs.field(factory=dict, **_T)
     kw_cache: dict = attrs.field(factory=dict, metadata=MEMO, **_T)
+    #: the warp-specialised Gluon kernel (:mod:`.mla_gluon`) serves the launch when its
+    #: tensors allow (checked per run); same grid, splits and partials
+    gluon: bool = False
 
 
 class TritonMLA(MLAKernel):
     """``mla_paged_attention`` (Triton) as plan/run, bound once per layer group.
 
     ``tuning`` (tests, benchmarks) overrides the launch heuristics: ``num_kv_splits``,
-    ``block_h``, ``block_n``, ``num_warps``, ``num_stages``, ``page_chunk``, ``split_v_load``.
+    ``block_h``, ``block_n``, ``num_warps``, ``num_stages``, ``page_chunk``, ``split_v_load``,
+    ``gluon`` (``False``: never the Gluon kernel of :mod:`.mla_gluon`, which otherwise
+    serves what :func:`.mla_gluon.gluon_mla_reject_reason` allows: 64-head blocks of
+    bf16/fp16 latents 512 + 64 on NVIDIA sm_90).
     """
 
     def __init__(self, request=None, tuning: Optional[dict] = None):
@@ -571,11 +579,16 @@ class TritonMLA(MLAKernel):
             SPLIT_V_LOAD=self.kv_dtype != self.dtype if split_v is None else bool(split_v),
             FIXED_CHUNK=fixed_chunk, num_warps=warps, num_stages=stages,
             **pdl_kwargs(pdl_mode(t.get("pdl"), device), reduction=False))
+        gluon = bh == GLUON_MLA_BLOCK_H and t.get("gluon", True) and gluon_mla_reject_reason(
+            heads=self.heads, rank=self.rank, rope=self.rope, dtype=self.dtype,
+            kv_dtype=self.kv_dtype, page_size=page_size, device=device,
+            masked=mask is not None, batch_invariant=self.batch_invariant) is None
         return TritonMLAPlan(
             num_tokens=0 if empty else num_tokens, mask_literal=mask_literal(md),
             grid=(num_tokens * head_blocks, splits), args=(cu, seqused_k, block_table),
             mask=mask_t, batch=batch, head_blocks=head_blocks, splits=splits,
-            use_parts=use_parts, part_o=part_o, part_lse=part_lse, cfg_kw=cfg_kw)
+            use_parts=use_parts, part_o=part_o, part_lse=part_lse, cfg_kw=cfg_kw,
+            gluon=gluon)
 
     @staticmethod
     def _kw(plan: TritonMLAPlan, key):
@@ -613,14 +626,16 @@ class TritonMLA(MLAKernel):
         ps_l = part_lse.stride() if plan.use_parts else (0, 0)
         lse_t = lse if write_lse else part_lse
         ls = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
-        qs, os_ = q.stride(), out.stride()
-        _mla_fwd_kernel[plan.grid](
-            q, kv_cache, out, part_o, part_lse, lse_t,
-            cu, seqused_k, block_table, mask_arg, mask_ind, scale_t,
-            params.scale * _LOG2E, 1.0,
-            self.heads, plan.batch, plan.head_blocks,
-            qs[0], qs[1], kv_cache.stride(0), kv_cache.stride(1), os_[0], os_[1],
-            block_table.stride(0), ps_o[0], ps_o[1], ps_o[2], ps_l[0], ps_l[1], *ls, **kw)
+        os_ = out.stride()
+        if plan.gluon and gluon_mla_tensors_reason(q, kv_cache, out) is None:
+            launch_gluon_mla(q, kv_cache, out, cu, seqused_k, block_table, params.scale,
+                             splits=plan.splits, batch=plan.batch,
+                             causal=kw["CAUSAL"], lse=lse if not plan.use_parts else None,
+                             part_o=plan.part_o if plan.use_parts else None,
+                             part_lse=plan.part_lse if plan.use_parts else None)
+        else:
+            self._launch_triton(q, kv_cache, out, plan, params, kw, lse_t, ls, scale_t,
+                                mask_arg, mask_ind, part_o, part_lse, ps_o, ps_l)
         if plan.use_parts:
             _mla_merge_kernel[(plan.num_tokens, self.heads)](
                 out, part_o, part_lse, lse_t, os_[0], os_[1], ps_o[0], ps_o[1], ps_o[2],
@@ -630,6 +645,18 @@ class TritonMLA(MLAKernel):
                 FIXED_ORDER=self.batch_invariant, num_warps=4,
                 **pdl_kwargs(plan.cfg_kw["PDL"], reduction=True))
         return out
+
+    def _launch_triton(self, q, kv_cache, out, plan, params, kw, lse_t, ls, scale_t,
+                       mask_arg, mask_ind, part_o, part_lse, ps_o, ps_l):
+        cu, seqused_k, block_table = plan.args
+        qs, os_ = q.stride(), out.stride()
+        _mla_fwd_kernel[plan.grid](
+            q, kv_cache, out, part_o, part_lse, lse_t,
+            cu, seqused_k, block_table, mask_arg, mask_ind, scale_t,
+            params.scale * _LOG2E, 1.0,
+            self.heads, plan.batch, plan.head_blocks,
+            qs[0], qs[1], kv_cache.stride(0), kv_cache.stride(1), os_[0], os_[1],
+            block_table.stride(0), ps_o[0], ps_o[1], ps_o[2], ps_l[0], ps_l[1], *ls, **kw)
 
 
 def mla_paged_attention(
@@ -657,6 +684,7 @@ def mla_paged_attention(
     split_v_load: Optional[bool] = None,
     lse: Optional[torch.Tensor] = None,
     batch_invariant: bool = False,
+    gluon: Optional[bool] = None,
 ) -> torch.Tensor:
     """Absorbed MLA over a paged latent cache (Triton). Same contract as
     :func:`aiter_attn.kernels.reference.mla_paged_attention_reference`.
@@ -688,6 +716,9 @@ def mla_paged_attention(
             (compute-bound; 128 heads 64x4k: 227 vs 168 TFLOP/s with 64-key tiles).
         lse: optional float32 ``[T, H]``: also receives the natural-log LSE of each row's
             scaled logits (``-inf`` with nothing visible), the flash-attn convention.
+        gluon: ``False``: never the warp-specialised Gluon kernel (:mod:`.mla_gluon`); by
+            default it serves the launches it can (64-head blocks of bf16/fp16 latents
+            512 + 64, pages of a multiple of 64 keys, no mask, NVIDIA sm_90).
         batch_invariant: each row's bits independent of the rest of the batch: keys split
             every :data:`BATCH_INVARIANT_SPLIT_TOKENS` (rounded to ``block_n``) at absolute
             positions, the split path and a fixed-order merge always (the split count, a
@@ -718,8 +749,8 @@ def mla_paged_attention(
         q = q.contiguous()
     tuning = {k: v for k, v in dict(
         num_kv_splits=num_kv_splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
-        num_stages=num_stages, page_chunk=page_chunk, split_v_load=split_v_load).items()
-        if v is not None}
+        num_stages=num_stages, page_chunk=page_chunk, split_v_load=split_v_load,
+        gluon=gluon).items() if v is not None}
     kernel = TritonMLA(mla_request(q, kv_cache, kv_lora_rank,
                                    custom_mask=custom_mask is not None, lse=lse is not None,
                                    batch_invariant=batch_invariant), tuning)
