@@ -216,29 +216,6 @@ def run_mha_rows(kind, rows, args, results):
         dump(results, args)
 
 
-def _mla_ahead(x):
-    """``make_ours_mla`` with ``mla_gluon.GLUON_MLA_AHEAD`` on for its calls."""
-    from aiter_attn.kernels.triton import mla_gluon
-
-    def flip(fn):
-        def call():
-            saved = mla_gluon.GLUON_MLA_AHEAD
-            mla_gluon.GLUON_MLA_AHEAD = True
-            try:
-                fn()
-            finally:
-                mla_gluon.GLUON_MLA_AHEAD = saved
-        return call
-
-    saved = mla_gluon.GLUON_MLA_AHEAD
-    mla_gluon.GLUON_MLA_AHEAD = True
-    try:
-        fn, result = make_ours_mla(x)
-    finally:
-        mla_gluon.GLUON_MLA_AHEAD = saved
-    return flip(fn), result
-
-
 def run_mla_rows(rows, args, results):
     swept = set()  # sweep every 16-head row, the first row of larger head counts
     for heads, bs, ctx in rows:
@@ -259,15 +236,13 @@ def run_mla_rows(rows, args, results):
             add_rates(rec, x.bytes_moved, x.flops)
             case["impls"].append(rec)
             print("   ", summarize(rec, True), flush=True)
-            if heads >= 64 and kv == "bf16":  # the default is the Gluon kernel: the Triton
-                # one, and the Gluon kernel scoring each consumer's next tile a tile ahead
-                for name, make in (("ours-triton", lambda inp: make_ours_mla(inp, gluon=False)),
-                                   ("ours-ahead", _mla_ahead)):
-                    rec = bench_impl(name, make, x, expected, lambda o: o[:rows_b], RTOL_BF16,
-                                     args.rep, args.graphs)
-                    add_rates(rec, x.bytes_moved, x.flops)
-                    case["impls"].append(rec)
-                    print("   ", summarize(rec, True), flush=True)
+            if heads >= 64 and kv == "bf16":  # the default is the Gluon kernel: the Triton one
+                rec = bench_impl("ours-triton", lambda inp: make_ours_mla(inp, gluon=False),
+                                 x, expected, lambda o: o[:rows_b], RTOL_BF16, args.rep,
+                                 args.graphs)
+                add_rates(rec, x.bytes_moved, x.flops)
+                case["impls"].append(rec)
+                print("   ", summarize(rec, True), flush=True)
             key = (heads, bs, ctx) if heads <= 16 else heads
             if args.mla_sweep and kv == "bf16" and key not in swept:
                 swept.add(key)

@@ -26,8 +26,7 @@ def compile_mla(q="bf16", **const):
     from aiter_attn.kernels.triton import mla_gluon as mg
 
     c = dict(PAGE=64, STAGES=2, CAUSAL=True, WRITE_LSE=False, SPLITS=1, BLOCK_B=64,
-             CONSUMER_REGS=mg._CONSUMER_REGS, LOADER_REGS=mg._LOADER_REGS,
-             AHEAD=mg.GLUON_MLA_AHEAD, num_warps=4)
+             CONSUMER_REGS=mg._CONSUMER_REGS, LOADER_REGS=mg._LOADER_REGS, num_warps=4)
     c.update(const)
     gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[q]
     fn = mg._gluon_mla_kernel

@@ -63,9 +63,11 @@ def test_gluon_prefill_fits_two_programs_per_sm():
 def test_gluon_mla_compiles_for_sm90(const):
     """The warp-specialised MLA kernel (``aiter_attn/kernels/triton/mla_gluon.py``): 12
     warps (loader warpgroup, two consumers) re-balanced to 24/240 registers, within the
-    H200's shared memory (q 72 KB, two 72 KB latent slots, P). ptxas spills a few scalars
-    of the consumers (96–104 bytes, addresses reloaded per tile; the accumulators stay in
-    registers): bounded here so that growth is seen."""
+    H200's shared memory (q 72 KB, two 72 KB latent slots, P). ptxas spills scalars of
+    one consumer (152–160 bytes: addresses and loop state reloaded per tile; the
+    accumulators stay in registers; 477 TFLOP/s replayed at 128 heads 64×4k on the H200
+    with them): bounded here so that growth is seen (scoring a tile ahead, which spilled
+    368 bytes, measured slower)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, str(ROOT / "scripts" / "inspect_gluon_mla_sm90.py"),
@@ -76,5 +78,5 @@ def test_gluon_mla_compiles_for_sm90(const):
     assert r["warps"] == 12 and r["registers"] * 12 * 32 <= 65536, r
     assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r
     assert r["shared"] <= H200_SMEM_OPTIN, r  # everything Triton allocates is counted
-    assert r["stack"] <= 128, r
+    assert r["stack"] <= 160, r
     assert r["wgmma"] >= 40, r  # scores (36 + 4 k-steps) and p·v per tile, both roles

@@ -297,10 +297,9 @@ GLUON_SHAPES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ahead", [False, True], ids=["", "ahead"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("shape,extra", GLUON_SHAPES)
-def test_gpu_gluon_mla(shape, extra, dtype, ahead, monkeypatch):
+def test_gpu_gluon_mla(shape, extra, dtype, monkeypatch):
     """The Gluon kernel (asserted to serve: 64-head blocks, latents 512 + 64, pages of 64k
     keys) against the oracle, with the cache's unwritten slots and its null page filled with
     NaN (a tail tile's rows past the last key are zeroed before use), splits (the partials
@@ -310,7 +309,6 @@ def test_gpu_gluon_mla(shape, extra, dtype, ahead, monkeypatch):
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon MLA kernel is sm_90 only")
-    monkeypatch.setattr(mla_gluon, "GLUON_MLA_AHEAD", ahead)
     calls = []
     real = mla_gluon._GLUON_MLA.launch
     monkeypatch.setattr(mla_gluon._GLUON_MLA, "launch",

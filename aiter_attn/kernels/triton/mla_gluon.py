@@ -52,8 +52,6 @@ _BLOCK_N = 64
 _RANK, _ROPE = 512, 64
 _MAXNREG = 168  # 12 warps x 168 = the SM's 64K registers; consumers 240, loader 24
 _CONSUMER_REGS, _LOADER_REGS = 240, 24
-#: score a consumer's next tile while the other runs its softmax (benchmarks switch it)
-GLUON_MLA_AHEAD = False
 _LOG2E = 1.4426950408889634
 
 
@@ -123,7 +121,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consume(ops, smem, bars, rows, C: gl.constexpr, STAGES: gl.constexpr,
-                 WRITE_LSE: gl.constexpr, SPLITS: gl.constexpr, AHEAD: gl.constexpr):
+                 WRITE_LSE: gl.constexpr, SPLITS: gl.constexpr):
         """Consumer ``C``: its 256 value columns over every tile, scores and softmax of the
         tiles it owns (``j % 2 == C``); then its half of the output (or split partial)."""
         out_d, part_o, part_l, lse_ptr, qk2 = ops[0]
@@ -145,18 +143,7 @@ if HAS_GLUON:
         acc = gl.zeros([64, 256], gl.float32, layout=o_layout)
         l_i = gl.zeros([64], gl.float32, layout=row_o)
         m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
-        # the scores of this consumer's next tile, computed a tile ahead
-        s = gl.zeros([64, 64], gl.float32, layout=s_layout)
         mbarrier.wait(q_bar, 0)
-        if AHEAD and C == 0:  # consumer 0's first tile (later ones are scored a tile ahead)
-            if n > 0:
-                mbarrier.wait(k_ready.index(0), 0)
-                s_tok = warpgroup_mma(qn_s, kn_s.index(0).permute((1, 0)),
-                                      gl.zeros([64, 64], gl.float32, layout=s_layout),
-                                      use_acc=False, is_async=True)
-                s_tok = warpgroup_mma(qr_s, kr_s.index(0).permute((1, 0)), s_tok,
-                                      is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
         for j in range(n):
             slot = j % STAGES
             mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
@@ -172,13 +159,12 @@ if HAS_GLUON:
                     mbarrier.wait(tail_bar, 0)
             v = kn.slice(C * 256, 256, dim=1)
             if j % 2 == C:  # this consumer owns the tile: scores, softmax, publish P
-                if not AHEAD:
-                    s_tok = warpgroup_mma(qn_s, kn.permute((1, 0)),
-                                          gl.zeros([64, 64], gl.float32, layout=s_layout),
-                                          use_acc=False, is_async=True)
-                    s_tok = warpgroup_mma(qr_s, kr_s.index(slot).permute((1, 0)), s_tok,
-                                          is_async=True)
-                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+                s_tok = warpgroup_mma(qn_s, kn.permute((1, 0)),
+                                      gl.zeros([64, 64], gl.float32, layout=s_layout),
+                                      use_acc=False, is_async=True)
+                s_tok = warpgroup_mma(qr_s, kr_s.index(slot).permute((1, 0)), s_tok,
+                                      is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
                 if j > 0:  # the previous tile's maximum (and its P read by us is done)
                     mbarrier.wait(p_ready, (j - 1) & 1)
                     m_i = m_s.load(row_s)
@@ -204,17 +190,7 @@ if HAS_GLUON:
                 acc_tok = warpgroup_mma(gl.convert_layout(p16, p_layout), v, acc,
                                         is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
-            else:  # the other consumer's tile: first the scores of our next tile (they run
-                # under the owner's softmax), then its P from shared memory
-                if AHEAD and j + 1 < n:
-                    nxt = (j + 1) % STAGES
-                    mbarrier.wait(k_ready.index(nxt), ((j + 1) // STAGES) & 1)
-                    s_tok = warpgroup_mma(qn_s, kn_s.index(nxt).permute((1, 0)),
-                                          gl.zeros([64, 64], gl.float32, layout=s_layout),
-                                          use_acc=False, is_async=True)
-                    s_tok = warpgroup_mma(qr_s, kr_s.index(nxt).permute((1, 0)), s_tok,
-                                          is_async=True)
-                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+            else:  # the other consumer's tile: its P from shared memory
                 mbarrier.wait(p_ready, j & 1)
                 a_o = alpha_s.load(row_o)
                 m_i = m_s.load(row_s)
@@ -254,19 +230,17 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consume_0(ops, smem, bars, rows, descs, STAGES: gl.constexpr,
-                   WRITE_LSE: gl.constexpr, SPLITS: gl.constexpr, PAGE: gl.constexpr,
-                   AHEAD: gl.constexpr):
-        _consume(ops, smem, bars, rows, 0, STAGES, WRITE_LSE, SPLITS, AHEAD)
+                   WRITE_LSE: gl.constexpr, SPLITS: gl.constexpr, PAGE: gl.constexpr):
+        _consume(ops, smem, bars, rows, 0, STAGES, WRITE_LSE, SPLITS)
 
     @gluon.jit
     def _consume_1(ops, smem, bars, rows, descs, STAGES: gl.constexpr,
-                   WRITE_LSE: gl.constexpr, SPLITS: gl.constexpr, PAGE: gl.constexpr,
-                   AHEAD: gl.constexpr):
-        _consume(ops, smem, bars, rows, 1, STAGES, WRITE_LSE, SPLITS, AHEAD)
+                   WRITE_LSE: gl.constexpr, SPLITS: gl.constexpr, PAGE: gl.constexpr):
+        _consume(ops, smem, bars, rows, 1, STAGES, WRITE_LSE, SPLITS)
 
     @gluon.jit
     def _load(ops, smem, bars, rows, descs, STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
-              SPLITS: gl.constexpr, PAGE: gl.constexpr, AHEAD: gl.constexpr):
+              SPLITS: gl.constexpr, PAGE: gl.constexpr):
         """Loader (1 warp): q once, then every latent tile into a slot both consumers
         released; its page from the block table."""
         qn_d, qr_d, kn_d, kr_d, bt_row = descs
@@ -296,8 +270,7 @@ if HAS_GLUON:
         s_ot, s_oh, s_pt, s_ph, s_ps, s_lt, s_lh, s_et, s_eh,
         PAGE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
         WRITE_LSE: gl.constexpr, SPLITS: gl.constexpr, BLOCK_B: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, AHEAD: gl.constexpr,
-        num_warps: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         pid = gl.program_id(0)
         split = gl.program_id(1)
@@ -352,12 +325,9 @@ if HAS_GLUON:
         # the loader is the default partition (its warpgroup gets what the consumers leave:
         # LOADER_REGS); the consumers, as workers, hold nothing of the parent region
         gl.warp_specialize([
-            (_load, (ops, smem, bars, rows, descs, STAGES, WRITE_LSE, SPLITS, PAGE,
-                           AHEAD)),
-            (_consume_0, (ops, smem, bars, rows, descs, STAGES, WRITE_LSE, SPLITS, PAGE,
-                           AHEAD)),
-            (_consume_1, (ops, smem, bars, rows, descs, STAGES, WRITE_LSE, SPLITS, PAGE,
-                           AHEAD)),
+            (_load, (ops, smem, bars, rows, descs, STAGES, WRITE_LSE, SPLITS, PAGE)),
+            (_consume_0, (ops, smem, bars, rows, descs, STAGES, WRITE_LSE, SPLITS, PAGE)),
+            (_consume_1, (ops, smem, bars, rows, descs, STAGES, WRITE_LSE, SPLITS, PAGE)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -395,8 +365,8 @@ def launch_gluon_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, s
             block_table.stride(0), out.stride(0), out.stride(1), *ps_o, *ps_l, *ls)
     kw = dict(PAGE=page, STAGES=2, CAUSAL=bool(causal), WRITE_LSE=lse is not None,
               SPLITS=int(splits), BLOCK_B=max(2, 1 << max(0, (batch - 1).bit_length())),
-              CONSUMER_REGS=_CONSUMER_REGS, LOADER_REGS=_LOADER_REGS, AHEAD=GLUON_MLA_AHEAD,
-              num_warps=4, maxnreg=_MAXNREG)
+              CONSUMER_REGS=_CONSUMER_REGS, LOADER_REGS=_LOADER_REGS, num_warps=4,
+              maxnreg=_MAXNREG)
     _GLUON_MLA.launch((t * hb, splits), args, kw, launch_key(args, kw))
     return out
 
