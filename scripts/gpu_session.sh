@@ -50,6 +50,8 @@
 #   scripts/gpu_session.sh twentyfifth # prefill gpu tests, bench_attention prefill rows
 #                                  # (with ours-dense), sweep rows against the plain forms
 #   scripts/gpu_session.sh twentysixth # MLA gpu tests (the Gluon kernel), bench_attention MLA
+#   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
+#                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
 #                                  # dense extend rows, ncu of Gluon and cuDNN at 8x2k
 #   scripts/gpu_session.sh tenth   # ninth, Triton verify tables (paged, 5-D, MLA) with each
@@ -360,6 +362,13 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
       --out "$OUT/attention" > "$OUT/attention.log" 2>&1
     grep -E "== |ours|Error|error" "$OUT/attention.log" | head -60
     rm -f "$OUT"/*/*.png
+    ;;
+  twentyseventh)
+    timeout ${GT_S:-240} python3 -m pytest -m gpu -q tests/test_triton_prefill.py \
+      tests/test_direct_launch.py tests/test_triton_prefill_extend.py \
+      tests/test_triton_prefill_backend.py tests/test_engine_graphs.py -p no:cacheprovider \
+      -p no:warnings --tb=short -n 4 > "$OUT/prefill_tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed" "$OUT/prefill_tests.log" | tail -15
     ;;
   twentysecond)
     timeout ${GT_S:-120} python3 -m pytest -m gpu -q -x tests/test_triton_prefill.py \

@@ -30,7 +30,7 @@ def compile_gluon(q="bf16", warps=4, maxnreg=None, ws=False, **const):
     c = dict(GROUP=4, D=128, DV=128, BLOCK_M=64, BLOCK_N=64, STAGES=2, HAS_SINKS=False,
              HAS_PREFIX=False, WRITE_LSE=True, M_SLOW=False, num_warps=warps)
     if ws:  # BLOCK_M: rows per consumer
-        c.update(CONSUMER_REGS=pw.CONSUMER_REGS, LOADER_REGS=pw.LOADER_REGS)
+        c.update(CONSUMER_REGS=pw.CONSUMER_REGS, LOADER_REGS=pw.LOADER_REGS, HAS_WINDOW=False)
         maxnreg = maxnreg or pw.WS_MAXNREG
     c.update(const)
     gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[q]

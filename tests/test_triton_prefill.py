@@ -209,6 +209,11 @@ def test_gluon_declines_with_reasons():
         assert "window" in gluon_reject_reason(g, g[:, :2], g[:, :2],
                                                **dict(kw, window=(8, -1)))
         assert "ragged" in gluon_reject_reason(g, g[:, :2], g[:, :2], **dict(kw, search=True))
+        ws = PrefillConfig(128, 128, 4, 2, gluon=True, warp_specialize=True)
+        assert gluon_reject_reason(g, g[:, :2], g[:, :2],
+                                   **dict(kw, window=(8, -1), config=ws)) is None
+        assert "soft-cap" in gluon_reject_reason(g, g[:, :2], g[:, :2],
+                                                 **dict(kw, softcap=2.0, config=ws))
         assert "head dims" in gluon_reject_reason(g[..., :80], g[:, :2, :80], g[:, :2, :80],
                                                   **kw)
 
@@ -270,11 +275,15 @@ def test_gluon_dense_gpu(dtype, cfg, monkeypatch):
         assert gluon_reject_reason(qd, kd, kd, causal=True, window=(-1, -1), softcap=0.0,
                                    search=search, config=cfg) is None
         sinks = torch.randn(c.hq, generator=g)
-        for kw in ({}, {"sinks": sinks}):
+        cases_kw = [{}, {"sinks": sinks}]
+        if cfg.warp_specialize:  # left windows: the lower consumer's tiles start first
+            cases_kw += [{"window": (100, 0)}, {"window": (37, -1), "sinks": sinks},
+                         {"window": (200, 5)}]
+        for kw in cases_kw:
             eo, el = c.oracle(causal=True, **kw)
             o, l = c.run(config=cfg, **kw)
-            assert_close_rel(o, eo, RTOL[dtype], f"out {q_lens} {list(kw)}")
-            assert_lse(l, el, LSE_RTOL[dtype], f"lse {q_lens} {list(kw)}")
+            assert_close_rel(o, eo, RTOL[dtype], f"out {q_lens} {kw.get('window')} {list(kw)}")
+            assert_lse(l, el, LSE_RTOL[dtype], f"lse {q_lens} {kw.get('window')} {list(kw)}")
         # prefix merge: an arbitrary (o_p, lse_p) merged exactly, one row with lse_p = -inf
         op = torch.randn(sum(q_lens), c.hq, c.dv, generator=g).to(dtype)
         lp = torch.randn(sum(q_lens), c.hq, generator=g) + 3.0

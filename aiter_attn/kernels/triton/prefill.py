@@ -412,8 +412,8 @@ def _choose_cached(d_pad, dv_pad, elem, sm90, smem, interp, ov, sized=False, few
             # 128-key tiles, 2 stages: 1x8k 466/460 -> 559/559, 1x16k 505/498 -> 601/603,
             # 8x2k 412/389 -> 451/443; with few waves, 64-key tiles, 3 stages, longest
             # blocks first: 1x2k 362/372 -> 409/427 (the Triton m-slow launch: ~405/408)
-            # (eleventh session). Launches it cannot serve (window, soft-cap, ragged search)
-            # fall back to the Triton kernel with 64-row tiles (PrefillConfig.triton_fallback)
+            # (eleventh session). Launches it cannot serve (soft-cap, ragged search) fall
+            # back to the Triton kernel with 64-row tiles (PrefillConfig.triton_fallback)
             cfg = (PrefillConfig(128, 64, 4, 3, tma=True, m_slow=True, gluon=True,
                                  warp_specialize=True) if few else
                    PrefillConfig(128, 128, 4, 2, tma=True, gluon=True, warp_specialize=True))
@@ -543,7 +543,7 @@ def launch_dense(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap, sinks
                 from .prefill_gluon_ws import launch_gluon_ws_prefill
 
                 return launch_gluon_ws_prefill(q, k, v, out, cu_q, cu_k, scale, sinks, lse,
-                                               prefix, config, grid)
+                                               prefix, config, grid, window=window)
             return launch_gluon_prefill(q, k, v, out, cu_q, cu_k, scale, sinks, lse, prefix,
                                         config, grid)
         config, grid, search = config.triton_fallback(grid, search, q.shape[0],

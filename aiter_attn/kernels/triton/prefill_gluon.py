@@ -69,8 +69,10 @@ def gluon_reject_reason(q, k, v, *, causal, window, softcap, search, config) -> 
     d, dv = q.shape[2], v.shape[2]
     if d != dv or d not in (64, 128):
         return f"head dims {d}/{dv} (equal, 64 or 128)"
-    if not causal or tuple(window) != (-1, -1) or softcap > 0:
-        return "window, soft-cap and non-causal layers stay on the Triton kernel"
+    if not causal or softcap > 0:
+        return "soft-cap and non-causal layers stay on the Triton kernel"
+    if tuple(window) != (-1, -1) and not config.warp_specialize:
+        return "window: the warp-specialised form only (PrefillConfig.warp_specialize)"
     if search:
         return "ragged grids (request search) stay on the Triton kernel"
     if config.warp_specialize:
