@@ -300,7 +300,8 @@ def launch_gluon_ws_prefill(q, k, v, out, cu_q, cu_k, scale, sinks, lse, prefix,
                             window=(-1, -1)):
     """Launch the warp-specialised kernel on ``grid`` (:meth:`.prefill.PrefillConfig.grid`
     with ``config.block_m == 128``: two 64-row consumers per program) after
-    :func:`.prefill_gluon.gluon_reject_reason` returned ``None``. O(1) host work."""
+    :func:`.prefill_gluon.gluon_reject_reason` returned ``None``. ``window``: flash-attn
+    ``(left, right)`` of the causal layer (``left >= 0``: a left window). O(1) host work."""
     from .prefill import epilogue_operands
 
     num_tokens, hq, d = q.shape
