@@ -20,6 +20,7 @@ FEATURES = {
     "cascade": ("cascade (shared-prefix) attention", "cascade_min_shared_tokens"),
     "batch-invariant": ("batch-invariant (deterministic) attention", "batch_invariant=True"),
     "mixed steps": ("mixed prefill + decode in one forward", "mixed step"),
+    "hopper kernels": ("warp-specialised Hopper kernels (Gluon)", "Warp-specialised Hopper"),
 }
 
 

@@ -11,7 +11,8 @@ import torch
 from ..types import AttnArch, ForwardMode
 
 __all__ = ["add_parser", "collect_info", "mode_arch_table", "table_markdown", "kv_formats_table",
-           "kv_formats_markdown", "CASCADE_NOTE", "BATCH_INVARIANT_NOTE", "ENGINE_STEPS_NOTE"]
+           "kv_formats_markdown", "CASCADE_NOTE", "BATCH_INVARIANT_NOTE", "ENGINE_STEPS_NOTE",
+           "HOPPER_NOTE"]
 
 
 def _kernel_for_cell(kernels, pair, mode, cfg, device: str, dtype: torch.dtype):
@@ -204,6 +205,7 @@ def collect_info() -> dict:
         "engine_steps": ENGINE_STEPS_NOTE,
         "cascade": CASCADE_NOTE,
         "batch_invariant": BATCH_INVARIANT_NOTE,
+        "hopper_kernels": HOPPER_NOTE,
         "kv_formats": kv_formats_table(),
     }
 
@@ -225,6 +227,17 @@ CASCADE_NOTE = (
     "over ≥ N tokens read those pages once per run, merged by LSE with each request's own "
     "pages; grouped on the device every step (no sync), CUDA-graph capturable with the "
     "Triton kernels (eager-only over the reference).")
+
+
+#: The warp-specialised Gluon kernels (issue 14): where they run instead of the Triton ones.
+HOPPER_NOTE = (
+    "Warp-specialised Hopper kernels (Gluon; automatic on NVIDIA sm_90, nothing to set): "
+    "causal dense prefill and extend passes of bf16/fp16 at head dim 64/128 (left windows "
+    "included) run `prefill_gluon_ws` (a loader warp and two 64-row consumer warpgroups "
+    "sharing each K/V tile); MLA decode and verify in 64-head blocks of bf16/fp16 latents "
+    "512 + 64 (pages of a multiple of 64 keys, no mask) run `mla_gluon` "
+    "(`mla_paged_attention(..., gluon=False)` keeps the Triton kernel); every other launch "
+    "runs the Triton kernels.")
 
 
 #: Batch-invariant mode (issue 16): how it is turned on, what it promises, what it turns off.
@@ -264,6 +277,7 @@ def _print_text(info: dict) -> None:
     print(f"\n{info['engine_steps']}")
     print(f"\n{info['cascade']}")
     print(f"\n{info['batch_invariant']}")
+    print(f"\n{info['hopper_kernels']}")
     print("\nKV formats (built-in kernels per architecture family):")
     for r in info["kv_formats"]:
         print(f"  {r['format']:<36} {r['kv_scale_granularity']:<15} "
@@ -282,7 +296,8 @@ def table_markdown(rows: list[dict]) -> str:
                          f"{r['cell_cg_support']} | {r['kernel']} |")
         else:
             lines.append(f"| {r['mode']} | {r['arch']} | — | — | {r['why']} |")
-    lines += ["", ENGINE_STEPS_NOTE, "", CASCADE_NOTE, "", BATCH_INVARIANT_NOTE]
+    lines += ["", ENGINE_STEPS_NOTE, "", CASCADE_NOTE, "", BATCH_INVARIANT_NOTE, "",
+              HOPPER_NOTE]
     return "\n".join(lines) + "\n"
 
 
