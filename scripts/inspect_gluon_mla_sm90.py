@@ -1,6 +1,7 @@
 """Compile the warp-specialised Gluon MLA kernel (:mod:`aiter_attn.kernels.triton.mla_gluon`)
 for sm_90 on any host (no GPU: Triton's wheel carries ptxas) and report registers, spills,
-shared memory, the partitions' register re-allocations (``setmaxnreg``) and the wgmma count.
+shared memory, the partitions' register re-allocations (``setmaxnreg``) and the wgmma count
+(the report of ``inspect_gluon_prefill_sm90.py``).
 
 Usage::
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 
 import triton
@@ -62,22 +62,9 @@ def main():
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from inspect_sm90 import resource_usage
+    from inspect_gluon_prefill_sm90 import gluon_report, print_report
 
-    k = compile_mla(**json.loads(a.const))
-    ptx = k.asm["ptx"]
-    res = resource_usage(k)
-    report = {
-        "registers": res["REG"], "stack": res.get("STACK", 0), "shared": k.metadata.shared,
-        "warps": k.metadata.num_warps, "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
-        "setmaxnreg": sorted({int(x) for x in
-                              re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
-    }
-    if a.json:
-        print(json.dumps(report))
-    else:
-        for key, val in report.items():
-            print(f"{key:<12}", val)
+    print_report(gluon_report(compile_mla(**json.loads(a.const))), a.json)
 
 
 if __name__ == "__main__":

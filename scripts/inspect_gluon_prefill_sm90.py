@@ -63,22 +63,17 @@ def compile_gluon(q="bf16", warps=4, maxnreg=None, ws=False, **const):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("const", nargs="?", default="{}")
-    p.add_argument("--ws", action="store_true", help="the warp-specialised kernel")
-    p.add_argument("--json", action="store_true", help="one JSON line instead of a table")
-    p.add_argument("--dump", default=None)
-    a = p.parse_args()
+def gluon_report(k) -> dict:
+    """Registers, spills (ptxas stack bytes), shared memory, warps, wgmma count, the wgmma
+    waits and the partitions' ``setmaxnreg`` values of a compiled kernel ``k``."""
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from inspect_sm90 import resource_usage
 
-    k = compile_gluon(ws=a.ws, **json.loads(a.const))
     ptx = k.asm["ptx"]
     res = resource_usage(k)
-    report = {
+    return {
         "registers": res["REG"], "stack": res.get("STACK", 0), "shared": k.metadata.shared,
         "warps": k.metadata.num_warps, "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
         "wait_group": [int(x) for x in
@@ -86,11 +81,25 @@ def main():
         "setmaxnreg": sorted({int(x) for x in
                               re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
     }
-    if a.json:
+
+
+def print_report(report: dict, as_json: bool) -> None:
+    if as_json:
         print(json.dumps(report))
     else:
         for key, val in report.items():
             print(f"{key:<14}", val)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("const", nargs="?", default="{}")
+    p.add_argument("--ws", action="store_true", help="the warp-specialised kernel")
+    p.add_argument("--json", action="store_true", help="one JSON line instead of a table")
+    p.add_argument("--dump", default=None)
+    a = p.parse_args()
+    k = compile_gluon(ws=a.ws, **json.loads(a.const))
+    print_report(gluon_report(k), a.json)
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)
         for key in ("ttgir", "ptx"):

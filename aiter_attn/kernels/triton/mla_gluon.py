@@ -36,13 +36,12 @@ batch-invariant, NVIDIA sm_90, TMA-able (row-contiguous) q and cache
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 
 from ._launch import Launcher, launch_key
-from .prefill_gluon import HAS_GLUON
+from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout
 
 __all__ = ["gluon_mla_reject_reason", "launch_gluon_mla", "GLUON_MLA_BLOCK_H"]
 
@@ -52,7 +51,6 @@ _BLOCK_N = 64
 _RANK, _ROPE = 512, 64
 _MAXNREG = 168  # 12 warps x 168 = the SM's 64K registers; consumers 240, loader 24
 _CONSUMER_REGS, _LOADER_REGS = 240, 24
-_LOG2E = 1.4426950408889634
 
 
 def gluon_mla_reject_reason(*, heads: int, rank: int, rope: int, dtype, kv_dtype,
@@ -331,12 +329,6 @@ if HAS_GLUON:
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
-@functools.lru_cache(maxsize=None)
-def _layout(rows: int, cols: int, dtype: torch.dtype):
-    gdt = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
-    return gl.NVMMASharedLayout.get_default_for([rows, cols], gdt)
-
-
 def launch_gluon_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, splits,
                      batch, causal, lse=None, part_o=None, part_lse=None):
     """One launch over ``(tokens · heads / 64, splits)`` programs; with ``splits > 1`` it
@@ -346,8 +338,8 @@ def launch_gluon_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, s
     pages, page, _, _ = kv_cache.shape
     q2 = q.view(t * h, d)
     kv2 = kv_cache.view(pages * page, d)
-    ln = _layout(64, _RANK, q.dtype)
-    lr = _layout(64, _ROPE, q.dtype)
+    ln = _smem_layout(64, _RANK, q.dtype)
+    lr = _smem_layout(64, _ROPE, q.dtype)
     qn_d = GluonDescriptor(q2, [t * h, _RANK], [d, 1], [64, _RANK], ln)
     qr_d = GluonDescriptor(q2, [t * h, d], [d, 1], [64, _ROPE], lr)
     kn_d = GluonDescriptor(kv2, [pages * page, _RANK], [d, 1], [64, _RANK], ln)

@@ -49,7 +49,7 @@ except ImportError:  # pragma: no cover - older Triton
 
 from ._launch import Launcher, launch_key
 
-__all__ = ["HAS_GLUON", "gluon_reject_reason", "launch_gluon_prefill"]
+__all__ = ["HAS_GLUON", "gluon_reject_reason", "gluon_launch_args", "launch_gluon_prefill"]
 
 _LOG2E = 1.4426950408889634
 _GL_DTYPES = {}
@@ -203,14 +203,10 @@ if HAS_GLUON:
 
 
     @gluon.jit
-    def _gluon_prefill_kernel(
-        q_desc, k_desc, v_desc, O, LSE, OP, LSEP, Sinks, CuQ, CuK,
-        qk2, s_ot, s_oh, s_lt, s_lh, s_pt, s_ph, s_plt, s_plh,
-        GROUP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_SINKS: gl.constexpr,
-        HAS_PREFIX: gl.constexpr, WRITE_LSE: gl.constexpr, M_SLOW: gl.constexpr,
-        num_warps: gl.constexpr,
-    ):
+    def _program_block(CuQ, CuK, M_SLOW: gl.constexpr):
+        """``(h, b, start_m, q0, nq, k0, nk)`` of this program: its head, request and query
+        block (the grid of :meth:`.prefill.PrefillConfig.grid`, longest blocks first) and
+        the request's query/key offsets and lengths."""
         if M_SLOW:
             h = gl.program_id(0)
             b = gl.program_id(1)
@@ -223,6 +219,18 @@ if HAS_GLUON:
         nq = gl.load(CuQ + b + 1) - q0
         k0 = gl.load(CuK + b)
         nk = gl.load(CuK + b + 1) - k0
+        return h, b, start_m, q0, nq, k0, nk
+
+    @gluon.jit
+    def _gluon_prefill_kernel(
+        q_desc, k_desc, v_desc, O, LSE, OP, LSEP, Sinks, CuQ, CuK,
+        qk2, s_ot, s_oh, s_lt, s_lh, s_pt, s_ph, s_plt, s_plh,
+        GROUP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_SINKS: gl.constexpr,
+        HAS_PREFIX: gl.constexpr, WRITE_LSE: gl.constexpr, M_SLOW: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        h, b, start_m, q0, nq, k0, nk = _program_block(CuQ, CuK, M_SLOW)
         min_i = start_m * BLOCK_M
         if min_i >= nq:
             return
@@ -287,27 +295,37 @@ if HAS_GLUON:
                   WRITE_LSE, row_o, col_o)
 
 
-def launch_gluon_prefill(q, k, v, out, cu_q, cu_k, scale, sinks, lse, prefix, config, grid):
-    """Launch the Gluon kernel on ``grid`` (:meth:`.prefill.PrefillConfig.grid`, non-search)
-    after :func:`gluon_reject_reason` returned ``None``. O(1) host work."""
+def gluon_launch_args(q, k, v, out, cu_q, cu_k, scale, sinks, lse, prefix, config,
+                      q_rows: int) -> tuple:
+    """``(args, kw)`` both Gluon dense kernels start from: the TMA descriptors (``q_rows``
+    query rows per descriptor block), the epilogue operands and the shared constexprs
+    (``BLOCK_M = q_rows``). O(1) host work."""
     from .prefill import epilogue_operands
 
     num_tokens, hq, d = q.shape
     tk, hkv, dv = k.shape[0], k.shape[1], v.shape[2]
-    bm, bn = config.block_m, config.block_n
-    q_l = _smem_layout(bm, d, q.dtype)
+    bn = config.block_n
+    q_l = _smem_layout(q_rows, d, q.dtype)
     kv_l = _smem_layout(bn, d, q.dtype)
-    qd = GluonDescriptor(q, [num_tokens, hq * d], [q.stride(0), 1], [bm, d], q_l)
+    qd = GluonDescriptor(q, [num_tokens, hq * d], [q.stride(0), 1], [q_rows, d], q_l)
     kd = GluonDescriptor(k, [tk, hkv * d], [k.stride(0), 1], [bn, d], kv_l)
     vd = GluonDescriptor(v, [tk, hkv * dv], [v.stride(0), 1], [bn, dv], kv_l)
     lse_t, ls, op, lp, ps, pls = epilogue_operands(out, lse, prefix)
     os_ = out.stride()
     args = (qd, kd, vd, out, lse_t, op, lp, sinks if sinks is not None else cu_q, cu_q, cu_k,
             float(scale) * _LOG2E, os_[0], os_[1], ls[0], ls[1], ps[0], ps[1], pls[0], pls[1])
-    kw = dict(GROUP=hq // hkv, D=d, DV=dv, BLOCK_M=bm, BLOCK_N=bn,
+    kw = dict(GROUP=hq // hkv, D=d, DV=dv, BLOCK_M=q_rows, BLOCK_N=bn,
               STAGES=max(2, config.num_stages), HAS_SINKS=sinks is not None,
-              HAS_PREFIX=prefix is not None, WRITE_LSE=lse is not None, M_SLOW=config.m_slow,
-              num_warps=config.num_warps)
+              HAS_PREFIX=prefix is not None, WRITE_LSE=lse is not None, M_SLOW=config.m_slow)
+    return args, kw
+
+
+def launch_gluon_prefill(q, k, v, out, cu_q, cu_k, scale, sinks, lse, prefix, config, grid):
+    """Launch the Gluon kernel on ``grid`` (:meth:`.prefill.PrefillConfig.grid`, non-search)
+    after :func:`gluon_reject_reason` returned ``None``. O(1) host work."""
+    args, kw = gluon_launch_args(q, k, v, out, cu_q, cu_k, scale, sinks, lse, prefix, config,
+                                 config.block_m)
+    kw["num_warps"] = config.num_warps
     _GLUON.launch(grid, args, kw, launch_key(args, kw))
     return out
 

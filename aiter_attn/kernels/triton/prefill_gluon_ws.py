@@ -28,7 +28,7 @@ decides which launches it may serve (soft-cap and non-causal layers: the Triton 
 from __future__ import annotations
 
 from ._launch import Launcher, launch_key
-from .prefill_gluon import HAS_GLUON, _LOG2E, _smem_layout
+from .prefill_gluon import HAS_GLUON, gluon_launch_args
 
 __all__ = ["launch_gluon_ws_prefill", "WS_MAXNREG", "CONSUMER_REGS"]
 
@@ -44,9 +44,8 @@ if HAS_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    from .prefill_gluon import _epilogue, _softmax_tile
+    from .prefill_gluon import _epilogue, _program_block, _softmax_tile
 
     @gluon.jit
     def _half_tiles(min_r, nq, nk, delta, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -243,18 +242,7 @@ if HAS_GLUON:
         HAS_WINDOW: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
         num_warps: gl.constexpr,
     ):
-        if M_SLOW:
-            h = gl.program_id(0)
-            b = gl.program_id(1)
-            start_m = gl.num_programs(2) - 1 - gl.program_id(2)
-        else:
-            start_m = gl.num_programs(0) - 1 - gl.program_id(0)
-            h = gl.program_id(1)
-            b = gl.program_id(2)
-        q0 = gl.load(CuQ + b)
-        nq = gl.load(CuQ + b + 1) - q0
-        k0 = gl.load(CuK + b)
-        nk = gl.load(CuK + b + 1) - k0
+        h, b, start_m, q0, nq, k0, nk = _program_block(CuQ, CuK, M_SLOW)
         min_i = start_m * (2 * BLOCK_M)
         if min_i >= nq:
             return
@@ -302,26 +290,11 @@ def launch_gluon_ws_prefill(q, k, v, out, cu_q, cu_k, scale, sinks, lse, prefix,
     with ``config.block_m == 128``: two 64-row consumers per program) after
     :func:`.prefill_gluon.gluon_reject_reason` returned ``None``. ``window``: flash-attn
     ``(left, right)`` of the causal layer (``left >= 0``: a left window). O(1) host work."""
-    from .prefill import epilogue_operands
-
-    num_tokens, hq, d = q.shape
-    tk, hkv, dv = k.shape[0], k.shape[1], v.shape[2]
-    half, bn = config.block_m // 2, config.block_n
-    q_l = _smem_layout(half, d, q.dtype)
-    kv_l = _smem_layout(bn, d, q.dtype)
-    qd = GluonDescriptor(q, [num_tokens, hq * d], [q.stride(0), 1], [half, d], q_l)
-    kd = GluonDescriptor(k, [tk, hkv * d], [k.stride(0), 1], [bn, d], kv_l)
-    vd = GluonDescriptor(v, [tk, hkv * dv], [v.stride(0), 1], [bn, dv], kv_l)
-    lse_t, ls, op, lp, ps, pls = epilogue_operands(out, lse, prefix)
-    os_ = out.stride()
-    args = (qd, kd, vd, out, lse_t, op, lp, sinks if sinks is not None else cu_q, cu_q, cu_k,
-            float(scale) * _LOG2E, os_[0], os_[1], ls[0], ls[1], ps[0], ps[1], pls[0], pls[1],
-            int(window[0]) if window[0] >= 0 else 0)
-    kw = dict(GROUP=hq // hkv, D=d, DV=dv, BLOCK_M=half, BLOCK_N=bn, HAS_WINDOW=window[0] >= 0,
-              STAGES=max(2, config.num_stages), HAS_SINKS=sinks is not None,
-              HAS_PREFIX=prefix is not None, WRITE_LSE=lse is not None, M_SLOW=config.m_slow,
-              CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4,
-              maxnreg=WS_MAXNREG)
+    args, kw = gluon_launch_args(q, k, v, out, cu_q, cu_k, scale, sinks, lse, prefix, config,
+                                 config.block_m // 2)
+    args += (int(window[0]) if window[0] >= 0 else 0,)
+    kw.update(HAS_WINDOW=window[0] >= 0, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
+              num_warps=4, maxnreg=WS_MAXNREG)
     _GLUON_WS.launch(grid, args, kw, launch_key(args, kw))
     return out
 
