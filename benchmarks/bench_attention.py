@@ -396,6 +396,10 @@ def main(argv=None):
                    help="also time launch variants of the cascade (_cascade.SWEEP; the first N "
                         "of them with a number)")
     p.add_argument("--flex-prefill", action="store_true", help="flex_attention on prefill too")
+    p.add_argument("--overrides", default="{}",
+                   help="JSON launch overrides of our paged kernel for the whole run "
+                        "(aiter_attn.kernels.triton._launch_config.TUNING_OVERRIDES keys, e.g. "
+                        "'{\"v_pairs\": false}')")
     p.add_argument("--host-calls", type=int, default=2000,
                    help="calls per timed round of the host rows (≥ 2,000 for the record)")
     p.add_argument("--host-batches", default="8,32", help="engine batch sizes of the host rows")
@@ -403,6 +407,11 @@ def main(argv=None):
                    help="the host group only, tiny shapes on the CPU (proves the harness runs)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    overrides = json.loads(args.overrides)
+    if overrides:
+        from aiter_attn.kernels.triton._launch_config import TUNING_OVERRIDES
+
+        TUNING_OVERRIDES.update(overrides)
     if args.smoke and "cascade" in args.only.split(","):
         rows = run_cascade(smoke=True) + run_cascade_engine(smoke=True)
         _write_cascade(rows, args.out, {"smoke": True})

@@ -70,7 +70,8 @@ def launched_constexprs(launched: str, q_len: int = 1, fp8: bool = False) -> dic
     return dict(HEADS=cfg.heads, NUM_HCHUNKS=-(-4 // cfg.heads), BLOCK_Q=cfg.block_q,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=page, PAGE_CHUNK=cfg.page_chunk_for(page),
                 SPLIT=cfg.num_splits > 1, SEARCH_SEQ=search, WARP_SPEC=cfg.warp_spec,
-                PDL=cfg.pdl, warps=cfg.num_warps, stages=cfg.num_stages, num_splits=cfg.num_splits)
+                PDL=cfg.pdl, V_PAIRS=fp8, warps=cfg.num_warps, stages=cfg.num_stages,
+                num_splits=cfg.num_splits)
 
 
 def compile_paged(kv="bf16", q="bf16", warps=8, stages=3, launched=None, q_len=1, **const):
@@ -88,7 +89,7 @@ def compile_paged(kv="bf16", q="bf16", warps=8, stages=3, launched=None, q_len=1
              COMPUTE_DTYPE=tl.float16 if fp8 and q == "bf16" else _TL[q],
              CLAMP_Q=fp8 and q == "bf16", DOT_PRECISION="tf32", NUM_STAGES=stages,
              WARP_SPEC=False, PAGE_CHUNK=16, KX=1, VX=1, WRITE_LSE=False, FIXED_SPLITS=False,
-             FUSED_REDUCE=False, TOKEN_SCALES=False)
+             FUSED_REDUCE=False, TOKEN_SCALES=False, V_PAIRS=False)
     # head-dim strides of NHD caches are 1: Triton's launcher specialises integer arguments
     # equal to 1 into constants, so they are constexprs here too
     c.update(stride_kd=1, stride_vd=1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["tanh", "online_softmax_tile"]
+__all__ = ["tanh", "online_softmax_tile", "online_softmax_tile_pairs"]
 
 
 @triton.jit
@@ -31,3 +31,22 @@ def online_softmax_tile(acc, m_i, l_i, s, v, COMPUTE_DTYPE: tl.constexpr,
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE), acc, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def online_softmax_tile_pairs(acc, acc_odd, m_i, l_i, s, v, v_odd, COMPUTE_DTYPE: tl.constexpr,
+                              DOT_PRECISION: tl.constexpr):
+    """:func:`online_softmax_tile` with the value columns split by parity: ``v``/``v_odd``
+    ``[N, Dv/2]`` hold the even/odd head-dim columns, ``acc``/``acc_odd`` float32
+    ``[M, Dv/2]`` their accumulators (two dots of half width, the same arithmetic per
+    column). Returns ``(acc, acc_odd, m_new, l_i)``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(COMPUTE_DTYPE)
+    acc = tl.dot(p, v.to(COMPUTE_DTYPE), acc * alpha[:, None], input_precision=DOT_PRECISION)
+    acc_odd = tl.dot(p, v_odd.to(COMPUTE_DTYPE), acc_odd * alpha[:, None],
+                     input_precision=DOT_PRECISION)
+    return acc, acc_odd, m_new, l_i

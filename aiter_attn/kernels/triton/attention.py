@@ -277,6 +277,9 @@ class TritonPagedAttention(AttentionKernel):
             SPLIT_CHUNK=_split_chunk(splits, cfg.block_m, self.dv_pad) if fused else 1,
             COMPUTE_DTYPE=self.compute,
             CLAMP_Q=self.clamp_q, DOT_PRECISION=self.dot_precision,
+            # fp8 values as 16-bit column pairs where the cache layout allows (_launch_kw)
+            V_PAIRS=bool(self.fp8 and self.v_head_dim == self.dv_pad
+                         and TUNING_OVERRIDES.get("v_pairs", True)),
             NUM_STAGES=cfg.num_stages, WARP_SPEC=cfg.warp_spec, PAGE_CHUNK=page_chunk,
             num_warps=cfg.num_warps, **pdl_kwargs(cfg.pdl, reduction=False))
         return TritonPlan(
@@ -300,11 +303,11 @@ class TritonPagedAttention(AttentionKernel):
 
     @staticmethod
     def _kw(plan: TritonPlan, key):
-        causal, softcap, sinks, scales, (kx, vx), write_lse, token_scales = key
+        causal, softcap, sinks, scales, (kx, vx, pairs), write_lse, token_scales = key
         kw = dict(plan.cfg_kw)
         kw.update(CAUSAL=causal and not plan.mask_literal, HAS_SOFTCAP=softcap, HAS_SINKS=sinks,
                   HAS_SCALES=scales, KX=kx, VX=vx, WRITE_LSE=write_lse,
-                  TOKEN_SCALES=token_scales)
+                  TOKEN_SCALES=token_scales, V_PAIRS=kw["V_PAIRS"] and pairs)
         plan.kw_cache[key] = kw
         return kw
 
@@ -395,7 +398,10 @@ class TritonPagedAttention(AttentionKernel):
         """The cache layout's part: ``(sid, strides, kx, vx)`` (strides: k's four then v's)."""
         k_strides, v_strides, kx, vx = self._layout(k_cache, v_cache)
         strides = (*k_strides, *v_strides)
-        return (_intern(("layout", strides, kx, vx)), strides, kx, vx)
+        # 8-bit values can be read as 16-bit column pairs (V_PAIRS): unit head-dim stride,
+        # even token / page / head strides (so every pair starts at an even byte)
+        pairs = vx == 1 and v_strides[3] == 1 and all(s % 2 == 0 for s in v_strides[:3])
+        return (_intern(("layout", strides, kx, vx)), strides, kx, vx, pairs)
 
     def _launch_args(self, q, cache, plan: TritonPlan, params, out, lse):
         """``(args, key, pe, layout)`` of the attention kernel's launch: O(1) checks, no
@@ -439,7 +445,7 @@ class TritonPagedAttention(AttentionKernel):
                align, qs, os_)
         return args, key, pe, layout
 
-    def _launch_kw(self, plan: TritonPlan, pe, layout, write_lse: bool) -> dict:
+    def _launch_kw(self, plan: TritonPlan, pe, layout, write_lse: bool, key) -> dict:
         """The attention launch's constexprs (memoised per layer flags on the plan). Every
         launch key's first launch comes here (the direct path reuses what it compiled), so
         the combination checks below guard the direct launches too."""
@@ -448,7 +454,9 @@ class TritonPagedAttention(AttentionKernel):
         if token_scales and (kx, vx) != (1, 1):
             raise ValueError(f"{self.name}: per-(token, head) scales are served on NHD pages "
                              "only (op paged_attention), not the 5-D layout.")
-        fkey = (causal, softcap, sinks, scales, (kx, vx), write_lse, token_scales)
+        align = key[8]  # 0: every per-call tensor 16-byte aligned, else one flag each
+        pairs = layout[4] and (align == 0 or align[2])
+        fkey = (causal, softcap, sinks, scales, (kx, vx, pairs), write_lse, token_scales)
         kw = plan.kw_cache.get(fkey)
         return kw if kw is not None else self._kw(plan, fkey)
 
@@ -488,8 +496,8 @@ class TritonPagedAttention(AttentionKernel):
             return out
         args, key, pe, layout = self._launch_args(q, cache, plan, params, out, lse)
         if not _ATTN.launch_cached(plan.grid, args, key):
-            _ATTN.launch(plan.grid, args, self._launch_kw(plan, pe, layout, lse is not None),
-                         key)
+            _ATTN.launch(plan.grid, args,
+                         self._launch_kw(plan, pe, layout, lse is not None, key), key)
         if plan.split and plan.counters is None:
             self._reduce(plan, params, out, args, lse, key)
         return out
@@ -500,7 +508,7 @@ class TritonPagedAttention(AttentionKernel):
         through the direct launch of :mod:`._launch` (as :meth:`run` launches where it
         applies); else Triton's own ``kernel[grid](*args, **kw)``."""
         args, key, pe, layout = self._launch_args(q, cache, plan, params, out, None)
-        kw = self._launch_kw(plan, pe, layout, False)
+        kw = self._launch_kw(plan, pe, layout, False, key)
         grid = plan.grid
         reduce = plan.split and plan.counters is None
         if direct:

@@ -39,7 +39,7 @@ import triton.language as tl
 from ...types import FP8_DTYPES
 from ._kvutil import next_pow2
 from ._paging import load_chunk_pages, tile_pages_of
-from ._softmax import online_softmax_tile, tanh
+from ._softmax import online_softmax_tile, online_softmax_tile_pairs, tanh
 from ._launch_config import TUNING_OVERRIDES, _cdiv, choose_config
 from ._pdl import wait_then_release
 
@@ -67,12 +67,12 @@ def _kv_rows(page, in_page, stride_kp, stride_kt, stride_vp, stride_vt, VX: tl.c
 
 @triton.jit
 def _tile_step(
-    acc, m_i, l_i, q, qk_scale, softcap, K, V, k_rows, v_rows, kv_head_off_k, kv_head_off_v,
+    acc, acc_odd, m_i, l_i, q, qk_scale, softcap, K, V, k_rows, v_rows, kv_head_off_k, kv_head_off_v,
     Mask, mask_row_off, kv_len, pos, row_valid, left, right, kpos,
     offs_d, offs_dv, d_mask, dv_mask, KSc, VSc, s_rows, v_mul,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_CUSTOM_MASK: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TOKEN_SCALES: tl.constexpr, CLAMP_V: tl.constexpr,
+    TOKEN_SCALES: tl.constexpr, CLAMP_V: tl.constexpr, V_PAIRS: tl.constexpr,
 ):
     """One key tile: load K ``[D, BLOCK_N]`` / V ``[BLOCK_N, DV]`` at the int64 row offsets
     ``k_rows``/``v_rows`` (token ``kpos``), update the online softmax ``(acc, m_i, l_i)``.
@@ -85,26 +85,50 @@ def _tile_step(
     value, never ``x / layer_scale``; ``CLAMP_V`` saturates it to fp16's range).
     """
     k_ptrs = K + kv_head_off_k + k_rows[None, :] + offs_d[:, None]
-    v_ptrs = V + kv_head_off_v + v_rows[:, None] + offs_dv[None, :]
+    if V_PAIRS:
+        # 8-bit values read as 16-bit pairs of adjacent head-dim columns ([BLOCK_N, DV/2]):
+        # a 16-bit operand goes from shared memory to the MMA layout with ldmatrix.trans,
+        # where a transposed 8-bit one is read byte by byte; the bytes are split by parity
+        # in registers and feed two half-width dots
+        v_pair_rows = tl.multiple_of((kv_head_off_v + v_rows) // 2, 8)
+        v_ptrs = V.to(tl.pointer_type(tl.int16), bitcast=True) + v_pair_rows[:, None] \
+            + tl.arange(0, offs_dv.shape[0] // 2)[None, :]
+    else:
+        v_ptrs = V + kv_head_off_v + v_rows[:, None] + offs_dv[None, :]
     if MASKED:
         kin = kpos < kv_len
         k = tl.load(k_ptrs, mask=d_mask[:, None] & kin[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=kin[:, None] & dv_mask[None, :], other=0.0)
+        if V_PAIRS:
+            v = tl.load(v_ptrs, mask=kin[:, None], other=0)
+        else:
+            v = tl.load(v_ptrs, mask=kin[:, None] & dv_mask[None, :], other=0.0)
         if TOKEN_SCALES:
             ks = tl.load(KSc + s_rows, mask=kin, other=0.0)
             vs = tl.load(VSc + s_rows, mask=kin, other=0.0)
     else:
         k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=dv_mask[None, :], other=0.0)
+        if V_PAIRS:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=dv_mask[None, :], other=0.0)
         if TOKEN_SCALES:
             ks = tl.load(KSc + s_rows)
             vs = tl.load(VSc + s_rows)
+    if V_PAIRS:
+        v_odd = (v >> 8).to(tl.uint8).to(V.dtype.element_ty, bitcast=True)
+        v = v.to(tl.uint8).to(V.dtype.element_ty, bitcast=True)
+    else:
+        v_odd = v
     s = tl.dot(q, k.to(COMPUTE_DTYPE), input_precision=DOT_PRECISION)
     if TOKEN_SCALES:
         s = s * ks[None, :]
         v = v.to(tl.float32) * (vs * v_mul)[:, None]
         if CLAMP_V:
             v = tl.minimum(tl.maximum(v, -65504.0), 65504.0)
+        if V_PAIRS:
+            v_odd = v_odd.to(tl.float32) * (vs * v_mul)[:, None]
+            if CLAMP_V:
+                v_odd = tl.minimum(tl.maximum(v_odd, -65504.0), 65504.0)
     if HAS_SOFTCAP:
         # softcap·tanh(x/softcap) on natural-unit logits, then to the log2 domain
         s = softcap * tanh(s * qk_scale / softcap) * _LOG2E
@@ -121,12 +145,16 @@ def _tile_step(
                          mask=vis, other=0)
             vis = vis & (mk != 0)
         s = tl.where(vis, s, float("-inf"))
-    return online_softmax_tile(acc, m_i, l_i, s, v, COMPUTE_DTYPE, DOT_PRECISION)
+    if V_PAIRS:
+        return online_softmax_tile_pairs(acc, acc_odd, m_i, l_i, s, v, v_odd, COMPUTE_DTYPE,
+                                         DOT_PRECISION)
+    acc, m_i, l_i = online_softmax_tile(acc, m_i, l_i, s, v, COMPUTE_DTYPE, DOT_PRECISION)
+    return acc, acc_odd, m_i, l_i
 
 
 @triton.jit
 def _attn_tiles(
-    acc, m_i, l_i, q, qk_scale, softcap,
+    acc, acc_odd, m_i, l_i, q, qk_scale, softcap,
     K, V, bt_row, stride_kp, stride_kt, stride_vp, stride_vt, kv_head_off_k, kv_head_off_v,
     Mask, mask_row_off, kv_len, pos, row_valid, left, right,
     t_start, t_end,
@@ -136,7 +164,7 @@ def _attn_tiles(
     HAS_CUSTOM_MASK: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr, PAGE_CHUNK: tl.constexpr,
     VX: tl.constexpr, KSc, VSc, stride_sp, stride_st, s_head, v_mul,
-    TOKEN_SCALES: tl.constexpr, CLAMP_V: tl.constexpr,
+    TOKEN_SCALES: tl.constexpr, CLAMP_V: tl.constexpr, V_PAIRS: tl.constexpr,
 ):
     """Online-softmax update of ``(acc, m_i, l_i)`` over key tiles ``[t_start, t_end)``.
 
@@ -165,12 +193,12 @@ def _attn_tiles(
                 k_rows, v_rows = _kv_rows(page, in_page, stride_kp, stride_kt, stride_vp,
                                           stride_vt, VX)
                 s_rows = s_head + page * stride_sp + in_page * stride_st
-                acc, m_i, l_i = _tile_step(
-                    acc, m_i, l_i, q, qk_scale, softcap, K, V, k_rows, v_rows, kv_head_off_k,
+                acc, acc_odd, m_i, l_i = _tile_step(
+                    acc, acc_odd, m_i, l_i, q, qk_scale, softcap, K, V, k_rows, v_rows, kv_head_off_k,
                     kv_head_off_v, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
                     t * BLOCK_N + offs_n, offs_d, offs_dv, d_mask, dv_mask, KSc, VSc, s_rows,
                     v_mul, MASKED, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK, COMPUTE_DTYPE,
-                    DOT_PRECISION, TOKEN_SCALES, CLAMP_V)
+                    DOT_PRECISION, TOKEN_SCALES, CLAMP_V, V_PAIRS)
     else:
         for t in tl.range(t_start, t_end, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
             kpos = t * BLOCK_N + offs_n
@@ -187,13 +215,13 @@ def _attn_tiles(
             k_rows, v_rows = _kv_rows(page, in_page, stride_kp, stride_kt, stride_vp, stride_vt,
                                       VX)
             s_rows = s_head + page * stride_sp + in_page * stride_st
-            acc, m_i, l_i = _tile_step(
-                acc, m_i, l_i, q, qk_scale, softcap, K, V, k_rows, v_rows, kv_head_off_k,
+            acc, acc_odd, m_i, l_i = _tile_step(
+                acc, acc_odd, m_i, l_i, q, qk_scale, softcap, K, V, k_rows, v_rows, kv_head_off_k,
                 kv_head_off_v, Mask, mask_row_off, kv_len, pos, row_valid, left, right, kpos,
                 offs_d, offs_dv, d_mask, dv_mask, KSc, VSc, s_rows, v_mul, MASKED, CAUSAL,
                 HAS_SOFTCAP, HAS_CUSTOM_MASK, COMPUTE_DTYPE, DOT_PRECISION, TOKEN_SCALES,
-                CLAMP_V)
-    return acc, m_i, l_i
+                CLAMP_V, V_PAIRS)
+    return acc, acc_odd, m_i, l_i
 
 
 @triton.jit
@@ -272,7 +300,7 @@ def _paged_attn_kernel(
     NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr, PAGE_CHUNK: tl.constexpr,
     KX: tl.constexpr, VX: tl.constexpr, WRITE_LSE: tl.constexpr, FIXED_SPLITS: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, TOKEN_SCALES: tl.constexpr, PDL: tl.constexpr = False,
-    SPLITS_PAD: tl.constexpr = 1, SPLIT_CHUNK: tl.constexpr = 1,
+    SPLITS_PAD: tl.constexpr = 1, SPLIT_CHUNK: tl.constexpr = 1, V_PAIRS: tl.constexpr = False,
 ):
     if PDL:  # programmatic dependent launch: the previous kernel's writes first
         wait_then_release()
@@ -391,30 +419,37 @@ def _paged_attn_kernel(
         # the sink is one more logit with no value: start the running max/sum with it
         m_i = tl.load(Sinks + qh, mask=row_valid, other=float("-inf")).to(tl.float32) * _LOG2E
         l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
-    acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+    if V_PAIRS:  # even / odd value columns (see _tile_step)
+        acc = tl.zeros([BLOCK_M, DV_PAD // 2], tl.float32)
+        acc_odd = tl.zeros([BLOCK_M, DV_PAD // 2], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+        acc_odd = tl.zeros([BLOCK_M, 16], tl.float32)  # unused
 
     # masked head, unmasked middle, masked tail — each clipped to this split's tiles
-    acc, m_i, l_i = _attn_tiles(
-        acc, m_i, l_i, q, qk_scale, softcap, K, V, bt_row, stride_kp, stride_kt, stride_vp,
+    acc, acc_odd, m_i, l_i = _attn_tiles(
+        acc, acc_odd, m_i, l_i, q, qk_scale, softcap, K, V, bt_row, stride_kp, stride_kt, stride_vp,
         stride_vt, k_head, v_head, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
         s_lo, tl.minimum(tf_lo, s_hi), k_doff, v_doff, d_mask, dv_mask,
         PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, True, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
         COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, False, 0, VX, KSc, VSc, stride_sp, stride_st,
-        s_head, v_mul, TOKEN_SCALES, CLAMP_Q)
-    acc, m_i, l_i = _attn_tiles(
-        acc, m_i, l_i, q, qk_scale, softcap, K, V, bt_row, stride_kp, stride_kt, stride_vp,
+        s_head, v_mul, TOKEN_SCALES, CLAMP_Q, V_PAIRS)
+    acc, acc_odd, m_i, l_i = _attn_tiles(
+        acc, acc_odd, m_i, l_i, q, qk_scale, softcap, K, V, bt_row, stride_kp, stride_kt, stride_vp,
         stride_vt, k_head, v_head, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
         tl.maximum(tf_lo, s_lo), tl.minimum(tf_hi, s_hi), k_doff, v_doff, d_mask, dv_mask,
         PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, False, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
         COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, WARP_SPEC, PAGE_CHUNK, VX, KSc, VSc, stride_sp, stride_st,
-        s_head, v_mul, TOKEN_SCALES, CLAMP_Q)
-    acc, m_i, l_i = _attn_tiles(
-        acc, m_i, l_i, q, qk_scale, softcap, K, V, bt_row, stride_kp, stride_kt, stride_vp,
+        s_head, v_mul, TOKEN_SCALES, CLAMP_Q, V_PAIRS)
+    acc, acc_odd, m_i, l_i = _attn_tiles(
+        acc, acc_odd, m_i, l_i, q, qk_scale, softcap, K, V, bt_row, stride_kp, stride_kt, stride_vp,
         stride_vt, k_head, v_head, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
         tl.maximum(tf_hi, s_lo), s_hi, k_doff, v_doff, d_mask, dv_mask,
         PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, True, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
         COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, False, 0, VX, KSc, VSc, stride_sp, stride_st,
-        s_head, v_mul, TOKEN_SCALES, CLAMP_Q)
+        s_head, v_mul, TOKEN_SCALES, CLAMP_Q, V_PAIRS)
+    if V_PAIRS:  # interleave the columns back: [BLOCK_M, DV/2, 2] -> [BLOCK_M, DV]
+        acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, DV_PAD])
 
     if HAS_SCALES:
         if not TOKEN_SCALES:
