@@ -50,8 +50,8 @@
 #   scripts/gpu_session.sh twentyfifth # prefill gpu tests, bench_attention prefill rows
 #                                  # (with ours-dense), sweep rows against the plain forms
 #   scripts/gpu_session.sh twentysixth # MLA gpu tests (the Gluon kernel), bench_attention MLA
-#   scripts/gpu_session.sh twentyeighth  # pending + fp8 gpu tests, fp8 rows: value pairs
-#                                  # against byte reads, stages / lookup / split overrides
+#   scripts/gpu_session.sh twentyeighth  # pending + fp8 gpu tests, fp8 rows: byte reads
+#                                  # against value pairs, stages / lookup / split on top
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -370,12 +370,13 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
       tests/test_conformance_contract.py tests/test_engine_mixed.py tests/test_graph_gpu.py \
       tests/test_swa.py tests/test_triton_prefill.py tests/test_direct_launch.py \
       tests/test_triton_mla.py tests/test_fp8_formats.py tests/test_triton_paged_attention.py \
-      tests/test_kv_scales.py -p no:cacheprovider -p no:warnings --tb=short \
+      tests/test_kv_scales.py tests/test_fp8_value_pairs.py -p no:cacheprovider \
+      -p no:warnings --tb=short \
       > "$OUT/gpu_tests.log" 2>&1
     grep -E "FAILED|ERROR| passed| failed" "$OUT/gpu_tests.log" | tail -15
-    # fp8 value reads: 16-bit column pairs (default) against the byte-wise reads, then tuning
-    for ov in '{}' '{"v_pairs": false}' '{"num_stages": 4}' '{"page_chunk": 0}' \
-              '{"num_splits": 4}'; do
+    # fp8 value reads: the byte-wise default against 16-bit column pairs, then tuning on top
+    for ov in '{}' '{"v_pairs": true}' '{"v_pairs": true, "num_stages": 4}' \
+              '{"v_pairs": true, "page_chunk": 0}' '{"v_pairs": true, "num_splits": 4}'; do
       tag=$(echo "$ov" | tr -dc 'a-z0-9_')
       timeout ${FP_S:-90} python3 benchmarks/bench_attention.py --only fp8 --rep 30 --anchors "" \
         --overrides "$ov" --out "$OUT/fp8_${tag:-default}" 2>&1 | grep -E "==|ours" \

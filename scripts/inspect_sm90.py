@@ -70,7 +70,9 @@ def launched_constexprs(launched: str, q_len: int = 1, fp8: bool = False) -> dic
     return dict(HEADS=cfg.heads, NUM_HCHUNKS=-(-4 // cfg.heads), BLOCK_Q=cfg.block_q,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=page, PAGE_CHUNK=cfg.page_chunk_for(page),
                 SPLIT=cfg.num_splits > 1, SEARCH_SEQ=search, WARP_SPEC=cfg.warp_spec,
-                PDL=cfg.pdl, V_PAIRS=fp8, warps=cfg.num_warps, stages=cfg.num_stages,
+                PDL=cfg.pdl, V_PAIRS=fp8 and lc.FP8_VALUE_PAIRS and cfg.block_m < 64,
+                warps=cfg.num_warps,
+                stages=cfg.num_stages,
                 num_splits=cfg.num_splits)
 
 
@@ -164,6 +166,8 @@ def report(kernel) -> dict:
         "local-memory ops in the PTX": len(re.findall(r"(ld|st)\.local", ptx)),
         "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
         "mma.sync": len(re.findall(r"mma\.sync", ptx)),
+        "8-bit shared loads": len(re.findall(r"ld\.shared\.[bus]8", ptx)),
+        "ldmatrix": len(re.findall(r"ldmatrix", ptx)),
         "async_wait per loop": re.findall(r"async_wait.*?\{num = (\d+)", ttgir),
     }
 

@@ -62,6 +62,11 @@ SPILL_CEILINGS = [
                  id="decode-bf16-1x4k-per-tile-lookup"),
     pytest.param("paged", dict(launched="64x4096"), 0, id="decode-bf16-64x4k"),
     pytest.param("paged", dict(launched="64x16384", kv="fp8e4nv"), 216, id="decode-fp8-64x16k"),
+    # fp8 values read as 16-bit column pairs (V_PAIRS, TUNING_OVERRIDES["v_pairs"])
+    pytest.param("paged", dict(launched="64x16384", kv="fp8e4nv", V_PAIRS=True), 32,
+                 id="decode-fp8-64x16k-value-pairs"),
+    pytest.param("paged", dict(launched="8x65536", kv="fp8e4nv", V_PAIRS=True), 16,
+                 id="decode-fp8-8x64k-value-pairs"),
     pytest.param("paged", dict(launched="8x2048", q_len=2048), 0, id="prefill-8x2k"),
     pytest.param("paged", dict(launched="1x8192", q_len=8192), 72, id="prefill-1x8k"),
     pytest.param("mla", dict(BLOCK_H=16, BLOCK_N=64, warps=4, stages=3), 56,
@@ -94,3 +99,17 @@ def test_programmatic_dependent_launch_waits_before_reading(kernel, config):
     first global read."""
     rep = _inspect(kernel, config)
     assert rep["gdc wait before first read"] is True, rep
+
+
+@pytest.mark.parametrize("launched", ["64x16384", "8x65536"])
+def test_fp8_value_pairs_read_no_single_bytes(launched):
+    """An fp8 decode tile's transposed value operand is read byte by byte from shared memory
+    by mma.sync (384 ``ld.shared.b8`` at 64x16k); read as 16-bit column pairs it goes through
+    ``ldmatrix.trans`` instead, with no 8-bit shared load left and no more shared memory."""
+    plain = _inspect("paged", dict(launched=launched, kv="fp8e4nv", V_PAIRS=False))
+    paired = _inspect("paged", dict(launched=launched, kv="fp8e4nv", V_PAIRS=True))
+    assert plain["8-bit shared loads"] > 0, plain  # what the pairs remove
+    assert paired["8-bit shared loads"] == 0, paired
+    assert paired["ldmatrix"] > plain["ldmatrix"], (plain, paired)
+    assert paired["shared_bytes"] <= plain["shared_bytes"], (plain, paired)
+    assert max(int(n) for n in paired["async_wait per loop"]) >= 2, paired

@@ -22,7 +22,8 @@ import functools
 from ._kvutil import interpreting, max_shared_mem, next_pow2, num_sms
 from ._pdl import pdl_mode
 
-__all__ = ["TUNING_OVERRIDES", "LaunchConfig", "choose_config", "BATCH_INVARIANT_SPLIT_TOKENS"]
+__all__ = ["TUNING_OVERRIDES", "LaunchConfig", "choose_config", "BATCH_INVARIANT_SPLIT_TOKENS",
+           "FP8_VALUE_PAIRS"]
 
 #: Keys per split in batch-invariant mode (rounded up to a multiple of ``block_n``).
 BATCH_INVARIANT_SPLIT_TOKENS = 512
@@ -71,6 +72,12 @@ class LaunchConfig:
         return self.page_chunk if fits else 0
 
 
+#: fp8 caches: read the value tile as 16-bit pairs of adjacent head-dim columns (the kernel's
+#: ``V_PAIRS``: ldmatrix.trans into two half-width dots) instead of byte by byte. The sm_90
+#: build loses its 384 byte-wise shared loads and most spills (64x16k: 216 -> 32 B) at the
+#: same shared memory; off until timed on the H200 (``TUNING_OVERRIDES["v_pairs"]``).
+FP8_VALUE_PAIRS = False
+
 #: Tuning overrides (scripts/tune_triton_paged_attention.py and tests only): ``block_m``,
 #: ``block_n``, ``num_warps``, ``num_stages``, ``min_split_tokens``, ``num_splits``, ``heads``
 #: (query heads packed per program), ``warp_spec`` (Triton's automatic warp specialisation of
@@ -78,7 +85,8 @@ class LaunchConfig:
 #: ``split_tokens`` (keys per split in batch-invariant mode), ``fused_reduce`` (the split
 #: reduction inside the attention launch: the last split of a tile reduces it), ``pdl``
 #: (programmatic dependent launch where the device has it: ``True`` or ``"reduce"``, see
-#: :attr:`LaunchConfig.pdl`).
+#: :attr:`LaunchConfig.pdl`), ``v_pairs`` (fp8 value reads as 16-bit column pairs, see
+#: :data:`FP8_VALUE_PAIRS`).
 TUNING_OVERRIDES: dict = {}
 
 

@@ -23,7 +23,7 @@ from ...validation import unit_stride
 from ..base import MEMO, AttentionKernel, KernelPlan, mask_literal, plan_hints, token_count_error
 from ._kvutil import next_pow2
 from ._launch import Launcher, tensor_key
-from ._launch_config import TUNING_OVERRIDES, _cdiv, choose_config
+from ._launch_config import FP8_VALUE_PAIRS, TUNING_OVERRIDES, _cdiv, choose_config
 from ._pdl import pdl_kwargs
 from .paged_attention import (_TL_DTYPES, _UNBOUNDED, _paged_attn_kernel,
                               _reduce_splits_kernel)
@@ -277,9 +277,12 @@ class TritonPagedAttention(AttentionKernel):
             SPLIT_CHUNK=_split_chunk(splits, cfg.block_m, self.dv_pad) if fused else 1,
             COMPUTE_DTYPE=self.compute,
             CLAMP_Q=self.clamp_q, DOT_PRECISION=self.dot_precision,
-            # fp8 values as 16-bit column pairs where the cache layout allows (_launch_kw)
-            V_PAIRS=bool(self.fp8 and self.v_head_dim == self.dv_pad
-                         and TUNING_OVERRIDES.get("v_pairs", True)),
+            # fp8 values as 16-bit column pairs where the cache layout allows (_launch_kw),
+            # on tiles of fewer than 64 rows: their dots are mma.sync, which reads a
+            # transposed 8-bit operand byte by byte (64-row tiles use wgmma, which reads
+            # shared memory itself: sm_90 builds, scripts/inspect_sm90.py)
+            V_PAIRS=bool(self.fp8 and self.v_head_dim == self.dv_pad and cfg.block_m < 64
+                         and TUNING_OVERRIDES.get("v_pairs", FP8_VALUE_PAIRS)),
             NUM_STAGES=cfg.num_stages, WARP_SPEC=cfg.warp_spec, PAGE_CHUNK=page_chunk,
             num_warps=cfg.num_warps, **pdl_kwargs(cfg.pdl, reduction=False))
         return TritonPlan(
