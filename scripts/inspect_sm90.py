@@ -153,6 +153,14 @@ def _gdc_wait_first(ptx: str):
     return not reads or wait < min(reads)
 
 
+def _loads_before_branch(ptx: str) -> int:
+    """Global loads issued before the kernel's first branch: what goes out in the first round
+    trip (the PTX keeps a load after a branch it could skip)."""
+    body = ptx[ptx.find(".entry"):]
+    branch = re.search(r"\sbra(\.uni)?\s", body)
+    return len(re.findall(r"ld\.global", body[:branch.start() if branch else len(body)]))
+
+
 def report(kernel) -> dict:
     ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
     res = resource_usage(kernel)
@@ -167,6 +175,7 @@ def report(kernel) -> dict:
         "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
         "mma.sync": len(re.findall(r"mma\.sync", ptx)),
         "8-bit shared loads": len(re.findall(r"ld\.shared\.[bus]8", ptx)),
+        "ld.global before the first branch": _loads_before_branch(ptx),
         "ldmatrix": len(re.findall(r"ldmatrix", ptx)),
         "async_wait per loop": re.findall(r"async_wait.*?\{num = (\d+)", ttgir),
     }

@@ -113,3 +113,13 @@ def test_fp8_value_pairs_read_no_single_bytes(launched):
     assert paired["ldmatrix"] > plain["ldmatrix"], (plain, paired)
     assert paired["shared_bytes"] <= plain["shared_bytes"], (plain, paired)
     assert max(int(n) for n in paired["async_wait per loop"]) >= 2, paired
+
+
+@pytest.mark.parametrize("launched,q_len", [("1x4096", 1), ("8x2048", 2048)])
+def test_index_loads_leave_in_one_round_trip(launched, q_len):
+    """A program's first global reads (its request's ``cu_seqlens_q`` pair and
+    ``seqused_k``) go out together, before the early exit of empty query blocks: the block
+    table and then K/V wait on one round trip, not two (a load after a branch stays after it
+    in the PTX). Small-batch decode is latency-bound, so this chain is its critical path."""
+    rep = _inspect("paged", dict(launched=launched, q_len=q_len))
+    assert rep["ld.global before the first branch"] == 3, rep

@@ -330,10 +330,13 @@ def _paged_attn_kernel(
         b = pid_q // q_blocks_per_seq
         qb = pid_q % q_blocks_per_seq
     q_start = tl.load(CuQ + b)
-    q_len = tl.load(CuQ + b + 1) - q_start
+    q_end = tl.load(CuQ + b + 1)
+    # before the early exit, so that its load goes out with cu_seqlens_q's (one global round
+    # trip before the block-table reads, not two: the sm_90 PTX keeps loads after a branch)
+    kv_len = tl.load(SeqK + b)
+    q_len = q_end - q_start
     if qb * BLOCK_Q >= q_len:
         return
-    kv_len = tl.load(SeqK + b)
 
     # --- rows: (query token, query head of this KV head's group) --------------------------
     rows = tl.arange(0, BLOCK_M)
