@@ -8,8 +8,8 @@ two half-width dots whose accumulators are interleaved back at the end. These te
 path to the float64 oracle over the dequantised cache (block-permuted pools with a noisy null
 page, e4m3fn and e5m2, layer and per-(token, head) scales, windows, sinks, soft-cap, the split
 path and the chunked page lookup), check that the launch really took it (a spy on the launch
-constexprs), and that layouts it cannot read (head dim 80 padded to 128, odd strides, an odd
-base address) fall back to the byte-wise reads with the same results. The sm_90 build's
+constexprs), and that layouts it cannot read (head dim 80 padded to 128, strides that are
+not whole 16-byte vectors, an odd base address) fall back to the byte-wise reads with the same results. The sm_90 build's
 effect (no 8-bit shared loads, fewer spills) is guarded in ``test_triton_pipelining.py``.
 """
 
@@ -109,22 +109,27 @@ def _odd_base(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _odd_strides(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in a buffer whose head axis holds one more column (odd token/page/head strides)."""
-    pad = torch.zeros(*t.shape[:-1], t.shape[-1] + 1, dtype=torch.uint8, device=t.device)
+def _padded_rows(t: torch.Tensor, extra: int) -> torch.Tensor:
+    """``t`` in a buffer whose head axis holds ``extra`` more columns (its token / page / head
+    strides then are no multiples of 16 bytes)."""
+    pad = torch.zeros(*t.shape[:-1], t.shape[-1] + extra, dtype=torch.uint8, device=t.device)
     out = pad.view(t.dtype)[..., :t.shape[-1]]
     out.copy_(t)
     return out
 
 
-@pytest.mark.parametrize("layout", ["head-dim-80", "odd-strides", "odd-base"])
+@pytest.mark.parametrize("layout", ["head-dim-80", "odd-strides", "even-unaligned-strides",
+                                    "odd-base"])
 def test_value_pairs_fall_back_where_the_layout_cannot_pair(pairs, layout):
     d = 80 if layout == "head-dim-80" else 32
     case = Case([1, 1, 4], [70, 5, 33], hq=10, hkv=2, d=d, page=16, dtype=torch.float16,
                 kv_dtype=E5M2, k_scale=0.1, v_scale=0.5, seed=7)
     if layout == "odd-strides":
-        case.v_cache = _odd_strides(case.v_cache)
+        case.v_cache = _padded_rows(case.v_cache, 1)
         assert case.v_cache.stride(2) % 2 == 1
+    elif layout == "even-unaligned-strides":  # pairs would start on even, unaligned bytes
+        case.v_cache = _padded_rows(case.v_cache, 2)
+        assert case.v_cache.stride(2) % 16 == 2
     elif layout == "odd-base":
         case.device = DEVICE
         case.v_cache = _odd_base(case.v_cache.to(DEVICE))

@@ -402,8 +402,9 @@ class TritonPagedAttention(AttentionKernel):
         k_strides, v_strides, kx, vx = self._layout(k_cache, v_cache)
         strides = (*k_strides, *v_strides)
         # 8-bit values can be read as 16-bit column pairs (V_PAIRS): unit head-dim stride,
-        # even token / page / head strides (so every pair starts at an even byte)
-        pairs = vx == 1 and v_strides[3] == 1 and all(s % 2 == 0 for s in v_strides[:3])
+        # token / page / head strides of whole 16-byte vectors (the kernel tells the compiler
+        # every row of pairs starts on one: tl.multiple_of)
+        pairs = vx == 1 and v_strides[3] == 1 and all(s % 16 == 0 for s in v_strides[:3])
         return (_intern(("layout", strides, kx, vx)), strides, kx, vx, pairs)
 
     def _launch_args(self, q, cache, plan: TritonPlan, params, out, lse):

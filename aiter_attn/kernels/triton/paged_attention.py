@@ -90,6 +90,7 @@ def _tile_step(
         # a 16-bit operand goes from shared memory to the MMA layout with ldmatrix.trans,
         # where a transposed 8-bit one is read byte by byte; the bytes are split by parity
         # in registers and feed two half-width dots
+        # (the launch takes this path only when every row offset is a multiple of 16 bytes)
         v_pair_rows = tl.multiple_of((kv_head_off_v + v_rows) // 2, 8)
         v_ptrs = V.to(tl.pointer_type(tl.int16), bitcast=True) + v_pair_rows[:, None] \
             + tl.arange(0, offs_dv.shape[0] // 2)[None, :]
