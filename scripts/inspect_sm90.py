@@ -71,6 +71,9 @@ def launched_constexprs(launched: str, q_len: int = 1, fp8: bool = False) -> dic
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=page, PAGE_CHUNK=cfg.page_chunk_for(page),
                 SPLIT=cfg.num_splits > 1, SEARCH_SEQ=search, WARP_SPEC=cfg.warp_spec,
                 PDL=cfg.pdl, V_PAIRS=fp8 and lc.FP8_VALUE_PAIRS and cfg.block_m < 64,
+                PREFETCH_PAGES=bool(cfg.num_splits > 1 and cfg.page_chunk_for(page)
+                                    and lc._cdiv(lc._cdiv(ctx, cfg.block_n), cfg.num_splits)
+                                    <= cfg.page_chunk_for(page) and not search),
                 warps=cfg.num_warps,
                 stages=cfg.num_stages,
                 num_splits=cfg.num_splits)
@@ -91,7 +94,7 @@ def compile_paged(kv="bf16", q="bf16", warps=8, stages=3, launched=None, q_len=1
              COMPUTE_DTYPE=tl.float16 if fp8 and q == "bf16" else _TL[q],
              CLAMP_Q=fp8 and q == "bf16", DOT_PRECISION="tf32", NUM_STAGES=stages,
              WARP_SPEC=False, PAGE_CHUNK=16, KX=1, VX=1, WRITE_LSE=False, FIXED_SPLITS=False,
-             FUSED_REDUCE=False, TOKEN_SCALES=False, V_PAIRS=False)
+             FUSED_REDUCE=False, TOKEN_SCALES=False, V_PAIRS=False, PREFETCH_PAGES=False)
     # head-dim strides of NHD caches are 1: Triton's launcher specialises integer arguments
     # equal to 1 into constants, so they are constexprs here too
     c.update(stride_kd=1, stride_vd=1)
@@ -102,7 +105,8 @@ def compile_paged(kv="bf16", q="bf16", warps=8, stages=3, launched=None, q_len=1
                 BlockTable="i32", Sinks="fp32", KScale="fp32", VScale="fp32", Mask="u8",
                 MaskIndptr="i32", Lse="fp32", Counters="i32", KSc="fp32", VSc="fp32")
     return _compile(pa._paged_attn_kernel, ptrs, {"sm_scale", "softcap"},
-                    {"left", "right", "num_seqs", "q_blocks_per_seq", "num_splits"},
+                    {"left", "right", "num_seqs", "q_blocks_per_seq", "num_splits",
+                     "split_tiles", "bt_width"},
                     c, warps, stages)
 
 

@@ -58,7 +58,7 @@ SPILL_CEILINGS = [
     # since 2026-12-04: 80 spilled bytes against 8 per tile, and faster on the H200 (1.55
     # against 1.39 TB/s)
     pytest.param("paged", dict(launched="1x4096"), 80, id="decode-bf16-1x4k"),
-    pytest.param("paged", dict(launched="1x4096", PAGE_CHUNK=0), 8,
+    pytest.param("paged", dict(launched="1x4096", PAGE_CHUNK=0, PREFETCH_PAGES=False), 8,
                  id="decode-bf16-1x4k-per-tile-lookup"),
     pytest.param("paged", dict(launched="64x4096"), 0, id="decode-bf16-64x4k"),
     pytest.param("paged", dict(launched="64x16384", kv="fp8e4nv"), 216, id="decode-fp8-64x16k"),
@@ -115,11 +115,19 @@ def test_fp8_value_pairs_read_no_single_bytes(launched):
     assert max(int(n) for n in paired["async_wait per loop"]) >= 2, paired
 
 
-@pytest.mark.parametrize("launched,q_len", [("1x4096", 1), ("8x2048", 2048)])
-def test_index_loads_leave_in_one_round_trip(launched, q_len):
+@pytest.mark.parametrize("launched,q_len,loads", [
+    pytest.param("1x4096", 1, 4, id="split-decode-prefetch"),
+    pytest.param("1x4096", 1, 3, id="split-decode-no-prefetch"),
+    pytest.param("8x2048", 2048, 3, id="prefill"),
+])
+def test_index_loads_leave_in_one_round_trip(launched, q_len, loads):
     """A program's first global reads (its request's ``cu_seqlens_q`` pair and
-    ``seqused_k``) go out together, before the early exit of empty query blocks: the block
-    table and then K/V wait on one round trip, not two (a load after a branch stays after it
-    in the PTX). Small-batch decode is latency-bound, so this chain is its critical path."""
-    rep = _inspect("paged", dict(launched=launched, q_len=q_len))
-    assert rep["ld.global before the first branch"] == 3, rep
+    ``seqused_k``, and with ``PREFETCH_PAGES`` its first chunk's page ids) go out together,
+    before the early exit of empty query blocks: K/V then wait on one round trip (two
+    without the prefetch), not three (a load after a branch stays after it in the PTX).
+    Small-batch decode is latency-bound, so this chain is its critical path."""
+    config = dict(launched=launched, q_len=q_len)
+    if loads == 3 and q_len == 1:
+        config["PREFETCH_PAGES"] = False
+    rep = _inspect("paged", config)
+    assert rep["ld.global before the first branch"] == loads, rep

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["load_chunk_pages", "tile_pages_of"]
+__all__ = ["load_chunk_pages", "prefetch_chunk_pages", "tile_pages_of"]
 
 
 @triton.jit
@@ -35,6 +35,27 @@ def load_chunk_pages(bt_row, c0, n_in, limit,
         PPT: tl.constexpr = BLOCK_N // PAGE_SIZE
         slots = tiles[:, None] * PPT + tl.arange(0, PPT)[None, :]
         return tl.load(bt_row + slots, mask=(offs_c < n_in)[:, None] & (slots * PAGE_SIZE < limit),
+                       other=0).to(tl.int64)
+
+
+@triton.jit
+def prefetch_chunk_pages(bt_row, c0, n_in, width,
+                         BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                         PAGE_CHUNK: tl.constexpr, TILE_IN_PAGE: tl.constexpr):
+    """:func:`load_chunk_pages` before the request's length is known (a guessed chunk, read
+    in the program's first round trip): entries are bounded by the row's ``width`` (the
+    block table's columns) instead of the live length, so entries past the request's last
+    page hold whatever the table holds there; a caller uses only the tiles it proves full."""
+    offs_c = tl.arange(0, PAGE_CHUNK)
+    tiles = c0 + offs_c
+    if TILE_IN_PAGE:
+        slots = (tiles * BLOCK_N) // PAGE_SIZE
+        return tl.load(bt_row + slots, mask=(offs_c < n_in) & (slots < width),
+                       other=0).to(tl.int64)
+    else:
+        PPT: tl.constexpr = BLOCK_N // PAGE_SIZE
+        slots = tiles[:, None] * PPT + tl.arange(0, PPT)[None, :]
+        return tl.load(bt_row + slots, mask=(offs_c < n_in)[:, None] & (slots < width),
                        other=0).to(tl.int64)
 
 

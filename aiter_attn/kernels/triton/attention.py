@@ -49,7 +49,9 @@ class TritonPlan(KernelPlan):
         grid: the attention kernel's grid.
         args: ``(cu_seqlens_q, seqused_k, block_table)`` tensors.
         mask: ``(mask_uint8, mask_indptr)`` or ``None``.
-        ints: ``(batch, q_blocks_per_seq, num_splits, split_tiles)``.
+        ints: ``(batch, q_blocks_per_seq, num_splits, split_tiles, bt_width)``: ``split_tiles``
+            the batch-invariant split size, or (``PREFETCH_PAGES``) the tiles per split of a
+            request as long as ``max_seqlen_k``; ``bt_width`` the block table's columns.
         bt_stride: block_table's row stride.
         split: the split path runs (partials + reduction): more than one split, or
             batch-invariant mode (always).
@@ -260,6 +262,18 @@ class TritonPagedAttention(AttentionKernel):
         tile_in_page = page_size % cfg.block_n == 0
         page_chunk = cfg.page_chunk_for(page_size)
         mask = md.mask
+        # split decode whose splits fit one chunk of the chunked lookup (1x4k: 16 splits of
+        # two tiles): each program reads its page ids in its first round trip, guessing the
+        # request is max_seqlen_k long (checked on the device; a wrong guess costs the usual
+        # load). Longer splits would carry the guess's registers through the whole loop
+        # (sm_90, fp8 8x64k: 8 more bytes spilled) for one round trip in many tiles.
+        split_tiles = cfg.split_tiles
+        guess = _cdiv(_cdiv(max_k, cfg.block_n), splits)
+        prefetch = bool(split and not cfg.batch_invariant and not search and page_chunk
+                        and guess <= page_chunk and mask is None
+                        and TUNING_OVERRIDES.get("prefetch_pages", True))
+        if prefetch:
+            split_tiles = guess
         mask_t = None
         if mask is not None:
             m = mask.custom_mask
@@ -284,12 +298,13 @@ class TritonPagedAttention(AttentionKernel):
             V_PAIRS=bool(self.fp8 and self.v_head_dim == self.dv_pad and cfg.block_m < 64
                          and TUNING_OVERRIDES.get("v_pairs", FP8_VALUE_PAIRS)),
             NUM_STAGES=cfg.num_stages, WARP_SPEC=cfg.warp_spec, PAGE_CHUNK=page_chunk,
+            PREFETCH_PAGES=prefetch,
             num_warps=cfg.num_warps, **pdl_kwargs(cfg.pdl, reduction=False))
         return TritonPlan(
             num_tokens=num_tokens if batch else 0, mask_literal=mask_literal(md),
             grid=(grid_q, self.kv_heads * num_hchunks, splits),
             args=(cu, seqused_k, block_table), mask=mask_t,
-            ints=(batch, q_blocks_per_seq, splits, cfg.split_tiles),
+            ints=(batch, q_blocks_per_seq, splits, split_tiles, block_table.shape[1]),
             bt_stride=block_table.stride(0),
             part_acc=part_acc, part_ml=part_ml, part_strides=part_strides, num_splits=splits,
             split=split, fixed_order=cfg.batch_invariant, counters=counters,

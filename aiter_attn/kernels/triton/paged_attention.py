@@ -38,7 +38,7 @@ import triton.language as tl
 
 from ...types import FP8_DTYPES
 from ._kvutil import next_pow2
-from ._paging import load_chunk_pages, tile_pages_of
+from ._paging import load_chunk_pages, prefetch_chunk_pages, tile_pages_of
 from ._softmax import online_softmax_tile, online_softmax_tile_pairs, tanh
 from ._launch_config import TUNING_OVERRIDES, _cdiv, choose_config
 from ._pdl import wait_then_release
@@ -166,6 +166,7 @@ def _attn_tiles(
     NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr, PAGE_CHUNK: tl.constexpr,
     VX: tl.constexpr, KSc, VSc, stride_sp, stride_st, s_head, v_mul,
     TOKEN_SCALES: tl.constexpr, CLAMP_V: tl.constexpr, V_PAIRS: tl.constexpr,
+    pre_pages, pre_c0, PREFETCH: tl.constexpr,
 ):
     """Online-softmax update of ``(acc, m_i, l_i)`` over key tiles ``[t_start, t_end)``.
 
@@ -179,14 +180,23 @@ def _attn_tiles(
     * ``PAGE_CHUNK = C > 0`` (page size divides ``BLOCK_N`` or is a multiple of it; unmasked
       tiles): the chunked lookup of :mod:`._paging`, so no load feeds a K/V address inside
       the pipelined loop and the copies run ``NUM_STAGES - 1`` tiles ahead
-      (``async_wait {num = 2}`` with 3 stages), as for a dense cache.
+      (``async_wait {num = 2}`` with 3 stages), as for a dense cache. ``PREFETCH``: the
+      chunk starting at tile ``pre_c0`` takes ``pre_pages`` (read at the program's start,
+      :func:`._paging.prefetch_chunk_pages`) instead of a load of its own.
     """
     offs_n = tl.arange(0, BLOCK_N)
     if PAGE_CHUNK > 0:
         for c0 in range(t_start, t_end, PAGE_CHUNK):
             n_in = tl.minimum(t_end - c0, PAGE_CHUNK)
-            chunk_pages = load_chunk_pages(bt_row, c0, n_in, kv_len, BLOCK_N, PAGE_SIZE,
-                                           PAGE_CHUNK, TILE_IN_PAGE)
+            if PREFETCH:
+                if c0 == pre_c0:
+                    chunk_pages = pre_pages
+                else:
+                    chunk_pages = load_chunk_pages(bt_row, c0, n_in, kv_len, BLOCK_N,
+                                                   PAGE_SIZE, PAGE_CHUNK, TILE_IN_PAGE)
+            else:
+                chunk_pages = load_chunk_pages(bt_row, c0, n_in, kv_len, BLOCK_N, PAGE_SIZE,
+                                               PAGE_CHUNK, TILE_IN_PAGE)
             for j in tl.range(0, n_in, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
                 t = c0 + j
                 page, in_page = tile_pages_of(chunk_pages, j, t, BLOCK_N, PAGE_SIZE,
@@ -282,7 +292,7 @@ def _reduce_rows(O, Lse, PartAcc, PartML, Sinks, row_tok, qh, row_valid, offs_dv
 def _paged_attn_kernel(
     Q, K, V, O, PartAcc, PartML, Lse, Counters,
     CuQ, SeqK, BlockTable, Sinks, KScale, VScale, KSc, VSc, Mask, MaskIndptr,
-    sm_scale, softcap, left, right, num_seqs, q_blocks_per_seq, num_splits, split_tiles,
+    sm_scale, softcap, left, right, num_seqs, q_blocks_per_seq, num_splits, split_tiles, bt_width,
     stride_qt, stride_qh,
     stride_kp, stride_kt, stride_kh, stride_kd,
     stride_vp, stride_vt, stride_vh, stride_vd,
@@ -302,6 +312,7 @@ def _paged_attn_kernel(
     KX: tl.constexpr, VX: tl.constexpr, WRITE_LSE: tl.constexpr, FIXED_SPLITS: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, TOKEN_SCALES: tl.constexpr, PDL: tl.constexpr = False,
     SPLITS_PAD: tl.constexpr = 1, SPLIT_CHUNK: tl.constexpr = 1, V_PAIRS: tl.constexpr = False,
+    PREFETCH_PAGES: tl.constexpr = False,
 ):
     if PDL:  # programmatic dependent launch: the previous kernel's writes first
         wait_then_release()
@@ -335,6 +346,18 @@ def _paged_attn_kernel(
     # before the early exit, so that its load goes out with cu_seqlens_q's (one global round
     # trip before the block-table reads, not two: the sm_90 PTX keeps loads after a branch)
     kv_len = tl.load(SeqK + b)
+    if PREFETCH_PAGES:
+        # split decode: the page ids of this split's first chunk if the request is as long
+        # as the plan's longest (split_tiles = that request's tiles per split), read in the
+        # same round trip; used only where the guess holds (see _attn_tiles)
+        pre_c0 = split * split_tiles
+        pre_pages = prefetch_chunk_pages(
+            BlockTable + b.to(tl.int64) * stride_bt, pre_c0,
+            tl.minimum(split_tiles, PAGE_CHUNK), bt_width, BLOCK_N, PAGE_SIZE, PAGE_CHUNK,
+            TILE_IN_PAGE)
+    else:
+        pre_c0 = -1
+        pre_pages = 0
     q_len = q_end - q_start
     if qb * BLOCK_Q >= q_len:
         return
@@ -437,21 +460,22 @@ def _paged_attn_kernel(
         s_lo, tl.minimum(tf_lo, s_hi), k_doff, v_doff, d_mask, dv_mask,
         PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, True, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
         COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, False, 0, VX, KSc, VSc, stride_sp, stride_st,
-        s_head, v_mul, TOKEN_SCALES, CLAMP_Q, V_PAIRS)
+        s_head, v_mul, TOKEN_SCALES, CLAMP_Q, V_PAIRS, 0, -1, False)
     acc, acc_odd, m_i, l_i = _attn_tiles(
         acc, acc_odd, m_i, l_i, q, qk_scale, softcap, K, V, bt_row, stride_kp, stride_kt, stride_vp,
         stride_vt, k_head, v_head, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
         tl.maximum(tf_lo, s_lo), tl.minimum(tf_hi, s_hi), k_doff, v_doff, d_mask, dv_mask,
         PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, False, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
-        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, WARP_SPEC, PAGE_CHUNK, VX, KSc, VSc, stride_sp, stride_st,
-        s_head, v_mul, TOKEN_SCALES, CLAMP_Q, V_PAIRS)
+        COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, WARP_SPEC, PAGE_CHUNK, VX, KSc, VSc, stride_sp,
+        stride_st, s_head, v_mul, TOKEN_SCALES, CLAMP_Q, V_PAIRS, pre_pages, pre_c0,
+        PREFETCH_PAGES)
     acc, acc_odd, m_i, l_i = _attn_tiles(
         acc, acc_odd, m_i, l_i, q, qk_scale, softcap, K, V, bt_row, stride_kp, stride_kt, stride_vp,
         stride_vt, k_head, v_head, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
         tl.maximum(tf_hi, s_lo), s_hi, k_doff, v_doff, d_mask, dv_mask,
         PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, True, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
         COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, False, 0, VX, KSc, VSc, stride_sp, stride_st,
-        s_head, v_mul, TOKEN_SCALES, CLAMP_Q, V_PAIRS)
+        s_head, v_mul, TOKEN_SCALES, CLAMP_Q, V_PAIRS, 0, -1, False)
     if V_PAIRS:  # interleave the columns back: [BLOCK_M, DV/2, 2] -> [BLOCK_M, DV]
         acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, DV_PAD])
 
