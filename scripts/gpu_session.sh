@@ -382,6 +382,11 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
         --overrides "$ov" --out "$OUT/fp8_${tag:-default}" 2>&1 | grep -E "==|ours" \
         | tee -a "$OUT/fp8.log"
     done
+    # small-batch decode: the index-load hoist and page-id prefetch (default) against no
+    # prefetch, the planned (graph) step, cuDNN
+    timeout ${SB_S:-120} python3 benchmarks/bench_variants.py --out "$OUT/sb" \
+      --rows 1x4096,16x4096,1x32768 --variants default,noprefetch,planned,planned-noprefetch \
+      2>&1 | tail -12 | tee "$OUT/small_batch.log"
     ;;
   twentyseventh)
     timeout ${GT_S:-240} python3 -m pytest -m gpu -q tests/test_triton_prefill.py \

@@ -142,3 +142,23 @@ def test_prefetch_chunk_pages_reads_nothing_past_the_row(tile_in_page):
         live = (torch.arange(chunk) < n_in)[:, None] & (slots < width)
         want = torch.where(live, slots + 1, 0).flatten()
         assert torch.equal(out.cpu(), want), (c0, n_in, out, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiled Triton on CUDA")
+@pytest.mark.parametrize("kv_lens", [
+    pytest.param([4096], id="1x4k"),
+    pytest.param([1000, 4096], id="ragged"),  # two requests: still 16 splits of 2 tiles
+])
+def test_gpu_prefetch_on_the_default_small_batch_launch(prefetch, kv_lens):
+    """The library's own 1x4k-shaped launch on the H200 (16 splits of two 128-key tiles, the
+    chunked lookup) takes the prefetch; GQA 32/8, head dim 128, page 16, bf16, the spare
+    block-table columns holding other requests' pages."""
+    case = Case([1] * len(kv_lens), kv_lens, hq=32, hkv=8, d=128, page=16,
+                dtype=torch.bfloat16, seed=len(kv_lens), device="cuda")
+    _fill_spare_columns(case)
+    _check(case, "prefetched page ids on CUDA")
+    sinks = torch.randn(32, generator=torch.Generator().manual_seed(3))
+    _check(case, "prefetched page ids on CUDA, window + sinks", window_size=(1000, 0),
+           sinks=sinks)
+    assert prefetch and all(prefetch), prefetch
