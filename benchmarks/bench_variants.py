@@ -61,8 +61,8 @@ OVERRIDES = {
     "min2k": {"min_split_tokens": 2048},
     "min4k": {"min_split_tokens": 4096},
     "splits32": {"min_split_tokens": 32},
-    # the split decode's page-id prefetch (on by default since 2026-12-04, not yet timed) off
-    "noprefetch": {"prefetch_pages": False},
+    # the split decode's page-id prefetch (an option since 2026-12-04, not yet timed)
+    "prefetch": {"prefetch_pages": True},
 }
 
 

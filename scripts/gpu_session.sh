@@ -382,10 +382,10 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
         --overrides "$ov" --out "$OUT/fp8_${tag:-default}" 2>&1 | grep -E "==|ours" \
         | tee -a "$OUT/fp8.log"
     done
-    # small-batch decode: the index-load hoist and page-id prefetch (default) against no
-    # prefetch, the planned (graph) step, cuDNN
+    # small-batch decode: the default (index loads in one round trip) against the page-id
+    # prefetch, as the op and as the planned (graph) step; cuDNN
     timeout ${SB_S:-120} python3 benchmarks/bench_variants.py --out "$OUT/sb" \
-      --rows 1x4096,16x4096,1x32768 --variants default,noprefetch,planned,planned-noprefetch \
+      --rows 1x4096,16x4096,1x32768 --variants default,prefetch,planned,planned-prefetch \
       2>&1 | tail -12 | tee "$OUT/small_batch.log"
     ;;
   twentyseventh)

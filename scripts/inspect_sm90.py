@@ -71,7 +71,8 @@ def launched_constexprs(launched: str, q_len: int = 1, fp8: bool = False) -> dic
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=page, PAGE_CHUNK=cfg.page_chunk_for(page),
                 SPLIT=cfg.num_splits > 1, SEARCH_SEQ=search, WARP_SPEC=cfg.warp_spec,
                 PDL=cfg.pdl, V_PAIRS=fp8 and lc.FP8_VALUE_PAIRS and cfg.block_m < 64,
-                PREFETCH_PAGES=bool(cfg.num_splits > 1 and cfg.page_chunk_for(page)
+                PREFETCH_PAGES=bool(lc.PREFETCH_PAGES and cfg.num_splits > 1
+                                    and cfg.page_chunk_for(page)
                                     and lc._cdiv(lc._cdiv(ctx, cfg.block_n), cfg.num_splits)
                                     <= cfg.page_chunk_for(page) and not search),
                 warps=cfg.num_warps,

@@ -1,5 +1,6 @@
 """The split decode's page-id prefetch (the paged Triton kernel's ``PREFETCH_PAGES``,
-``TUNING_OVERRIDES["prefetch_pages"]``): with splits on the chunked page lookup, each program
+``TUNING_OVERRIDES["prefetch_pages"]``, default :data:`~aiter_attn.kernels.triton.
+_launch_config.PREFETCH_PAGES`): with splits on the chunked page lookup, each program
 reads its first chunk's page ids in its first round trip, guessing that its request is as
 long as the plan's ``max_seqlen_k``, and uses them only where the guess holds.
 
@@ -28,8 +29,10 @@ pytestmark = requires_triton
 
 @pytest.fixture
 def prefetch(monkeypatch):
-    """Records the ``PREFETCH_PAGES`` constexpr of every launch planned."""
+    """Turns ``prefetch_pages`` on and records the ``PREFETCH_PAGES`` constexpr of every
+    launch planned."""
     from aiter_attn.kernels.triton import attention as attn
+    from aiter_attn.kernels.triton import paged_attention as pa
 
     seen: list = []
     kw_of = attn.TritonPagedAttention._kw
@@ -40,6 +43,7 @@ def prefetch(monkeypatch):
         return kw
 
     monkeypatch.setattr(attn.TritonPagedAttention, "_kw", staticmethod(spy))
+    monkeypatch.setitem(pa.TUNING_OVERRIDES, "prefetch_pages", True)
     return seen
 
 

@@ -23,7 +23,7 @@ from ._kvutil import interpreting, max_shared_mem, next_pow2, num_sms
 from ._pdl import pdl_mode
 
 __all__ = ["TUNING_OVERRIDES", "LaunchConfig", "choose_config", "BATCH_INVARIANT_SPLIT_TOKENS",
-           "FP8_VALUE_PAIRS"]
+           "FP8_VALUE_PAIRS", "PREFETCH_PAGES"]
 
 #: Keys per split in batch-invariant mode (rounded up to a multiple of ``block_n``).
 BATCH_INVARIANT_SPLIT_TOKENS = 512
@@ -78,6 +78,13 @@ class LaunchConfig:
 #: same shared memory; off until timed on the H200 (``TUNING_OVERRIDES["v_pairs"]``).
 FP8_VALUE_PAIRS = False
 
+#: Split decode whose splits fit one chunk of the chunked page lookup (1x4k: 16 splits of two
+#: tiles): read the page ids in the program's first round trip (the kernel's
+#: ``PREFETCH_PAGES``), with ``cu_seqlens_q`` and ``seqused_k``, guessing the request is
+#: ``max_seqlen_k`` long. The sm_90 build then has K/V one round trip after the start instead
+#: of two; off until timed on the H200 (``TUNING_OVERRIDES["prefetch_pages"]``).
+PREFETCH_PAGES = False
+
 #: Tuning overrides (scripts/tune_triton_paged_attention.py and tests only): ``block_m``,
 #: ``block_n``, ``num_warps``, ``num_stages``, ``min_split_tokens``, ``num_splits``, ``heads``
 #: (query heads packed per program), ``warp_spec`` (Triton's automatic warp specialisation of
@@ -86,7 +93,7 @@ FP8_VALUE_PAIRS = False
 #: reduction inside the attention launch: the last split of a tile reduces it), ``pdl``
 #: (programmatic dependent launch where the device has it: ``True`` or ``"reduce"``, see
 #: :attr:`LaunchConfig.pdl`), ``v_pairs`` (fp8 value reads as 16-bit column pairs, see
-#: :data:`FP8_VALUE_PAIRS`).
+#: :data:`FP8_VALUE_PAIRS`), ``prefetch_pages`` (see :data:`PREFETCH_PAGES`).
 TUNING_OVERRIDES: dict = {}
 
 

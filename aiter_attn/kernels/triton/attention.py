@@ -23,7 +23,8 @@ from ...validation import unit_stride
 from ..base import MEMO, AttentionKernel, KernelPlan, mask_literal, plan_hints, token_count_error
 from ._kvutil import next_pow2
 from ._launch import Launcher, tensor_key
-from ._launch_config import FP8_VALUE_PAIRS, TUNING_OVERRIDES, _cdiv, choose_config
+from ._launch_config import (FP8_VALUE_PAIRS, PREFETCH_PAGES, TUNING_OVERRIDES, _cdiv,
+                             choose_config)
 from ._pdl import pdl_kwargs
 from .paged_attention import (_TL_DTYPES, _UNBOUNDED, _paged_attn_kernel,
                               _reduce_splits_kernel)
@@ -271,7 +272,7 @@ class TritonPagedAttention(AttentionKernel):
         guess = _cdiv(_cdiv(max_k, cfg.block_n), splits)
         prefetch = bool(split and not cfg.batch_invariant and not search and page_chunk
                         and guess <= page_chunk and mask is None
-                        and TUNING_OVERRIDES.get("prefetch_pages", True))
+                        and TUNING_OVERRIDES.get("prefetch_pages", PREFETCH_PAGES))
         if prefetch:
             split_tiles = guess
         mask_t = None
