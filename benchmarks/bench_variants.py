@@ -63,6 +63,12 @@ OVERRIDES = {
     "splits32": {"min_split_tokens": 32},
     # the split decode's page-id prefetch (an option since 2026-12-04, not yet timed)
     "prefetch": {"prefetch_pages": True},
+    # page ids carried a tile ahead on the per-tile lookup (an option since 2026-12-04: K/V
+    # copies two tiles ahead on sm_90 where the per-tile lookup has none in flight); "chunk0-"
+    # also for the rows that default to the chunked lookup (1x4k)
+    "ahead": {"page_ahead": True},
+    "chunk0-ahead": {"page_chunk": 0, "page_ahead": True},
+    "chunk0-ahead-prefetch": {"page_chunk": 0, "page_ahead": True, "prefetch_pages": True},
 }
 
 

@@ -370,23 +370,26 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
       tests/test_conformance_contract.py tests/test_engine_mixed.py tests/test_graph_gpu.py \
       tests/test_swa.py tests/test_triton_prefill.py tests/test_direct_launch.py \
       tests/test_triton_mla.py tests/test_fp8_formats.py tests/test_triton_paged_attention.py \
-      tests/test_kv_scales.py tests/test_fp8_value_pairs.py -p no:cacheprovider \
+      tests/test_kv_scales.py tests/test_fp8_value_pairs.py tests/test_prefetch_pages.py \
+      tests/test_page_ahead.py -p no:cacheprovider \
       -p no:warnings --tb=short \
       > "$OUT/gpu_tests.log" 2>&1
     grep -E "FAILED|ERROR| passed| failed" "$OUT/gpu_tests.log" | tail -15
     # fp8 value reads: the byte-wise default against 16-bit column pairs, then tuning on top
     for ov in '{}' '{"v_pairs": true}' '{"v_pairs": true, "num_stages": 4}' \
-              '{"v_pairs": true, "page_chunk": 0}' '{"v_pairs": true, "num_splits": 4}'; do
+              '{"v_pairs": true, "page_chunk": 0, "page_ahead": true}' \
+              '{"v_pairs": true, "num_splits": 4}'; do
       tag=$(echo "$ov" | tr -dc 'a-z0-9_')
       timeout ${FP_S:-90} python3 benchmarks/bench_attention.py --only fp8 --rep 30 --anchors "" \
         --overrides "$ov" --out "$OUT/fp8_${tag:-default}" 2>&1 | grep -E "==|ours" \
         | tee -a "$OUT/fp8.log"
     done
-    # small-batch decode: the default (index loads in one round trip) against the page-id
-    # prefetch, as the op and as the planned (graph) step; cuDNN
-    timeout ${SB_S:-120} python3 benchmarks/bench_variants.py --out "$OUT/sb" \
-      --rows 1x4096,16x4096,1x32768 --variants default,prefetch,planned,planned-prefetch \
-      2>&1 | tail -12 | tee "$OUT/small_batch.log"
+    # decode: the default (index loads in one round trip) against the page-id prefetch and
+    # the carried page lookup, as the planned (graph) step; cuDNN
+    timeout ${SB_S:-200} python3 benchmarks/bench_variants.py --out "$OUT/sb" \
+      --rows 1x4096,16x4096,1x32768,64x4096,8x65536 \
+      --variants planned,planned-prefetch,planned-ahead,planned-chunk0-ahead \
+      2>&1 | tail -14 | tee "$OUT/small_batch.log"
     ;;
   twentyseventh)
     timeout ${GT_S:-240} python3 -m pytest -m gpu -q tests/test_triton_prefill.py \

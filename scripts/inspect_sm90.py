@@ -75,6 +75,7 @@ def launched_constexprs(launched: str, q_len: int = 1, fp8: bool = False) -> dic
                                     and cfg.page_chunk_for(page)
                                     and lc._cdiv(lc._cdiv(ctx, cfg.block_n), cfg.num_splits)
                                     <= cfg.page_chunk_for(page) and not search),
+                PAGE_AHEAD=bool(lc.CARRIED_PAGE_LOOKUP and not cfg.page_chunk_for(page)),
                 warps=cfg.num_warps,
                 stages=cfg.num_stages,
                 num_splits=cfg.num_splits)
@@ -95,7 +96,8 @@ def compile_paged(kv="bf16", q="bf16", warps=8, stages=3, launched=None, q_len=1
              COMPUTE_DTYPE=tl.float16 if fp8 and q == "bf16" else _TL[q],
              CLAMP_Q=fp8 and q == "bf16", DOT_PRECISION="tf32", NUM_STAGES=stages,
              WARP_SPEC=False, PAGE_CHUNK=16, KX=1, VX=1, WRITE_LSE=False, FIXED_SPLITS=False,
-             FUSED_REDUCE=False, TOKEN_SCALES=False, V_PAIRS=False, PREFETCH_PAGES=False)
+             FUSED_REDUCE=False, TOKEN_SCALES=False, V_PAIRS=False, PREFETCH_PAGES=False,
+             PAGE_AHEAD=False)
     # head-dim strides of NHD caches are 1: Triton's launcher specialises integer arguments
     # equal to 1 into constants, so they are constexprs here too
     c.update(stride_kd=1, stride_vd=1)

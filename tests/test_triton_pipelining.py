@@ -133,3 +133,21 @@ def test_index_loads_leave_in_one_round_trip(launched, q_len, loads):
         config["PREFETCH_PAGES"] = loads == 4
     rep = _inspect("paged", config)
     assert rep["ld.global before the first branch"] == loads, rep
+
+
+@pytest.mark.parametrize("launched,kv", [
+    pytest.param("16x4096", "bf16", id="16x4k"),
+    pytest.param("1x32768", "bf16", id="1x32k"),
+    pytest.param("64x4096", "bf16", id="64x4k"),
+])
+def test_carried_page_lookup_keeps_two_tiles_in_flight(launched, kv):
+    """The per-tile lookup (these launches' default) waits for every copy before a tile
+    computes (``async_wait {num = 0}`` in every loop); with the page ids carried a tile ahead
+    (``PAGE_AHEAD``) the pipeliner keeps two tiles of K/V in flight (``num = 2``), with no
+    spills and no more registers. Carrying the ids as int64 made the pipeliner give up."""
+    plain = _inspect("paged", dict(launched=launched, kv=kv, PAGE_AHEAD=False))
+    carried = _inspect("paged", dict(launched=launched, kv=kv, PAGE_AHEAD=True))
+    assert max(int(n) for n in plain["async_wait per loop"]) == 0, plain
+    assert max(int(n) for n in carried["async_wait per loop"]) >= 2, carried
+    assert carried["stack bytes (ptxas spills)"] == 0, carried
+    assert carried["registers"] <= max(plain["registers"], 224), (plain, carried)

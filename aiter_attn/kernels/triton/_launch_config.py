@@ -23,7 +23,7 @@ from ._kvutil import interpreting, max_shared_mem, next_pow2, num_sms
 from ._pdl import pdl_mode
 
 __all__ = ["TUNING_OVERRIDES", "LaunchConfig", "choose_config", "BATCH_INVARIANT_SPLIT_TOKENS",
-           "FP8_VALUE_PAIRS", "PREFETCH_PAGES"]
+           "FP8_VALUE_PAIRS", "PREFETCH_PAGES", "CARRIED_PAGE_LOOKUP"]
 
 #: Keys per split in batch-invariant mode (rounded up to a multiple of ``block_n``).
 BATCH_INVARIANT_SPLIT_TOKENS = 512
@@ -85,6 +85,14 @@ FP8_VALUE_PAIRS = False
 #: of two; off until timed on the H200 (``TUNING_OVERRIDES["prefetch_pages"]``).
 PREFETCH_PAGES = False
 
+#: Launches on the per-tile page lookup (page_chunk 0: bf16 decode with splits of three or
+#: more tiles, 16x4k / 1x32k / 64x4k / 8x64k): read each tile's page ids one tile ahead and
+#: carry them through the loop (the kernel's ``PAGE_AHEAD``), so Triton's pipeliner keeps
+#: two tiles of K/V copies in flight (sm_90 TTGIR ``async_wait {num = 2}``, 168 registers and
+#: no spills at 16x4k) where the per-tile lookup waits for every copy (``num = 0``) before a
+#: tile computes; off until timed on the H200 (``TUNING_OVERRIDES["page_ahead"]``).
+CARRIED_PAGE_LOOKUP = False
+
 #: Tuning overrides (scripts/tune_triton_paged_attention.py and tests only): ``block_m``,
 #: ``block_n``, ``num_warps``, ``num_stages``, ``min_split_tokens``, ``num_splits``, ``heads``
 #: (query heads packed per program), ``warp_spec`` (Triton's automatic warp specialisation of
@@ -93,7 +101,8 @@ PREFETCH_PAGES = False
 #: reduction inside the attention launch: the last split of a tile reduces it), ``pdl``
 #: (programmatic dependent launch where the device has it: ``True`` or ``"reduce"``, see
 #: :attr:`LaunchConfig.pdl`), ``v_pairs`` (fp8 value reads as 16-bit column pairs, see
-#: :data:`FP8_VALUE_PAIRS`), ``prefetch_pages`` (see :data:`PREFETCH_PAGES`).
+#: :data:`FP8_VALUE_PAIRS`), ``prefetch_pages`` (see :data:`PREFETCH_PAGES`), ``page_ahead``
+#: (see :data:`CARRIED_PAGE_LOOKUP`).
 TUNING_OVERRIDES: dict = {}
 
 

@@ -23,8 +23,8 @@ from ...validation import unit_stride
 from ..base import MEMO, AttentionKernel, KernelPlan, mask_literal, plan_hints, token_count_error
 from ._kvutil import next_pow2
 from ._launch import Launcher, tensor_key
-from ._launch_config import (FP8_VALUE_PAIRS, PREFETCH_PAGES, TUNING_OVERRIDES, _cdiv,
-                             choose_config)
+from ._launch_config import (CARRIED_PAGE_LOOKUP, FP8_VALUE_PAIRS, PREFETCH_PAGES,
+                             TUNING_OVERRIDES, _cdiv, choose_config)
 from ._pdl import pdl_kwargs
 from .paged_attention import (_TL_DTYPES, _UNBOUNDED, _paged_attn_kernel,
                               _reduce_splits_kernel)
@@ -300,6 +300,9 @@ class TritonPagedAttention(AttentionKernel):
                          and TUNING_OVERRIDES.get("v_pairs", FP8_VALUE_PAIRS)),
             NUM_STAGES=cfg.num_stages, WARP_SPEC=cfg.warp_spec, PAGE_CHUNK=page_chunk,
             PREFETCH_PAGES=prefetch,
+            # the per-tile lookup with page ids carried a tile ahead (an option)
+            PAGE_AHEAD=bool(not page_chunk
+                            and TUNING_OVERRIDES.get("page_ahead", CARRIED_PAGE_LOOKUP)),
             num_warps=cfg.num_warps, **pdl_kwargs(cfg.pdl, reduction=False))
         return TritonPlan(
             num_tokens=num_tokens if batch else 0, mask_literal=mask_literal(md),

@@ -154,6 +154,23 @@ def _tile_step(
 
 
 @triton.jit
+def _tile_page_ids(bt_row, t, t_end, kv_len, offs_n, BLOCK_N: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr):
+    """Page ids of key tile ``t`` as the block table stores them (int32; the caller widens
+    them where it uses them: carried as int64 across the loop, the ids made Triton 3.6 give up
+    pipelining it, sm_90 TTGIR): a scalar when the tile lies in one page (``TILE_IN_PAGE``),
+    else one per key ``[BLOCK_N]``; 0 for a tile at or past ``t_end`` and for keys at or past
+    ``kv_len`` (never a read past the request's pages)."""
+    if TILE_IN_PAGE:
+        page = tl.load(bt_row + (t * BLOCK_N) // PAGE_SIZE, mask=t < t_end, other=0)
+    else:
+        kpos = t * BLOCK_N + offs_n
+        page = tl.load(bt_row + kpos // PAGE_SIZE, mask=(kpos < kv_len) & (t < t_end),
+                       other=0)
+    return page
+
+
+@triton.jit
 def _attn_tiles(
     acc, acc_odd, m_i, l_i, q, qk_scale, softcap,
     K, V, bt_row, stride_kp, stride_kt, stride_vp, stride_vt, kv_head_off_k, kv_head_off_v,
@@ -166,7 +183,7 @@ def _attn_tiles(
     NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr, PAGE_CHUNK: tl.constexpr,
     VX: tl.constexpr, KSc, VSc, stride_sp, stride_st, s_head, v_mul,
     TOKEN_SCALES: tl.constexpr, CLAMP_V: tl.constexpr, V_PAIRS: tl.constexpr,
-    pre_pages, pre_c0, PREFETCH: tl.constexpr,
+    pre_pages, pre_c0, PREFETCH: tl.constexpr, PAGE_AHEAD: tl.constexpr = False,
 ):
     """Online-softmax update of ``(acc, m_i, l_i)`` over key tiles ``[t_start, t_end)``.
 
@@ -183,6 +200,9 @@ def _attn_tiles(
       (``async_wait {num = 2}`` with 3 stages), as for a dense cache. ``PREFETCH``: the
       chunk starting at tile ``pre_c0`` takes ``pre_pages`` (read at the program's start,
       :func:`._paging.prefetch_chunk_pages`) instead of a load of its own.
+    * ``PAGE_AHEAD`` (with ``PAGE_CHUNK == 0``): the per-tile lookup, each tile's page ids
+      read during the tile before and carried by the loop (as the MLA kernel does), so the
+      pipeliner can issue the K/V copies ahead without a chunk's select-and-sum per tile.
     """
     offs_n = tl.arange(0, BLOCK_N)
     if PAGE_CHUNK > 0:
@@ -210,6 +230,29 @@ def _attn_tiles(
                     t * BLOCK_N + offs_n, offs_d, offs_dv, d_mask, dv_mask, KSc, VSc, s_rows,
                     v_mul, MASKED, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK, COMPUTE_DTYPE,
                     DOT_PRECISION, TOKEN_SCALES, CLAMP_V, V_PAIRS)
+    elif PAGE_AHEAD:
+        # the per-tile lookup with each tile's page ids read one tile ahead and carried by the
+        # loop: no load in an iteration feeds that iteration's K/V addresses
+        page_nxt = _tile_page_ids(bt_row, t_start, t_end, kv_len, offs_n, BLOCK_N, PAGE_SIZE,
+                                  TILE_IN_PAGE)
+        for t in tl.range(t_start, t_end, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
+            kpos = t * BLOCK_N + offs_n
+            page = page_nxt.to(tl.int64)
+            page_nxt = _tile_page_ids(bt_row, t + 1, t_end, kv_len, offs_n, BLOCK_N, PAGE_SIZE,
+                                      TILE_IN_PAGE)
+            if TILE_IN_PAGE:
+                in_page = ((t * BLOCK_N) % PAGE_SIZE + offs_n).to(tl.int64)
+            else:
+                in_page = (kpos % PAGE_SIZE).to(tl.int64)
+            k_rows, v_rows = _kv_rows(page, in_page, stride_kp, stride_kt, stride_vp, stride_vt,
+                                      VX)
+            s_rows = s_head + page * stride_sp + in_page * stride_st
+            acc, acc_odd, m_i, l_i = _tile_step(
+                acc, acc_odd, m_i, l_i, q, qk_scale, softcap, K, V, k_rows, v_rows, kv_head_off_k,
+                kv_head_off_v, Mask, mask_row_off, kv_len, pos, row_valid, left, right, kpos,
+                offs_d, offs_dv, d_mask, dv_mask, KSc, VSc, s_rows, v_mul, MASKED, CAUSAL,
+                HAS_SOFTCAP, HAS_CUSTOM_MASK, COMPUTE_DTYPE, DOT_PRECISION, TOKEN_SCALES,
+                CLAMP_V, V_PAIRS)
     else:
         for t in tl.range(t_start, t_end, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
             kpos = t * BLOCK_N + offs_n
@@ -312,7 +355,7 @@ def _paged_attn_kernel(
     KX: tl.constexpr, VX: tl.constexpr, WRITE_LSE: tl.constexpr, FIXED_SPLITS: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, TOKEN_SCALES: tl.constexpr, PDL: tl.constexpr = False,
     SPLITS_PAD: tl.constexpr = 1, SPLIT_CHUNK: tl.constexpr = 1, V_PAIRS: tl.constexpr = False,
-    PREFETCH_PAGES: tl.constexpr = False,
+    PREFETCH_PAGES: tl.constexpr = False, PAGE_AHEAD: tl.constexpr = False,
 ):
     if PDL:  # programmatic dependent launch: the previous kernel's writes first
         wait_then_release()
@@ -468,7 +511,7 @@ def _paged_attn_kernel(
         PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, False, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
         COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, WARP_SPEC, PAGE_CHUNK, VX, KSc, VSc, stride_sp,
         stride_st, s_head, v_mul, TOKEN_SCALES, CLAMP_Q, V_PAIRS, pre_pages, pre_c0,
-        PREFETCH_PAGES)
+        PREFETCH_PAGES, PAGE_AHEAD)
     acc, acc_odd, m_i, l_i = _attn_tiles(
         acc, acc_odd, m_i, l_i, q, qk_scale, softcap, K, V, bt_row, stride_kp, stride_kt, stride_vp,
         stride_vt, k_head, v_head, Mask, mask_row_off, kv_len, pos, row_valid, left, right,

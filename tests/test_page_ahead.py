@@ -1,0 +1,134 @@
+"""The carried page lookup (the paged Triton kernel's ``PAGE_AHEAD``,
+``TUNING_OVERRIDES["page_ahead"]``, default :data:`~aiter_attn.kernels.triton._launch_config.
+CARRIED_PAGE_LOOKUP`): on the per-tile lookup, each tile's page ids are read during the
+tile before and carried by the loop, so that Triton's pipeliner can keep K/V copies in
+flight while a tile computes.
+
+Against the float64 oracle on block-permuted pools whose null page 0 is noise (decode, the
+split path, prefill with a prefix, pages inside one tile and tiles inside one page, page
+size 48 that neither divides nor is divided by the tile, windows / sinks / soft-cap, fp8 and
+per-(token, head) scales); a spy confirms the launches took it. The sm_90 pipelining it buys
+is guarded in ``test_triton_pipelining.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aiter_attn.testing.compare import assert_close_rel
+
+from ._triton_util import DEVICE, HAS_CUDA, INTERPRET, requires_triton
+from .test_fp8_formats import _oracle, _token_case
+from .test_triton_paged_attention import RTOL, Case, _check
+
+pytestmark = requires_triton
+
+
+@pytest.fixture
+def ahead(monkeypatch):
+    """Turns ``page_ahead`` on (the per-tile lookup: ``page_chunk`` 0) and records the
+    ``PAGE_AHEAD`` constexpr of every launch planned."""
+    from aiter_attn.kernels.triton import attention as attn
+    from aiter_attn.kernels.triton import paged_attention as pa
+
+    seen: list = []
+    kw_of = attn.TritonPagedAttention._kw
+
+    def spy(plan, key):
+        kw = kw_of(plan, key)
+        seen.append(kw["PAGE_AHEAD"])
+        return kw
+
+    monkeypatch.setattr(attn.TritonPagedAttention, "_kw", staticmethod(spy))
+    monkeypatch.setitem(pa.TUNING_OVERRIDES, "page_ahead", True)
+    monkeypatch.setitem(pa.TUNING_OVERRIDES, "page_chunk", 0)
+    return seen
+
+
+SHAPES = [
+    # id, q_lens, kv_lens, hq, hkv, d, page
+    pytest.param([1, 1, 1, 1], [37, 1, 130, 16], 8, 2, 64, 16, id="decode-pages-in-tile"),
+    pytest.param([1, 1, 1], [300, 64, 129], 8, 2, 32, 64, id="decode-tile-in-page"),
+    pytest.param([9, 20], [9, 120], 10, 2, 80, 48, id="prefill-GQA5:1-D80-page48"),
+    pytest.param([5, 3, 17], [40, 3, 150], 8, 2, 64, 1, id="extend-prefix-page1"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("q_lens,kv_lens,hq,hkv,d,page", SHAPES)
+def test_carried_page_lookup_vs_oracle(ahead, dtype, q_lens, kv_lens, hq, hkv, d, page):
+    case = Case(q_lens, kv_lens, hq=hq, hkv=hkv, d=d, page=page, dtype=dtype, seed=d + page)
+    _check(case, "carried page ids")
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(1))
+    _check(case, "carried page ids, window+sinks+softcap", window_size=(11, 0), sinks=sinks,
+           softcap=5.0)
+    assert ahead and all(ahead), ahead
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_carried_page_lookup_split_path(ahead, monkeypatch, splits):
+    from aiter_attn.kernels.triton import paged_attention as pa
+
+    monkeypatch.setitem(pa.TUNING_OVERRIDES, "num_splits", splits)
+    case = Case([1, 1, 2], [200, 9, 77], hq=8, hkv=2, d=32, page=16, dtype=torch.float16,
+                seed=splits)
+    _check(case, f"carried page ids, {splits} splits")
+    assert ahead and all(ahead), ahead
+
+
+def test_carried_page_lookup_fp8_and_token_scales(ahead, monkeypatch):
+    from aiter_attn.kernels.triton import paged_attention as pa
+    from aiter_attn.kernels.triton.paged_attention import paged_attention_triton
+
+    case = Case([1, 4, 1], [150, 60, 33], hq=8, hkv=2, d=64, page=16, dtype=torch.float16,
+                kv_dtype=torch.float8_e5m2, k_scale=0.1, v_scale=0.5, seed=6)
+    _check(case, "carried page ids, fp8 e5m2 cache")
+    monkeypatch.setitem(pa.TUNING_OVERRIDES, "num_splits", 3)
+    monkeypatch.setitem(pa.TUNING_OVERRIDES, "v_pairs", True)  # both options together
+    q_lens = [1, 1, 3]
+    q, kc, vc, kw, dense = _token_case(q_lens, [120, 9, 77], fp8=torch.float8_e4m3fn, hq=8,
+                                       hkv=2, d=32, page=16, dtype=torch.float16,
+                                       layer=(0.5, 0.25), seed=8)
+    out = torch.empty(q.shape[0], 8, 32, dtype=torch.float16, device=DEVICE)
+    paged_attention_triton(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), out,
+                           **{k: (v.to(DEVICE) if torch.is_tensor(v) else v)
+                              for k, v in kw.items()})
+    assert_close_rel(out, _oracle(q, q_lens, dense, kw["softmax_scale"]), RTOL[torch.float16],
+                     "carried page ids, value pairs, per-(token, head) scales")
+    assert ahead and all(ahead), ahead
+
+
+def test_no_carried_lookup_on_the_chunked_lookup(ahead, monkeypatch):
+    """The option only replaces the per-tile lookup: a chunked launch keeps its chunks."""
+    from aiter_attn.kernels.triton import paged_attention as pa
+
+    monkeypatch.setitem(pa.TUNING_OVERRIDES, "page_chunk", 2)
+    case = Case([1, 1], [200, 50], hq=8, hkv=2, d=32, page=16, dtype=torch.float16, seed=2)
+    _check(case, "chunked lookup")
+    assert ahead and not any(ahead), ahead
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="compiled Triton on CUDA")
+@pytest.mark.parametrize("dtype,kv_dtype", [
+    pytest.param(torch.bfloat16, None, id="bf16"),
+    pytest.param(torch.bfloat16, torch.float8_e4m3fn, id="bf16-fp8e4m3fn"),
+])
+@pytest.mark.parametrize("q_lens,kv_lens,page", [
+    pytest.param([1] * 16, [4096] * 16, 16, id="decode-16x4k"),
+    pytest.param([1] * 3, [4100, 33, 1], 16, id="decode-split"),
+    pytest.param([300, 1, 77], [300, 2000, 1000], 48, id="mixed-page48"),
+    pytest.param([257], [1700], 64, id="extend-page64"),
+])
+def test_gpu_carried_page_lookup(ahead, dtype, kv_dtype, q_lens, kv_lens, page):
+    """The compiled, software-pipelined loop (K/V copies two tiles ahead on sm_90) on
+    CUDA-sized shapes: GQA 32/8, head dim 128, with and without window + sinks + soft-cap."""
+    scales = dict(k_scale=0.07, v_scale=0.3) if kv_dtype is not None else {}
+    case = Case(q_lens, kv_lens, hq=32, hkv=8, d=128, page=page, dtype=dtype,
+                kv_dtype=kv_dtype, seed=len(q_lens), device="cuda", **scales)
+    sinks = torch.randn(32, generator=torch.Generator().manual_seed(0))
+    _check(case, "carried page ids")
+    _check(case, "carried page ids, window+sinks+softcap", window_size=(511, 0), sinks=sinks,
+           softcap=30.0)
+    assert ahead and all(ahead), ahead
