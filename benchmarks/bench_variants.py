@@ -69,6 +69,10 @@ OVERRIDES = {
     "ahead": {"page_ahead": True},
     "chunk0-ahead": {"page_chunk": 0, "page_ahead": True},
     "chunk0-ahead-prefetch": {"page_chunk": 0, "page_ahead": True, "prefetch_pages": True},
+    # 64-key tiles carried: 181 registers, 70 KB of shared memory, two programs per SM
+    "chunk0-ahead-bn64": {"page_chunk": 0, "page_ahead": True, "block_n": 64},
+    "chunk0-ahead-bn64-splits128": {"page_chunk": 0, "page_ahead": True, "block_n": 64,
+                                    "min_split_tokens": 128},
 }
 
 

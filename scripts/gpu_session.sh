@@ -50,8 +50,10 @@
 #   scripts/gpu_session.sh twentyfifth # prefill gpu tests, bench_attention prefill rows
 #                                  # (with ours-dense), sweep rows against the plain forms
 #   scripts/gpu_session.sh twentysixth # MLA gpu tests (the Gluon kernel), bench_attention MLA
-#   scripts/gpu_session.sh twentyeighth  # pending + fp8 gpu tests, fp8 rows: byte reads
-#                                  # against value pairs, stages / lookup / split on top
+#   scripts/gpu_session.sh twentyeighth  # pending gpu tests + the three launch options'
+#                                  # (value pairs, page-id prefetch, carried page lookup)
+#   scripts/gpu_session.sh twentyninth   # their timings: decode variants (planned, graph),
+#                                  # fp8 rows byte reads against value pairs (+ options)
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -366,30 +368,36 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
     rm -f "$OUT"/*/*.png
     ;;
   twentyeighth)
-    timeout ${GT_S:-300} python3 -m pytest -m gpu -q -n 8 --timeout 200 \
+    # the gpu tests not run since the window change and those of the three launch options
+    # (value pairs, page-id prefetch, carried page lookup; each test turns its option on)
+    timeout ${GT_S:-330} python3 -m pytest -m gpu -q -n 8 --timeout 200 \
       tests/test_conformance_contract.py tests/test_engine_mixed.py tests/test_graph_gpu.py \
       tests/test_swa.py tests/test_triton_prefill.py tests/test_direct_launch.py \
       tests/test_triton_mla.py tests/test_fp8_formats.py tests/test_triton_paged_attention.py \
       tests/test_kv_scales.py tests/test_fp8_value_pairs.py tests/test_prefetch_pages.py \
-      tests/test_page_ahead.py -p no:cacheprovider \
-      -p no:warnings --tb=short \
+      tests/test_page_ahead.py -p no:cacheprovider -p no:warnings --tb=short \
       > "$OUT/gpu_tests.log" 2>&1
     grep -E "FAILED|ERROR| passed| failed" "$OUT/gpu_tests.log" | tail -15
-    # fp8 value reads: the byte-wise default against 16-bit column pairs, then tuning on top
-    for ov in '{}' '{"v_pairs": true}' '{"v_pairs": true, "num_stages": 4}' \
-              '{"v_pairs": true, "page_chunk": 0, "page_ahead": true}' \
-              '{"v_pairs": true, "num_splits": 4}'; do
-      tag=$(echo "$ov" | tr -dc 'a-z0-9_')
-      timeout ${FP_S:-90} python3 benchmarks/bench_attention.py --only fp8 --rep 30 --anchors "" \
-        --overrides "$ov" --out "$OUT/fp8_${tag:-default}" 2>&1 | grep -E "==|ours" \
-        | tee -a "$OUT/fp8.log"
-    done
-    # decode: the default (index loads in one round trip) against the page-id prefetch and
-    # the carried page lookup, as the planned (graph) step; cuDNN
-    timeout ${SB_S:-200} python3 benchmarks/bench_variants.py --out "$OUT/sb" \
+    ;;
+  twentyninth)
+    # decode: the default against the page-id prefetch and the carried page lookup, as the
+    # planned (graph) step; cuDNN on the dense equivalent
+    timeout ${SB_S:-240} python3 benchmarks/bench_variants.py --out "$OUT/sb" \
       --rows 1x4096,16x4096,1x32768,64x4096,8x65536 \
       --variants planned,planned-prefetch,planned-ahead,planned-chunk0-ahead \
       2>&1 | tail -14 | tee "$OUT/small_batch.log"
+    timeout ${SB2_S:-100} python3 benchmarks/bench_variants.py --out "$OUT/sb64" \
+      --rows 1x4096,16x4096,1x32768 \
+      --variants planned-chunk0-ahead-bn64,planned-chunk0-ahead-bn64-splits128 \
+      2>&1 | tail -10 | tee -a "$OUT/small_batch.log"
+    # fp8 value reads: the byte-wise default against 16-bit column pairs, then options on top
+    for ov in '{}' '{"v_pairs": true}' '{"v_pairs": true, "page_chunk": 0, "page_ahead": true}' \
+              '{"v_pairs": true, "num_stages": 4}'; do
+      tag=$(echo "$ov" | tr -dc 'a-z0-9_')
+      timeout ${FP_S:-75} python3 benchmarks/bench_attention.py --only fp8 --rep 30 --anchors "" \
+        --overrides "$ov" --out "$OUT/fp8_${tag:-default}" 2>&1 | grep -E "==|ours" \
+        | tee -a "$OUT/fp8.log"
+    done
     ;;
   twentyseventh)
     timeout ${GT_S:-240} python3 -m pytest -m gpu -q tests/test_triton_prefill.py \
