@@ -69,10 +69,12 @@ OVERRIDES = {
     "ahead": {"page_ahead": True},
     "chunk0-ahead": {"page_chunk": 0, "page_ahead": True},
     "chunk0-ahead-prefetch": {"page_chunk": 0, "page_ahead": True, "prefetch_pages": True},
-    # 64-key tiles carried: 181 registers, 70 KB of shared memory, two programs per SM
+    # carried with 128-key tiles and 3 stages the ring takes 136 KB (one program per SM,
+    # where the per-tile lookup's 73 KB fit three); 64-key tiles: 181 registers and 70 KB
+    # (two programs per SM, two tiles each in flight), 4 stages 102 KB (three tiles each)
     "chunk0-ahead-bn64": {"page_chunk": 0, "page_ahead": True, "block_n": 64},
-    "chunk0-ahead-bn64-splits128": {"page_chunk": 0, "page_ahead": True, "block_n": 64,
-                                    "min_split_tokens": 128},
+    "chunk0-ahead-bn64-s4": {"page_chunk": 0, "page_ahead": True, "block_n": 64,
+                             "num_stages": 4},
 }
 
 
