@@ -89,8 +89,10 @@ PREFETCH_PAGES = False
 #: more tiles, 16x4k / 1x32k / 64x4k / 8x64k): read each tile's page ids one tile ahead and
 #: carry them through the loop (the kernel's ``PAGE_AHEAD``), so Triton's pipeliner keeps
 #: two tiles of K/V copies in flight (sm_90 TTGIR ``async_wait {num = 2}``, 168 registers and
-#: no spills at 16x4k) where the per-tile lookup waits for every copy (``num = 0``) before a
-#: tile computes; off until timed on the H200 (``TUNING_OVERRIDES["page_ahead"]``).
+#: no spills at 16x4k) where the per-tile lookup issues a tile's copies only after the tile
+#: before has computed. The ring then really holds 3 stages (136 KB of shared memory with
+#: 128-key tiles: one program per SM where the per-tile lookup's 73 KB fit three; 64-key
+#: tiles: 70 KB). Off until timed on the H200 (``TUNING_OVERRIDES["page_ahead"]``).
 CARRIED_PAGE_LOOKUP = False
 
 #: Tuning overrides (scripts/tune_triton_paged_attention.py and tests only): ``block_m``,
