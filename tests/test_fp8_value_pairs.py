@@ -20,6 +20,7 @@ import torch
 
 from aiter_attn.testing.compare import assert_close_rel
 
+from ._launch_options import check_token_head_case, spy_launch_option
 from ._triton_util import DEVICE, HAS_CUDA, INTERPRET, requires_triton
 from .test_fp8_formats import _oracle, _token_case
 from .test_triton_paged_attention import RTOL, Case, _check
@@ -32,21 +33,8 @@ FORMATS = [pytest.param(E4M3, id="e4m3fn"), pytest.param(E5M2, id="e5m2")]
 
 @pytest.fixture
 def pairs(monkeypatch):
-    """Turns ``v_pairs`` on and records the ``V_PAIRS`` constexpr of every launch planned."""
-    from aiter_attn.kernels.triton import attention as attn
-    from aiter_attn.kernels.triton import paged_attention as pa
-
-    seen: list = []
-    kw_of = attn.TritonPagedAttention._kw
-
-    def spy(plan, key):
-        kw = kw_of(plan, key)
-        seen.append(kw["V_PAIRS"])
-        return kw
-
-    monkeypatch.setattr(attn.TritonPagedAttention, "_kw", staticmethod(spy))
-    monkeypatch.setitem(pa.TUNING_OVERRIDES, "v_pairs", True)
-    return seen
+    """Turns ``v_pairs`` on; the ``V_PAIRS`` constexpr of every launch planned."""
+    return spy_launch_option(monkeypatch, "V_PAIRS", "v_pairs")
 
 
 SHAPES = [
@@ -86,18 +74,9 @@ def test_value_pairs_split_path_and_chunked_lookup(pairs, monkeypatch, splits, c
 def test_value_pairs_with_token_head_scales(pairs, monkeypatch, fp8):
     """Per-(token, head) value scales multiply each half of the pair split in float32."""
     from aiter_attn.kernels.triton import paged_attention as pa
-    from aiter_attn.kernels.triton.paged_attention import paged_attention_triton
 
     monkeypatch.setitem(pa.TUNING_OVERRIDES, "num_splits", 2)
-    q_lens = [1, 1, 3]
-    q, kc, vc, kw, dense = _token_case(q_lens, [120, 9, 77], fp8=fp8, hq=8, hkv=2, d=32,
-                                       page=16, dtype=torch.float16, layer=(0.5, 0.25), seed=4)
-    out = torch.empty(q.shape[0], 8, 32, dtype=torch.float16, device=DEVICE)
-    paged_attention_triton(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), out,
-                           **{k: (v.to(DEVICE) if torch.is_tensor(v) else v)
-                              for k, v in kw.items()})
-    assert_close_rel(out, _oracle(q, q_lens, dense, kw["softmax_scale"]), RTOL[torch.float16],
-                     "value pairs, per-(token, head) scales")
+    check_token_head_case(fp8, 4, "value pairs, per-(token, head) scales")
     assert pairs and all(pairs), pairs
 
 

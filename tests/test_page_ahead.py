@@ -16,34 +16,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aiter_attn.testing.compare import assert_close_rel
-
-from ._triton_util import DEVICE, HAS_CUDA, INTERPRET, requires_triton
-from .test_fp8_formats import _oracle, _token_case
-from .test_triton_paged_attention import RTOL, Case, _check
+from ._launch_options import check_token_head_case, spy_launch_option
+from ._triton_util import HAS_CUDA, INTERPRET, requires_triton
+from .test_triton_paged_attention import Case, _check
 
 pytestmark = requires_triton
 
 
 @pytest.fixture
 def ahead(monkeypatch):
-    """Turns ``page_ahead`` on (the per-tile lookup: ``page_chunk`` 0) and records the
-    ``PAGE_AHEAD`` constexpr of every launch planned."""
-    from aiter_attn.kernels.triton import attention as attn
+    """Turns ``page_ahead`` on (on the per-tile lookup: ``page_chunk`` 0); the ``PAGE_AHEAD``
+    constexpr of every launch planned."""
     from aiter_attn.kernels.triton import paged_attention as pa
 
-    seen: list = []
-    kw_of = attn.TritonPagedAttention._kw
-
-    def spy(plan, key):
-        kw = kw_of(plan, key)
-        seen.append(kw["PAGE_AHEAD"])
-        return kw
-
-    monkeypatch.setattr(attn.TritonPagedAttention, "_kw", staticmethod(spy))
-    monkeypatch.setitem(pa.TUNING_OVERRIDES, "page_ahead", True)
     monkeypatch.setitem(pa.TUNING_OVERRIDES, "page_chunk", 0)
-    return seen
+    return spy_launch_option(monkeypatch, "PAGE_AHEAD", "page_ahead")
 
 
 SHAPES = [
@@ -79,23 +66,14 @@ def test_carried_page_lookup_split_path(ahead, monkeypatch, splits):
 
 def test_carried_page_lookup_fp8_and_token_scales(ahead, monkeypatch):
     from aiter_attn.kernels.triton import paged_attention as pa
-    from aiter_attn.kernels.triton.paged_attention import paged_attention_triton
 
     case = Case([1, 4, 1], [150, 60, 33], hq=8, hkv=2, d=64, page=16, dtype=torch.float16,
                 kv_dtype=torch.float8_e5m2, k_scale=0.1, v_scale=0.5, seed=6)
     _check(case, "carried page ids, fp8 e5m2 cache")
     monkeypatch.setitem(pa.TUNING_OVERRIDES, "num_splits", 3)
     monkeypatch.setitem(pa.TUNING_OVERRIDES, "v_pairs", True)  # both options together
-    q_lens = [1, 1, 3]
-    q, kc, vc, kw, dense = _token_case(q_lens, [120, 9, 77], fp8=torch.float8_e4m3fn, hq=8,
-                                       hkv=2, d=32, page=16, dtype=torch.float16,
-                                       layer=(0.5, 0.25), seed=8)
-    out = torch.empty(q.shape[0], 8, 32, dtype=torch.float16, device=DEVICE)
-    paged_attention_triton(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), out,
-                           **{k: (v.to(DEVICE) if torch.is_tensor(v) else v)
-                              for k, v in kw.items()})
-    assert_close_rel(out, _oracle(q, q_lens, dense, kw["softmax_scale"]), RTOL[torch.float16],
-                     "carried page ids, value pairs, per-(token, head) scales")
+    check_token_head_case(torch.float8_e4m3fn, 8,
+                          "carried page ids, value pairs, per-(token, head) scales")
     assert ahead and all(ahead), ahead
 
 

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from aiter_attn.kernels.triton._paging import prefetch_chunk_pages
 
+from ._launch_options import spy_launch_option
 from ._triton_util import DEVICE, requires_triton
 from .test_triton_paged_attention import Case, _check
 
@@ -29,22 +30,8 @@ pytestmark = requires_triton
 
 @pytest.fixture
 def prefetch(monkeypatch):
-    """Turns ``prefetch_pages`` on and records the ``PREFETCH_PAGES`` constexpr of every
-    launch planned."""
-    from aiter_attn.kernels.triton import attention as attn
-    from aiter_attn.kernels.triton import paged_attention as pa
-
-    seen: list = []
-    kw_of = attn.TritonPagedAttention._kw
-
-    def spy(plan, key):
-        kw = kw_of(plan, key)
-        seen.append(kw["PREFETCH_PAGES"])
-        return kw
-
-    monkeypatch.setattr(attn.TritonPagedAttention, "_kw", staticmethod(spy))
-    monkeypatch.setitem(pa.TUNING_OVERRIDES, "prefetch_pages", True)
-    return seen
+    """Turns ``prefetch_pages`` on; the ``PREFETCH_PAGES`` constexpr of every launch planned."""
+    return spy_launch_option(monkeypatch, "PREFETCH_PAGES", "prefetch_pages")
 
 
 def _split(monkeypatch, splits, chunk):

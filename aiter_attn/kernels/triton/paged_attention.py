@@ -230,41 +230,29 @@ def _attn_tiles(
                     t * BLOCK_N + offs_n, offs_d, offs_dv, d_mask, dv_mask, KSc, VSc, s_rows,
                     v_mul, MASKED, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK, COMPUTE_DTYPE,
                     DOT_PRECISION, TOKEN_SCALES, CLAMP_V, V_PAIRS)
-    elif PAGE_AHEAD:
-        # the per-tile lookup with each tile's page ids read one tile ahead and carried by the
-        # loop: no load in an iteration feeds that iteration's K/V addresses
-        page_nxt = _tile_page_ids(bt_row, t_start, t_end, kv_len, offs_n, BLOCK_N, PAGE_SIZE,
-                                  TILE_IN_PAGE)
-        for t in tl.range(t_start, t_end, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
-            kpos = t * BLOCK_N + offs_n
-            page = page_nxt.to(tl.int64)
-            page_nxt = _tile_page_ids(bt_row, t + 1, t_end, kv_len, offs_n, BLOCK_N, PAGE_SIZE,
-                                      TILE_IN_PAGE)
-            if TILE_IN_PAGE:
-                in_page = ((t * BLOCK_N) % PAGE_SIZE + offs_n).to(tl.int64)
-            else:
-                in_page = (kpos % PAGE_SIZE).to(tl.int64)
-            k_rows, v_rows = _kv_rows(page, in_page, stride_kp, stride_kt, stride_vp, stride_vt,
-                                      VX)
-            s_rows = s_head + page * stride_sp + in_page * stride_st
-            acc, acc_odd, m_i, l_i = _tile_step(
-                acc, acc_odd, m_i, l_i, q, qk_scale, softcap, K, V, k_rows, v_rows, kv_head_off_k,
-                kv_head_off_v, Mask, mask_row_off, kv_len, pos, row_valid, left, right, kpos,
-                offs_d, offs_dv, d_mask, dv_mask, KSc, VSc, s_rows, v_mul, MASKED, CAUSAL,
-                HAS_SOFTCAP, HAS_CUSTOM_MASK, COMPUTE_DTYPE, DOT_PRECISION, TOKEN_SCALES,
-                CLAMP_V, V_PAIRS)
     else:
+        # the per-tile lookup; PAGE_AHEAD: each tile's page ids read during the tile before
+        # and carried by the loop, so no load in an iteration feeds its K/V addresses
+        page_nxt = 0
+        if PAGE_AHEAD:
+            page_nxt = _tile_page_ids(bt_row, t_start, t_end, kv_len, offs_n, BLOCK_N,
+                                      PAGE_SIZE, TILE_IN_PAGE)
         for t in tl.range(t_start, t_end, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
             kpos = t * BLOCK_N + offs_n
-            if TILE_IN_PAGE:
+            if PAGE_AHEAD:
+                page = page_nxt.to(tl.int64)
+                page_nxt = _tile_page_ids(bt_row, t + 1, t_end, kv_len, offs_n, BLOCK_N,
+                                          PAGE_SIZE, TILE_IN_PAGE)
+            elif TILE_IN_PAGE:
                 page = tl.load(bt_row + (t * BLOCK_N) // PAGE_SIZE).to(tl.int64)
+            elif MASKED:
+                page = tl.load(bt_row + kpos // PAGE_SIZE, mask=kpos < kv_len,
+                               other=0).to(tl.int64)
+            else:
+                page = tl.load(bt_row + kpos // PAGE_SIZE).to(tl.int64)
+            if TILE_IN_PAGE:
                 in_page = ((t * BLOCK_N) % PAGE_SIZE + offs_n).to(tl.int64)
             else:
-                if MASKED:
-                    page = tl.load(bt_row + kpos // PAGE_SIZE, mask=kpos < kv_len, other=0)
-                else:
-                    page = tl.load(bt_row + kpos // PAGE_SIZE)
-                page = page.to(tl.int64)
                 in_page = (kpos % PAGE_SIZE).to(tl.int64)
             k_rows, v_rows = _kv_rows(page, in_page, stride_kp, stride_kt, stride_vp, stride_vt,
                                       VX)

@@ -1,0 +1,52 @@
+"""Helpers of the tests of the paged Triton kernel's launch options (``TUNING_OVERRIDES``
+keys): a spy on the launch constexprs (which launches really took an option, so that a test
+of the option cannot pass on launches that never used it) and a per-(token, head) scaled fp8
+case against the oracle."""
+
+from __future__ import annotations
+
+import torch
+
+from aiter_attn.testing.compare import assert_close_rel
+
+__all__ = ["spy_launch_option", "check_token_head_case"]
+
+
+def spy_launch_option(monkeypatch, constexpr: str, option: str, value=True) -> list:
+    """Sets ``TUNING_OVERRIDES[option] = value`` for the test and returns a list that
+    receives the ``constexpr`` of every launch planned from then on."""
+    from aiter_attn.kernels.triton import attention as attn
+    from aiter_attn.kernels.triton import paged_attention as pa
+
+    seen: list = []
+    kw_of = attn.TritonPagedAttention._kw
+
+    def spy(plan, key):
+        kw = kw_of(plan, key)
+        seen.append(kw[constexpr])
+        return kw
+
+    monkeypatch.setattr(attn.TritonPagedAttention, "_kw", staticmethod(spy))
+    monkeypatch.setitem(pa.TUNING_OVERRIDES, option, value)
+    return seen
+
+
+def check_token_head_case(fp8, seed: int, what: str) -> None:
+    """Decode and a 3-token extend over an fp8 cache with per-(token, head) scales and layer
+    scales on top (GQA 4:1, head dim 32, page 16), through the Triton kernel, against the
+    float64 oracle over the dequantised cache."""
+    from aiter_attn.kernels.triton.paged_attention import paged_attention_triton
+
+    from ._triton_util import DEVICE
+    from .test_fp8_formats import RTOL, _oracle, _token_case
+
+    q_lens = [1, 1, 3]
+    q, kc, vc, kw, dense = _token_case(q_lens, [120, 9, 77], fp8=fp8, hq=8, hkv=2, d=32,
+                                       page=16, dtype=torch.float16, layer=(0.5, 0.25),
+                                       seed=seed)
+    out = torch.empty(q.shape[0], 8, 32, dtype=torch.float16, device=DEVICE)
+    paged_attention_triton(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), out,
+                           **{k: (v.to(DEVICE) if torch.is_tensor(v) else v)
+                              for k, v in kw.items()})
+    assert_close_rel(out, _oracle(q, q_lens, dense, kw["softmax_scale"]), RTOL[torch.float16],
+                     what)
