@@ -68,7 +68,6 @@ OVERRIDES = {
     # also for the rows that default to the chunked lookup (1x4k)
     "ahead": {"page_ahead": True},
     "chunk0-ahead": {"page_chunk": 0, "page_ahead": True},
-    "chunk0-ahead-prefetch": {"page_chunk": 0, "page_ahead": True, "prefetch_pages": True},
     # carried with 128-key tiles and 3 stages the ring takes 136 KB (one program per SM,
     # where the per-tile lookup's 73 KB fit three); 64-key tiles: 181 registers and 70 KB
     # (two programs per SM, two tiles each in flight), 4 stages 102 KB (three tiles each)
