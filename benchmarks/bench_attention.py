@@ -236,6 +236,13 @@ def run_mla_rows(rows, args, results):
             add_rates(rec, x.bytes_moved, x.flops)
             case["impls"].append(rec)
             print("   ", summarize(rec, True), flush=True)
+            if kv == "fp8" and heads <= 16:  # the value-pairs option (fp8 latents)
+                rec = bench_impl("ours-v-pairs",
+                                 lambda inp: make_ours_mla(inp, v_pairs=True), x, expected,
+                                 lambda o: o[:rows_b], RTOL_FP8, args.rep, args.graphs)
+                add_rates(rec, x.bytes_moved, x.flops)
+                case["impls"].append(rec)
+                print("   ", summarize(rec, True), flush=True)
             if heads >= 64 and kv == "bf16":  # the default is the Gluon kernel: the Triton one
                 rec = bench_impl("ours-triton", lambda inp: make_ours_mla(inp, gluon=False),
                                  x, expected, lambda o: o[:rows_b], RTOL_BF16, args.rep,

@@ -54,6 +54,8 @@
 #                                  # (value pairs, page-id prefetch, carried page lookup)
 #   scripts/gpu_session.sh twentyninth   # their timings: decode variants (planned, graph),
 #                                  # fp8 rows byte reads against value pairs (+ options)
+#   scripts/gpu_session.sh thirtieth     # MLA rows (fp8 value pairs), paged prefill rows
+#                                  # with the carried page lookup
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -375,7 +377,8 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
       tests/test_swa.py tests/test_triton_prefill.py tests/test_direct_launch.py \
       tests/test_triton_mla.py tests/test_fp8_formats.py tests/test_triton_paged_attention.py \
       tests/test_kv_scales.py tests/test_fp8_value_pairs.py tests/test_prefetch_pages.py \
-      tests/test_page_ahead.py -p no:cacheprovider -p no:warnings --tb=short \
+      tests/test_page_ahead.py tests/test_mla_value_pairs.py -p no:cacheprovider \
+      -p no:warnings --tb=short \
       > "$OUT/gpu_tests.log" 2>&1
     grep -E "FAILED|ERROR| passed| failed" "$OUT/gpu_tests.log" | tail -15
     ;;
@@ -393,6 +396,18 @@ planned-chunk0-ahead,planned-chunk0-ahead-bn64,planned-chunk0-ahead-bn64-s4 \
       timeout ${FP_S:-70} python3 benchmarks/bench_attention.py --only fp8 --rep 30 --anchors "" \
         --overrides "$ov" --out "$OUT/fp8_${tag:-default}" 2>&1 | grep -E "==|ours" \
         | tee -a "$OUT/fp8.log"
+    done
+    ;;
+  thirtieth)
+    # MLA rows (fp8 16 heads: byte-wise value reads against the value-pairs option,
+    # "ours-v-pairs"), then the paged prefill row with the carried page lookup
+    timeout ${MLA_S:-200} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --out "$OUT/mla" 2>&1 | grep -E "==|ours" | tee "$OUT/mla.log"
+    for ov in '{}' '{"page_chunk": 0, "page_ahead": true}'; do
+      tag=$(echo "$ov" | tr -dc 'a-z0-9_')
+      timeout ${PF_S:-170} python3 benchmarks/bench_attention.py --only prefill --rep 30 \
+        --anchors cudnn --overrides "$ov" --out "$OUT/prefill_${tag:-default}" 2>&1 \
+        | grep -E "==|ours |cudnn" | tee -a "$OUT/prefill.log"
     done
     ;;
   twentyseventh)

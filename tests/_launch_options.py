@@ -9,26 +9,32 @@ import torch
 
 from aiter_attn.testing.compare import assert_close_rel
 
-__all__ = ["spy_launch_option", "check_token_head_case"]
+__all__ = ["spy_constexpr", "spy_launch_option", "check_token_head_case"]
 
 
-def spy_launch_option(monkeypatch, constexpr: str, option: str, value=True) -> list:
-    """Sets ``TUNING_OVERRIDES[option] = value`` for the test and returns a list that
-    receives the ``constexpr`` of every launch planned from then on."""
-    from aiter_attn.kernels.triton import attention as attn
-    from aiter_attn.kernels.triton import paged_attention as pa
-
+def spy_constexpr(monkeypatch, kernel_cls, constexpr: str) -> list:
+    """A list that receives the ``constexpr`` of every launch ``kernel_cls`` (a plan/run
+    kernel with a static ``_kw(plan, key)``) builds from then on."""
     seen: list = []
-    kw_of = attn.TritonPagedAttention._kw
+    kw_of = kernel_cls._kw
 
     def spy(plan, key):
         kw = kw_of(plan, key)
         seen.append(kw[constexpr])
         return kw
 
-    monkeypatch.setattr(attn.TritonPagedAttention, "_kw", staticmethod(spy))
-    monkeypatch.setitem(pa.TUNING_OVERRIDES, option, value)
+    monkeypatch.setattr(kernel_cls, "_kw", staticmethod(spy))
     return seen
+
+
+def spy_launch_option(monkeypatch, constexpr: str, option: str, value=True) -> list:
+    """Sets the paged kernel's ``TUNING_OVERRIDES[option] = value`` for the test and returns
+    a list that receives the ``constexpr`` of every launch planned from then on."""
+    from aiter_attn.kernels.triton import attention as attn
+    from aiter_attn.kernels.triton import paged_attention as pa
+
+    monkeypatch.setitem(pa.TUNING_OVERRIDES, option, value)
+    return spy_constexpr(monkeypatch, attn.TritonPagedAttention, constexpr)
 
 
 def check_token_head_case(fp8, seed: int, what: str) -> None:

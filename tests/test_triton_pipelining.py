@@ -103,6 +103,20 @@ def test_programmatic_dependent_launch_waits_before_reading(kernel, config):
     assert rep["gdc wait before first read"] is True, rep
 
 
+def test_fp8_mla_value_pairs_read_no_single_bytes():
+    """The MLA kernel's fp8 latent values likewise (16 heads, 32-key tiles, 3 stages: 128
+    byte-wise shared loads, 40 spilled bytes): as column pairs none of either, the same
+    shared memory, the latent copies still pipelined."""
+    cfg = dict(kv="fp8e4nv", BLOCK_H=16, BLOCK_N=32, warps=4, stages=3)
+    plain = _inspect("mla", dict(cfg, V_PAIRS=False))
+    paired = _inspect("mla", dict(cfg, V_PAIRS=True))
+    assert plain["8-bit shared loads"] > 0, plain
+    assert paired["8-bit shared loads"] == 0, paired
+    assert paired["stack bytes (ptxas spills)"] == 0, paired
+    assert paired["shared_bytes"] <= plain["shared_bytes"], (plain, paired)
+    assert max(int(n) for n in paired["async_wait per loop"]) >= 2, paired
+
+
 @pytest.mark.parametrize("launched", ["64x16384", "8x65536"])
 def test_fp8_value_pairs_read_no_single_bytes(launched):
     """An fp8 decode tile's transposed value operand is read byte by byte from shared memory

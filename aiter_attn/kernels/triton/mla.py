@@ -40,7 +40,7 @@ from ...validation import INDEX_DTYPES, unit_stride
 from ..base import (MEMO, KernelPlan, MLAKernel, _adhoc_metadata, mask_literal,
                     mla_layer_params, mla_request, plan_hints, token_count_error)
 from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
-from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS
+from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS, FP8_VALUE_PAIRS
 from .mla_gluon import (GLUON_MLA_BLOCK_H, gluon_mla_reject_reason, gluon_mla_tensors_reason,
                         launch_gluon_mla)
 from ._paging import load_chunk_pages, tile_pages_of
@@ -63,12 +63,14 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _mla_tile(acc, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, offs_n, hi, mask_row,
-              offs_dv, offs_dr, mask_dv, mask_dr,
+def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, offs_n, hi,
+              mask_row, offs_dv, offs_dr, mask_dv, mask_dr,
               KV_LORA: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
-              EVEN_D: tl.constexpr, SPLIT_V_LOAD: tl.constexpr):
+              EVEN_D: tl.constexpr, SPLIT_V_LOAD: tl.constexpr, V_PAIRS: tl.constexpr):
     """One latent tile: rows ``row`` (int64 offsets, ``[BLOCK_N]``) of keys ``offs_n``; keys
-    at or past ``hi`` are masked. Updates the online softmax ``(acc [H, R], m_i, l_i)``."""
+    at or past ``hi`` are masked. Updates the online softmax ``(acc [H, R], m_i, l_i)``;
+    ``V_PAIRS`` (fp8 latents): ``acc``/``acc_odd`` ``[H, R/2]`` hold the even/odd value
+    columns, read as 16-bit pairs (see the paged kernel's ``_tile_step``)."""
     mask_n = offs_n < hi
     if EVEN_D:  # row-only masks keep the 16-byte vector loads along the latent dim
         c_nope = tl.load(kv_ptr + row[:, None] + offs_dv[None, :], mask=mask_n[:, None],
@@ -91,19 +93,35 @@ def _mla_tile(acc, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, offs_n, hi, 
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if SPLIT_V_LOAD:
-        # a converted (fp8 -> fp16) tile used by two dots is not software-pipelined by Triton
-        # (sm_90 PTX: plain ld.global for it, cp.async only for the rope part); a second load
-        # of the same rows (an L2 hit) for the values gives each load a single use, and both
-        # are pipelined through shared memory
-        # (the 2-D mask keeps this load distinct from the key load above: with identical
-        # operands the compiler merges the two back into one, and pipelines neither)
-        c_val = tl.load(kv_ptr + row[:, None] + offs_dv[None, :],
-                        mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(q_nope.dtype)
+    if V_PAIRS:
+        # 8-bit values as 16-bit pairs of adjacent latent columns: ldmatrix.trans reads them
+        # into the MMA layout (a transposed 8-bit operand is read byte by byte); the bytes are
+        # split by parity in registers into two half-width dots (the launch takes this path
+        # only when every row offset is a multiple of 16 bytes)
+        pairs = tl.load(kv_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+                        + tl.multiple_of(row // 2, 8)[:, None]
+                        + tl.arange(0, offs_dv.shape[0] // 2)[None, :],
+                        mask=mask_n[:, None], other=0)
+        c_odd = (pairs >> 8).to(tl.uint8).to(kv_ptr.dtype.element_ty, bitcast=True)
+        c_val = pairs.to(tl.uint8).to(kv_ptr.dtype.element_ty, bitcast=True)
+        p16 = p.to(q_nope.dtype)
+        acc = acc * alpha[:, None] + _dot(p16, c_val.to(q_nope.dtype), IEEE)
+        acc_odd = acc_odd * alpha[:, None] + _dot(p16, c_odd.to(q_nope.dtype), IEEE)
     else:
-        c_val = c_nope
-    acc = acc * alpha[:, None] + _dot(p.to(q_nope.dtype), c_val, IEEE)
-    return acc, m_new, l_i
+        if SPLIT_V_LOAD:
+            # a converted (fp8 -> fp16) tile used by two dots is not software-pipelined by
+            # Triton (sm_90 PTX: plain ld.global for it, cp.async only for the rope part); a
+            # second load of the same rows (an L2 hit) for the values gives each load a single
+            # use, and both are pipelined through shared memory
+            # (the 2-D mask keeps this load distinct from the key load above: with identical
+            # operands the compiler merges the two back into one, and pipelines neither)
+            c_val = tl.load(kv_ptr + row[:, None] + offs_dv[None, :],
+                            mask=mask_n[:, None] & mask_dv[None, :],
+                            other=0.0).to(q_nope.dtype)
+        else:
+            c_val = c_nope
+        acc = acc * alpha[:, None] + _dot(p.to(q_nope.dtype), c_val, IEEE)
+    return acc, acc_odd, m_new, l_i
 
 
 @triton.jit
@@ -140,6 +158,7 @@ def _mla_fwd_kernel(
     WRITE_LSE: tl.constexpr,
     FIXED_CHUNK: tl.constexpr,
     PDL: tl.constexpr = False,
+    V_PAIRS: tl.constexpr = False,
 ):
     if PDL:  # programmatic dependent launch: the previous kernel's writes first
         wait_then_release()
@@ -195,7 +214,12 @@ def _mla_fwd_kernel(
 
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    if V_PAIRS:  # even / odd value columns (see _mla_tile)
+        acc = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
+        acc_odd = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+        acc_odd = tl.zeros([BLOCK_H, 16], dtype=tl.float32)  # unused
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     mask_row = mask_ptr
     if HAS_MASK:
@@ -213,11 +237,11 @@ def _mla_fwd_kernel(
             for j in range(0, n_in):
                 page, in_page = tile_pages_of(chunk_pages, j, c0 + j, BLOCK_N, PAGE_SIZE,
                                               PAGE_CHUNK, TILE_IN_PAGE)
-                acc, m_i, l_i = _mla_tile(
-                    acc, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr,
+                acc, acc_odd, m_i, l_i = _mla_tile(
+                    acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr,
                     page * stride_kvp + in_page * stride_kvs, (c0 + j) * BLOCK_N + offs_t, hi,
                     mask_row, offs_dv, offs_dr, mask_dv, mask_dr,
-                    KV_LORA, HAS_MASK, IEEE, EVEN_D, SPLIT_V_LOAD)
+                    KV_LORA, HAS_MASK, IEEE, EVEN_D, SPLIT_V_LOAD, V_PAIRS)
     else:
         # any page size: page ids are fetched one tile ahead (the loop carries them)
         if TILE_IN_PAGE:  # page_size % BLOCK_N == 0 and tiles start at multiples of BLOCK_N
@@ -238,10 +262,12 @@ def _mla_fwd_kernel(
                 page_next = tl.load(bt_row + (nxt + offs_t) // PAGE_SIZE,
                                     mask=nxt + offs_t < hi, other=0)
                 row = page * stride_kvp + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kvs
-            acc, m_i, l_i = _mla_tile(
-                acc, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, offs_n, hi, mask_row,
-                offs_dv, offs_dr, mask_dv, mask_dr, KV_LORA, HAS_MASK, IEEE, EVEN_D,
-                SPLIT_V_LOAD)
+            acc, acc_odd, m_i, l_i = _mla_tile(
+                acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, offs_n, hi,
+                mask_row, offs_dv, offs_dr, mask_dv, mask_dr, KV_LORA, HAS_MASK, IEEE, EVEN_D,
+                SPLIT_V_LOAD, V_PAIRS)
+    if V_PAIRS:  # interleave the columns back: [H, R/2, 2] -> [H, R]
+        acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_H, BLOCK_DV])
 
     has = l_i > 0
     inv = tl.where(has, kv_scale / tl.where(has, l_i, 1.0), 0.0)
@@ -431,7 +457,7 @@ class TritonMLA(MLAKernel):
 
     ``tuning`` (tests, benchmarks) overrides the launch heuristics: ``num_kv_splits``,
     ``block_h``, ``block_n``, ``num_warps``, ``num_stages``, ``page_chunk``, ``split_v_load``,
-    ``gluon`` (``False``: never the Gluon kernel of :mod:`.mla_gluon`, which otherwise
+    ``v_pairs`` (fp8 value reads as 16-bit column pairs), ``gluon`` (``False``: never the Gluon kernel of :mod:`.mla_gluon`, which otherwise
     serves what :func:`.mla_gluon.gluon_mla_reject_reason` allows: 64-head blocks of
     bf16/fp16 latents 512 + 64 on NVIDIA sm_90).
     """
@@ -576,6 +602,10 @@ class TritonMLA(MLAKernel):
             PAGE_CHUNK=next_pow2(page_chunk) if page_chunk > 0 and (
                 page_size % bn == 0 or bn % page_size == 0) else 0,
             FP16_DOTS=is_fp8(self.kv_dtype) and self.dtype == torch.bfloat16,
+            # fp8 latents' values as 16-bit column pairs (an option; run() checks the cache
+            # layout): head blocks under 64 rows, whose dots are mma.sync
+            V_PAIRS=bool(is_fp8(self.kv_dtype) and self.block_dv == self.rank and bh < 64
+                         and t.get("v_pairs", FP8_VALUE_PAIRS)),
             SPLIT_V_LOAD=self.kv_dtype != self.dtype if split_v is None else bool(split_v),
             FIXED_CHUNK=fixed_chunk, num_warps=warps, num_stages=stages,
             **pdl_kwargs(pdl_mode(t.get("pdl"), device), reduction=False))
@@ -592,10 +622,10 @@ class TritonMLA(MLAKernel):
 
     @staticmethod
     def _kw(plan: TritonMLAPlan, key):
-        causal, from_ptr, write_lse = key
+        causal, from_ptr, write_lse, pairs = key
         kw = dict(plan.cfg_kw)
         kw.update(CAUSAL=causal and not plan.mask_literal, SCALE_FROM_PTR=from_ptr,
-                  WRITE_LSE=write_lse)
+                  WRITE_LSE=write_lse, V_PAIRS=kw["V_PAIRS"] and pairs)
         plan.kw_cache[key] = kw
         return kw
 
@@ -613,7 +643,10 @@ class TritonMLA(MLAKernel):
                              "last dim; pass .contiguous() tensors.")
         from_ptr = params.has_scales  # fp8 cache: the scale is read on the device
         write_lse = lse is not None
-        key = (params.causal, from_ptr, write_lse)
+        # value pairs need every latent row on a 16-byte boundary (strides and base)
+        pairs = plan.cfg_kw["V_PAIRS"] and not (
+            (kv_cache.stride(0) | kv_cache.stride(1) | kv_cache.data_ptr()) % 16)
+        key = (params.causal, from_ptr, write_lse, pairs)
         kw = plan.kw_cache.get(key)
         if kw is None:
             kw = self._kw(plan, key)
@@ -685,6 +718,7 @@ def mla_paged_attention(
     lse: Optional[torch.Tensor] = None,
     batch_invariant: bool = False,
     gluon: Optional[bool] = None,
+    v_pairs: Optional[bool] = None,
 ) -> torch.Tensor:
     """Absorbed MLA over a paged latent cache (Triton). Same contract as
     :func:`aiter_attn.kernels.reference.mla_paged_attention_reference`.
@@ -716,6 +750,9 @@ def mla_paged_attention(
             (compute-bound; 128 heads 64x4k: 227 vs 168 TFLOP/s with 64-key tiles).
         lse: optional float32 ``[T, H]``: also receives the natural-log LSE of each row's
             scaled logits (``-inf`` with nothing visible), the flash-attn convention.
+        v_pairs: fp8 latents: read the values as 16-bit column pairs (no byte-wise shared
+            loads; see ``_launch_config.FP8_VALUE_PAIRS``, the default); used on head blocks
+            under 64 rows of caches whose rows start on 16-byte boundaries.
         gluon: ``False``: never the warp-specialised Gluon kernel (:mod:`.mla_gluon`); by
             default it serves the launches it can (64-head blocks of bf16/fp16 latents
             512 + 64, pages of a multiple of 64 keys, no mask, NVIDIA sm_90).
@@ -750,7 +787,7 @@ def mla_paged_attention(
     tuning = {k: v for k, v in dict(
         num_kv_splits=num_kv_splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
         num_stages=num_stages, page_chunk=page_chunk, split_v_load=split_v_load,
-        gluon=gluon).items() if v is not None}
+        gluon=gluon, v_pairs=v_pairs).items() if v is not None}
     kernel = TritonMLA(mla_request(q, kv_cache, kv_lora_rank,
                                    custom_mask=custom_mask is not None, lse=lse is not None,
                                    batch_invariant=batch_invariant), tuning)
