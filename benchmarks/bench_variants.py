@@ -74,6 +74,9 @@ OVERRIDES = {
     "chunk0-ahead-bn64": {"page_chunk": 0, "page_ahead": True, "block_n": 64},
     "chunk0-ahead-bn64-s4": {"page_chunk": 0, "page_ahead": True, "block_n": 64,
                              "num_stages": 4},
+    # 1x4k as 32 splits of 128 keys: 256 programs, two per SM
+    "chunk0-ahead-bn64-splits128": {"page_chunk": 0, "page_ahead": True, "block_n": 64,
+                                    "min_split_tokens": 128},
 }
 
 
