@@ -396,7 +396,7 @@ planned-chunk0-ahead,planned-chunk0-ahead-bn64,planned-chunk0-ahead-bn64-s4 \
     for ov in '{}' '{"v_pairs": true}' '{"v_pairs": true, "page_chunk": 0, "page_ahead": true}' \
               '{"v_pairs": true, "num_stages": 4}'; do
       tag=$(echo "$ov" | tr -dc 'a-z0-9_')
-      timeout ${FP_S:-70} python3 benchmarks/bench_attention.py --only fp8 --rep 30 --anchors "" \
+      timeout ${FP_S:-65} python3 benchmarks/bench_attention.py --only fp8 --rep 30 --anchors "" \
         --overrides "$ov" --out "$OUT/fp8_${tag:-default}" 2>&1 | grep -E "==|ours" \
         | tee -a "$OUT/fp8.log"
     done
