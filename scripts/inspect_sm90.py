@@ -113,6 +113,18 @@ def compile_paged(kv="bf16", q="bf16", warps=8, stages=3, launched=None, q_len=1
                     c, warps, stages)
 
 
+def compile_reduce(warps=4, stages=1, **const):
+    """The paged kernel's split reduction (``_reduce_splits_kernel``): bf16 output, head
+    dim 128, up to 16 splits unless the JSON says otherwise."""
+    from aiter_attn.kernels.triton import paged_attention as pa
+
+    c = dict(DV=128, DV_PAD=128, SPLITS_PAD=16, HAS_SINKS=False, WRITE_LSE=False,
+             FIXED_ORDER=False, PDL=False)
+    c.update(const)
+    ptrs = dict(O="bf16", PartAcc="fp32", PartML="fp32", Sinks="fp32", Lse="fp32")
+    return _compile(pa._reduce_splits_kernel, ptrs, set(), {"num_splits"}, c, warps, stages)
+
+
 def compile_mla(kv="bf16", q="bf16", warps=4, stages=3, **const):
     from aiter_attn.kernels.triton import mla
 
@@ -168,6 +180,14 @@ def _loads_before_branch(ptx: str) -> int:
     return len(re.findall(r"ld\.global", body[:branch.start() if branch else len(body)]))
 
 
+def _loads_before_barrier(ptx: str) -> int:
+    """Global loads issued before the kernel's first CTA barrier (``bar.sync``): a load after
+    one cannot be moved above it, so loads after it wait for what comes before it."""
+    body = ptx[ptx.find(".entry"):]
+    barrier = re.search(r"\sbar\.sync\s", body)
+    return len(re.findall(r"ld\.global", body[:barrier.start() if barrier else len(body)]))
+
+
 def report(kernel) -> dict:
     ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
     res = resource_usage(kernel)
@@ -183,6 +203,7 @@ def report(kernel) -> dict:
         "mma.sync": len(re.findall(r"mma\.sync", ptx)),
         "8-bit shared loads": len(re.findall(r"ld\.shared\.[bus]8", ptx)),
         "ld.global before the first branch": _loads_before_branch(ptx),
+        "ld.global before the first bar.sync": _loads_before_barrier(ptx),
         "ldmatrix": len(re.findall(r"ldmatrix", ptx)),
         "async_wait per loop": re.findall(r"async_wait.*?\{num = (\d+)", ttgir),
     }
@@ -190,13 +211,13 @@ def report(kernel) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernel", choices=("paged", "mla"))
+    ap.add_argument("kernel", choices=("paged", "mla", "reduce"))
     ap.add_argument("config", nargs="?", default="{}", help="JSON constexprs / options")
     ap.add_argument("--dump", help="write k.ttgir, k.ptx, k.cubin and k.sass into this folder")
     ap.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = ap.parse_args(argv)
     cfg = json.loads(args.config)
-    k = (compile_paged if args.kernel == "paged" else compile_mla)(**cfg)
+    k = {"paged": compile_paged, "mla": compile_mla, "reduce": compile_reduce}[args.kernel](**cfg)
     rep = report(k)
     if args.json:
         print(json.dumps(rep))

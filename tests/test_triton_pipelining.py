@@ -166,3 +166,13 @@ def test_carried_page_lookup_keeps_two_tiles_in_flight(launched, kv):
     assert max(int(n) for n in carried["async_wait per loop"]) >= 2, carried
     assert carried["stack bytes (ptxas spills)"] == 0, carried
     assert carried["registers"] <= max(plain["registers"], 224), (plain, carried)
+
+
+@pytest.mark.parametrize("splits_pad", [4, 16, 64])
+def test_split_reduction_reads_in_one_round_trip(splits_pad):
+    """The split reduction's (max, sum) and accumulator loads all go out before its first
+    CTA barrier (the max's cross-warp reduction): one global round trip per launch, not two
+    (a load after ``bar.sync`` waits for what comes before it)."""
+    rep = _inspect("reduce", dict(SPLITS_PAD=splits_pad))
+    assert rep["ld.global"] > 0, rep
+    assert rep["ld.global before the first bar.sync"] == rep["ld.global"], rep

@@ -582,6 +582,10 @@ def _reduce_splits_kernel(
         ml_ptrs = ml_base + offs_s.to(tl.int64) * stride_mls
         m = tl.load(ml_ptrs, mask=s_mask, other=float("-inf"))
         l = tl.load(ml_ptrs + 1, mask=s_mask, other=0.0)
+        # the accumulators too, before the max's cross-warp reduction (a CTA barrier, which
+        # later loads cannot cross): every read in one round trip
+        acc_ptrs = acc_base[None, :] + offs_s.to(tl.int64)[:, None] * stride_ps
+        acc = tl.load(acc_ptrs, mask=s_mask[:, None] & dv_mask[None, :], other=0.0)
         m_max = tl.max(m, 0)
     if HAS_SINKS:
         sink = tl.load(Sinks + h).to(tl.float32) * _LOG2E
@@ -601,8 +605,6 @@ def _reduce_splits_kernel(
     else:
         w = tl.exp2(m - m_safe)
         denom = tl.sum(l * w, 0)
-        acc_ptrs = acc_base[None, :] + offs_s.to(tl.int64)[:, None] * stride_ps
-        acc = tl.load(acc_ptrs, mask=s_mask[:, None] & dv_mask[None, :], other=0.0)
         o = tl.sum(acc * w[:, None], 0)
     if HAS_SINKS:
         denom += tl.exp2(sink - m_safe)
