@@ -125,6 +125,18 @@ def compile_reduce(warps=4, stages=1, **const):
     return _compile(pa._reduce_splits_kernel, ptrs, set(), {"num_splits"}, c, warps, stages)
 
 
+def compile_mla_merge(warps=4, stages=1, **const):
+    """The MLA kernel's split merge (``_mla_merge_kernel``): bf16 output, rank 512, 4 splits
+    unless the JSON says otherwise."""
+    from aiter_attn.kernels.triton import mla
+
+    c = dict(KV_LORA=512, BLOCK_DV=512, NUM_SPLITS=4, BLOCK_S=4, WRITE_LSE=False,
+             FIXED_ORDER=False, PDL=False)
+    c.update(const)
+    ptrs = dict(out_ptr="bf16", part_o_ptr="fp32", part_lse_ptr="fp32", lse_ptr="fp32")
+    return _compile(mla._mla_merge_kernel, ptrs, set(), set(), c, warps, stages)
+
+
 def compile_mla(kv="bf16", q="bf16", warps=4, stages=3, **const):
     from aiter_attn.kernels.triton import mla
 
@@ -211,13 +223,14 @@ def report(kernel) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernel", choices=("paged", "mla", "reduce"))
+    ap.add_argument("kernel", choices=("paged", "mla", "reduce", "mla_merge"))
     ap.add_argument("config", nargs="?", default="{}", help="JSON constexprs / options")
     ap.add_argument("--dump", help="write k.ttgir, k.ptx, k.cubin and k.sass into this folder")
     ap.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = ap.parse_args(argv)
     cfg = json.loads(args.config)
-    k = {"paged": compile_paged, "mla": compile_mla, "reduce": compile_reduce}[args.kernel](**cfg)
+    k = {"paged": compile_paged, "mla": compile_mla, "reduce": compile_reduce,
+         "mla_merge": compile_mla_merge}[args.kernel](**cfg)
     rep = report(k)
     if args.json:
         print(json.dumps(rep))

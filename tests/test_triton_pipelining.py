@@ -168,11 +168,18 @@ def test_carried_page_lookup_keeps_two_tiles_in_flight(launched, kv):
     assert carried["registers"] <= max(plain["registers"], 224), (plain, carried)
 
 
-@pytest.mark.parametrize("splits_pad", [4, 16, 64])
-def test_split_reduction_reads_in_one_round_trip(splits_pad):
-    """The split reduction's (max, sum) and accumulator loads all go out before its first
+@pytest.mark.parametrize("kernel,config", [
+    pytest.param("reduce", dict(SPLITS_PAD=4), id="paged-4"),
+    pytest.param("reduce", dict(SPLITS_PAD=16), id="paged-16"),
+    pytest.param("reduce", dict(SPLITS_PAD=64), id="paged-64"),  # 1x32k: 33 splits
+    pytest.param("mla_merge", dict(NUM_SPLITS=4, BLOCK_S=4), id="mla-4"),
+    pytest.param("mla_merge", dict(NUM_SPLITS=16, BLOCK_S=16), id="mla-16"),
+])
+def test_split_reduction_reads_in_one_round_trip(kernel, config):
+    """The split reductions' (max, sum) and accumulator loads all go out before their first
     CTA barrier (the max's cross-warp reduction): one global round trip per launch, not two
-    (a load after ``bar.sync`` waits for what comes before it)."""
-    rep = _inspect("reduce", dict(SPLITS_PAD=splits_pad))
+    (a load after ``bar.sync`` waits for what comes before it; at 64 splits the paged one
+    read its accumulators after it until 2026-12-04)."""
+    rep = _inspect(kernel, config)
     assert rep["ld.global"] > 0, rep
     assert rep["ld.global before the first bar.sync"] == rep["ld.global"], rep
