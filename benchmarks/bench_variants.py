@@ -74,9 +74,13 @@ OVERRIDES = {
     "chunk0-ahead-bn64": {"page_chunk": 0, "page_ahead": True, "block_n": 64},
     "chunk0-ahead-bn64-s4": {"page_chunk": 0, "page_ahead": True, "block_n": 64,
                              "num_stages": 4},
-    # 1x4k as 32 splits of 128 keys: 256 programs, two per SM
+    # 1x4k as 32 splits of 128 keys: 256 programs, two per SM (carried lookup; or chunked,
+    # 196 registers and no spills, with and without the page-id prefetch)
     "chunk0-ahead-bn64-splits128": {"page_chunk": 0, "page_ahead": True, "block_n": 64,
                                     "min_split_tokens": 128},
+    "bn64-splits128": {"block_n": 64, "min_split_tokens": 128},
+    "bn64-splits128-prefetch": {"block_n": 64, "min_split_tokens": 128,
+                                "prefetch_pages": True},
 }
 
 
