@@ -417,7 +417,8 @@ class TritonPagedAttention(AttentionKernel):
         return pe
 
     def _layout_launch(self, k_cache, v_cache) -> tuple:
-        """The cache layout's part: ``(sid, strides, kx, vx)`` (strides: k's four then v's)."""
+        """The cache layout's part: ``(sid, strides, kx, vx, pairs)`` (strides: k's four then
+        v's; ``pairs``: the layout lets an fp8 launch read values as 16-bit column pairs)."""
         k_strides, v_strides, kx, vx = self._layout(k_cache, v_cache)
         strides = (*k_strides, *v_strides)
         # 8-bit values can be read as 16-bit column pairs (V_PAIRS): unit head-dim stride,
