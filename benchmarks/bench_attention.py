@@ -66,6 +66,11 @@ PREFILL_ROWS = [(1, 2048), (1, 8192), (1, 16384), (8, 2048)]
 MLA_ROWS = [(16, 64, 4096), (16, 128, 8192), (128, 16, 4096), (128, 64, 4096)]  # heads, bs, ctx
 FP8_ROWS = [(8, 65536), (64, 16384), (1, 32768)]
 ANCHORS = ("cudnn", "fa2", "flex", "aiter")
+#: ``--mla-variants``: launch options of the MLA kernel (``mla_paged_attention`` keywords)
+#: timed beside the default on the 16-head rows. Programmatic dependent launch lets the split
+#: merge (or both launches) start while the kernel before finishes: the merge launch and its
+#: gap are ~5% of a 16-head 64x4k step.
+MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True}}
 #: MLA launch configs timed by --mla-sweep: (block_h, block_n, num_warps, num_stages, splits).
 MLA_SWEEP = [(16, 32, 4, 2, None), (16, 32, 4, 4, None), (16, 64, 4, 3, None),
              (16, 32, 8, 3, None), (16, 32, 4, 3, "x2"), (32, 32, 8, 3, None),
@@ -250,6 +255,16 @@ def run_mla_rows(rows, args, results):
                 add_rates(rec, x.bytes_moved, x.flops)
                 case["impls"].append(rec)
                 print("   ", summarize(rec, True), flush=True)
+            for name in (v for v in args.mla_variants.split(",") if v):
+                if kv != "bf16" or heads > 16:
+                    continue
+                r = bench_impl(f"ours-{name}",
+                               lambda inp, lk=MLA_VARIANTS[name]: make_ours_mla(inp, **lk), x,
+                               expected, lambda o: o[:rows_b], RTOL_BF16, args.rep,
+                               args.graphs)
+                add_rates(r, x.bytes_moved, x.flops)
+                case["impls"].append(r)
+                print("   ", summarize(r, True), flush=True)
             key = (heads, bs, ctx) if heads <= 16 else heads
             if args.mla_sweep and kv == "bf16" and key not in swept:
                 swept.add(key)
@@ -397,6 +412,9 @@ def main(argv=None):
     p.add_argument("--no-graphs", dest="graphs", action="store_false")
     p.add_argument("--quick", action="store_true", help="a subset of rows")
     p.add_argument("--mla-sweep", action="store_true", help="also time MLA launch configs")
+    p.add_argument("--mla-variants", default="",
+                   help=f"comma list of MLA launch options to time on the bf16 rows of up to "
+                        f"16 heads, replayed: {', '.join(MLA_VARIANTS)}")
     p.add_argument("--budget-s", type=float, default=0,
                    help="skip the remaining rows after this many seconds (0 = no limit)")
     p.add_argument("--cascade-sweep", nargs="?", type=int, const=-1, default=0, metavar="N",

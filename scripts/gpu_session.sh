@@ -405,8 +405,9 @@ planned-bn64-splits128-prefetch 2>&1 | tail -6 \
   thirtieth)
     # MLA rows (fp8 16 heads: byte-wise value reads against the value-pairs option,
     # "ours-v-pairs"), then the paged prefill row with the carried page lookup
-    timeout ${MLA_S:-200} python3 benchmarks/bench_attention.py --only mla --rep 30 \
-      --out "$OUT/mla" 2>&1 | grep -E "==|ours" | tee "$OUT/mla.log"
+    timeout ${MLA_S:-220} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --mla-variants pdl-reduce,pdl --out "$OUT/mla" 2>&1 | grep -E "==|ours" \
+      | tee "$OUT/mla.log"
     for ov in '{}' '{"page_chunk": 0, "page_ahead": true}'; do
       tag=$(echo "$ov" | tr -dc 'a-z0-9_')
       timeout ${PF_S:-170} python3 benchmarks/bench_attention.py --only prefill --rep 30 \

@@ -719,6 +719,7 @@ def mla_paged_attention(
     batch_invariant: bool = False,
     gluon: Optional[bool] = None,
     v_pairs: Optional[bool] = None,
+    pdl=None,
 ) -> torch.Tensor:
     """Absorbed MLA over a paged latent cache (Triton). Same contract as
     :func:`aiter_attn.kernels.reference.mla_paged_attention_reference`.
@@ -753,6 +754,9 @@ def mla_paged_attention(
         v_pairs: fp8 latents: read the values as 16-bit column pairs (no byte-wise shared
             loads; see ``_launch_config.FP8_VALUE_PAIRS``, the default); used on head blocks
             under 64 rows of caches whose rows start on 16-byte boundaries.
+        pdl: programmatic dependent launch (sm_90+): ``True`` the attention launch and the
+            split merge may each start while the kernel before finishes, ``"reduce"`` only
+            the merge; off by default (a tuning option, see ``_launch_config.LaunchConfig``).
         gluon: ``False``: never the warp-specialised Gluon kernel (:mod:`.mla_gluon`); by
             default it serves the launches it can (64-head blocks of bf16/fp16 latents
             512 + 64, pages of a multiple of 64 keys, no mask, NVIDIA sm_90).
@@ -787,7 +791,7 @@ def mla_paged_attention(
     tuning = {k: v for k, v in dict(
         num_kv_splits=num_kv_splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
         num_stages=num_stages, page_chunk=page_chunk, split_v_load=split_v_load,
-        gluon=gluon, v_pairs=v_pairs).items() if v is not None}
+        gluon=gluon, v_pairs=v_pairs, pdl=pdl).items() if v is not None}
     kernel = TritonMLA(mla_request(q, kv_cache, kv_lora_rank,
                                    custom_mask=custom_mask is not None, lse=lse is not None,
                                    batch_invariant=batch_invariant), tuning)
