@@ -81,6 +81,9 @@ OVERRIDES = {
     "bn64-splits128": {"block_n": 64, "min_split_tokens": 128},
     "bn64-splits128-prefetch": {"block_n": 64, "min_split_tokens": 128,
                                 "prefetch_pages": True},
+    # 16x4k without splits (128 programs, one per SM, K/V two tiles ahead): no reduction
+    # launch, which with its gap is ~7% of the step
+    "chunk0-ahead-splits1": {"page_chunk": 0, "page_ahead": True, "num_splits": 1},
 }
 
 

@@ -389,15 +389,16 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
       --rows 1x4096,16x4096,1x32768,64x4096,8x65536 --variants planned,planned-prefetch,\
 planned-chunk0-ahead,planned-chunk0-ahead-bn64,planned-chunk0-ahead-bn64-s4 \
       2>&1 | tail -14 | tee "$OUT/small_batch.log"
-    timeout ${SB1_S:-50} python3 benchmarks/bench_variants.py --out "$OUT/sb1" --rows 1x4096 \
-      --variants planned-chunk0-ahead-bn64-splits128,planned-bn64-splits128,\
-planned-bn64-splits128-prefetch 2>&1 | tail -6 \
+    timeout ${SB1_S:-75} python3 benchmarks/bench_variants.py --out "$OUT/sb1" \
+      --rows 1x4096,16x4096 --variants planned-chunk0-ahead-bn64-splits128,\
+planned-bn64-splits128,planned-bn64-splits128-prefetch,planned-chunk0-ahead-splits1 \
+      2>&1 | tail -7 \
       | tee -a "$OUT/small_batch.log"
     # fp8 value reads: the byte-wise default against 16-bit column pairs, then options on top
     for ov in '{}' '{"v_pairs": true}' '{"v_pairs": true, "page_chunk": 0, "page_ahead": true}' \
               '{"v_pairs": true, "num_stages": 4}'; do
       tag=$(echo "$ov" | tr -dc 'a-z0-9_')
-      timeout ${FP_S:-62} python3 benchmarks/bench_attention.py --only fp8 --rep 30 --anchors "" \
+      timeout ${FP_S:-55} python3 benchmarks/bench_attention.py --only fp8 --rep 30 --anchors "" \
         --overrides "$ov" --out "$OUT/fp8_${tag:-default}" 2>&1 | grep -E "==|ours" \
         | tee -a "$OUT/fp8.log"
     done
