@@ -24,6 +24,12 @@ outside the causal/window range are never visited. With ``num_splits > 1`` each 
 unnormalised partial (acc, running max, sum) and ``_reduce_splits_kernel`` merges them (and the
 sink). Offsets are int64.
 
+Page lookup: per tile (the default where splits are long), chunked (``PAGE_CHUNK``: a chunk
+of tiles' page ids in one load, so the K/V copies pipeline), or carried a tile ahead
+(``PAGE_AHEAD``); ``PREFETCH_PAGES`` reads a short split's chunk in the program's first
+round trip. ``V_PAIRS`` reads fp8 values as 16-bit column pairs. The options and their
+defaults: :mod:`._launch_config`.
+
 The host wrapper reads no tensor values: the grid comes from shapes and the caller's
 ``max_seqlen_q``/``max_seqlen_k`` hints (static bounds otherwise), so it is CUDA-graph safe.
 """
