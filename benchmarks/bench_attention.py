@@ -431,12 +431,12 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true",
                    help="the host group only, tiny shapes on the CPU (proves the harness runs)")
     args = p.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
     overrides = json.loads(args.overrides)
-    if overrides:
-        from aiter_attn.kernels.triton._launch_config import TUNING_OVERRIDES
+    if overrides:  # checked before anything else happens
+        from aiter_attn.kernels.triton._launch_config import TUNING_OVERRIDES, check_overrides
 
-        TUNING_OVERRIDES.update(overrides)
+        TUNING_OVERRIDES.update(check_overrides(overrides, "--overrides"))
+    os.makedirs(args.out, exist_ok=True)
     if args.smoke and "cascade" in args.only.split(","):
         rows = run_cascade(smoke=True) + run_cascade_engine(smoke=True)
         _write_cascade(rows, args.out, {"smoke": True})

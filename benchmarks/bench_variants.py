@@ -117,24 +117,45 @@ def _ours_planned(x, overrides):
     return fn, lambda: out
 
 
+def variant_overrides(variant: str) -> dict:
+    """The ``TUNING_OVERRIDES`` of ``variant`` (a name of :data:`VARIANTS` or
+    :data:`OVERRIDES`, optionally ``planned-`` / ``planned-fused-`` in front), checked
+    against the keys the kernels know; ``ValueError`` for an unknown name or key (before any
+    GPU work: an unknown name would otherwise time the default under another label)."""
+    from aiter_attn.kernels.triton._launch_config import check_overrides
+
+    rest = variant.split("-")
+    ov = {}
+    if rest[0] == "planned":
+        rest = rest[1:]
+        if rest and rest[0] == "fused":
+            ov["fused_reduce"] = True
+            rest = rest[1:]
+        name = "-".join(rest)
+        if name and name not in OVERRIDES:
+            raise ValueError(f"unknown variant {variant!r}: after 'planned[-fused]-' comes one "
+                             f"of {sorted(OVERRIDES)}")
+    else:
+        name = variant
+        if name not in VARIANTS and name not in OVERRIDES:
+            raise ValueError(f"unknown variant {variant!r}: one of "
+                             f"{sorted(VARIANTS + tuple(OVERRIDES))} or 'planned[-fused]-...'")
+        if name == "fused_reduce":
+            ov["fused_reduce"] = True
+    ov.update(OVERRIDES.get(name, {}))
+    return check_overrides(ov, f"variant {variant!r}")
+
+
 def _ours(x, variant):
     from aiter_attn import ops
     from aiter_attn.kernels.triton import _launch_config as lc
 
+    ov = variant_overrides(variant)
     if variant.startswith("planned"):  # planned, planned-fused, planned-fused-<override>
-        rest = variant.split("-")[1:]
-        ov = {}
-        if rest and rest[0] == "fused":
-            ov["fused_reduce"] = True
-            rest = rest[1:]
-        if rest:
-            ov.update(OVERRIDES["-".join(rest)])
         return _ours_planned(x, ov)
     lc.TUNING_OVERRIDES.clear()
     ops._registry().calls.clear()  # the ops call memo keeps a plan made under other overrides
-    if variant == "fused_reduce":
-        lc.TUNING_OVERRIDES["fused_reduce"] = True
-    lc.TUNING_OVERRIDES.update(OVERRIDES.get(variant, {}))
+    lc.TUNING_OVERRIDES.update(ov)
     extra = {"batch_invariant": True} if variant == "batch_invariant" else {}
     fn, res = make_ours(x, **extra)
     return fn, res
@@ -154,6 +175,8 @@ def main() -> None:
     p.add_argument("--rows", default=None, help="comma list of BSxCTX (e.g. 1x4096,16x4096)")
     args = p.parse_args()
     variants = tuple(args.variants.split(","))
+    for v in variants:
+        variant_overrides(v)  # unknown names or keys fail here, before any GPU work
     rows_wanted = ROWS if not args.rows else [tuple(int(v) for v in r.split("x"))
                                               for r in args.rows.split(",")]
     os.makedirs(args.out, exist_ok=True)

@@ -22,7 +22,8 @@ import functools
 from ._kvutil import interpreting, max_shared_mem, next_pow2, num_sms
 from ._pdl import pdl_mode
 
-__all__ = ["TUNING_OVERRIDES", "LaunchConfig", "choose_config", "BATCH_INVARIANT_SPLIT_TOKENS",
+__all__ = ["TUNING_OVERRIDES", "OVERRIDE_KEYS", "check_overrides", "LaunchConfig",
+           "choose_config", "BATCH_INVARIANT_SPLIT_TOKENS",
            "FP8_VALUE_PAIRS", "PREFETCH_PAGES", "CARRIED_PAGE_LOOKUP"]
 
 #: Keys per split in batch-invariant mode (rounded up to a multiple of ``block_n``).
@@ -106,6 +107,23 @@ CARRIED_PAGE_LOOKUP = False
 #: :data:`FP8_VALUE_PAIRS`), ``prefetch_pages`` (see :data:`PREFETCH_PAGES`), ``page_ahead``
 #: (see :data:`CARRIED_PAGE_LOOKUP`).
 TUNING_OVERRIDES: dict = {}
+
+#: Every key :data:`TUNING_OVERRIDES` understands (the kernels read it with ``.get``, so a
+#: misspelt key would be ignored without a word: the benchmarks check theirs against this).
+OVERRIDE_KEYS = frozenset({
+    "block_m", "block_n", "num_warps", "num_stages", "min_split_tokens", "num_splits",
+    "heads", "warp_spec", "page_chunk", "split_tokens", "fused_reduce", "pdl", "v_pairs",
+    "prefetch_pages", "page_ahead"})
+
+
+def check_overrides(overrides: dict, where: str) -> dict:
+    """``overrides`` if every key is one of :data:`OVERRIDE_KEYS`, else ``ValueError`` naming
+    the unknown keys, ``where`` they came from and the keys allowed."""
+    unknown = sorted(set(overrides) - OVERRIDE_KEYS)
+    if unknown:
+        raise ValueError(f"{where}: unknown launch override(s) {unknown}; allowed: "
+                         f"{sorted(OVERRIDE_KEYS)} (aiter_attn.kernels.triton._launch_config).")
+    return overrides
 
 
 def choose_config(*, group, max_q, max_k, head_dim_pad, batch, num_kv_heads, device,

@@ -1,0 +1,89 @@
+"""The launch options the H200 calls time are spelt right, before any device time is spent.
+
+``TUNING_OVERRIDES`` is read with ``.get``: a misspelt key is ignored without a word, and a
+benchmark would time the default under the option's label. So every variant of
+``benchmarks/bench_variants.py``, every ``--variants`` / ``--overrides`` /
+``--mla-variants`` value in ``scripts/gpu_session.sh`` and the MLA variants of
+``bench_attention.py`` must name options the kernels know, and a wrong one must stop the
+benchmark before it starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from aiter_attn.kernels.triton._launch_config import OVERRIDE_KEYS, check_overrides
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_BENCH = os.path.join(_ROOT, "benchmarks")
+
+
+def _bench(name):
+    sys.path.insert(0, _BENCH)
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(_BENCH)
+
+
+def _session_text() -> str:
+    with open(os.path.join(_ROOT, "scripts", "gpu_session.sh")) as f:
+        return f.read().replace("\\\n", "")  # join continued lines
+
+
+def test_every_variant_names_known_overrides():
+    bv = _bench("bench_variants")
+    for name, ov in bv.OVERRIDES.items():
+        check_overrides(ov, f"bench_variants.OVERRIDES[{name!r}]")
+        assert bv.variant_overrides(name) == ov
+        assert bv.variant_overrides("planned-" + name) == ov
+
+
+def test_session_variants_overrides_and_mla_variants_resolve():
+    text = _session_text()
+    bv = _bench("bench_variants")
+    variants = [v for m in re.finditer(r"--variants\s+(\S+)", text) for v in m[1].split(",")]
+    assert "planned-chunk0-ahead-bn64-s4" in variants  # the parse found the new calls
+    for v in variants:
+        bv.variant_overrides(v)
+    overrides = re.findall(r"'(\{[^']*\})'", text)
+    assert '{"v_pairs": true}' in overrides
+    for ov in overrides:
+        check_overrides(json.loads(ov), "gpu_session.sh")
+    ba = _bench("bench_attention")
+    mla = [v for m in re.finditer(r"--mla-variants\s+(\S+)", text) for v in m[1].split(",")]
+    assert mla and set(mla) <= set(ba.MLA_VARIANTS), mla
+
+
+def test_unknown_names_and_keys_are_refused_with_the_allowed_ones(tmp_path):
+    bv = _bench("bench_variants")
+    with pytest.raises(ValueError, match="unknown variant 'planned-chunk0-ahaed'"):
+        bv.variant_overrides("planned-chunk0-ahaed")
+    with pytest.raises(ValueError, match="unknown variant 'prefetchh'"):
+        bv.variant_overrides("prefetchh")
+    with pytest.raises(ValueError, match=r"unknown launch override\(s\) \['page_ahaed'\]"):
+        check_overrides({"page_ahaed": True}, "test")
+    ba = _bench("bench_attention")
+    with pytest.raises(ValueError, match="--overrides: unknown launch override"):
+        ba.main(["--overrides", '{"v_pair": true}', "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()  # refused before it made anything
+    assert {"v_pairs", "prefetch_pages", "page_ahead"} <= OVERRIDE_KEYS
+
+
+def test_the_kernels_read_no_key_outside_the_list():
+    """Every ``TUNING_OVERRIDES.get("…")`` / ``ov.get("…")`` / ``"…" in ov`` in the Triton
+    kernels' host code names a key of :data:`OVERRIDE_KEYS` (a new option must be listed)."""
+    folder = os.path.join(_ROOT, "aiter_attn", "kernels", "triton")
+    read = set()
+    for name in os.listdir(folder):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name)) as f:
+                src = f.read()
+            read |= set(re.findall(r'(?:TUNING_OVERRIDES|\bov)\.get\("(\w+)"', src))
+            read |= set(re.findall(r'"(\w+)" (?:not )?in ov\b', src))
+    assert read and read <= OVERRIDE_KEYS, sorted(read - OVERRIDE_KEYS)
