@@ -184,20 +184,13 @@ def _gdc_wait_first(ptx: str):
     return not reads or wait < min(reads)
 
 
-def _loads_before_branch(ptx: str) -> int:
-    """Global loads issued before the kernel's first branch: what goes out in the first round
-    trip (the PTX keeps a load after a branch it could skip)."""
+def _loads_before(ptx: str, instruction: str) -> int:
+    """Global loads issued before the kernel's first ``instruction`` (a regex): ``bra`` (the
+    PTX keeps a load after a branch it could skip, so these are the first round trip) or
+    ``bar.sync`` (a load after a CTA barrier waits for what comes before it)."""
     body = ptx[ptx.find(".entry"):]
-    branch = re.search(r"\sbra(\.uni)?\s", body)
-    return len(re.findall(r"ld\.global", body[:branch.start() if branch else len(body)]))
-
-
-def _loads_before_barrier(ptx: str) -> int:
-    """Global loads issued before the kernel's first CTA barrier (``bar.sync``): a load after
-    one cannot be moved above it, so loads after it wait for what comes before it."""
-    body = ptx[ptx.find(".entry"):]
-    barrier = re.search(r"\sbar\.sync\s", body)
-    return len(re.findall(r"ld\.global", body[:barrier.start() if barrier else len(body)]))
+    first = re.search(r"\s" + instruction + r"\s", body)
+    return len(re.findall(r"ld\.global", body[:first.start() if first else len(body)]))
 
 
 def report(kernel) -> dict:
@@ -214,8 +207,8 @@ def report(kernel) -> dict:
         "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
         "mma.sync": len(re.findall(r"mma\.sync", ptx)),
         "8-bit shared loads": len(re.findall(r"ld\.shared\.[bus]8", ptx)),
-        "ld.global before the first branch": _loads_before_branch(ptx),
-        "ld.global before the first bar.sync": _loads_before_barrier(ptx),
+        "ld.global before the first branch": _loads_before(ptx, r"bra(\.uni)?"),
+        "ld.global before the first bar.sync": _loads_before(ptx, r"bar\.sync"),
         "ldmatrix": len(re.findall(r"ldmatrix", ptx)),
         "async_wait per loop": re.findall(r"async_wait.*?\{num = (\d+)", ttgir),
     }

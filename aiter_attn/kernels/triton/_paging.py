@@ -1,5 +1,5 @@
 """Device-side (``@triton.jit``) helpers shared by the paged attention kernels: the chunked
-block-table lookup.
+block-table lookup, and the fp8 value read as 16-bit column pairs (:func:`fp8_pair_ptrs`).
 
 Triton's software pipeliner issues a key tile's copies only one iteration ahead when their
 addresses depend on a load in the same iteration (the page id), so the copy latency is never
@@ -15,7 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["load_chunk_pages", "prefetch_chunk_pages", "tile_pages_of"]
+__all__ = ["load_chunk_pages", "prefetch_chunk_pages", "tile_pages_of", "fp8_pair_ptrs",
+           "split_fp8_pairs"]
 
 
 @triton.jit
@@ -43,20 +44,13 @@ def prefetch_chunk_pages(bt_row, c0, n_in, width,
                          BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          PAGE_CHUNK: tl.constexpr, TILE_IN_PAGE: tl.constexpr):
     """:func:`load_chunk_pages` before the request's length is known (a guessed chunk, read
-    in the program's first round trip): entries are bounded by the row's ``width`` (the
-    block table's columns) instead of the live length, so entries past the request's last
-    page hold whatever the table holds there; a caller uses only the tiles it proves full."""
-    offs_c = tl.arange(0, PAGE_CHUNK)
-    tiles = c0 + offs_c
-    if TILE_IN_PAGE:
-        slots = (tiles * BLOCK_N) // PAGE_SIZE
-        return tl.load(bt_row + slots, mask=(offs_c < n_in) & (slots < width),
-                       other=0).to(tl.int64)
-    else:
-        PPT: tl.constexpr = BLOCK_N // PAGE_SIZE
-        slots = tiles[:, None] * PPT + tl.arange(0, PPT)[None, :]
-        return tl.load(bt_row + slots, mask=(offs_c < n_in)[:, None] & (slots < width),
-                       other=0).to(tl.int64)
+    in the program's first round trip): bounded by the row's ``width`` (the block table's
+    columns) instead of the live length. Only tiles that end inside the row are read (a
+    caller uses only tiles it proves full, and a full tile ends inside the row); entries
+    past the request's last page hold whatever the table holds there."""
+    inside = tl.maximum((width * PAGE_SIZE) // BLOCK_N - c0, 0)
+    return load_chunk_pages(bt_row, c0, tl.minimum(n_in, inside), width * PAGE_SIZE,
+                            BLOCK_N, PAGE_SIZE, PAGE_CHUNK, TILE_IN_PAGE)
 
 
 @triton.jit
@@ -77,3 +71,24 @@ def tile_pages_of(chunk_pages, j, t,
         page = tl.reshape(tl.broadcast_to(sel[:, None], (PPT, PAGE_SIZE)), (BLOCK_N,))
         in_page = (offs_n % PAGE_SIZE).to(tl.int64)
     return page, in_page
+
+
+@triton.jit
+def fp8_pair_ptrs(base, rows, COLS: tl.constexpr):
+    """Pointers ``[N, COLS/2]`` that read an fp8 value tile ``[N, COLS]`` (rows at int64
+    element offsets ``rows`` from ``base``, columns contiguous) as int16, each holding two
+    adjacent columns; split what they load with :func:`split_fp8_pairs` for two half-width
+    dots. A 16-bit operand goes from shared memory to the MMA layout with ``ldmatrix.trans``,
+    where a transposed 8-bit one is read byte by byte. The caller guarantees every row starts
+    on a 16-byte boundary (the compiler is told so)."""
+    return base.to(tl.pointer_type(tl.int16), bitcast=True) \
+        + tl.multiple_of(rows // 2, 8)[:, None] + tl.arange(0, COLS // 2)[None, :]
+
+
+@triton.jit
+def split_fp8_pairs(pairs, FP8: tl.constexpr):
+    """``(even, odd)`` columns (``FP8`` values) of int16 pairs read through
+    :func:`fp8_pair_ptrs`."""
+    odd = (pairs >> 8).to(tl.uint8).to(FP8, bitcast=True)
+    even = pairs.to(tl.uint8).to(FP8, bitcast=True)
+    return even, odd

@@ -17,17 +17,25 @@ def tanh(x):
 
 
 @triton.jit
+def _tile_weights(m_i, l_i, s):
+    """The online softmax's step for base-2 logits ``s`` ``[M, N]``: ``(p, alpha, m_new,
+    l_new)``, ``p`` the tile's unnormalised weights and ``alpha`` the rescale of what came
+    before; a row that has seen nothing keeps ``m = -inf``, ``l = 0`` (``alpha`` 1, no NaN)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def online_softmax_tile(acc, m_i, l_i, s, v, COMPUTE_DTYPE: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
     """Fold one key tile into the running state. ``s`` float32 ``[M, N]`` base-2 logits
     (masked keys ``-inf``), ``v`` ``[N, Dv]``, ``acc`` float32 ``[M, Dv]``, ``m_i``/``l_i``
     float32 ``[M]`` (running max / exp-sum). A row that has seen nothing keeps ``m = -inf``,
     ``l = 0``, ``acc = 0`` (no NaN). Returns ``(acc, m_new, l_i)``."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = _tile_weights(m_i, l_i, s)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE), acc, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -40,11 +48,7 @@ def online_softmax_tile_pairs(acc, acc_odd, m_i, l_i, s, v, v_odd, COMPUTE_DTYPE
     ``[N, Dv/2]`` hold the even/odd head-dim columns, ``acc``/``acc_odd`` float32
     ``[M, Dv/2]`` their accumulators (two dots of half width, the same arithmetic per
     column). Returns ``(acc, acc_odd, m_new, l_i)``."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = _tile_weights(m_i, l_i, s)
     p = p.to(COMPUTE_DTYPE)
     acc = tl.dot(p, v.to(COMPUTE_DTYPE), acc * alpha[:, None], input_precision=DOT_PRECISION)
     acc_odd = tl.dot(p, v_odd.to(COMPUTE_DTYPE), acc_odd * alpha[:, None],

@@ -43,7 +43,7 @@ from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
 from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS, FP8_VALUE_PAIRS
 from .mla_gluon import (GLUON_MLA_BLOCK_H, gluon_mla_reject_reason, gluon_mla_tensors_reason,
                         launch_gluon_mla)
-from ._paging import load_chunk_pages, tile_pages_of
+from ._paging import fp8_pair_ptrs, load_chunk_pages, split_fp8_pairs, tile_pages_of
 from ._pdl import pdl_kwargs, pdl_mode, wait_then_release
 
 __all__ = ["mla_paged_attention", "mla_launch_config", "TritonMLA", "TritonMLAPlan",
@@ -94,16 +94,11 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if V_PAIRS:
-        # 8-bit values as 16-bit pairs of adjacent latent columns: ldmatrix.trans reads them
-        # into the MMA layout (a transposed 8-bit operand is read byte by byte); the bytes are
-        # split by parity in registers into two half-width dots (the launch takes this path
-        # only when every row offset is a multiple of 16 bytes)
-        pairs = tl.load(kv_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
-                        + tl.multiple_of(row // 2, 8)[:, None]
-                        + tl.arange(0, offs_dv.shape[0] // 2)[None, :],
-                        mask=mask_n[:, None], other=0)
-        c_odd = (pairs >> 8).to(tl.uint8).to(kv_ptr.dtype.element_ty, bitcast=True)
-        c_val = pairs.to(tl.uint8).to(kv_ptr.dtype.element_ty, bitcast=True)
+        # fp8 values as column pairs, two half-width dots (the launch takes this path only
+        # when every row offset is a multiple of 16 bytes)
+        pairs = tl.load(fp8_pair_ptrs(kv_ptr, row, offs_dv.shape[0]), mask=mask_n[:, None],
+                        other=0)
+        c_val, c_odd = split_fp8_pairs(pairs, kv_ptr.dtype.element_ty)
         p16 = p.to(q_nope.dtype)
         acc = acc * alpha[:, None] + _dot(p16, c_val.to(q_nope.dtype), IEEE)
         acc_odd = acc_odd * alpha[:, None] + _dot(p16, c_odd.to(q_nope.dtype), IEEE)

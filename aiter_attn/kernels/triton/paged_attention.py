@@ -44,7 +44,8 @@ import triton.language as tl
 
 from ...types import FP8_DTYPES
 from ._kvutil import next_pow2
-from ._paging import load_chunk_pages, prefetch_chunk_pages, tile_pages_of
+from ._paging import (fp8_pair_ptrs, load_chunk_pages, prefetch_chunk_pages, split_fp8_pairs,
+                      tile_pages_of)
 from ._softmax import online_softmax_tile, online_softmax_tile_pairs, tanh
 from ._launch_config import TUNING_OVERRIDES, _cdiv, choose_config
 from ._pdl import wait_then_release
@@ -92,14 +93,10 @@ def _tile_step(
     """
     k_ptrs = K + kv_head_off_k + k_rows[None, :] + offs_d[:, None]
     if V_PAIRS:
-        # 8-bit values read as 16-bit pairs of adjacent head-dim columns ([BLOCK_N, DV/2]):
-        # a 16-bit operand goes from shared memory to the MMA layout with ldmatrix.trans,
-        # where a transposed 8-bit one is read byte by byte; the bytes are split by parity
-        # in registers and feed two half-width dots
-        # (the launch takes this path only when every row offset is a multiple of 16 bytes)
-        v_pair_rows = tl.multiple_of((kv_head_off_v + v_rows) // 2, 8)
-        v_ptrs = V.to(tl.pointer_type(tl.int16), bitcast=True) + v_pair_rows[:, None] \
-            + tl.arange(0, offs_dv.shape[0] // 2)[None, :]
+        # fp8 values as column pairs ([BLOCK_N, DV/2] even and odd halves, two dots; the
+        # launch takes this path only when every row offset is a multiple of 16 bytes). The
+        # pointers here, the split after the scales: elsewhere the sm_90 build spills more
+        v_ptrs = fp8_pair_ptrs(V, kv_head_off_v + v_rows, offs_dv.shape[0])
     else:
         v_ptrs = V + kv_head_off_v + v_rows[:, None] + offs_dv[None, :]
     if MASKED:
@@ -122,8 +119,7 @@ def _tile_step(
             ks = tl.load(KSc + s_rows)
             vs = tl.load(VSc + s_rows)
     if V_PAIRS:
-        v_odd = (v >> 8).to(tl.uint8).to(V.dtype.element_ty, bitcast=True)
-        v = v.to(tl.uint8).to(V.dtype.element_ty, bitcast=True)
+        v, v_odd = split_fp8_pairs(v, V.dtype.element_ty)
     else:
         v_odd = v
     s = tl.dot(q, k.to(COMPUTE_DTYPE), input_precision=DOT_PRECISION)
