@@ -78,16 +78,40 @@ def launched_constexprs(launched: str, q_len: int = 1, fp8: bool = False) -> dic
                 PAGE_AHEAD=bool(lc.CARRIED_PAGE_LOOKUP and not cfg.page_chunk_for(page)),
                 warps=cfg.num_warps,
                 stages=cfg.num_stages,
-                num_splits=cfg.num_splits)
+                num_splits=cfg.num_splits,
+                # the per-launch ints as the engine passes them (Triton specialises each:
+                # 1 -> a constant, a multiple of 16 -> a divisibility hint)
+                ints=dict(num_seqs=bs, q_blocks_per_seq=blocks, num_splits=cfg.num_splits,
+                          split_tiles=0, bt_width=-(-ctx // page), left=1 << 30,
+                          right=1 << 30))
+
+
+def _specialise_ints(ints: dict, const: dict) -> set:
+    """Triton's launch-time integer specialisation applied to ``ints`` (name -> value):
+    values of 1 become constexprs in ``const``; the names returned get no divisibility hint
+    (not multiples of 16). The launch's register count depends on it (H200, 8x64k decode:
+    168 registers with q_blocks_per_seq specialised to 1 as launched, a different allocation
+    without)."""
+    no_div = set()
+    for name, value in ints.items():
+        if value == 1:
+            const.setdefault(name, 1)
+        elif value % 16:
+            no_div.add(name)
+    return no_div
 
 
 def compile_paged(kv="bf16", q="bf16", warps=8, stages=3, launched=None, q_len=1, **const):
     from aiter_attn.kernels.triton import paged_attention as pa
 
     fp8 = kv.startswith("fp8")
+    no_div = {"left", "right", "num_seqs", "q_blocks_per_seq", "num_splits", "split_tiles",
+              "bt_width"}
+    int_const = {}
     if launched is not None:  # the library's own choice for this shape, then the JSON's
         chosen = launched_constexprs(launched, q_len, fp8)
         chosen.pop("num_splits")
+        no_div = _specialise_ints(chosen.pop("ints"), int_const)
         warps, stages = chosen.pop("warps"), chosen.pop("stages")
         const = {**chosen, **const}
     c = dict(GROUP=4, HEADS=4, NUM_HCHUNKS=1, BLOCK_M=128, BLOCK_N=128, D=128, D_PAD=128,
@@ -101,16 +125,15 @@ def compile_paged(kv="bf16", q="bf16", warps=8, stages=3, launched=None, q_len=1
     # head-dim strides of NHD caches are 1: Triton's launcher specialises integer arguments
     # equal to 1 into constants, so they are constexprs here too
     c.update(stride_kd=1, stride_vd=1)
+    c.update(int_const)
     c.update(const)
     c.setdefault("BLOCK_Q", c["BLOCK_M"] // c["HEADS"])
     c["TILE_IN_PAGE"] = c["PAGE_SIZE"] % c["BLOCK_N"] == 0
     ptrs = dict(Q=q, K=kv, V=kv, O=q, PartAcc="fp32", PartML="fp32", CuQ="i32", SeqK="i32",
                 BlockTable="i32", Sinks="fp32", KScale="fp32", VScale="fp32", Mask="u8",
                 MaskIndptr="i32", Lse="fp32", Counters="i32", KSc="fp32", VSc="fp32")
-    return _compile(pa._paged_attn_kernel, ptrs, {"sm_scale", "softcap"},
-                    {"left", "right", "num_seqs", "q_blocks_per_seq", "num_splits",
-                     "split_tiles", "bt_width"},
-                    c, warps, stages)
+    return _compile(pa._paged_attn_kernel, ptrs, {"sm_scale", "softcap"}, no_div, c, warps,
+                    stages)
 
 
 def compile_reduce(warps=4, stages=1, **const):

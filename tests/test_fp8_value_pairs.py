@@ -58,6 +58,35 @@ def test_value_pairs_vs_oracle(pairs, fp8, dtype, q_lens, kv_lens, hq, hkv, d, p
     assert pairs and all(pairs), pairs
 
 
+@pytest.mark.parametrize("fp8", FORMATS)
+def test_byte_wise_value_reads_vs_oracle(monkeypatch, fp8):
+    """``v_pairs`` off (the byte-wise value reads, no longer the default) still matches the
+    oracle, windows, sinks and soft-cap included."""
+    seen = spy_launch_option(monkeypatch, "V_PAIRS", "v_pairs", value=False)
+    case = Case([1, 3, 1], [97, 40, 5], hq=10, hkv=2, d=32, page=48, dtype=torch.float16,
+                kv_dtype=fp8, k_scale=0.05, v_scale=0.25, seed=7)
+    _check(case, "byte-wise values")
+    _check(case, "byte-wise values, window+sinks+softcap", window_size=(11, 0),
+           sinks=torch.randn(10, generator=torch.Generator().manual_seed(2)), softcap=5.0)
+    assert seen and not any(seen), seen
+
+
+def test_value_pairs_are_the_default(monkeypatch):
+    """With no override an fp8 decode launch reads its values as pairs (H200: 8x64k 2.61 ->
+    3.59 TB/s, docs/benchmarks.md)."""
+    from aiter_attn.kernels.triton import attention as attn
+    from aiter_attn.kernels.triton import paged_attention as pa
+
+    from ._launch_options import spy_constexpr
+
+    monkeypatch.delitem(pa.TUNING_OVERRIDES, "v_pairs", raising=False)
+    seen = spy_constexpr(monkeypatch, attn.TritonPagedAttention, "V_PAIRS")
+    case = Case([1, 1], [37, 130], hq=8, hkv=2, d=64, page=16, dtype=torch.float16,
+                kv_dtype=E4M3, k_scale=0.05, v_scale=0.25, seed=3)
+    _check(case, "default fp8 decode")
+    assert seen and all(seen), seen
+
+
 @pytest.mark.parametrize("splits,chunk", [(3, 0), (2, 2)])
 def test_value_pairs_split_path_and_chunked_lookup(pairs, monkeypatch, splits, chunk):
     from aiter_attn.kernels.triton import paged_attention as pa

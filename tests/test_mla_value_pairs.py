@@ -1,6 +1,6 @@
 """fp8 MLA latents with the values read as 16-bit column pairs (the Triton MLA kernel's
 ``V_PAIRS``; ``mla_paged_attention(..., v_pairs=True)`` / the kernel's ``tuning``, default
-:data:`~aiter_attn.kernels.triton._launch_config.FP8_VALUE_PAIRS`).
+:data:`~aiter_attn.kernels.triton._launch_config.MLA_FP8_VALUE_PAIRS`).
 
 The latent tile is the value operand of ``p · V`` with the keys as its contraction axis: an
 8-bit transposed operand, read byte by byte from shared memory by mma.sync (128

@@ -24,7 +24,7 @@ from ._pdl import pdl_mode
 
 __all__ = ["TUNING_OVERRIDES", "OVERRIDE_KEYS", "check_overrides", "LaunchConfig",
            "choose_config", "BATCH_INVARIANT_SPLIT_TOKENS",
-           "FP8_VALUE_PAIRS", "PREFETCH_PAGES", "CARRIED_PAGE_LOOKUP"]
+           "FP8_VALUE_PAIRS", "MLA_FP8_VALUE_PAIRS", "PREFETCH_PAGES", "CARRIED_PAGE_LOOKUP"]
 
 #: Keys per split in batch-invariant mode (rounded up to a multiple of ``block_n``).
 BATCH_INVARIANT_SPLIT_TOKENS = 512
@@ -76,8 +76,14 @@ class LaunchConfig:
 #: fp8 caches: read the value tile as 16-bit pairs of adjacent head-dim columns (the kernel's
 #: ``V_PAIRS``: ldmatrix.trans into two half-width dots) instead of byte by byte. The sm_90
 #: build loses its 384 byte-wise shared loads and most spills (64x16k: 216 -> 32 B) at the
-#: same shared memory; off until timed on the H200 (``TUNING_OVERRIDES["v_pairs"]``).
-FP8_VALUE_PAIRS = False
+#: same shared memory. On by default since the H200 timed it (2026-12-04, graph replay,
+#: e4m3 decode): 8x64k 2.61 -> 3.59 TB/s, 64x16k 3.00 -> 3.65, 1x32k 1.56 -> 1.95
+#: (``TUNING_OVERRIDES["v_pairs"] = False``: the byte-wise reads).
+FP8_VALUE_PAIRS = True
+
+#: The MLA kernel's fp8 value pairs (``mla_paged_attention(..., v_pairs=)``, the same read as
+#: :data:`FP8_VALUE_PAIRS` on the latent rows): off until timed on the H200.
+MLA_FP8_VALUE_PAIRS = False
 
 #: Split decode whose splits fit one chunk of the chunked page lookup (1x4k: 16 splits of two
 #: tiles): read the page ids in the program's first round trip (the kernel's

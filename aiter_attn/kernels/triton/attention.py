@@ -364,9 +364,11 @@ class TritonPagedAttention(AttentionKernel):
 
     def _plan_launch(self, plan: TritonPlan) -> tuple:
         """The plan's part of the launch (memoised on the plan): ``(sid, p1, p2, ints, p4,
-        parts, mid, tail)`` with ``p1`` = (counters, cu, seqused_k, block_table), ``p2`` = the
-        mask pair, ``p4`` = (bt_stride, *part_strides), ``parts`` = the split partials or
-        ``None``; ``mid``/``tail``: the argument runs of a layer without scales / lse."""
+        parts, mid, tail, bt_width)`` with ``p1`` = (counters, cu, seqused_k, block_table),
+        ``p2`` = the mask pair, ``ints`` = the plan's first four ints, ``p4`` = (bt_stride,
+        *part_strides), ``parts`` = the split partials or ``None``; ``mid``/``tail``: the
+        argument runs of a layer without scales / lse (``tail`` ends with ``bt_width``, the
+        kernel's last argument)."""
         cu = plan.args[0]
         counters = plan.counters if plan.counters is not None else cu
         mask_t, mask_ip = plan.mask if plan.mask is not None else (cu, cu)
@@ -377,9 +379,10 @@ class TritonPagedAttention(AttentionKernel):
                 tuple(plan.cfg_kw.items()), tuple(tensor_key(t) for t in tensors))
         p1, p2 = (counters, *plan.args), (mask_t, mask_ip)
         p4 = (plan.bt_stride, *plan.part_strides)
-        pl = (_intern(spec), p1, p2, plan.ints, p4, parts,
+        pl = (_intern(spec), p1, p2, plan.ints[:4], p4, parts,
               (*p1, cu, cu, cu, cu, cu, *p2),  # [6]: p1, the scale stand-ins, p2
-              (*p4, 0, 0))  # [7]: p4 and the strides of an absent lse
+              (*p4, 0, 0, plan.ints[4]),  # [7]: p4, the strides of an absent lse, bt_width
+              plan.ints[4])  # [8]: bt_width (the kernel's last argument)
         plan.kw_cache[_PLAN_LAUNCH] = pl
         plan.kw_cache.setdefault(_OVERRIDES, dict(TUNING_OVERRIDES))  # see plan_reusable
         return pl
@@ -454,7 +457,7 @@ class TritonPagedAttention(AttentionKernel):
         pa, pm = parts if parts is not None else (out, out)
         if lse is not None:
             ls = lse.stride()
-            lse_t, tail, lkey = lse, (*pl[4], ls[0], ls[1]), (tensor_key(lse), ls)
+            lse_t, tail, lkey = lse, (*pl[4], ls[0], ls[1], pl[8]), (tensor_key(lse), ls)
             align = (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr() | out.data_ptr()
                      | lse.data_ptr()) & 15
         else:

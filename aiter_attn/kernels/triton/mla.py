@@ -40,7 +40,7 @@ from ...validation import INDEX_DTYPES, unit_stride
 from ..base import (MEMO, KernelPlan, MLAKernel, _adhoc_metadata, mask_literal,
                     mla_layer_params, mla_request, plan_hints, token_count_error)
 from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
-from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS, FP8_VALUE_PAIRS
+from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS, MLA_FP8_VALUE_PAIRS
 from .mla_gluon import (GLUON_MLA_BLOCK_H, gluon_mla_reject_reason, gluon_mla_tensors_reason,
                         launch_gluon_mla)
 from ._paging import fp8_pair_ptrs, load_chunk_pages, split_fp8_pairs, tile_pages_of
@@ -600,7 +600,7 @@ class TritonMLA(MLAKernel):
             # fp8 latents' values as 16-bit column pairs (an option; run() checks the cache
             # layout): head blocks under 64 rows, whose dots are mma.sync
             V_PAIRS=bool(is_fp8(self.kv_dtype) and self.block_dv == self.rank and bh < 64
-                         and t.get("v_pairs", FP8_VALUE_PAIRS)),
+                         and t.get("v_pairs", MLA_FP8_VALUE_PAIRS)),
             SPLIT_V_LOAD=self.kv_dtype != self.dtype if split_v is None else bool(split_v),
             FIXED_CHUNK=fixed_chunk, num_warps=warps, num_stages=stages,
             **pdl_kwargs(pdl_mode(t.get("pdl"), device), reduction=False))
@@ -747,7 +747,7 @@ def mla_paged_attention(
         lse: optional float32 ``[T, H]``: also receives the natural-log LSE of each row's
             scaled logits (``-inf`` with nothing visible), the flash-attn convention.
         v_pairs: fp8 latents: read the values as 16-bit column pairs (no byte-wise shared
-            loads; see ``_launch_config.FP8_VALUE_PAIRS``, the default); used on head blocks
+            loads; see ``_launch_config.MLA_FP8_VALUE_PAIRS``, the default); used on head blocks
             under 64 rows of caches whose rows start on 16-byte boundaries.
         pdl: programmatic dependent launch (sm_90+): ``True`` the attention launch and the
             split merge may each start while the kernel before finishes, ``"reduce"`` only

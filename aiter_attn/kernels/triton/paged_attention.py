@@ -325,7 +325,7 @@ def _reduce_rows(O, Lse, PartAcc, PartML, Sinks, row_tok, qh, row_valid, offs_dv
 def _paged_attn_kernel(
     Q, K, V, O, PartAcc, PartML, Lse, Counters,
     CuQ, SeqK, BlockTable, Sinks, KScale, VScale, KSc, VSc, Mask, MaskIndptr,
-    sm_scale, softcap, left, right, num_seqs, q_blocks_per_seq, num_splits, split_tiles, bt_width,
+    sm_scale, softcap, left, right, num_seqs, q_blocks_per_seq, num_splits, split_tiles,
     stride_qt, stride_qh,
     stride_kp, stride_kt, stride_kh, stride_kd,
     stride_vp, stride_vt, stride_vh, stride_vd,
@@ -333,6 +333,10 @@ def _paged_attn_kernel(
     stride_ot, stride_oh,
     stride_bt,
     stride_ps, stride_pt, stride_mls, stride_mlt, stride_lt, stride_lh,
+    # last: placed among the ints above, the same PTX went through ptxas as 178 registers
+    # instead of 168 at 8x64k / 16x4k decode (two programs per SM instead of three; H200
+    # 4.28 -> 2.97 TB/s). tests/test_triton_pipelining.py guards the count.
+    bt_width,
     GROUP: tl.constexpr, HEADS: tl.constexpr, NUM_HCHUNKS: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
