@@ -84,6 +84,9 @@ OVERRIDES = {
     # 16x4k without splits (128 programs, one per SM, K/V two tiles ahead): no reduction
     # launch, which with its gap is ~7% of the step
     "chunk0-ahead-splits1": {"page_chunk": 0, "page_ahead": True, "num_splits": 1},
+    # the same with 64-key tiles (70 KB: two programs per SM, 256 of them at 16x4k)
+    "chunk0-ahead-bn64-splits1": {"page_chunk": 0, "page_ahead": True, "block_n": 64,
+                                  "num_splits": 1},
 }
 
 

@@ -57,6 +57,8 @@
 #                                  # fp8 rows byte reads against value pairs (+ options)
 #   scripts/gpu_session.sh thirtieth     # MLA rows (fp8 value pairs), paged prefill rows
 #                                  # with the carried page lookup
+#   scripts/gpu_session.sh thirtysecond  # the decode fix and fp8 pairs default: paged gpu
+#                                  # tests, decode/fp8 table vs cuDNN, decode without splits
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -387,6 +389,24 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
       tests/test_swa.py tests/test_triton_prefill.py tests/test_kv_scales.py \
       -p no:cacheprovider -p no:warnings --tb=short > "$OUT/gpu_tests_pending.log" 2>&1
     grep -E "FAILED|ERROR| passed| failed" "$OUT/gpu_tests_pending.log" | tail -15
+    ;;
+  thirtysecond)
+    # the decode fix (bt_width last: 168 registers again) and the fp8 value-pairs default:
+    # the gpu tests of the paged kernel, the decode / fp8 table against cuDNN, then the
+    # small-batch rows against the carried lookup without splits
+    timeout ${GT_S:-200} python3 -m pytest -m gpu -q -n 8 --timeout 180 \
+      tests/test_fp8_value_pairs.py tests/test_prefetch_pages.py tests/test_page_ahead.py \
+      tests/test_triton_paged_attention.py tests/test_fp8_formats.py tests/test_direct_launch.py \
+      -p no:cacheprovider -p no:warnings --tb=short > "$OUT/gpu_tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed" "$OUT/gpu_tests.log" | tail -15
+    timeout ${BA_S:-200} python3 benchmarks/bench_attention.py --only decode,fp8 --rep 30 \
+      --anchors cudnn --out "$OUT/attention" > "$OUT/attention.log" 2>&1
+    grep -E "^\| (decode|fp8)" "$OUT/attention.log" | head -20
+    timeout ${SB_S:-120} python3 benchmarks/bench_variants.py --out "$OUT/sb" \
+      --rows 1x4096,16x4096,1x32768,64x4096,8x65536 --variants planned,\
+planned-chunk0-ahead-splits1,planned-chunk0-ahead-bn64-splits1 2>&1 | tail -7 \
+      | tee "$OUT/small_batch.log"
+    rm -f "$OUT"/*/*.png
     ;;
   twentyninth)
     # decode: the default against the page-id prefetch and the carried page lookup, as the
