@@ -75,7 +75,8 @@ def launched_constexprs(launched: str, q_len: int = 1, fp8: bool = False) -> dic
                                     and cfg.page_chunk_for(page)
                                     and lc._cdiv(lc._cdiv(ctx, cfg.block_n), cfg.num_splits)
                                     <= cfg.page_chunk_for(page) and not search),
-                PAGE_AHEAD=bool(lc.CARRIED_PAGE_LOOKUP and not cfg.page_chunk_for(page)),
+                PAGE_AHEAD=bool((lc.CARRIED_PAGE_LOOKUP or cfg.page_ahead)
+                                and not cfg.page_chunk_for(page)),
                 warps=cfg.num_warps,
                 stages=cfg.num_stages,
                 num_splits=cfg.num_splits,

@@ -110,3 +110,26 @@ def test_gpu_carried_page_lookup(ahead, dtype, kv_dtype, q_lens, kv_lens, page):
     _check(case, "carried page ids, window+sinks+softcap", window_size=(511, 0), sinks=sinks,
            softcap=30.0)
     assert ahead and all(ahead), ahead
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="compiled Triton on CUDA")
+def test_gpu_one_wave_decode_takes_the_carried_lookup_by_default(monkeypatch):
+    """No override: bf16 decode with about one wave of (request, KV head) programs (16x4k on
+    an H100/H200) launches without splits on the carried lookup, and matches the oracle."""
+    from aiter_attn.kernels.triton import attention as attn
+    from aiter_attn.kernels.triton import paged_attention as pa
+
+    from ._launch_options import spy_constexpr
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for key in ("page_ahead", "page_chunk", "num_splits", "block_n"):
+        monkeypatch.delitem(pa.TUNING_OVERRIDES, key, raising=False)
+    ahead = spy_constexpr(monkeypatch, attn.TritonPagedAttention, "PAGE_AHEAD")
+    split = spy_constexpr(monkeypatch, attn.TritonPagedAttention, "SPLIT")
+    batch = sms // 8  # 8 KV heads: at most one program per SM, at least 3/4 of them
+    case = Case([1] * batch, [4096 - 37 * (i % 5) for i in range(batch)], hq=32, hkv=8,
+                d=128, page=16, dtype=torch.bfloat16, seed=batch, device="cuda")
+    _check(case, "one-wave decode")
+    big_smem = torch.cuda.get_device_properties(0).shared_memory_per_block_optin >= 162 * 1024
+    assert ahead and all(ahead) == big_smem and not any(split), (ahead, split)

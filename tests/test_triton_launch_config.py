@@ -53,6 +53,25 @@ def test_regimes_pick_the_measured_page_lookup():
     assert small_smem.num_stages * small_smem.block_n * 2 * 128 * 2 + 128 * 128 * 2 <= 64 * 1024
 
 
+def test_one_wave_bf16_decode_runs_unsplit_on_the_carried_lookup():
+    """About one wave of (request, KV head) programs (16x4k: 128 on 132 SMs): no splits and
+    the carried page lookup (H200: 3.64 -> 3.82 TB/s). Fewer programs split as before, more
+    stay on the plain per-tile lookup; fp8, float32, small shared memory and overrides of
+    the knobs it sets keep their own choices."""
+    one_wave = _cfg(max_q=1, max_k=4096, batch=16)
+    assert (one_wave.num_splits, one_wave.page_ahead, one_wave.page_chunk) == (1, True, 0)
+    assert _cfg(max_q=1, max_k=4096, batch=13).page_ahead  # 104 programs: >= 3/4 of a wave
+    for batch, max_k in ((12, 4096), (8, 65536), (1, 32768), (64, 4096), (17, 4096),
+                         (16, 512)):
+        cfg = _cfg(max_q=1, max_k=max_k, batch=batch)
+        assert not cfg.page_ahead, (batch, max_k)
+    assert _cfg(max_q=1, max_k=4096, batch=8).num_splits > 1
+    for kw in (dict(fp8_kv=True), dict(fp32=True), dict(smem=100 * 1024),
+               dict(ov=(("num_splits", 2),)), dict(ov=(("page_ahead", False),)),
+               dict(ov=(("block_n", 64),)), dict(sms=0)):
+        assert not _cfg(max_q=1, max_k=4096, batch=16, **kw).page_ahead, kw
+
+
 @pytest.mark.parametrize("heads,tokens", [(16, 64), (16, 128), (128, 64), (16, 1)])
 def test_mla_splits_fill_the_sms_once(monkeypatch, heads, tokens):
     monkeypatch.setattr(mla, "_smem_budget", lambda device: 227 * 1024 - 4096)

@@ -39,10 +39,12 @@ class LaunchConfig:
     """Launch parameters chosen from shapes and host hints only."""
 
     __slots__ = ("block_m", "block_n", "num_warps", "num_stages", "heads", "block_q",
-                 "num_splits", "warp_spec", "page_chunk", "split_tiles", "fused_reduce", "pdl")
+                 "num_splits", "warp_spec", "page_chunk", "split_tiles", "fused_reduce", "pdl",
+                 "page_ahead")
 
     def __init__(self, block_m, block_n, num_warps, num_stages, heads, block_q, num_splits,
-                 warp_spec=False, page_chunk=0, split_tiles=0, fused_reduce=False, pdl=False):
+                 warp_spec=False, page_chunk=0, split_tiles=0, fused_reduce=False, pdl=False,
+                 page_ahead=False):
         self.block_m, self.block_n = block_m, block_n
         self.num_warps, self.num_stages = num_warps, num_stages
         self.heads, self.block_q, self.num_splits = heads, block_q, num_splits
@@ -61,6 +63,9 @@ class LaunchConfig:
         #: both launches early cost 1x4k 1.38 -> 1.25 TB/s and 16x4k 3.63 -> 3.45
         #: (docs/benchmarks.md, eighth session)
         self.pdl = pdl
+        #: the per-tile page lookup with page ids carried a tile ahead (the kernel's
+        #: ``PAGE_AHEAD``, see :data:`CARRIED_PAGE_LOOKUP`), chosen for one-wave decode
+        self.page_ahead = page_ahead
 
     @property
     def batch_invariant(self) -> bool:
@@ -102,6 +107,10 @@ PREFETCH_PAGES = False
 #: 128-key tiles: one program per SM where the per-tile lookup's 73 KB fit three; 64-key
 #: tiles: 70 KB). Off until timed on the H200 (``TUNING_OVERRIDES["page_ahead"]``).
 CARRIED_PAGE_LOOKUP = False
+
+#: Shared memory (bytes, after the margin) a device needs before bf16 decode in one wave
+#: takes the carried page lookup with 128-key tiles (its ring: 136 KB on sm_90).
+ONE_WAVE_MIN_SMEM = 160 * 1024
 
 #: Tuning overrides (scripts/tune_triton_paged_attention.py and tests only): ``block_m``,
 #: ``block_n``, ``num_warps``, ``num_stages``, ``min_split_tokens``, ``num_splits``, ``heads``
@@ -243,6 +252,16 @@ def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads
         else:
             target = _cdiv(2 * sms, ctas)
         num_splits = max(1, min(target, _cdiv(max_k, min_tokens), 64))
+    page_ahead = False
+    if (decode_like and not fp8_kv and not fp32 and sms and head_dim_pad <= 128
+            and smem >= ONE_WAVE_MIN_SMEM and 3 * sms <= 4 * ctas <= 4 * sms
+            and _cdiv(max_k, block_n) >= 8
+            and not {"num_splits", "page_chunk", "page_ahead", "block_n"} & set(ov)):
+        # about one wave of (request, kv head) programs (16x4k: 128 on 132 SMs): no splits,
+        # so no reduction launch, and K/V copies two tiles ahead with the carried page
+        # lookup (H200 16x4k, graph replay: 3.64 -> 3.82 TB/s; its 136 KB ring holds one
+        # program per SM, which is all one wave has)
+        num_splits, page_ahead = 1, True
     num_splits = ov.get("num_splits", num_splits)
     if (decode_like and not fp32 and num_splits > 1 and "page_chunk" not in ov
             and _cdiv(max_k, num_splits * block_n) <= 2):
@@ -255,4 +274,5 @@ def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads
                    bool(ov.get("warp_spec", False)),
                    next_pow2(int(ov.get("page_chunk", page_chunk))) if ov.get("page_chunk",
                                                                                page_chunk) else 0,
-                   fused_reduce=bool(ov.get("fused_reduce", False)), pdl=pdl)
+                   fused_reduce=bool(ov.get("fused_reduce", False)), pdl=pdl,
+                   page_ahead=page_ahead)

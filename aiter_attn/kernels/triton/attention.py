@@ -300,9 +300,11 @@ class TritonPagedAttention(AttentionKernel):
                          and TUNING_OVERRIDES.get("v_pairs", FP8_VALUE_PAIRS)),
             NUM_STAGES=cfg.num_stages, WARP_SPEC=cfg.warp_spec, PAGE_CHUNK=page_chunk,
             PREFETCH_PAGES=prefetch,
-            # the per-tile lookup with page ids carried a tile ahead (an option)
+            # the per-tile lookup with page ids carried a tile ahead (one-wave decode, or
+            # an option)
             PAGE_AHEAD=bool(not page_chunk
-                            and TUNING_OVERRIDES.get("page_ahead", CARRIED_PAGE_LOOKUP)),
+                            and TUNING_OVERRIDES.get("page_ahead",
+                                                     cfg.page_ahead or CARRIED_PAGE_LOOKUP)),
             num_warps=cfg.num_warps, **pdl_kwargs(cfg.pdl, reduction=False))
         return TritonPlan(
             num_tokens=num_tokens if batch else 0, mask_literal=mask_literal(md),
