@@ -59,6 +59,7 @@
 #                                  # with the carried page lookup
 #   scripts/gpu_session.sh thirtysecond  # the decode fix and fp8 pairs default: paged gpu
 #                                  # tests, decode/fp8 table vs cuDNN, decode without splits
+#   scripts/gpu_session.sh thirtythird   # one-wave decode on the carried lookup: tests, table
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -406,6 +407,17 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
       --rows 1x4096,16x4096,1x32768,64x4096,8x65536 --variants planned,\
 planned-chunk0-ahead-splits1,planned-chunk0-ahead-bn64-splits1 2>&1 | tail -7 \
       | tee "$OUT/small_batch.log"
+    rm -f "$OUT"/*/*.png
+    ;;
+  thirtythird)
+    # one-wave decode unsplit on the carried lookup: its gpu tests, then the decode table
+    timeout ${GT_S:-120} python3 -m pytest -m gpu -q -n 8 --timeout 110 tests/test_page_ahead.py \
+      tests/test_triton_launch_config.py tests/test_graph_gpu.py -p no:cacheprovider \
+      -p no:warnings --tb=short > "$OUT/gpu_tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed" "$OUT/gpu_tests.log" | tail -15
+    timeout ${BA_S:-150} python3 benchmarks/bench_attention.py --only decode --rep 30 \
+      --anchors cudnn --out "$OUT/attention" > "$OUT/attention.log" 2>&1
+    grep -E "^\| decode" "$OUT/attention.log" | head -20
     rm -f "$OUT"/*/*.png
     ;;
   twentyninth)
