@@ -95,7 +95,8 @@ MLA_FP8_VALUE_PAIRS = True
 #: tiles): read the page ids in the program's first round trip (the kernel's
 #: ``PREFETCH_PAGES``), with ``cu_seqlens_q`` and ``seqused_k``, guessing the request is
 #: ``max_seqlen_k`` long. The sm_90 build then has K/V one round trip after the start instead
-#: of two; off until timed on the H200 (``TUNING_OVERRIDES["prefetch_pages"]``).
+#: of two. Off: on the H200 (2026-12-04) 1x4k went 1.52 -> 1.54 TB/s, within noise
+#: (``TUNING_OVERRIDES["prefetch_pages"]`` turns it on).
 PREFETCH_PAGES = False
 
 #: Launches on the per-tile page lookup (page_chunk 0: bf16 decode with splits of three or
@@ -105,7 +106,11 @@ PREFETCH_PAGES = False
 #: no spills at 16x4k) where the per-tile lookup issues a tile's copies only after the tile
 #: before has computed. The ring then really holds 3 stages (136 KB of shared memory with
 #: 128-key tiles: one program per SM where the per-tile lookup's 73 KB fit three; 64-key
-#: tiles: 70 KB). Off until timed on the H200 (``TUNING_OVERRIDES["page_ahead"]``).
+#: tiles: 70 KB). Timed on the H200 (2026-12-04): slower than the per-tile lookup on split
+#: launches (1x32k 3.12 -> 2.78 TB/s; 64-key tiles 3.15), faster for one wave of programs
+#: without splits (16x4k 3.64 -> 3.84), so the chooser takes it there only
+#: (:attr:`LaunchConfig.page_ahead`); ``True`` here (or ``TUNING_OVERRIDES["page_ahead"]``)
+#: forces it on every per-tile launch.
 CARRIED_PAGE_LOOKUP = False
 
 #: Shared memory (bytes, after the margin) a device needs before bf16 decode in one wave

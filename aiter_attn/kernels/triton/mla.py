@@ -597,7 +597,7 @@ class TritonMLA(MLAKernel):
             PAGE_CHUNK=next_pow2(page_chunk) if page_chunk > 0 and (
                 page_size % bn == 0 or bn % page_size == 0) else 0,
             FP16_DOTS=is_fp8(self.kv_dtype) and self.dtype == torch.bfloat16,
-            # fp8 latents' values as 16-bit column pairs (an option; run() checks the cache
+            # fp8 latents' values as 16-bit column pairs (the default; run() checks the cache
             # layout): head blocks under 64 rows, whose dots are mma.sync
             V_PAIRS=bool(is_fp8(self.kv_dtype) and self.block_dv == self.rank and bh < 64
                          and t.get("v_pairs", MLA_FP8_VALUE_PAIRS)),
