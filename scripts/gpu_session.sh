@@ -60,6 +60,7 @@
 #   scripts/gpu_session.sh thirtysecond  # the decode fix and fp8 pairs default: paged gpu
 #                                  # tests, decode/fp8 table vs cuDNN, decode without splits
 #   scripts/gpu_session.sh thirtythird   # one-wave decode on the carried lookup: tests, table
+#   scripts/gpu_session.sh thirtyfourth  # the gpu test files the other calls did not run
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -419,6 +420,17 @@ planned-chunk0-ahead-splits1,planned-chunk0-ahead-bn64-splits1 2>&1 | tail -7 \
       --anchors cudnn --out "$OUT/attention" > "$OUT/attention.log" 2>&1
     grep -E "^\| decode" "$OUT/attention.log" | head -20
     rm -f "$OUT"/*/*.png
+    ;;
+  thirtyfourth)
+    # the gpu test files the thirteenth session's other calls did not run (after the
+    # bt_width move, the fp8 value-pairs and one-wave defaults)
+    timeout ${GT_S:-220} python3 -m pytest -m gpu -q -n 8 --timeout 200 \
+      tests/test_batch_invariant.py tests/test_cascade.py tests/test_cascade_backend.py \
+      tests/test_cascade_plan.py tests/test_engine.py tests/test_engine_graphs.py \
+      tests/test_graph_addresses.py tests/test_lse.py tests/test_ops_memo.py tests/test_pdl.py \
+      tests/test_spec_modes.py tests/test_triton_index_kv.py tests/test_triton_prefill_extend.py \
+      -p no:cacheprovider -p no:warnings --tb=short > "$OUT/gpu_tests_rest.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed" "$OUT/gpu_tests_rest.log" | tail -15
     ;;
   twentyninth)
     # decode: the default against the page-id prefetch and the carried page lookup, as the
