@@ -76,6 +76,15 @@ mkdir -p "$OUT"
 # pytest before its summary
 export AITER_ATTN_FAIL_LOG="$OUT/failures.log"
 T=330 V=120 B1=200 B2=200 B3=150
+# gpu_tests LOG CAP_S PER_TEST_S FILE...: the files' gpu tests (-n 8) into $OUT/LOG, then its
+# failures and summary
+gpu_tests() {
+  local log=$1 cap=$2 per=$3
+  shift 3
+  timeout "$cap" python3 -m pytest -m gpu -q -n 8 --timeout "$per" "$@" -p no:cacheprovider \
+    -p no:warnings --tb=short > "$OUT/$log" 2>&1
+  grep -E "FAILED|ERROR| passed| failed" "$OUT/$log" | tail -15
+}
 if [ "${1:-tests}" = all ]; then T=200 V=50 B1=90 B2=110 B3=80; fi
 case "${1:-tests}" in
   next)
@@ -377,30 +386,24 @@ splits512,chunk16-splits512 --out "$OUT" > "$OUT/variants.log" 2>&1
   twentyeighth)
     # the gpu tests of the launch options (each test turns its option on) and of the kernels
     # they touch; the reorderings that are on by default run in every paged test here
-    timeout ${GT_S:-240} python3 -m pytest -m gpu -q -n 8 --timeout 200 \
+    gpu_tests gpu_tests.log ${GT_S:-240} 200 \
       tests/test_fp8_value_pairs.py tests/test_prefetch_pages.py tests/test_page_ahead.py \
       tests/test_mla_value_pairs.py tests/test_triton_paged_attention.py \
-      tests/test_fp8_formats.py tests/test_triton_mla.py tests/test_direct_launch.py \
-      -p no:cacheprovider -p no:warnings --tb=short > "$OUT/gpu_tests.log" 2>&1
-    grep -E "FAILED|ERROR| passed| failed" "$OUT/gpu_tests.log" | tail -15
+      tests/test_fp8_formats.py tests/test_triton_mla.py tests/test_direct_launch.py
     ;;
   thirtyfirst)
     # the gpu test files not run since the window change (the whole suite passed on 885dc97)
-    timeout ${GT_S:-330} python3 -m pytest -m gpu -q -n 8 --timeout 200 \
+    gpu_tests gpu_tests_pending.log ${GT_S:-330} 200 \
       tests/test_conformance_contract.py tests/test_engine_mixed.py tests/test_graph_gpu.py \
-      tests/test_swa.py tests/test_triton_prefill.py tests/test_kv_scales.py \
-      -p no:cacheprovider -p no:warnings --tb=short > "$OUT/gpu_tests_pending.log" 2>&1
-    grep -E "FAILED|ERROR| passed| failed" "$OUT/gpu_tests_pending.log" | tail -15
+      tests/test_swa.py tests/test_triton_prefill.py tests/test_kv_scales.py
     ;;
   thirtysecond)
     # the decode fix (bt_width last: 168 registers again) and the fp8 value-pairs default:
     # the gpu tests of the paged kernel, the decode / fp8 table against cuDNN, then the
     # small-batch rows against the carried lookup without splits
-    timeout ${GT_S:-200} python3 -m pytest -m gpu -q -n 8 --timeout 180 \
+    gpu_tests gpu_tests.log ${GT_S:-200} 180 \
       tests/test_fp8_value_pairs.py tests/test_prefetch_pages.py tests/test_page_ahead.py \
-      tests/test_triton_paged_attention.py tests/test_fp8_formats.py tests/test_direct_launch.py \
-      -p no:cacheprovider -p no:warnings --tb=short > "$OUT/gpu_tests.log" 2>&1
-    grep -E "FAILED|ERROR| passed| failed" "$OUT/gpu_tests.log" | tail -15
+      tests/test_triton_paged_attention.py tests/test_fp8_formats.py tests/test_direct_launch.py
     timeout ${BA_S:-200} python3 benchmarks/bench_attention.py --only decode,fp8 --rep 30 \
       --anchors cudnn --out "$OUT/attention" > "$OUT/attention.log" 2>&1
     grep -E "^\| (decode|fp8)" "$OUT/attention.log" | head -20
@@ -412,10 +415,8 @@ planned-chunk0-ahead-splits1,planned-chunk0-ahead-bn64-splits1 2>&1 | tail -7 \
     ;;
   thirtythird)
     # one-wave decode unsplit on the carried lookup: its gpu tests, then the decode table
-    timeout ${GT_S:-120} python3 -m pytest -m gpu -q -n 8 --timeout 110 tests/test_page_ahead.py \
-      tests/test_triton_launch_config.py tests/test_graph_gpu.py -p no:cacheprovider \
-      -p no:warnings --tb=short > "$OUT/gpu_tests.log" 2>&1
-    grep -E "FAILED|ERROR| passed| failed" "$OUT/gpu_tests.log" | tail -15
+    gpu_tests gpu_tests.log ${GT_S:-120} 110 tests/test_page_ahead.py \
+      tests/test_triton_launch_config.py tests/test_graph_gpu.py
     timeout ${BA_S:-150} python3 benchmarks/bench_attention.py --only decode --rep 30 \
       --anchors cudnn --out "$OUT/attention" > "$OUT/attention.log" 2>&1
     grep -E "^\| decode" "$OUT/attention.log" | head -20
@@ -424,13 +425,11 @@ planned-chunk0-ahead-splits1,planned-chunk0-ahead-bn64-splits1 2>&1 | tail -7 \
   thirtyfourth)
     # the gpu test files the thirteenth session's other calls did not run (after the
     # bt_width move, the fp8 value-pairs and one-wave defaults)
-    timeout ${GT_S:-220} python3 -m pytest -m gpu -q -n 8 --timeout 200 \
+    gpu_tests gpu_tests_rest.log ${GT_S:-220} 200 \
       tests/test_batch_invariant.py tests/test_cascade.py tests/test_cascade_backend.py \
       tests/test_cascade_plan.py tests/test_engine.py tests/test_engine_graphs.py \
       tests/test_graph_addresses.py tests/test_lse.py tests/test_ops_memo.py tests/test_pdl.py \
-      tests/test_spec_modes.py tests/test_triton_index_kv.py tests/test_triton_prefill_extend.py \
-      -p no:cacheprovider -p no:warnings --tb=short > "$OUT/gpu_tests_rest.log" 2>&1
-    grep -E "FAILED|ERROR| passed| failed" "$OUT/gpu_tests_rest.log" | tail -15
+      tests/test_spec_modes.py tests/test_triton_index_kv.py tests/test_triton_prefill_extend.py
     ;;
   twentyninth)
     # decode: the default against the page-id prefetch and the carried page lookup, as the

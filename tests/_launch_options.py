@@ -1,7 +1,7 @@
 """Helpers of the tests of the paged Triton kernel's launch options (``TUNING_OVERRIDES``
 keys): a spy on the launch constexprs (which launches really took an option, so that a test
 of the option cannot pass on launches that never used it) and a per-(token, head) scaled fp8
-case against the oracle."""
+case against the oracle, and a case checked plainly and with every softmax feature on."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 
 from aiter_attn.testing.compare import assert_close_rel
 
-__all__ = ["spy_constexpr", "spy_launch_option", "check_token_head_case"]
+__all__ = ["spy_constexpr", "spy_launch_option", "check_token_head_case",
+           "check_plain_and_featured"]
 
 
 def spy_constexpr(monkeypatch, kernel_cls, constexpr: str) -> list:
@@ -56,3 +57,16 @@ def check_token_head_case(fp8, seed: int, what: str) -> None:
                               for k, v in kw.items()})
     assert_close_rel(out, _oracle(q, q_lens, dense, kw["softmax_scale"]), RTOL[torch.float16],
                      what)
+
+
+def check_plain_and_featured(case, what: str, *, window: int, softcap: float,
+                             sinks_seed: int) -> None:
+    """``case`` (a ``test_triton_paged_attention.Case``) against the oracle as it is, then
+    with a left window of ``window`` keys, random per-head sinks (``sinks_seed``) and a
+    soft-cap of ``softcap``."""
+    from .test_triton_paged_attention import _check
+
+    _check(case, what)
+    sinks = torch.randn(case.hq, generator=torch.Generator().manual_seed(sinks_seed))
+    _check(case, f"{what}, window+sinks+softcap", window_size=(window, 0), sinks=sinks,
+           softcap=softcap)

@@ -20,7 +20,8 @@ import torch
 
 from aiter_attn.testing.compare import assert_close_rel
 
-from ._launch_options import check_token_head_case, spy_launch_option
+from ._launch_options import (check_plain_and_featured, check_token_head_case,
+                              spy_launch_option)
 from ._triton_util import DEVICE, HAS_CUDA, INTERPRET, requires_triton
 from .test_fp8_formats import _oracle, _token_case
 from .test_triton_paged_attention import RTOL, Case, _check
@@ -51,10 +52,7 @@ SHAPES = [
 def test_value_pairs_vs_oracle(pairs, fp8, dtype, q_lens, kv_lens, hq, hkv, d, page):
     case = Case(q_lens, kv_lens, hq=hq, hkv=hkv, d=d, page=page, dtype=dtype, kv_dtype=fp8,
                 k_scale=0.05, v_scale=0.25, seed=d + page)
-    _check(case, "value pairs")
-    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(1))
-    _check(case, "value pairs, window+sinks+softcap", window_size=(11, 0), sinks=sinks,
-           softcap=5.0)
+    check_plain_and_featured(case, "value pairs", window=11, softcap=5.0, sinks_seed=1)
     assert pairs and all(pairs), pairs
 
 
@@ -65,9 +63,7 @@ def test_byte_wise_value_reads_vs_oracle(monkeypatch, fp8):
     seen = spy_launch_option(monkeypatch, "V_PAIRS", "v_pairs", value=False)
     case = Case([1, 3, 1], [97, 40, 5], hq=10, hkv=2, d=32, page=48, dtype=torch.float16,
                 kv_dtype=fp8, k_scale=0.05, v_scale=0.25, seed=7)
-    _check(case, "byte-wise values")
-    _check(case, "byte-wise values, window+sinks+softcap", window_size=(11, 0),
-           sinks=torch.randn(10, generator=torch.Generator().manual_seed(2)), softcap=5.0)
+    check_plain_and_featured(case, "byte-wise values", window=11, softcap=5.0, sinks_seed=2)
     assert seen and not any(seen), seen
 
 
@@ -162,10 +158,7 @@ def test_gpu_value_pairs_vs_oracle(pairs, dtype, fp8, q_lens, kv_lens, page):
     CUDA-sized shapes (GQA 32/8, head dim 128), with and without window + sinks + soft-cap."""
     case = Case(q_lens, kv_lens, hq=32, hkv=8, d=128, page=page, dtype=dtype, kv_dtype=fp8,
                 k_scale=0.07, v_scale=0.3, seed=len(q_lens), device="cuda")
-    sinks = torch.randn(32, generator=torch.Generator().manual_seed(0))
-    _check(case, "value pairs")
-    _check(case, "value pairs, window+sinks+softcap", window_size=(511, 0), sinks=sinks,
-           softcap=30.0)
+    check_plain_and_featured(case, "value pairs", window=511, softcap=30.0, sinks_seed=0)
     assert pairs and all(pairs), pairs
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ._launch_options import check_token_head_case, spy_launch_option
+from ._launch_options import (check_plain_and_featured, check_token_head_case,
+                              spy_launch_option)
 from ._triton_util import HAS_CUDA, INTERPRET, requires_triton
 from .test_triton_paged_attention import Case, _check
 
@@ -46,10 +47,7 @@ SHAPES = [
 @pytest.mark.parametrize("q_lens,kv_lens,hq,hkv,d,page", SHAPES)
 def test_carried_page_lookup_vs_oracle(ahead, dtype, q_lens, kv_lens, hq, hkv, d, page):
     case = Case(q_lens, kv_lens, hq=hq, hkv=hkv, d=d, page=page, dtype=dtype, seed=d + page)
-    _check(case, "carried page ids")
-    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(1))
-    _check(case, "carried page ids, window+sinks+softcap", window_size=(11, 0), sinks=sinks,
-           softcap=5.0)
+    check_plain_and_featured(case, "carried page ids", window=11, softcap=5.0, sinks_seed=1)
     assert ahead and all(ahead), ahead
 
 
@@ -105,10 +103,8 @@ def test_gpu_carried_page_lookup(ahead, dtype, kv_dtype, q_lens, kv_lens, page):
     scales = dict(k_scale=0.07, v_scale=0.3) if kv_dtype is not None else {}
     case = Case(q_lens, kv_lens, hq=32, hkv=8, d=128, page=page, dtype=dtype,
                 kv_dtype=kv_dtype, seed=len(q_lens), device="cuda", **scales)
-    sinks = torch.randn(32, generator=torch.Generator().manual_seed(0))
-    _check(case, "carried page ids")
-    _check(case, "carried page ids, window+sinks+softcap", window_size=(511, 0), sinks=sinks,
-           softcap=30.0)
+    check_plain_and_featured(case, "carried page ids", window=511, softcap=30.0,
+                             sinks_seed=0)
     assert ahead and all(ahead), ahead
 
 

@@ -244,7 +244,7 @@ def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads
     num_stages = ov.get("num_stages", num_stages)
     heads = min(ov.get("heads", group), group, block_m)
     block_q = block_m // heads
-    num_splits = 1
+    num_splits, page_ahead = 1, False
     if decode_like and sms:
         # flash-decoding: enough (request, kv head, split) programs for two waves of SMs,
         # each split at least min_split_tokens keys
@@ -257,16 +257,14 @@ def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads
         else:
             target = _cdiv(2 * sms, ctas)
         num_splits = max(1, min(target, _cdiv(max_k, min_tokens), 64))
-    page_ahead = False
-    if (decode_like and not fp8_kv and not fp32 and sms and head_dim_pad <= 128
-            and smem >= ONE_WAVE_MIN_SMEM and 3 * sms <= 4 * ctas <= 4 * sms
-            and _cdiv(max_k, block_n) >= 8
-            and not {"num_splits", "page_chunk", "page_ahead", "block_n"} & set(ov)):
-        # about one wave of (request, kv head) programs (16x4k: 128 on 132 SMs): no splits,
-        # so no reduction launch, and K/V copies two tiles ahead with the carried page
-        # lookup (H200 16x4k, graph replay: 3.64 -> 3.82 TB/s; its 136 KB ring holds one
-        # program per SM, which is all one wave has)
-        num_splits, page_ahead = 1, True
+        if (not fp8_kv and not fp32 and head_dim_pad <= 128 and smem >= ONE_WAVE_MIN_SMEM
+                and 3 * sms <= 4 * ctas <= 4 * sms and _cdiv(max_k, block_n) >= 8
+                and not {"num_splits", "page_chunk", "page_ahead", "block_n"} & set(ov)):
+            # about one wave of (request, kv head) programs (16x4k: 128 on 132 SMs): no
+            # splits, so no reduction launch, and K/V copies two tiles ahead with the carried
+            # page lookup (H200 16x4k, graph replay: 3.64 -> 3.82 TB/s; its 136 KB ring holds
+            # one program per SM, which is all one wave has)
+            num_splits, page_ahead = 1, True
     num_splits = ov.get("num_splits", num_splits)
     if (decode_like and not fp32 and num_splits > 1 and "page_chunk" not in ov
             and _cdiv(max_k, num_splits * block_n) <= 2):
