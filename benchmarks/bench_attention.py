@@ -84,6 +84,27 @@ MLA_SWEEP = [(16, 32, 4, 2, None), (16, 32, 4, 4, None), (16, 64, 4, 3, None),
              # around the new 16-head default (32-key tiles, two programs per SM, 2x the
              # one-per-SM split count): 6 and 8 splits (64x4k: 4 by default)
              (16, 32, 4, 3, 6), (16, 32, 4, 3, 8)]
+
+
+def mla_configs(text: str) -> list:
+    """``--mla-configs`` as sweep tuples (:data:`MLA_SWEEP` when empty): each item
+    ``block_h/block_n/warps/stages/splits[/page_chunk]``, splits a number, ``auto`` (None) or
+    ``x2``; ``ValueError`` naming a malformed item."""
+    if not text:
+        return MLA_SWEEP
+    out = []
+    for item in text.split(","):
+        parts = item.split("/")
+        if len(parts) not in (5, 6):
+            raise ValueError(f"--mla-configs item {item!r}: block_h/block_n/warps/stages/"
+                             "splits[/page_chunk]")
+        sp = parts[4]
+        sp = None if sp == "auto" else sp if sp == "x2" else int(sp)
+        out.append((int(parts[0]), int(parts[1]), int(parts[2]), int(parts[3]), sp,
+                    *(int(v) for v in parts[5:])))
+    return out
+
+
 RTOL_BF16 = 2e-2
 RTOL_FP8 = 6e-2  # e4m3 cache: the reference reads the same dequantised values; q/P/out in bf16
 
@@ -224,7 +245,7 @@ def run_mha_rows(kind, rows, args, results):
 def run_mla_rows(rows, args, results):
     swept = set()  # sweep every 16-head row, the first row of larger head counts
     for heads, bs, ctx in rows:
-        for kv in ("bf16", "fp8"):
+        for kv in args.mla_kv.split(","):
             label = f"mla H{heads} {bs}x{ctx // 1024}k {kv}"
             if out_of_time(args, label):
                 continue
@@ -268,7 +289,7 @@ def run_mla_rows(rows, args, results):
             key = (heads, bs, ctx) if heads <= 16 else heads
             if args.mla_sweep and kv == "bf16" and key not in swept:
                 swept.add(key)
-                for bh, bn, nw, ns, sp in MLA_SWEEP:
+                for bh, bn, nw, ns, sp, *pc in mla_configs(args.mla_configs):
                     if bh > max(16, heads):
                         continue
                     if sp == "x2":  # twice the heuristic's split count
@@ -278,9 +299,12 @@ def run_mla_rows(rows, args, results):
                                                    block_n=bn)[2]
                     launch = dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns,
                                   num_kv_splits=sp)
+                    if pc:
+                        launch["page_chunk"] = pc[0]
                     # replayed like the default row (eager, these direct calls are bound by
                     # Triton's launch on the host: 0.10-0.32 ms against 0.088 replayed)
-                    r = bench_impl(f"ours{bh}/{bn}/{nw}/{ns}/{sp or 'auto'}",
+                    r = bench_impl(f"ours{bh}/{bn}/{nw}/{ns}/{sp or 'auto'}"
+                                   + (f"/pc{pc[0]}" if pc else ""),
                                    lambda inp, lk=launch: make_ours_mla(inp, **lk), x, expected,
                                    lambda o: o[:rows_b], RTOL_BF16, args.rep // 2, args.graphs)
                     add_rates(r, x.bytes_moved, x.flops)
@@ -412,6 +436,14 @@ def main(argv=None):
     p.add_argument("--no-graphs", dest="graphs", action="store_false")
     p.add_argument("--quick", action="store_true", help="a subset of rows")
     p.add_argument("--mla-sweep", action="store_true", help="also time MLA launch configs")
+    p.add_argument("--mla-rows", default="",
+                   help="MLA rows instead of MLA_ROWS: comma list of HEADSxBSxCTX "
+                        "(e.g. 16x64x4096)")
+    p.add_argument("--mla-kv", default="bf16,fp8", help="MLA cache dtypes: bf16, fp8 or both")
+    p.add_argument("--mla-configs", default="",
+                   help="with --mla-sweep: these configs instead of MLA_SWEEP, comma list of "
+                        "block_h/block_n/warps/stages/splits[/page_chunk] (splits: a number, "
+                        "auto or x2), e.g. 16/16/4/4/6,16/32/4/3/4/16")
     p.add_argument("--mla-variants", default="",
                    help=f"comma list of MLA launch options to time on the bf16 rows of up to "
                         f"16 heads, replayed: {', '.join(MLA_VARIANTS)}")
@@ -500,7 +532,10 @@ def main(argv=None):
         if "prefill" in groups:
             run_mha_rows("prefill", PREFILL_ROWS[:2] if quick else PREFILL_ROWS, args, results)
         if "mla" in groups:
-            run_mla_rows(MLA_ROWS[::2] if quick else MLA_ROWS, args, results)
+            mla_rows = MLA_ROWS[::2] if quick else MLA_ROWS
+            if args.mla_rows:
+                mla_rows = [tuple(int(v) for v in r.split("x")) for r in args.mla_rows.split(",")]
+            run_mla_rows(mla_rows, args, results)
         if "fp8" in groups:
             run_mha_rows("fp8", FP8_ROWS[:1] if quick else FP8_ROWS, args, results)
     except Exception:

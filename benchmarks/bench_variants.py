@@ -135,18 +135,31 @@ def variant_overrides(variant: str) -> dict:
             ov["fused_reduce"] = True
             rest = rest[1:]
         name = "-".join(rest)
-        if name and name not in OVERRIDES:
+        if name and name not in OVERRIDES and not name.startswith("ov:"):
             raise ValueError(f"unknown variant {variant!r}: after 'planned[-fused]-' comes one "
                              f"of {sorted(OVERRIDES)}")
     else:
         name = variant
-        if name not in VARIANTS and name not in OVERRIDES:
+        if name not in VARIANTS and name not in OVERRIDES and not name.startswith("ov:"):
             raise ValueError(f"unknown variant {variant!r}: one of "
                              f"{sorted(VARIANTS + tuple(OVERRIDES))} or 'planned[-fused]-...'")
         if name == "fused_reduce":
             ov["fused_reduce"] = True
-    ov.update(OVERRIDES.get(name, {}))
+    ov.update(_inline_overrides(name) if name.startswith("ov:") else OVERRIDES.get(name, {}))
     return check_overrides(ov, f"variant {variant!r}")
+
+
+def _inline_overrides(name: str) -> dict:
+    """``ov:key=value+key=value`` (ints, ``true`` / ``false``) as overrides, e.g.
+    ``planned-ov:num_splits=48+block_n=64``; ``ValueError`` on a malformed item."""
+    ov = {}
+    for item in name[3:].split("+"):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"variant item {item!r}: write key=value (ints, true, false)")
+        low = value.lower()
+        ov[key] = True if low == "true" else False if low == "false" else int(value)
+    return ov
 
 
 def _ours(x, variant):

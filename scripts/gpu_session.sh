@@ -61,6 +61,8 @@
 #                                  # tests, decode/fp8 table vs cuDNN, decode without splits
 #   scripts/gpu_session.sh thirtythird   # one-wave decode on the carried lookup: tests, table
 #   scripts/gpu_session.sh thirtyfourth  # the gpu test files the other calls did not run
+#   scripts/gpu_session.sh thirtyfifth   # 1x32k at 168 registers: split counts (1x32k, 16x4k,
+#                                  # 1x4k), MLA 16-head tiles for three programs per SM, ncu
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -420,6 +422,38 @@ planned-chunk0-ahead-splits1,planned-chunk0-ahead-bn64-splits1 2>&1 | tail -7 \
     timeout ${BA_S:-150} python3 benchmarks/bench_attention.py --only decode --rep 30 \
       --anchors cudnn --out "$OUT/attention" > "$OUT/attention.log" 2>&1
     grep -E "^\| decode" "$OUT/attention.log" | head -20
+    rm -f "$OUT"/*/*.png
+    ;;
+  thirtyfifth)
+    # num_seqs unspecialised (1x32k: 168 registers, three programs per SM): split counts at
+    # 1x32k, 16x4k and 1x4k; the MLA 16-head tiles that fit three programs per SM; ncu of
+    # the small-batch and MLA rows on the current code
+    gpu_tests gpu_tests.log ${GT_S:-90} 80 tests/test_triton_paged_attention.py \
+      tests/test_page_ahead.py tests/test_triton_launch_config.py
+    timeout ${SB_S:-150} python3 benchmarks/bench_variants.py --out "$OUT/sb32" --rows 1x32768 \
+      --rep 30 --variants planned,planned-ov:num_splits=40,planned-ov:num_splits=43,\
+planned-ov:num_splits=48,planned-ov:num_splits=64,planned-ov:block_n=64+num_splits=47,\
+planned-ov:block_n=64+num_splits=64 2>&1 | tail -3 | tee "$OUT/small_batch.log"
+    timeout ${SB2_S:-110} python3 benchmarks/bench_variants.py --out "$OUT/sb4" \
+      --rows 16x4096,1x4096 --rep 30 --variants planned,planned-ov:num_splits=3,\
+planned-ov:block_n=64+num_splits=16,planned-ov:block_n=64+num_splits=32,\
+planned-ov:page_chunk=0+page_ahead=true+block_n=64+num_splits=2 2>&1 | tail -4 \
+      | tee -a "$OUT/small_batch.log"
+    timeout ${MLA_S:-120} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --anchors "" --mla-rows 16x64x4096 --mla-kv bf16 --mla-sweep --mla-configs \
+      16/16/4/4/6,16/16/4/4/4,16/16/4/3/8,16/16/4/5/6,16/32/4/2/6,16/16/4/4/6/16,16/16/4/4/12 \
+      --out "$OUT/mla" 2>&1 | grep -E "==|ours" | tee "$OUT/mla.log"
+    timeout ${MLA2_S:-60} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --anchors "" --mla-rows 16x128x8192 --mla-kv bf16 --mla-sweep --mla-configs \
+      16/16/4/4/3,16/16/4/4/6 --out "$OUT/mla2" 2>&1 | grep -E "==|ours" \
+      | tee -a "$OUT/mla.log"
+    timeout ${NCU_S:-150} ncu --clock-control none --profile-from-start off --nvtx \
+      --target-processes all --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section MemoryWorkloadAnalysis --section WarpStateStats \
+      python3 benchmarks/ncu_kernels.py --cases decode1x4k,decode1x4k-cudnn,decode16x4k,\
+decode16x4k-cudnn,decode1x32k,decode1x32k-cudnn,mla16 > "$OUT/ncu.log" 2>&1
+    grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit" \
+      "$OUT/ncu.log" | head -80
     rm -f "$OUT"/*/*.png
     ;;
   thirtyfourth)

@@ -87,15 +87,18 @@ def launched_constexprs(launched: str, q_len: int = 1, fp8: bool = False) -> dic
                           right=1 << 30))
 
 
-def _specialise_ints(ints: dict, const: dict) -> set:
+def _specialise_ints(ints: dict, const: dict, fixed=()) -> set:
     """Triton's launch-time integer specialisation applied to ``ints`` (name -> value):
     values of 1 become constexprs in ``const``; the names returned get no divisibility hint
-    (not multiples of 16). The launch's register count depends on it (H200, 8x64k decode:
-    168 registers with q_blocks_per_seq specialised to 1 as launched, a different allocation
+    (not multiples of 16). ``fixed``: the kernel's ``do_not_specialize`` names (never
+    specialised). The launch's register count depends on it (H200, 8x64k decode: 168
+    registers with q_blocks_per_seq specialised to 1 as launched, a different allocation
     without)."""
     no_div = set()
     for name, value in ints.items():
-        if value == 1:
+        if name in fixed:
+            no_div.add(name)
+        elif value == 1:
             const.setdefault(name, 1)
         elif value % 16:
             no_div.add(name)
@@ -112,7 +115,8 @@ def compile_paged(kv="bf16", q="bf16", warps=8, stages=3, launched=None, q_len=1
     if launched is not None:  # the library's own choice for this shape, then the JSON's
         chosen = launched_constexprs(launched, q_len, fp8)
         chosen.pop("num_splits")
-        no_div = _specialise_ints(chosen.pop("ints"), int_const)
+        no_div = _specialise_ints(chosen.pop("ints"), int_const,
+                                  set(pa._paged_attn_kernel.do_not_specialize))
         warps, stages = chosen.pop("warps"), chosen.pop("stages")
         const = {**chosen, **const}
     c = dict(GROUP=4, HEADS=4, NUM_HCHUNKS=1, BLOCK_M=128, BLOCK_N=128, D=128, D_PAD=128,

@@ -304,6 +304,7 @@ GPU_DTYPES = [
 @pytest.mark.parametrize("dtype,kv_dtype", GPU_DTYPES)
 @pytest.mark.parametrize("q_lens,kv_lens,page", [
     pytest.param([1] * 3, [4100, 33, 1], 16, id="decode-split"),
+    pytest.param([1], [9000], 16, id="decode-bs1-split"),  # num_seqs unspecialised
     pytest.param([1] * 16, [700] * 16, 16, id="decode-bs16"),
     pytest.param([300, 1, 77], [300, 2000, 1000], 48, id="mixed-page48"),
     pytest.param([257], [1700], 64, id="extend-page64"),

@@ -98,7 +98,10 @@ def test_register_spills_do_not_grow(kernel, config, ceiling):
 #: SM: at 178 registers (a kernel argument added in the middle of the int arguments, same
 #: PTX otherwise) the H200 ran them at 2.97 TB/s where 168 registers gave 4.28 / 3.63.
 #: (16x4k measured so; since it runs unsplit on the carried lookup, 12x4k stands for it.)
-THREE_PER_SM = [pytest.param("8x65536", id="8x64k"), pytest.param("12x4096", id="12x4k")]
+#: 1x32k: a batch of one, whose num_seqs = 1 Triton would make a constant (178 registers)
+#: unless the kernel says ``do_not_specialize``.
+THREE_PER_SM = [pytest.param("8x65536", id="8x64k"), pytest.param("12x4096", id="12x4k"),
+                pytest.param("1x32768", id="1x32k")]
 
 
 @pytest.mark.parametrize("launched", THREE_PER_SM)
