@@ -63,6 +63,8 @@
 #   scripts/gpu_session.sh thirtyfourth  # the gpu test files the other calls did not run
 #   scripts/gpu_session.sh thirtyfifth   # 1x32k at 168 registers: split counts (1x32k, 16x4k,
 #                                  # 1x4k), MLA 16-head tiles for three programs per SM, ncu
+#   scripts/gpu_session.sh thirtysixth   # the carried lookup on split launches at 166/111
+#                                  # registers (64-/32-key tiles), 2-4 programs per SM
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -455,6 +457,17 @@ decode16x4k-cudnn,decode1x32k,decode1x32k-cudnn,mla16 > "$OUT/ncu.log" 2>&1
     grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit" \
       "$OUT/ncu.log" | head -80
     rm -f "$OUT"/*/*.png
+    ;;
+  thirtysixth)
+    # the carried page lookup on split launches again, now that num_seqs is unspecialised:
+    # 64-key tiles (166 registers, 72 KB: three programs per SM) and 32-key tiles with 4
+    # stages (111 registers, 38 KB: four per SM), with 2-4 programs per SM of splits
+    A=page_chunk=0+page_ahead=true+block_n=64
+    B=page_chunk=0+page_ahead=true+block_n=32+num_stages=4
+    timeout ${SB_S:-400} python3 benchmarks/bench_variants.py --out "$OUT/sb" --rep 30 \
+      --rows ${ROWS:-1x32768,8x65536,16x4096,64x4096,256x4096,1x4096} \
+      --variants planned,planned-ov:$A,planned-ov:$A+waves=3,planned-ov:$B,\
+planned-ov:$B+waves=3,planned-ov:$B+waves=4 2>&1 | tail -9 | tee "$OUT/small_batch.log"
     ;;
   thirtyfourth)
     # the gpu test files the thirteenth session's other calls did not run (after the

@@ -126,7 +126,8 @@ ONE_WAVE_MIN_SMEM = 160 * 1024
 #: (programmatic dependent launch where the device has it: ``True`` or ``"reduce"``, see
 #: :attr:`LaunchConfig.pdl`), ``v_pairs`` (fp8 value reads as 16-bit column pairs, see
 #: :data:`FP8_VALUE_PAIRS`), ``prefetch_pages`` (see :data:`PREFETCH_PAGES`), ``page_ahead``
-#: (see :data:`CARRIED_PAGE_LOOKUP`).
+#: (see :data:`CARRIED_PAGE_LOOKUP`), ``waves`` (programs per SM the bf16 split count aims
+#: at, 2 by default).
 TUNING_OVERRIDES: dict = {}
 
 #: Every key :data:`TUNING_OVERRIDES` understands (the kernels read it with ``.get``, so a
@@ -134,7 +135,7 @@ TUNING_OVERRIDES: dict = {}
 OVERRIDE_KEYS = frozenset({
     "block_m", "block_n", "num_warps", "num_stages", "min_split_tokens", "num_splits",
     "heads", "warp_spec", "page_chunk", "split_tokens", "fused_reduce", "pdl", "v_pairs",
-    "prefetch_pages", "page_ahead"})
+    "prefetch_pages", "page_ahead", "waves"})
 
 
 def check_overrides(overrides: dict, where: str) -> dict:
@@ -255,7 +256,7 @@ def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads
         if fp8_kv and ctas < sms:  # whole waves: 8 splits at 8x64k (512 programs) beat 9
             target = (4 * sms) // ctas
         else:
-            target = _cdiv(2 * sms, ctas)
+            target = _cdiv(ov.get("waves", 2) * sms, ctas)
         num_splits = max(1, min(target, _cdiv(max_k, min_tokens), 64))
         if (not fp8_kv and not fp32 and head_dim_pad <= 128 and smem >= ONE_WAVE_MIN_SMEM
                 and 3 * sms <= 4 * ctas <= 4 * sms and _cdiv(max_k, block_n) >= 8
