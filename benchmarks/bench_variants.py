@@ -189,6 +189,11 @@ def main() -> None:
                         "engine's graph replays), 'planned-fused' (and the fused reduction), "
                         "'planned[-fused]-<override>'")
     p.add_argument("--rows", default=None, help="comma list of BSxCTX (e.g. 1x4096,16x4096)")
+    p.add_argument("--layouts", default="nhd",
+                   help="comma list of cache storage orders: nhd ([pages, page, Hkv, D], "
+                        "the default) and/or hnd ([pages, Hkv, page, D], passed as a strided "
+                        "NHD view: each (page, head) contiguous)")
+    p.add_argument("--pages", default="16", help="comma list of page sizes")
     args = p.parse_args()
     variants = tuple(args.variants.split(","))
     for v in variants:
@@ -197,11 +202,19 @@ def main() -> None:
                                               for r in args.rows.split(",")]
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    for bs, ctx in rows_wanted:
-        x = make_mha(bs, ctx)
+    shapes = [(bs, ctx, layout, int(page)) for bs, ctx in rows_wanted
+              for layout in args.layouts.split(",") for page in args.pages.split(",")]
+    for bs, ctx, layout, page in shapes:
+        x = make_mha(bs, ctx, page=page)
+        if layout == "hnd":  # same values, each (page, head) stored contiguously
+            x.k_cache = x.k_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+            x.v_cache = x.v_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+        elif layout != "nhd":
+            raise ValueError(f"--layouts: nhd or hnd, not {layout!r}")
         nbytes = 2 * bs * ctx * x.hkv * x.d * x.k_cache.element_size()
         expected, sel = reference_mha(x, min(bs, 4), 1)
-        row = {"row": f"{bs}x{ctx // 1024}k"}
+        row = {"row": f"{bs}x{ctx // 1024}k"
+               + ("" if (layout, page) == ("nhd", 16) else f" {layout} p{page}")}
         for variant in variants:
             try:
                 fn, res = _ours(x, variant)

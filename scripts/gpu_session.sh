@@ -65,6 +65,7 @@
 #                                  # 1x4k), MLA 16-head tiles for three programs per SM, ncu
 #   scripts/gpu_session.sh thirtysixth   # the carried lookup on split launches at 166/111
 #                                  # registers (64-/32-key tiles), 2-4 programs per SM
+#   scripts/gpu_session.sh thirtyseventh # decode on NHD and HND cache storage, pages 16/64
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -468,6 +469,14 @@ decode16x4k-cudnn,decode1x32k,decode1x32k-cudnn,mla16 > "$OUT/ncu.log" 2>&1
       --rows ${ROWS:-1x32768,8x65536,16x4096,64x4096,256x4096,1x4096} \
       --variants planned,planned-ov:$A,planned-ov:$A+waves=3,planned-ov:$B,\
 planned-ov:$B+waves=3,planned-ov:$B+waves=4 2>&1 | tail -9 | tee "$OUT/small_batch.log"
+    ;;
+  thirtyseventh)
+    # is the per-program gap to cuDNN the cache's storage order? the same kernel on caches
+    # stored NHD (256-byte runs per head) and HND (each page's head contiguous), pages 16/64
+    A=page_chunk=0+page_ahead=true+block_n=64
+    timeout ${SB_S:-300} python3 benchmarks/bench_variants.py --out "$OUT/layout" --rep 30 \
+      --rows ${ROWS:-1x32768,16x4096,1x4096,8x65536} --layouts nhd,hnd --pages 16,64 \
+      --variants planned,planned-ov:$A 2>&1 | tail -17 | tee "$OUT/layout.log"
     ;;
   thirtyfourth)
     # the gpu test files the thirteenth session's other calls did not run (after the
