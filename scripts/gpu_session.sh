@@ -66,6 +66,7 @@
 #   scripts/gpu_session.sh thirtysixth   # the carried lookup on split launches at 166/111
 #                                  # registers (64-/32-key tiles), 2-4 programs per SM
 #   scripts/gpu_session.sh thirtyseventh # decode on NHD and HND cache storage, pages 16/64
+#   scripts/gpu_session.sh thirtyeighth  # the carried lookup's page ids in one load per tile
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -477,6 +478,15 @@ planned-ov:$B+waves=3,planned-ov:$B+waves=4 2>&1 | tail -9 | tee "$OUT/small_bat
     timeout ${SB_S:-300} python3 benchmarks/bench_variants.py --out "$OUT/layout" --rep 30 \
       --rows ${ROWS:-1x32768,16x4096,1x4096,8x65536} --layouts nhd,hnd --pages 16,64 \
       --variants planned,planned-ov:$A 2>&1 | tail -17 | tee "$OUT/layout.log"
+    ;;
+  thirtyeighth)
+    # the carried lookup reading a tile's page ids as one small load (page 16: 4 or 8 ids,
+    # repeated per key in registers; was one 4-byte load per key per thread)
+    A=page_chunk=0+page_ahead=true+block_n=64
+    timeout ${SB_S:-300} python3 benchmarks/bench_variants.py --out "$OUT/ids" --rep 30 \
+      --rows ${ROWS:-1x4096,1x32768,16x4096,8x65536,64x4096} \
+      --variants planned,planned-ov:$A,planned-ov:$A+waves=3,planned-ov:$A+num_stages=4,\
+planned-ov:page_chunk=0+page_ahead=true 2>&1 | tail -8 | tee "$OUT/ids.log"
     ;;
   thirtyfourth)
     # the gpu test files the thirteenth session's other calls did not run (after the
