@@ -165,33 +165,11 @@ def _tile_page_ids(bt_row, t, t_end, kv_len, offs_n, BLOCK_N: tl.constexpr,
     ``kv_len`` (never a read past the request's pages)."""
     if TILE_IN_PAGE:
         page = tl.load(bt_row + (t * BLOCK_N) // PAGE_SIZE, mask=t < t_end, other=0)
-    elif BLOCK_N % PAGE_SIZE == 0:
-        # the tile's BLOCK_N // PAGE_SIZE ids in one small load, repeated per key in
-        # registers (a load per key is one ld.global per key per thread in the sm_90 build:
-        # 64 per tile at page 16 and 64-key tiles)
-        PPT: tl.constexpr = BLOCK_N // PAGE_SIZE
-        slots = t * PPT + tl.arange(0, PPT)
-        page = tl.load(bt_row + slots, mask=(slots * PAGE_SIZE < kv_len) & (t < t_end),
-                       other=0)
     else:
         kpos = t * BLOCK_N + offs_n
         page = tl.load(bt_row + kpos // PAGE_SIZE, mask=(kpos < kv_len) & (t < t_end),
                        other=0)
     return page
-
-
-@triton.jit
-def _keys_page_ids(ids, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                   TILE_IN_PAGE: tl.constexpr):
-    """:func:`_tile_page_ids`'s ids as the tile's keys use them: the scalar, the ``[BLOCK_N]``
-    per-key ids, or the ``[BLOCK_N // PAGE_SIZE]`` per-page ids repeated per key."""
-    if TILE_IN_PAGE:
-        return ids
-    elif BLOCK_N % PAGE_SIZE == 0:
-        PPT: tl.constexpr = BLOCK_N // PAGE_SIZE
-        return tl.reshape(tl.broadcast_to(ids[:, None], (PPT, PAGE_SIZE)), (BLOCK_N,))
-    else:
-        return ids
 
 
 @triton.jit
@@ -264,7 +242,7 @@ def _attn_tiles(
         for t in tl.range(t_start, t_end, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
             kpos = t * BLOCK_N + offs_n
             if PAGE_AHEAD:
-                page = _keys_page_ids(page_nxt, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE).to(tl.int64)
+                page = page_nxt.to(tl.int64)
                 page_nxt = _tile_page_ids(bt_row, t + 1, t_end, kv_len, offs_n, BLOCK_N,
                                           PAGE_SIZE, TILE_IN_PAGE)
             elif TILE_IN_PAGE:
