@@ -67,6 +67,7 @@
 #                                  # registers (64-/32-key tiles), 2-4 programs per SM
 #   scripts/gpu_session.sh thirtyseventh # decode on NHD and HND cache storage, pages 16/64
 #   scripts/gpu_session.sh thirtyeighth  # the carried lookup's page ids in one load per tile
+#   scripts/gpu_session.sh thirtyninth   # 64-key carried lookup: unsplit page 16, split page 64
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -487,6 +488,17 @@ planned-ov:$B+waves=3,planned-ov:$B+waves=4 2>&1 | tail -9 | tee "$OUT/small_bat
       --rows ${ROWS:-1x4096,1x32768,16x4096,8x65536,64x4096} \
       --variants planned,planned-ov:$A,planned-ov:$A+waves=3,planned-ov:$A+num_stages=4,\
 planned-ov:page_chunk=0+page_ahead=true 2>&1 | tail -8 | tee "$OUT/ids.log"
+    ;;
+  thirtyninth)
+    # where the carried lookup with 64-key tiles (A) beats the default: unsplit page-16
+    # launches of at least one wave, and split launches on pages of 64
+    A=page_chunk=0+page_ahead=true+block_n=64
+    timeout ${SB_S:-200} python3 benchmarks/bench_variants.py --out "$OUT/p16" --rep 30 \
+      --rows 33x4096,48x4096,64x4096,128x4096,256x4096,64x16384,64x1024,32x16384 \
+      --variants planned,planned-ov:$A 2>&1 | tail -10 | tee "$OUT/p16.log"
+    timeout ${SB2_S:-200} python3 benchmarks/bench_variants.py --out "$OUT/p64" --rep 30 \
+      --rows 1x4096,1x32768,4x16384,16x4096,8x65536,64x4096,2x8192 --pages 64 \
+      --variants planned,planned-ov:$A 2>&1 | tail -9 | tee "$OUT/p64.log"
     ;;
   thirtyfourth)
     # the gpu test files the thirteenth session's other calls did not run (after the
