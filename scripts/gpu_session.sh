@@ -68,6 +68,7 @@
 #   scripts/gpu_session.sh thirtyseventh # decode on NHD and HND cache storage, pages 16/64
 #   scripts/gpu_session.sh thirtyeighth  # the carried lookup's page ids in one load per tile
 #   scripts/gpu_session.sh thirtyninth   # 64-key carried lookup: unsplit page 16, split page 64
+#   scripts/gpu_session.sh fortieth      # slot-index K/V addressing (FLAT_SLOTS)
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -499,6 +500,15 @@ planned-ov:page_chunk=0+page_ahead=true 2>&1 | tail -8 | tee "$OUT/ids.log"
     timeout ${SB2_S:-200} python3 benchmarks/bench_variants.py --out "$OUT/p64" --rep 30 \
       --rows 1x4096,1x32768,4x16384,16x4096,8x65536,64x4096,2x8192 --pages 64 \
       --variants planned,planned-ov:$A 2>&1 | tail -9 | tee "$OUT/p64.log"
+    ;;
+  fortieth)
+    # slot-index addressing (FLAT_SLOTS: one widening multiply per K/V row): the default and
+    # the 64-key carried lookup (A: 149 registers split, 153 unsplit, three programs per SM)
+    A=page_chunk=0+page_ahead=true+block_n=64
+    timeout ${SB_S:-300} python3 benchmarks/bench_variants.py --out "$OUT/flat" --rep 30 \
+      --rows ${ROWS:-1x4096,1x32768,16x4096,8x65536,64x4096,256x4096,64x16384} \
+      --variants planned,planned-ov:flat_slots=true,planned-ov:$A,planned-ov:$A+flat_slots=true,\
+planned-ov:$A+flat_slots=true+waves=3 2>&1 | tail -10 | tee "$OUT/flat.log"
     ;;
   thirtyfourth)
     # the gpu test files the thirteenth session's other calls did not run (after the

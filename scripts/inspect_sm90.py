@@ -126,7 +126,7 @@ def compile_paged(kv="bf16", q="bf16", warps=8, stages=3, launched=None, q_len=1
              CLAMP_Q=fp8 and q == "bf16", DOT_PRECISION="tf32", NUM_STAGES=stages,
              WARP_SPEC=False, PAGE_CHUNK=16, KX=1, VX=1, WRITE_LSE=False, FIXED_SPLITS=False,
              FUSED_REDUCE=False, TOKEN_SCALES=False, V_PAIRS=False, PREFETCH_PAGES=False,
-             PAGE_AHEAD=False)
+             PAGE_AHEAD=False, FLAT_SLOTS=False)
     # head-dim strides of NHD caches are 1: Triton's launcher specialises integer arguments
     # equal to 1 into constants, so they are constexprs here too
     c.update(stride_kd=1, stride_vd=1)

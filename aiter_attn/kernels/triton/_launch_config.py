@@ -40,11 +40,11 @@ class LaunchConfig:
 
     __slots__ = ("block_m", "block_n", "num_warps", "num_stages", "heads", "block_q",
                  "num_splits", "warp_spec", "page_chunk", "split_tiles", "fused_reduce", "pdl",
-                 "page_ahead")
+                 "page_ahead", "flat_slots")
 
     def __init__(self, block_m, block_n, num_warps, num_stages, heads, block_q, num_splits,
                  warp_spec=False, page_chunk=0, split_tiles=0, fused_reduce=False, pdl=False,
-                 page_ahead=False):
+                 page_ahead=False, flat_slots=False):
         self.block_m, self.block_n = block_m, block_n
         self.num_warps, self.num_stages = num_warps, num_stages
         self.heads, self.block_q, self.num_splits = heads, block_q, num_splits
@@ -66,6 +66,9 @@ class LaunchConfig:
         #: the per-tile page lookup with page ids carried a tile ahead (the kernel's
         #: ``PAGE_AHEAD``, see :data:`CARRIED_PAGE_LOOKUP`), chosen for one-wave decode
         self.page_ahead = page_ahead
+        #: K/V rows addressed by their int32 slot index (page · page_size + in_page) times
+        #: the token stride, where the cache layout allows (the kernel's ``FLAT_SLOTS``)
+        self.flat_slots = flat_slots
 
     @property
     def batch_invariant(self) -> bool:
@@ -135,7 +138,7 @@ TUNING_OVERRIDES: dict = {}
 OVERRIDE_KEYS = frozenset({
     "block_m", "block_n", "num_warps", "num_stages", "min_split_tokens", "num_splits",
     "heads", "warp_spec", "page_chunk", "split_tokens", "fused_reduce", "pdl", "v_pairs",
-    "prefetch_pages", "page_ahead", "waves"})
+    "prefetch_pages", "page_ahead", "waves", "flat_slots"})
 
 
 def check_overrides(overrides: dict, where: str) -> dict:

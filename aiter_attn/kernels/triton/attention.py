@@ -305,6 +305,8 @@ class TritonPagedAttention(AttentionKernel):
             PAGE_AHEAD=bool(not page_chunk
                             and TUNING_OVERRIDES.get("page_ahead",
                                                      cfg.page_ahead or CARRIED_PAGE_LOOKUP)),
+            # slot-index addressing where the cache layout allows it (_kw)
+            FLAT_SLOTS=bool(TUNING_OVERRIDES.get("flat_slots", cfg.flat_slots)),
             num_warps=cfg.num_warps, **pdl_kwargs(cfg.pdl, reduction=False))
         return TritonPlan(
             num_tokens=num_tokens if batch else 0, mask_literal=mask_literal(md),
@@ -327,11 +329,12 @@ class TritonPagedAttention(AttentionKernel):
 
     @staticmethod
     def _kw(plan: TritonPlan, key):
-        causal, softcap, sinks, scales, (kx, vx, pairs), write_lse, token_scales = key
+        causal, softcap, sinks, scales, (kx, vx, pairs, flat), write_lse, token_scales = key
         kw = dict(plan.cfg_kw)
         kw.update(CAUSAL=causal and not plan.mask_literal, HAS_SOFTCAP=softcap, HAS_SINKS=sinks,
                   HAS_SCALES=scales, KX=kx, VX=vx, WRITE_LSE=write_lse,
-                  TOKEN_SCALES=token_scales, V_PAIRS=kw["V_PAIRS"] and pairs)
+                  TOKEN_SCALES=token_scales, V_PAIRS=kw["V_PAIRS"] and pairs,
+                  FLAT_SLOTS=kw["FLAT_SLOTS"] and flat)
         plan.kw_cache[key] = kw
         return kw
 
@@ -422,15 +425,22 @@ class TritonPagedAttention(AttentionKernel):
         return pe
 
     def _layout_launch(self, k_cache, v_cache) -> tuple:
-        """The cache layout's part: ``(sid, strides, kx, vx, pairs)`` (strides: k's four then
-        v's; ``pairs``: the layout lets an fp8 launch read values as 16-bit column pairs)."""
+        """The cache layout's part: ``(sid, strides, kx, vx, pairs, flat)`` (strides: k's four
+        then v's; ``pairs``: the layout lets an fp8 launch read values as 16-bit column pairs;
+        ``flat``: slot-index addressing is exact for it)."""
         k_strides, v_strides, kx, vx = self._layout(k_cache, v_cache)
         strides = (*k_strides, *v_strides)
         # 8-bit values can be read as 16-bit column pairs (V_PAIRS): unit head-dim stride,
         # token / page / head strides of whole 16-byte vectors (the kernel tells the compiler
         # every row of pairs starts on one: tl.multiple_of)
         pairs = vx == 1 and v_strides[3] == 1 and all(s % 16 == 0 for s in v_strides[:3])
-        return (_intern(("layout", strides, kx, vx)), strides, kx, vx, pairs)
+        # slot-index addressing (the kernel's FLAT_SLOTS): NHD pages whose page stride is
+        # page_size token rows, every slot index page · page_size + in_page within int32
+        page = k_cache.shape[1]
+        flat = ((kx, vx) == (1, 1) and k_strides[0] == page * k_strides[1]
+                and v_strides[0] == page * v_strides[1]
+                and max(k_cache.shape[0], v_cache.shape[0]) * page < 2 ** 31)
+        return (_intern(("layout", strides, kx, vx, flat)), strides, kx, vx, pairs, flat)
 
     def _launch_args(self, q, cache, plan: TritonPlan, params, out, lse):
         """``(args, key, pe, layout)`` of the attention kernel's launch: O(1) checks, no
@@ -485,7 +495,8 @@ class TritonPagedAttention(AttentionKernel):
                              "only (op paged_attention), not the 5-D layout.")
         align = key[8]  # 0: every per-call tensor 16-byte aligned, else one flag each
         pairs = layout[4] and (align == 0 or align[2])
-        fkey = (causal, softcap, sinks, scales, (kx, vx, pairs), write_lse, token_scales)
+        fkey = (causal, softcap, sinks, scales, (kx, vx, pairs, layout[5]), write_lse,
+                token_scales)
         kw = plan.kw_cache.get(fkey)
         return kw if kw is not None else self._kw(plan, fkey)
 

@@ -60,10 +60,17 @@ _UNBOUNDED = 1 << 30  # window side "-1": far beyond any context length, no int3
 
 
 @triton.jit
-def _kv_rows(page, in_page, stride_kp, stride_kt, stride_vp, stride_vt, VX: tl.constexpr):
+def _kv_rows(page, in_page, stride_kp, stride_kt, stride_vp, stride_vt, VX: tl.constexpr,
+             FLAT_SLOTS: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 1):
     """Element offsets of tokens (``page``, ``in_page``; int64 ``[BLOCK_N]``) in K and V,
     head and head-dim terms excluded. ``VX > 1``: the 5-D shuffled V layout, where token
-    ``o`` of a page sits at ``(o // VX) · stride_vt + o % VX``."""
+    ``o`` of a page sits at ``(o // VX) · stride_vt + o % VX``. ``FLAT_SLOTS``: pages are
+    ``PAGE_SIZE`` token rows apart (``stride_kp = PAGE_SIZE · stride_kt``, the same for V)
+    and every slot index ``page · PAGE_SIZE + in_page`` fits in int32: one widening
+    multiply per row instead of two 64-bit ones (the sm_90 build's address arithmetic)."""
+    if FLAT_SLOTS:
+        slot = (page.to(tl.int32) * PAGE_SIZE + in_page.to(tl.int32)).to(tl.int64)
+        return slot * stride_kt, slot * stride_vt
     k_rows = page * stride_kp + in_page * stride_kt
     if VX > 1:
         v_rows = page * stride_vp + (in_page // VX) * stride_vt + in_page % VX
@@ -186,6 +193,7 @@ def _attn_tiles(
     VX: tl.constexpr, KSc, VSc, stride_sp, stride_st, s_head, v_mul,
     TOKEN_SCALES: tl.constexpr, CLAMP_V: tl.constexpr, V_PAIRS: tl.constexpr,
     pre_pages, pre_c0, PREFETCH: tl.constexpr, PAGE_AHEAD: tl.constexpr = False,
+    FLAT_SLOTS: tl.constexpr = False,
 ):
     """Online-softmax update of ``(acc, m_i, l_i)`` over key tiles ``[t_start, t_end)``.
 
@@ -224,7 +232,7 @@ def _attn_tiles(
                 page, in_page = tile_pages_of(chunk_pages, j, t, BLOCK_N, PAGE_SIZE,
                                               PAGE_CHUNK, TILE_IN_PAGE)
                 k_rows, v_rows = _kv_rows(page, in_page, stride_kp, stride_kt, stride_vp,
-                                          stride_vt, VX)
+                                          stride_vt, VX, FLAT_SLOTS, PAGE_SIZE)
                 s_rows = s_head + page * stride_sp + in_page * stride_st
                 acc, acc_odd, m_i, l_i = _tile_step(
                     acc, acc_odd, m_i, l_i, q, qk_scale, softcap, K, V, k_rows, v_rows, kv_head_off_k,
@@ -257,7 +265,7 @@ def _attn_tiles(
             else:
                 in_page = (kpos % PAGE_SIZE).to(tl.int64)
             k_rows, v_rows = _kv_rows(page, in_page, stride_kp, stride_kt, stride_vp, stride_vt,
-                                      VX)
+                                      VX, FLAT_SLOTS, PAGE_SIZE)
             s_rows = s_head + page * stride_sp + in_page * stride_st
             acc, acc_odd, m_i, l_i = _tile_step(
                 acc, acc_odd, m_i, l_i, q, qk_scale, softcap, K, V, k_rows, v_rows, kv_head_off_k,
@@ -352,6 +360,7 @@ def _paged_attn_kernel(
     FUSED_REDUCE: tl.constexpr, TOKEN_SCALES: tl.constexpr, PDL: tl.constexpr = False,
     SPLITS_PAD: tl.constexpr = 1, SPLIT_CHUNK: tl.constexpr = 1, V_PAIRS: tl.constexpr = False,
     PREFETCH_PAGES: tl.constexpr = False, PAGE_AHEAD: tl.constexpr = False,
+    FLAT_SLOTS: tl.constexpr = False,
 ):
     if PDL:  # programmatic dependent launch: the previous kernel's writes first
         wait_then_release()
@@ -499,7 +508,7 @@ def _paged_attn_kernel(
         s_lo, tl.minimum(tf_lo, s_hi), k_doff, v_doff, d_mask, dv_mask,
         PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, True, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
         COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, False, 0, VX, KSc, VSc, stride_sp, stride_st,
-        s_head, v_mul, TOKEN_SCALES, CLAMP_Q, V_PAIRS, 0, -1, False)
+        s_head, v_mul, TOKEN_SCALES, CLAMP_Q, V_PAIRS, 0, -1, False, False, FLAT_SLOTS)
     acc, acc_odd, m_i, l_i = _attn_tiles(
         acc, acc_odd, m_i, l_i, q, qk_scale, softcap, K, V, bt_row, stride_kp, stride_kt, stride_vp,
         stride_vt, k_head, v_head, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
@@ -507,14 +516,14 @@ def _paged_attn_kernel(
         PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, False, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
         COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, WARP_SPEC, PAGE_CHUNK, VX, KSc, VSc, stride_sp,
         stride_st, s_head, v_mul, TOKEN_SCALES, CLAMP_Q, V_PAIRS, pre_pages, pre_c0,
-        PREFETCH_PAGES, PAGE_AHEAD)
+        PREFETCH_PAGES, PAGE_AHEAD, FLAT_SLOTS)
     acc, acc_odd, m_i, l_i = _attn_tiles(
         acc, acc_odd, m_i, l_i, q, qk_scale, softcap, K, V, bt_row, stride_kp, stride_kt, stride_vp,
         stride_vt, k_head, v_head, Mask, mask_row_off, kv_len, pos, row_valid, left, right,
         tl.maximum(tf_hi, s_lo), s_hi, k_doff, v_doff, d_mask, dv_mask,
         PAGE_SIZE, BLOCK_N, TILE_IN_PAGE, True, CAUSAL, HAS_SOFTCAP, HAS_CUSTOM_MASK,
         COMPUTE_DTYPE, DOT_PRECISION, NUM_STAGES, False, 0, VX, KSc, VSc, stride_sp, stride_st,
-        s_head, v_mul, TOKEN_SCALES, CLAMP_Q, V_PAIRS, 0, -1, False)
+        s_head, v_mul, TOKEN_SCALES, CLAMP_Q, V_PAIRS, 0, -1, False, False, FLAT_SLOTS)
     if V_PAIRS:  # interleave the columns back: [BLOCK_M, DV/2, 2] -> [BLOCK_M, DV]
         acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, DV_PAD])
 
