@@ -69,6 +69,7 @@
 #   scripts/gpu_session.sh thirtyeighth  # the carried lookup's page ids in one load per tile
 #   scripts/gpu_session.sh thirtyninth   # 64-key carried lookup: unsplit page 16, split page 64
 #   scripts/gpu_session.sh fortieth      # slot-index K/V addressing (FLAT_SLOTS)
+#   scripts/gpu_session.sh fortyfirst    # slot addressing by default: gpu tests, decode table
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -509,6 +510,17 @@ planned-ov:page_chunk=0+page_ahead=true 2>&1 | tail -8 | tee "$OUT/ids.log"
       --rows ${ROWS:-1x4096,1x32768,16x4096,8x65536,64x4096,256x4096,64x16384} \
       --variants planned,planned-ov:flat_slots=true,planned-ov:$A,planned-ov:$A+flat_slots=true,\
 planned-ov:$A+flat_slots=true+waves=3 2>&1 | tail -10 | tee "$OUT/flat.log"
+    ;;
+  fortyfirst)
+    # slot addressing by default (bf16 decode with at most two programs per SM): its gpu
+    # tests, the launch-option files, then the decode table against cuDNN
+    gpu_tests gpu_tests.log ${GT_S:-150} 140 tests/test_flat_slots.py \
+      tests/test_triton_paged_attention.py tests/test_page_ahead.py \
+      tests/test_triton_launch_config.py tests/test_graph_gpu.py
+    timeout ${BA_S:-150} python3 benchmarks/bench_attention.py --only decode --rep 30 \
+      --anchors cudnn --out "$OUT/attention" > "$OUT/attention.log" 2>&1
+    grep -E "^\| decode" "$OUT/attention.log" | head -20
+    rm -f "$OUT"/*/*.png
     ;;
   thirtyfourth)
     # the gpu test files the thirteenth session's other calls did not run (after the

@@ -77,6 +77,8 @@ def launched_constexprs(launched: str, q_len: int = 1, fp8: bool = False) -> dic
                                     <= cfg.page_chunk_for(page) and not search),
                 PAGE_AHEAD=bool((lc.CARRIED_PAGE_LOOKUP or cfg.page_ahead)
                                 and not cfg.page_chunk_for(page)),
+                # the benchmark's caches: contiguous NHD pages (slot addressing allowed)
+                FLAT_SLOTS=cfg.flat_slots,
                 warps=cfg.num_warps,
                 stages=cfg.num_stages,
                 num_splits=cfg.num_splits,

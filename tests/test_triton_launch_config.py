@@ -72,6 +72,23 @@ def test_one_wave_bf16_decode_runs_unsplit_on_the_carried_lookup():
         assert not _cfg(max_q=1, max_k=4096, batch=16, **kw).page_ahead, kw
 
 
+def test_slot_addressing_where_two_programs_per_sm_suffice():
+    """bf16 decode takes slot-index addressing (H200: 1x4k 1.54 -> 1.70 TB/s, 64x4k 4.13 ->
+    4.24) unsplit and where a split launch has at most two programs per SM; not where the
+    splits need three per SM (8x64k: 320 programs, 213 registers would cost 4.28 -> 3.28),
+    nor for fp8, float32 or prefill tiles (not timed with it)."""
+    for batch, max_k in ((1, 4096), (1, 32768), (16, 4096), (64, 4096), (256, 4096),
+                         (64, 16384)):
+        assert _cfg(max_q=1, max_k=max_k, batch=batch).flat_slots, (batch, max_k)
+    for batch, max_k in ((8, 65536), (12, 4096), (4, 16384)):
+        cfg = _cfg(max_q=1, max_k=max_k, batch=batch)
+        assert cfg.num_splits * batch * 8 > 2 * 132 and not cfg.flat_slots, (batch, max_k)
+    for kw in (dict(fp8_kv=True), dict(fp32=True), dict(max_q=2048, max_k=2048, batch=8)):
+        args = dict(max_q=1, max_k=4096, batch=64)
+        args.update(kw)
+        assert not _cfg(**args).flat_slots, kw
+
+
 @pytest.mark.parametrize("heads,tokens", [(16, 64), (16, 128), (128, 64), (16, 1)])
 def test_mla_splits_fill_the_sms_once(monkeypatch, heads, tokens):
     monkeypatch.setattr(mla, "_smem_budget", lambda device: 227 * 1024 - 4096)

@@ -99,16 +99,27 @@ def test_register_spills_do_not_grow(kernel, config, ceiling):
 #: PTX otherwise) the H200 ran them at 2.97 TB/s where 168 registers gave 4.28 / 3.63.
 #: (16x4k measured so; since it runs unsplit on the carried lookup, 12x4k stands for it.)
 #: 1x32k: a batch of one, whose num_seqs = 1 Triton would make a constant (178 registers)
-#: unless the kernel says ``do_not_specialize``.
-THREE_PER_SM = [pytest.param("8x65536", id="8x64k"), pytest.param("12x4096", id="12x4k"),
-                pytest.param("1x32768", id="1x32k")]
+#: unless the kernel says ``do_not_specialize`` (its default launch takes slot addressing,
+#: 213 registers at two programs per SM: here without it).
+THREE_PER_SM = [pytest.param("8x65536", {}, id="8x64k"),
+                pytest.param("12x4096", {}, id="12x4k"),
+                pytest.param("1x32768", {"FLAT_SLOTS": False}, id="1x32k")]
 
 
-@pytest.mark.parametrize("launched", THREE_PER_SM)
-def test_split_decode_keeps_three_programs_per_sm(launched):
-    rep = _inspect("paged", dict(launched=launched))
+@pytest.mark.parametrize("launched,extra", THREE_PER_SM)
+def test_split_decode_keeps_three_programs_per_sm(launched, extra):
+    rep = _inspect("paged", dict(launched=launched, **extra))
     assert rep["registers"] <= 168 and rep["stack bytes (ptxas spills)"] == 0, rep
     assert 3 * rep["shared_bytes"] <= 232448 - 3 * 1024, rep
+
+
+@pytest.mark.parametrize("launched", ["1x4096", "1x32768", "64x4096"])
+def test_slot_addressing_builds_without_spills(launched):
+    """Launches that take slot-index addressing (at most two programs per SM launched, or no
+    splits): no spills (1x4k's default spilled 80 B without it), two programs per SM."""
+    rep = _inspect("paged", dict(launched=launched))
+    assert rep["stack bytes (ptxas spills)"] == 0, rep
+    assert rep["registers"] * 128 * 2 <= 65536, rep
 
 
 def test_one_wave_decode_pipelines_two_tiles_ahead():

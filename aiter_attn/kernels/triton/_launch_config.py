@@ -130,7 +130,8 @@ ONE_WAVE_MIN_SMEM = 160 * 1024
 #: :attr:`LaunchConfig.pdl`), ``v_pairs`` (fp8 value reads as 16-bit column pairs, see
 #: :data:`FP8_VALUE_PAIRS`), ``prefetch_pages`` (see :data:`PREFETCH_PAGES`), ``page_ahead``
 #: (see :data:`CARRIED_PAGE_LOOKUP`), ``waves`` (programs per SM the bf16 split count aims
-#: at, 2 by default).
+#: at, 2 by default), ``flat_slots`` (slot-index K/V addressing, see
+#: :attr:`LaunchConfig.flat_slots`).
 TUNING_OVERRIDES: dict = {}
 
 #: Every key :data:`TUNING_OVERRIDES` understands (the kernels read it with ``.get``, so a
@@ -270,6 +271,15 @@ def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads
             # one program per SM, which is all one wave has)
             num_splits, page_ahead = 1, True
     num_splits = ov.get("num_splits", num_splits)
+    # slot-index K/V addressing (FLAT_SLOTS, where the cache layout allows it) for bf16/fp16
+    # decode: fewer address instructions (H200, graph replay: 1x4k 1.54 -> 1.70 TB/s, 1x32k
+    # 3.06 -> 3.25, 64x4k 4.13 -> 4.24, 256x4k 4.24 -> 4.36), but the split build takes 213
+    # registers instead of 168, so not where splits rely on three programs per SM (more
+    # than two per SM launched: 8x64k 4.28 -> 3.28)
+    flat_slots = decode_like and not fp8_kv and not fp32
+    if flat_slots and sms and num_splits > 1:
+        programs = batch * num_kv_heads * _cdiv(group, heads) * _cdiv(max_q, block_q)
+        flat_slots = programs * num_splits <= 2 * sms
     if (decode_like and not fp32 and num_splits > 1 and "page_chunk" not in ov
             and _cdiv(max_k, num_splits * block_n) <= 2):
         # splits of one or two key tiles (1x4k: 16 splits of 256 keys): the chunked lookup
@@ -282,4 +292,4 @@ def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads
                    next_pow2(int(ov.get("page_chunk", page_chunk))) if ov.get("page_chunk",
                                                                                page_chunk) else 0,
                    fused_reduce=bool(ov.get("fused_reduce", False)), pdl=pdl,
-                   page_ahead=page_ahead)
+                   page_ahead=page_ahead, flat_slots=flat_slots)

@@ -338,6 +338,9 @@ class TritonPagedAttention(AttentionKernel):
         plan.kw_cache[key] = kw
         return kw
 
+    #: caches are NHD pages ``[pages, page_size, Hkv, D]`` (slot addressing may apply)
+    nhd_pages = True
+
     #: ``ops.paged_attention`` may memoise a functional call's plan and params (see
     #: :meth:`plan_reusable`): the functional call is exactly plan + run
     memo_plans = True
@@ -437,7 +440,7 @@ class TritonPagedAttention(AttentionKernel):
         # slot-index addressing (the kernel's FLAT_SLOTS): NHD pages whose page stride is
         # page_size token rows, every slot index page · page_size + in_page within int32
         page = k_cache.shape[1]
-        flat = ((kx, vx) == (1, 1) and k_strides[0] == page * k_strides[1]
+        flat = (self.nhd_pages and (kx, vx) == (1, 1) and k_strides[0] == page * k_strides[1]
                 and v_strides[0] == page * v_strides[1]
                 and max(k_cache.shape[0], v_cache.shape[0]) * page < 2 ** 31)
         return (_intern(("layout", strides, kx, vx, flat)), strides, kx, vx, pairs, flat)
@@ -607,6 +610,7 @@ class TritonPagedAttention5D(TritonPagedAttention):
     ``[pages, Hkv, page_size // x, Dv, x]`` or hd_page ``[pages, Hkv, Dv, page_size]``."""
 
     op = "paged_attention_5d"
+    nhd_pages = False
 
     @classmethod
     def request_for(cls, q, k_cache, v_cache):
