@@ -521,6 +521,14 @@ planned-ov:$A+flat_slots=true+waves=3 2>&1 | tail -10 | tee "$OUT/flat.log"
       --anchors cudnn --out "$OUT/attention" > "$OUT/attention.log" 2>&1
     grep -E "^\| decode" "$OUT/attention.log" | head -20
     rm -f "$OUT"/*/*.png
+    timeout ${SB_S:-150} python3 benchmarks/bench_variants.py --out "$OUT/sb" --rep 30 \
+      --rows 1x4096,1x32768,16x4096 --variants planned,planned-ov:page_chunk=8,\
+planned-ov:page_chunk=2,planned-ov:num_stages=2,planned-pdl-reduce,planned-pdl \
+      2>&1 | tail -5 | tee "$OUT/small_batch.log"
+    timeout ${SB64_S:-80} python3 benchmarks/bench_variants.py --out "$OUT/p64" --rep 30 \
+      --rows 1x4096,1x32768,2x8192 --pages 64 \
+      --variants planned,planned-ov:page_chunk=0+page_ahead=true+block_n=64 \
+      2>&1 | tail -5 | tee -a "$OUT/small_batch.log"
     ;;
   thirtyfourth)
     # the gpu test files the thirteenth session's other calls did not run (after the
