@@ -70,6 +70,7 @@
 #   scripts/gpu_session.sh thirtyninth   # 64-key carried lookup: unsplit page 16, split page 64
 #   scripts/gpu_session.sh fortieth      # slot-index K/V addressing (FLAT_SLOTS)
 #   scripts/gpu_session.sh fortyfirst    # slot addressing by default: gpu tests, decode table
+#   scripts/gpu_session.sh fortysecond   # query-head chunks at small batch, ncu of the default
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -529,6 +530,21 @@ planned-ov:page_chunk=2,planned-ov:num_stages=2,planned-pdl-reduce,planned-pdl \
       --rows 1x4096,1x32768,2x8192 --pages 64 \
       --variants planned,planned-ov:page_chunk=0+page_ahead=true+block_n=64 \
       2>&1 | tail -5 | tee -a "$OUT/small_batch.log"
+    ;;
+  fortysecond)
+    # query-head chunks (programs per (request, KV head, head chunk) reading the same K/V
+    # from L2): more programs per SM without splits; then ncu of the new small-batch default
+    timeout ${SB_S:-200} python3 benchmarks/bench_variants.py --out "$OUT/heads" --rep 30 \
+      --rows 16x4096,1x32768,1x4096 --variants planned,planned-ov:heads=2,\
+planned-ov:heads=2+num_splits=1,planned-ov:heads=2+num_splits=1+page_chunk=0+page_ahead=true+block_n=64,\
+planned-ov:heads=1+num_splits=1 2>&1 | tail -5 | tee "$OUT/heads.log"
+    timeout ${NCU_S:-120} ncu --clock-control none --profile-from-start off --nvtx \
+      --target-processes all --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section WarpStateStats \
+      python3 benchmarks/ncu_kernels.py --cases decode1x4k,decode16x4k,decode1x32k \
+      > "$OUT/ncu.log" 2>&1
+    grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued" \
+      "$OUT/ncu.log" | head -40
     ;;
   thirtyfourth)
     # the gpu test files the thirteenth session's other calls did not run (after the
