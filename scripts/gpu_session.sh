@@ -71,6 +71,7 @@
 #   scripts/gpu_session.sh fortieth      # slot-index K/V addressing (FLAT_SLOTS)
 #   scripts/gpu_session.sh fortyfirst    # slot addressing by default: gpu tests, decode table
 #   scripts/gpu_session.sh fortysecond   # query-head chunks at small batch, ncu of the default
+#   scripts/gpu_session.sh fortythird    # fp8 ratio on the new bf16 default, gpu test files
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -545,6 +546,21 @@ planned-ov:heads=1+num_splits=1 2>&1 | tail -5 | tee "$OUT/heads.log"
       > "$OUT/ncu.log" 2>&1
     grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued" \
       "$OUT/ncu.log" | head -40
+    ;;
+  fortythird)
+    # fp8 / bf16 tokens/s with the bf16 default on slot addressing, fp8 with and without it;
+    # then the gpu test files that run bf16 decode through the default (slot addressing)
+    timeout ${FP_S:-75} python3 benchmarks/bench_attention.py --only fp8 --rep 30 --anchors "" \
+      --out "$OUT/fp8" 2>&1 | grep -E "==|ours" | tee "$OUT/fp8.log"
+    timeout ${FP_S:-75} python3 benchmarks/bench_attention.py --only fp8 --rep 30 --anchors "" \
+      --overrides '{"flat_slots": true}' --out "$OUT/fp8_flat" 2>&1 | grep -E "==|ours" \
+      | tee -a "$OUT/fp8.log"
+    gpu_tests gpu_tests.log ${GT_S:-280} 240 tests/test_engine_graphs.py tests/test_engine.py \
+      tests/test_spec_modes.py tests/test_cascade.py tests/test_cascade_backend.py \
+      tests/test_lse.py tests/test_ops_memo.py tests/test_direct_launch.py \
+      tests/test_conformance_contract.py tests/test_engine_mixed.py tests/test_pdl.py \
+      tests/test_graph_addresses.py tests/test_batch_invariant.py
+    rm -f "$OUT"/*/*.png
     ;;
   thirtyfourth)
     # the gpu test files the thirteenth session's other calls did not run (after the
