@@ -72,6 +72,7 @@
 #   scripts/gpu_session.sh fortyfirst    # slot addressing by default: gpu tests, decode table
 #   scripts/gpu_session.sh fortysecond   # query-head chunks at small batch, ncu of the default
 #   scripts/gpu_session.sh fortythird    # fp8 ratio on the new bf16 default, gpu test files
+#   scripts/gpu_session.sh fortyfourth   # small-batch split shapes on slot addressing
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -561,6 +562,14 @@ planned-ov:heads=1+num_splits=1 2>&1 | tail -5 | tee "$OUT/heads.log"
       tests/test_conformance_contract.py tests/test_engine_mixed.py tests/test_pdl.py \
       tests/test_graph_addresses.py tests/test_batch_invariant.py
     rm -f "$OUT"/*/*.png
+    ;;
+  fortyfourth)
+    # small-batch shapes on slot addressing: 16x4k in two splits (256 programs, two per SM),
+    # 1x4k in one-tile splits on a one-tile ring, 1x32k with fewer, longer splits
+    timeout ${SB_S:-200} python3 benchmarks/bench_variants.py --out "$OUT/sb" --rep 30 \
+      --rows 16x4096,1x4096,1x32768 --variants planned,planned-ov:num_splits=2,\
+planned-ov:min_split_tokens=128+num_stages=2,planned-ov:min_split_tokens=128+num_stages=2+page_chunk=0,\
+planned-ov:num_splits=24,planned-ov:num_splits=16 2>&1 | tail -5 | tee "$OUT/small_batch.log"
     ;;
   thirtyfourth)
     # the gpu test files the thirteenth session's other calls did not run (after the
