@@ -32,8 +32,17 @@ def _bench(name):
 
 
 def _session_text() -> str:
+    """The script with continued lines joined and its one-letter shell variables (``A=…``,
+    used inside ``--variants`` values) substituted; a variable defined twice must keep its
+    value."""
     with open(os.path.join(_ROOT, "scripts", "gpu_session.sh")) as f:
-        return f.read().replace("\\\n", "")  # join continued lines
+        text = f.read().replace("\\\n", "")  # join continued lines
+    defs: dict = {}
+    for name, value in re.findall(r"^\s*([A-Z])=(\S+)$", text, re.M):
+        assert defs.setdefault(name, value) == value, (name, value, defs[name])
+    for name, value in defs.items():
+        text = re.sub(r"\$" + name + r"\b", value, text)
+    return text
 
 
 def test_every_variant_names_known_overrides():
@@ -58,6 +67,10 @@ def test_session_variants_overrides_and_mla_variants_resolve():
     ba = _bench("bench_attention")
     mla = [v for m in re.finditer(r"--mla-variants\s+(\S+)", text) for v in m[1].split(",")]
     assert mla and set(mla) <= set(ba.MLA_VARIANTS), mla
+    configs = re.findall(r"--mla-configs\s+(\S+)", text)
+    assert configs, "no --mla-configs call found"
+    for c in configs:
+        ba.mla_configs(c)
 
 
 def test_unknown_names_and_keys_are_refused_with_the_allowed_ones(tmp_path):
@@ -68,10 +81,20 @@ def test_unknown_names_and_keys_are_refused_with_the_allowed_ones(tmp_path):
         bv.variant_overrides("prefetchh")
     with pytest.raises(ValueError, match=r"unknown launch override\(s\) \['page_ahaed'\]"):
         check_overrides({"page_ahaed": True}, "test")
+    with pytest.raises(ValueError, match=r"unknown launch override\(s\) \['page_ahaed'\]"):
+        bv.variant_overrides("planned-ov:page_ahaed=true")
+    with pytest.raises(ValueError, match="write key=value"):
+        bv.variant_overrides("planned-ov:num_splits")
+    assert bv.variant_overrides("planned-ov:num_splits=48+page_ahead=true") == {
+        "num_splits": 48, "page_ahead": True}
     ba = _bench("bench_attention")
     with pytest.raises(ValueError, match="--overrides: unknown launch override"):
         ba.main(["--overrides", '{"v_pair": true}', "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()  # refused before it made anything
+    with pytest.raises(ValueError, match="block_h/block_n/warps/stages/splits"):
+        ba.mla_configs("16/32/4")
+    assert ba.mla_configs("16/32/4/3/x2,16/16/4/4/6/16") == [(16, 32, 4, 3, "x2"),
+                                                              (16, 16, 4, 4, 6, 16)]
     assert {"v_pairs", "prefetch_pages", "page_ahead"} <= OVERRIDE_KEYS
 
 
