@@ -73,6 +73,7 @@
 #   scripts/gpu_session.sh fortysecond   # query-head chunks at small batch, ncu of the default
 #   scripts/gpu_session.sh fortythird    # fp8 ratio on the new bf16 default, gpu test files
 #   scripts/gpu_session.sh fortyfourth   # small-batch split shapes on slot addressing
+#   scripts/gpu_session.sh fortyfifth    # 2- and 1-warp programs, more of them per SM
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -570,6 +571,16 @@ planned-ov:heads=1+num_splits=1 2>&1 | tail -5 | tee "$OUT/heads.log"
       --rows 16x4096,1x4096,1x32768 --variants planned,planned-ov:num_splits=2,\
 planned-ov:min_split_tokens=128+num_stages=2,planned-ov:min_split_tokens=128+num_stages=2+page_chunk=0,\
 planned-ov:num_splits=24,planned-ov:num_splits=16 2>&1 | tail -5 | tee "$OUT/small_batch.log"
+    ;;
+  fortyfifth)
+    # fewer warps per program, more programs per SM: 2 warps on 64-key tiles (211-215
+    # registers, 72 KB: three per SM), 1 warp on 32-key tiles (204-207, 21-37 KB)
+    W2=num_warps=2+block_n=64+page_chunk=0+page_ahead=true
+    W1=num_warps=1+block_n=32+page_chunk=0+page_ahead=true
+    timeout ${SB_S:-200} python3 benchmarks/bench_variants.py --out "$OUT/warps" --rep 30 \
+      --rows 16x4096,1x32768,1x4096,8x65536 --variants planned,planned-ov:$W2,\
+planned-ov:$W2+waves=3,planned-ov:$W2+waves=3+flat_slots=true,planned-ov:$W1+waves=3,\
+planned-ov:$W1+waves=5 2>&1 | tail -6 | tee "$OUT/warps.log"
     ;;
   thirtyfourth)
     # the gpu test files the thirteenth session's other calls did not run (after the

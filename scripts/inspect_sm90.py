@@ -107,7 +107,8 @@ def _specialise_ints(ints: dict, const: dict, fixed=()) -> set:
     return no_div
 
 
-def compile_paged(kv="bf16", q="bf16", warps=8, stages=3, launched=None, q_len=1, **const):
+def compile_paged(kv="bf16", q="bf16", warps=None, stages=None, launched=None, q_len=1,
+                  **const):
     from aiter_attn.kernels.triton import paged_attention as pa
 
     fp8 = kv.startswith("fp8")
@@ -119,8 +120,12 @@ def compile_paged(kv="bf16", q="bf16", warps=8, stages=3, launched=None, q_len=1
         chosen.pop("num_splits")
         no_div = _specialise_ints(chosen.pop("ints"), int_const,
                                   set(pa._paged_attn_kernel.do_not_specialize))
-        warps, stages = chosen.pop("warps"), chosen.pop("stages")
+        # the JSON's warps / stages win over the chooser's, like its constexprs
+        warps, stages = warps or chosen.pop("warps"), stages or chosen.pop("stages")
+        chosen.pop("warps", None)
+        chosen.pop("stages", None)
         const = {**chosen, **const}
+    warps, stages = warps or 8, stages or 3
     c = dict(GROUP=4, HEADS=4, NUM_HCHUNKS=1, BLOCK_M=128, BLOCK_N=128, D=128, D_PAD=128,
              DV=128, DV_PAD=128, PAGE_SIZE=16, CAUSAL=True, HAS_SOFTCAP=False, HAS_SINKS=False,
              HAS_SCALES=fp8, HAS_CUSTOM_MASK=False, SEARCH_SEQ=False, SPLIT=False,

@@ -32,13 +32,13 @@ def _bench(name):
 
 
 def _session_text() -> str:
-    """The script with continued lines joined and its one-letter shell variables (``A=…``,
+    """The script with continued lines joined and its upper-case shell variables (``A=…``,
     used inside ``--variants`` values) substituted; a variable defined twice must keep its
     value."""
     with open(os.path.join(_ROOT, "scripts", "gpu_session.sh")) as f:
         text = f.read().replace("\\\n", "")  # join continued lines
     defs: dict = {}
-    for name, value in re.findall(r"^\s*([A-Z])=(\S+)$", text, re.M):
+    for name, value in re.findall(r"^\s*([A-Z][A-Z0-9]*)=(\S+)$", text, re.M):
         assert defs.setdefault(name, value) == value, (name, value, defs[name])
     for name, value in defs.items():
         text = re.sub(r"\$" + name + r"\b", value, text)
