@@ -121,9 +121,8 @@ def compile_paged(kv="bf16", q="bf16", warps=None, stages=None, launched=None, q
         no_div = _specialise_ints(chosen.pop("ints"), int_const,
                                   set(pa._paged_attn_kernel.do_not_specialize))
         # the JSON's warps / stages win over the chooser's, like its constexprs
-        warps, stages = warps or chosen.pop("warps"), stages or chosen.pop("stages")
-        chosen.pop("warps", None)
-        chosen.pop("stages", None)
+        chosen_warps, chosen_stages = chosen.pop("warps"), chosen.pop("stages")
+        warps, stages = warps or chosen_warps, stages or chosen_stages
         const = {**chosen, **const}
     warps, stages = warps or 8, stages or 3
     c = dict(GROUP=4, HEADS=4, NUM_HCHUNKS=1, BLOCK_M=128, BLOCK_N=128, D=128, D_PAD=128,

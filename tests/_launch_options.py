@@ -9,8 +9,21 @@ import torch
 
 from aiter_attn.testing.compare import assert_close_rel
 
+import pytest
+
 __all__ = ["spy_constexpr", "spy_launch_option", "check_token_head_case",
-           "check_plain_and_featured"]
+           "check_plain_and_featured", "PAGING_SHAPES"]
+
+#: Paged batches that exercise a page-lookup option's cases: pages inside one tile, tiles
+#: inside one page, a page size that neither divides nor is divided by the tile (48, with
+#: GQA 5:1 and head dim 80), page size 1 (an extend over a prefix). Parameters
+#: ``q_lens, kv_lens, hq, hkv, d, page``.
+PAGING_SHAPES = [
+    pytest.param([1, 1, 1, 1], [37, 1, 130, 16], 8, 2, 64, 16, id="decode-pages-in-tile"),
+    pytest.param([1, 1, 1], [300, 64, 129], 8, 2, 32, 64, id="decode-tile-in-page"),
+    pytest.param([9, 20], [9, 120], 10, 2, 80, 48, id="prefill-GQA5:1-D80-page48"),
+    pytest.param([5, 3, 17], [40, 3, 150], 8, 2, 64, 1, id="extend-prefix-page1"),
+]
 
 
 def spy_constexpr(monkeypatch, kernel_cls, constexpr: str) -> list:

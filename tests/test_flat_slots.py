@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ._launch_options import check_plain_and_featured, spy_constexpr, spy_launch_option
+from ._launch_options import (PAGING_SHAPES, check_plain_and_featured, spy_constexpr,
+                              spy_launch_option)
 from ._triton_util import HAS_CUDA, INTERPRET, requires_triton
 from .test_triton_paged_attention import Case, _check
 
@@ -27,17 +28,8 @@ def flat(monkeypatch):
     return spy_launch_option(monkeypatch, "FLAT_SLOTS", "flat_slots")
 
 
-SHAPES = [
-    # id, q_lens, kv_lens, hq, hkv, d, page
-    pytest.param([1, 1, 1, 1], [37, 1, 130, 16], 8, 2, 64, 16, id="decode-pages-in-tile"),
-    pytest.param([1, 1, 1], [300, 64, 129], 8, 2, 32, 64, id="decode-tile-in-page"),
-    pytest.param([9, 20], [9, 120], 10, 2, 80, 48, id="prefill-GQA5:1-D80-page48"),
-    pytest.param([5, 3, 17], [40, 3, 150], 8, 2, 64, 1, id="extend-prefix-page1"),
-]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("q_lens,kv_lens,hq,hkv,d,page", SHAPES)
+@pytest.mark.parametrize("q_lens,kv_lens,hq,hkv,d,page", PAGING_SHAPES)
 def test_slot_addressing_vs_oracle(flat, dtype, q_lens, kv_lens, hq, hkv, d, page):
     case = Case(q_lens, kv_lens, hq=hq, hkv=hkv, d=d, page=page, dtype=dtype, seed=d + page)
     check_plain_and_featured(case, "slot addressing", window=11, softcap=5.0, sinks_seed=1)

@@ -250,10 +250,11 @@ def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads
     heads = min(ov.get("heads", group), group, block_m)
     block_q = block_m // heads
     num_splits, page_ahead = 1, False
+    # (request, kv head, head chunk, q block) programs before any split
+    ctas = batch * num_kv_heads * _cdiv(group, heads) * _cdiv(max_q, block_q)
     if decode_like and sms:
         # flash-decoding: enough (request, kv head, split) programs for two waves of SMs,
         # each split at least min_split_tokens keys
-        ctas = batch * num_kv_heads * _cdiv(group, heads) * _cdiv(max_q, block_q)
         min_tokens = ov.get("min_split_tokens", 256)
         # fp8 tiles are compute-heavier: with less than one wave of programs aim for four
         # (H200 fp8 8x64k: 5 splits 1.70 TB/s, 8 splits 2.55, 16 splits 2.50)
@@ -278,8 +279,8 @@ def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads
     # than two per SM launched: 8x64k 4.28 -> 3.28)
     flat_slots = decode_like and not fp8_kv and not fp32
     if flat_slots and sms and num_splits > 1:
-        programs = batch * num_kv_heads * _cdiv(group, heads) * _cdiv(max_q, block_q)
-        flat_slots = programs * num_splits <= 2 * sms
+        flat_slots = ctas * num_splits <= 2 * sms
+    flat_slots = bool(ov.get("flat_slots", flat_slots))
     if (decode_like and not fp32 and num_splits > 1 and "page_chunk" not in ov
             and _cdiv(max_k, num_splits * block_n) <= 2):
         # splits of one or two key tiles (1x4k: 16 splits of 256 keys): the chunked lookup

@@ -306,7 +306,7 @@ class TritonPagedAttention(AttentionKernel):
                             and TUNING_OVERRIDES.get("page_ahead",
                                                      cfg.page_ahead or CARRIED_PAGE_LOOKUP)),
             # slot-index addressing where the cache layout allows it (_kw)
-            FLAT_SLOTS=bool(TUNING_OVERRIDES.get("flat_slots", cfg.flat_slots)),
+            FLAT_SLOTS=cfg.flat_slots,
             num_warps=cfg.num_warps, **pdl_kwargs(cfg.pdl, reduction=False))
         return TritonPlan(
             num_tokens=num_tokens if batch else 0, mask_literal=mask_literal(md),
@@ -440,7 +440,7 @@ class TritonPagedAttention(AttentionKernel):
         # slot-index addressing (the kernel's FLAT_SLOTS): NHD pages whose page stride is
         # page_size token rows, every slot index page · page_size + in_page within int32
         page = k_cache.shape[1]
-        flat = (self.nhd_pages and (kx, vx) == (1, 1) and k_strides[0] == page * k_strides[1]
+        flat = (self.nhd_pages and k_strides[0] == page * k_strides[1]
                 and v_strides[0] == page * v_strides[1]
                 and max(k_cache.shape[0], v_cache.shape[0]) * page < 2 ** 31)
         return (_intern(("layout", strides, kx, vx, flat)), strides, kx, vx, pairs, flat)
