@@ -74,6 +74,8 @@
 #   scripts/gpu_session.sh fortythird    # fp8 ratio on the new bf16 default, gpu test files
 #   scripts/gpu_session.sh fortyfourth   # small-batch split shapes on slot addressing
 #   scripts/gpu_session.sh fortyfifth    # 2- and 1-warp programs, more of them per SM
+#   scripts/gpu_session.sh fortysixth    # the Gluon decode kernel: gpu tests, tile shapes
+#                                  # against the Triton default and cuDNN
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -571,6 +573,15 @@ planned-ov:heads=1+num_splits=1 2>&1 | tail -5 | tee "$OUT/heads.log"
       --rows 16x4096,1x4096,1x32768 --variants planned,planned-ov:num_splits=2,\
 planned-ov:min_split_tokens=128+num_stages=2,planned-ov:min_split_tokens=128+num_stages=2+page_chunk=0,\
 planned-ov:num_splits=24,planned-ov:num_splits=16 2>&1 | tail -5 | tee "$OUT/small_batch.log"
+    ;;
+  fortysixth)
+    # the Gluon decode kernel (TMA pages, keys as wgmma's M side): its oracle tests, then
+    # tile shapes, one and two programs per SM, against the Triton default and cuDNN
+    gpu_tests gluon_decode_tests.log ${GT_S:-150} 120 tests/test_gluon_decode.py
+    timeout ${GD_S:-300} python3 benchmarks/bench_gluon_decode.py --out "$OUT/gd" --rep 30 \
+      --rows 1x4096,16x4096,1x32768,64x4096,8x65536 --variants default,bn64.st4.nc2.r128.s0,\
+bn64.st4.nc1.r128.s0,bn64.st2.nc2.r80.s00,bn64.st6.nc2.r128.s0,bn64.st4.nc2.r128.s1 \
+      2>&1 | tail -8 | tee "$OUT/gluon_decode.log"
     ;;
   fortyfifth)
     # fewer warps per program, more programs per SM: 2 warps on 64-key tiles (211-215

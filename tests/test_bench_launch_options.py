@@ -56,10 +56,19 @@ def test_every_variant_names_known_overrides():
 def test_session_variants_overrides_and_mla_variants_resolve():
     text = _session_text()
     bv = _bench("bench_variants")
-    variants = [v for m in re.finditer(r"--variants\s+(\S+)", text) for v in m[1].split(",")]
+    lines = text.splitlines()
+    variants = [v for line in lines if "bench_variants.py" in line
+                for m in re.finditer(r"--variants\s+(\S+)", line) for v in m[1].split(",")]
     assert "planned-chunk0-ahead-bn64-s4" in variants  # the parse found the new calls
     for v in variants:
         bv.variant_overrides(v)
+    gd = _bench("bench_gluon_decode")
+    gluon = [v for line in lines if "bench_gluon_decode.py" in line
+             for m in re.finditer(r"--variants\s+(\S+)", line) for v in m[1].split(",")]
+    assert "bn64.st4.nc2.r128.s0" in gluon
+    for v in gluon:
+        if v != "default":
+            gd.parse_variant(v)
     overrides = re.findall(r"'(\{[^']*\})'", text)
     assert '{"v_pairs": true}' in overrides
     for ov in overrides:

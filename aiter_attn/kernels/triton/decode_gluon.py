@@ -1,0 +1,445 @@
+"""Decode (one query token per request) over NHD pages on sm_90, in Gluon: TMA page loads
+and ``wgmma`` with the key tile as the M operand.
+
+The Triton kernel (:mod:`.paged_attention`) packs a KV head's ``G`` query heads into the
+rows of ``mma.sync`` tiles of 16 and loads every K/V row with per-thread ``cp.async`` and
+its own address arithmetic: at 16×4k it issues as fast as cuDNN's kernel and still trails
+it, because a key tile takes more instructions (docs/benchmarks.md, "Issue 14"). Here one
+program (request ``b``, KV head ``h``, key split ``s``) runs::
+
+    loader (1 warp)          page ids of a tile (one vector load, a tile ahead), then one
+                             TMA box of ``BOX = gcd(page_size, BLOCK_N)`` rows per page
+                             piece for K and for V into a ring of ``STAGES`` slots
+    consumer c (4 warps,     tiles j ≡ c (mod NC), each with its own running state:
+    NC of them)                S^T [BLOCK_N, GP] = K_j · Q^T           (wgmma, A = K tile)
+                               P^T = exp2(S^T · qk2 - m)               (max over keys:
+                                                                       one column reduction)
+                               O^T [D, GP] += V_j^T · P^T              (wgmma, A = V tile
+                                                                       read transposed)
+
+``GP`` is the group padded to the wgmma N of 8 or 16 (its extra columns read zeros); the
+keys fill the 64-row M side, so no row of a tensor-core tile is padding. The row sums are
+kept per element (``l_acc``, summed once at the end), so a tile pays one cross-warp
+reduction (the maximum). With two consumers, consumer 1 hands its ``(m, l, O)`` to
+consumer 0 through shared memory at the end, which writes the output (or the split
+partial of :mod:`.paged_attention`, merged by its reduction kernel).
+
+The last tile of a split masks keys past the request's end to ``-inf`` and zeroes those
+value rows in shared memory before ``P · V`` (an unwritten slot may hold NaN bits; a
+page past the end is not loaded: the tile repeats the request's last page there).
+
+Serves (:func:`gluon_decode_reject_reason`): NVIDIA sm_90, fp16/bf16 q and cache of the
+same dtype, ``D == DV`` in {64, 128, 256}, up to 16 query heads per KV head, page sizes that
+are multiples of 16 or divide ``BLOCK_N``... (any ``gcd(page_size, BLOCK_N) >= 16``), NHD
+pages whose rows are TMA-able, no sinks / soft-cap / window / scales / custom mask, not
+batch-invariant. Everything else runs the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ._launch import Launcher, launch_key
+from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout
+
+__all__ = ["gluon_decode_reject_reason", "gluon_decode_layout_reason", "launch_gluon_decode",
+           "GluonDecodeConfig"]
+
+_MAXNREG = 128
+
+
+class GluonDecodeConfig:
+    """Tile shape of a launch: ``block_n`` keys per tile, ``stages`` ring slots,
+    ``consumers`` warpgroups (1 or 2)."""
+
+    __slots__ = ("block_n", "stages", "consumers", "maxnreg")
+
+    def __init__(self, block_n: int = 64, stages: int = 4, consumers: int = 2,
+                 maxnreg: int = 128):
+        self.block_n, self.stages, self.consumers = int(block_n), int(stages), int(consumers)
+        self.maxnreg = int(maxnreg)
+
+    def key(self) -> tuple:
+        return (self.block_n, self.stages, self.consumers, self.maxnreg)
+
+    def __repr__(self) -> str:
+        return (f"GluonDecodeConfig(block_n={self.block_n}, stages={self.stages}, "
+                f"consumers={self.consumers}, maxnreg={self.maxnreg})")
+
+
+def _box_rows(page_size: int, block_n: int) -> int:
+    return math.gcd(int(page_size), int(block_n))
+
+
+def gluon_decode_reject_reason(*, q_heads: int, kv_heads: int, head_dim: int,
+                               v_head_dim: int, dtype, kv_dtype, page_size: int, device,
+                               block_n: int = 64) -> Optional[str]:
+    """Why the Gluon decode kernel cannot serve a layer group (``None``: it can). Host
+    integers only; :func:`gluon_decode_layout_reason` checks the tensors."""
+    from .prefill import _capability
+
+    if not HAS_GLUON:
+        return "this Triton has no Gluon Hopper dialect"
+    if device.type != "cuda" or torch.version.hip is not None or _capability(device)[0] != 9:
+        return "needs an NVIDIA sm_90 GPU"
+    if dtype not in (torch.float16, torch.bfloat16) or kv_dtype != dtype:
+        return f"q {dtype} / cache {kv_dtype} (fp16/bf16, the same for both)"
+    if head_dim != v_head_dim or head_dim not in (64, 128, 256):
+        return f"head dims {head_dim}/{v_head_dim} (equal, 64, 128 or 256)"
+    if q_heads % kv_heads or q_heads // kv_heads > 16:
+        return f"{q_heads} query heads over {kv_heads} KV heads (at most 16 per KV head)"
+    if _box_rows(page_size, block_n) < 16:
+        return f"page size {page_size} (gcd with the {block_n}-key tile must be >= 16)"
+    return None
+
+
+def gluon_decode_layout_reason(q, k_cache, v_cache, out) -> Optional[str]:
+    """The launch-time half of the check (``None``: fine): NHD pages whose token rows are
+    16-byte aligned and ``page_size`` rows apart (TMA over ``[slots, Hkv · D]``), slot
+    indices within int32, unit head-dim strides of q and out."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        p, ps, hkv, d = c.shape
+        s = c.stride()
+        if s[3] != 1 or s[2] != d or s[0] != ps * s[1] or s[1] < hkv * d:
+            return f"{name} is not NHD pages with contiguous heads"
+        if (s[1] * c.element_size()) % 16 or c.data_ptr() % 16:
+            return f"{name} token rows not 16-byte aligned"
+        if p * ps >= 2 ** 31:
+            return f"{name} has more than 2^31 slots"
+    if q.stride(2) != 1 or out.stride(2) != 1:
+        return "q / out head-dim axis not contiguous"
+    return None
+
+
+if HAS_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    @gluon.jit
+    def _tile_rows(bt_row, key0, kv_len, PAGE: gl.constexpr, BOX: gl.constexpr,
+                   BOXES: gl.constexpr, lay: gl.constexpr):
+        """Slot row of each ``BOX``-row piece of the tile starting at key ``key0``
+        (``[BOXES]`` int32); pieces past the request's last page repeat it."""
+        offs = gl.arange(0, BOXES, layout=lay)
+        keys = key0 + offs * BOX
+        last = gl.maximum(kv_len - 1, 0) // PAGE
+        page = gl.load(bt_row + gl.minimum(keys // PAGE, last))
+        return page * PAGE + keys % PAGE
+
+    @gluon.jit
+    def _pick(v, offs, i):
+        """Element ``i`` of a small per-thread vector as a scalar."""
+        return gl.sum(gl.where(offs == i, v, 0), axis=0)
+
+    @gluon.jit
+    def _load(ops, smem, bars, rows, G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NC: gl.constexpr,
+              PAGE: gl.constexpr, BOX: gl.constexpr, SPLITS: gl.constexpr,
+              WRITE_LSE: gl.constexpr):
+        """Loader (1 warp): every tile of the split, its page ids read a tile ahead."""
+        k_d, v_d = ops[0][0], ops[0][1]
+        k_s, v_s = smem[1], smem[2]
+        ready, empty = bars[0], bars[1]
+        bt_row, lo, n, kv_len, h = rows[2], rows[3], rows[4], rows[6], rows[7]
+        BOXES: gl.constexpr = BLOCK_N // BOX
+        lay: gl.constexpr = gl.BlockedLayout([BOXES], [32], [1], [0])
+        offs = gl.arange(0, BOXES, layout=lay)
+        col = h * D
+        nxt = _tile_rows(bt_row, lo, kv_len, PAGE, BOX, BOXES, lay)
+        for j in range(n):
+            cur = nxt
+            nxt = _tile_rows(bt_row, lo + (j + 1) * BLOCK_N, kv_len, PAGE, BOX, BOXES, lay)
+            slot = j % STAGES
+            mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, 2 * BLOCK_N * D * k_d.dtype.primitive_bitwidth // 8)
+            for i in gl.static_range(BOXES):
+                r = _pick(cur, offs, i)
+                tma.async_copy_global_to_shared(k_d, [r, col], bar,
+                                                k_s.index(slot).slice(i * BOX, BOX, dim=0))
+                tma.async_copy_global_to_shared(v_d, [r, col], bar,
+                                                v_s.index(slot).slice(i * BOX, BOX, dim=0))
+
+    @gluon.jit
+    def _zero_rows(buf, valid, BLOCK_N: gl.constexpr, D: gl.constexpr):
+        """Rows ``>= valid`` of a ``[BLOCK_N, D]`` tile set to 0, 64 columns at a time."""
+        lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
+        keep = (r < valid)[:, None]
+        for c in gl.static_range(D // 64):
+            part = buf.slice(c * 64, 64, dim=1)
+            x = part.load(lay)
+            part.store(gl.where(keep, x, gl.zeros_like(x)))
+
+    @gluon.jit
+    def _consume(ops, smem, bars, rows, C: gl.constexpr, G: gl.constexpr,
+                 GP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, NC: gl.constexpr, SPLITS: gl.constexpr,
+                 WRITE_LSE: gl.constexpr):
+        """Consumer ``C``: tiles ``j ≡ C (mod NC)``; consumer 0 ends with the merge and the
+        stores."""
+        q_ptr, out, part_acc, part_ml, lse_ptr, qk2 = ops[1]
+        s_qt, s_qh, s_ot, s_oh, s_ps, s_pt, s_ms, s_mt, s_lt, s_lh = ops[2]
+        q_s, k_s, v_s, p_s, m_x, l_x, o_x = smem
+        ready, empty, done = bars
+        tok, split, bt_row, lo, n, valid, kv_len, h = rows
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        lay: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, GP, 16])
+        col: gl.constexpr = gl.SliceLayout(0, lay)
+        row: gl.constexpr = gl.SliceLayout(1, lay)
+
+        # this consumer's copy of q [GP, D] (heads past the group read zeros)
+        lq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        g_q = gl.arange(0, GP, layout=gl.SliceLayout(1, lq))
+        d_q = gl.arange(0, D, layout=gl.SliceLayout(0, lq))
+        tok64 = tok.to(gl.int64)
+        heads = h * G + g_q
+        qv = gl.load(q_ptr + tok64 * s_qt + heads.to(gl.int64)[:, None] * s_qh + d_q[None, :],
+                     mask=(g_q < G)[:, None], other=0.0)
+        q_c = q_s.index(C)
+        q_c.store(qv)
+        fence_async_shared()
+        gl.thread_barrier()
+        q_t = q_c.permute((1, 0))  # [D, GP]: wgmma's B, K-major
+        p_t = p_s.index(C).permute((1, 0))  # [BLOCK_N, GP]: P^T as B, K-major
+
+        acc = gl.zeros([D, GP], gl.float32, layout=lay)
+        l_acc = gl.zeros([BLOCK_N, GP], gl.float32, layout=lay)
+        m_i = gl.full([GP], float("-inf"), gl.float32, layout=col)
+        s_zero = gl.zeros([BLOCK_N, GP], gl.float32, layout=lay)
+        for j in range(C, n, NC):
+            slot = j % STAGES
+            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+            k = k_s.index(slot)
+            v = v_s.index(slot)
+            s_tok = warpgroup_mma(k, q_t, s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+            if j == n - 1:
+                if valid < BLOCK_N:  # past the request's end: no logit, a zero value row
+                    kpos = gl.arange(0, BLOCK_N, layout=row)
+                    s = gl.where(kpos[:, None] < valid, s, float("-inf"))
+                    _zero_rows(v, valid, BLOCK_N, D)
+                    fence_async_shared()
+                    gl.thread_barrier()
+            m_new = gl.maximum(m_i, gl.max(s, 0) * qk2)
+            p = gl.exp2(s * qk2 - m_new[None, :])
+            alpha = gl.exp2(m_i - m_new)
+            l_acc = l_acc * alpha[None, :] + p
+            acc = acc * alpha[None, :]
+            m_i = m_new
+            p_t.store(p.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            o_tok = warpgroup_mma(v.permute((1, 0)), p_t, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
+            mbarrier.arrive(empty.index(slot), count=1)
+        l_i = gl.sum(l_acc, 0)
+
+        if NC == 2:
+            if C == 1:  # hand (m, l, O) to consumer 0
+                m_x.store(m_i)
+                l_x.store(l_i)
+                o_x.store(acc)
+                gl.thread_barrier()
+                mbarrier.arrive(done, count=1)
+            else:
+                mbarrier.wait(done, 0)
+                m_1 = m_x.load(col)
+                l_1 = l_x.load(col)
+                o_1 = o_x.load(lay)
+                m_n = gl.maximum(m_i, m_1)
+                m_safe = gl.where(m_n == float("-inf"), 0.0, m_n)
+                a_0 = gl.exp2(m_i - m_safe)
+                a_1 = gl.exp2(m_1 - m_safe)
+                acc = acc * a_0[None, :] + o_1 * a_1[None, :]
+                l_i = l_i * a_0 + l_1 * a_1
+                m_i = m_n
+        if C == 0:
+            g_o = gl.arange(0, GP, layout=col)
+            d_o = gl.arange(0, D, layout=row)
+            g_ok = g_o < G
+            head = (h * G + g_o).to(gl.int64)
+            if SPLITS == 1:
+                has = l_i > 0.0
+                l_safe = gl.where(has, l_i, 1.0)
+                o = acc / l_safe[None, :]
+                gl.store(out + tok64 * s_ot + head[None, :] * s_oh + d_o[:, None],
+                         o.to(out.dtype.element_ty), mask=g_ok[None, :])
+                if WRITE_LSE:
+                    lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453,
+                                   float("-inf"))
+                    gl.store(lse_ptr + tok64 * s_lt + head * s_lh, lse, mask=g_ok)
+            else:
+                sp = split.to(gl.int64)
+                gl.store(part_acc + sp * s_ps + tok64 * s_pt + head[None, :] * D
+                         + d_o[:, None], acc, mask=g_ok[None, :])
+                ml = part_ml + sp * s_ms + tok64 * s_mt + head * 2
+                gl.store(ml, m_i, mask=g_ok)
+                gl.store(ml + 1, l_i, mask=g_ok)
+
+    @gluon.jit
+    def _consume_0(ops, smem, bars, rows, G: gl.constexpr, GP: gl.constexpr,
+                   D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   NC: gl.constexpr, PAGE: gl.constexpr, BOX: gl.constexpr,
+                   SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr):
+        _consume(ops, smem, bars, rows, 0, G, GP, D, BLOCK_N, STAGES, NC, SPLITS, WRITE_LSE)
+
+    @gluon.jit
+    def _consume_1(ops, smem, bars, rows, G: gl.constexpr, GP: gl.constexpr,
+                   D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   NC: gl.constexpr, PAGE: gl.constexpr, BOX: gl.constexpr,
+                   SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr):
+        _consume(ops, smem, bars, rows, 1, G, GP, D, BLOCK_N, STAGES, NC, SPLITS, WRITE_LSE)
+
+    @gluon.jit
+    def _gluon_decode_kernel(
+        k_d, v_d, q_ptr, out, part_acc, part_ml, lse_ptr, cu_q, seqused, bt,
+        qk2, kv_heads, s_bt, s_qt, s_qh, s_ot, s_oh, s_ps, s_pt, s_ms, s_mt, s_lt, s_lh,
+        G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr, NC: gl.constexpr, PAGE: gl.constexpr, BOX: gl.constexpr,
+        SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        pid = gl.program_id(0)
+        split = gl.program_id(1)
+        b = pid // kv_heads
+        h = pid % kv_heads
+        tok = gl.load(cu_q + b)
+        kv_len = gl.load(seqused + b)
+        chunk = gl.cdiv(gl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = gl.minimum(lo + chunk, kv_len)
+        n = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 0)
+        valid = hi - lo - (n - 1) * BLOCK_N  # visible keys of the last tile
+
+        dtype: gl.constexpr = k_d.dtype
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GP, D], dtype)
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GP, BLOCK_N], dtype)
+        q_s = gl.allocate_shared_memory(dtype, [NC, GP, D], q_layout)
+        k_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_d.layout)
+        v_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_d.layout)
+        p_s = gl.allocate_shared_memory(dtype, [NC, GP, BLOCK_N], p_layout)
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        m_x = gl.allocate_shared_memory(gl.float32, [GP], flat)
+        l_x = gl.allocate_shared_memory(gl.float32, [GP], flat)
+        o_x = gl.allocate_shared_memory(gl.float32, [D, GP], flat2)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(done, count=1)
+
+        ops = ((k_d, v_d), (q_ptr, out, part_acc, part_ml, lse_ptr, qk2),
+               (s_qt, s_qh, s_ot, s_oh, s_ps, s_pt, s_ms, s_mt, s_lt, s_lh))
+        smem = (q_s, k_s, v_s, p_s, m_x, l_x, o_x)
+        bars = (ready, empty, done)
+        rows = (tok, split, bt + b.to(gl.int64) * s_bt, lo, n, valid, kv_len, h)
+        # argument tuples written out: a tuple bound to a name loses its constexprs
+        if NC == 2:
+            gl.warp_specialize([
+                (_consume_0, (ops, smem, bars, rows, G, GP, D, BLOCK_N, STAGES, NC, PAGE, BOX,
+                              SPLITS, WRITE_LSE)),
+                (_consume_1, (ops, smem, bars, rows, G, GP, D, BLOCK_N, STAGES, NC, PAGE, BOX,
+                              SPLITS, WRITE_LSE)),
+                (_load, (ops, smem, bars, rows, G, GP, D, BLOCK_N, STAGES, NC, PAGE, BOX,
+                         SPLITS, WRITE_LSE)),
+            ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consume_0, (ops, smem, bars, rows, G, GP, D, BLOCK_N, STAGES, NC, PAGE, BOX,
+                              SPLITS, WRITE_LSE)),
+                (_load, (ops, smem, bars, rows, G, GP, D, BLOCK_N, STAGES, NC, PAGE, BOX,
+                         SPLITS, WRITE_LSE)),
+            ], [1], [LOADER_REGS])
+
+
+def _descriptor(cache, block_n: int, box: int):
+    p, ps, hkv, d = cache.shape
+    rows = cache.as_strided((p * ps, hkv * d), (cache.stride(1), 1))
+    return GluonDescriptor(rows, [p * ps, hkv * d], [cache.stride(1), 1], [box, d],
+                           _smem_layout(box, d, cache.dtype))
+
+
+def decode_group_pad(group: int) -> int:
+    """The wgmma N a KV head's query heads are padded to (8 or 16)."""
+    return 8 if group <= 8 else 16
+
+
+def launch_gluon_decode(q, k_cache, v_cache, out, cu_q, seqused_k, block_table, scale, *,
+                        batch: int, splits: int = 1, config: Optional[GluonDecodeConfig] = None,
+                        lse=None, part_acc=None, part_ml=None):
+    """One launch over ``(batch · Hkv, splits)`` programs (the caller checked
+    :func:`gluon_decode_reject_reason` and :func:`gluon_decode_layout_reason`). With
+    ``splits > 1`` it writes ``part_acc`` ``[S, T, Hq, D]`` / ``part_ml`` ``[S, T, Hq, 2]``
+    (the unnormalised partials of :mod:`.paged_attention`, log2-domain maxima) for its
+    reduction kernel; else ``out`` (and ``lse``, natural log). O(1) host work."""
+    cfg = config or GluonDecodeConfig()
+    t, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    page = k_cache.shape[1]
+    g = hq // hkv
+    box = _box_rows(page, cfg.block_n)
+    k_d = _descriptor(k_cache, cfg.block_n, box)
+    v_d = _descriptor(v_cache, cfg.block_n, box)
+    pa = part_acc if part_acc is not None else out
+    pm = part_ml if part_ml is not None else out
+    ps = (part_acc.stride(0), part_acc.stride(1), part_ml.stride(0), part_ml.stride(1)) \
+        if part_acc is not None else (0, 0, 0, 0)
+    ls = lse.stride() if lse is not None else (0, 0)
+    args = (k_d, v_d, q, out, pa, pm, lse if lse is not None else out, cu_q, seqused_k,
+            block_table, float(scale) * _LOG2E, hkv, block_table.stride(0), q.stride(0),
+            q.stride(1), out.stride(0), out.stride(1), *ps, *ls)
+    kw = dict(G=g, GP=decode_group_pad(g), D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+              NC=cfg.consumers, PAGE=page, BOX=box, SPLITS=int(splits),
+              WRITE_LSE=lse is not None, CONSUMER_REGS=cfg.maxnreg,
+              LOADER_REGS=_LOADER_REGS, num_warps=4, maxnreg=cfg.maxnreg)
+    _GLUON_DECODE.launch((batch * hkv, int(splits)), args, kw, launch_key(args, kw))
+    return out
+
+
+def gluon_decode(q, k_cache, v_cache, out, cu_q, seqused_k, block_table, scale, *,
+                 splits: int = 1, config: Optional[GluonDecodeConfig] = None, lse=None,
+                 part_acc=None, part_ml=None):
+    """The whole decode step: :func:`launch_gluon_decode`, and with ``splits > 1`` the
+    split reduction of :mod:`.paged_attention` (partials allocated here unless given:
+    ``[S, T, Hq, D]`` / ``[S, T, Hq, 2]`` float32)."""
+    from .attention import _REDUCE
+    from .paged_attention import _reduce_splits_kernel  # noqa: F401 (the launcher's kernel)
+    from ._kvutil import next_pow2
+
+    t, hq, d = q.shape
+    batch = cu_q.shape[0] - 1
+    if splits == 1:
+        return launch_gluon_decode(q, k_cache, v_cache, out, cu_q, seqused_k, block_table,
+                                   scale, batch=batch, config=config, lse=lse)
+    if part_acc is None:
+        part_acc = torch.empty(splits, t, hq, d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(splits, t, hq, 2, dtype=torch.float32, device=q.device)
+    launch_gluon_decode(q, k_cache, v_cache, out, cu_q, seqused_k, block_table, scale,
+                        batch=batch, splits=splits, config=config, part_acc=part_acc,
+                        part_ml=part_ml)
+    os_ = out.stride()
+    ls = lse.stride() if lse is not None else (0, 0)
+    rargs = (out, part_acc, part_ml, part_ml, lse if lse is not None else out, splits,
+             os_[0], os_[1], part_acc.stride(0), part_acc.stride(1), part_ml.stride(0),
+             part_ml.stride(1), ls[0], ls[1])
+    rkw = dict(DV=d, DV_PAD=d, SPLITS_PAD=next_pow2(splits), HAS_SINKS=False,
+               WRITE_LSE=lse is not None, FIXED_ORDER=False, num_warps=4)
+    _REDUCE.launch((t, hq, 1), rargs, rkw, launch_key(rargs, rkw))
+    return out
+
+
+_CONSUMER_REGS, _LOADER_REGS = 128, 32
+
+#: direct launches (:mod:`._launch`)
+_GLUON_DECODE = Launcher(_gluon_decode_kernel) if HAS_GLUON else None

@@ -1,0 +1,79 @@
+"""Compile the Gluon decode kernel (:mod:`aiter_attn.kernels.triton.decode_gluon`) for sm_90
+on any host (no GPU: Triton's wheel carries ptxas) and report registers, spills, shared
+memory, the wgmma count and the partitions' ``setmaxnreg`` (the report of
+``inspect_gluon_prefill_sm90.py``).
+
+Usage::
+
+    python scripts/inspect_gluon_decode_sm90.py '{"BLOCK_N": 64, "STAGES": 4, "NC": 2}' [--json] [--dump DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+
+def compile_decode(q="bf16", maxnreg=None, **const):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from aiter_attn.kernels.triton import decode_gluon as dg
+
+    c = dict(G=4, GP=8, D=128, BLOCK_N=64, STAGES=4, NC=2, PAGE=16, BOX=16, SPLITS=1,
+             WRITE_LSE=False, CONSUMER_REGS=dg._CONSUMER_REGS, LOADER_REGS=dg._LOADER_REGS,
+             num_warps=4)
+    c.update(const)
+    maxnreg = maxnreg or dg._CONSUMER_REGS
+    c["CONSUMER_REGS"] = maxnreg
+    c["BOX"] = min(c["BOX"], c["BLOCK_N"])
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[q]
+    fn = dg._gluon_decode_kernel
+    names = fn.arg_names
+    kl = gl.NVMMASharedLayout.get_default_for([c["BOX"], c["D"]], gdt)
+    sig = {}
+    for n in names:
+        if n in c:
+            sig[n] = "constexpr"
+        elif n in ("k_d", "v_d"):
+            sig[n] = f"tensordesc<{q}[{c['BOX']}, {c['D']}],{kl!r}>"
+        elif n in ("q_ptr", "out"):
+            sig[n] = "*" + q
+        elif n in ("part_acc", "part_ml", "lse_ptr"):
+            sig[n] = "*fp32"
+        elif n in ("cu_q", "seqused", "bt"):
+            sig[n] = "*i32"
+        elif n == "qk2":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in c.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, num_stages=1, maxnreg=maxnreg))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("const", nargs="?", default="{}")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--dump", default=None)
+    a = p.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from inspect_gluon_prefill_sm90 import gluon_report, print_report
+
+    k = compile_decode(**json.loads(a.const))
+    print_report(gluon_report(k), a.json)
+    if a.dump:
+        os.makedirs(a.dump, exist_ok=True)
+        for key in ("ttgir", "ptx"):
+            with open(os.path.join(a.dump, f"k.{key}"), "w") as f:
+                f.write(k.asm[key])
+
+
+if __name__ == "__main__":
+    main()
