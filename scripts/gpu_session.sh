@@ -76,6 +76,8 @@
 #   scripts/gpu_session.sh fortyfifth    # 2- and 1-warp programs, more of them per SM
 #   scripts/gpu_session.sh fortysixth    # the Gluon decode kernel: gpu tests, tile shapes
 #                                  # against the Triton default and cuDNN
+#   scripts/gpu_session.sh fortyseventh  # its first page ids without the key count, 128-key
+#                                  # tiles, two programs per SM
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -573,6 +575,13 @@ planned-ov:heads=1+num_splits=1 2>&1 | tail -5 | tee "$OUT/heads.log"
       --rows 16x4096,1x4096,1x32768 --variants planned,planned-ov:num_splits=2,\
 planned-ov:min_split_tokens=128+num_stages=2,planned-ov:min_split_tokens=128+num_stages=2+page_chunk=0,\
 planned-ov:num_splits=24,planned-ov:num_splits=16 2>&1 | tail -5 | tee "$OUT/small_batch.log"
+    ;;
+  fortyseventh)
+    gpu_tests gluon_decode_tests.log ${GT_S:-150} 120 tests/test_gluon_decode.py
+    timeout ${GD_S:-300} python3 benchmarks/bench_gluon_decode.py --out "$OUT/gd" --rep 30 \
+      --rows 16x4096,1x4096,1x32768,64x4096,8x65536,256x4096 --variants default,\
+bn64.st4.nc2.r128.s0,bn128.st3.nc2.r168.s0,bn128.st2.nc2.r168.s0,bn64.st3.nc2.r80.s00,\
+bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
     ;;
   fortysixth)
     # the Gluon decode kernel (TMA pages, keys as wgmma's M side): its oracle tests, then

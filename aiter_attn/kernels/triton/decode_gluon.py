@@ -25,8 +25,9 @@ consumer 0 through shared memory at the end, which writes the output (or the spl
 partial of :mod:`.paged_attention`, merged by its reduction kernel).
 
 The last tile of a split masks keys past the request's end to ``-inf`` and zeroes those
-value rows in shared memory before ``P · V`` (an unwritten slot may hold NaN bits; a
-page past the end is not loaded: the tile repeats the request's last page there).
+value rows in shared memory before ``P · V``: an unwritten slot may hold NaN bits, and a
+piece of a tile past the request's pages reads the request's last page again (or, in a
+split's first tile, whatever page its block-table entry names: never written, only masked).
 
 Serves (:func:`gluon_decode_reject_reason`): NVIDIA sm_90, fp16/bf16 q and cache of the
 same dtype, ``D == DV`` in {64, 128, 256}, up to 16 query heads per KV head, page sizes that
@@ -122,13 +123,14 @@ if HAS_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     @gluon.jit
-    def _tile_rows(bt_row, key0, kv_len, PAGE: gl.constexpr, BOX: gl.constexpr,
+    def _tile_rows(bt_row, key0, last, PAGE: gl.constexpr, BOX: gl.constexpr,
                    BOXES: gl.constexpr, lay: gl.constexpr):
         """Slot row of each ``BOX``-row piece of the tile starting at key ``key0``
-        (``[BOXES]`` int32); pieces past the request's last page repeat it."""
+        (``[BOXES]`` int32), page indices clamped to ``last``. A piece past the request's
+        pages reads whatever its block-table entry holds (an in-range page: any values,
+        masked by the consumer; out of range: TMA fills zeros)."""
         offs = gl.arange(0, BOXES, layout=lay)
         keys = key0 + offs * BOX
-        last = gl.maximum(kv_len - 1, 0) // PAGE
         page = gl.load(bt_row + gl.minimum(keys // PAGE, last))
         return page * PAGE + keys % PAGE
 
@@ -146,15 +148,17 @@ if HAS_GLUON:
         k_d, v_d = ops[0][0], ops[0][1]
         k_s, v_s = smem[1], smem[2]
         ready, empty = bars[0], bars[1]
-        bt_row, lo, n, kv_len, h = rows[2], rows[3], rows[4], rows[6], rows[7]
+        bt_row, lo, n, last, h = rows[2], rows[3], rows[4], rows[6], rows[7]
         BOXES: gl.constexpr = BLOCK_N // BOX
         lay: gl.constexpr = gl.BlockedLayout([BOXES], [32], [1], [0])
         offs = gl.arange(0, BOXES, layout=lay)
         col = h * D
-        nxt = _tile_rows(bt_row, lo, kv_len, PAGE, BOX, BOXES, lay)
+        # the first tile's page ids clamped to the block table's width only: their load needs
+        # no key count (without splits), so it overlaps the program's first loads
+        nxt = _tile_rows(bt_row, lo, rows[8], PAGE, BOX, BOXES, lay)
         for j in range(n):
             cur = nxt
-            nxt = _tile_rows(bt_row, lo + (j + 1) * BLOCK_N, kv_len, PAGE, BOX, BOXES, lay)
+            nxt = _tile_rows(bt_row, lo + (j + 1) * BLOCK_N, last, PAGE, BOX, BOXES, lay)
             slot = j % STAGES
             mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
@@ -188,7 +192,7 @@ if HAS_GLUON:
         s_qt, s_qh, s_ot, s_oh, s_ps, s_pt, s_ms, s_mt, s_lt, s_lh = ops[2]
         q_s, k_s, v_s, p_s, m_x, l_x, o_x = smem
         ready, empty, done = bars
-        tok, split, bt_row, lo, n, valid, kv_len, h = rows
+        tok, split, bt_row, lo, n, valid, last, h, bt_last = rows
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         lay: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, GP, 16])
@@ -236,7 +240,6 @@ if HAS_GLUON:
             m_i = m_new
             p_t.store(p.to(dtype))
             fence_async_shared()
-            gl.thread_barrier()
             o_tok = warpgroup_mma(v.permute((1, 0)), p_t, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
             mbarrier.arrive(empty.index(slot), count=1)
@@ -301,7 +304,7 @@ if HAS_GLUON:
     @gluon.jit
     def _gluon_decode_kernel(
         k_d, v_d, q_ptr, out, part_acc, part_ml, lse_ptr, cu_q, seqused, bt,
-        qk2, kv_heads, s_bt, s_qt, s_qh, s_ot, s_oh, s_ps, s_pt, s_ms, s_mt, s_lt, s_lh,
+        qk2, kv_heads, bt_width, s_bt, s_qt, s_qh, s_ot, s_oh, s_ps, s_pt, s_ms, s_mt, s_lt, s_lh,
         G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, NC: gl.constexpr, PAGE: gl.constexpr, BOX: gl.constexpr,
         SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -343,7 +346,9 @@ if HAS_GLUON:
                (s_qt, s_qh, s_ot, s_oh, s_ps, s_pt, s_ms, s_mt, s_lt, s_lh))
         smem = (q_s, k_s, v_s, p_s, m_x, l_x, o_x)
         bars = (ready, empty, done)
-        rows = (tok, split, bt + b.to(gl.int64) * s_bt, lo, n, valid, kv_len, h)
+        # the last block-table column a tile reads: the request's last page
+        last = gl.maximum(gl.cdiv(kv_len, PAGE) - 1, 0)
+        rows = (tok, split, bt + b.to(gl.int64) * s_bt, lo, n, valid, last, h, bt_width - 1)
         # argument tuples written out: a tuple bound to a name loses its constexprs
         if NC == 2:
             gl.warp_specialize([
@@ -397,7 +402,8 @@ def launch_gluon_decode(q, k_cache, v_cache, out, cu_q, seqused_k, block_table, 
         if part_acc is not None else (0, 0, 0, 0)
     ls = lse.stride() if lse is not None else (0, 0)
     args = (k_d, v_d, q, out, pa, pm, lse if lse is not None else out, cu_q, seqused_k,
-            block_table, float(scale) * _LOG2E, hkv, block_table.stride(0), q.stride(0),
+            block_table, float(scale) * _LOG2E, hkv, block_table.shape[1],
+            block_table.stride(0), q.stride(0),
             q.stride(1), out.stride(0), out.stride(1), *ps, *ls)
     kw = dict(G=g, GP=decode_group_pad(g), D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
               NC=cfg.consumers, PAGE=page, BOX=box, SPLITS=int(splits),
@@ -439,7 +445,7 @@ def gluon_decode(q, k_cache, v_cache, out, cu_q, seqused_k, block_table, scale, 
     return out
 
 
-_CONSUMER_REGS, _LOADER_REGS = 128, 32
+_CONSUMER_REGS, _LOADER_REGS = 128, 48
 
 #: direct launches (:mod:`._launch`)
 _GLUON_DECODE = Launcher(_gluon_decode_kernel) if HAS_GLUON else None
