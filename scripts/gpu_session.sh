@@ -77,7 +77,9 @@
 #   scripts/gpu_session.sh fortysixth    # the Gluon decode kernel: gpu tests, tile shapes
 #                                  # against the Triton default and cuDNN
 #   scripts/gpu_session.sh fortyseventh  # its first page ids without the key count, 128-key
-#                                  # tiles, two programs per SM
+#                                  # tiles, two programs per SM (hung at the first row: no
+#                                  # output; fortyeighth runs each variant on its own)
+#   scripts/gpu_session.sh fortyeighth   # each variant of fortyseventh alone, under a cap
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -95,6 +97,12 @@ export AITER_ATTN_FAIL_LOG="$OUT/failures.log"
 T=330 V=120 B1=200 B2=200 B3=150
 # gpu_tests LOG CAP_S PER_TEST_S FILE...: the files' gpu tests (-n 8) into $OUT/LOG, then its
 # failures and summary
+# one bench_gluon_decode.py variant alone under a cap (a hang costs only its cap)
+gluon_variant() {
+  timeout ${GV_S:-45} python3 benchmarks/bench_gluon_decode.py --out "$OUT/gd_$1" --rep 20 \
+    --rows "$2" --variants "$1" > "$OUT/gd_$1.log" 2>&1
+  echo "$1 rc=$?"; grep -E "^\| [0-9]" "$OUT/gd_$1.log"
+}
 gpu_tests() {
   local log=$1 cap=$2 per=$3
   shift 3
@@ -582,6 +590,12 @@ planned-ov:num_splits=24,planned-ov:num_splits=16 2>&1 | tail -5 | tee "$OUT/sma
       --rows 16x4096,1x4096,1x32768,64x4096,8x65536,256x4096 --variants default,\
 bn64.st4.nc2.r128.s0,bn128.st3.nc2.r168.s0,bn128.st2.nc2.r168.s0,bn64.st3.nc2.r80.s00,\
 bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
+    ;;
+  fortyeighth)
+    for V in bn64.st4.nc2.r128.s0 bn128.st3.nc2.r168.s0 bn64.st3.nc2.r80.s00 \
+        bn128.st3.nc1.r168.s0 bn128.st2.nc2.r168.s0; do
+      gluon_variant "$V" 16x4096,1x4096,1x32768
+    done
     ;;
   fortysixth)
     # the Gluon decode kernel (TMA pages, keys as wgmma's M side): its oracle tests, then

@@ -66,6 +66,8 @@ def test_session_variants_overrides_and_mla_variants_resolve():
     gluon = [v for line in lines if "bench_gluon_decode.py" in line
              for m in re.finditer(r"--variants\s+(\S+)", line) for v in m[1].split(",")]
     assert "bn64.st4.nc2.r128.s0" in gluon
+    for m in re.finditer(r"for V in ([^;]+); do\s+gluon_variant", text):
+        gluon += m[1].split()  # the names a loop hands to gluon_variant one at a time
     for v in gluon:
         if v != "default":
             gd.parse_variant(v)
