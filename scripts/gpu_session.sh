@@ -80,6 +80,8 @@
 #                                  # tiles, two programs per SM (hung at the first row: no
 #                                  # output; fortyeighth runs each variant on its own)
 #   scripts/gpu_session.sh fortyeighth   # each variant of fortyseventh alone, under a cap
+#   scripts/gpu_session.sh fortyninth    # the Gluon decode as the library's default on sm_90:
+#                                  # gpu tests, the decode table against cuDNN, variants
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -99,7 +101,7 @@ T=330 V=120 B1=200 B2=200 B3=150
 # failures and summary
 # one bench_gluon_decode.py variant alone under a cap (a hang costs only its cap)
 gluon_variant() {
-  timeout ${GV_S:-45} python3 benchmarks/bench_gluon_decode.py --out "$OUT/gd_$1" --rep 20 \
+  timeout ${GV_S:-90} python3 benchmarks/bench_gluon_decode.py --out "$OUT/gd_$1" --rep 20 \
     --rows "$2" --variants "$1" > "$OUT/gd_$1.log" 2>&1
   echo "$1 rc=$?"; grep -E "^\| [0-9]" "$OUT/gd_$1.log"
 }
@@ -590,6 +592,16 @@ planned-ov:num_splits=24,planned-ov:num_splits=16 2>&1 | tail -5 | tee "$OUT/sma
       --rows 16x4096,1x4096,1x32768,64x4096,8x65536,256x4096 --variants default,\
 bn64.st4.nc2.r128.s0,bn128.st3.nc2.r168.s0,bn128.st2.nc2.r168.s0,bn64.st3.nc2.r80.s00,\
 bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
+    ;;
+  fortyninth)
+    gpu_tests gluon_default_tests.log ${GT_S:-200} 150 tests/test_gluon_decode.py \
+      tests/test_flat_slots.py tests/test_triton_paged_attention.py tests/test_graph_gpu.py \
+      tests/test_lse.py tests/test_lse_fused_reduce.py
+    timeout ${BA_S:-150} python3 benchmarks/bench_attention.py --only decode --rep 30 \
+      --anchors cudnn --out "$OUT/attention" > "$OUT/attention.log" 2>&1
+    grep -E "^\| decode" "$OUT/attention.log" | head -20
+    rm -f "$OUT"/*/*.png
+    gluon_variant bn64.st4.nc2.r128.s0 16x4096,1x4096,1x32768,64x4096,8x65536,256x4096
     ;;
   fortyeighth)
     for V in bn64.st4.nc2.r128.s0 bn128.st3.nc2.r168.s0 bn64.st3.nc2.r80.s00 \

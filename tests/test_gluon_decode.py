@@ -129,3 +129,131 @@ def test_gpu_gluon_decode_empty_request_outputs_zeros():
         assert torch.equal(out[0].cpu(), torch.zeros_like(out[0].cpu()))
         assert torch.isinf(lse[0]).all() and (lse[0] < 0).all()
         assert_close_rel(out[1:], case.expected()[1:], RTOL[torch.bfloat16], "neighbour")
+
+
+def test_split_rule():
+    """One program per SM of 132, at least four 64-key tiles a split (the H200 rows of
+    docs/benchmarks.md: 1x4k 16 splits, 1x32k 16, 8x64k 2, 16x4k none)."""
+    from aiter_attn.kernels.triton.decode_gluon import choose_splits
+
+    assert choose_splits(8, 4096, 132) == 16
+    assert choose_splits(8, 32768, 132) == 16
+    assert choose_splits(64, 65536, 132) == 2
+    assert choose_splits(128, 4096, 132) == 1
+    assert choose_splits(8, 300, 132) == 2  # short requests: four tiles a split
+    assert choose_splits(512, 4096, 132) == 1
+
+
+def test_not_planned_off_sm90(monkeypatch):
+    """On a host without an sm_90 GPU (or with the override off) no plan carries the Gluon
+    launch, and the reason is kept once per device."""
+    from aiter_attn.kernels.triton import _launch_config as lc
+    from aiter_attn.kernels.triton.attention import TritonPagedAttention
+
+    case = Case([1, 1], [40, 70], hq=8, hkv=2, d=64, dtype=torch.float16, device="cpu")
+    kernel = TritonPagedAttention(TritonPagedAttention.request_for(
+        case.q, case.k_cache, case.v_cache))
+    assert kernel._gluon_splits(1, 70, 2, torch.device("cpu"), None) is None
+    assert "sm_90" in kernel._gluon_why[torch.device("cpu")] or "Gluon" in \
+        kernel._gluon_why[torch.device("cpu")]
+    monkeypatch.setitem(lc.TUNING_OVERRIDES, "gluon_decode", False)
+    assert kernel._gluon_splits(1, 70, 2, torch.device("cuda"), None) is None
+
+
+def _spy_gluon(monkeypatch):
+    from aiter_attn.kernels.triton import attention as attn
+
+    calls = []
+    real = attn.launch_gluon_decode
+
+    def spy(*a, **kw):
+        calls.append(kw.get("splits"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(attn, "launch_gluon_decode", spy)
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="an NVIDIA sm_90 GPU")
+@pytest.mark.parametrize("kv_lens,page", [
+    pytest.param([4100], 16, id="bs1-splits"),
+    pytest.param([4100, 33, 1, 700] * 8, 16, id="bs32"),
+    pytest.param([1500, 90], 48, id="page48"),
+])
+def test_gpu_default_decode_runs_gluon(monkeypatch, kv_lens, page):
+    """The library's decode on sm_90 (``ops.paged_attention``, the Triton backend's plan)
+    launches the Gluon kernel for plain bf16 layers and the Triton kernel for layers it
+    does not serve (sinks, soft-cap, window): both against the oracle."""
+    from .test_triton_paged_attention import _check
+
+    calls = _spy_gluon(monkeypatch)
+    case = Case([1] * len(kv_lens), kv_lens, hq=32, hkv=8, d=128, page=page,
+                dtype=torch.bfloat16, seed=page, device="cuda")
+    _nan_tails(case)
+    _check(case, "default decode (gluon)")
+    assert calls, "the Gluon kernel did not run"
+    n = len(calls)
+    sinks = torch.randn(32, generator=torch.Generator().manual_seed(1))
+    _check(case, "decode with sinks + soft-cap + window (Triton)", sinks=sinks,
+           softcap=30.0, window_size=(511, -1))
+    assert len(calls) == n, "a featured layer took the Gluon kernel"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="an NVIDIA sm_90 GPU")
+@pytest.mark.parametrize("bs", [1, 16])
+def test_gpu_gluon_decode_under_graph_replay(monkeypatch, bs):
+    """Planned into the static workspace (the graph manager's buffers), captured once in a
+    CUDA graph, replayed after the batch's lengths and block table change in place: every
+    replay matches the oracle (splits at bs 1, none at 16)."""
+    from aiter_attn.graph.buffers import GraphLimits
+    from aiter_attn.kernels.base import LayerParams, _adhoc_metadata
+    from aiter_attn.kernels.triton.attention import TritonPagedAttention
+    from aiter_attn.types import ForwardMode
+
+    calls = _spy_gluon(monkeypatch)
+    dev = "cuda"
+    cases = [Case([1] * bs, [2000 + 37 * i + 300 * r for i in range(bs)], hq=32, hkv=8,
+                  d=128, page=16, dtype=torch.bfloat16, seed=r, device=dev) for r in range(2)]
+    width = max(c.block_table.shape[1] for c in cases)
+    pages = max(c.k_cache.shape[0] for c in cases)
+    k_cache = torch.zeros(pages, 16, 8, 128, dtype=torch.bfloat16, device=dev)
+    v_cache = torch.zeros_like(k_cache)
+    q = torch.empty(bs, 32, 128, dtype=torch.bfloat16, device=dev)
+    bt = torch.zeros(bs, width, dtype=torch.int32, device=dev)
+    seq = torch.zeros(bs, dtype=torch.int32, device=dev)
+    cu = torch.arange(bs + 1, dtype=torch.int32, device=dev)
+    out = torch.empty(bs, 32, 128, dtype=torch.bfloat16, device=dev)
+
+    def load(c):
+        k_cache.zero_()
+        v_cache.zero_()
+        k_cache[:c.k_cache.shape[0]] = c.k_cache.to(dev)
+        v_cache[:c.v_cache.shape[0]] = c.v_cache.to(dev)
+        q.copy_(c.q)
+        bt.zero_()
+        bt[:, :c.block_table.shape[1]] = c.block_table.to(dev)
+        seq.copy_(c.seqused_k)
+
+    kernel = TritonPagedAttention(TritonPagedAttention.request_for(q, k_cache, v_cache))
+    limits = GraphLimits(mode=ForwardMode.DECODE, max_bs=bs, q_len=1, max_num_tokens=bs,
+                         max_seq_len=width * 16)
+    static = kernel.buffer_spec(limits).allocate(q.device)
+    md = _adhoc_metadata(q, k_cache, cu, seq, bt, None, None, 1, width * 16, "paged_attention")
+    plan = kernel.plan(md, out=static)
+    assert plan.gluon is not None
+    params = LayerParams.create(scale=cases[0].scale, device=q.device)
+    load(cases[0])
+    kernel.run(q, (k_cache, v_cache), plan, params, out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernel.run(q, (k_cache, v_cache), plan, params, out)
+    for c in cases:
+        load(c)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_rel(out, c.expected(), RTOL[torch.bfloat16], f"replay bs={bs}")
+    assert calls and (calls[0] > 1) == (bs == 1), calls

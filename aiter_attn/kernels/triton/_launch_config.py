@@ -139,7 +139,7 @@ TUNING_OVERRIDES: dict = {}
 OVERRIDE_KEYS = frozenset({
     "block_m", "block_n", "num_warps", "num_stages", "min_split_tokens", "num_splits",
     "heads", "warp_spec", "page_chunk", "split_tokens", "fused_reduce", "pdl", "v_pairs",
-    "prefetch_pages", "page_ahead", "waves", "flat_slots"})
+    "prefetch_pages", "page_ahead", "waves", "flat_slots", "gluon_decode", "gluon_splits"})
 
 
 def check_overrides(overrides: dict, where: str) -> dict:

@@ -26,6 +26,10 @@ from ._launch import Launcher, tensor_key
 from ._launch_config import (CARRIED_PAGE_LOOKUP, FP8_VALUE_PAIRS, PREFETCH_PAGES,
                              TUNING_OVERRIDES, _cdiv, choose_config)
 from ._pdl import pdl_kwargs
+from ._kvutil import num_sms
+from .decode_gluon import (DEFAULT_CONFIG, _box_rows, cache_descriptors, choose_splits,
+                           gluon_decode_layout_reason, gluon_decode_reject_reason,
+                           launch_gluon_decode, reduce_splits)
 from .paged_attention import (_TL_DTYPES, _UNBOUNDED, _paged_attn_kernel,
                               _reduce_splits_kernel)
 
@@ -62,6 +66,10 @@ class TritonPlan(KernelPlan):
             launch.
         part_acc / part_ml: split partials (``None`` without the split path).
         part_strides: their strides (zeros without splits).
+        gluon: the Gluon decode kernel's launch (:mod:`.decode_gluon`) where it serves the
+            step: ``(splits, part_acc, part_ml)`` (partials ``None`` without splits);
+            layers it cannot serve (sinks, soft-cap, a left window, scales, a cache layout
+            TMA cannot read) run the Triton launch of the same plan.
         cfg_kw: the launch configuration's constexprs (tile shapes, warps, stages).
         kw_cache: per-layer-flag constexpr dicts, built on first use.
     """
@@ -79,6 +87,7 @@ class TritonPlan(KernelPlan):
     fixed_order: bool = False
     counters: Optional[torch.Tensor] = attrs.field(default=None, **_T)
     dv_pad: int = 16
+    gluon: Optional[tuple] = attrs.field(default=None, **_T)
     cfg_kw: dict = attrs.field(factory=dict, **_T)
     kw_cache: dict = attrs.field(factory=dict, metadata=MEMO, **_T)
 
@@ -92,6 +101,8 @@ class TritonPagedAttention(AttentionKernel):
         super().__init__(request)
         self._layouts: dict = {}
         self._pmemo: dict = {}  # id(LayerParams) -> the layer's launch part
+        self._gluon_why: dict = {}  # device -> why the Gluon decode kernel cannot serve
+        self._gdescs: dict = {}  # cache tensors -> their TMA descriptors (or None)
         if request is not None:
             self._bind(request)
 
@@ -146,7 +157,38 @@ class TritonPagedAttention(AttentionKernel):
             splits = cfg.num_splits
             if splits > 1 or cfg.batch_invariant:
                 rows = max(rows, splits * bs * q_len)
+            gsplits = self._gluon_splits(q_len, max_k, bs, device, None)
+            if gsplits is not None and gsplits > 1:
+                rows = max(rows, gsplits * bs * q_len)
         return rows
+
+    def _gluon_splits(self, max_q, max_k, batch, device, mask) -> Optional[int]:
+        """The Gluon decode kernel's split count for a step (``None``: the step is not one
+        it serves: more than one query per request, a custom mask, batch-invariant mode,
+        the 5-D layout, or what :func:`.decode_gluon.gluon_decode_reject_reason` refuses;
+        ``TUNING_OVERRIDES["gluon_decode"] = False`` turns it off, ``"gluon_splits"``
+        fixes the count)."""
+        if (max_q != 1 or mask is not None or self.batch_invariant or not self.nhd_pages
+                or not TUNING_OVERRIDES.get("gluon_decode", True)):
+            return None
+        why = self._gluon_why.get(device, 0)
+        if why == 0:
+            why = self._gluon_why[device] = self._gluon_reason(device)
+        if why is not None:
+            return None
+        forced = TUNING_OVERRIDES.get("gluon_splits")
+        if forced:
+            return int(forced)
+        return choose_splits(batch * self.kv_heads, max(max_k, 1), num_sms(device),
+                             DEFAULT_CONFIG.block_n)
+
+    def _gluon_reason(self, device) -> Optional[str]:
+        """Why the Gluon decode kernel cannot serve this kernel's layers on ``device`` at
+        all (the page size is checked per cache layout at run time)."""
+        return gluon_decode_reject_reason(
+            q_heads=self.q_heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+            v_head_dim=self.v_head_dim, dtype=self.dtype, kv_dtype=self.kv_dtype,
+            page_size=DEFAULT_CONFIG.block_n, device=torch.device(device))
 
     def buffer_spec(self, limits):
         """The split partials' static workspace for ``limits`` (a
@@ -308,8 +350,15 @@ class TritonPagedAttention(AttentionKernel):
             # slot-index addressing where the cache layout allows it (_kw)
             FLAT_SLOTS=cfg.flat_slots,
             num_warps=cfg.num_warps, **pdl_kwargs(cfg.pdl, reduction=False))
+        gluon = None
+        gsplits = (self._gluon_splits(max_q, max_k, max(batch, 1), device, mask)
+                   if _box_rows(page_size, DEFAULT_CONFIG.block_n) >= 16 else None)
+        if gsplits is not None and num_tokens == batch and batch:
+            gparts = (self._partials(gsplits, num_tokens, md, out, device) if gsplits > 1
+                      else (None, None))
+            gluon = (gsplits, *gparts)
         return TritonPlan(
-            num_tokens=num_tokens if batch else 0, mask_literal=mask_literal(md),
+            num_tokens=num_tokens if batch else 0, mask_literal=mask_literal(md), gluon=gluon,
             grid=(grid_q, self.kv_heads * num_hchunks, splits),
             args=(cu, seqused_k, block_table), mask=mask_t,
             ints=(batch, q_blocks_per_seq, splits, split_tiles, block_table.shape[1]),
@@ -351,7 +400,8 @@ class TritonPagedAttention(AttentionKernel):
         counters are one call's scratch: a later call on another stream could overwrite
         them while this one reads) and the launch tuning it was made under is still the
         current one (``TUNING_OVERRIDES``). Otherwise ``ops`` plans again."""
-        if plan.part_acc is not None or plan.counters is not None:
+        if (plan.part_acc is not None or plan.counters is not None
+                or (plan.gluon is not None and plan.gluon[1] is not None)):
             return False
         made = plan.kw_cache.get(_OVERRIDES)
         if made is None:
@@ -537,6 +587,8 @@ class TritonPagedAttention(AttentionKernel):
             raise token_count_error(self.name, n, plan)
         if n == 0:
             return out
+        if plan.gluon is not None and self._run_gluon(q, cache, plan, params, out, lse):
+            return out
         args, key, pe, layout = self._launch_args(q, cache, plan, params, out, lse)
         if not _ATTN.launch_cached(plan.grid, args, key):
             _ATTN.launch(plan.grid, args,
@@ -544,6 +596,37 @@ class TritonPagedAttention(AttentionKernel):
         if plan.split and plan.counters is None:
             self._reduce(plan, params, out, args, lse, key)
         return out
+
+    def _run_gluon(self, q, cache, plan: TritonPlan, params, out, lse) -> bool:
+        """Launch the Gluon decode kernel (and its split reduction) if it serves this layer:
+        no sinks, soft-cap, left window or scales, a cache layout TMA can read (checked once
+        per cache tensor pair). ``False``: the caller runs the Triton launch."""
+        pe = self._pmemo.get(id(params))
+        if pe is None or pe[0] is not params:
+            pe = self._params_launch(params)
+        flags, values = pe[2], pe[4]
+        if flags[1] or flags[2] or flags[3] or flags[4] or values[2] != _UNBOUNDED:
+            return False
+        k_cache, v_cache = cache
+        ck = (k_cache.data_ptr(), k_cache.shape, k_cache.stride(), v_cache.data_ptr(),
+              v_cache.shape, v_cache.stride())
+        descs = self._gdescs.get(ck, 0)
+        if descs == 0:
+            if len(self._gdescs) >= _PARAMS_KEEP:
+                self._gdescs.clear()
+            ok = (gluon_decode_layout_reason(q, k_cache, v_cache, out) is None
+                  and _box_rows(k_cache.shape[1], DEFAULT_CONFIG.block_n) >= 16)
+            descs = self._gdescs[ck] = cache_descriptors(k_cache, v_cache) if ok else None
+        if descs is None or q.stride(2) != 1 or out.stride(2) != 1:
+            return False
+        splits, pa, pm = plan.gluon
+        cu, seqused_k, block_table = plan.args
+        launch_gluon_decode(q, k_cache, v_cache, out, cu, seqused_k, block_table, values[0],
+                            batch=plan.ints[0], splits=splits, lse=lse if splits == 1 else None,
+                            part_acc=pa, part_ml=pm, descs=descs)
+        if splits > 1:
+            reduce_splits(out, pa, pm, lse)
+        return True
 
     def bare_launch(self, q, cache, plan: TritonPlan, params, out, *, direct: bool = False):
         """A zero-argument callable that launches this plan's kernel(s) with every argument

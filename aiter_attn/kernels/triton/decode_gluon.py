@@ -10,6 +10,8 @@ program (request ``b``, KV head ``h``, key split ``s``) runs::
     loader (1 warp)          page ids of a tile (one vector load, a tile ahead), then one
                              TMA box of ``BOX = gcd(page_size, BLOCK_N)`` rows per page
                              piece for K and for V into a ring of ``STAGES`` slots
+                             (without splits the program issues the first tile itself,
+                             before the request's key count arrives)
     consumer c (4 warps,     tiles j ≡ c (mod NC), each with its own running state:
     NC of them)                S^T [BLOCK_N, GP] = K_j · Q^T           (wgmma, A = K tile)
                                P^T = exp2(S^T · qk2 - m)               (max over keys:
@@ -47,6 +49,7 @@ from ._launch import Launcher, launch_key
 from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout
 
 __all__ = ["gluon_decode_reject_reason", "gluon_decode_layout_reason", "launch_gluon_decode",
+           "gluon_decode", "reduce_splits", "cache_descriptors", "choose_splits",
            "GluonDecodeConfig"]
 
 _MAXNREG = 128
@@ -69,6 +72,20 @@ class GluonDecodeConfig:
     def __repr__(self) -> str:
         return (f"GluonDecodeConfig(block_n={self.block_n}, stages={self.stages}, "
                 f"consumers={self.consumers}, maxnreg={self.maxnreg})")
+
+
+#: the launch configuration of the library's decode (H200, fortysixth to fortyninth calls:
+#: docs/benchmarks.md "Fifteenth session")
+DEFAULT_CONFIG = GluonDecodeConfig()
+
+
+def choose_splits(programs: int, max_k: int, sms: int, block_n: int = 64) -> int:
+    """Key splits of a decode launch of ``programs`` (request, KV head) programs: enough
+    for one program per SM (the ring takes one SM's shared memory), each split at least
+    four tiles of the longest request."""
+    if programs <= 0:
+        return 1
+    return max(1, min(sms // programs, -(-max_k // (4 * block_n))))
 
 
 def _box_rows(page_size: int, block_n: int) -> int:
@@ -140,35 +157,45 @@ if HAS_GLUON:
         return gl.sum(gl.where(offs == i, v, 0), axis=0)
 
     @gluon.jit
+    def _issue_tile(k_d, v_d, k_s, v_s, bar, slot, cur, offs, col, BOX: gl.constexpr,
+                    BOXES: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
+        """TMA of one tile's K and V pieces (slot rows ``cur``) into ring slot ``slot``."""
+        mbarrier.expect(bar, 2 * BLOCK_N * D * k_d.dtype.primitive_bitwidth // 8)
+        for i in gl.static_range(BOXES):
+            r = _pick(cur, offs, i)
+            tma.async_copy_global_to_shared(k_d, [r, col], bar,
+                                            k_s.index(slot).slice(i * BOX, BOX, dim=0))
+            tma.async_copy_global_to_shared(v_d, [r, col], bar,
+                                            v_s.index(slot).slice(i * BOX, BOX, dim=0))
+
+    @gluon.jit
     def _load(ops, smem, bars, rows, G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NC: gl.constexpr,
               PAGE: gl.constexpr, BOX: gl.constexpr, SPLITS: gl.constexpr,
               WRITE_LSE: gl.constexpr):
-        """Loader (1 warp): every tile of the split, its page ids read a tile ahead."""
+        """Loader (1 warp): every tile of the split (without splits, every tile after the
+        first, which the program issued before its key count arrived), its page ids read a
+        tile ahead."""
         k_d, v_d = ops[0][0], ops[0][1]
         k_s, v_s = smem[1], smem[2]
         ready, empty = bars[0], bars[1]
         bt_row, lo, n, last, h = rows[2], rows[3], rows[4], rows[6], rows[7]
         BOXES: gl.constexpr = BLOCK_N // BOX
+        START: gl.constexpr = 1 if SPLITS == 1 else 0
         lay: gl.constexpr = gl.BlockedLayout([BOXES], [32], [1], [0])
         offs = gl.arange(0, BOXES, layout=lay)
         col = h * D
-        # the first tile's page ids clamped to the block table's width only: their load needs
-        # no key count (without splits), so it overlaps the program's first loads
-        nxt = _tile_rows(bt_row, lo, rows[8], PAGE, BOX, BOXES, lay)
-        for j in range(n):
+        nxt = _tile_rows(bt_row, lo + START * BLOCK_N, last, PAGE, BOX, BOXES, lay)
+        for j in range(START, n):
             cur = nxt
             nxt = _tile_rows(bt_row, lo + (j + 1) * BLOCK_N, last, PAGE, BOX, BOXES, lay)
             slot = j % STAGES
             mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, 2 * BLOCK_N * D * k_d.dtype.primitive_bitwidth // 8)
-            for i in gl.static_range(BOXES):
-                r = _pick(cur, offs, i)
-                tma.async_copy_global_to_shared(k_d, [r, col], bar,
-                                                k_s.index(slot).slice(i * BOX, BOX, dim=0))
-                tma.async_copy_global_to_shared(v_d, [r, col], bar,
-                                                v_s.index(slot).slice(i * BOX, BOX, dim=0))
+            _issue_tile(k_d, v_d, k_s, v_s, ready.index(slot), slot, cur, offs, col, BOX,
+                        BOXES, BLOCK_N, D)
+        if START == 1:
+            if n == 0:  # nobody consumes the early tile: let it land before the exit
+                mbarrier.wait(ready.index(0), 0)
 
     @gluon.jit
     def _zero_rows(buf, valid, BLOCK_N: gl.constexpr, D: gl.constexpr):
@@ -314,6 +341,13 @@ if HAS_GLUON:
         split = gl.program_id(1)
         b = pid // kv_heads
         h = pid % kv_heads
+        bt_row = bt + b.to(gl.int64) * s_bt
+        BOXES: gl.constexpr = BLOCK_N // BOX
+        lay0: gl.constexpr = gl.BlockedLayout([BOXES], [32], [num_warps], [0])
+        offs0 = gl.arange(0, BOXES, layout=lay0)
+        if SPLITS == 1:  # the first tile's page ids need no key count (clamped to the
+            # block table's width: past the request's pages only masked values are read)
+            first = _tile_rows(bt_row, 0, bt_width - 1, PAGE, BOX, BOXES, lay0)
         tok = gl.load(cu_q + b)
         kv_len = gl.load(seqused + b)
         chunk = gl.cdiv(gl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
@@ -341,6 +375,10 @@ if HAS_GLUON:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         mbarrier.init(done, count=1)
+        fence_async_shared()
+        if SPLITS == 1:  # issued now, while the key count is on its way
+            _issue_tile(k_d, v_d, k_s, v_s, ready.index(0), 0, first, offs0, h * D, BOX,
+                        BOXES, BLOCK_N, D)
 
         ops = ((k_d, v_d), (q_ptr, out, part_acc, part_ml, lse_ptr, qk2),
                (s_qt, s_qh, s_ot, s_oh, s_ps, s_pt, s_ms, s_mt, s_lt, s_lh))
@@ -348,7 +386,7 @@ if HAS_GLUON:
         bars = (ready, empty, done)
         # the last block-table column a tile reads: the request's last page
         last = gl.maximum(gl.cdiv(kv_len, PAGE) - 1, 0)
-        rows = (tok, split, bt + b.to(gl.int64) * s_bt, lo, n, valid, last, h, bt_width - 1)
+        rows = (tok, split, bt_row, lo, n, valid, last, h, bt_width - 1)
         # argument tuples written out: a tuple bound to a name loses its constexprs
         if NC == 2:
             gl.warp_specialize([
@@ -368,6 +406,15 @@ if HAS_GLUON:
             ], [1], [LOADER_REGS])
 
 
+def cache_descriptors(k_cache, v_cache, config: Optional[GluonDecodeConfig] = None) -> tuple:
+    """The TMA descriptors ``(k_d, v_d)`` of a cache pair (rows ``[slots, Hkv · D]``, boxes
+    of ``gcd(page_size, block_n)`` rows): what :func:`launch_gluon_decode` takes as
+    ``descs`` (engines keep them per cache tensor)."""
+    cfg = config or DEFAULT_CONFIG
+    box = _box_rows(k_cache.shape[1], cfg.block_n)
+    return _descriptor(k_cache, cfg.block_n, box), _descriptor(v_cache, cfg.block_n, box)
+
+
 def _descriptor(cache, block_n: int, box: int):
     p, ps, hkv, d = cache.shape
     rows = cache.as_strided((p * ps, hkv * d), (cache.stride(1), 1))
@@ -382,20 +429,19 @@ def decode_group_pad(group: int) -> int:
 
 def launch_gluon_decode(q, k_cache, v_cache, out, cu_q, seqused_k, block_table, scale, *,
                         batch: int, splits: int = 1, config: Optional[GluonDecodeConfig] = None,
-                        lse=None, part_acc=None, part_ml=None):
+                        lse=None, part_acc=None, part_ml=None, descs=None):
     """One launch over ``(batch · Hkv, splits)`` programs (the caller checked
     :func:`gluon_decode_reject_reason` and :func:`gluon_decode_layout_reason`). With
     ``splits > 1`` it writes ``part_acc`` ``[S, T, Hq, D]`` / ``part_ml`` ``[S, T, Hq, 2]``
     (the unnormalised partials of :mod:`.paged_attention`, log2-domain maxima) for its
     reduction kernel; else ``out`` (and ``lse``, natural log). O(1) host work."""
-    cfg = config or GluonDecodeConfig()
+    cfg = config or DEFAULT_CONFIG
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     page = k_cache.shape[1]
     g = hq // hkv
     box = _box_rows(page, cfg.block_n)
-    k_d = _descriptor(k_cache, cfg.block_n, box)
-    v_d = _descriptor(v_cache, cfg.block_n, box)
+    k_d, v_d = descs if descs is not None else cache_descriptors(k_cache, v_cache, cfg)
     pa = part_acc if part_acc is not None else out
     pm = part_ml if part_ml is not None else out
     ps = (part_acc.stride(0), part_acc.stride(1), part_ml.stride(0), part_ml.stride(1)) \
@@ -415,25 +461,33 @@ def launch_gluon_decode(q, k_cache, v_cache, out, cu_q, seqused_k, block_table, 
 
 def gluon_decode(q, k_cache, v_cache, out, cu_q, seqused_k, block_table, scale, *,
                  splits: int = 1, config: Optional[GluonDecodeConfig] = None, lse=None,
-                 part_acc=None, part_ml=None):
+                 part_acc=None, part_ml=None, descs=None):
     """The whole decode step: :func:`launch_gluon_decode`, and with ``splits > 1`` the
     split reduction of :mod:`.paged_attention` (partials allocated here unless given:
     ``[S, T, Hq, D]`` / ``[S, T, Hq, 2]`` float32)."""
-    from .attention import _REDUCE
-    from .paged_attention import _reduce_splits_kernel  # noqa: F401 (the launcher's kernel)
-    from ._kvutil import next_pow2
-
     t, hq, d = q.shape
     batch = cu_q.shape[0] - 1
     if splits == 1:
         return launch_gluon_decode(q, k_cache, v_cache, out, cu_q, seqused_k, block_table,
-                                   scale, batch=batch, config=config, lse=lse)
+                                   scale, batch=batch, config=config, lse=lse, descs=descs)
     if part_acc is None:
         part_acc = torch.empty(splits, t, hq, d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(splits, t, hq, 2, dtype=torch.float32, device=q.device)
     launch_gluon_decode(q, k_cache, v_cache, out, cu_q, seqused_k, block_table, scale,
                         batch=batch, splits=splits, config=config, part_acc=part_acc,
-                        part_ml=part_ml)
+                        part_ml=part_ml, descs=descs)
+    reduce_splits(out, part_acc, part_ml, lse)
+    return out
+
+
+def reduce_splits(out, part_acc, part_ml, lse=None):
+    """The split reduction of :mod:`.paged_attention` over this kernel's partials
+    (``part_acc`` ``[S, T, Hq, D]``, ``part_ml`` ``[S, T, Hq, 2]``) into ``out`` (and
+    ``lse``)."""
+    from .attention import _REDUCE
+    from ._kvutil import next_pow2
+
+    splits, t, hq, d = part_acc.shape
     os_ = out.stride()
     ls = lse.stride() if lse is not None else (0, 0)
     rargs = (out, part_acc, part_ml, part_ml, lse if lse is not None else out, splits,
@@ -442,7 +496,6 @@ def gluon_decode(q, k_cache, v_cache, out, cu_q, seqused_k, block_table, scale, 
     rkw = dict(DV=d, DV_PAD=d, SPLITS_PAD=next_pow2(splits), HAS_SINKS=False,
                WRITE_LSE=lse is not None, FIXED_ORDER=False, num_warps=4)
     _REDUCE.launch((t, hq, 1), rargs, rkw, launch_key(rargs, rkw))
-    return out
 
 
 _CONSUMER_REGS, _LOADER_REGS = 128, 48
