@@ -82,6 +82,7 @@
 #   scripts/gpu_session.sh fortyeighth   # each variant of fortyseventh alone, under a cap
 #   scripts/gpu_session.sh fortyninth    # the Gluon decode as the library's default on sm_90:
 #                                  # gpu tests, the decode table against cuDNN, variants
+#   scripts/gpu_session.sh fiftieth      # the whole gpu suite on the Gluon decode default
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -592,6 +593,9 @@ planned-ov:num_splits=24,planned-ov:num_splits=16 2>&1 | tail -5 | tee "$OUT/sma
       --rows 16x4096,1x4096,1x32768,64x4096,8x65536,256x4096 --variants default,\
 bn64.st4.nc2.r128.s0,bn128.st3.nc2.r168.s0,bn128.st2.nc2.r168.s0,bn64.st3.nc2.r80.s00,\
 bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
+    ;;
+  fiftieth)
+    gpu_tests gpu_suite.log ${GT_S:-420} 200 tests
     ;;
   fortyninth)
     gpu_tests gluon_default_tests.log ${GT_S:-200} 150 tests/test_gluon_decode.py \
