@@ -28,7 +28,12 @@ PAGING_SHAPES = [
 
 def spy_constexpr(monkeypatch, kernel_cls, constexpr: str) -> list:
     """A list that receives the ``constexpr`` of every launch ``kernel_cls`` (a plan/run
-    kernel with a static ``_kw(plan, key)``) builds from then on."""
+    kernel with a static ``_kw(plan, key)``) builds from then on. A test that spies on the
+    Triton kernel's launches targets that kernel: the Gluon decode kernel, which takes plain
+    fp16/bf16 decode on sm_90 GPUs (tests/test_gluon_decode.py), is turned off for it."""
+    from aiter_attn.kernels.triton import _launch_config as lc
+
+    monkeypatch.setitem(lc.TUNING_OVERRIDES, "gluon_decode", False)
     seen: list = []
     kw_of = kernel_cls._kw
 

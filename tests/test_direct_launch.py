@@ -215,6 +215,7 @@ def test_direct_launch_matches_triton_launch_on_gpu(case, monkeypatch):
     """On the GPU: outputs of the direct path are bitwise those of Triton's own launch, and
     the direct path is the one taken from the second call of a key on."""
     from aiter_attn import ops
+    from aiter_attn.kernels.triton import _launch_config as lc
     from aiter_attn.kernels.triton import attention
 
     assert attention._ATTN.direct in (None, True)
@@ -239,6 +240,9 @@ def test_direct_launch_matches_triton_launch_on_gpu(case, monkeypatch):
                   sinks=torch.randn(hq, generator=g).to(dev, torch.float32))
     if case == "lse":
         kw.update(return_lse=True)
+
+    # the Triton kernel's launches (plain decode on sm_90 takes the Gluon kernel otherwise)
+    monkeypatch.setitem(lc.TUNING_OVERRIDES, "gluon_decode", False)
 
     def call():
         return ops.paged_attention(q, kc, vc, **kw)
