@@ -164,13 +164,13 @@ def _spy_gluon(monkeypatch):
     from aiter_attn.kernels.triton import attention as attn
 
     calls = []
-    real = attn.launch_gluon_decode
+    real = attn.run_planned
 
-    def spy(*a, **kw):
-        calls.append(kw.get("splits"))
-        return real(*a, **kw)
+    def spy(part, *a, **kw):
+        calls.append(part[5])  # the split count
+        return real(part, *a, **kw)
 
-    monkeypatch.setattr(attn, "launch_gluon_decode", spy)
+    monkeypatch.setattr(attn, "run_planned", spy)
     return calls
 
 
@@ -193,7 +193,21 @@ def test_gpu_default_decode_runs_gluon(monkeypatch, kv_lens, page):
     _nan_tails(case)
     _check(case, "default decode (gluon)")
     assert calls, "the Gluon kernel did not run"
+    _check(case, "default decode (gluon), the direct launch")  # the second call of its key
+    # a q that is not 16-byte aligned is another specialisation (a new launch key)
+    from aiter_attn.kernels.triton.paged_attention import paged_attention_triton
+
+    dev = "cuda"
+    q = case.q.to(dev)
+    q = torch.empty(q.numel() + 1, dtype=q.dtype, device=dev)[1:].view_as(q).copy_(q)
+    out = torch.full((q.shape[0], 32, 128), float("nan"), dtype=q.dtype, device=dev)
+    paged_attention_triton(q, case.k_cache.to(dev), case.v_cache.to(dev), out,
+                           cu_seqlens_q=case.cu.to(dev), seqused_k=case.seqused_k.to(dev),
+                           block_table=case.block_table.to(dev), softmax_scale=case.scale,
+                           max_seqlen_q=1, max_seqlen_k=max(kv_lens))
+    assert_close_rel(out, case.expected(), RTOL[torch.bfloat16], "gluon, misaligned q")
     n = len(calls)
+    assert n == 3, calls
     sinks = torch.randn(32, generator=torch.Generator().manual_seed(1))
     _check(case, "decode with sinks + soft-cap + window (Triton)", sinks=sinks,
            softcap=30.0, window_size=(511, -1))

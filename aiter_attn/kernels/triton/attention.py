@@ -28,8 +28,8 @@ from ._launch_config import (CARRIED_PAGE_LOOKUP, FP8_VALUE_PAIRS, PREFETCH_PAGE
 from ._pdl import pdl_kwargs
 from ._kvutil import num_sms
 from .decode_gluon import (DEFAULT_CONFIG, _box_rows, cache_descriptors, choose_splits,
-                           gluon_decode_layout_reason, gluon_decode_reject_reason,
-                           launch_gluon_decode, reduce_splits)
+                           gluon_decode_layout_reason, gluon_decode_reject_reason, plan_part,
+                           run_planned)
 from .paged_attention import (_TL_DTYPES, _UNBOUNDED, _paged_attn_kernel,
                               _reduce_splits_kernel)
 
@@ -616,16 +616,24 @@ class TritonPagedAttention(AttentionKernel):
                 self._gdescs.clear()
             ok = (gluon_decode_layout_reason(q, k_cache, v_cache, out) is None
                   and _box_rows(k_cache.shape[1], DEFAULT_CONFIG.block_n) >= 16)
-            descs = self._gdescs[ck] = cache_descriptors(k_cache, v_cache) if ok else None
+            descs = None
+            if ok:
+                k_d, v_d = cache_descriptors(k_cache, v_cache)
+                # the descriptors' specialisation: dtype, block shape and layout of each
+                dsid = _intern(("gluon-descs", k_cache.dtype, tuple(k_d.block_shape),
+                                repr(k_d.layout), k_cache.shape[1]))
+                descs = (dsid, k_d, v_d, k_cache.shape[1])
+            self._gdescs[ck] = descs
         if descs is None or q.stride(2) != 1 or out.stride(2) != 1:
             return False
-        splits, pa, pm = plan.gluon
-        cu, seqused_k, block_table = plan.args
-        launch_gluon_decode(q, k_cache, v_cache, out, cu, seqused_k, block_table, values[0],
-                            batch=plan.ints[0], splits=splits, lse=lse if splits == 1 else None,
-                            part_acc=pa, part_ml=pm, descs=descs)
-        if splits > 1:
-            reduce_splits(out, pa, pm, lse)
+        part = plan.kw_cache.get(_GLUON_LAUNCH)
+        if part is None:
+            splits, pa, pm = plan.gluon
+            cu, seqused_k, block_table = plan.args
+            gp = plan_part(splits, pa, pm, cu, seqused_k, block_table, plan.ints[0],
+                           self.kv_heads)
+            part = plan.kw_cache[_GLUON_LAUNCH] = (_intern(gp[0]), gp)
+        run_planned(part[1], part[0], descs, q, out, values[0], lse)
         return True
 
     def bare_launch(self, q, cache, plan: TritonPlan, params, out, *, direct: bool = False):
@@ -654,6 +662,7 @@ class TritonPagedAttention(AttentionKernel):
 
 #: memo keys of a plan's launch part / the tuning it was made under in ``TritonPlan.kw_cache``
 _PLAN_LAUNCH = "launch"
+_GLUON_LAUNCH = "gluon"
 _OVERRIDES = "overrides"
 #: layers' launch parts a kernel object keeps (id(LayerParams) -> part, holding the params
 #: so the id stays theirs; cleared when full)

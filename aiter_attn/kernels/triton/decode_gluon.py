@@ -49,7 +49,8 @@ from ._launch import Launcher, launch_key
 from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout
 
 __all__ = ["gluon_decode_reject_reason", "gluon_decode_layout_reason", "launch_gluon_decode",
-           "gluon_decode", "reduce_splits", "cache_descriptors", "choose_splits",
+           "gluon_decode", "reduce_splits", "cache_descriptors", "choose_splits", "plan_part",
+           "run_planned",
            "GluonDecodeConfig"]
 
 _MAXNREG = 128
@@ -478,6 +479,67 @@ def gluon_decode(q, k_cache, v_cache, out, cu_q, seqused_k, block_table, scale, 
                         part_ml=part_ml, descs=descs)
     reduce_splits(out, part_acc, part_ml, lse)
     return out
+
+
+def plan_part(splits: int, part_acc, part_ml, cu_q, seqused_k, block_table, batch: int,
+              kv_heads: int) -> tuple:
+    """The step's fixed share of a layer's launch (made once per plan): ``(spec, grid,
+    fixed args after the cache/q/out group, partial strides)``. ``spec`` is hashable: it
+    holds everything of the plan's arguments Triton specialises on."""
+    from ._launch import tensor_key
+
+    ps = ((part_acc.stride(0), part_acc.stride(1), part_ml.stride(0), part_ml.stride(1))
+          if part_acc is not None else (0, 0, 0, 0))
+    bt_w, bt_s = block_table.shape[1], block_table.stride(0)
+    tensors = (cu_q, seqused_k, block_table) + ((part_acc, part_ml) if part_acc is not None
+                                                else ())
+    spec = ("gluon-decode", splits, kv_heads, bt_w, bt_s, ps,
+            tuple(tensor_key(t) for t in tensors))
+    return (spec, (batch * kv_heads, splits), (cu_q, seqused_k, block_table), (bt_w, bt_s),
+            ps, splits, part_acc, part_ml, kv_heads)
+
+
+def run_planned(part: tuple, sid, descs: tuple, q, out, scale: float, lse=None) -> None:
+    """One layer's launch (and split reduction) from :func:`plan_part` ``part`` (interned
+    as ``sid`` by the caller) and the cache's ``descs`` = ``(dsid, k_d, v_d, page)``: the
+    arguments assembled, a small key, the direct launch of :mod:`._launch` from the second
+    call of a key on. O(1); allocates nothing."""
+    from ._launch import tensor_key
+
+    _, grid, (cu, seq, bt), (bt_w, bt_s), ps, splits, pa, pm, hkv = part
+    dsid, k_d, v_d, page = descs
+    qs, os_ = q.stride(), out.stride()
+    split = splits > 1
+    lse_k = lse if not split else None
+    ls = lse_k.stride() if lse_k is not None else (0, 0)
+    args = (k_d, v_d, q, out, pa if split else out, pm if split else out,
+            lse_k if lse_k is not None else out, cu, seq, bt, float(scale) * _LOG2E, hkv,
+            bt_w, bt_s, qs[0], qs[1], os_[0], os_[1], *ps, *ls)
+    key = (sid, dsid, tensor_key(q), tensor_key(out), qs, os_,
+           None if lse_k is None else (tensor_key(lse_k), ls))
+    if not _GLUON_DECODE.launch_cached(grid, args, key):
+        hq, d = q.shape[1], q.shape[2]
+        g = hq // hkv
+        cfg = DEFAULT_CONFIG
+        kw = dict(G=g, GP=decode_group_pad(g), D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+                  NC=cfg.consumers, PAGE=page, BOX=_box_rows(page, cfg.block_n),
+                  SPLITS=splits, WRITE_LSE=lse_k is not None, CONSUMER_REGS=cfg.maxnreg,
+                  LOADER_REGS=_LOADER_REGS, num_warps=4, maxnreg=cfg.maxnreg)
+        _GLUON_DECODE.launch(grid, args, kw, key)
+    if split:
+        from .attention import _REDUCE
+        from ._kvutil import next_pow2
+
+        ls = lse.stride() if lse is not None else (0, 0)
+        rargs = (out, pa, pm, pm, lse if lse is not None else out, splits, os_[0], os_[1],
+                 *ps, ls[0], ls[1])
+        rkey = ("gluon-reduce", sid, tensor_key(out), os_,
+                None if lse is None else (tensor_key(lse), ls))
+        if not _REDUCE.launch_cached((q.shape[0], q.shape[1], 1), rargs, rkey):
+            rkw = dict(DV=q.shape[2], DV_PAD=q.shape[2], SPLITS_PAD=next_pow2(splits),
+                       HAS_SINKS=False, WRITE_LSE=lse is not None, FIXED_ORDER=False,
+                       num_warps=4)
+            _REDUCE.launch((q.shape[0], q.shape[1], 1), rargs, rkw, rkey)
 
 
 def reduce_splits(out, part_acc, part_ml, lse=None):
