@@ -87,6 +87,8 @@
 #                                  # now pin gluon_decode off) and the other spying files
 #   scripts/gpu_session.sh fiftysecond   # the Gluon decode's layer launch on cached keys
 #                                  # (direct launches): its gpu tests, the decode table
+#   scripts/gpu_session.sh fiftythird    # the narrow Gluon MLA kernel: the MLA gpu tests,
+#                                  # then the MLA table
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -597,6 +599,13 @@ planned-ov:num_splits=24,planned-ov:num_splits=16 2>&1 | tail -5 | tee "$OUT/sma
       --rows 16x4096,1x4096,1x32768,64x4096,8x65536,256x4096 --variants default,\
 bn64.st4.nc2.r128.s0,bn128.st3.nc2.r168.s0,bn128.st2.nc2.r168.s0,bn64.st3.nc2.r80.s00,\
 bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
+    ;;
+  fiftythird)
+    gpu_tests mla_narrow_tests.log ${GT_S:-90} 80 tests/test_triton_mla.py
+    timeout ${BA_S:-75} python3 benchmarks/bench_attention.py --only mla --rep 20 \
+      --out "$OUT/mla" > "$OUT/mla.log" 2>&1
+    grep -E "^\| mla" "$OUT/mla.log" | head -8
+    rm -f "$OUT"/*/*.png
     ;;
   fiftysecond)
     gpu_tests gluon_direct_tests.log ${GT_S:-120} 100 tests/test_gluon_decode.py \

@@ -57,16 +57,56 @@ def compile_decode(q="bf16", maxnreg=None, **const):
                           options=dict(num_warps=4, num_stages=1, maxnreg=maxnreg))
 
 
+def compile_narrow_mla(q="bf16", **const):
+    """The narrow MLA kernel (:mod:`aiter_attn.kernels.triton.mla_narrow_gluon`)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from aiter_attn.kernels.triton import mla_narrow_gluon as mn
+
+    c = dict(HP=16, PAGE=64, BOX=64, CAUSAL=True, SPLITS=1, WRITE_LSE=False, BLOCK_B=64,
+             CONSUMER_REGS=mn._MAXNREG, LOADER_REGS=mn._LOADER_REGS, num_warps=4)
+    c.update(const)
+    c["BOX"] = min(c["BOX"], 64)
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[q]
+    fn = mn._narrow_mla_kernel
+    names = fn.arg_names
+    ln = gl.NVMMASharedLayout.get_default_for([c["BOX"], 512], gdt)
+    lr = gl.NVMMASharedLayout.get_default_for([c["BOX"], 64], gdt)
+    sig = {}
+    for n in names:
+        if n in c:
+            sig[n] = "constexpr"
+        elif n == "kn_d":
+            sig[n] = f"tensordesc<{q}[{c['BOX']}, 512],{ln!r}>"
+        elif n == "kr_d":
+            sig[n] = f"tensordesc<{q}[{c['BOX']}, 64],{lr!r}>"
+        elif n in ("q_ptr", "out"):
+            sig[n] = "*" + q
+        elif n in ("part_o", "part_l", "lse_ptr"):
+            sig[n] = "*fp32"
+        elif n in ("cu_q", "seqused", "bt"):
+            sig[n] = "*i32"
+        elif n == "qk2":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in c.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, num_stages=1, maxnreg=mn._MAXNREG))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("const", nargs="?", default="{}")
     p.add_argument("--json", action="store_true")
     p.add_argument("--dump", default=None)
+    p.add_argument("--mla", action="store_true", help="the narrow MLA kernel")
     a = p.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from inspect_gluon_prefill_sm90 import gluon_report, print_report
 
-    k = compile_decode(**json.loads(a.const))
+    k = (compile_narrow_mla if a.mla else compile_decode)(**json.loads(a.const))
     print_report(gluon_report(k), a.json)
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)

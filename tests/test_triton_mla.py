@@ -353,3 +353,52 @@ def test_gpu_gluon_mla_graph_replay_matches_eager():
     eager = torch.empty_like(out)
     fn(q, kv, eager, **kw, max_seqlen_k=4096)
     assert torch.equal(out, eager)
+
+
+# ------------------------------------------ the narrow Gluon kernel (up to 16 heads, sm_90)
+
+NARROW_SHAPES = [
+    pytest.param(dict(q_lens=[1] * 5, kv_lens=[4096, 1000, 64, 5, 129], page=64, heads=16),
+                 {}, id="H16-p64-decode"),
+    pytest.param(dict(q_lens=[4, 2, 1], kv_lens=[1500, 130, 3], page=16, heads=16),
+                 {}, id="H16-p16-verify"),
+    pytest.param(dict(q_lens=[1] * 3, kv_lens=[777, 2048, 65], page=48, heads=8),
+                 {"num_kv_splits": 3}, id="H8-p48-split3"),
+    pytest.param(dict(q_lens=[1, 1], kv_lens=[3000, 17], page=64, heads=1),
+                 {}, id="H1-p64"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape,extra", NARROW_SHAPES)
+def test_gpu_narrow_gluon_mla(shape, extra, dtype, monkeypatch):
+    """The narrow Gluon kernel (asserted to serve: at most 16 heads, latents 512 + 64)
+    against the oracle with NaN in the null page and the unwritten slots, verify rows
+    (causal per token), splits (its own partials, :mod:`.mla`'s merge) and the LSE
+    (equal to the Triton kernel's)."""
+    from aiter_attn.kernels.triton import mla_narrow_gluon as mn
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon MLA kernels are sm_90 only")
+    calls = []
+    real = mn._NARROW.launch
+    monkeypatch.setattr(mn._NARROW, "launch",
+                        lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    case = MLACase(**shape, rank=512, rope=64, dtype=dtype, device="cuda")
+    page = shape["page"]
+    case.kv_cache[0] = float("nan")  # the null page
+    for b, L in enumerate(case.kv_lens):
+        last = int(case.block_table[b, (L - 1) // page])
+        if L % page:
+            case.kv_cache[last, L % page:] = float("nan")
+    lse = torch.full((case.q.shape[0], case.heads), float("nan"), device="cuda")
+    out = case.run(lse=lse, **extra)
+    assert calls, "the narrow Gluon kernel did not serve the launch"
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert_close_rel(out, case.expected(), RTOL[dtype], f"narrow gluon {dtype}")
+    n = len(calls)
+    lse_t = torch.empty_like(lse)
+    case.run(lse=lse_t, gluon=False, **extra)
+    assert len(calls) == n  # gluon=False: the Triton kernel
+    assert_close_rel(lse, lse_t, 1e-3, "lse against the Triton kernel's")

@@ -43,6 +43,8 @@ from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
 from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS, MLA_FP8_VALUE_PAIRS
 from .mla_gluon import (GLUON_MLA_BLOCK_H, gluon_mla_reject_reason, gluon_mla_tensors_reason,
                         launch_gluon_mla)
+from .mla_narrow_gluon import (NARROW_MLA_MAX_HEADS, launch_narrow_mla, narrow_mla_reject_reason,
+                               narrow_mla_splits, narrow_mla_tensors_reason)
 from ._paging import fp8_pair_ptrs, load_chunk_pages, split_fp8_pairs, tile_pages_of
 from ._pdl import pdl_kwargs, pdl_mode, wait_then_release
 
@@ -445,6 +447,10 @@ class TritonMLAPlan(KernelPlan):
     #: the warp-specialised Gluon kernel (:mod:`.mla_gluon`) serves the launch when its
     #: tensors allow (checked per run); same grid, splits and partials
     gluon: bool = False
+    #: the narrow Gluon kernel (:mod:`.mla_narrow_gluon`, up to 16 heads) where it serves
+    #: the step: ``(splits, part_o, part_lse)`` of its own launch (partials ``None``
+    #: without splits); a run whose tensors it cannot read takes the Triton launch
+    narrow: Optional[tuple] = attrs.field(default=None, **_T)
 
 
 class TritonMLA(MLAKernel):
@@ -513,7 +519,28 @@ class TritonMLA(MLAKernel):
             splits = self._config(bs * q_len, max_k, device)[2]
             if splits > 1 or self.batch_invariant:
                 rows = max(rows, splits * bs * q_len)
+            nsplits = self._narrow_splits(bs * q_len, max_k, device, None, None)
+            if nsplits is not None and nsplits > 1:
+                rows = max(rows, nsplits * bs * q_len)
         return rows
+
+    def _narrow_splits(self, num_tokens, kv_bound, device, page_size, mask) -> Optional[int]:
+        """The narrow Gluon kernel's split count (``None``: it does not serve the step:
+        more than 16 heads, a custom mask, not sm_90 / bf16 / fp16 / 512 + 64, or
+        ``tuning["gluon"] is False``; ``page_size=None`` skips the page check)."""
+        if not self.tuning.get("gluon", True) or self.heads > NARROW_MLA_MAX_HEADS:
+            return None
+        why = narrow_mla_reject_reason(
+            heads=self.heads, rank=self.rank, rope=self.rope, dtype=self.dtype,
+            kv_dtype=self.kv_dtype, page_size=64 if page_size is None else page_size,
+            device=torch.device(device), masked=mask is not None,
+            batch_invariant=self.batch_invariant)
+        if why is not None:
+            return None
+        forced = self.tuning.get("num_kv_splits")
+        if forced:
+            return int(forced)
+        return narrow_mla_splits(num_tokens, max(kv_bound, 1), num_sms(torch.device(device)))
 
     def buffer_spec(self, limits):
         """The split partials' static workspace for ``limits`` (a
@@ -608,8 +635,14 @@ class TritonMLA(MLAKernel):
             heads=self.heads, rank=self.rank, rope=self.rope, dtype=self.dtype,
             kv_dtype=self.kv_dtype, page_size=page_size, device=device,
             masked=mask is not None, batch_invariant=self.batch_invariant) is None
+        narrow = None
+        nsplits = self._narrow_splits(num_tokens, kv_bound, device, page_size, mask)
+        if nsplits is not None and not empty:
+            nparts = (self._partials(nsplits, num_tokens, md, out, device) if nsplits > 1
+                      else (None, None))
+            narrow = (nsplits, *nparts)
         return TritonMLAPlan(
-            num_tokens=0 if empty else num_tokens, mask_literal=mask_literal(md),
+            num_tokens=0 if empty else num_tokens, mask_literal=mask_literal(md), narrow=narrow,
             grid=(num_tokens * head_blocks, splits), args=(cu, seqused_k, block_table),
             mask=mask_t, batch=batch, head_blocks=head_blocks, splits=splits,
             use_parts=use_parts, part_o=part_o, part_lse=part_lse, cfg_kw=cfg_kw,
@@ -655,6 +688,21 @@ class TritonMLA(MLAKernel):
         lse_t = lse if write_lse else part_lse
         ls = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
         os_ = out.stride()
+        if (plan.narrow is not None and not from_ptr
+                and narrow_mla_tensors_reason(q, kv_cache, out) is None):
+            nsplits, n_o, n_l = plan.narrow
+            launch_narrow_mla(q, kv_cache, out, cu, seqused_k, block_table, params.scale,
+                              splits=nsplits, batch=plan.batch, causal=kw["CAUSAL"],
+                              lse=lse if nsplits == 1 else None, part_o=n_o, part_lse=n_l)
+            if nsplits > 1:
+                po, pl = n_o.stride(), n_l.stride()
+                lse_n = lse if write_lse else n_l
+                _mla_merge_kernel[(plan.num_tokens, self.heads)](
+                    out, n_o, n_l, lse_n, os_[0], os_[1], po[0], po[1], po[2], pl[0], pl[1],
+                    *ls, KV_LORA=self.rank, BLOCK_DV=self.block_dv, NUM_SPLITS=nsplits,
+                    BLOCK_S=max(2, next_pow2(nsplits)), WRITE_LSE=write_lse,
+                    FIXED_ORDER=False, num_warps=4)
+            return out
         if plan.gluon and gluon_mla_tensors_reason(q, kv_cache, out) is None:
             launch_gluon_mla(q, kv_cache, out, cu, seqused_k, block_table, params.scale,
                              splits=plan.splits, batch=plan.batch,

@@ -1,0 +1,364 @@
+"""Absorbed-MLA decode (:mod:`.mla`) for few heads (up to 16) on sm_90, in Gluon: the key
+tile is wgmma's M side, as in :mod:`.decode_gluon`.
+
+The Triton kernel runs a 16-head block as ``mma.sync`` tiles of 16 rows with per-thread
+``cp.async`` loads of the 576-wide latent rows (80% of DRAM throughput at 64×4k, 3.72 TB/s
+for the step: docs/benchmarks.md, "Issue 14"). The 128-head Gluon kernel
+(:mod:`.mla_gluon`) needs 64-head blocks. Here one program (token ``t``, all its ``H <= 16``
+heads, one key split) runs::
+
+    loader (1 warp)        page ids of a tile a tile ahead; TMA of each page piece's latent
+                           rows (c_nope [.., 512] and c_rope [.., 64]) into a ring of
+                           ``STAGES`` slots of 64 keys
+    consumer c (4 warps,   tiles j ≡ c (mod 2), each with its own running state:
+    two of them)             Sᵀ [64, HP] = c_nope · q_nopeᵀ + c_rope · q_ropeᵀ   (wgmma, m64n16)
+                             Pᵀ = exp2(Sᵀ · qk2 - m)       (one cross-warp maximum a tile)
+                             Oᵀ [512, HP] += c_nopeᵀ · Pᵀ  (the same tile read transposed)
+
+``HP`` is the head count padded to the wgmma N of 8 or 16 (its columns read zero queries).
+q (both parts) is staged once per program by the parent region. Consumer 1 hands its
+``(m, l, Oᵀ)`` to consumer 0 through shared memory, which writes the rows (one split) or
+the split partials of :mod:`.mla` (``o / l`` and the log2 LSE) for its merge kernel.
+
+The last tile of a split masks keys past the token's last visible key (the request's end,
+or the causal bound of a verify token) and zeroes those latent rows before ``P · V``.
+
+Serves (:func:`narrow_mla_reject_reason`): NVIDIA sm_90, fp16/bf16 q and cache of the
+same dtype, ``kv_lora_rank`` 512 + rope 64, up to 16 heads, ``gcd(page_size, 64) >= 16``,
+no custom mask, not batch-invariant, row-contiguous (TMA-able) q, cache and out.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ._launch import Launcher, tensor_key
+from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout
+
+__all__ = ["narrow_mla_reject_reason", "narrow_mla_tensors_reason", "narrow_mla_splits",
+           "launch_narrow_mla", "NARROW_MLA_MAX_HEADS"]
+
+NARROW_MLA_MAX_HEADS = 16
+_RANK, _ROPE, _BLOCK_N, _STAGES = 512, 64, 64, 2
+_MAXNREG, _LOADER_REGS = 128, 48
+
+
+def _box_rows(page_size: int) -> int:
+    return math.gcd(int(page_size), _BLOCK_N)
+
+
+def narrow_mla_reject_reason(*, heads: int, rank: int, rope: int, dtype, kv_dtype,
+                             page_size: int, device, masked: bool,
+                             batch_invariant: bool) -> Optional[str]:
+    """Why the narrow Gluon MLA kernel cannot serve a plan (``None``: it can). Host
+    integers only; :func:`narrow_mla_tensors_reason` checks the tensors at launch."""
+    from .prefill import _capability
+
+    if not HAS_GLUON:
+        return "this Triton has no Gluon Hopper dialect"
+    if device.type != "cuda" or torch.version.hip is not None or _capability(device)[0] != 9:
+        return "needs an NVIDIA sm_90 GPU"
+    if dtype not in (torch.float16, torch.bfloat16) or kv_dtype != dtype:
+        return f"q {dtype} / cache {kv_dtype} (fp16/bf16, the same for both)"
+    if rank != _RANK or rope != _ROPE:
+        return f"kv_lora_rank {rank} + rope {rope} (512 + 64 only)"
+    if heads > NARROW_MLA_MAX_HEADS:
+        return f"{heads} heads (at most {NARROW_MLA_MAX_HEADS})"
+    if _box_rows(page_size) < 16:
+        return f"page size {page_size} (gcd with 64 must be >= 16)"
+    if masked:
+        return "custom masks stay on the Triton kernel"
+    if batch_invariant:
+        return "batch-invariant launches stay on the Triton kernel"
+    return None
+
+
+def narrow_mla_tensors_reason(q, kv_cache, out) -> Optional[str]:
+    """The launch-time half (``None``: fine): row-contiguous, 16-byte aligned cache rows
+    ``page_size`` rows apart; unit last-dim strides of q and out."""
+    p, ps, _, d = kv_cache.shape
+    s = kv_cache.stride()
+    if s[3] != 1 or s[0] != ps * s[1] or (s[1] * kv_cache.element_size()) % 16:
+        return "kv_cache rows are not contiguous 16-byte aligned pages"
+    if kv_cache.data_ptr() % 16:
+        return "kv_cache not 16-byte aligned"
+    if p * ps >= 2 ** 31:
+        return "more than 2^31 cache slots"
+    if q.stride(2) != 1 or out.stride(2) != 1:
+        return "q / out last dim not contiguous"
+    return None
+
+
+def narrow_mla_splits(tokens: int, max_k: int, sms: int) -> int:
+    """Key splits: one program per SM (the ring and q take most of one SM's shared memory),
+    each split at least four 64-key tiles."""
+    if tokens <= 0:
+        return 1
+    return max(1, min(sms // tokens, -(-max_k // (4 * _BLOCK_N))))
+
+
+if HAS_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    from .decode_gluon import _pick, _tile_rows, _zero_rows
+
+    @gluon.jit
+    def _issue(kn_d, kr_d, kn_s, kr_s, bar, slot, cur, offs, BOX: gl.constexpr,
+               BOXES: gl.constexpr):
+        mbarrier.expect(bar, 64 * 576 * kn_d.dtype.primitive_bitwidth // 8)
+        for i in gl.static_range(BOXES):
+            r = _pick(cur, offs, i)
+            tma.async_copy_global_to_shared(kn_d, [r, 0], bar,
+                                            kn_s.index(slot).slice(i * BOX, BOX, dim=0))
+            tma.async_copy_global_to_shared(kr_d, [r, 512], bar,
+                                            kr_s.index(slot).slice(i * BOX, BOX, dim=0))
+
+    @gluon.jit
+    def _load(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
+              BOX: gl.constexpr, SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr):
+        """Loader (1 warp): every tile of the split, page ids a tile ahead."""
+        kn_d, kr_d = ops[0][0], ops[0][1]
+        kn_s, kr_s = smem[2], smem[3]
+        ready, empty = bars[0], bars[1]
+        bt_row, lo, n, last = rows[2], rows[3], rows[4], rows[6]
+        BOXES: gl.constexpr = 64 // BOX
+        lay: gl.constexpr = gl.BlockedLayout([BOXES], [32], [1], [0])
+        offs = gl.arange(0, BOXES, layout=lay)
+        nxt = _tile_rows(bt_row, lo, last, PAGE, BOX, BOXES, lay)
+        for j in range(n):
+            cur = nxt
+            nxt = _tile_rows(bt_row, lo + (j + 1) * 64, last, PAGE, BOX, BOXES, lay)
+            slot = j % 2
+            mbarrier.wait(empty.index(slot), ((j // 2) & 1) ^ 1)
+            _issue(kn_d, kr_d, kn_s, kr_s, ready.index(slot), slot, cur, offs, BOX, BOXES)
+
+    @gluon.jit
+    def _consume(ops, smem, bars, rows, C: gl.constexpr, HP: gl.constexpr,
+                 SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr):
+        out, part_o, part_l, lse_ptr, qk2, heads = ops[1]
+        s_ot, s_oh, s_pt, s_ph, s_ps, s_lt, s_lh, s_et, s_eh = ops[2]
+        qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x = smem
+        ready, empty, done = bars
+        t, split, bt_row, lo, n, valid, last = rows
+        dtype: gl.constexpr = qn_s.dtype
+        s_lay: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HP, 16])
+        col: gl.constexpr = gl.SliceLayout(0, s_lay)
+        row: gl.constexpr = gl.SliceLayout(1, s_lay)
+        qn_t = qn_s.permute((1, 0))  # [512, HP]
+        qr_t = qr_s.permute((1, 0))  # [64, HP]
+        p_t = p_s.index(C).permute((1, 0))  # [64, HP]
+
+        acc = gl.zeros([512, HP], gl.float32, layout=s_lay)
+        l_acc = gl.zeros([64, HP], gl.float32, layout=s_lay)
+        m_i = gl.full([HP], float("-inf"), gl.float32, layout=col)
+        s_zero = gl.zeros([64, HP], gl.float32, layout=s_lay)
+        for j in range(C, n, 2):
+            slot = j % 2
+            mbarrier.wait(ready.index(slot), (j // 2) & 1)
+            kn = kn_s.index(slot)
+            s_tok = warpgroup_mma(kn, qn_t, s_zero, use_acc=False, is_async=True)
+            s_tok = warpgroup_mma(kr_s.index(slot), qr_t, s_tok, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+            if j == n - 1:
+                if valid < 64:  # past the last visible key: no logit, zero latent rows
+                    kpos = gl.arange(0, 64, layout=row)
+                    s = gl.where(kpos[:, None] < valid, s, float("-inf"))
+                    _zero_rows(kn, valid, 64, 512)
+                    fence_async_shared()
+                    gl.thread_barrier()
+            m_new = gl.maximum(m_i, gl.max(s, 0) * qk2)
+            p = gl.exp2(s * qk2 - m_new[None, :])
+            alpha = gl.exp2(m_i - m_new)
+            l_acc = l_acc * alpha[None, :] + p
+            acc = acc * alpha[None, :]
+            m_i = m_new
+            p_t.store(p.to(dtype))
+            fence_async_shared()
+            o_tok = warpgroup_mma(kn.permute((1, 0)), p_t, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
+            mbarrier.arrive(empty.index(slot), count=1)
+        l_i = gl.sum(l_acc, 0)
+
+        if C == 1:  # hand (m, l, O) to consumer 0
+            m_x.store(m_i)
+            l_x.store(l_i)
+            o_x.store(acc)
+            gl.thread_barrier()
+            mbarrier.arrive(done, count=1)
+        else:
+            mbarrier.wait(done, 0)
+            m_1 = m_x.load(col)
+            l_1 = l_x.load(col)
+            o_1 = o_x.load(s_lay)
+            m_n = gl.maximum(m_i, m_1)
+            m_safe = gl.where(m_n == float("-inf"), 0.0, m_n)
+            a_0 = gl.exp2(m_i - m_safe)
+            a_1 = gl.exp2(m_1 - m_safe)
+            acc = acc * a_0[None, :] + o_1 * a_1[None, :]
+            l_i = l_i * a_0 + l_1 * a_1
+            m_i = m_n
+            h = gl.arange(0, HP, layout=col)
+            h_ok = h < heads
+            has = l_i > 0.0
+            l_safe = gl.where(has, l_i, 1.0)
+            lse2 = gl.where(has, m_i + gl.log2(l_safe), float("-inf"))
+            t64 = t.to(gl.int64)
+            h64 = h.to(gl.int64)
+            # the normalised rows through shared memory, stored 64 latent columns at a time
+            # (a [512, HP] pointer tensor would take 128 registers a thread)
+            gl.thread_barrier()  # every thread has read consumer 1's O from o_x
+            o_x.store(acc / l_safe[None, :])
+            gl.thread_barrier()
+            st: gl.constexpr = gl.BlockedLayout([1, HP // 4], [32, 1], [1, 4], [0, 1])
+            dd = gl.arange(0, 64, layout=gl.SliceLayout(1, st))
+            hh = gl.arange(0, HP, layout=gl.SliceLayout(0, st))
+            ok = (hh < heads)[None, :]
+            hh64 = hh.to(gl.int64)[None, :]
+            for c in gl.static_range(8):
+                o = o_x.slice(c * 64, 64, dim=0).load(st)
+                d = (c * 64 + dd)[:, None]
+                if SPLITS == 1:
+                    gl.store(out + t64 * s_ot + hh64 * s_oh + d, o.to(out.dtype.element_ty),
+                             mask=ok)
+                else:
+                    gl.store(part_o + t64 * s_pt + hh64 * s_ph + split.to(gl.int64) * s_ps
+                             + d, o, mask=ok)
+            if SPLITS == 1:
+                if WRITE_LSE:
+                    gl.store(lse_ptr + t64 * s_et + h64 * s_eh, lse2 * 0.6931471805599453,
+                             mask=h_ok)
+            else:
+                gl.store(part_l + t64 * s_lt + h64 * s_lh + split.to(gl.int64), lse2,
+                         mask=h_ok)
+
+    @gluon.jit
+    def _consume_0(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
+                   BOX: gl.constexpr, SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr):
+        _consume(ops, smem, bars, rows, 0, HP, SPLITS, WRITE_LSE)
+
+    @gluon.jit
+    def _consume_1(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
+                   BOX: gl.constexpr, SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr):
+        _consume(ops, smem, bars, rows, 1, HP, SPLITS, WRITE_LSE)
+
+    @gluon.jit
+    def _narrow_mla_kernel(
+        kn_d, kr_d, q_ptr, out, part_o, part_l, lse_ptr, cu_q, seqused, bt,
+        qk2, heads, batch, s_bt, s_qt, s_qh,
+        s_ot, s_oh, s_pt, s_ph, s_ps, s_lt, s_lh, s_et, s_eh,
+        HP: gl.constexpr, PAGE: gl.constexpr, BOX: gl.constexpr, CAUSAL: gl.constexpr,
+        SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr, BLOCK_B: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        t = gl.program_id(0)
+        split = gl.program_id(1)
+        lay_b: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        offs_b = gl.arange(0, BLOCK_B, layout=lay_b)
+        ends = gl.load(cu_q + 1 + offs_b, mask=offs_b < batch, other=2147483647)
+        b = gl.minimum(gl.sum((ends <= t).to(gl.int32), axis=0), batch - 1)
+        q_start = gl.load(cu_q + b)
+        n_q = gl.load(cu_q + b + 1) - q_start
+        kv_len = gl.load(seqused + b)
+        end = kv_len
+        if CAUSAL:
+            end = gl.minimum(kv_len, kv_len - n_q + (t - q_start) + 1)
+        chunk = gl.cdiv(gl.cdiv(end, SPLITS), 64) * 64
+        lo = split * chunk
+        hi = gl.minimum(lo + chunk, end)
+        n = gl.maximum(gl.cdiv(hi - lo, 64), 0)
+        valid = hi - lo - (n - 1) * 64
+
+        dtype: gl.constexpr = kn_d.dtype
+        # q [HP, 576] staged once: heads past ``heads`` read zeros
+        lq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        hq = gl.arange(0, HP, layout=gl.SliceLayout(1, lq))
+        q_row = q_ptr + t.to(gl.int64) * s_qt + hq.to(gl.int64)[:, None] * s_qh
+        dn = gl.arange(0, 512, layout=gl.SliceLayout(0, lq))
+        dr = gl.arange(0, 64, layout=gl.SliceLayout(0, lq))
+        qn = gl.load(q_row + dn[None, :], mask=(hq < heads)[:, None], other=0.0)
+        qr = gl.load(q_row + 512 + dr[None, :], mask=(hq < heads)[:, None], other=0.0)
+        qn_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 512], dtype)
+        qr_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 64], dtype)
+        qn_s = gl.allocate_shared_memory(dtype, [HP, 512], qn_l, qn)
+        qr_s = gl.allocate_shared_memory(dtype, [HP, 64], qr_l, qr)
+        kn_s = gl.allocate_shared_memory(dtype, [2, 64, 512], kn_d.layout)
+        kr_s = gl.allocate_shared_memory(dtype, [2, 64, 64], kr_d.layout)
+        p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 64], dtype)
+        p_s = gl.allocate_shared_memory(dtype, [2, HP, 64], p_l)
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        m_x = gl.allocate_shared_memory(gl.float32, [HP], flat)
+        l_x = gl.allocate_shared_memory(gl.float32, [HP], flat)
+        o_x = gl.allocate_shared_memory(gl.float32, [512, HP], flat2)
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(done, count=1)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        last = gl.maximum(gl.cdiv(kv_len, PAGE) - 1, 0)
+        ops = ((kn_d, kr_d), (out, part_o, part_l, lse_ptr, qk2, heads),
+               (s_ot, s_oh, s_pt, s_ph, s_ps, s_lt, s_lh, s_et, s_eh))
+        smem = (qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x)
+        bars = (ready, empty, done)
+        rows = (t, split, bt + b.to(gl.int64) * s_bt, lo, n, valid, last)
+        gl.warp_specialize([
+            (_consume_0, (ops, smem, bars, rows, HP, PAGE, BOX, SPLITS, WRITE_LSE)),
+            (_consume_1, (ops, smem, bars, rows, HP, PAGE, BOX, SPLITS, WRITE_LSE)),
+            (_load, (ops, smem, bars, rows, HP, PAGE, BOX, SPLITS, WRITE_LSE)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+def _descriptors(kv_cache):
+    p, ps, _, d = kv_cache.shape
+    rows = kv_cache.as_strided((p * ps, d), (kv_cache.stride(1), 1))
+    box = _box_rows(ps)
+    kn = GluonDescriptor(rows, [p * ps, d], [kv_cache.stride(1), 1], [box, _RANK],
+                         _smem_layout(box, _RANK, kv_cache.dtype))
+    kr = GluonDescriptor(rows, [p * ps, d], [kv_cache.stride(1), 1], [box, _ROPE],
+                         _smem_layout(box, _ROPE, kv_cache.dtype))
+    return kn, kr
+
+
+def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, splits: int,
+                      batch: int, causal: bool, lse=None, part_o=None, part_lse=None,
+                      descs=None):
+    """One launch over ``(tokens, splits)`` programs; with ``splits > 1`` it writes
+    ``part_o`` ``[T, H, S, R]`` / ``part_lse`` ``[T, H, S]`` (:mod:`.mla`'s partials) for
+    its merge kernel. The caller checked :func:`narrow_mla_reject_reason` and
+    :func:`narrow_mla_tensors_reason`."""
+    t, h, _ = q.shape
+    kn_d, kr_d = descs if descs is not None else _descriptors(kv_cache)
+    po = part_o if part_o is not None else out
+    pl = part_lse if part_lse is not None else out
+    ps_o = part_o.stride()[:3] if part_o is not None else (0, 0, 0)
+    ps_l = part_lse.stride()[:2] if part_lse is not None else (0, 0)
+    ls = lse.stride() if lse is not None else (0, 0)
+    args = (kn_d, kr_d, q, out, po, pl, lse if lse is not None else out, cu_q, seqused_k,
+            block_table, float(scale) * _LOG2E, h, batch, block_table.stride(0),
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *ps_o, *ps_l, *ls)
+    kw = dict(HP=8 if h <= 8 else 16, PAGE=kv_cache.shape[1], BOX=_box_rows(kv_cache.shape[1]),
+              CAUSAL=bool(causal), SPLITS=int(splits), WRITE_LSE=lse is not None,
+              BLOCK_B=max(2, 1 << max(0, (batch - 1).bit_length())),
+              CONSUMER_REGS=_MAXNREG, LOADER_REGS=_LOADER_REGS, num_warps=4,
+              maxnreg=_MAXNREG)
+    key = (tuple(tensor_key(a) if hasattr(a, "data_ptr") else None for a in args[2:10]),
+           args[11:], tuple(sorted(kw.items())), kv_cache.dtype, tuple(kn_d.block_shape))
+    _NARROW.launch((t, int(splits)), args, kw, key)
+    return out
+
+
+#: direct launches (:mod:`._launch`)
+_NARROW = Launcher(_narrow_mla_kernel) if HAS_GLUON else None
