@@ -603,6 +603,7 @@ bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
   fiftythird)
     gpu_tests mla_narrow_tests.log ${GT_S:-90} 80 tests/test_triton_mla.py
     timeout ${BA_S:-75} python3 benchmarks/bench_attention.py --only mla --rep 20 \
+      --mla-rows 16x64x4096,16x128x8192 \
       --out "$OUT/mla" > "$OUT/mla.log" 2>&1
     grep -E "^\| mla" "$OUT/mla.log" | head -8
     rm -f "$OUT"/*/*.png
