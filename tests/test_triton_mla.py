@@ -393,12 +393,12 @@ def test_gpu_narrow_gluon_mla(shape, extra, dtype, monkeypatch):
         if L % page:
             case.kv_cache[last, L % page:] = float("nan")
     lse = torch.full((case.q.shape[0], case.heads), float("nan"), device="cuda")
-    out = case.run(lse=lse, **extra)
+    out = case.run(lse=lse, narrow=True, **extra)
     assert calls, "the narrow Gluon kernel did not serve the launch"
     assert not out.isnan().any() and not lse.isnan().any()
     assert_close_rel(out, case.expected(), RTOL[dtype], f"narrow gluon {dtype}")
     n = len(calls)
     lse_t = torch.empty_like(lse)
-    case.run(lse=lse_t, gluon=False, **extra)
-    assert len(calls) == n  # gluon=False: the Triton kernel
+    case.run(lse=lse_t, **extra)
+    assert len(calls) == n  # not asked for: the Triton kernel
     assert_close_rel(lse, lse_t, 1e-3, "lse against the Triton kernel's")

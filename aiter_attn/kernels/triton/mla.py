@@ -458,7 +458,8 @@ class TritonMLA(MLAKernel):
 
     ``tuning`` (tests, benchmarks) overrides the launch heuristics: ``num_kv_splits``,
     ``block_h``, ``block_n``, ``num_warps``, ``num_stages``, ``page_chunk``, ``split_v_load``,
-    ``v_pairs`` (fp8 value reads as 16-bit column pairs), ``gluon`` (``False``: never the Gluon kernel of :mod:`.mla_gluon`, which otherwise
+    ``v_pairs`` (fp8 value reads as 16-bit column pairs), ``narrow`` (``True``: the narrow
+    Gluon kernel of :mod:`.mla_narrow_gluon` for up to 16 heads), ``gluon`` (``False``: never the Gluon kernels of :mod:`.mla_gluon`, which otherwise
     serves what :func:`.mla_gluon.gluon_mla_reject_reason` allows: 64-head blocks of
     bf16/fp16 latents 512 + 64 on NVIDIA sm_90).
     """
@@ -526,9 +527,13 @@ class TritonMLA(MLAKernel):
 
     def _narrow_splits(self, num_tokens, kv_bound, device, page_size, mask) -> Optional[int]:
         """The narrow Gluon kernel's split count (``None``: it does not serve the step:
+        not asked for (``tuning["narrow"]``: an option, not the default: on the H200 it ran
+        16 heads 64×4k at 3.74 TB/s replayed, level with the Triton kernel's 3.72, and its
+        functional calls cost more host time: docs/benchmarks.md, "Fifteenth session"),
         more than 16 heads, a custom mask, not sm_90 / bf16 / fp16 / 512 + 64, or
         ``tuning["gluon"] is False``; ``page_size=None`` skips the page check)."""
-        if not self.tuning.get("gluon", True) or self.heads > NARROW_MLA_MAX_HEADS:
+        if (not self.tuning.get("narrow", False) or not self.tuning.get("gluon", True)
+                or self.heads > NARROW_MLA_MAX_HEADS):
             return None
         why = narrow_mla_reject_reason(
             heads=self.heads, rank=self.rank, rope=self.rope, dtype=self.dtype,
@@ -763,6 +768,7 @@ def mla_paged_attention(
     gluon: Optional[bool] = None,
     v_pairs: Optional[bool] = None,
     pdl=None,
+    narrow: Optional[bool] = None,
 ) -> torch.Tensor:
     """Absorbed MLA over a paged latent cache (Triton). Same contract as
     :func:`aiter_attn.kernels.reference.mla_paged_attention_reference`.
@@ -803,6 +809,9 @@ def mla_paged_attention(
         gluon: ``False``: never the warp-specialised Gluon kernel (:mod:`.mla_gluon`); by
             default it serves the launches it can (64-head blocks of bf16/fp16 latents
             512 + 64, pages of a multiple of 64 keys, no mask, NVIDIA sm_90).
+        narrow: ``True``: the narrow Gluon kernel (:mod:`.mla_narrow_gluon`) for up to 16
+            heads where it serves (bf16/fp16 latents 512 + 64, ``gcd(page, 64) >= 16``, no
+            mask, NVIDIA sm_90); an option (level with the Triton kernel on the H200).
         batch_invariant: each row's bits independent of the rest of the batch: keys split
             every :data:`BATCH_INVARIANT_SPLIT_TOKENS` (rounded to ``block_n``) at absolute
             positions, the split path and a fixed-order merge always (the split count, a
@@ -834,7 +843,7 @@ def mla_paged_attention(
     tuning = {k: v for k, v in dict(
         num_kv_splits=num_kv_splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
         num_stages=num_stages, page_chunk=page_chunk, split_v_load=split_v_load,
-        gluon=gluon, v_pairs=v_pairs, pdl=pdl).items() if v is not None}
+        gluon=gluon, v_pairs=v_pairs, pdl=pdl, narrow=narrow).items() if v is not None}
     kernel = TritonMLA(mla_request(q, kv_cache, kv_lora_rank,
                                    custom_mask=custom_mask is not None, lse=lse is not None,
                                    batch_invariant=batch_invariant), tuning)

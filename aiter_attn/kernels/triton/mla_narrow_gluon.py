@@ -23,6 +23,11 @@ the split partials of :mod:`.mla` (``o / l`` and the log2 LSE) for its merge ker
 The last tile of a split masks keys past the token's last visible key (the request's end,
 or the causal bound of a verify token) and zeroes those latent rows before ``P · V``.
 
+An option of :class:`.mla.TritonMLA` (``tuning["narrow"] = True``, ``mla_paged_attention(...,
+narrow=True)``), not its default: on the H200 it ran 16 heads 64×4k at 3.74 TB/s and 128×8k
+at 4.34 replayed, level with the Triton kernel (3.72 / 4.33), while its functional call
+builds two TMA descriptors per call (docs/benchmarks.md, "Fifteenth session").
+
 Serves (:func:`narrow_mla_reject_reason`): NVIDIA sm_90, fp16/bf16 q and cache of the
 same dtype, ``kv_lora_rank`` 512 + rope 64, up to 16 heads, ``gcd(page_size, 64) >= 16``,
 no custom mask, not batch-invariant, row-contiguous (TMA-able) q, cache and out.
