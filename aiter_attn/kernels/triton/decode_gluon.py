@@ -32,9 +32,9 @@ piece of a tile past the request's pages reads the request's last page again (or
 split's first tile, whatever page its block-table entry names: never written, only masked).
 
 Serves (:func:`gluon_decode_reject_reason`): NVIDIA sm_90, fp16/bf16 q and cache of the
-same dtype, ``D == DV`` in {64, 128, 256}, up to 16 query heads per KV head, page sizes that
-are multiples of 16 or divide ``BLOCK_N``... (any ``gcd(page_size, BLOCK_N) >= 16``), NHD
-pages whose rows are TMA-able, no sinks / soft-cap / window / scales / custom mask, not
+same dtype, ``D == DV`` in {64, 128, 256}, up to 16 query heads per KV head, page sizes with
+``gcd(page_size, BLOCK_N) >= 16`` (with 64-key tiles: multiples of 16), NHD pages whose
+rows are TMA-able, no sinks / soft-cap / window / scales / custom mask, not
 batch-invariant. Everything else runs the Triton kernel.
 """
 
@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import attrs
 import torch
 
 from ._launch import Launcher, launch_key
@@ -53,29 +54,27 @@ __all__ = ["gluon_decode_reject_reason", "gluon_decode_layout_reason", "launch_g
            "run_planned",
            "GluonDecodeConfig"]
 
-_MAXNREG = 128
-
-
+@attrs.frozen
 class GluonDecodeConfig:
-    """Tile shape of a launch: ``block_n`` keys per tile, ``stages`` ring slots,
-    ``consumers`` warpgroups (1 or 2)."""
+    """Tile shape of a launch (benchmarks and tests; the library launches
+    :data:`DEFAULT_CONFIG`).
 
-    __slots__ = ("block_n", "stages", "consumers", "maxnreg")
+    Attributes:
+        block_n: keys per tile (64 or 128: wgmma's M side).
+        stages: ring slots of K and V tiles.
+        consumers: consumer warpgroups (1 or 2) taking alternate tiles.
+        maxnreg: the launch's register cap, also the worker consumer's share. On the H200
+            two consumers ran at 128 only: caps of 80 and 168 faulted at launch
+            (docs/benchmarks.md, "Fifteenth session").
+    """
 
-    def __init__(self, block_n: int = 64, stages: int = 4, consumers: int = 2,
-                 maxnreg: int = 128):
-        self.block_n, self.stages, self.consumers = int(block_n), int(stages), int(consumers)
-        self.maxnreg = int(maxnreg)
-
-    def key(self) -> tuple:
-        return (self.block_n, self.stages, self.consumers, self.maxnreg)
-
-    def __repr__(self) -> str:
-        return (f"GluonDecodeConfig(block_n={self.block_n}, stages={self.stages}, "
-                f"consumers={self.consumers}, maxnreg={self.maxnreg})")
+    block_n: int = attrs.field(default=64, converter=int)
+    stages: int = attrs.field(default=4, converter=int)
+    consumers: int = attrs.field(default=2, converter=int)
+    maxnreg: int = attrs.field(default=128, converter=int)
 
 
-#: the launch configuration of the library's decode (H200, fortysixth to fortyninth calls:
+#: the launch configuration of the library's decode (H200, fortysixth to fiftysecond calls:
 #: docs/benchmarks.md "Fifteenth session")
 DEFAULT_CONFIG = GluonDecodeConfig()
 
