@@ -46,7 +46,9 @@ from typing import Optional
 import attrs
 import torch
 
+from ._kvutil import next_pow2
 from ._launch import Launcher, launch_key
+from .paged_attention import _reduce_splits_kernel
 from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout
 
 __all__ = ["gluon_decode_reject_reason", "gluon_decode_layout_reason", "launch_gluon_decode",
@@ -526,9 +528,6 @@ def run_planned(part: tuple, sid, descs: tuple, q, out, scale: float, lse=None) 
                   LOADER_REGS=_LOADER_REGS, num_warps=4, maxnreg=cfg.maxnreg)
         _GLUON_DECODE.launch(grid, args, kw, key)
     if split:
-        from .attention import _REDUCE
-        from ._kvutil import next_pow2
-
         ls = lse.stride() if lse is not None else (0, 0)
         rargs = (out, pa, pm, pm, lse if lse is not None else out, splits, os_[0], os_[1],
                  *ps, ls[0], ls[1])
@@ -545,9 +544,6 @@ def reduce_splits(out, part_acc, part_ml, lse=None):
     """The split reduction of :mod:`.paged_attention` over this kernel's partials
     (``part_acc`` ``[S, T, Hq, D]``, ``part_ml`` ``[S, T, Hq, 2]``) into ``out`` (and
     ``lse``)."""
-    from .attention import _REDUCE
-    from ._kvutil import next_pow2
-
     splits, t, hq, d = part_acc.shape
     os_ = out.stride()
     ls = lse.stride() if lse is not None else (0, 0)
@@ -561,5 +557,7 @@ def reduce_splits(out, part_acc, part_ml, lse=None):
 
 _CONSUMER_REGS, _LOADER_REGS = 128, 48
 
-#: direct launches (:mod:`._launch`)
+#: direct launches (:mod:`._launch`): the kernel and its split reduction (the Triton
+#: kernel's, launched with this module's keys)
 _GLUON_DECODE = Launcher(_gluon_decode_kernel) if HAS_GLUON else None
+_REDUCE = Launcher(_reduce_splits_kernel)
