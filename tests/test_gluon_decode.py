@@ -299,3 +299,75 @@ def test_narrow_mla_compiles_for_sm90(const):
     assert r["shared"] <= H200_SMEM_OPTIN, r
     assert r["registers"] * r["warps"] * 32 <= 65536, r
     assert r["wgmma"] == 136, r
+
+
+class _Recorder:
+    """A compiled kernel whose C launcher records the grid and the argument list (of the
+    direct launches: a key's first launch only returns it)."""
+
+    function = 0
+    packed_metadata = ()
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, gx, gy, gz, stream, fn, meta, launch_meta, enter, exit_, *args):
+        self.calls.append(((gx, gy, gz), args))
+
+
+def test_layer_launch_keys_and_argument_list(monkeypatch):
+    """The layer launch of a planned step (``run_planned``, on the CPU with the launchers'
+    direct path stubbed and the device check forced): its positional arguments plus the
+    constexpr tail are exactly the kernel's parameters in order; calls that differ in what
+    Triton specialises on get other keys (q's 16-byte alignment), calls that do not share
+    one; with splits the LSE is the reduction's output only (its key changes, the
+    kernel's does not); every layer call with splits launches the reduction."""
+    from aiter_attn.kernels.base import LayerParams, _adhoc_metadata
+    from aiter_attn.kernels.triton import attention as attn
+    from aiter_attn.kernels.triton import decode_gluon as dg
+
+    monkeypatch.setattr(attn.TritonPagedAttention, "_gluon_reason", lambda self, dev: None)
+    monkeypatch.setattr(attn, "num_sms", lambda device: 132)
+    kernel_rec, reduce_rec = _Recorder(), _Recorder()
+    for launcher, rec in ((dg._GLUON_DECODE, kernel_rec), (dg._REDUCE, reduce_rec)):
+        monkeypatch.setattr(launcher, "_cache", {})
+        launcher.force_direct(rec)
+    keys, rkeys = [], []
+    real = dg.run_planned
+
+    def spy(part, sid, descs, q, out, scale, lse=None):
+        seen, rseen = set(dg._GLUON_DECODE._cache), set(dg._REDUCE._cache)
+        real(part, sid, descs, q, out, scale, lse)
+        keys.append((set(dg._GLUON_DECODE._cache) - seen) or None)
+        rkeys.append((set(dg._REDUCE._cache) - rseen) or None)
+
+    monkeypatch.setattr(attn, "run_planned", spy)
+    case = Case([1, 1], [300, 77], hq=8, hkv=2, d=64, page=16, dtype=torch.float16,
+                device="cpu")
+    kernel = attn.TritonPagedAttention(attn.TritonPagedAttention.request_for(
+        case.q, case.k_cache, case.v_cache))
+    md = _adhoc_metadata(case.q, case.k_cache, case.cu, case.seqused_k, case.block_table,
+                         None, None, 1, 300, "paged_attention")
+    plan = kernel.plan(md)
+    assert plan.gluon is not None and plan.gluon[0] == 2  # 132 SMs over 4 programs, 300 keys
+    params = LayerParams.create(scale=case.scale, device=case.q.device)
+    cache = (case.k_cache, case.v_cache)
+    out = torch.empty(2, 8, 64, dtype=torch.float16)
+    q_odd = torch.empty(case.q.numel() + 1, dtype=case.q.dtype)[1:].view_as(case.q)
+    q_odd.copy_(case.q)
+    lse = torch.empty(2, 8)
+    for q, lse_t in ((case.q, None), (case.q, None), (q_odd, None), (case.q, lse)):
+        kernel.run(q, cache, plan, params, out, lse=lse_t)
+    assert keys[1] is None and rkeys[1] is None, "the same call made a new key"
+    assert keys[0] and keys[2] and keys[0] != keys[2]  # q aligned / not
+    assert keys[3] is None and rkeys[3]  # the LSE: the reduction's output
+    names = [n for n, _, _ in dg._GLUON_DECODE._params()]
+    for grid, args in kernel_rec.calls:
+        assert grid == (2 * 2, 2, 1)
+        assert len(args) == len(names)
+        assert args[names.index("SPLITS")] == 2 and args[names.index("PAGE")] == 16
+    # splits: every layer call reduces (a key's first launch compiles and is not recorded)
+    assert len(reduce_rec.calls) + sum(k is not None for k in rkeys) == 4
+    assert kernel_rec.calls and len(kernel_rec.calls) + sum(k is not None for k in keys) == 4
+    rnames = [n for n, _, _ in dg._REDUCE._params()]
+    assert all(len(a) == len(rnames) for _, a in reduce_rec.calls)
