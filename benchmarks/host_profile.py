@@ -39,6 +39,7 @@ Usage::
     python benchmarks/host_profile.py                 # the table (direct path)
     python benchmarks/host_profile.py --stub jit      # every launch through Triton's path
     python benchmarks/host_profile.py --cprofile ops  # where the time goes
+    python benchmarks/host_profile.py --gluon         # the Gluon decode kernel's host path
 
 These are CPU figures of this machine: a proxy for the H200 host, not a measurement of it.
 """
@@ -167,6 +168,28 @@ def install_stub(mode: str = "direct"):
     return undo
 
 
+def force_gluon():
+    """The Gluon decode kernel's path (:mod:`aiter_attn.kernels.triton.decode_gluon`) as on
+    an sm_90 GPU: its device check passed, 132 SMs, its launchers' direct path stubbed.
+    Returns an undo callable."""
+    from aiter_attn.kernels.triton import attention
+    from aiter_attn.kernels.triton import decode_gluon as dg
+
+    saved = (attention.TritonPagedAttention._gluon_reason, attention.num_sms,
+             [(lc, lc.__dict__.copy()) for lc in (dg._GLUON_DECODE, dg._REDUCE)])
+    attention.TritonPagedAttention._gluon_reason = lambda self, device: None
+    attention.num_sms = lambda device: 132
+    for launcher, _ in saved[2]:
+        launcher.force_direct(_FakeCompiled(), stream=lambda: 0)
+
+    def undo():
+        attention.TritonPagedAttention._gluon_reason, attention.num_sms = saved[0], saved[1]
+        for launcher, state in saved[2]:
+            launcher.__dict__.clear()
+            launcher.__dict__.update(state)
+    return undo
+
+
 def measure(fn, n: int, rounds: int, clock=time.thread_time) -> tuple[float, float]:
     """``(min, median)`` over ``rounds`` of the mean µs per call of ``n`` back-to-back calls
     (the minimum is the figure least disturbed by other processes on a shared machine;
@@ -201,12 +224,12 @@ def count_calls(fn, n: int = 200) -> float:
     return count[0] / n
 
 
-def _setup(direct: bool):
+def _setup(direct: bool, dtype=torch.float32):
     from aiter_attn import AttentionBackend, BackendConfig, ForwardMode, LayerSpec, ops
     from aiter_attn.testing import PagedScenario
 
     hq, hkv, d, keys, page = 32, 8, 128, 100, 16
-    dtype, device = torch.float32, torch.device("cpu")
+    device = torch.device("cpu")
     cfg = BackendConfig(page_size=page, max_batch_size=1, max_context_len=keys + 8,
                         dtype=dtype, device=device, kernel_backend="triton")
     layer = LayerSpec(layer_id=0, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
@@ -234,9 +257,9 @@ def _setup(direct: bool):
 
     pages = -(-keys // page)
     g = torch.Generator(device="cpu").manual_seed(0)
-    oq = torch.randn(1, hq, d, generator=g)
-    kc = torch.randn(pages + 1, page, hkv, d, generator=g)
-    vc = torch.randn(pages + 1, page, hkv, d, generator=g)
+    oq = torch.randn(1, hq, d, generator=g).to(dtype)
+    kc = torch.randn(pages + 1, page, hkv, d, generator=g).to(dtype)
+    vc = torch.randn(pages + 1, page, hkv, d, generator=g).to(dtype)
     bt = torch.arange(1, pages + 1, dtype=torch.int32).view(1, pages)
     cu = torch.tensor([0, 1], dtype=torch.int32)
     sk = torch.tensor([keys], dtype=torch.int32)
@@ -262,11 +285,23 @@ def main(argv=None) -> dict:
     p.add_argument("--cprofile", choices=("forward", "ops"), default=None)
     p.add_argument("--clock", choices=("thread", "wall"), default="thread",
                    help="thread CPU time (default: unmoved by waiting for a core) or wall")
+    p.add_argument("--gluon", action="store_true",
+                   help="the Gluon decode kernel's host path, as on an sm_90 GPU (direct "
+                        "stub only; the bare-launch rows stay the Triton kernel's)")
     args = p.parse_args(argv)
+    if args.gluon and args.stub != "direct":
+        p.error("--gluon measures the direct launch path: use it with --stub direct")
     torch.set_num_threads(1)
     undo = install_stub(args.stub)
+    if args.gluon:
+        undo_stub, undo_gluon = undo, force_gluon()
+
+        def undo():
+            undo_gluon()
+            undo_stub()
     try:
-        fns = _setup(args.stub == "direct")
+        # the Gluon path's TMA descriptors take fp16/bf16 caches only
+        fns = _setup(args.stub == "direct", torch.float16 if args.gluon else torch.float32)
         if args.cprofile:
             fn = fns["forward" if args.cprofile == "forward" else "ops.paged_attention"]
             measure(fn, 200, 1)
@@ -280,6 +315,13 @@ def main(argv=None) -> dict:
         clock = time.thread_time if args.clock == "thread" else time.perf_counter
         res = {name: measure(fn, args.n, args.rounds, clock) for name, fn in fns.items()}
         calls = {name: count_calls(fn) for name, fn in fns.items()}
+        if args.gluon:
+            from aiter_attn.kernels.triton import decode_gluon as dg
+
+            keys = len(dg._GLUON_DECODE._cache)
+            if not keys:
+                raise SystemExit("--gluon: the Gluon decode path was not taken")
+            print(f"Gluon decode launch keys: {keys}")
     finally:
         undo()
     jit = res["bare launch (Triton path)"][0]

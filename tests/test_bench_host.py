@@ -55,14 +55,16 @@ def test_bare_launch_matches_forward(bench):
 
 
 def test_host_profile_runs_on_the_cpu():
-    """benchmarks/host_profile.py (the CPU proxy of the host cost) runs every stand-in."""
+    """benchmarks/host_profile.py (the CPU proxy of the host cost) runs every stand-in, and
+    the Gluon decode kernel's path (``--gluon``)."""
     import subprocess
 
     root = os.path.dirname(_BENCH)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root, OMP_NUM_THREADS="1")
-    for stub in ("direct", "jit"):
+    for extra in (["--stub", "direct"], ["--stub", "jit"], ["--gluon"]):
         res = subprocess.run([sys.executable, os.path.join(_BENCH, "host_profile.py"), "--n",
-                              "20", "--rounds", "1", "--stub", stub], env=env, cwd=root,
+                              "20", "--rounds", "1", *extra], env=env, cwd=root,
                              capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-2000:]
         assert "| forward |" in res.stdout and "| ops.paged_attention |" in res.stdout
+        assert ("Gluon decode launch keys:" in res.stdout) == (extra == ["--gluon"])
