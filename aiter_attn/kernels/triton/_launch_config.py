@@ -131,7 +131,9 @@ ONE_WAVE_MIN_SMEM = 160 * 1024
 #: :data:`FP8_VALUE_PAIRS`), ``prefetch_pages`` (see :data:`PREFETCH_PAGES`), ``page_ahead``
 #: (see :data:`CARRIED_PAGE_LOOKUP`), ``waves`` (programs per SM the bf16 split count aims
 #: at, 2 by default), ``flat_slots`` (slot-index K/V addressing, see
-#: :attr:`LaunchConfig.flat_slots`).
+#: :attr:`LaunchConfig.flat_slots`), ``gluon_decode`` (``False``: plain fp16/bf16 decode on
+#: sm_90 keeps this kernel instead of :mod:`.decode_gluon`'s), ``gluon_splits`` (that
+#: kernel's split count instead of :func:`.decode_gluon.choose_splits`).
 TUNING_OVERRIDES: dict = {}
 
 #: Every key :data:`TUNING_OVERRIDES` understands (the kernels read it with ``.get``, so a
