@@ -211,6 +211,56 @@ if HAS_GLUON:
             part.store(gl.where(keep, x, gl.zeros_like(x)))
 
     @gluon.jit
+    def _mask_tail(s, vbuf, valid, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                   row: gl.constexpr):
+        """A split's last tile: keys ``>= valid`` get no logit (``s`` ``[BLOCK_N, N]``,
+        keys on rows) and a zero value row in ``vbuf`` (``[BLOCK_N, D]`` in shared memory,
+        visible to the next wgmma). Returns ``s``."""
+        kpos = gl.arange(0, BLOCK_N, layout=row)
+        s = gl.where(kpos[:, None] < valid, s, float("-inf"))
+        _zero_rows(vbuf, valid, BLOCK_N, D)
+        fence_async_shared()
+        gl.thread_barrier()
+        return s
+
+    @gluon.jit
+    def _keys_softmax(s, m_i, l_acc, acc, qk2):
+        """Online softmax of one tile whose keys are the rows of ``s`` ``[BLOCK_N, N]``
+        (raw logits; ``qk2`` = scale · log2 e): ``(p, m, l_acc, acc)`` with the running
+        maximum ``m`` ``[N]``, the per-element row sums ``l_acc`` and the accumulator
+        ``acc`` ``[D, N]`` rescaled to the new maximum."""
+        m_new = gl.maximum(m_i, gl.max(s, 0) * qk2)
+        p = gl.exp2(s * qk2 - m_new[None, :])
+        alpha = gl.exp2(m_i - m_new)
+        return p, m_new, l_acc * alpha[None, :] + p, acc * alpha[None, :]
+
+    @gluon.jit
+    def _hand_over(C: gl.constexpr, m_i, l_i, acc, m_x, l_x, o_x, done, col: gl.constexpr,
+                   lay: gl.constexpr):
+        """Two consumers' states merged: consumer 1 stores ``(m, l, O)`` in ``m_x`` /
+        ``l_x`` / ``o_x`` and signals ``done``; consumer 0 waits and returns the merged
+        ``(m, l, O)`` (consumer 1 returns its own, unused)."""
+        if C == 1:
+            m_x.store(m_i)
+            l_x.store(l_i)
+            o_x.store(acc)
+            gl.thread_barrier()
+            mbarrier.arrive(done, count=1)
+        else:
+            mbarrier.wait(done, 0)
+            m_1 = m_x.load(col)
+            l_1 = l_x.load(col)
+            o_1 = o_x.load(lay)
+            m_n = gl.maximum(m_i, m_1)
+            m_safe = gl.where(m_n == float("-inf"), 0.0, m_n)
+            a_0 = gl.exp2(m_i - m_safe)
+            a_1 = gl.exp2(m_1 - m_safe)
+            acc = acc * a_0[None, :] + o_1 * a_1[None, :]
+            l_i = l_i * a_0 + l_1 * a_1
+            m_i = m_n
+        return m_i, l_i, acc
+
+    @gluon.jit
     def _consume(ops, smem, bars, rows, C: gl.constexpr, G: gl.constexpr,
                  GP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr, NC: gl.constexpr, SPLITS: gl.constexpr,
@@ -256,17 +306,8 @@ if HAS_GLUON:
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
             if j == n - 1:
                 if valid < BLOCK_N:  # past the request's end: no logit, a zero value row
-                    kpos = gl.arange(0, BLOCK_N, layout=row)
-                    s = gl.where(kpos[:, None] < valid, s, float("-inf"))
-                    _zero_rows(v, valid, BLOCK_N, D)
-                    fence_async_shared()
-                    gl.thread_barrier()
-            m_new = gl.maximum(m_i, gl.max(s, 0) * qk2)
-            p = gl.exp2(s * qk2 - m_new[None, :])
-            alpha = gl.exp2(m_i - m_new)
-            l_acc = l_acc * alpha[None, :] + p
-            acc = acc * alpha[None, :]
-            m_i = m_new
+                    s = _mask_tail(s, v, valid, BLOCK_N, D, row)
+            p, m_i, l_acc, acc = _keys_softmax(s, m_i, l_acc, acc, qk2)
             p_t.store(p.to(dtype))
             fence_async_shared()
             o_tok = warpgroup_mma(v.permute((1, 0)), p_t, acc, is_async=True)
@@ -275,24 +316,7 @@ if HAS_GLUON:
         l_i = gl.sum(l_acc, 0)
 
         if NC == 2:
-            if C == 1:  # hand (m, l, O) to consumer 0
-                m_x.store(m_i)
-                l_x.store(l_i)
-                o_x.store(acc)
-                gl.thread_barrier()
-                mbarrier.arrive(done, count=1)
-            else:
-                mbarrier.wait(done, 0)
-                m_1 = m_x.load(col)
-                l_1 = l_x.load(col)
-                o_1 = o_x.load(lay)
-                m_n = gl.maximum(m_i, m_1)
-                m_safe = gl.where(m_n == float("-inf"), 0.0, m_n)
-                a_0 = gl.exp2(m_i - m_safe)
-                a_1 = gl.exp2(m_1 - m_safe)
-                acc = acc * a_0[None, :] + o_1 * a_1[None, :]
-                l_i = l_i * a_0 + l_1 * a_1
-                m_i = m_n
+            m_i, l_i, acc = _hand_over(C, m_i, l_i, acc, m_x, l_x, o_x, done, col, lay)
         if C == 0:
             g_o = gl.arange(0, GP, layout=col)
             d_o = gl.arange(0, D, layout=row)

@@ -106,6 +106,30 @@ if HAS_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     @gluon.jit
+    def _token_split(cu_q, seqused, t, split, batch, SPLITS: gl.constexpr,
+                     CAUSAL: gl.constexpr, BLOCK_B: gl.constexpr, num_warps: gl.constexpr):
+        """Token ``t``'s request ``b`` (searched in ``cu_q`` over ``BLOCK_B`` requests), its
+        key count, and split ``split``'s tiles of 64 keys: ``(b, kv_len, lo, n, valid)``
+        with ``valid`` the visible keys of the last tile (causal: up to the token's own
+        position)."""
+        lay_b: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        offs_b = gl.arange(0, BLOCK_B, layout=lay_b)
+        ends = gl.load(cu_q + 1 + offs_b, mask=offs_b < batch, other=2147483647)
+        b = gl.minimum(gl.sum((ends <= t).to(gl.int32), axis=0), batch - 1)
+        q_start = gl.load(cu_q + b)
+        n_q = gl.load(cu_q + b + 1) - q_start
+        kv_len = gl.load(seqused + b)
+        end = kv_len
+        if CAUSAL:
+            end = gl.minimum(kv_len, kv_len - n_q + (t - q_start) + 1)
+        chunk = gl.cdiv(gl.cdiv(kv_len, SPLITS), 64) * 64
+        lo = split * chunk
+        hi = gl.minimum(lo + chunk, end)
+        n = gl.maximum(gl.cdiv(hi - lo, 64), 0)
+        valid = hi - lo - (n - 1) * 64  # visible keys of the last tile
+        return b, kv_len, lo, n, valid
+
+    @gluon.jit
     def _zero_rows(buf, col0, valid, COLS: gl.constexpr):
         """Rows ``>= valid`` of the ``[64, COLS]`` columns of ``buf`` from ``col0`` set to
         0 (a tile past the last visible key), 64 columns at a time."""
@@ -274,21 +298,8 @@ if HAS_GLUON:
         split = gl.program_id(1)
         t = pid // num_head_blocks  # a token's head blocks are neighbours (shared tiles)
         hb = pid % num_head_blocks
-        lay_b: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-        offs_b = gl.arange(0, BLOCK_B, layout=lay_b)
-        ends = gl.load(cu_q + 1 + offs_b, mask=offs_b < batch, other=2147483647)
-        b = gl.minimum(gl.sum((ends <= t).to(gl.int32), axis=0), batch - 1)
-        q_start = gl.load(cu_q + b)
-        n_q = gl.load(cu_q + b + 1) - q_start
-        kv_len = gl.load(seqused + b)
-        end = kv_len
-        if CAUSAL:
-            end = gl.minimum(kv_len, kv_len - n_q + (t - q_start) + 1)
-        chunk = gl.cdiv(gl.cdiv(kv_len, SPLITS), 64) * 64
-        lo = split * chunk
-        hi = gl.minimum(lo + chunk, end)
-        n = gl.maximum(gl.cdiv(hi - lo, 64), 0)
-        valid = hi - lo - (n - 1) * 64  # visible keys of the last tile
+        b, kv_len, lo, n, valid = _token_split(cu_q, seqused, t, split, batch, SPLITS, CAUSAL,
+                                               BLOCK_B, num_warps)
         h0 = hb * 64
 
         dtype: gl.constexpr = qn_d.dtype

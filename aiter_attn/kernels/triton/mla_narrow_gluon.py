@@ -112,7 +112,8 @@ if HAS_GLUON:
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    from .decode_gluon import _pick, _tile_rows, _zero_rows
+    from .decode_gluon import _hand_over, _keys_softmax, _mask_tail, _pick, _tile_rows
+    from .mla_gluon import _token_split
 
     @gluon.jit
     def _issue(kn_d, kr_d, kn_s, kr_s, bar, slot, cur, offs, BOX: gl.constexpr,
@@ -174,17 +175,8 @@ if HAS_GLUON:
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
             if j == n - 1:
                 if valid < 64:  # past the last visible key: no logit, zero latent rows
-                    kpos = gl.arange(0, 64, layout=row)
-                    s = gl.where(kpos[:, None] < valid, s, float("-inf"))
-                    _zero_rows(kn, valid, 64, 512)
-                    fence_async_shared()
-                    gl.thread_barrier()
-            m_new = gl.maximum(m_i, gl.max(s, 0) * qk2)
-            p = gl.exp2(s * qk2 - m_new[None, :])
-            alpha = gl.exp2(m_i - m_new)
-            l_acc = l_acc * alpha[None, :] + p
-            acc = acc * alpha[None, :]
-            m_i = m_new
+                    s = _mask_tail(s, kn, valid, 64, 512, row)
+            p, m_i, l_acc, acc = _keys_softmax(s, m_i, l_acc, acc, qk2)
             p_t.store(p.to(dtype))
             fence_async_shared()
             o_tok = warpgroup_mma(kn.permute((1, 0)), p_t, acc, is_async=True)
@@ -192,24 +184,8 @@ if HAS_GLUON:
             mbarrier.arrive(empty.index(slot), count=1)
         l_i = gl.sum(l_acc, 0)
 
-        if C == 1:  # hand (m, l, O) to consumer 0
-            m_x.store(m_i)
-            l_x.store(l_i)
-            o_x.store(acc)
-            gl.thread_barrier()
-            mbarrier.arrive(done, count=1)
-        else:
-            mbarrier.wait(done, 0)
-            m_1 = m_x.load(col)
-            l_1 = l_x.load(col)
-            o_1 = o_x.load(s_lay)
-            m_n = gl.maximum(m_i, m_1)
-            m_safe = gl.where(m_n == float("-inf"), 0.0, m_n)
-            a_0 = gl.exp2(m_i - m_safe)
-            a_1 = gl.exp2(m_1 - m_safe)
-            acc = acc * a_0[None, :] + o_1 * a_1[None, :]
-            l_i = l_i * a_0 + l_1 * a_1
-            m_i = m_n
+        m_i, l_i, acc = _hand_over(C, m_i, l_i, acc, m_x, l_x, o_x, done, col, s_lay)
+        if C == 0:
             h = gl.arange(0, HP, layout=col)
             h_ok = h < heads
             has = l_i > 0.0
@@ -265,21 +241,8 @@ if HAS_GLUON:
     ):
         t = gl.program_id(0)
         split = gl.program_id(1)
-        lay_b: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-        offs_b = gl.arange(0, BLOCK_B, layout=lay_b)
-        ends = gl.load(cu_q + 1 + offs_b, mask=offs_b < batch, other=2147483647)
-        b = gl.minimum(gl.sum((ends <= t).to(gl.int32), axis=0), batch - 1)
-        q_start = gl.load(cu_q + b)
-        n_q = gl.load(cu_q + b + 1) - q_start
-        kv_len = gl.load(seqused + b)
-        end = kv_len
-        if CAUSAL:
-            end = gl.minimum(kv_len, kv_len - n_q + (t - q_start) + 1)
-        chunk = gl.cdiv(gl.cdiv(end, SPLITS), 64) * 64
-        lo = split * chunk
-        hi = gl.minimum(lo + chunk, end)
-        n = gl.maximum(gl.cdiv(hi - lo, 64), 0)
-        valid = hi - lo - (n - 1) * 64
+        b, kv_len, lo, n, valid = _token_split(cu_q, seqused, t, split, batch, SPLITS, CAUSAL,
+                                               BLOCK_B, num_warps)
 
         dtype: gl.constexpr = kn_d.dtype
         # q [HP, 576] staged once: heads past ``heads`` read zeros
