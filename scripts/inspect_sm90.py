@@ -160,15 +160,15 @@ def compile_reduce(warps=4, stages=1, **const):
 
 
 def compile_mla_merge(warps=4, stages=1, **const):
-    """The MLA kernel's split merge (``_mla_merge_kernel``): bf16 output, rank 512, 4 splits
-    unless the JSON says otherwise."""
-    from aiter_attn.kernels.triton import mla
+    """The MLA kernels' split merge (``mla_merge._mla_merge_kernel``): bf16 output, rank
+    512, 4 splits unless the JSON says otherwise."""
+    from aiter_attn.kernels.triton import mla_merge
 
     c = dict(KV_LORA=512, BLOCK_DV=512, NUM_SPLITS=4, BLOCK_S=4, WRITE_LSE=False,
              FIXED_ORDER=False, PDL=False)
     c.update(const)
     ptrs = dict(out_ptr="bf16", part_o_ptr="fp32", part_lse_ptr="fp32", lse_ptr="fp32")
-    return _compile(mla._mla_merge_kernel, ptrs, set(), set(), c, warps, stages)
+    return _compile(mla_merge._mla_merge_kernel, ptrs, set(), set(), c, warps, stages)
 
 
 def compile_mla(kv="bf16", q="bf16", warps=4, stages=3, **const):

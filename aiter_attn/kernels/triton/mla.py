@@ -43,6 +43,7 @@ from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
 from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS, MLA_FP8_VALUE_PAIRS
 from .mla_gluon import (GLUON_MLA_BLOCK_H, gluon_mla_reject_reason, gluon_mla_tensors_reason,
                         launch_gluon_mla)
+from .mla_merge import merge_splits
 from .mla_narrow_gluon import (NARROW_MLA_MAX_HEADS, launch_narrow_mla, narrow_mla_reject_reason,
                                narrow_mla_splits, narrow_mla_tensors_reason)
 from ._paging import fp8_pair_ptrs, load_chunk_pages, split_fp8_pairs, tile_pages_of
@@ -285,62 +286,6 @@ def _mla_fwd_kernel(
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + t.to(tl.int64) * stride_lt + offs_h * stride_lh + split, lse,
                  mask=mask_h)
-
-
-@triton.jit
-def _mla_merge_kernel(
-    out_ptr, part_o_ptr, part_lse_ptr, lse_ptr,
-    stride_ot, stride_oh,
-    stride_pt, stride_ph, stride_ps,
-    stride_lt, stride_lh,
-    stride_ot_lse, stride_oh_lse,
-    KV_LORA: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
-    FIXED_ORDER: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    if PDL:  # launched while the attention kernel runs: its partials first
-        wait_then_release()
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_dv = offs_dv < KV_LORA
-    lse_base = part_lse_ptr + t * stride_lt + h * stride_lh
-    o_base = part_o_ptr + t * stride_pt + h * stride_ph + offs_dv
-    if FIXED_ORDER:
-        # batch-invariant: split by split in index order (trailing empty splits add exact
-        # zeros, so the number launched does not change the bits)
-        m = tl.load(lse_base)
-        for s in tl.static_range(1, NUM_SPLITS):
-            m = tl.maximum(m, tl.load(lse_base + s))
-        m = tl.where(m == float("-inf"), 0.0, m)
-        den = tl.zeros([1], tl.float32).sum(0)
-        acc = tl.zeros([BLOCK_DV], tl.float32)
-        for s in tl.static_range(0, NUM_SPLITS):
-            w_s = tl.exp2(tl.load(lse_base + s) - m)
-            den += w_s
-            acc += tl.load(o_base + s * stride_ps, mask=mask_dv, other=0.0) * w_s
-        res = acc / tl.where(den > 0, den, 1.0)
-    else:
-        offs_s = tl.arange(0, BLOCK_S)
-        mask_s = offs_s < NUM_SPLITS
-        lse = tl.load(lse_base + offs_s, mask=mask_s, other=float("-inf"))
-        m = tl.max(lse, axis=0)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(lse - m)  # empty splits (lse = -inf) weigh 0
-        o = tl.load(o_base[None, :] + offs_s[:, None] * stride_ps,
-                    mask=mask_s[:, None] & mask_dv[None, :], other=0.0)
-        den = tl.sum(w, axis=0)
-        res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_dv,
-             res.to(out_ptr.dtype.element_ty), mask=mask_dv)
-    if WRITE_LSE:  # splits' log2 LSEs merged, in index order; natural log out
-        lse_out = tl.where(den > 0, (m + tl.log2(tl.where(den > 0, den, 1.0))) / 1.4426950408889634,
-                           float("-inf"))
-        tl.store(lse_ptr + t * stride_ot_lse + h * stride_oh_lse, lse_out)
 
 
 #: Launch defaults, from the H200 sweeps of ``benchmarks/bench_attention.py --mla-sweep``
@@ -692,7 +637,6 @@ class TritonMLA(MLAKernel):
         ps_l = part_lse.stride() if plan.use_parts else (0, 0)
         lse_t = lse if write_lse else part_lse
         ls = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
-        os_ = out.stride()
         if (plan.narrow is not None and not from_ptr
                 and narrow_mla_tensors_reason(q, kv_cache, out) is None):
             nsplits, n_o, n_l = plan.narrow
@@ -700,13 +644,7 @@ class TritonMLA(MLAKernel):
                               splits=nsplits, batch=plan.batch, causal=kw["CAUSAL"],
                               lse=lse if nsplits == 1 else None, part_o=n_o, part_lse=n_l)
             if nsplits > 1:
-                po, pl = n_o.stride(), n_l.stride()
-                lse_n = lse if write_lse else n_l
-                _mla_merge_kernel[(plan.num_tokens, self.heads)](
-                    out, n_o, n_l, lse_n, os_[0], os_[1], po[0], po[1], po[2], pl[0], pl[1],
-                    *ls, KV_LORA=self.rank, BLOCK_DV=self.block_dv, NUM_SPLITS=nsplits,
-                    BLOCK_S=max(2, next_pow2(nsplits)), WRITE_LSE=write_lse,
-                    FIXED_ORDER=False, num_warps=4)
+                merge_splits(out, n_o, n_l, lse, self.rank, self.block_dv)
             return out
         if plan.gluon and gluon_mla_tensors_reason(q, kv_cache, out) is None:
             launch_gluon_mla(q, kv_cache, out, cu, seqused_k, block_table, params.scale,
@@ -718,13 +656,9 @@ class TritonMLA(MLAKernel):
             self._launch_triton(q, kv_cache, out, plan, params, kw, lse_t, ls, scale_t,
                                 mask_arg, mask_ind, part_o, part_lse, ps_o, ps_l)
         if plan.use_parts:
-            _mla_merge_kernel[(plan.num_tokens, self.heads)](
-                out, part_o, part_lse, lse_t, os_[0], os_[1], ps_o[0], ps_o[1], ps_o[2],
-                ps_l[0], ps_l[1], *ls,
-                KV_LORA=self.rank, BLOCK_DV=self.block_dv, NUM_SPLITS=plan.splits,
-                BLOCK_S=max(2, next_pow2(plan.splits)), WRITE_LSE=write_lse,
-                FIXED_ORDER=self.batch_invariant, num_warps=4,
-                **pdl_kwargs(plan.cfg_kw["PDL"], reduction=True))
+            merge_splits(out, part_o, part_lse, lse, self.rank, self.block_dv,
+                         fixed_order=self.batch_invariant,
+                         **pdl_kwargs(plan.cfg_kw["PDL"], reduction=True))
         return out
 
     def _launch_triton(self, q, kv_cache, out, plan, params, kw, lse_t, ls, scale_t,

@@ -1,0 +1,86 @@
+"""The split merge of the MLA kernels (:mod:`.mla`, :mod:`.mla_gluon`,
+:mod:`.mla_narrow_gluon`): partial outputs ``o / l`` ``[T, H, S, R]`` and their log2 LSEs
+``[T, H, S]`` combined into the rows (and the natural-log LSE)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._kvutil import next_pow2
+from ._pdl import wait_then_release
+
+__all__ = ["merge_splits"]
+
+
+@triton.jit
+def _mla_merge_kernel(
+    out_ptr, part_o_ptr, part_lse_ptr, lse_ptr,
+    stride_ot, stride_oh,
+    stride_pt, stride_ph, stride_ps,
+    stride_lt, stride_lh,
+    stride_ot_lse, stride_oh_lse,
+    KV_LORA: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    FIXED_ORDER: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    if PDL:  # launched while the attention kernel runs: its partials first
+        wait_then_release()
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < KV_LORA
+    lse_base = part_lse_ptr + t * stride_lt + h * stride_lh
+    o_base = part_o_ptr + t * stride_pt + h * stride_ph + offs_dv
+    if FIXED_ORDER:
+        # batch-invariant: split by split in index order (trailing empty splits add exact
+        # zeros, so the number launched does not change the bits)
+        m = tl.load(lse_base)
+        for s in tl.static_range(1, NUM_SPLITS):
+            m = tl.maximum(m, tl.load(lse_base + s))
+        m = tl.where(m == float("-inf"), 0.0, m)
+        den = tl.zeros([1], tl.float32).sum(0)
+        acc = tl.zeros([BLOCK_DV], tl.float32)
+        for s in tl.static_range(0, NUM_SPLITS):
+            w_s = tl.exp2(tl.load(lse_base + s) - m)
+            den += w_s
+            acc += tl.load(o_base + s * stride_ps, mask=mask_dv, other=0.0) * w_s
+        res = acc / tl.where(den > 0, den, 1.0)
+    else:
+        offs_s = tl.arange(0, BLOCK_S)
+        mask_s = offs_s < NUM_SPLITS
+        lse = tl.load(lse_base + offs_s, mask=mask_s, other=float("-inf"))
+        m = tl.max(lse, axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m)  # empty splits (lse = -inf) weigh 0
+        o = tl.load(o_base[None, :] + offs_s[:, None] * stride_ps,
+                    mask=mask_s[:, None] & mask_dv[None, :], other=0.0)
+        den = tl.sum(w, axis=0)
+        res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_dv,
+             res.to(out_ptr.dtype.element_ty), mask=mask_dv)
+    if WRITE_LSE:  # splits' log2 LSEs merged, in index order; natural log out
+        lse_out = tl.where(den > 0, (m + tl.log2(tl.where(den > 0, den, 1.0))) / 1.4426950408889634,
+                           float("-inf"))
+        tl.store(lse_ptr + t * stride_ot_lse + h * stride_oh_lse, lse_out)
+
+
+def merge_splits(out, part_o, part_lse, lse, rank: int, block_dv: int, *,
+                 fixed_order: bool = False, **pdl) -> None:
+    """Launch the merge over ``(tokens, heads)`` programs: ``out`` ``[T, H, R]`` from
+    ``part_o`` / ``part_lse`` (``lse``: optional float32 ``[T, H]`` output);
+    ``fixed_order``: batch-invariant (split by split, in index order); ``pdl``: the
+    launch's programmatic-dependent-launch keywords (``_pdl.pdl_kwargs``)."""
+    t, h, splits = part_lse.shape
+    os_, po, pl = out.stride(), part_o.stride(), part_lse.stride()
+    ls = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    _mla_merge_kernel[(t, h)](
+        out, part_o, part_lse, lse if lse is not None else part_lse, os_[0], os_[1],
+        po[0], po[1], po[2], pl[0], pl[1], *ls,
+        KV_LORA=rank, BLOCK_DV=block_dv, NUM_SPLITS=splits,
+        BLOCK_S=max(2, next_pow2(splits)), WRITE_LSE=lse is not None,
+        FIXED_ORDER=fixed_order, num_warps=4, **pdl)
