@@ -26,10 +26,10 @@ def compile_decode(q="bf16", maxnreg=None, **const):
     from aiter_attn.kernels.triton import decode_gluon as dg
 
     c = dict(G=4, GP=8, D=128, BLOCK_N=64, STAGES=4, NC=2, PAGE=16, BOX=16, SPLITS=1,
-             WRITE_LSE=False, CONSUMER_REGS=dg._CONSUMER_REGS, LOADER_REGS=dg._LOADER_REGS,
+             WRITE_LSE=False, CONSUMER_REGS=dg.DEFAULT_CONFIG.maxnreg, LOADER_REGS=dg._LOADER_REGS,
              num_warps=4)
     c.update(const)
-    maxnreg = maxnreg or dg._CONSUMER_REGS
+    maxnreg = maxnreg or dg.DEFAULT_CONFIG.maxnreg
     c["CONSUMER_REGS"] = maxnreg
     c["BOX"] = min(c["BOX"], c["BLOCK_N"])
     gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[q]

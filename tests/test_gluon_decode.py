@@ -167,7 +167,7 @@ def _spy_gluon(monkeypatch):
     real = attn.run_planned
 
     def spy(part, *a, **kw):
-        calls.append(part[5])  # the split count
+        calls.append(part[4])  # the split count
         return real(part, *a, **kw)
 
     monkeypatch.setattr(attn, "run_planned", spy)

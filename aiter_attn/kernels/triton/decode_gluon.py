@@ -47,12 +47,12 @@ import attrs
 import torch
 
 from ._kvutil import next_pow2
-from ._launch import Launcher, launch_key
+from ._launch import Launcher, launch_key, tensor_key
 from .paged_attention import _reduce_splits_kernel
 from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout
 
 __all__ = ["gluon_decode_reject_reason", "gluon_decode_layout_reason", "launch_gluon_decode",
-           "gluon_decode", "reduce_splits", "cache_descriptors", "choose_splits", "plan_part",
+           "gluon_decode", "cache_descriptors", "choose_splits", "plan_part",
            "run_planned",
            "GluonDecodeConfig"]
 
@@ -453,6 +453,33 @@ def decode_group_pad(group: int) -> int:
     return 8 if group <= 8 else 16
 
 
+def _kernel_args(k_d, v_d, q, out, pa, pm, lse, cu_q, seqused_k, block_table, scale: float,
+                 kv_heads: int, ps: tuple) -> tuple:
+    """The kernel's positional arguments (``pa``/``pm``/``lse``: ``None`` when absent;
+    ``ps`` the partials' four strides)."""
+    qs, os_ = q.stride(), out.stride()
+    ls = lse.stride() if lse is not None else (0, 0)
+    return (k_d, v_d, q, out, pa if pa is not None else out, pm if pm is not None else out,
+            lse if lse is not None else out, cu_q, seqused_k, block_table,
+            float(scale) * _LOG2E, kv_heads, block_table.shape[1], block_table.stride(0),
+            qs[0], qs[1], os_[0], os_[1], *ps, *ls)
+
+
+def _kernel_kw(group: int, d: int, page: int, cfg: GluonDecodeConfig, splits: int,
+               write_lse: bool) -> dict:
+    """The kernel's constexprs and launch options."""
+    return dict(G=group, GP=decode_group_pad(group), D=d, BLOCK_N=cfg.block_n,
+                STAGES=cfg.stages, NC=cfg.consumers, PAGE=page,
+                BOX=_box_rows(page, cfg.block_n), SPLITS=int(splits), WRITE_LSE=write_lse,
+                CONSUMER_REGS=cfg.maxnreg, LOADER_REGS=_LOADER_REGS, num_warps=4,
+                maxnreg=cfg.maxnreg)
+
+
+def _partial_strides(part_acc, part_ml) -> tuple:
+    return ((part_acc.stride(0), part_acc.stride(1), part_ml.stride(0), part_ml.stride(1))
+            if part_acc is not None else (0, 0, 0, 0))
+
+
 def launch_gluon_decode(q, k_cache, v_cache, out, cu_q, seqused_k, block_table, scale, *,
                         batch: int, splits: int = 1, config: Optional[GluonDecodeConfig] = None,
                         lse=None, part_acc=None, part_ml=None, descs=None):
@@ -462,25 +489,12 @@ def launch_gluon_decode(q, k_cache, v_cache, out, cu_q, seqused_k, block_table, 
     (the unnormalised partials of :mod:`.paged_attention`, log2-domain maxima) for its
     reduction kernel; else ``out`` (and ``lse``, natural log). O(1) host work."""
     cfg = config or DEFAULT_CONFIG
-    t, hq, d = q.shape
+    hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
-    page = k_cache.shape[1]
-    g = hq // hkv
-    box = _box_rows(page, cfg.block_n)
     k_d, v_d = descs if descs is not None else cache_descriptors(k_cache, v_cache, cfg)
-    pa = part_acc if part_acc is not None else out
-    pm = part_ml if part_ml is not None else out
-    ps = (part_acc.stride(0), part_acc.stride(1), part_ml.stride(0), part_ml.stride(1)) \
-        if part_acc is not None else (0, 0, 0, 0)
-    ls = lse.stride() if lse is not None else (0, 0)
-    args = (k_d, v_d, q, out, pa, pm, lse if lse is not None else out, cu_q, seqused_k,
-            block_table, float(scale) * _LOG2E, hkv, block_table.shape[1],
-            block_table.stride(0), q.stride(0),
-            q.stride(1), out.stride(0), out.stride(1), *ps, *ls)
-    kw = dict(G=g, GP=decode_group_pad(g), D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-              NC=cfg.consumers, PAGE=page, BOX=box, SPLITS=int(splits),
-              WRITE_LSE=lse is not None, CONSUMER_REGS=cfg.maxnreg,
-              LOADER_REGS=_LOADER_REGS, num_warps=4, maxnreg=cfg.maxnreg)
+    args = _kernel_args(k_d, v_d, q, out, part_acc, part_ml, lse, cu_q, seqused_k,
+                        block_table, scale, hkv, _partial_strides(part_acc, part_ml))
+    kw = _kernel_kw(hq // hkv, d, k_cache.shape[1], cfg, splits, lse is not None)
     _GLUON_DECODE.launch((batch * hkv, int(splits)), args, kw, launch_key(args, kw))
     return out
 
@@ -502,26 +516,23 @@ def gluon_decode(q, k_cache, v_cache, out, cu_q, seqused_k, block_table, scale, 
     launch_gluon_decode(q, k_cache, v_cache, out, cu_q, seqused_k, block_table, scale,
                         batch=batch, splits=splits, config=config, part_acc=part_acc,
                         part_ml=part_ml, descs=descs)
-    reduce_splits(out, part_acc, part_ml, lse)
+    grid, rargs, rkw = _reduce_launch(out, part_acc, part_ml, lse)
+    _REDUCE.launch(grid, rargs, rkw, launch_key(rargs, rkw))
     return out
 
 
 def plan_part(splits: int, part_acc, part_ml, cu_q, seqused_k, block_table, batch: int,
               kv_heads: int) -> tuple:
     """The step's fixed share of a layer's launch (made once per plan): ``(spec, grid,
-    fixed args after the cache/q/out group, partial strides)``. ``spec`` is hashable: it
-    holds everything of the plan's arguments Triton specialises on."""
-    from ._launch import tensor_key
-
-    ps = ((part_acc.stride(0), part_acc.stride(1), part_ml.stride(0), part_ml.stride(1))
-          if part_acc is not None else (0, 0, 0, 0))
-    bt_w, bt_s = block_table.shape[1], block_table.stride(0)
+    index tensors, splits, partials, KV heads)``. ``spec`` is hashable: it holds
+    everything of the plan's arguments Triton specialises on."""
+    ps = _partial_strides(part_acc, part_ml)
     tensors = (cu_q, seqused_k, block_table) + ((part_acc, part_ml) if part_acc is not None
                                                 else ())
-    spec = ("gluon-decode", splits, kv_heads, bt_w, bt_s, ps,
-            tuple(tensor_key(t) for t in tensors))
-    return (spec, (batch * kv_heads, splits), (cu_q, seqused_k, block_table), (bt_w, bt_s),
-            ps, splits, part_acc, part_ml, kv_heads)
+    spec = ("gluon-decode", splits, kv_heads, block_table.shape[1], block_table.stride(0),
+            ps, tuple(tensor_key(t) for t in tensors))
+    return (spec, (batch * kv_heads, splits), (cu_q, seqused_k, block_table), ps, splits,
+            part_acc, part_ml, kv_heads)
 
 
 def run_planned(part: tuple, sid, descs: tuple, q, out, scale: float, lse=None) -> None:
@@ -529,57 +540,43 @@ def run_planned(part: tuple, sid, descs: tuple, q, out, scale: float, lse=None) 
     as ``sid`` by the caller) and the cache's ``descs`` = ``(dsid, k_d, v_d, page)``: the
     arguments assembled, a small key, the direct launch of :mod:`._launch` from the second
     call of a key on. O(1); allocates nothing."""
-    from ._launch import tensor_key
-
-    _, grid, (cu, seq, bt), (bt_w, bt_s), ps, splits, pa, pm, hkv = part
+    _, grid, (cu, seq, bt), ps, splits, pa, pm, hkv = part
     dsid, k_d, v_d, page = descs
-    qs, os_ = q.stride(), out.stride()
     split = splits > 1
-    lse_k = lse if not split else None
-    ls = lse_k.stride() if lse_k is not None else (0, 0)
-    args = (k_d, v_d, q, out, pa if split else out, pm if split else out,
-            lse_k if lse_k is not None else out, cu, seq, bt, float(scale) * _LOG2E, hkv,
-            bt_w, bt_s, qs[0], qs[1], os_[0], os_[1], *ps, *ls)
-    key = (sid, dsid, tensor_key(q), tensor_key(out), qs, os_,
-           None if lse_k is None else (tensor_key(lse_k), ls))
+    lse_k = lse if not split else None  # with splits the reduction writes the LSE
+    args = _kernel_args(k_d, v_d, q, out, pa, pm, lse_k, cu, seq, bt, scale, hkv, ps)
+    key = (sid, dsid, tensor_key(q), tensor_key(out), q.stride(), out.stride(),
+           None if lse_k is None else (tensor_key(lse_k), lse_k.stride()))
     if not _GLUON_DECODE.launch_cached(grid, args, key):
-        hq, d = q.shape[1], q.shape[2]
-        g = hq // hkv
-        cfg = DEFAULT_CONFIG
-        kw = dict(G=g, GP=decode_group_pad(g), D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-                  NC=cfg.consumers, PAGE=page, BOX=_box_rows(page, cfg.block_n),
-                  SPLITS=splits, WRITE_LSE=lse_k is not None, CONSUMER_REGS=cfg.maxnreg,
-                  LOADER_REGS=_LOADER_REGS, num_warps=4, maxnreg=cfg.maxnreg)
+        kw = _kernel_kw(q.shape[1] // hkv, q.shape[2], page, DEFAULT_CONFIG, splits,
+                        lse_k is not None)
         _GLUON_DECODE.launch(grid, args, kw, key)
     if split:
-        ls = lse.stride() if lse is not None else (0, 0)
-        rargs = (out, pa, pm, pm, lse if lse is not None else out, splits, os_[0], os_[1],
-                 *ps, ls[0], ls[1])
-        rkey = ("gluon-reduce", sid, tensor_key(out), os_,
-                None if lse is None else (tensor_key(lse), ls))
-        if not _REDUCE.launch_cached((q.shape[0], q.shape[1], 1), rargs, rkey):
-            rkw = dict(DV=q.shape[2], DV_PAD=q.shape[2], SPLITS_PAD=next_pow2(splits),
-                       HAS_SINKS=False, WRITE_LSE=lse is not None, FIXED_ORDER=False,
-                       num_warps=4)
-            _REDUCE.launch((q.shape[0], q.shape[1], 1), rargs, rkw, rkey)
+        rkey = ("gluon-reduce", sid, tensor_key(out), out.stride(),
+                None if lse is None else (tensor_key(lse), lse.stride()))
+        rgrid, rargs, _ = _reduce_launch(out, pa, pm, lse, ps, kw=False)
+        if not _REDUCE.launch_cached(rgrid, rargs, rkey):
+            _REDUCE.launch(rgrid, rargs, _reduce_launch(out, pa, pm, lse, ps)[2], rkey)
 
 
-def reduce_splits(out, part_acc, part_ml, lse=None):
-    """The split reduction of :mod:`.paged_attention` over this kernel's partials
-    (``part_acc`` ``[S, T, Hq, D]``, ``part_ml`` ``[S, T, Hq, 2]``) into ``out`` (and
-    ``lse``)."""
+def _reduce_launch(out, part_acc, part_ml, lse, ps: Optional[tuple] = None,
+                   kw: bool = True) -> tuple:
+    """``(grid, args, constexprs)`` of the split reduction of :mod:`.paged_attention` over
+    this kernel's partials (``part_acc`` ``[S, T, Hq, D]``, ``part_ml`` ``[S, T, Hq, 2]``,
+    their strides ``ps`` if known) into ``out`` (and ``lse``); ``kw=False`` leaves the
+    constexprs out (``None``)."""
     splits, t, hq, d = part_acc.shape
     os_ = out.stride()
     ls = lse.stride() if lse is not None else (0, 0)
-    rargs = (out, part_acc, part_ml, part_ml, lse if lse is not None else out, splits,
-             os_[0], os_[1], part_acc.stride(0), part_acc.stride(1), part_ml.stride(0),
-             part_ml.stride(1), ls[0], ls[1])
+    args = (out, part_acc, part_ml, part_ml, lse if lse is not None else out, splits,
+            os_[0], os_[1], *(ps or _partial_strides(part_acc, part_ml)), ls[0], ls[1])
     rkw = dict(DV=d, DV_PAD=d, SPLITS_PAD=next_pow2(splits), HAS_SINKS=False,
-               WRITE_LSE=lse is not None, FIXED_ORDER=False, num_warps=4)
-    _REDUCE.launch((t, hq, 1), rargs, rkw, launch_key(rargs, rkw))
+               WRITE_LSE=lse is not None, FIXED_ORDER=False, num_warps=4) if kw else None
+    return (t, hq, 1), args, rkw
 
 
-_CONSUMER_REGS, _LOADER_REGS = 128, 48
+#: registers of the loader partition (its page-id vectors; 32 spilled at 128-key tiles)
+_LOADER_REGS = 48
 
 #: direct launches (:mod:`._launch`): the kernel and its split reduction (the Triton
 #: kernel's, launched with this module's keys)
