@@ -307,11 +307,20 @@ def test_gpu_gluon_mla(shape, extra, dtype, monkeypatch):
     Triton kernel's)."""
     from aiter_attn.kernels.triton import mla_gluon
 
+    _check_gluon_kernel(monkeypatch, mla_gluon._GLUON_MLA, shape, extra, dtype, {},
+                        {"gluon": False}, "gluon")
+
+
+def _check_gluon_kernel(monkeypatch, launcher, shape, extra, dtype, on: dict, off: dict,
+                        what: str):
+    """A Gluon MLA kernel (``launcher``, asserted to serve the call with ``on``) against the
+    oracle, with the null page and the unwritten slots NaN, and its LSE against the Triton
+    kernel's (the call with ``off``, asserted not to launch it)."""
     if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon MLA kernel is sm_90 only")
+        pytest.skip("the Gluon MLA kernels are sm_90 only")
     calls = []
-    real = mla_gluon._GLUON_MLA.launch
-    monkeypatch.setattr(mla_gluon._GLUON_MLA, "launch",
+    real = launcher.launch
+    monkeypatch.setattr(launcher, "launch",
                         lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     case = MLACase(**shape, rank=512, rope=64, dtype=dtype, device="cuda")
     page = shape["page"]
@@ -321,14 +330,14 @@ def test_gpu_gluon_mla(shape, extra, dtype, monkeypatch):
         if L % page:
             case.kv_cache[last, L % page:] = float("nan")
     lse = torch.full((case.q.shape[0], case.heads), float("nan"), device="cuda")
-    out = case.run(lse=lse, **extra)
-    assert calls, "the Gluon kernel did not serve the launch"
+    out = case.run(lse=lse, **on, **extra)
+    assert calls, f"the {what} kernel did not serve the launch"
     assert not out.isnan().any() and not lse.isnan().any()
-    assert_close_rel(out, case.expected(), RTOL[dtype], f"gluon {dtype}")
+    assert_close_rel(out, case.expected(), RTOL[dtype], f"{what} {dtype}")
     n = len(calls)
     lse_t = torch.empty_like(lse)
-    case.run(lse=lse_t, gluon=False, **extra)
-    assert len(calls) == n  # gluon=False: the Triton kernel
+    case.run(lse=lse_t, **off, **extra)
+    assert len(calls) == n  # the Triton kernel
     assert_close_rel(lse, lse_t, 1e-3, "lse against the Triton kernel's")
 
 
@@ -379,26 +388,5 @@ def test_gpu_narrow_gluon_mla(shape, extra, dtype, monkeypatch):
     (equal to the Triton kernel's)."""
     from aiter_attn.kernels.triton import mla_narrow_gluon as mn
 
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon MLA kernels are sm_90 only")
-    calls = []
-    real = mn._NARROW.launch
-    monkeypatch.setattr(mn._NARROW, "launch",
-                        lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    case = MLACase(**shape, rank=512, rope=64, dtype=dtype, device="cuda")
-    page = shape["page"]
-    case.kv_cache[0] = float("nan")  # the null page
-    for b, L in enumerate(case.kv_lens):
-        last = int(case.block_table[b, (L - 1) // page])
-        if L % page:
-            case.kv_cache[last, L % page:] = float("nan")
-    lse = torch.full((case.q.shape[0], case.heads), float("nan"), device="cuda")
-    out = case.run(lse=lse, narrow=True, **extra)
-    assert calls, "the narrow Gluon kernel did not serve the launch"
-    assert not out.isnan().any() and not lse.isnan().any()
-    assert_close_rel(out, case.expected(), RTOL[dtype], f"narrow gluon {dtype}")
-    n = len(calls)
-    lse_t = torch.empty_like(lse)
-    case.run(lse=lse_t, **extra)
-    assert len(calls) == n  # not asked for: the Triton kernel
-    assert_close_rel(lse, lse_t, 1e-3, "lse against the Triton kernel's")
+    _check_gluon_kernel(monkeypatch, mn._NARROW, shape, extra, dtype, {"narrow": True}, {},
+                        "narrow gluon")
