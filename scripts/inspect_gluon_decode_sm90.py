@@ -19,32 +19,25 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 
-def compile_decode(q="bf16", maxnreg=None, **const):
+def _compile_sm90(fn, c: dict, q: str, descs: dict, fp32_ptrs: tuple, maxnreg: int):
+    """Compile Gluon kernel ``fn`` for sm_90: constexprs ``c``, q / out of dtype ``q``, host
+    tensor descriptors ``descs`` (name -> block shape), float32 pointers ``fp32_ptrs``,
+    int32 index pointers ``cu_q`` / ``seqused`` / ``bt``, ``qk2`` float, other ints."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from aiter_attn.kernels.triton import decode_gluon as dg
-
-    c = dict(G=4, GP=8, D=128, BLOCK_N=64, STAGES=4, NC=2, PAGE=16, BOX=16, SPLITS=1,
-             WRITE_LSE=False, CONSUMER_REGS=dg.DEFAULT_CONFIG.maxnreg, LOADER_REGS=dg._LOADER_REGS,
-             num_warps=4)
-    c.update(const)
-    maxnreg = maxnreg or dg.DEFAULT_CONFIG.maxnreg
-    c["CONSUMER_REGS"] = maxnreg
-    c["BOX"] = min(c["BOX"], c["BLOCK_N"])
     gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[q]
-    fn = dg._gluon_decode_kernel
     names = fn.arg_names
-    kl = gl.NVMMASharedLayout.get_default_for([c["BOX"], c["D"]], gdt)
     sig = {}
     for n in names:
         if n in c:
             sig[n] = "constexpr"
-        elif n in ("k_d", "v_d"):
-            sig[n] = f"tensordesc<{q}[{c['BOX']}, {c['D']}],{kl!r}>"
+        elif n in descs:
+            layout = gl.NVMMASharedLayout.get_default_for(list(descs[n]), gdt)
+            sig[n] = f"tensordesc<{q}[{descs[n][0]}, {descs[n][1]}],{layout!r}>"
         elif n in ("q_ptr", "out"):
             sig[n] = "*" + q
-        elif n in ("part_acc", "part_ml", "lse_ptr"):
+        elif n in fp32_ptrs:
             sig[n] = "*fp32"
         elif n in ("cu_q", "seqused", "bt"):
             sig[n] = "*i32"
@@ -57,43 +50,34 @@ def compile_decode(q="bf16", maxnreg=None, **const):
                           options=dict(num_warps=4, num_stages=1, maxnreg=maxnreg))
 
 
+def compile_decode(q="bf16", maxnreg=None, **const):
+    """The decode kernel (:mod:`aiter_attn.kernels.triton.decode_gluon`); ``maxnreg``: the
+    register cap (and the worker consumer's share), the default configuration's if not
+    given."""
+    from aiter_attn.kernels.triton import decode_gluon as dg
+
+    maxnreg = maxnreg or dg.DEFAULT_CONFIG.maxnreg
+    c = dict(G=4, GP=8, D=128, BLOCK_N=64, STAGES=4, NC=2, PAGE=16, BOX=16, SPLITS=1,
+             WRITE_LSE=False, LOADER_REGS=dg._LOADER_REGS, num_warps=4)
+    c.update(const)
+    c["CONSUMER_REGS"] = maxnreg
+    c["BOX"] = min(c["BOX"], c["BLOCK_N"])
+    box = (c["BOX"], c["D"])
+    return _compile_sm90(dg._gluon_decode_kernel, c, q, {"k_d": box, "v_d": box},
+                         ("part_acc", "part_ml", "lse_ptr"), maxnreg)
+
+
 def compile_narrow_mla(q="bf16", **const):
     """The narrow MLA kernel (:mod:`aiter_attn.kernels.triton.mla_narrow_gluon`)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from aiter_attn.kernels.triton import mla_narrow_gluon as mn
 
     c = dict(HP=16, PAGE=64, BOX=64, CAUSAL=True, SPLITS=1, WRITE_LSE=False, BLOCK_B=64,
              CONSUMER_REGS=mn._MAXNREG, LOADER_REGS=mn._LOADER_REGS, num_warps=4)
     c.update(const)
     c["BOX"] = min(c["BOX"], 64)
-    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[q]
-    fn = mn._narrow_mla_kernel
-    names = fn.arg_names
-    ln = gl.NVMMASharedLayout.get_default_for([c["BOX"], 512], gdt)
-    lr = gl.NVMMASharedLayout.get_default_for([c["BOX"], 64], gdt)
-    sig = {}
-    for n in names:
-        if n in c:
-            sig[n] = "constexpr"
-        elif n == "kn_d":
-            sig[n] = f"tensordesc<{q}[{c['BOX']}, 512],{ln!r}>"
-        elif n == "kr_d":
-            sig[n] = f"tensordesc<{q}[{c['BOX']}, 64],{lr!r}>"
-        elif n in ("q_ptr", "out"):
-            sig[n] = "*" + q
-        elif n in ("part_o", "part_l", "lse_ptr"):
-            sig[n] = "*fp32"
-        elif n in ("cu_q", "seqused", "bt"):
-            sig[n] = "*i32"
-        elif n == "qk2":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in c.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, num_stages=1, maxnreg=mn._MAXNREG))
+    return _compile_sm90(mn._narrow_mla_kernel, c, q,
+                         {"kn_d": (c["BOX"], 512), "kr_d": (c["BOX"], 64)},
+                         ("part_o", "part_l", "lse_ptr"), mn._MAXNREG)
 
 
 def main():
