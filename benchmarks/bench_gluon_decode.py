@@ -28,9 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _inputs import make_mha  # noqa: E402
-from _runners import RUNNERS, Unavailable  # noqa: E402
 from bench_attention import RTOL_BF16, reference_mha, rel_err  # noqa: E402
-from bench_variants import _ours_planned  # noqa: E402
+from bench_variants import _ours_planned, cudnn_tbps  # noqa: E402
 
 SMS = 132
 
@@ -119,13 +118,7 @@ def main() -> None:
                 row[v + ":label"] = label
             except Exception as exc:  # one broken variant is a row entry
                 row[v] = f"error {type(exc).__name__}: {exc}"[:160]
-        try:
-            fn, _ = RUNNERS["cudnn"](x)
-            fn()
-            row["cudnn"] = nbytes / tt.do_bench_cudagraph(fn, rep=args.rep,
-                                                          return_mode="median") / 1e9
-        except (Unavailable, Exception) as exc:
-            row["cudnn"] = f"n/a {exc}"[:80]
+        row["cudnn"] = cudnn_tbps(x, nbytes, args.rep)
         rows.append(row)
         print(row, flush=True)
         del x
