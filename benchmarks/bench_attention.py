@@ -70,7 +70,11 @@ ANCHORS = ("cudnn", "fa2", "flex", "aiter")
 #: timed beside the default on the 16-head rows. Programmatic dependent launch lets the split
 #: merge (or both launches) start while the kernel before finishes: the merge launch and its
 #: gap are ~5% of a 16-head 64x4k step.
-MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True}}
+MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
+                # the split merge in the attention launch (no second launch)
+                "fused": {"fused_merge": True}, "fused-pdl": {"fused_merge": True, "pdl": True},
+                "two-launch": {"fused_merge": False},
+                "narrow": {"narrow": True}}  # the narrow Gluon kernel (sm_90)
 #: MLA launch configs timed by --mla-sweep: (block_h, block_n, num_warps, num_stages, splits).
 MLA_SWEEP = [(16, 32, 4, 2, None), (16, 32, 4, 4, None), (16, 64, 4, 3, None),
              (16, 32, 8, 3, None), (16, 32, 4, 3, "x2"), (32, 32, 8, 3, None),

@@ -89,6 +89,8 @@
 #                                  # (direct launches): its gpu tests, the decode table
 #   scripts/gpu_session.sh fiftythird    # the narrow Gluon MLA kernel: the MLA gpu tests,
 #                                  # then the MLA table
+#   scripts/gpu_session.sh fiftyfourth   # the MLA split merge in the attention launch: its
+#                                  # gpu tests, then 16-head rows with the launch variants
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -599,6 +601,15 @@ planned-ov:num_splits=24,planned-ov:num_splits=16 2>&1 | tail -5 | tee "$OUT/sma
       --rows 16x4096,1x4096,1x32768,64x4096,8x65536,256x4096 --variants default,\
 bn64.st4.nc2.r128.s0,bn128.st3.nc2.r168.s0,bn128.st2.nc2.r168.s0,bn64.st3.nc2.r80.s00,\
 bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
+    ;;
+  fiftyfourth)
+    gpu_tests mla_fused_tests.log ${GT_S:-120} 80 tests/test_mla_fused_merge.py \
+      tests/test_triton_mla.py
+    timeout ${BA_S:-240} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192,16x64x1024,16x64x2048 \
+      --mla-variants fused,fused-pdl,pdl,narrow --out "$OUT/mla" > "$OUT/mla.log" 2>&1
+    grep -E "^\| mla" "$OUT/mla.log" | head -40
+    rm -f "$OUT"/*/*.png
     ;;
   fiftythird)
     gpu_tests mla_narrow_tests.log ${GT_S:-90} 80 tests/test_triton_mla.py

@@ -179,12 +179,12 @@ def compile_mla(kv="bf16", q="bf16", warps=4, stages=3, **const):
              BLOCK_N=64, BLOCK_B=64, NUM_SPLITS=1, CAUSAL=False, HAS_MASK=False,
              SCALE_FROM_PTR=False, IEEE=False, EVEN_D=True, PAGE_CHUNK=0,
              FP16_DOTS=fp8 and q == "bf16", SPLIT_V_LOAD=fp8, WRITE_LSE=False,
-             FIXED_CHUNK=0, PDL=False, V_PAIRS=False)
+             FIXED_CHUNK=0, PDL=False, V_PAIRS=False, FUSED_MERGE=False)
     c.update(const)
     c["TILE_IN_PAGE"] = c["PAGE_SIZE"] % c["BLOCK_N"] == 0
     ptrs = dict(q_ptr=q, kv_ptr=kv, out_ptr=q, part_o_ptr="fp32", part_lse_ptr="fp32",
                 cu_q_ptr="i32", seqused_ptr="i32", bt_ptr="i32", mask_ptr="u8",
-                mask_indptr_ptr="i64", scale_ptr="fp32", lse_ptr="fp32")
+                mask_indptr_ptr="i64", scale_ptr="fp32", lse_ptr="fp32", count_ptr="i32")
     return _compile(mla._mla_fwd_kernel, ptrs, {"qk_scale_log2", "kv_scale_val"},
                     {"num_heads", "batch", "num_head_blocks"}, c, warps, stages)
 

@@ -24,7 +24,7 @@ from ._pdl import pdl_mode
 
 __all__ = ["TUNING_OVERRIDES", "OVERRIDE_KEYS", "check_overrides", "LaunchConfig",
            "choose_config", "BATCH_INVARIANT_SPLIT_TOKENS",
-           "FP8_VALUE_PAIRS", "MLA_FP8_VALUE_PAIRS", "PREFETCH_PAGES", "CARRIED_PAGE_LOOKUP"]
+           "FP8_VALUE_PAIRS", "MLA_FP8_VALUE_PAIRS", "MLA_FUSED_MERGE", "PREFETCH_PAGES", "CARRIED_PAGE_LOOKUP"]
 
 #: Keys per split in batch-invariant mode (rounded up to a multiple of ``block_n``).
 BATCH_INVARIANT_SPLIT_TOKENS = 512
@@ -93,6 +93,12 @@ FP8_VALUE_PAIRS = True
 #: :data:`FP8_VALUE_PAIRS` on the latent rows). On by default since the H200 timed it
 #: (2026-12-04, 16 heads, e4m3, graph replay): 64x4k 0.97 -> 1.32 TB/s, 128x8k 1.01 -> 1.47.
 MLA_FP8_VALUE_PAIRS = True
+
+#: The MLA kernel's split merge in the attention launch (``mla_paged_attention(...,
+#: fused_merge=)``): the last split program of a (token, head block) to finish merges it, so
+#: a split step is one launch. Head blocks of up to 16 (the memory-bound kernel), up to
+#: 16 splits, never batch-invariant.
+MLA_FUSED_MERGE = False
 
 #: Split decode whose splits fit one chunk of the chunked page lookup (1x4k: 16 splits of two
 #: tiles): read the page ids in the program's first round trip (the kernel's

@@ -14,7 +14,8 @@ values (first ``R`` dims) alike.
 
 Split-KV (flash-decoding): with few (token × head-block) programs the keys of each request
 are cut into ``num_splits`` chunks (sized per request on the device); a second kernel merges
-the partial outputs by their log-sum-exp. The split count depends only on host integers
+the partial outputs by their log-sum-exp, or (``fused_merge``) the last split program of each
+token's head block merges them in the same launch. The split count depends only on host integers
 (shapes, ``max_seqlen_k`` or the block-table width), so the launch is CUDA-graph safe.
 
 Plan/run (:class:`TritonMLA`, the registered kernel object): ``plan(md, out=None)`` (once per
@@ -40,10 +41,10 @@ from ...validation import INDEX_DTYPES, unit_stride
 from ..base import (MEMO, KernelPlan, MLAKernel, _adhoc_metadata, mask_literal,
                     mla_layer_params, mla_request, plan_hints, token_count_error)
 from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
-from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS, MLA_FP8_VALUE_PAIRS
+from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS, MLA_FP8_VALUE_PAIRS, MLA_FUSED_MERGE
 from .mla_gluon import (GLUON_MLA_BLOCK_H, gluon_mla_reject_reason, gluon_mla_tensors_reason,
                         launch_gluon_mla)
-from .mla_merge import merge_splits
+from .mla_merge import merge_head_block, merge_splits
 from .mla_narrow_gluon import (NARROW_MLA_MAX_HEADS, launch_narrow_mla, narrow_mla_reject_reason,
                                narrow_mla_splits, narrow_mla_tensors_reason)
 from ._paging import fp8_pair_ptrs, load_chunk_pages, split_fp8_pairs, tile_pages_of
@@ -125,7 +126,7 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
 @triton.jit
 def _mla_fwd_kernel(
     q_ptr, kv_ptr, out_ptr, part_o_ptr, part_lse_ptr, lse_ptr,
-    cu_q_ptr, seqused_ptr, bt_ptr, mask_ptr, mask_indptr_ptr, scale_ptr,
+    cu_q_ptr, seqused_ptr, bt_ptr, mask_ptr, mask_indptr_ptr, scale_ptr, count_ptr,
     qk_scale_log2, kv_scale_val,
     num_heads, batch, num_head_blocks,
     stride_qt, stride_qh,
@@ -157,6 +158,7 @@ def _mla_fwd_kernel(
     FIXED_CHUNK: tl.constexpr,
     PDL: tl.constexpr = False,
     V_PAIRS: tl.constexpr = False,
+    FUSED_MERGE: tl.constexpr = False,
 ):
     if PDL:  # programmatic dependent launch: the previous kernel's writes first
         wait_then_release()
@@ -286,6 +288,20 @@ def _mla_fwd_kernel(
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + t.to(tl.int64) * stride_lt + offs_h * stride_lh + split, lse,
                  mask=mask_h)
+        if FUSED_MERGE:
+            # one launch: the last split of this (token, head block) to finish merges it. Its
+            # counter (zero before the launch, zero again after it) counts finished splits;
+            # the barrier and the acq_rel atomic order every thread's partial stores before
+            # the count, and the last program's reads after it
+            tl.debug_barrier()
+            done = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")
+            if done == NUM_SPLITS - 1:
+                merge_head_block(out_ptr, part_o_ptr, part_lse_ptr, lse_ptr, t.to(tl.int64),
+                                 offs_h, mask_h, offs_dv, mask_dv, stride_ot, stride_oh,
+                                 stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+                                 stride_ot_lse, stride_oh_lse, BLOCK_H, BLOCK_DV, NUM_SPLITS,
+                                 WRITE_LSE)
+                tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed")
 
 
 #: Launch defaults, from the H200 sweeps of ``benchmarks/bench_attention.py --mla-sweep``
@@ -362,6 +378,23 @@ def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: to
 
 _T = dict(eq=False, repr=False)
 
+#: the fused merge's counters of plans without a graph's static buffers, one zeroed buffer
+#: per (device, stream): every launch leaves its counters at zero, and launches on one stream
+#: are ordered (two streams never share counters)
+_EAGER_COUNTERS: dict = {}
+
+
+def _eager_counters(tiles: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32 counters for ``tiles`` (token, head block) pairs on ``device``'s current
+    stream (made, or grown, on first need)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _EAGER_COUNTERS.get(key)
+    if buf is None or buf.numel() < tiles:
+        buf = _EAGER_COUNTERS[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32,
+                                                 device=device)
+    return buf[:tiles]
+
 
 @attrs.frozen(kw_only=True)
 class TritonMLAPlan(KernelPlan):
@@ -396,6 +429,9 @@ class TritonMLAPlan(KernelPlan):
     #: the step: ``(splits, part_o, part_lse)`` of its own launch (partials ``None``
     #: without splits); a run whose tensors it cannot read takes the Triton launch
     narrow: Optional[tuple] = attrs.field(default=None, **_T)
+    #: the one-launch merge (``FUSED_MERGE``): int32 counters, one per (token, head block),
+    #: zero before and after every launch (``None``: the merge is a second launch)
+    counters: Optional[torch.Tensor] = attrs.field(default=None, **_T)
 
 
 class TritonMLA(MLAKernel):
@@ -403,7 +439,8 @@ class TritonMLA(MLAKernel):
 
     ``tuning`` (tests, benchmarks) overrides the launch heuristics: ``num_kv_splits``,
     ``block_h``, ``block_n``, ``num_warps``, ``num_stages``, ``page_chunk``, ``split_v_load``,
-    ``v_pairs`` (fp8 value reads as 16-bit column pairs), ``narrow`` (``True``: the narrow
+    ``v_pairs`` (fp8 value reads as 16-bit column pairs), ``fused_merge`` (the split merge
+    in the attention launch), ``narrow`` (``True``: the narrow
     Gluon kernel of :mod:`.mla_narrow_gluon` for up to 16 heads), ``gluon`` (``False``: never the Gluon kernels of :mod:`.mla_gluon`, which otherwise
     serves what :func:`.mla_gluon.gluon_mla_reject_reason` allows: 64-head blocks of
     bf16/fp16 latents 512 + 64 on NVIDIA sm_90).
@@ -504,7 +541,29 @@ class TritonMLA(MLAKernel):
         if not rows:
             return BufferSpec({})
         return BufferSpec({self._ws + ".o": ((rows * self.heads * self.rank,), torch.float32),
-                           self._ws + ".lse": ((rows * self.heads,), torch.float32)})
+                           self._ws + ".lse": ((rows * self.heads,), torch.float32),
+                           # zero-filled by allocate(); the fused merge leaves them zero
+                           self._ws + ".cnt": ((limits.max_bs * limits.q_len * self.heads,),
+                                               torch.int32)})
+
+    def _counters(self, tiles, md, out, device):
+        """The fused merge's zeroed int32 counters, ``tiles`` of them: the graph's static
+        buffer (``out``), else this device and stream's own (:func:`_eager_counters`)."""
+        if out is None:
+            return _eager_counters(tiles, device)
+        buf = out.get(self._ws + ".cnt")
+        if buf is None:  # bound after the graph manager was built: sized once, here
+            cu = out.get("cu_seqlens_q")
+            max_bs = cu.shape[0] - 1 if cu is not None else md.batch_size
+            cap = max(tiles, max(max_bs, 1) * md.query.max_seqlen_q * self.heads)
+            buf = out.setdefault(self._ws + ".cnt",
+                                 torch.zeros(cap, dtype=torch.int32, device=device))
+        if buf.numel() < tiles:
+            raise RuntimeError(
+                f"{self.name}: the static MLA merge counters hold {buf.numel()} entries but "
+                f"this plan needs {tiles}; build CudaGraphManager after binding the layers so "
+                "the kernel's buffer_spec sizes them.")
+        return buf[:tiles]
 
     def _partials(self, splits, num_tokens, md, out, device):
         shape_o = (num_tokens, self.heads, splits, self.rank)
@@ -565,6 +624,11 @@ class TritonMLA(MLAKernel):
             mask_t = (m.view(torch.uint8) if m.dtype == torch.bool else m,
                       unit_stride(mask.mask_indptr))
         split_v = t.get("split_v_load")
+        # the one-launch merge: 16-head blocks (memory-bound: a second launch and its gap
+        # are a few percent of the step), split counts its unrolled merge holds
+        fused = bool(use_parts and not self.batch_invariant and not empty and bh <= 16
+                     and splits <= 16 and t.get("fused_merge", MLA_FUSED_MERGE))
+        counters = self._counters(num_tokens * head_blocks, md, out, device) if fused else None
         cfg_kw = dict(
             PAGE_SIZE=page_size, KV_LORA=self.rank, ROPE=self.rope,
             BLOCK_DV=self.block_dv, BLOCK_DR=self.block_dr, BLOCK_H=bh, BLOCK_N=bn,
@@ -579,7 +643,7 @@ class TritonMLA(MLAKernel):
             V_PAIRS=bool(is_fp8(self.kv_dtype) and self.block_dv == self.rank and bh < 64
                          and t.get("v_pairs", MLA_FP8_VALUE_PAIRS)),
             SPLIT_V_LOAD=self.kv_dtype != self.dtype if split_v is None else bool(split_v),
-            FIXED_CHUNK=fixed_chunk, num_warps=warps, num_stages=stages,
+            FIXED_CHUNK=fixed_chunk, FUSED_MERGE=fused, num_warps=warps, num_stages=stages,
             **pdl_kwargs(pdl_mode(t.get("pdl"), device), reduction=False))
         gluon = bh == GLUON_MLA_BLOCK_H and t.get("gluon", True) and gluon_mla_reject_reason(
             heads=self.heads, rank=self.rank, rope=self.rope, dtype=self.dtype,
@@ -596,7 +660,7 @@ class TritonMLA(MLAKernel):
             grid=(num_tokens * head_blocks, splits), args=(cu, seqused_k, block_table),
             mask=mask_t, batch=batch, head_blocks=head_blocks, splits=splits,
             use_parts=use_parts, part_o=part_o, part_lse=part_lse, cfg_kw=cfg_kw,
-            gluon=gluon)
+            gluon=gluon, counters=counters)
 
     @staticmethod
     def _kw(plan: TritonMLAPlan, key):
@@ -646,6 +710,7 @@ class TritonMLA(MLAKernel):
             if nsplits > 1:
                 merge_splits(out, n_o, n_l, lse, self.rank, self.block_dv)
             return out
+        merged = False  # by the launch itself (the fused merge)
         if plan.gluon and gluon_mla_tensors_reason(q, kv_cache, out) is None:
             launch_gluon_mla(q, kv_cache, out, cu, seqused_k, block_table, params.scale,
                              splits=plan.splits, batch=plan.batch,
@@ -655,7 +720,8 @@ class TritonMLA(MLAKernel):
         else:
             self._launch_triton(q, kv_cache, out, plan, params, kw, lse_t, ls, scale_t,
                                 mask_arg, mask_ind, part_o, part_lse, ps_o, ps_l)
-        if plan.use_parts:
+            merged = kw["FUSED_MERGE"]
+        if plan.use_parts and not merged:
             merge_splits(out, part_o, part_lse, lse, self.rank, self.block_dv,
                          fixed_order=self.batch_invariant,
                          **pdl_kwargs(plan.cfg_kw["PDL"], reduction=True))
@@ -668,7 +734,7 @@ class TritonMLA(MLAKernel):
         _mla_fwd_kernel[plan.grid](
             q, kv_cache, out, part_o, part_lse, lse_t,
             cu, seqused_k, block_table, mask_arg, mask_ind, scale_t,
-            params.scale * _LOG2E, 1.0,
+            plan.counters if plan.counters is not None else cu, params.scale * _LOG2E, 1.0,
             self.heads, plan.batch, plan.head_blocks,
             qs[0], qs[1], kv_cache.stride(0), kv_cache.stride(1), os_[0], os_[1],
             block_table.stride(0), ps_o[0], ps_o[1], ps_o[2], ps_l[0], ps_l[1], *ls, **kw)
@@ -703,6 +769,7 @@ def mla_paged_attention(
     v_pairs: Optional[bool] = None,
     pdl=None,
     narrow: Optional[bool] = None,
+    fused_merge: Optional[bool] = None,
 ) -> torch.Tensor:
     """Absorbed MLA over a paged latent cache (Triton). Same contract as
     :func:`aiter_attn.kernels.reference.mla_paged_attention_reference`.
@@ -746,6 +813,9 @@ def mla_paged_attention(
         narrow: ``True``: the narrow Gluon kernel (:mod:`.mla_narrow_gluon`) for up to 16
             heads where it serves (bf16/fp16 latents 512 + 64, ``gcd(page, 64) >= 16``, no
             mask, NVIDIA sm_90); an option (level with the Triton kernel on the H200).
+        fused_merge: the split merge inside the Triton launch (the last split program of a
+            token's head block merges it; head blocks of up to 16, up to 16 splits, not
+            batch-invariant); default :data:`._launch_config.MLA_FUSED_MERGE`.
         batch_invariant: each row's bits independent of the rest of the batch: keys split
             every :data:`BATCH_INVARIANT_SPLIT_TOKENS` (rounded to ``block_n``) at absolute
             positions, the split path and a fixed-order merge always (the split count, a
@@ -777,7 +847,8 @@ def mla_paged_attention(
     tuning = {k: v for k, v in dict(
         num_kv_splits=num_kv_splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
         num_stages=num_stages, page_chunk=page_chunk, split_v_load=split_v_load,
-        gluon=gluon, v_pairs=v_pairs, pdl=pdl, narrow=narrow).items() if v is not None}
+        gluon=gluon, v_pairs=v_pairs, pdl=pdl, narrow=narrow,
+        fused_merge=fused_merge).items() if v is not None}
     kernel = TritonMLA(mla_request(q, kv_cache, kv_lora_rank,
                                    custom_mask=custom_mask is not None, lse=lse is not None,
                                    batch_invariant=batch_invariant), tuning)

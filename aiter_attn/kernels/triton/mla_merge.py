@@ -1,6 +1,8 @@
 """The split merge of the MLA kernels (:mod:`.mla`, :mod:`.mla_gluon`,
 :mod:`.mla_narrow_gluon`): partial outputs ``o / l`` ``[T, H, S, R]`` and their log2 LSEs
-``[T, H, S]`` combined into the rows (and the natural-log LSE)."""
+``[T, H, S]`` combined into the rows (and the natural-log LSE): :func:`merge_splits` (a second
+launch over ``(tokens, heads)``) and :func:`merge_head_block` (the one-launch form: run by the
+last split program of a (token, head block) to finish, inside the attention kernel)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import triton.language as tl
 from ._kvutil import next_pow2
 from ._pdl import wait_then_release
 
-__all__ = ["merge_splits"]
+__all__ = ["merge_splits", "merge_head_block"]
 
 
 @triton.jit
@@ -67,6 +69,41 @@ def _mla_merge_kernel(
         lse_out = tl.where(den > 0, (m + tl.log2(tl.where(den > 0, den, 1.0))) / 1.4426950408889634,
                            float("-inf"))
         tl.store(lse_ptr + t * stride_ot_lse + h * stride_oh_lse, lse_out)
+
+
+@triton.jit
+def merge_head_block(out_ptr, part_o_ptr, part_lse_ptr, lse_ptr, t, offs_h, mask_h, offs_dv,
+                     mask_dv, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt,
+                     stride_lh, stride_ot_lse, stride_oh_lse, BLOCK_H: tl.constexpr,
+                     BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """The merge of one token's head block (``offs_h`` ``[BLOCK_H]``, ``t`` int64) from its
+    ``NUM_SPLITS`` partials, in split order (the same bits whichever split runs it). The
+    partials were written by other programs of this launch: they are read through L2
+    (``.cg``), after the caller's acquiring count."""
+    lse_base = part_lse_ptr + t * stride_lt + offs_h * stride_lh
+    o_base = part_o_ptr + t * stride_pt + offs_h[:, None] * stride_ph + offs_dv[None, :]
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        m = tl.maximum(m, tl.load(lse_base + s, mask=mask_h, other=float("-inf"),
+                                  cache_modifier=".cg"))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    den = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    o_mask = mask_h[:, None] & mask_dv[None, :]
+    for s in tl.static_range(NUM_SPLITS):
+        w = tl.exp2(tl.load(lse_base + s, mask=mask_h, other=float("-inf"),
+                            cache_modifier=".cg") - m)  # empty splits weigh 0
+        den += w
+        acc += tl.load(o_base + s * stride_ps, mask=o_mask, other=0.0,
+                       cache_modifier=".cg") * w[:, None]
+    has = den > 0
+    res = acc / tl.where(has, den, 1.0)[:, None]
+    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_dv[None, :],
+             res.to(out_ptr.dtype.element_ty), mask=o_mask)
+    if WRITE_LSE:  # natural log
+        lse_out = tl.where(has, (m + tl.log2(tl.where(has, den, 1.0))) / 1.4426950408889634,
+                           float("-inf"))
+        tl.store(lse_ptr + t * stride_ot_lse + offs_h * stride_oh_lse, lse_out, mask=mask_h)
 
 
 def merge_splits(out, part_o, part_lse, lse, rank: int, block_dv: int, *,

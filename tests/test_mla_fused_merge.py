@@ -1,0 +1,195 @@
+"""The MLA kernel's one-launch split merge (``fused_merge``): the last split program of a
+(token, head block) to finish merges its partials in the same launch.
+
+Checked against the float64 oracle (outputs and the natural-log LSE), against the two-launch
+merge, with empty splits (keys shorter than the split count), fully masked rows, verify
+tokens and graph padding rows; the counters are zero again after each launch, and the second
+launch (``merge_splits``) is never made. On CPU-only hosts the kernel runs in Triton's
+interpreter, on a GPU compiled (where the splits really run concurrently), plus a CUDA-graph
+replay and DeepSeek shapes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from aiter_attn.testing.compare import assert_close_rel
+
+from ._triton_util import requires_triton
+from .test_triton_mla import RTOL, MLACase
+
+pytestmark = requires_triton
+
+
+def _no_second_launch(monkeypatch):
+    from aiter_attn.kernels.triton import mla
+
+    def fail(*a, **k):
+        raise AssertionError("the fused merge made the second (merge_splits) launch")
+
+    monkeypatch.setattr(mla, "merge_splits", fail)
+
+
+def _lse_oracle(case: MLACase) -> torch.Tensor:
+    """Natural-log LSE of the scaled logits per (token, head), float64, causal."""
+    rows, t = [], 0
+    for b, (n, L) in enumerate(zip(case.q_lens, case.kv_lens)):
+        c = case.dense[b].double()[:, 0]  # [L, dim]
+        for i in range(n):
+            s = case.q[t + i].double() @ c.T * case.softmax_scale  # [H, L]
+            visible = torch.arange(L) <= L - n + i
+            if case.masks is not None:
+                visible &= case.masks[b][i]
+            s = s.masked_fill(~visible, -math.inf)
+            rows.append(torch.logsumexp(s, dim=-1))
+        t += n
+    return torch.stack(rows)
+
+
+CASES = [
+    pytest.param(dict(q_lens=[1, 1, 1], kv_lens=[70, 3, 130], page=16), 4,
+                 id="decode-split4-empty-splits"),
+    pytest.param(dict(q_lens=[3, 2], kv_lens=[30, 49], page=48), 3, id="verify-p48-split3"),
+    pytest.param(dict(q_lens=[1, 1], kv_lens=[65, 20], page=64, rank=512, rope=64), 2,
+                 id="R512-p64-split2"),
+    pytest.param(dict(q_lens=[1, 1, 1], kv_lens=[70, 3, 130], page=64, heads=20,
+                      launch={"block_h": 16}), 5, id="H20-two-head-blocks-split5"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case_kw,splits", CASES)
+def test_fused_merge_matches_oracle_and_lse(case_kw, splits, dtype, monkeypatch):
+    case_kw = dict(case_kw)
+    launch = case_kw.pop("launch", {})
+    case = MLACase(**case_kw, dtype=dtype, seed=3)
+    _no_second_launch(monkeypatch)
+    lse = torch.full((case.q.shape[0], case.heads), float("nan"), device=case.device)
+    out = case.run(num_kv_splits=splits, fused_merge=True, lse=lse, **launch)
+    assert torch.isfinite(out).all()
+    assert_close_rel(out, case.expected(), RTOL[dtype], f"fused merge, {splits} splits")
+    assert_close_rel(lse.cpu(), _lse_oracle(case), 1e-5 if dtype == torch.float32 else 2e-3,
+                     "fused merge LSE")
+
+
+def test_fused_merge_equals_two_launch_merge():
+    case = MLACase([1, 2, 1], [50, 77, 9], page=8, seed=5)
+    a = case.run(num_kv_splits=3, fused_merge=False)
+    b = case.run(num_kv_splits=3, fused_merge=True)
+    assert_close_rel(b, a.double(), 1e-6, "fused vs two-launch merge")
+
+
+def test_fully_masked_row_and_padding_row_are_zero(monkeypatch):
+    case = MLACase([2, 1], [12, 5], page=4, mask_p=1.0, seed=1)
+    case.masks[0][1] = False  # the second query of request 0 sees nothing
+    case.custom_mask = torch.cat([m.reshape(-1) for m in case.masks])
+    _no_second_launch(monkeypatch)
+    out = case.run(num_kv_splits=3, fused_merge=True)
+    assert torch.isfinite(out).all() and (out[1] == 0).all()
+    assert_close_rel(out, case.expected(), 1e-5, "masked, fused")
+
+    pad = MLACase([1, 1, 1], [9, 4, 17], page=4, seed=2)
+    kw = pad.kwargs()
+    kw["cu_seqlens_q"] = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device=pad.device)
+    kw["seqused_k"] = torch.tensor([9, 0, 17], dtype=torch.int32, device=pad.device)
+    out = torch.full((3, 16, 64), float("nan"), device=pad.device)
+    from aiter_attn.kernels.triton.mla import mla_paged_attention
+
+    mla_paged_attention(pad.q.to(pad.device), pad.kv_cache.to(pad.device), out,
+                        num_kv_splits=2, fused_merge=True, **kw)
+    assert torch.isfinite(out).all() and (out[1] == 0).all()
+
+
+def test_plan_counters_left_zero_and_reused():
+    """Plan/run with a graph's static buffers: the counters start and end at zero, so a second
+    run on the same plan (a replay) gives the same rows."""
+    from aiter_attn.kernels.base import _adhoc_metadata, mla_layer_params
+    from aiter_attn.kernels.triton.mla import TritonMLA, mla_request
+
+    case = MLACase([1, 1, 2], [40, 90, 33], page=16, seed=4)
+    q, kv = case.q.to(case.device), case.kv_cache.to(case.device)
+    kw = case.kwargs()
+    kernel = TritonMLA(mla_request(q, kv, case.rank), {"num_kv_splits": 3, "fused_merge": True})
+    md = _adhoc_metadata(q, kv, kw["cu_seqlens_q"], kw["seqused_k"], kw["block_table"], None,
+                         None, None, None, "test")
+    params = mla_layer_params(scale=case.softmax_scale, device=q.device,
+                              kv_lora_rank=case.rank, num_q_heads=case.heads,
+                              head_dim=q.shape[2], kv_scale=None, fp8=False, causal=True)
+    static: dict = {}
+    plan = kernel.plan(md, static)
+    assert plan.counters is not None and plan.cfg_kw["FUSED_MERGE"]
+    cnt = static[kernel._ws + ".cnt"]
+    cnt.fill_(0)
+    out1 = torch.empty(4, 16, 64, device=case.device)
+    kernel.run(q, (kv,), plan, params, out1)
+    assert int(cnt.abs().sum()) == 0, "the fused merge left a counter non-zero"
+    out2 = torch.empty_like(out1)
+    kernel.run(q, (kv,), plan, params, out2)
+    assert torch.equal(out1, out2)
+    assert_close_rel(out1, case.expected(), 1e-5, "plan/run fused")
+
+
+def test_fused_merge_only_where_it_applies():
+    """Head blocks over 16, batch-invariant mode and unsplit launches keep the two-launch
+    form (no counters)."""
+    from aiter_attn.kernels.base import _adhoc_metadata
+    from aiter_attn.kernels.triton.mla import TritonMLA, mla_request
+
+    def plan_of(heads, tuning, **req):
+        case = MLACase([1, 1], [40, 70], heads=heads, page=16)
+        q, kv = case.q.to(case.device), case.kv_cache.to(case.device)
+        kw = case.kwargs()
+        k = TritonMLA(mla_request(q, kv, case.rank, **req), tuning)
+        md = _adhoc_metadata(q, kv, kw["cu_seqlens_q"], kw["seqused_k"], kw["block_table"],
+                             None, None, None, None, "test")
+        return k.plan(md)
+
+    on = {"num_kv_splits": 3, "fused_merge": True}
+    assert plan_of(16, on).counters is not None
+    assert plan_of(64, dict(on, gluon=False)).counters is None  # 64-head blocks
+    assert plan_of(16, dict(on, num_kv_splits=1)).counters is None
+    assert plan_of(16, on, batch_invariant=True).counters is None
+    assert plan_of(16, dict(on, fused_merge=False)).counters is None
+
+
+# ---------------------------------------------------------------- GPU (compiled, concurrent)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("splits", [2, 4, 7])
+def test_gpu_fused_merge_deepseek(splits, dtype, monkeypatch):
+    case = MLACase([1] * 6, [4096, 1000, 64, 5, 129, 2049], rank=512, rope=64, page=64,
+                   heads=16, dtype=dtype, device="cuda", seed=7)
+    _no_second_launch(monkeypatch)
+    lse = torch.empty(6, 16, device="cuda")
+    for _ in range(3):  # counters left at zero: repeated launches agree
+        out = case.run(num_kv_splits=splits, fused_merge=True, lse=lse)
+        assert_close_rel(out, case.expected(), RTOL[dtype], f"fused {splits} splits")
+        assert_close_rel(lse.cpu(), _lse_oracle(case), 2e-3, "fused LSE")
+
+
+@pytest.mark.gpu
+def test_gpu_fused_merge_graph_replay_matches_eager():
+    case = MLACase([1] * 8, [100 + 37 * i for i in range(8)], rank=512, rope=64, page=64,
+                   dtype=torch.bfloat16, device="cuda")
+    from aiter_attn.kernels.triton.mla import mla_paged_attention as fn
+
+    q, kv = case.q.cuda(), case.kv_cache.cuda()
+    kw = case.kwargs()
+    out = torch.empty(8, 16, 512, dtype=torch.bfloat16, device="cuda")
+    launch = dict(max_seqlen_k=1024, num_kv_splits=4, fused_merge=True)
+    fn(q, kv, out, **kw, **launch)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(q, kv, out, **kw, **launch)
+    kw["seqused_k"].copy_(torch.tensor([5 + 90 * i for i in range(8)], device="cuda"))
+    q.copy_(torch.randn_like(q))
+    for _ in range(3):
+        graph.replay()
+    eager = torch.empty_like(out)
+    fn(q, kv, eager, **kw, **launch)
+    assert torch.equal(out, eager)
+
