@@ -91,6 +91,8 @@
 #                                  # then the MLA table
 #   scripts/gpu_session.sh fiftyfourth   # the MLA split merge in the attention launch: its
 #                                  # gpu tests, then 16-head rows with the launch variants
+#   scripts/gpu_session.sh fiftyfifth    # MLA gpu tests (one query per request), then where
+#                                  # a 16-head step's time goes (mla_time_split.py)
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -601,6 +603,14 @@ planned-ov:num_splits=24,planned-ov:num_splits=16 2>&1 | tail -5 | tee "$OUT/sma
       --rows 16x4096,1x4096,1x32768,64x4096,8x65536,256x4096 --variants default,\
 bn64.st4.nc2.r128.s0,bn128.st3.nc2.r168.s0,bn128.st2.nc2.r168.s0,bn64.st3.nc2.r80.s00,\
 bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
+    ;;
+  fiftyfifth)
+    gpu_tests mla_tests.log ${GT_S:-120} 80 tests/test_mla_fused_merge.py tests/test_triton_mla.py
+    timeout ${TS_S:-200} python3 benchmarks/mla_time_split.py --rows 16x64x4096,16x64x1024 \
+      --splits 0,2,8 --tunings '[{}, {"one_query": false}]' --out "$OUT/split" 2>&1 \
+      | tee "$OUT/mla_time_split.log"
+    timeout ${TF_S:-60} python3 benchmarks/mla_time_split.py --rows 16x64x4096,16x64x1024 \
+      --tunings '[{"fused_merge": true}]' 2>&1 | tee -a "$OUT/mla_time_split.log"
     ;;
   fiftyfourth)
     gpu_tests mla_fused_tests.log ${GT_S:-120} 80 tests/test_mla_fused_merge.py \

@@ -390,3 +390,34 @@ def test_gpu_narrow_gluon_mla(shape, extra, dtype, monkeypatch):
 
     _check_gluon_kernel(monkeypatch, mn._NARROW, shape, extra, dtype, {"narrow": True}, {},
                         "narrow gluon")
+
+
+def _mla_plan(case, **hints):
+    from aiter_attn.kernels.base import _adhoc_metadata
+    from aiter_attn.kernels.triton.mla import TritonMLA, mla_request
+
+    q, kv = case.q.to(case.device), case.kv_cache.to(case.device)
+    kw = case.kwargs()
+    md = _adhoc_metadata(q, kv, kw["cu_seqlens_q"], kw["seqused_k"], kw["block_table"], None,
+                         None, hints.get("max_seqlen_q"), None, "test")
+    return TritonMLA(mla_request(q, kv, case.rank)).plan(md)
+
+
+def test_decode_steps_take_token_t_as_request_t():
+    """One query per request (tokens == requests, max_seqlen_q 1): the kernel skips the
+    cu_seqlens_q search (``ONE_QUERY``); a zero-length padding row still gives zeros."""
+    case = MLACase([1, 1, 1, 1], [9, 40, 1, 70], page=16, seed=11)
+    assert _mla_plan(case, max_seqlen_q=1).cfg_kw["ONE_QUERY"]
+    assert not _mla_plan(case).cfg_kw["ONE_QUERY"]  # no hint: a bound of 4 queries
+    verify = MLACase([2, 1], [20, 9], page=4)
+    assert not _mla_plan(verify, max_seqlen_q=2).cfg_kw["ONE_QUERY"]
+    for splits in (1, 3):
+        out = case.run(max_seqlen_q=1, num_kv_splits=splits)
+        assert_close_rel(out, case.expected(), 1e-5, f"one query per request, {splits} splits")
+    kw = case.kwargs()
+    kw["seqused_k"] = torch.tensor([9, 0, 1, 70], dtype=torch.int32, device=case.device)
+    out = torch.full((4, 16, 64), float("nan"), device=case.device)
+    _kernel()(case.q.to(case.device), case.kv_cache.to(case.device), out, max_seqlen_q=1, **kw)
+    assert torch.isfinite(out).all() and (out[1] == 0).all()
+    want = case.expected()
+    assert_close_rel(out[[0, 2, 3]], want[[0, 2, 3]], 1e-5, "rows around the padding")

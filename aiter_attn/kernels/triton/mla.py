@@ -159,6 +159,7 @@ def _mla_fwd_kernel(
     PDL: tl.constexpr = False,
     V_PAIRS: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = False,
+    ONE_QUERY: tl.constexpr = False,
 ):
     if PDL:  # programmatic dependent launch: the previous kernel's writes first
         wait_then_release()
@@ -167,12 +168,19 @@ def _mla_fwd_kernel(
     t = pid // num_head_blocks  # head blocks of one token are neighbours: they share KV in L2
     hb = pid % num_head_blocks
 
-    # Request of token t: the number of requests that end at or before t.
-    offs_b = tl.arange(0, BLOCK_B)
-    ends = tl.load(cu_q_ptr + 1 + offs_b, mask=offs_b < batch, other=2147483647)
-    b = tl.minimum(tl.sum((ends <= t).to(tl.int32), axis=0), batch - 1)
-    q_start = tl.load(cu_q_ptr + b)
-    n_q = tl.load(cu_q_ptr + b + 1) - q_start
+    if ONE_QUERY:
+        # every request has exactly one query (tokens == requests, at most one each): token t
+        # is request t, and its key count is the program's first read
+        b = t
+        n_q = 1
+        q_start = t
+    else:
+        # Request of token t: the number of requests that end at or before t.
+        offs_b = tl.arange(0, BLOCK_B)
+        ends = tl.load(cu_q_ptr + 1 + offs_b, mask=offs_b < batch, other=2147483647)
+        b = tl.minimum(tl.sum((ends <= t).to(tl.int32), axis=0), batch - 1)
+        q_start = tl.load(cu_q_ptr + b)
+        n_q = tl.load(cu_q_ptr + b + 1) - q_start
     kv_len = tl.load(seqused_ptr + b)
     qi = t - q_start
     end = kv_len
@@ -440,7 +448,8 @@ class TritonMLA(MLAKernel):
     ``tuning`` (tests, benchmarks) overrides the launch heuristics: ``num_kv_splits``,
     ``block_h``, ``block_n``, ``num_warps``, ``num_stages``, ``page_chunk``, ``split_v_load``,
     ``v_pairs`` (fp8 value reads as 16-bit column pairs), ``fused_merge`` (the split merge
-    in the attention launch), ``narrow`` (``True``: the narrow
+    in the attention launch), ``one_query`` (``False``: decode steps search ``cu_seqlens_q``
+    for their request like any other), ``narrow`` (``True``: the narrow
     Gluon kernel of :mod:`.mla_narrow_gluon` for up to 16 heads), ``gluon`` (``False``: never the Gluon kernels of :mod:`.mla_gluon`, which otherwise
     serves what :func:`.mla_gluon.gluon_mla_reject_reason` allows: 64-head blocks of
     bf16/fp16 latents 512 + 64 on NVIDIA sm_90).
@@ -600,12 +609,16 @@ class TritonMLA(MLAKernel):
             unit_stride, (query.cu_seqlens_q, pages.seqused_k, pages.block_table))
         num_tokens, batch = query.num_tokens, seqused_k.shape[0]
         page_size = pages.page_size
-        _, hint_k = plan_hints(md)
+        hint_q, hint_k = plan_hints(md)
         kv_bound = int(hint_k) if hint_k is not None else block_table.shape[1] * page_size
         device = cu.device
         bh, bn, splits, warps, stages, fixed_chunk = self._config(max(num_tokens, 1), kv_bound,
                                                                   device)
+        # decode: as many tokens as requests, none with more than one (host integers; the
+        # metadata's contract cu_seqlens_q[-1] == num_tokens makes it one query each)
         t = self.tuning
+        one_query = bool(num_tokens == batch and hint_q is not None and int(hint_q) <= 1
+                         and t.get("one_query", True))
         page_chunk = t.get("page_chunk")
         if page_chunk is None:
             page_chunk = 0 if bh <= 16 else 16
@@ -643,7 +656,8 @@ class TritonMLA(MLAKernel):
             V_PAIRS=bool(is_fp8(self.kv_dtype) and self.block_dv == self.rank and bh < 64
                          and t.get("v_pairs", MLA_FP8_VALUE_PAIRS)),
             SPLIT_V_LOAD=self.kv_dtype != self.dtype if split_v is None else bool(split_v),
-            FIXED_CHUNK=fixed_chunk, FUSED_MERGE=fused, num_warps=warps, num_stages=stages,
+            FIXED_CHUNK=fixed_chunk, FUSED_MERGE=fused, ONE_QUERY=one_query,
+            num_warps=warps, num_stages=stages,
             **pdl_kwargs(pdl_mode(t.get("pdl"), device), reduction=False))
         gluon = bh == GLUON_MLA_BLOCK_H and t.get("gluon", True) and gluon_mla_reject_reason(
             heads=self.heads, rank=self.rank, rope=self.rope, dtype=self.dtype,
