@@ -74,7 +74,10 @@ MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 # the split merge in the attention launch (no second launch)
                 "fused": {"fused_merge": True}, "fused-pdl": {"fused_merge": True, "pdl": True},
                 "two-launch": {"fused_merge": False},
-                "narrow": {"narrow": True}}  # the narrow Gluon kernel (sm_90)
+                "narrow": {"narrow": True},  # the narrow Gluon kernel (sm_90)
+                # each key tile prefetches the one N tiles on into L2
+                "l2-2": {"l2_ahead": 2}, "l2-4": {"l2_ahead": 4}, "l2-8": {"l2_ahead": 8},
+                "l2-16": {"l2_ahead": 16}}
 #: MLA launch configs timed by --mla-sweep: (block_h, block_n, num_warps, num_stages, splits).
 MLA_SWEEP = [(16, 32, 4, 2, None), (16, 32, 4, 4, None), (16, 64, 4, 3, None),
              (16, 32, 8, 3, None), (16, 32, 4, 3, "x2"), (32, 32, 8, 3, None),

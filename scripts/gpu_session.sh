@@ -93,6 +93,8 @@
 #                                  # gpu tests, then 16-head rows with the launch variants
 #   scripts/gpu_session.sh fiftyfifth    # MLA gpu tests (one query per request), then where
 #                                  # a 16-head step's time goes (mla_time_split.py)
+#   scripts/gpu_session.sh fiftysixth    # the MLA L2 prefetch: gpu tests, the 16-head rows
+#                                  # with prefetch distances, the time split with it
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -603,6 +605,17 @@ planned-ov:num_splits=24,planned-ov:num_splits=16 2>&1 | tail -5 | tee "$OUT/sma
       --rows 16x4096,1x4096,1x32768,64x4096,8x65536,256x4096 --variants default,\
 bn64.st4.nc2.r128.s0,bn128.st3.nc2.r168.s0,bn128.st2.nc2.r168.s0,bn64.st3.nc2.r80.s00,\
 bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
+    ;;
+  fiftysixth)
+    gpu_tests mla_tests.log ${GT_S:-120} 80 tests/test_triton_mla.py
+    timeout ${BA_S:-200} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 \
+      --mla-variants l2-2,l2-4,l2-8,l2-16,narrow --out "$OUT/mla" > "$OUT/mla.log" 2>&1
+    grep -E "ours|==" "$OUT/mla.log" | head -20
+    timeout ${TS_S:-100} python3 benchmarks/mla_time_split.py --rows 16x64x4096 \
+      --tunings '[{}, {"l2_ahead": 4}, {"l2_ahead": 8}]' --out "$OUT/split" 2>&1 \
+      | tee "$OUT/mla_time_split.log"
+    rm -f "$OUT"/*/*.png
     ;;
   fiftyfifth)
     gpu_tests mla_tests.log ${GT_S:-120} 80 tests/test_mla_fused_merge.py tests/test_triton_mla.py
