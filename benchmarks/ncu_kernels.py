@@ -9,7 +9,8 @@ Cases (``--cases``, comma-separated; default all), bf16, GQA 32/8, d128, page 16
 * ``decode1x4k`` / ``decode1x4k-cudnn``, ``decode16x4k`` / ``decode16x4k-cudnn``,
   ``decode1x32k`` / ``decode1x32k-cudnn``: small-batch decode (our split launch and its
   reduction are two kernels);
-* ``mla16`` (16 heads, 64×4k) and ``mla128`` (128 heads, 64×4k): MLA decode, rank 512 + 64;
+* ``mla16`` (16 heads, 64×4k), ``mla16-narrow`` (the same on the narrow Gluon kernel) and
+  ``mla128`` (128 heads, 64×4k): MLA decode, rank 512 + 64;
 * ``fp8-64x16k`` / ``bf16-64x16k``: decode over an fp8 e4m3 cache and the same in bf16.
 
 Every case runs three times first (compiles, autotuning), then once between
@@ -54,9 +55,9 @@ def _decode(bs, ctx, impl, kv_dtype=None):
     return fn, x
 
 
-def _mla(heads):
+def _mla(heads, **launch):
     x = make_mla(64, 4096, heads=heads)
-    return make_ours_mla(x)[0], x
+    return make_ours_mla(x, **launch)[0], x
 
 
 CASES = {
@@ -69,6 +70,7 @@ CASES = {
     "decode1x32k": lambda: _decode(1, 32768, "ours"),
     "decode1x32k-cudnn": lambda: _decode(1, 32768, "cudnn"),
     "mla16": lambda: _mla(16),
+    "mla16-narrow": lambda: _mla(16, narrow=True),  # the narrow Gluon kernel (sm_90)
     "mla128": lambda: _mla(128),
     "fp8-64x16k": lambda: _decode(64, 16384, "ours", kv_dtype=torch.float8_e4m3fn),
     "bf16-64x16k": lambda: _decode(64, 16384, "ours"),

@@ -95,6 +95,8 @@
 #                                  # a 16-head step's time goes (mla_time_split.py)
 #   scripts/gpu_session.sh fiftysixth    # the MLA L2 prefetch: gpu tests, the 16-head rows
 #                                  # with prefetch distances, the time split with it
+#   scripts/gpu_session.sh fiftyseventh  # 16-head MLA rings deeper than two tiles a program
+#                                  # (one program per SM), then ncu of both 16-head kernels
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -605,6 +607,19 @@ planned-ov:num_splits=24,planned-ov:num_splits=16 2>&1 | tail -5 | tee "$OUT/sma
       --rows 16x4096,1x4096,1x32768,64x4096,8x65536,256x4096 --variants default,\
 bn64.st4.nc2.r128.s0,bn128.st3.nc2.r168.s0,bn128.st2.nc2.r168.s0,bn64.st3.nc2.r80.s00,\
 bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
+    ;;
+  fiftyseventh)
+    timeout ${MLA_S:-150} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --anchors "" --mla-rows 16x64x4096 --mla-kv bf16 --mla-sweep --mla-configs \
+16/32/4/6/2,16/32/8/6/2,16/32/8/5/2,16/32/4/5/2,16/32/8/4/2,16/32/4/3/auto \
+      --out "$OUT/mla" 2>&1 | grep -E "==|ours" | tee "$OUT/mla.log"
+    timeout ${NCU_S:-150} ncu --clock-control none --profile-from-start off --nvtx \
+      --target-processes all --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section MemoryWorkloadAnalysis --section WarpStateStats \
+      python3 benchmarks/ncu_kernels.py --cases mla16,mla16-narrow > "$OUT/ncu.log" 2>&1
+    grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Dynamic Shared|Block Limit" \
+      "$OUT/ncu.log" | head -60
+    rm -f "$OUT"/*/*.png
     ;;
   fiftysixth)
     gpu_tests mla_tests.log ${GT_S:-120} 80 tests/test_triton_mla.py
