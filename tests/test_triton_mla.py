@@ -375,6 +375,9 @@ NARROW_SHAPES = [
                  {"num_kv_splits": 3}, id="H8-p48-split3"),
     pytest.param(dict(q_lens=[1, 1], kv_lens=[3000, 17], page=64, heads=1),
                  {}, id="H1-p64"),
+    # 2, 2, 4 and 5 tiles: the three-slot ring's wrap, the hand-over slot of each count
+    pytest.param(dict(q_lens=[1] * 4, kv_lens=[128, 100, 200, 257], page=64, heads=16),
+                 {}, id="H16-p64-ring-wrap"),
 ]
 
 
