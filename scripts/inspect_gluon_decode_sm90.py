@@ -35,7 +35,7 @@ def _compile_sm90(fn, c: dict, q: str, descs: dict, fp32_ptrs: tuple, maxnreg: i
         elif n in descs:
             layout = gl.NVMMASharedLayout.get_default_for(list(descs[n]), gdt)
             sig[n] = f"tensordesc<{q}[{descs[n][0]}, {descs[n][1]}],{layout!r}>"
-        elif n in ("q_ptr", "out", "kv"):
+        elif n in ("q_ptr", "out"):
             sig[n] = "*" + q
         elif n in fp32_ptrs:
             sig[n] = "*fp32"
@@ -76,7 +76,7 @@ def compile_narrow_mla(q="bf16", **const):
     c.update(const)
     c["BOX"] = min(c["BOX"], 64)
     return _compile_sm90(mn._narrow_mla_kernel, c, q,
-                         {"kn_d": (c["BOX"], 512)},
+                         {"kn_d": (c["BOX"], 512), "kr_d": (c["BOX"], 64)},
                          ("part_o", "part_l", "lse_ptr"), mn._MAXNREG)
 
 

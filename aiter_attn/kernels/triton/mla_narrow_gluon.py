@@ -47,14 +47,7 @@ __all__ = ["narrow_mla_reject_reason", "narrow_mla_tensors_reason", "narrow_mla_
            "launch_narrow_mla", "NARROW_MLA_MAX_HEADS"]
 
 NARROW_MLA_MAX_HEADS = 16
-_RANK, _ROPE, _BLOCK_N = 512, 64, 64
-#: latent slots (64 keys × 512 columns, 64 KB each) in the shared-memory ring: three fit
-#: beside q because the rope columns go to registers and the hand-over reuses a slot
-_RING = 3
-if HAS_GLUON:
-    from triton.experimental.gluon import language as _gl
-
-    _RING = _gl.constexpr(_RING)
+_RANK, _ROPE, _BLOCK_N, _STAGES = 512, 64, 64, 2
 _MAXNREG, _LOADER_REGS = 128, 48
 
 
@@ -123,21 +116,22 @@ if HAS_GLUON:
     from .mla_gluon import _token_split
 
     @gluon.jit
-    def _issue(kn_d, kn_s, bar, slot, cur, offs, BOX: gl.constexpr, BOXES: gl.constexpr):
-        """TMA of one tile's latent rows (the first 512 columns) into ring slot ``slot``."""
-        mbarrier.expect(bar, 64 * 512 * kn_d.dtype.primitive_bitwidth // 8)
+    def _issue(kn_d, kr_d, kn_s, kr_s, bar, slot, cur, offs, BOX: gl.constexpr,
+               BOXES: gl.constexpr):
+        mbarrier.expect(bar, 64 * 576 * kn_d.dtype.primitive_bitwidth // 8)
         for i in gl.static_range(BOXES):
             r = _pick(cur, offs, i)
             tma.async_copy_global_to_shared(kn_d, [r, 0], bar,
                                             kn_s.index(slot).slice(i * BOX, BOX, dim=0))
+            tma.async_copy_global_to_shared(kr_d, [r, 512], bar,
+                                            kr_s.index(slot).slice(i * BOX, BOX, dim=0))
 
     @gluon.jit
     def _load(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
               BOX: gl.constexpr, SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr):
-        """Loader (1 warp): every tile of the split into a ring of ``_RING`` slots, page ids
-        a tile ahead."""
-        kn_d = ops[0][0]
-        kn_s = smem[2]
+        """Loader (1 warp): every tile of the split, page ids a tile ahead."""
+        kn_d, kr_d = ops[0][0], ops[0][1]
+        kn_s, kr_s = smem[2], smem[3]
         ready, empty = bars[0], bars[1]
         bt_row, lo, n, last = rows[2], rows[3], rows[4], rows[6]
         BOXES: gl.constexpr = 64 // BOX
@@ -147,35 +141,21 @@ if HAS_GLUON:
         for j in range(n):
             cur = nxt
             nxt = _tile_rows(bt_row, lo + (j + 1) * 64, last, PAGE, BOX, BOXES, lay)
-            slot = j % _RING
-            mbarrier.wait(empty.index(slot), ((j // _RING) & 1) ^ 1)
-            _issue(kn_d, kn_s, ready.index(slot), slot, cur, offs, BOX, BOXES)
-
-    @gluon.jit
-    def _rope_rows(kv, s_row, bt_row, key0, last, PAGE: gl.constexpr, a_lay: gl.constexpr):
-        """The rope columns (512..575) of the 64 keys from ``key0``, straight into registers
-        as wgmma's A operand (``a_lay``): they skip the shared-memory ring. Page indices are
-        clamped to ``last`` (rows past the split are read but masked by the consumer)."""
-        r = gl.arange(0, 64, layout=gl.SliceLayout(1, a_lay))
-        d = gl.arange(0, 64, layout=gl.SliceLayout(0, a_lay))
-        keys = key0 + r
-        page = gl.load(bt_row + gl.minimum(keys // PAGE, last))
-        row = (page * PAGE + keys % PAGE).to(gl.int64) * s_row + 512
-        return gl.load(kv + row[:, None] + d[None, :])
+            slot = j % 2
+            mbarrier.wait(empty.index(slot), ((j // 2) & 1) ^ 1)
+            _issue(kn_d, kr_d, kn_s, kr_s, ready.index(slot), slot, cur, offs, BOX, BOXES)
 
     @gluon.jit
     def _consume(ops, smem, bars, rows, C: gl.constexpr, HP: gl.constexpr,
-                 PAGE: gl.constexpr, SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr):
+                 SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr):
         out, part_o, part_l, lse_ptr, qk2, heads = ops[1]
         s_ot, s_oh, s_pt, s_ph, s_ps, s_lt, s_lh, s_et, s_eh = ops[2]
-        kv, s_row = ops[3]
-        qn_s, qr_s, kn_s, p_s, m_x, l_x = smem
+        qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x = smem
         ready, empty, done = bars
         t, split, bt_row, lo, n, valid, last = rows
         dtype: gl.constexpr = qn_s.dtype
         s_lay: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HP, 16])
-        a_lay: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_lay, k_width=2)
         col: gl.constexpr = gl.SliceLayout(0, s_lay)
         row: gl.constexpr = gl.SliceLayout(1, s_lay)
         qn_t = qn_s.permute((1, 0))  # [512, HP]
@@ -186,17 +166,13 @@ if HAS_GLUON:
         l_acc = gl.zeros([64, HP], gl.float32, layout=s_lay)
         m_i = gl.full([HP], float("-inf"), gl.float32, layout=col)
         s_zero = gl.zeros([64, HP], gl.float32, layout=s_lay)
-        # the rope rows of this consumer's first tile (registers)
-        rope = _rope_rows(kv, s_row, bt_row, lo + C * 64, last, PAGE, a_lay)
         for j in range(C, n, 2):
-            slot = j % _RING
-            mbarrier.wait(ready.index(slot), (j // _RING) & 1)
+            slot = j % 2
+            mbarrier.wait(ready.index(slot), (j // 2) & 1)
             kn = kn_s.index(slot)
             s_tok = warpgroup_mma(kn, qn_t, s_zero, use_acc=False, is_async=True)
-            s_tok = warpgroup_mma(rope, qr_t, s_tok, is_async=True)
+            s_tok = warpgroup_mma(kr_s.index(slot), qr_t, s_tok, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-            # this consumer's next tile's rope rows, loaded while this tile finishes
-            rope = _rope_rows(kv, s_row, bt_row, lo + (j + 2) * 64, last, PAGE, a_lay)
             if j == n - 1:
                 if valid < 64:  # past the last visible key: no logit, zero latent rows
                     s = _mask_tail(s, kn, valid, 64, 512, row)
@@ -208,11 +184,6 @@ if HAS_GLUON:
             mbarrier.arrive(empty.index(slot), count=1)
         l_i = gl.sum(l_acc, 0)
 
-        # the hand-over buffer: consumer 1's last tile's slot (no tile is loaded into it
-        # again, and consumer 0's tiles are in the other slots); slot 1 when it had none
-        flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        hs = gl.where(n >= 2, (n - 1 - n % 2) % _RING, 1)
-        o_x = kn_s.index(hs)._reinterpret(gl.float32, [512, HP], flat2)
         m_i, l_i, acc = _hand_over(C, m_i, l_i, acc, m_x, l_x, o_x, done, col, s_lay)
         if C == 0:
             h = gl.arange(0, HP, layout=col)
@@ -252,17 +223,17 @@ if HAS_GLUON:
     @gluon.jit
     def _consume_0(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
                    BOX: gl.constexpr, SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr):
-        _consume(ops, smem, bars, rows, 0, HP, PAGE, SPLITS, WRITE_LSE)
+        _consume(ops, smem, bars, rows, 0, HP, SPLITS, WRITE_LSE)
 
     @gluon.jit
     def _consume_1(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
                    BOX: gl.constexpr, SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr):
-        _consume(ops, smem, bars, rows, 1, HP, PAGE, SPLITS, WRITE_LSE)
+        _consume(ops, smem, bars, rows, 1, HP, SPLITS, WRITE_LSE)
 
     @gluon.jit
     def _narrow_mla_kernel(
-        kn_d, kv, q_ptr, out, part_o, part_l, lse_ptr, cu_q, seqused, bt,
-        qk2, heads, batch, s_bt, s_qt, s_qh, s_row,
+        kn_d, kr_d, q_ptr, out, part_o, part_l, lse_ptr, cu_q, seqused, bt,
+        qk2, heads, batch, s_bt, s_qt, s_qh,
         s_ot, s_oh, s_pt, s_ph, s_ps, s_lt, s_lh, s_et, s_eh,
         HP: gl.constexpr, PAGE: gl.constexpr, BOX: gl.constexpr, CAUSAL: gl.constexpr,
         SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr, BLOCK_B: gl.constexpr,
@@ -286,16 +257,19 @@ if HAS_GLUON:
         qr_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 64], dtype)
         qn_s = gl.allocate_shared_memory(dtype, [HP, 512], qn_l, qn)
         qr_s = gl.allocate_shared_memory(dtype, [HP, 64], qr_l, qr)
-        kn_s = gl.allocate_shared_memory(dtype, [_RING, 64, 512], kn_d.layout)
+        kn_s = gl.allocate_shared_memory(dtype, [2, 64, 512], kn_d.layout)
+        kr_s = gl.allocate_shared_memory(dtype, [2, 64, 64], kr_d.layout)
         p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 64], dtype)
         p_s = gl.allocate_shared_memory(dtype, [2, HP, 64], p_l)
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         m_x = gl.allocate_shared_memory(gl.float32, [HP], flat)
         l_x = gl.allocate_shared_memory(gl.float32, [HP], flat)
-        ready = gl.allocate_shared_memory(gl.int64, [_RING, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [_RING, 1], mbarrier.MBarrierLayout())
+        o_x = gl.allocate_shared_memory(gl.float32, [512, HP], flat2)
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(_RING):
+        for i in gl.static_range(2):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         mbarrier.init(done, count=1)
@@ -303,9 +277,9 @@ if HAS_GLUON:
         gl.thread_barrier()
 
         last = gl.maximum(gl.cdiv(kv_len, PAGE) - 1, 0)
-        ops = ((kn_d, ), (out, part_o, part_l, lse_ptr, qk2, heads),
-               (s_ot, s_oh, s_pt, s_ph, s_ps, s_lt, s_lh, s_et, s_eh), (kv, s_row))
-        smem = (qn_s, qr_s, kn_s, p_s, m_x, l_x)
+        ops = ((kn_d, kr_d), (out, part_o, part_l, lse_ptr, qk2, heads),
+               (s_ot, s_oh, s_pt, s_ph, s_ps, s_lt, s_lh, s_et, s_eh))
+        smem = (qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x)
         bars = (ready, empty, done)
         rows = (t, split, bt + b.to(gl.int64) * s_bt, lo, n, valid, last)
         gl.warp_specialize([
@@ -321,7 +295,9 @@ def _descriptors(kv_cache):
     box = _box_rows(ps)
     kn = GluonDescriptor(rows, [p * ps, d], [kv_cache.stride(1), 1], [box, _RANK],
                          _smem_layout(box, _RANK, kv_cache.dtype))
-    return (kn, )
+    kr = GluonDescriptor(rows, [p * ps, d], [kv_cache.stride(1), 1], [box, _ROPE],
+                         _smem_layout(box, _ROPE, kv_cache.dtype))
+    return kn, kr
 
 
 def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, splits: int,
@@ -332,22 +308,21 @@ def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, 
     its merge kernel. The caller checked :func:`narrow_mla_reject_reason` and
     :func:`narrow_mla_tensors_reason`."""
     t, h, _ = q.shape
-    (kn_d, ) = descs if descs is not None else _descriptors(kv_cache)
+    kn_d, kr_d = descs if descs is not None else _descriptors(kv_cache)
     po = part_o if part_o is not None else out
     pl = part_lse if part_lse is not None else out
     ps_o = part_o.stride()[:3] if part_o is not None else (0, 0, 0)
     ps_l = part_lse.stride()[:2] if part_lse is not None else (0, 0)
     ls = lse.stride() if lse is not None else (0, 0)
-    args = (kn_d, kv_cache, q, out, po, pl, lse if lse is not None else out, cu_q, seqused_k,
+    args = (kn_d, kr_d, q, out, po, pl, lse if lse is not None else out, cu_q, seqused_k,
             block_table, float(scale) * _LOG2E, h, batch, block_table.stride(0),
-            q.stride(0), q.stride(1), kv_cache.stride(1), out.stride(0), out.stride(1), *ps_o,
-            *ps_l, *ls)
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *ps_o, *ps_l, *ls)
     kw = dict(HP=8 if h <= 8 else 16, PAGE=kv_cache.shape[1], BOX=_box_rows(kv_cache.shape[1]),
               CAUSAL=bool(causal), SPLITS=int(splits), WRITE_LSE=lse is not None,
               BLOCK_B=max(2, 1 << max(0, (batch - 1).bit_length())),
               CONSUMER_REGS=_MAXNREG, LOADER_REGS=_LOADER_REGS, num_warps=4,
               maxnreg=_MAXNREG)
-    key = (tuple(tensor_key(a) if hasattr(a, "data_ptr") else None for a in args[1:10]),
+    key = (tuple(tensor_key(a) if hasattr(a, "data_ptr") else None for a in args[2:10]),
            args[11:], tuple(sorted(kw.items())), kv_cache.dtype, tuple(kn_d.block_shape))
     _NARROW.launch((t, int(splits)), args, kw, key)
     return out
