@@ -75,6 +75,7 @@ MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 "fused": {"fused_merge": True}, "fused-pdl": {"fused_merge": True, "pdl": True},
                 "two-launch": {"fused_merge": False},
                 "narrow": {"narrow": True},  # the narrow Gluon kernel (sm_90)
+                "ring": {"ring": True},  # the ring Gluon kernel (sm_90)
                 # each key tile prefetches the one N tiles on into L2
                 "l2-2": {"l2_ahead": 2}, "l2-4": {"l2_ahead": 4}, "l2-8": {"l2_ahead": 8},
                 "l2-16": {"l2_ahead": 16}}

@@ -99,6 +99,8 @@
 #                                  # (one program per SM), then ncu of both 16-head kernels
 #   scripts/gpu_session.sh fiftyeighth   # the narrow MLA kernel's three-slot ring (rope rows
 #                                  # in registers): its gpu tests, then the 16-head rows
+#   scripts/gpu_session.sh fiftyninth    # the ring Gluon MLA kernel (32-key tiles, q in
+#                                  # registers): its gpu tests, then the 16-head rows
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -609,6 +611,14 @@ planned-ov:num_splits=24,planned-ov:num_splits=16 2>&1 | tail -5 | tee "$OUT/sma
       --rows 16x4096,1x4096,1x32768,64x4096,8x65536,256x4096 --variants default,\
 bn64.st4.nc2.r128.s0,bn128.st3.nc2.r168.s0,bn128.st2.nc2.r168.s0,bn64.st3.nc2.r80.s00,\
 bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
+    ;;
+  fiftyninth)
+    gpu_tests mla_ring_tests.log ${GT_S:-120} 80 tests/test_triton_mla.py -k "ring"
+    timeout ${BA_S:-150} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192,16x64x1024 \
+      --mla-variants ring,narrow --out "$OUT/mla" > "$OUT/mla.log" 2>&1
+    grep -E "ours|==|Error|error" "$OUT/mla.log" | head -20
+    rm -f "$OUT"/*/*.png
     ;;
   fiftyeighth)
     gpu_tests mla_narrow_tests.log ${GT_S:-120} 80 tests/test_triton_mla.py -k "narrow or l2"

@@ -80,17 +80,32 @@ def compile_narrow_mla(q="bf16", **const):
                          ("part_o", "part_l", "lse_ptr"), mn._MAXNREG)
 
 
+def compile_ring_mla(q="bf16", **const):
+    """The ring MLA kernel (:mod:`aiter_attn.kernels.triton.mla_ring_gluon`)."""
+    from aiter_attn.kernels.triton import mla_ring_gluon as mr
+
+    c = dict(HP=16, PAGE=64, BOX=32, CAUSAL=True, SPLITS=4, WRITE_LSE=False, BLOCK_B=64,
+             num_warps=4)
+    c.update(const)
+    c["BOX"] = min(c["BOX"], 32)
+    return _compile_sm90(mr._ring_mla_kernel, c, q,
+                         {"kn_d": (c["BOX"], 512), "kr_d": (c["BOX"], 64)},
+                         ("part_o", "part_l", "lse_ptr"), 255)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("const", nargs="?", default="{}")
     p.add_argument("--json", action="store_true")
     p.add_argument("--dump", default=None)
     p.add_argument("--mla", action="store_true", help="the narrow MLA kernel")
+    p.add_argument("--ring", action="store_true", help="the ring MLA kernel")
     a = p.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from inspect_gluon_prefill_sm90 import gluon_report, print_report
 
-    k = (compile_narrow_mla if a.mla else compile_decode)(**json.loads(a.const))
+    k = (compile_ring_mla if a.ring else compile_narrow_mla if a.mla
+         else compile_decode)(**json.loads(a.const))
     print_report(gluon_report(k), a.json)
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)

@@ -395,6 +395,18 @@ def test_gpu_narrow_gluon_mla(shape, extra, dtype, monkeypatch):
                         "narrow gluon")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape,extra", NARROW_SHAPES)
+def test_gpu_ring_gluon_mla(shape, extra, dtype, monkeypatch):
+    """The ring Gluon kernel (32-key tiles, q in registers) on the narrow kernel's cases:
+    NaN in the null page and unwritten slots, verify rows, splits, the LSE."""
+    from aiter_attn.kernels.triton import mla_ring_gluon as mr
+
+    _check_gluon_kernel(monkeypatch, mr._RING_LAUNCH, shape, extra, dtype, {"ring": True},
+                        {}, "ring gluon")
+
+
 def _mla_plan(case, **hints):
     from aiter_attn.kernels.base import _adhoc_metadata
     from aiter_attn.kernels.triton.mla import TritonMLA, mla_request

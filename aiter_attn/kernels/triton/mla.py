@@ -48,6 +48,7 @@ from .mla_gluon import (GLUON_MLA_BLOCK_H, gluon_mla_reject_reason, gluon_mla_te
 from .mla_merge import merge_head_block, merge_splits
 from .mla_narrow_gluon import (NARROW_MLA_MAX_HEADS, launch_narrow_mla, narrow_mla_reject_reason,
                                narrow_mla_splits, narrow_mla_tensors_reason)
+from .mla_ring_gluon import launch_ring_mla, ring_mla_splits
 from ._paging import fp8_pair_ptrs, load_chunk_pages, split_fp8_pairs, tile_pages_of
 from ._pdl import pdl_kwargs, pdl_mode, wait_then_release
 
@@ -473,9 +474,10 @@ class TritonMLAPlan(KernelPlan):
     #: the warp-specialised Gluon kernel (:mod:`.mla_gluon`) serves the launch when its
     #: tensors allow (checked per run); same grid, splits and partials
     gluon: bool = False
-    #: the narrow Gluon kernel (:mod:`.mla_narrow_gluon`, up to 16 heads) where it serves
-    #: the step: ``(splits, part_o, part_lse)`` of its own launch (partials ``None``
-    #: without splits); a run whose tensors it cannot read takes the Triton launch
+    #: the narrow Gluon kernels (:mod:`.mla_narrow_gluon`, or with ``ring``
+    #: :mod:`.mla_ring_gluon`; up to 16 heads) where they serve the step: ``(splits,
+    #: part_o, part_lse, ring)`` of its own launch (partials ``None`` without splits); a
+    #: run whose tensors they cannot read takes the Triton launch
     narrow: Optional[tuple] = attrs.field(default=None, **_T)
     #: the one-launch merge (``FUSED_MERGE``): int32 counters, one per (token, head block),
     #: zero before and after every launch (``None``: the merge is a second launch)
@@ -488,7 +490,8 @@ class TritonMLA(MLAKernel):
     ``tuning`` (tests, benchmarks) overrides the launch heuristics: ``num_kv_splits``,
     ``block_h``, ``block_n``, ``num_warps``, ``num_stages``, ``page_chunk``, ``split_v_load``,
     ``v_pairs`` (fp8 value reads as 16-bit column pairs), ``fused_merge`` (the split merge
-    in the attention launch), ``one_query`` (``False``: decode steps search ``cu_seqlens_q``
+    in the attention launch), ``ring`` (``True``: the ring Gluon kernel of
+    :mod:`.mla_ring_gluon` for up to 16 heads), ``one_query`` (``False``: decode steps search ``cu_seqlens_q``
     for their request like any other), ``l2_ahead`` (L2 prefetch distance in tiles),
     ``narrow`` (``True``: the narrow
     Gluon kernel of :mod:`.mla_narrow_gluon` for up to 16 heads), ``gluon`` (``False``: never the Gluon kernels of :mod:`.mla_gluon`, which otherwise
@@ -564,7 +567,8 @@ class TritonMLA(MLAKernel):
         functional calls cost more host time: docs/benchmarks.md, "Fifteenth session"),
         more than 16 heads, a custom mask, not sm_90 / bf16 / fp16 / 512 + 64, or
         ``tuning["gluon"] is False``; ``page_size=None`` skips the page check)."""
-        if (not self.tuning.get("narrow", False) or not self.tuning.get("gluon", True)
+        ring = self.tuning.get("ring", False)
+        if (not (self.tuning.get("narrow", False) or ring) or not self.tuning.get("gluon", True)
                 or self.heads > NARROW_MLA_MAX_HEADS):
             return None
         why = narrow_mla_reject_reason(
@@ -577,7 +581,8 @@ class TritonMLA(MLAKernel):
         forced = self.tuning.get("num_kv_splits")
         if forced:
             return int(forced)
-        return narrow_mla_splits(num_tokens, max(kv_bound, 1), num_sms(torch.device(device)))
+        split_rule = ring_mla_splits if ring else narrow_mla_splits
+        return split_rule(num_tokens, max(kv_bound, 1), num_sms(torch.device(device)))
 
     def buffer_spec(self, limits):
         """The split partials' static workspace for ``limits`` (a
@@ -712,7 +717,7 @@ class TritonMLA(MLAKernel):
         if nsplits is not None and not empty:
             nparts = (self._partials(nsplits, num_tokens, md, out, device) if nsplits > 1
                       else (None, None))
-            narrow = (nsplits, *nparts)
+            narrow = (nsplits, *nparts, bool(t.get("ring", False)))
         return TritonMLAPlan(
             num_tokens=0 if empty else num_tokens, mask_literal=mask_literal(md), narrow=narrow,
             grid=(num_tokens * head_blocks, splits), args=(cu, seqused_k, block_table),
@@ -766,10 +771,11 @@ class TritonMLA(MLAKernel):
         ls = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
         if (plan.narrow is not None and not from_ptr
                 and narrow_mla_tensors_reason(q, kv_cache, out) is None):
-            nsplits, n_o, n_l = plan.narrow
-            launch_narrow_mla(q, kv_cache, out, cu, seqused_k, block_table, params.scale,
-                              splits=nsplits, batch=plan.batch, causal=kw["CAUSAL"],
-                              lse=lse if nsplits == 1 else None, part_o=n_o, part_lse=n_l)
+            nsplits, n_o, n_l, ring = plan.narrow
+            launch = launch_ring_mla if ring else launch_narrow_mla
+            launch(q, kv_cache, out, cu, seqused_k, block_table, params.scale,
+                   splits=nsplits, batch=plan.batch, causal=kw["CAUSAL"],
+                   lse=lse if nsplits == 1 else None, part_o=n_o, part_lse=n_l)
             if nsplits > 1:
                 merge_splits(out, n_o, n_l, lse, self.rank, self.block_dv)
             return out
@@ -834,6 +840,7 @@ def mla_paged_attention(
     narrow: Optional[bool] = None,
     fused_merge: Optional[bool] = None,
     l2_ahead: Optional[int] = None,
+    ring: Optional[bool] = None,
 ) -> torch.Tensor:
     """Absorbed MLA over a paged latent cache (Triton). Same contract as
     :func:`aiter_attn.kernels.reference.mla_paged_attention_reference`.
@@ -880,6 +887,8 @@ def mla_paged_attention(
         fused_merge: the split merge inside the Triton launch (the last split program of a
             token's head block merges it; head blocks of up to 16, up to 16 splits, not
             batch-invariant); default :data:`._launch_config.MLA_FUSED_MERGE`.
+        ring: ``True``: the ring Gluon kernel (:mod:`.mla_ring_gluon`: 32-key tiles, q in
+            registers, two programs per SM) where the narrow kernel would serve.
         l2_ahead: key tiles between a tile and the one it prefetches into L2 (0: none;
             NVIDIA sm_90+, pages a multiple of ``block_n``, 16-byte aligned rows); default
             :data:`._launch_config.MLA_L2_AHEAD`.
@@ -915,7 +924,7 @@ def mla_paged_attention(
         num_kv_splits=num_kv_splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
         num_stages=num_stages, page_chunk=page_chunk, split_v_load=split_v_load,
         gluon=gluon, v_pairs=v_pairs, pdl=pdl, narrow=narrow,
-        fused_merge=fused_merge, l2_ahead=l2_ahead).items() if v is not None}
+        fused_merge=fused_merge, l2_ahead=l2_ahead, ring=ring).items() if v is not None}
     kernel = TritonMLA(mla_request(q, kv_cache, kv_lora_rank,
                                    custom_mask=custom_mask is not None, lse=lse is not None,
                                    batch_invariant=batch_invariant), tuning)
