@@ -71,6 +71,7 @@ CASES = {
     "decode1x32k-cudnn": lambda: _decode(1, 32768, "cudnn"),
     "mla16": lambda: _mla(16),
     "mla16-narrow": lambda: _mla(16, narrow=True),  # the narrow Gluon kernel (sm_90)
+    "mla16-ring": lambda: _mla(16, ring=True),  # the ring Gluon kernel (sm_90)
     "mla128": lambda: _mla(128),
     "fp8-64x16k": lambda: _decode(64, 16384, "ours", kv_dtype=torch.float8_e4m3fn),
     "bf16-64x16k": lambda: _decode(64, 16384, "ours"),

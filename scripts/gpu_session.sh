@@ -101,6 +101,7 @@
 #                                  # in registers): its gpu tests, then the 16-head rows
 #   scripts/gpu_session.sh fiftyninth    # the ring Gluon MLA kernel (32-key tiles, q in
 #                                  # registers): its gpu tests, then the 16-head rows
+#   scripts/gpu_session.sh sixtieth      # ncu of the ring kernel (stall reasons by source)
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -611,6 +612,32 @@ planned-ov:num_splits=24,planned-ov:num_splits=16 2>&1 | tail -5 | tee "$OUT/sma
       --rows 16x4096,1x4096,1x32768,64x4096,8x65536,256x4096 --variants default,\
 bn64.st4.nc2.r128.s0,bn128.st3.nc2.r168.s0,bn128.st2.nc2.r168.s0,bn64.st3.nc2.r80.s00,\
 bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
+    ;;
+  sixtieth)
+    timeout ${NCU_S:-200} ncu --clock-control none --profile-from-start off --nvtx \
+      --target-processes all --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section MemoryWorkloadAnalysis --section WarpStateStats \
+      --section SourceCounters -f -o "$OUT/ring" \
+      python3 benchmarks/ncu_kernels.py --cases mla16-ring > "$OUT/ncu.log" 2>&1
+    ncu --import "$OUT/ring.ncu-rep" --print-summary none > "$OUT/ncu_ring.txt" 2>&1
+    grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Dynamic Shared|Block Limit|Stall|stall" \
+      "$OUT/ncu_ring.txt" | head -40
+    ncu --import "$OUT/ring.ncu-rep" --page source --csv --print-source sass \
+      > "$OUT/ring_sass.csv" 2>/dev/null
+    python3 - "$OUT/ring_sass.csv" <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+head = rows[0]
+def col(name):
+    return next((i for i, h in enumerate(head) if h.startswith(name)), None)
+src, samp = col("Source"), col("Warp Stall Sampling (All")
+if src is None or samp is None:
+    print("columns:", head[:12]); sys.exit()
+top = sorted(rows[1:], key=lambda r: -float((r[samp] or "0").replace(",", "")))[:25]
+for r in top:
+    print(r[samp], r[src][:90])
+PY
+    rm -f "$OUT"/*.ncu-rep
     ;;
   fiftyninth)
     gpu_tests mla_ring_tests.log ${GT_S:-120} 80 tests/test_triton_mla.py -k "ring"
