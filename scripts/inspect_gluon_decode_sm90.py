@@ -89,8 +89,7 @@ def compile_ring_mla(q="bf16", **const):
     c.update(const)
     c["BOX"] = min(c["BOX"], 32)
     return _compile_sm90(mr._ring_mla_kernel, c, q,
-                         {"kn_d": (c["BOX"], 512), "kr_d": (c["BOX"], 64)},
-                         ("part_o", "part_l", "lse_ptr"), 255)
+                         {"kv_d": (c["BOX"], 64)}, ("part_o", "part_l", "lse_ptr"), 255)
 
 
 def main():

@@ -9,18 +9,20 @@ program; the narrow Gluon kernel (:mod:`.mla_narrow_gluon`) needs 64-key tiles (
 so only two fit beside q. Here one program (token ``t``, its ``H <= 16`` heads, one key
 split), two programs per SM, runs in a single 4-warp partition::
 
-    ring      _RING slots of 32 latent rows (c_nope [32, 512] + c_rope [32, 64], 36 KB),
-              filled by TMA, one box of gcd(page, 32) rows per page piece; tile j + _RING - 1
-              is issued as tile j starts (its slot was tile j - 1's)
+    ring      _RING slots of 32 latent rows (36 KB), each as nine [32, 64] chunks in the
+              128-byte swizzle (conflict-free ldmatrix for both dots), filled by TMA: nine
+              boxes of gcd(page, 32) rows per page piece; tile j + _RING - 1 is issued as
+              tile j starts (its slot was tile j - 1's)
     Sᵀ [32, HP] = c_nope · q_nopeᵀ + c_rope · q_ropeᵀ   (mma.sync m16n8k16, keys as M; qᵀ's
               nine 64-row chunks held in registers all along)
     Pᵀ = exp2(Sᵀ · qk2 - m)        (the maximum over keys: one cross-warp reduction)
-    Oᵀ [512, HP] += c_nopeᵀ · Pᵀ   (the same tile read transposed, ldmatrix.trans)
+    Oᵀ [512, HP] += c_nopeᵀ · Pᵀ   (the same chunks read transposed, ldmatrix.trans; eight
+              [64, HP] accumulators)
 
 The last tile of a split masks the keys past the token's last visible key and zeroes those
 latent rows before ``P · V`` (NaN in unwritten slots cannot reach the output). The rows, or
 the split partials of :mod:`.mla` (``o / l`` and the log2 LSE) for its merge kernel, are
-stored through a ring slot once the loop is done.
+stored from the accumulators.
 
 An option of :class:`.mla.TritonMLA` (``tuning["ring"] = True``, ``mla_paged_attention(...,
 ring=True)``); it serves what :func:`.mla_narrow_gluon.narrow_mla_reject_reason` allows.
@@ -65,21 +67,38 @@ if HAS_GLUON:
     _BN = gl.constexpr(_BLOCK_N)
 
     @gluon.jit
-    def _issue(kn_d, kr_d, kn_s, kr_s, bar, slot, cur, BOX: gl.constexpr,
-               BOXES: gl.constexpr, lay: gl.constexpr):
-        """TMA of one tile's latent rows (slot rows ``cur``) into ring slot ``slot``."""
+    def _issue(kv_d, kv_s, bar, slot, cur, BOX: gl.constexpr, BOXES: gl.constexpr,
+               lay: gl.constexpr):
+        """TMA of one tile's latent rows (slot rows ``cur``) into ring slot ``slot``: nine
+        ``[BOX, 64]`` boxes per page piece, one per 64-column chunk (``kv_s`` index
+        ``slot · 9 + chunk``)."""
         offs = gl.arange(0, BOXES, layout=lay)
-        mbarrier.expect(bar, _BN * 576 * kn_d.dtype.primitive_bitwidth // 8)
+        mbarrier.expect(bar, _BN * 576 * kv_d.dtype.primitive_bitwidth // 8)
         for i in gl.static_range(BOXES):
             r = _pick(cur, offs, i)
-            tma.async_copy_global_to_shared(kn_d, [r, 0], bar,
-                                            kn_s.index(slot).slice(i * BOX, BOX, dim=0))
-            tma.async_copy_global_to_shared(kr_d, [r, 512], bar,
-                                            kr_s.index(slot).slice(i * BOX, BOX, dim=0))
+            for c in gl.static_range(9):
+                tma.async_copy_global_to_shared(kv_d, [r, c * 64], bar,
+                                                kv_s.index(slot * 9 + c).slice(i * BOX, BOX,
+                                                                               dim=0))
+
+    @gluon.jit
+    def _pv(kv_s, base, c: gl.constexpr, pt, acc, alpha, a_o: gl.constexpr):
+        """``Oᵀ`` rows ``64c .. 64c + 63`` rescaled by ``alpha`` plus ``c_nope[:, chunk]ᵀ ·
+        Pᵀ`` (ldmatrix.trans of the chunk's swizzled ``[32, 64]`` tile)."""
+        vt = kv_s.index(base + c).permute((1, 0)).load(a_o)
+        return mma_v2(vt, pt, acc * alpha[None, :])
+
+    @gluon.jit
+    def _store_rows(acc, c: gl.constexpr, inv, dst, ok, o_lay: gl.constexpr):
+        """Latent dims ``64c .. 64c + 63`` of ``Oᵀ`` (``acc`` ``[64, HP]``) scaled by ``inv``
+        (``[HP]``) to ``dst`` (``[1, HP]`` per-head row pointers, latent dims contiguous)."""
+        d = c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_lay))
+        o = acc * inv[None, :]
+        gl.store(dst + d[:, None], o.to(dst.dtype.element_ty), mask=ok)
 
     @gluon.jit
     def _ring_mla_kernel(
-        kn_d, kr_d, q_ptr, out, part_o, part_l, lse_ptr, cu_q, seqused, bt,
+        kv_d, q_ptr, out, part_o, part_l, lse_ptr, cu_q, seqused, bt,
         qk2, heads, batch, s_bt, s_qt, s_qh,
         s_ot, s_oh, s_pt, s_ph, s_ps, s_lt, s_lh, s_et, s_eh,
         HP: gl.constexpr, PAGE: gl.constexpr, BOX: gl.constexpr, CAUSAL: gl.constexpr,
@@ -94,7 +113,7 @@ if HAS_GLUON:
         n_keys = gl.maximum(n64 - 1, 0) * 64 + gl.where(n64 > 0, valid64, 0)
         n = gl.cdiv(n_keys, _BN)
         valid = n_keys - (n - 1) * _BN  # visible keys of the last tile
-        dtype: gl.constexpr = kn_d.dtype
+        dtype: gl.constexpr = kv_d.dtype
 
         s_lay: gl.constexpr = gl.NVMMADistributedLayout(
             version=[2, 0], warps_per_cta=[2, 2], instr_shape=[16, 8])
@@ -124,8 +143,7 @@ if HAS_GLUON:
         q7 = gl.load(q_row + 448, mask=q_ok, other=0.0)
         q8 = gl.load(q_row + 512, mask=q_ok, other=0.0)
 
-        kn_s = gl.allocate_shared_memory(dtype, [_RING, _BN, 512], kn_d.layout)
-        kr_s = gl.allocate_shared_memory(dtype, [_RING, _BN, 64], kr_d.layout)
+        kv_s = gl.allocate_shared_memory(dtype, [_RING * 9, _BN, 64], kv_d.layout)
         ready = gl.allocate_shared_memory(gl.int64, [_RING, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(_RING):
             mbarrier.init(ready.index(i), count=1)
@@ -140,10 +158,18 @@ if HAS_GLUON:
         for i in gl.static_range(_RING - 1):
             if i < n:
                 cur = _tile_rows(bt_row, lo + i * _BN, last, PAGE, BOX, BOXES, lay_b)
-                _issue(kn_d, kr_d, kn_s, kr_s, ready.index(i), i, cur, BOX, BOXES, lay_b)
+                _issue(kv_d, kv_s, ready.index(i), i, cur, BOX, BOXES, lay_b)
         nxt = _tile_rows(bt_row, lo + (_RING - 1) * _BN, last, PAGE, BOX, BOXES, lay_b)
 
-        acc = gl.zeros([512, HP], gl.float32, layout=o_lay)
+        # Oᵀ [512, HP] as eight [64, HP] accumulators (one per latent chunk)
+        acc0 = gl.zeros([64, HP], gl.float32, layout=o_lay)
+        acc1 = gl.zeros([64, HP], gl.float32, layout=o_lay)
+        acc2 = gl.zeros([64, HP], gl.float32, layout=o_lay)
+        acc3 = gl.zeros([64, HP], gl.float32, layout=o_lay)
+        acc4 = gl.zeros([64, HP], gl.float32, layout=o_lay)
+        acc5 = gl.zeros([64, HP], gl.float32, layout=o_lay)
+        acc6 = gl.zeros([64, HP], gl.float32, layout=o_lay)
+        acc7 = gl.zeros([64, HP], gl.float32, layout=o_lay)
         l_acc = gl.zeros([_BN, HP], gl.float32, layout=s_lay)
         m_i = gl.full([HP], float("-inf"), gl.float32, layout=col_s)
         for j in range(n):
@@ -152,29 +178,30 @@ if HAS_GLUON:
             fence_async_shared()
             ahead = j + _RING - 1
             if ahead < n:
-                _issue(kn_d, kr_d, kn_s, kr_s, ready.index(ahead % _RING), ahead % _RING, nxt,
-                       BOX, BOXES, lay_b)
+                _issue(kv_d, kv_s, ready.index(ahead % _RING), ahead % _RING, nxt, BOX, BOXES,
+                       lay_b)
                 nxt = _tile_rows(bt_row, lo + (ahead + 1) * _BN, last, PAGE, BOX, BOXES,
                                  lay_b)
             slot = j % _RING
+            base = slot * 9
             mbarrier.wait(ready.index(slot), (j // _RING) & 1)
-            kn = kn_s.index(slot)
             if j == n - 1:
                 if valid < _BN:  # past the last visible key: zero latent rows
-                    _zero_rows(kn, valid, _BN, 512)
+                    for c in gl.static_range(8):
+                        _zero_rows(kv_s.index(base + c), valid, _BN, 64)
                     gl.thread_barrier()
             # Sᵀ, two accumulators (independent mma chains)
             sa = gl.zeros([_BN, HP], gl.float32, layout=s_lay)
             sb = gl.zeros([_BN, HP], gl.float32, layout=s_lay)
-            sa = mma_v2(kn.slice(0, 64, dim=1).load(a_s), q0, sa)
-            sb = mma_v2(kn.slice(64, 64, dim=1).load(a_s), q1, sb)
-            sa = mma_v2(kn.slice(128, 64, dim=1).load(a_s), q2, sa)
-            sb = mma_v2(kn.slice(192, 64, dim=1).load(a_s), q3, sb)
-            sa = mma_v2(kn.slice(256, 64, dim=1).load(a_s), q4, sa)
-            sb = mma_v2(kn.slice(320, 64, dim=1).load(a_s), q5, sb)
-            sa = mma_v2(kn.slice(384, 64, dim=1).load(a_s), q6, sa)
-            sb = mma_v2(kn.slice(448, 64, dim=1).load(a_s), q7, sb)
-            sa = mma_v2(kr_s.index(slot).load(a_s), q8, sa)
+            sa = mma_v2(kv_s.index(base).load(a_s), q0, sa)
+            sb = mma_v2(kv_s.index(base + 1).load(a_s), q1, sb)
+            sa = mma_v2(kv_s.index(base + 2).load(a_s), q2, sa)
+            sb = mma_v2(kv_s.index(base + 3).load(a_s), q3, sb)
+            sa = mma_v2(kv_s.index(base + 4).load(a_s), q4, sa)
+            sb = mma_v2(kv_s.index(base + 5).load(a_s), q5, sb)
+            sa = mma_v2(kv_s.index(base + 6).load(a_s), q6, sa)
+            sb = mma_v2(kv_s.index(base + 7).load(a_s), q7, sb)
+            sa = mma_v2(kv_s.index(base + 8).load(a_s), q8, sa)
             s = sa + sb
             if j == n - 1:
                 kpos = gl.arange(0, _BN, layout=row_s)
@@ -184,38 +211,40 @@ if HAS_GLUON:
             alpha = gl.exp2(m_i - m_new)
             l_acc = l_acc * alpha[None, :] + p
             m_i = m_new
-            acc = acc * gl.convert_layout(alpha, col_o)[None, :]
+            alpha_o = gl.convert_layout(alpha, col_o)
             pt = gl.convert_layout(p.to(dtype), b_o)
-            vt = kn.permute((1, 0))  # [512, 32]
-            acc = mma_v2(vt.load(a_o), pt, acc)
+            acc0 = _pv(kv_s, base, 0, pt, acc0, alpha_o, a_o)
+            acc1 = _pv(kv_s, base, 1, pt, acc1, alpha_o, a_o)
+            acc2 = _pv(kv_s, base, 2, pt, acc2, alpha_o, a_o)
+            acc3 = _pv(kv_s, base, 3, pt, acc3, alpha_o, a_o)
+            acc4 = _pv(kv_s, base, 4, pt, acc4, alpha_o, a_o)
+            acc5 = _pv(kv_s, base, 5, pt, acc5, alpha_o, a_o)
+            acc6 = _pv(kv_s, base, 6, pt, acc6, alpha_o, a_o)
+            acc7 = _pv(kv_s, base, 7, pt, acc7, alpha_o, a_o)
         l_i = gl.convert_layout(gl.sum(l_acc, 0), col_o)
         m_o = gl.convert_layout(m_i, col_o)
 
-        # the rows (or the split partials) through slot 0, 64 latent columns at a time
-        gl.thread_barrier()
-        flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        o_x = kn_s.index(0)._reinterpret(gl.float32, [512, HP], flat2)
-        has = l_i > 0.0
-        l_safe = gl.where(has, l_i, 1.0)
-        o_x.store(acc / l_safe[None, :])
-        gl.thread_barrier()
+        # the rows (or the split partials: o / l and the log2 LSE)
         t64 = t.to(gl.int64)
-        st: gl.constexpr = gl.BlockedLayout([1, HP // 4], [32, 1], [1, 4], [0, 1])
-        dd = gl.arange(0, 64, layout=gl.SliceLayout(1, st))
-        hh = gl.arange(0, HP, layout=gl.SliceLayout(0, st))
-        ok = (hh < heads)[None, :]
-        hh64 = hh.to(gl.int64)[None, :]
-        for c in gl.static_range(8):
-            o = o_x.slice(c * 64, 64, dim=0).load(st)
-            d = (c * 64 + dd)[:, None]
-            if SPLITS == 1:
-                gl.store(out + t64 * s_ot + hh64 * s_oh + d, o.to(out.dtype.element_ty), mask=ok)
-            else:
-                gl.store(part_o + t64 * s_pt + hh64 * s_ph + split.to(gl.int64) * s_ps + d, o,
-                         mask=ok)
         h = gl.arange(0, HP, layout=col_o)
         h_ok = h < heads
         h64 = h.to(gl.int64)
+        has = l_i > 0.0
+        l_safe = gl.where(has, l_i, 1.0)
+        inv = 1.0 / l_safe
+        ok = h_ok[None, :]
+        if SPLITS == 1:
+            dst = out + t64 * s_ot + h64[None, :] * s_oh
+        else:
+            dst = part_o + t64 * s_pt + h64[None, :] * s_ph + split.to(gl.int64) * s_ps
+        _store_rows(acc0, 0, inv, dst, ok, o_lay)
+        _store_rows(acc1, 1, inv, dst, ok, o_lay)
+        _store_rows(acc2, 2, inv, dst, ok, o_lay)
+        _store_rows(acc3, 3, inv, dst, ok, o_lay)
+        _store_rows(acc4, 4, inv, dst, ok, o_lay)
+        _store_rows(acc5, 5, inv, dst, ok, o_lay)
+        _store_rows(acc6, 6, inv, dst, ok, o_lay)
+        _store_rows(acc7, 7, inv, dst, ok, o_lay)
         lse2 = gl.where(has, m_o + gl.log2(l_safe), float("-inf"))
         if SPLITS == 1:
             if WRITE_LSE:
@@ -229,11 +258,8 @@ def _descriptors(kv_cache):
     p, ps, _, d = kv_cache.shape
     rows = kv_cache.as_strided((p * ps, d), (kv_cache.stride(1), 1))
     box = _box_rows(ps)
-    kn = GluonDescriptor(rows, [p * ps, d], [kv_cache.stride(1), 1], [box, _RANK],
-                         _smem_layout(box, _RANK, kv_cache.dtype))
-    kr = GluonDescriptor(rows, [p * ps, d], [kv_cache.stride(1), 1], [box, _ROPE],
-                         _smem_layout(box, _ROPE, kv_cache.dtype))
-    return kn, kr
+    return GluonDescriptor(rows, [p * ps, d], [kv_cache.stride(1), 1], [box, 64],
+                           _smem_layout(box, 64, kv_cache.dtype))
 
 
 def launch_ring_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, splits: int,
@@ -244,20 +270,20 @@ def launch_ring_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, sp
     :func:`.mla_narrow_gluon.narrow_mla_reject_reason` and
     :func:`.mla_narrow_gluon.narrow_mla_tensors_reason`."""
     t, h, _ = q.shape
-    kn_d, kr_d = _descriptors(kv_cache)
+    kv_d = _descriptors(kv_cache)
     po = part_o if part_o is not None else out
     pl = part_lse if part_lse is not None else out
     ps_o = part_o.stride()[:3] if part_o is not None else (0, 0, 0)
     ps_l = part_lse.stride()[:2] if part_lse is not None else (0, 0)
     ls = lse.stride() if lse is not None else (0, 0)
-    args = (kn_d, kr_d, q, out, po, pl, lse if lse is not None else out, cu_q, seqused_k,
+    args = (kv_d, q, out, po, pl, lse if lse is not None else out, cu_q, seqused_k,
             block_table, float(scale) * _LOG2E, h, batch, block_table.stride(0),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *ps_o, *ps_l, *ls)
     kw = dict(HP=16, PAGE=kv_cache.shape[1], BOX=_box_rows(kv_cache.shape[1]),
               CAUSAL=bool(causal), SPLITS=int(splits), WRITE_LSE=lse is not None,
               BLOCK_B=max(2, 1 << max(0, (batch - 1).bit_length())), num_warps=4)
-    key = (tuple(tensor_key(a) if hasattr(a, "data_ptr") else None for a in args[2:10]),
-           args[11:], tuple(sorted(kw.items())), kv_cache.dtype, tuple(kn_d.block_shape))
+    key = (tuple(tensor_key(a) if hasattr(a, "data_ptr") else None for a in args[1:9]),
+           args[10:], tuple(sorted(kw.items())), kv_cache.dtype, tuple(kv_d.block_shape))
     _RING_LAUNCH.launch((t, int(splits)), args, kw, key)
     return out
 
