@@ -619,6 +619,7 @@ bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
       --section LaunchStats --section MemoryWorkloadAnalysis --section WarpStateStats \
       --section SourceCounters -f -o "$OUT/ring" \
       python3 benchmarks/ncu_kernels.py --cases mla16-ring > "$OUT/ncu.log" 2>&1
+    [ -n "${RING_BENCH:-}" ] && OUT=$OUT bash scripts/gpu_session.sh fiftyninth
     ncu --import "$OUT/ring.ncu-rep" --print-summary none > "$OUT/ncu_ring.txt" 2>&1
     grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Dynamic Shared|Block Limit|Stall|stall" \
       "$OUT/ncu_ring.txt" | head -40
@@ -630,12 +631,20 @@ rows = list(csv.reader(open(sys.argv[1])))
 head = rows[0]
 def col(name):
     return next((i for i, h in enumerate(head) if h.startswith(name)), None)
-src, samp = col("Source"), col("Warp Stall Sampling (All")
-if src is None or samp is None:
-    print("columns:", head[:12]); sys.exit()
-top = sorted(rows[1:], key=lambda r: -float((r[samp] or "0").replace(",", "")))[:25]
-for r in top:
-    print(r[samp], r[src][:90])
+head = rows[1]
+data = [r for r in rows[2:] if len(r) == len(head)]
+def f(x):
+    try:
+        return float(x.replace(",", ""))
+    except ValueError:
+        return 0.0
+samp = head.index("Warp Stall Sampling (All Samples)")
+tot = sum(f(r[samp]) for r in data)
+stalls = [h for h in head if h.startswith("stall_") and "Not Issued" not in h]
+agg = sorted(((sum(f(r[head.index(h)]) for r in data), h) for h in stalls), reverse=True)
+print("samples", tot, "; top stalls:", [(h, round(100 * v / tot, 1)) for v, h in agg[:6]])
+w, wi = head.index("L1 Wavefronts Shared"), head.index("L1 Wavefronts Shared Ideal")
+print("shared wavefronts", sum(f(r[w]) for r in data), "ideal", sum(f(r[wi]) for r in data))
 PY
     rm -f "$OUT"/*.ncu-rep
     ;;

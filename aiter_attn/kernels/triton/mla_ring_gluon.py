@@ -75,11 +75,25 @@ if HAS_GLUON:
         offs = gl.arange(0, BOXES, layout=lay)
         mbarrier.expect(bar, _BN * 576 * kv_d.dtype.primitive_bitwidth // 8)
         for i in gl.static_range(BOXES):
-            r = _pick(cur, offs, i)
+            if BOXES == 1:  # one page piece: ``cur`` is its slot row already (a scalar)
+                r = cur
+            else:
+                r = _pick(cur, offs, i)
             for c in gl.static_range(9):
                 tma.async_copy_global_to_shared(kv_d, [r, c * 64], bar,
                                                 kv_s.index(slot * 9 + c).slice(i * BOX, BOX,
                                                                                dim=0))
+
+    @gluon.jit
+    def _rows_of(bt_row, key0, last, PAGE: gl.constexpr, BOX: gl.constexpr,
+                 BOXES: gl.constexpr, lay: gl.constexpr):
+        """The slot rows of the tile from key ``key0``: a scalar when the tile lies in one
+        page (no cross-warp pick), else :func:`.decode_gluon._tile_rows`'s vector."""
+        if BOXES == 1:
+            page = gl.load(bt_row + gl.minimum(key0 // PAGE, last))
+            return page * PAGE + key0 % PAGE
+        else:
+            return _tile_rows(bt_row, key0, last, PAGE, BOX, BOXES, lay)
 
     @gluon.jit
     def _pv(kv_s, base, c: gl.constexpr, pt, acc, alpha, a_o: gl.constexpr):
@@ -157,9 +171,9 @@ if HAS_GLUON:
         # the first _RING - 1 tiles, then the page rows of the next one to issue
         for i in gl.static_range(_RING - 1):
             if i < n:
-                cur = _tile_rows(bt_row, lo + i * _BN, last, PAGE, BOX, BOXES, lay_b)
+                cur = _rows_of(bt_row, lo + i * _BN, last, PAGE, BOX, BOXES, lay_b)
                 _issue(kv_d, kv_s, ready.index(i), i, cur, BOX, BOXES, lay_b)
-        nxt = _tile_rows(bt_row, lo + (_RING - 1) * _BN, last, PAGE, BOX, BOXES, lay_b)
+        nxt = _rows_of(bt_row, lo + (_RING - 1) * _BN, last, PAGE, BOX, BOXES, lay_b)
 
         # Oᵀ [512, HP] as eight [64, HP] accumulators (one per latent chunk)
         acc0 = gl.zeros([64, HP], gl.float32, layout=o_lay)
@@ -180,8 +194,7 @@ if HAS_GLUON:
             if ahead < n:
                 _issue(kv_d, kv_s, ready.index(ahead % _RING), ahead % _RING, nxt, BOX, BOXES,
                        lay_b)
-                nxt = _tile_rows(bt_row, lo + (ahead + 1) * _BN, last, PAGE, BOX, BOXES,
-                                 lay_b)
+                nxt = _rows_of(bt_row, lo + (ahead + 1) * _BN, last, PAGE, BOX, BOXES, lay_b)
             slot = j % _RING
             base = slot * 9
             mbarrier.wait(ready.index(slot), (j // _RING) & 1)
