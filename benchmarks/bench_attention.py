@@ -76,6 +76,8 @@ MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 "two-launch": {"fused_merge": False},
                 "narrow": {"narrow": True},  # the narrow Gluon kernel (sm_90)
                 "ring": {"ring": True},  # the ring Gluon kernel (sm_90)
+                # the narrow kernel merging its own splits
+                "narrow-fused": {"narrow": True, "fused_merge": True},
                 # each key tile prefetches the one N tiles on into L2
                 "l2-2": {"l2_ahead": 2}, "l2-4": {"l2_ahead": 4}, "l2-8": {"l2_ahead": 8},
                 "l2-16": {"l2_ahead": 16}}

@@ -102,6 +102,8 @@
 #   scripts/gpu_session.sh fiftyninth    # the ring Gluon MLA kernel (32-key tiles, q in
 #                                  # registers): its gpu tests, then the 16-head rows
 #   scripts/gpu_session.sh sixtieth      # ncu of the ring kernel (stall reasons by source)
+#   scripts/gpu_session.sh sixtyfirst    # the narrow kernel merging its own splits, one
+#                                  # query per request: gpu tests, then the 16-head rows
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -612,6 +614,15 @@ planned-ov:num_splits=24,planned-ov:num_splits=16 2>&1 | tail -5 | tee "$OUT/sma
       --rows 16x4096,1x4096,1x32768,64x4096,8x65536,256x4096 --variants default,\
 bn64.st4.nc2.r128.s0,bn128.st3.nc2.r168.s0,bn128.st2.nc2.r168.s0,bn64.st3.nc2.r80.s00,\
 bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
+    ;;
+  sixtyfirst)
+    gpu_tests mla_narrow_tests.log ${GT_S:-150} 80 tests/test_triton_mla.py \
+      -k "narrow or gluon_mla or one_query or token_t"
+    timeout ${BA_S:-150} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192,16x64x2048 \
+      --mla-variants narrow,narrow-fused --out "$OUT/mla" > "$OUT/mla.log" 2>&1
+    grep -E "ours|==|Error|error" "$OUT/mla.log" | head -20
+    rm -f "$OUT"/*/*.png
     ;;
   sixtieth)
     timeout ${NCU_S:-200} ncu --clock-control none --profile-from-start off --nvtx \

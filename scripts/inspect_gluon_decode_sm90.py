@@ -39,7 +39,7 @@ def _compile_sm90(fn, c: dict, q: str, descs: dict, fp32_ptrs: tuple, maxnreg: i
             sig[n] = "*" + q
         elif n in fp32_ptrs:
             sig[n] = "*fp32"
-        elif n in ("cu_q", "seqused", "bt"):
+        elif n in ("cu_q", "seqused", "bt", "count"):
             sig[n] = "*i32"
         elif n == "qk2":
             sig[n] = "fp32"

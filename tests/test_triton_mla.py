@@ -407,6 +407,44 @@ def test_gpu_ring_gluon_mla(shape, extra, dtype, monkeypatch):
                         {}, "ring gluon")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [2, 3, 5])
+@pytest.mark.parametrize("one_query", [False, True], ids=["searched", "one-query"])
+def test_gpu_narrow_gluon_fused_merge(splits, one_query, monkeypatch):
+    """The narrow Gluon kernel merging its own splits (``fused_merge``): the last split of
+    each token merges (no merge launch), NaN tails, the LSE, counters left at zero (three
+    calls give the same bits); ``max_seqlen_q=1`` takes token t as request t."""
+    from aiter_attn.kernels.triton import mla
+    from aiter_attn.kernels.triton import mla_narrow_gluon as mn
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon MLA kernels are sm_90 only")
+    monkeypatch.setattr(mla, "merge_splits",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("merge launch")))
+    calls = []
+    real = mn._NARROW.launch
+    monkeypatch.setattr(mn._NARROW, "launch", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    case = MLACase([1] * 5, [4096, 1000, 64, 5, 700], rank=512, rope=64, page=64, heads=16,
+                   dtype=torch.bfloat16, device="cuda", seed=13)
+    case.kv_cache[0] = float("nan")
+    for b, L in enumerate(case.kv_lens):
+        if L % 64:
+            case.kv_cache[int(case.block_table[b, (L - 1) // 64]), L % 64:] = float("nan")
+    extra = dict(narrow=True, fused_merge=True, num_kv_splits=splits)
+    if one_query:
+        extra["max_seqlen_q"] = 1
+    lse = torch.full((5, 16), float("nan"), device="cuda")
+    outs = [case.run(lse=lse, **extra) for _ in range(3)]
+    assert calls
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert not outs[0].isnan().any() and not lse.isnan().any()
+    assert_close_rel(outs[0], case.expected(), RTOL[torch.bfloat16], "narrow fused merge")
+    lse_t = torch.empty_like(lse)
+    monkeypatch.undo()
+    case.run(lse=lse_t, num_kv_splits=splits)
+    assert_close_rel(lse, lse_t, 1e-3, "fused-merge lse against the Triton kernel's")
+
+
 def _mla_plan(case, **hints):
     from aiter_attn.kernels.base import _adhoc_metadata
     from aiter_attn.kernels.triton.mla import TritonMLA, mla_request

@@ -476,8 +476,9 @@ class TritonMLAPlan(KernelPlan):
     gluon: bool = False
     #: the narrow Gluon kernels (:mod:`.mla_narrow_gluon`, or with ``ring``
     #: :mod:`.mla_ring_gluon`; up to 16 heads) where they serve the step: ``(splits,
-    #: part_o, part_lse, ring)`` of its own launch (partials ``None`` without splits); a
-    #: run whose tensors they cannot read takes the Triton launch
+    #: part_o, part_lse, ring, counters, one_query)`` of its own launch (partials ``None``
+    #: without splits; ``counters``: the narrow kernel merges its splits itself); a run
+    #: whose tensors they cannot read takes the Triton launch
     narrow: Optional[tuple] = attrs.field(default=None, **_T)
     #: the one-launch merge (``FUSED_MERGE``): int32 counters, one per (token, head block),
     #: zero before and after every launch (``None``: the merge is a second launch)
@@ -717,7 +718,11 @@ class TritonMLA(MLAKernel):
         if nsplits is not None and not empty:
             nparts = (self._partials(nsplits, num_tokens, md, out, device) if nsplits > 1
                       else (None, None))
-            narrow = (nsplits, *nparts, bool(t.get("ring", False)))
+            # the narrow kernel's own split merge (fused_merge): counters, one per token
+            ncount = (self._counters(num_tokens, md, out, device)
+                      if nsplits > 1 and not t.get("ring", False)
+                      and t.get("fused_merge", MLA_FUSED_MERGE) else None)
+            narrow = (nsplits, *nparts, bool(t.get("ring", False)), ncount, one_query)
         return TritonMLAPlan(
             num_tokens=0 if empty else num_tokens, mask_literal=mask_literal(md), narrow=narrow,
             grid=(num_tokens * head_blocks, splits), args=(cu, seqused_k, block_table),
@@ -771,12 +776,18 @@ class TritonMLA(MLAKernel):
         ls = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
         if (plan.narrow is not None and not from_ptr
                 and narrow_mla_tensors_reason(q, kv_cache, out) is None):
-            nsplits, n_o, n_l, ring = plan.narrow
-            launch = launch_ring_mla if ring else launch_narrow_mla
-            launch(q, kv_cache, out, cu, seqused_k, block_table, params.scale,
-                   splits=nsplits, batch=plan.batch, causal=kw["CAUSAL"],
-                   lse=lse if nsplits == 1 else None, part_o=n_o, part_lse=n_l)
-            if nsplits > 1:
+            nsplits, n_o, n_l, ring, ncount, one_q = plan.narrow
+            if ring:
+                launch_ring_mla(q, kv_cache, out, cu, seqused_k, block_table, params.scale,
+                                splits=nsplits, batch=plan.batch, causal=kw["CAUSAL"],
+                                lse=lse if nsplits == 1 else None, part_o=n_o, part_lse=n_l)
+            else:
+                launch_narrow_mla(q, kv_cache, out, cu, seqused_k, block_table, params.scale,
+                                  splits=nsplits, batch=plan.batch, causal=kw["CAUSAL"],
+                                  lse=lse if nsplits == 1 or ncount is not None else None,
+                                  part_o=n_o, part_lse=n_l, counters=ncount,
+                                  one_query=one_q)
+            if nsplits > 1 and ncount is None:
                 merge_splits(out, n_o, n_l, lse, self.rank, self.block_dv)
             return out
         merged = False  # by the launch itself (the fused merge)

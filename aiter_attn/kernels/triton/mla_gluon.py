@@ -107,17 +107,23 @@ if HAS_GLUON:
 
     @gluon.jit
     def _token_split(cu_q, seqused, t, split, batch, SPLITS: gl.constexpr,
-                     CAUSAL: gl.constexpr, BLOCK_B: gl.constexpr, num_warps: gl.constexpr):
-        """Token ``t``'s request ``b`` (searched in ``cu_q`` over ``BLOCK_B`` requests), its
-        key count, and split ``split``'s tiles of 64 keys: ``(b, kv_len, lo, n, valid)``
-        with ``valid`` the visible keys of the last tile (causal: up to the token's own
-        position)."""
-        lay_b: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-        offs_b = gl.arange(0, BLOCK_B, layout=lay_b)
-        ends = gl.load(cu_q + 1 + offs_b, mask=offs_b < batch, other=2147483647)
-        b = gl.minimum(gl.sum((ends <= t).to(gl.int32), axis=0), batch - 1)
-        q_start = gl.load(cu_q + b)
-        n_q = gl.load(cu_q + b + 1) - q_start
+                     CAUSAL: gl.constexpr, BLOCK_B: gl.constexpr, num_warps: gl.constexpr,
+                     ONE_QUERY: gl.constexpr = False):
+        """Token ``t``'s request ``b`` (searched in ``cu_q`` over ``BLOCK_B`` requests;
+        ``ONE_QUERY``: every request has one query, so ``b = t``), its key count, and split
+        ``split``'s tiles of 64 keys: ``(b, kv_len, lo, n, valid)`` with ``valid`` the
+        visible keys of the last tile (causal: up to the token's own position)."""
+        if ONE_QUERY:
+            b = t
+            q_start = t
+            n_q = 1
+        else:
+            lay_b: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+            offs_b = gl.arange(0, BLOCK_B, layout=lay_b)
+            ends = gl.load(cu_q + 1 + offs_b, mask=offs_b < batch, other=2147483647)
+            b = gl.minimum(gl.sum((ends <= t).to(gl.int32), axis=0), batch - 1)
+            q_start = gl.load(cu_q + b)
+            n_q = gl.load(cu_q + b + 1) - q_start
         kv_len = gl.load(seqused + b)
         end = kv_len
         if CAUSAL:

@@ -128,7 +128,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _load(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
-              BOX: gl.constexpr, SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr):
+              BOX: gl.constexpr, SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr,
+              FUSED: gl.constexpr):
         """Loader (1 warp): every tile of the split, page ids a tile ahead."""
         kn_d, kr_d = ops[0][0], ops[0][1]
         kn_s, kr_s = smem[2], smem[3]
@@ -147,8 +148,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consume(ops, smem, bars, rows, C: gl.constexpr, HP: gl.constexpr,
-                 SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr):
-        out, part_o, part_l, lse_ptr, qk2, heads = ops[1]
+                 SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr, FUSED: gl.constexpr):
+        out, part_o, part_l, lse_ptr, qk2, heads, count = ops[1]
         s_ot, s_oh, s_pt, s_ph, s_ps, s_lt, s_lh, s_et, s_eh = ops[2]
         qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x = smem
         ready, empty, done = bars
@@ -219,30 +220,85 @@ if HAS_GLUON:
             else:
                 gl.store(part_l + t64 * s_lt + h64 * s_lh + split.to(gl.int64), lse2,
                          mask=h_ok)
+                if FUSED:
+                    # the last split of this token to finish merges it (a counter, zero
+                    # before the launch and after it; the barrier orders every thread's
+                    # partial stores before the acq_rel count)
+                    gl.thread_barrier()
+                    done = gl.atomic_add(count + t, 1, sem="acq_rel")
+                    if done == SPLITS - 1:
+                        _merge_token(out, part_o, part_l, lse_ptr, t64, heads, s_ot, s_oh,
+                                     s_pt, s_ph, s_ps, s_lt, s_lh, s_et, s_eh, HP, SPLITS,
+                                     WRITE_LSE)
+                        gl.atomic_xchg(count + t, 0, sem="relaxed")
+
+    @gluon.jit
+    def _merge_token(out, part_o, part_l, lse_ptr, t64, heads, s_ot, s_oh, s_pt, s_ph, s_ps,
+                     s_lt, s_lh, s_et, s_eh, HP: gl.constexpr, SPLITS: gl.constexpr,
+                     WRITE_LSE: gl.constexpr):
+        """Token ``t64``'s rows from its ``SPLITS`` partials, in split order (the fused
+        merge, run by the last split to finish; partials read through L2)."""
+        st: gl.constexpr = gl.BlockedLayout([1, HP // 4], [32, 1], [1, 4], [0, 1])
+        hcol: gl.constexpr = gl.SliceLayout(0, st)
+        hh = gl.arange(0, HP, layout=hcol)
+        h_ok = hh < heads
+        hh64 = hh.to(gl.int64)
+        lse_row = part_l + t64 * s_lt + hh64 * s_lh
+        m = gl.full([HP], float("-inf"), gl.float32, layout=hcol)
+        for s in gl.static_range(SPLITS):
+            m = gl.maximum(m, gl.load(lse_row + s, mask=h_ok, other=float("-inf"),
+                                      cache_modifier=".cg"))
+        m = gl.where(m == float("-inf"), 0.0, m)
+        den = gl.zeros([HP], gl.float32, layout=hcol)
+        for s in gl.static_range(SPLITS):
+            den += gl.exp2(gl.load(lse_row + s, mask=h_ok, other=float("-inf"),
+                                   cache_modifier=".cg") - m)
+        has = den > 0.0
+        inv = gl.where(has, 1.0 / gl.where(has, den, 1.0), 0.0)
+        dd = gl.arange(0, 64, layout=gl.SliceLayout(1, st))
+        ok = h_ok[None, :]
+        for c in gl.static_range(8):
+            d = (c * 64 + dd)[:, None]
+            acc = gl.zeros([64, HP], gl.float32, layout=st)
+            for s in gl.static_range(SPLITS):
+                w = gl.exp2(gl.load(lse_row + s, mask=h_ok, other=float("-inf"),
+                                    cache_modifier=".cg") - m)
+                o = gl.load(part_o + t64 * s_pt + hh64[None, :] * s_ph + s * s_ps + d,
+                            mask=ok, other=0.0, cache_modifier=".cg")
+                acc += o * w[None, :]
+            gl.store(out + t64 * s_ot + hh64[None, :] * s_oh + d,
+                     (acc * inv[None, :]).to(out.dtype.element_ty), mask=ok)
+        if WRITE_LSE:
+            lse = gl.where(has, (m + gl.log2(gl.where(has, den, 1.0))) * 0.6931471805599453,
+                           float("-inf"))
+            gl.store(lse_ptr + t64 * s_et + hh64 * s_eh, lse, mask=h_ok)
 
     @gluon.jit
     def _consume_0(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
-                   BOX: gl.constexpr, SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr):
-        _consume(ops, smem, bars, rows, 0, HP, SPLITS, WRITE_LSE)
+                   BOX: gl.constexpr, SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr,
+                   FUSED: gl.constexpr):
+        _consume(ops, smem, bars, rows, 0, HP, SPLITS, WRITE_LSE, FUSED)
 
     @gluon.jit
     def _consume_1(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
-                   BOX: gl.constexpr, SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr):
-        _consume(ops, smem, bars, rows, 1, HP, SPLITS, WRITE_LSE)
+                   BOX: gl.constexpr, SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr,
+                   FUSED: gl.constexpr):
+        _consume(ops, smem, bars, rows, 1, HP, SPLITS, WRITE_LSE, FUSED)
 
     @gluon.jit
     def _narrow_mla_kernel(
-        kn_d, kr_d, q_ptr, out, part_o, part_l, lse_ptr, cu_q, seqused, bt,
+        kn_d, kr_d, q_ptr, out, part_o, part_l, lse_ptr, cu_q, seqused, bt, count,
         qk2, heads, batch, s_bt, s_qt, s_qh,
         s_ot, s_oh, s_pt, s_ph, s_ps, s_lt, s_lh, s_et, s_eh,
         HP: gl.constexpr, PAGE: gl.constexpr, BOX: gl.constexpr, CAUSAL: gl.constexpr,
         SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr, BLOCK_B: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        FUSED: gl.constexpr = False, ONE_QUERY: gl.constexpr = False,
     ):
         t = gl.program_id(0)
         split = gl.program_id(1)
         b, kv_len, lo, n, valid = _token_split(cu_q, seqused, t, split, batch, SPLITS, CAUSAL,
-                                               BLOCK_B, num_warps)
+                                               BLOCK_B, num_warps, ONE_QUERY)
 
         dtype: gl.constexpr = kn_d.dtype
         # q [HP, 576] staged once: heads past ``heads`` read zeros
@@ -277,15 +333,15 @@ if HAS_GLUON:
         gl.thread_barrier()
 
         last = gl.maximum(gl.cdiv(kv_len, PAGE) - 1, 0)
-        ops = ((kn_d, kr_d), (out, part_o, part_l, lse_ptr, qk2, heads),
+        ops = ((kn_d, kr_d), (out, part_o, part_l, lse_ptr, qk2, heads, count),
                (s_ot, s_oh, s_pt, s_ph, s_ps, s_lt, s_lh, s_et, s_eh))
         smem = (qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x)
         bars = (ready, empty, done)
         rows = (t, split, bt + b.to(gl.int64) * s_bt, lo, n, valid, last)
         gl.warp_specialize([
-            (_consume_0, (ops, smem, bars, rows, HP, PAGE, BOX, SPLITS, WRITE_LSE)),
-            (_consume_1, (ops, smem, bars, rows, HP, PAGE, BOX, SPLITS, WRITE_LSE)),
-            (_load, (ops, smem, bars, rows, HP, PAGE, BOX, SPLITS, WRITE_LSE)),
+            (_consume_0, (ops, smem, bars, rows, HP, PAGE, BOX, SPLITS, WRITE_LSE, FUSED)),
+            (_consume_1, (ops, smem, bars, rows, HP, PAGE, BOX, SPLITS, WRITE_LSE, FUSED)),
+            (_load, (ops, smem, bars, rows, HP, PAGE, BOX, SPLITS, WRITE_LSE, FUSED)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -302,10 +358,12 @@ def _descriptors(kv_cache):
 
 def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, splits: int,
                       batch: int, causal: bool, lse=None, part_o=None, part_lse=None,
-                      descs=None):
+                      descs=None, counters=None, one_query: bool = False):
     """One launch over ``(tokens, splits)`` programs; with ``splits > 1`` it writes
     ``part_o`` ``[T, H, S, R]`` / ``part_lse`` ``[T, H, S]`` (:mod:`.mla`'s partials) for
-    its merge kernel. The caller checked :func:`narrow_mla_reject_reason` and
+    its merge kernel, or, given ``counters`` (zeroed int32 ``[T]``, left zero), merges
+    them itself (the last split of each token). ``one_query``: every request has one
+    query. The caller checked :func:`narrow_mla_reject_reason` and
     :func:`narrow_mla_tensors_reason`."""
     t, h, _ = q.shape
     kn_d, kr_d = descs if descs is not None else _descriptors(kv_cache)
@@ -314,16 +372,18 @@ def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, 
     ps_o = part_o.stride()[:3] if part_o is not None else (0, 0, 0)
     ps_l = part_lse.stride()[:2] if part_lse is not None else (0, 0)
     ls = lse.stride() if lse is not None else (0, 0)
+    fused = counters is not None and splits > 1
     args = (kn_d, kr_d, q, out, po, pl, lse if lse is not None else out, cu_q, seqused_k,
-            block_table, float(scale) * _LOG2E, h, batch, block_table.stride(0),
+            block_table, counters if fused else cu_q, float(scale) * _LOG2E, h, batch,
+            block_table.stride(0),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *ps_o, *ps_l, *ls)
     kw = dict(HP=8 if h <= 8 else 16, PAGE=kv_cache.shape[1], BOX=_box_rows(kv_cache.shape[1]),
               CAUSAL=bool(causal), SPLITS=int(splits), WRITE_LSE=lse is not None,
               BLOCK_B=max(2, 1 << max(0, (batch - 1).bit_length())),
               CONSUMER_REGS=_MAXNREG, LOADER_REGS=_LOADER_REGS, num_warps=4,
-              maxnreg=_MAXNREG)
-    key = (tuple(tensor_key(a) if hasattr(a, "data_ptr") else None for a in args[2:10]),
-           args[11:], tuple(sorted(kw.items())), kv_cache.dtype, tuple(kn_d.block_shape))
+              maxnreg=_MAXNREG, FUSED=fused, ONE_QUERY=bool(one_query))
+    key = (tuple(tensor_key(a) if hasattr(a, "data_ptr") else None for a in args[2:11]),
+           args[12:], tuple(sorted(kw.items())), kv_cache.dtype, tuple(kn_d.block_shape))
     _NARROW.launch((t, int(splits)), args, kw, key)
     return out
 
