@@ -77,10 +77,7 @@ MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 "narrow": {"narrow": True},  # the narrow Gluon kernel (sm_90)
                 "ring": {"ring": True},  # the ring Gluon kernel (sm_90)
                 # the narrow kernel merging its own splits
-                "narrow-fused": {"narrow": True, "fused_merge": True},
-                # each key tile prefetches the one N tiles on into L2
-                "l2-2": {"l2_ahead": 2}, "l2-4": {"l2_ahead": 4}, "l2-8": {"l2_ahead": 8},
-                "l2-16": {"l2_ahead": 16}}
+                "narrow-fused": {"narrow": True, "fused_merge": True}}
 #: MLA launch configs timed by --mla-sweep: (block_h, block_n, num_warps, num_stages, splits).
 MLA_SWEEP = [(16, 32, 4, 2, None), (16, 32, 4, 4, None), (16, 64, 4, 3, None),
              (16, 32, 8, 3, None), (16, 32, 4, 3, "x2"), (32, 32, 8, 3, None),

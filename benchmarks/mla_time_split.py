@@ -55,7 +55,7 @@ def split_row(heads, bs, ctx, splits, rep, tuning=None):
                               num_q_heads=heads, head_dim=x.q.shape[2])
     static: dict = {}
     plan = kernel.plan(md, static)
-    key = (params.causal, False, False, False, plan.cfg_kw["L2_AHEAD"] > 0)
+    key = (params.causal, False, False, False)
     kw = plan.kw_cache.get(key) or kernel._kw(plan, key)
     cu = plan.args[0]
     parts = (plan.part_o, plan.part_lse) if plan.use_parts else (out, out)

@@ -93,8 +93,8 @@
 #                                  # gpu tests, then 16-head rows with the launch variants
 #   scripts/gpu_session.sh fiftyfifth    # MLA gpu tests (one query per request), then where
 #                                  # a 16-head step's time goes (mla_time_split.py)
-#   scripts/gpu_session.sh fiftysixth    # the MLA L2 prefetch: gpu tests, the 16-head rows
-#                                  # with prefetch distances, the time split with it
+#   scripts/gpu_session.sh fiftysixth    # the MLA L2 prefetch (removed after this call; the
+#                                  # case runs on 9f2df7e): 16-head rows, time split
 #   scripts/gpu_session.sh fiftyseventh  # 16-head MLA rings deeper than two tiles a program
 #                                  # (one program per SM), then ncu of both 16-head kernels
 #   scripts/gpu_session.sh fiftyeighth   # the narrow MLA kernel's three-slot ring (rope rows
@@ -689,15 +689,9 @@ PY
     rm -f "$OUT"/*/*.png
     ;;
   fiftysixth)
-    gpu_tests mla_tests.log ${GT_S:-120} 80 tests/test_triton_mla.py
-    timeout ${BA_S:-200} python3 benchmarks/bench_attention.py --only mla --rep 30 \
-      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 \
-      --mla-variants l2-2,l2-4,l2-8,l2-16,narrow --out "$OUT/mla" > "$OUT/mla.log" 2>&1
-    grep -E "ours|==" "$OUT/mla.log" | head -20
-    timeout ${TS_S:-100} python3 benchmarks/mla_time_split.py --rows 16x64x4096 \
-      --tunings '[{}, {"l2_ahead": 4}, {"l2_ahead": 8}]' --out "$OUT/split" 2>&1 \
-      | tee "$OUT/mla_time_split.log"
-    rm -f "$OUT"/*/*.png
+    # ran on 9f2df7e (the L2 prefetch, since removed): MLA variants l2-2, l2-4, l2-8,
+    # l2-16 and narrow, and mla_time_split.py with "l2_ahead" tunings
+    echo "fiftysixth needs commit 9f2df7e (the L2 prefetch option)"
     ;;
   fiftyfifth)
     gpu_tests mla_tests.log ${GT_S:-120} 80 tests/test_mla_fused_merge.py tests/test_triton_mla.py

@@ -179,8 +179,7 @@ def compile_mla(kv="bf16", q="bf16", warps=4, stages=3, **const):
              BLOCK_N=64, BLOCK_B=64, NUM_SPLITS=1, CAUSAL=False, HAS_MASK=False,
              SCALE_FROM_PTR=False, IEEE=False, EVEN_D=True, PAGE_CHUNK=0,
              FP16_DOTS=fp8 and q == "bf16", SPLIT_V_LOAD=fp8, WRITE_LSE=False,
-             FIXED_CHUNK=0, PDL=False, V_PAIRS=False, FUSED_MERGE=False, ONE_QUERY=False,
-             L2_AHEAD=0)
+             FIXED_CHUNK=0, PDL=False, V_PAIRS=False, FUSED_MERGE=False, ONE_QUERY=False)
     c.update(const)
     c["TILE_IN_PAGE"] = c["PAGE_SIZE"] % c["BLOCK_N"] == 0
     ptrs = dict(q_ptr=q, kv_ptr=kv, out_ptr=q, part_o_ptr="fp32", part_lse_ptr="fp32",
@@ -245,7 +244,6 @@ def report(kernel) -> dict:
         "ld.global before the first branch": _loads_before(ptx, r"bra(\.uni)?"),
         "ld.global before the first bar.sync": _loads_before(ptx, r"bar\.sync"),
         "ldmatrix": len(re.findall(r"ldmatrix", ptx)),
-        "L2 bulk prefetches": len(re.findall(r"cp\.async\.bulk\.prefetch\.L2", ptx)),
         "async_wait per loop": re.findall(r"async_wait.*?\{num = (\d+)", ttgir),
     }
 

@@ -474,23 +474,3 @@ def test_decode_steps_take_token_t_as_request_t():
     assert torch.isfinite(out).all() and (out[1] == 0).all()
     want = case.expected()
     assert_close_rel(out[[0, 2, 3]], want[[0, 2, 3]], 1e-5, "rows around the padding")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("ahead", [1, 4, 16])
-def test_gpu_l2_prefetch_changes_no_bits(ahead):
-    """The L2 prefetch (``l2_ahead``) only moves data into L2: the rows are the same bits as
-    without it, on an aligned cache and on a cache whose rows are not 16-byte aligned (the
-    launch then drops the prefetch)."""
-    case = MLACase([1] * 5, [4096, 1000, 64, 5, 2049], rank=512, rope=64, page=64, heads=16,
-                   dtype=torch.bfloat16, device="cuda", seed=9)
-    base = case.run(num_kv_splits=3, l2_ahead=0)
-    assert torch.equal(case.run(num_kv_splits=3, l2_ahead=ahead), base)
-    assert_close_rel(base, case.expected(), RTOL[torch.bfloat16], "l2 prefetch")
-    # rows 580 elements apart (1,160 bytes: not a multiple of 16)
-    wide = torch.zeros(*case.kv_cache.shape[:3], 580, dtype=torch.bfloat16, device="cuda")
-    wide[..., :576] = case.kv_cache.cuda()
-    case.kv_cache = wide[..., :576]  # .to("cuda") keeps this view (already on the device)
-    assert case.kv_cache.stride(1) == 580
-    out = case.run(num_kv_splits=3, l2_ahead=ahead)
-    assert_close_rel(out, case.expected(), RTOL[torch.bfloat16], "l2 prefetch, unaligned rows")

@@ -48,18 +48,6 @@ def test_fp8_mla_value_load_is_pipelined():
     assert rep["ld.global"] < rep["cp.async (16 B)"], rep  # latent rows come via cp.async
 
 
-def test_mla_l2_prefetch_keeps_the_ring_and_registers():
-    """The 16-head MLA default with the L2 prefetch (``L2_AHEAD``): one bulk prefetch in the
-    key loop, the copies still two tiles ahead, no spills, and none without it."""
-    base = dict(BLOCK_H=16, BLOCK_N=32, warps=4, stages=3, NUM_SPLITS=4)
-    on = _inspect("mla", dict(base, L2_AHEAD=4))
-    off = _inspect("mla", base)
-    assert on["L2 bulk prefetches"] == 1 and off["L2 bulk prefetches"] == 0, (on, off)
-    assert max(int(n) for n in on["async_wait per loop"]) >= 2, on
-    assert on["stack bytes (ptxas spills)"] == 0, on
-    assert on["cp.async (16 B)"] == off["cp.async (16 B)"], (on, off)
-
-
 #: ptxas spills (cubin stack bytes, ``cuobjdump -res-usage``) of the launches the library
 #: picks on an H200 (``"launched"``: the real chooser), at most what they were on 2026-12-04.
 #: Zero must stay zero; the rows that spill are #14's register-pressure evidence

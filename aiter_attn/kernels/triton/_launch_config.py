@@ -24,7 +24,7 @@ from ._pdl import pdl_mode
 
 __all__ = ["TUNING_OVERRIDES", "OVERRIDE_KEYS", "check_overrides", "LaunchConfig",
            "choose_config", "BATCH_INVARIANT_SPLIT_TOKENS",
-           "FP8_VALUE_PAIRS", "MLA_FP8_VALUE_PAIRS", "MLA_FUSED_MERGE", "MLA_L2_AHEAD", "PREFETCH_PAGES", "CARRIED_PAGE_LOOKUP"]
+           "FP8_VALUE_PAIRS", "MLA_FP8_VALUE_PAIRS", "MLA_FUSED_MERGE", "PREFETCH_PAGES", "CARRIED_PAGE_LOOKUP"]
 
 #: Keys per split in batch-invariant mode (rounded up to a multiple of ``block_n``).
 BATCH_INVARIANT_SPLIT_TOKENS = 512
@@ -99,12 +99,6 @@ MLA_FP8_VALUE_PAIRS = True
 #: a split step is one launch. Head blocks of up to 16 (the memory-bound kernel), up to
 #: 16 splits, never batch-invariant.
 MLA_FUSED_MERGE = False
-
-#: The MLA kernel's L2 prefetch distance in key tiles (``mla_paged_attention(...,
-#: l2_ahead=)``; 0 = off): each tile bulk-prefetches (``cp.async.bulk.prefetch.L2``) the tile
-#: this many tiles on into L2, so more DRAM requests are in flight than the shared-memory
-#: ring holds. NVIDIA sm_90+, pages a multiple of the tile, 16-byte aligned latent rows.
-MLA_L2_AHEAD = 0
 
 #: Split decode whose splits fit one chunk of the chunked page lookup (1x4k: 16 splits of two
 #: tiles): read the page ids in the program's first round trip (the kernel's

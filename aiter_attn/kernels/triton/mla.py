@@ -41,8 +41,7 @@ from ...validation import INDEX_DTYPES, unit_stride
 from ..base import (MEMO, KernelPlan, MLAKernel, _adhoc_metadata, mask_literal,
                     mla_layer_params, mla_request, plan_hints, token_count_error)
 from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
-from ._launch_config import (BATCH_INVARIANT_SPLIT_TOKENS, MLA_FP8_VALUE_PAIRS, MLA_FUSED_MERGE,
-                             MLA_L2_AHEAD)
+from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS, MLA_FP8_VALUE_PAIRS, MLA_FUSED_MERGE
 from .mla_gluon import (GLUON_MLA_BLOCK_H, gluon_mla_reject_reason, gluon_mla_tensors_reason,
                         launch_gluon_mla)
 from .mla_merge import merge_head_block, merge_splits
@@ -66,25 +65,6 @@ def _dot(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
-
-
-@triton.jit
-def _prefetch_l2(ptr, nbytes, on):
-    """Bulk-prefetch ``nbytes`` (a multiple of 16; ``ptr`` 16-byte aligned) at ``ptr`` into
-    L2 (``cp.async.bulk.prefetch.L2``, sm_90): issued by the program's thread 0 where ``on``
-    (int32) is non-zero. No shared memory, no registers held: DRAM requests in flight ahead
-    of the tile loads, which then hit L2."""
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .pred p;
-        .reg .b32 tid;
-        mov.u32 tid, %tid.x;
-        setp.eq.u32 p, tid, 0;
-        setp.ne.and.s32 p, $3, 0, p;
-        @p cp.async.bulk.prefetch.L2.global [$1], $2;
-        mov.u32 $0, 0;
-        }""",
-        "=r,l,r,r", [ptr, nbytes, on], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -181,7 +161,6 @@ def _mla_fwd_kernel(
     V_PAIRS: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = False,
     ONE_QUERY: tl.constexpr = False,
-    L2_AHEAD: tl.constexpr = 0,
 ):
     if PDL:  # programmatic dependent launch: the previous kernel's writes first
         wait_then_release()
@@ -285,16 +264,6 @@ def _mla_fwd_kernel(
             if TILE_IN_PAGE:
                 page = page_next.to(tl.int64)
                 page_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < hi, other=0)
-                if L2_AHEAD > 0:
-                    # the tile L2_AHEAD tiles on into L2 now: more DRAM requests in flight
-                    # than the shared-memory ring holds
-                    ahead = start + L2_AHEAD * BLOCK_N
-                    page_ahead = tl.load(bt_row + ahead // PAGE_SIZE, mask=ahead < hi,
-                                         other=0).to(tl.int64)
-                    _prefetch_l2(kv_ptr + page_ahead * stride_kvp
-                                 + (ahead % PAGE_SIZE).to(tl.int64) * stride_kvs,
-                                 BLOCK_N * stride_kvs * kv_ptr.dtype.element_ty.primitive_bitwidth
-                                 // 8, (ahead < hi).to(tl.int32))
                 row = (page * stride_kvp + (start % PAGE_SIZE) * stride_kvs
                        + offs_t.to(tl.int64) * stride_kvs)
             else:
@@ -418,15 +387,6 @@ def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: to
 
 _T = dict(eq=False, repr=False)
 
-def _bulk_prefetch_ok(device: torch.device, page_size: int, block_n: int) -> bool:
-    """Whether the L2 prefetch (``L2_AHEAD``) can run: NVIDIA sm_90+ (bulk copies), not the
-    interpreter (inline PTX), and tiles that lie within one page."""
-    from .prefill import _capability
-
-    return (device.type == "cuda" and torch.version.hip is None and not interpreting()
-            and page_size % block_n == 0 and _capability(device) >= (9, 0))
-
-
 #: the fused merge's counters of plans without a graph's static buffers, one zeroed buffer
 #: per (device, stream): every launch leaves its counters at zero, and launches on one stream
 #: are ordered (two streams never share counters)
@@ -493,8 +453,7 @@ class TritonMLA(MLAKernel):
     ``v_pairs`` (fp8 value reads as 16-bit column pairs), ``fused_merge`` (the split merge
     in the attention launch), ``ring`` (``True``: the ring Gluon kernel of
     :mod:`.mla_ring_gluon` for up to 16 heads), ``one_query`` (``False``: decode steps search ``cu_seqlens_q``
-    for their request like any other), ``l2_ahead`` (L2 prefetch distance in tiles),
-    ``narrow`` (``True``: the narrow
+    for their request like any other), ``narrow`` (``True``: the narrow
     Gluon kernel of :mod:`.mla_narrow_gluon` for up to 16 heads), ``gluon`` (``False``: never the Gluon kernels of :mod:`.mla_gluon`, which otherwise
     serves what :func:`.mla_gluon.gluon_mla_reject_reason` allows: 64-head blocks of
     bf16/fp16 latents 512 + 64 on NVIDIA sm_90).
@@ -689,9 +648,6 @@ class TritonMLA(MLAKernel):
         fused = bool(use_parts and not self.batch_invariant and not empty and bh <= 16
                      and splits <= 16 and t.get("fused_merge", MLA_FUSED_MERGE))
         counters = self._counters(num_tokens * head_blocks, md, out, device) if fused else None
-        l2_ahead = int(t.get("l2_ahead", MLA_L2_AHEAD))
-        if l2_ahead and not _bulk_prefetch_ok(device, page_size, bn):
-            l2_ahead = 0
         cfg_kw = dict(
             PAGE_SIZE=page_size, KV_LORA=self.rank, ROPE=self.rope,
             BLOCK_DV=self.block_dv, BLOCK_DR=self.block_dr, BLOCK_H=bh, BLOCK_N=bn,
@@ -706,7 +662,7 @@ class TritonMLA(MLAKernel):
             V_PAIRS=bool(is_fp8(self.kv_dtype) and self.block_dv == self.rank and bh < 64
                          and t.get("v_pairs", MLA_FP8_VALUE_PAIRS)),
             SPLIT_V_LOAD=self.kv_dtype != self.dtype if split_v is None else bool(split_v),
-            FIXED_CHUNK=fixed_chunk, FUSED_MERGE=fused, ONE_QUERY=one_query, L2_AHEAD=l2_ahead,
+            FIXED_CHUNK=fixed_chunk, FUSED_MERGE=fused, ONE_QUERY=one_query,
             num_warps=warps, num_stages=stages,
             **pdl_kwargs(pdl_mode(t.get("pdl"), device), reduction=False))
         gluon = bh == GLUON_MLA_BLOCK_H and t.get("gluon", True) and gluon_mla_reject_reason(
@@ -732,11 +688,10 @@ class TritonMLA(MLAKernel):
 
     @staticmethod
     def _kw(plan: TritonMLAPlan, key):
-        causal, from_ptr, write_lse, pairs, aligned = key
+        causal, from_ptr, write_lse, pairs = key
         kw = dict(plan.cfg_kw)
         kw.update(CAUSAL=causal and not plan.mask_literal, SCALE_FROM_PTR=from_ptr,
-                  WRITE_LSE=write_lse, V_PAIRS=kw["V_PAIRS"] and pairs,
-                  L2_AHEAD=kw["L2_AHEAD"] if aligned else 0)
+                  WRITE_LSE=write_lse, V_PAIRS=kw["V_PAIRS"] and pairs)
         plan.kw_cache[key] = kw
         return kw
 
@@ -757,11 +712,7 @@ class TritonMLA(MLAKernel):
         # value pairs need every latent row on a 16-byte boundary (strides and base)
         pairs = plan.cfg_kw["V_PAIRS"] and not (
             (kv_cache.stride(0) | kv_cache.stride(1) | kv_cache.data_ptr()) % 16)
-        # the L2 prefetch's bulk copies need 16-byte aligned rows
-        prefetch = plan.cfg_kw["L2_AHEAD"] > 0 and not (
-            (kv_cache.stride(0) | kv_cache.stride(1)) * kv_cache.element_size()
-            | kv_cache.data_ptr()) % 16
-        key = (params.causal, from_ptr, write_lse, pairs, prefetch)
+        key = (params.causal, from_ptr, write_lse, pairs)
         kw = plan.kw_cache.get(key)
         if kw is None:
             kw = self._kw(plan, key)
@@ -850,7 +801,6 @@ def mla_paged_attention(
     pdl=None,
     narrow: Optional[bool] = None,
     fused_merge: Optional[bool] = None,
-    l2_ahead: Optional[int] = None,
     ring: Optional[bool] = None,
 ) -> torch.Tensor:
     """Absorbed MLA over a paged latent cache (Triton). Same contract as
@@ -900,9 +850,6 @@ def mla_paged_attention(
             batch-invariant); default :data:`._launch_config.MLA_FUSED_MERGE`.
         ring: ``True``: the ring Gluon kernel (:mod:`.mla_ring_gluon`: 32-key tiles, q in
             registers, two programs per SM) where the narrow kernel would serve.
-        l2_ahead: key tiles between a tile and the one it prefetches into L2 (0: none;
-            NVIDIA sm_90+, pages a multiple of ``block_n``, 16-byte aligned rows); default
-            :data:`._launch_config.MLA_L2_AHEAD`.
         batch_invariant: each row's bits independent of the rest of the batch: keys split
             every :data:`BATCH_INVARIANT_SPLIT_TOKENS` (rounded to ``block_n``) at absolute
             positions, the split path and a fixed-order merge always (the split count, a
@@ -935,7 +882,7 @@ def mla_paged_attention(
         num_kv_splits=num_kv_splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
         num_stages=num_stages, page_chunk=page_chunk, split_v_load=split_v_load,
         gluon=gluon, v_pairs=v_pairs, pdl=pdl, narrow=narrow,
-        fused_merge=fused_merge, l2_ahead=l2_ahead, ring=ring).items() if v is not None}
+        fused_merge=fused_merge, ring=ring).items() if v is not None}
     kernel = TritonMLA(mla_request(q, kv_cache, kv_lora_rank,
                                    custom_mask=custom_mask is not None, lse=lse is not None,
                                    batch_invariant=batch_invariant), tuning)
