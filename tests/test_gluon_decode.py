@@ -273,11 +273,11 @@ def test_gpu_gluon_decode_under_graph_replay(monkeypatch, bs):
     assert calls and (calls[0] > 1) == (bs == 1), calls
 
 
-def _inspect_mla(const: dict) -> dict:
+def _inspect_mla(const: dict, kernel: str = "--mla") -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, str(ROOT / "scripts" / "inspect_gluon_decode_sm90.py"),
-           json.dumps(const), "--json", "--mla"]
+           json.dumps(const), "--json", kernel]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -371,3 +371,29 @@ def test_layer_launch_keys_and_argument_list(monkeypatch):
     assert kernel_rec.calls and len(kernel_rec.calls) + sum(k is not None for k in keys) == 4
     rnames = [n for n, _, _ in dg._REDUCE._params()]
     assert all(len(a) == len(rnames) for _, a in reduce_rec.calls)
+
+
+@pytest.mark.parametrize("const", [
+    {"FUSED": True, "ONE_QUERY": True, "SPLITS": 2, "WRITE_LSE": True},
+], ids=["fused-merge-one-query"])
+def test_narrow_mla_fused_merge_compiles_for_sm90(const):
+    """The narrow kernel merging its own splits: one acq_rel count per program, the same
+    registers and shared memory as the two-launch form."""
+    r = _inspect_mla(const)
+    assert r["stack"] <= 16, r
+    assert r["shared"] <= H200_SMEM_OPTIN, r
+
+
+@pytest.mark.parametrize("const", [
+    {},
+    {"PAGE": 16, "BOX": 16, "SPLITS": 1, "WRITE_LSE": True, "q": "fp16"},
+], ids=["p64-splits4", "p16-fp16-lse"])
+def test_ring_mla_compiles_for_sm90(const):
+    """The ring MLA kernel (``mla_ring_gluon.py``): two programs per SM, in registers (q in
+    registers, eight [64, 16] accumulators: at most 256 a thread for 2 × 128 threads) and in
+    shared memory (three 36 KB slots each: within half the SM's 228 KB with the 1 KB each
+    program reserves); at most 32 bytes spilled."""
+    r = _inspect_mla(const, "--ring")
+    assert r["stack"] <= 32, r
+    assert 2 * (r["shared"] + 1024) <= 233472, r
+    assert r["registers"] <= 256, r

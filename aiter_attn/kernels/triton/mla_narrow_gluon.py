@@ -225,8 +225,8 @@ if HAS_GLUON:
                     # before the launch and after it; the barrier orders every thread's
                     # partial stores before the acq_rel count)
                     gl.thread_barrier()
-                    done = gl.atomic_add(count + t, 1, sem="acq_rel")
-                    if done == SPLITS - 1:
+                    arrived = gl.atomic_add(count + t, 1, sem="acq_rel")
+                    if arrived == SPLITS - 1:
                         _merge_token(out, part_o, part_l, lse_ptr, t64, heads, s_ot, s_oh,
                                      s_pt, s_ph, s_ps, s_lt, s_lh, s_et, s_eh, HP, SPLITS,
                                      WRITE_LSE)
