@@ -104,6 +104,8 @@
 #   scripts/gpu_session.sh sixtieth      # ncu of the ring kernel (stall reasons by source)
 #   scripts/gpu_session.sh sixtyfirst    # the narrow kernel merging its own splits, one
 #                                  # query per request: gpu tests, then the 16-head rows
+#   scripts/gpu_session.sh sixtysecond   # the final code: every MLA gpu test (-k mla), then
+#                                  # the MLA table with the 16-head variants
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -614,6 +616,14 @@ planned-ov:num_splits=24,planned-ov:num_splits=16 2>&1 | tail -5 | tee "$OUT/sma
       --rows 16x4096,1x4096,1x32768,64x4096,8x65536,256x4096 --variants default,\
 bn64.st4.nc2.r128.s0,bn128.st3.nc2.r168.s0,bn128.st2.nc2.r168.s0,bn64.st3.nc2.r80.s00,\
 bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
+    ;;
+  sixtysecond)
+    gpu_tests mla_all_tests.log ${GT_S:-260} 150 tests -k "mla or MLA"
+    timeout ${BA_S:-170} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --anchors "" --mla-variants narrow,narrow-fused,fused,ring --out "$OUT/mla" \
+      > "$OUT/mla.log" 2>&1
+    grep -E "ours|==|Error|error" "$OUT/mla.log" | head -40
+    rm -f "$OUT"/*/*.png
     ;;
   sixtyfirst)
     gpu_tests mla_narrow_tests.log ${GT_S:-150} 80 tests/test_triton_mla.py \
