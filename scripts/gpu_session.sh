@@ -620,7 +620,7 @@ bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
   sixtysecond)
     gpu_tests mla_all_tests.log ${GT_S:-260} 150 tests -k "mla or MLA"
     timeout ${BA_S:-170} python3 benchmarks/bench_attention.py --only mla --rep 30 \
-      --anchors "" --mla-variants narrow,narrow-fused,fused,ring --out "$OUT/mla" \
+      --anchors "" --mla-kv bf16 --mla-variants narrow,narrow-fused,fused,ring --out "$OUT/mla" \
       > "$OUT/mla.log" 2>&1
     grep -E "ours|==|Error|error" "$OUT/mla.log" | head -40
     rm -f "$OUT"/*/*.png
