@@ -106,6 +106,8 @@
 #                                  # query per request: gpu tests, then the 16-head rows
 #   scripts/gpu_session.sh sixtysecond   # the final code: every MLA gpu test (-k mla), then
 #                                  # the MLA table with the 16-head variants
+#   scripts/gpu_session.sh sixtythird    # every MLA gpu test again (the replay test's lengths
+#                                  # fixed), failures with their reasons
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -616,6 +618,9 @@ planned-ov:num_splits=24,planned-ov:num_splits=16 2>&1 | tail -5 | tee "$OUT/sma
       --rows 16x4096,1x4096,1x32768,64x4096,8x65536,256x4096 --variants default,\
 bn64.st4.nc2.r128.s0,bn128.st3.nc2.r168.s0,bn128.st2.nc2.r168.s0,bn64.st3.nc2.r80.s00,\
 bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
+    ;;
+  sixtythird)
+    gpu_tests mla_all_tests.log ${GT_S:-200} 150 tests -k "mla or MLA"
     ;;
   sixtysecond)
     gpu_tests mla_all_tests.log ${GT_S:-260} 150 tests -k "mla or MLA"
