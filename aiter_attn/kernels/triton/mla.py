@@ -395,9 +395,19 @@ _EAGER_COUNTERS: dict = {}
 
 def _eager_counters(tiles: int, device: torch.device) -> torch.Tensor:
     """Zeroed int32 counters for ``tiles`` (token, head block) pairs on ``device``'s current
-    stream (made, or grown, on first need)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
+    stream (made, or grown, on first need). Under CUDA-graph capture without a cached
+    buffer: a fresh one, not cached (its zero fill is a captured node: it runs at replay
+    only, so the buffer is not zero before a first replay)."""
+    if device.type != "cuda":
+        key = (device, 0)
+    else:
+        if torch.cuda.is_current_stream_capturing():
+            key = (device, torch.cuda.current_stream(device).cuda_stream)
+            buf = _EAGER_COUNTERS.get(key)
+            if buf is not None and buf.numel() >= tiles:
+                return buf[:tiles]
+            return torch.zeros(tiles, dtype=torch.int32, device=device)
+        key = (device, torch.cuda.current_stream(device).cuda_stream)
     buf = _EAGER_COUNTERS.get(key)
     if buf is None or buf.numel() < tiles:
         buf = _EAGER_COUNTERS[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32,
