@@ -108,6 +108,7 @@
 #                                  # the MLA table with the 16-head variants
 #   scripts/gpu_session.sh sixtythird    # every MLA gpu test again (the replay test's lengths
 #                                  # fixed), failures with their reasons
+#   scripts/gpu_session.sh sixtyfourth   # the fused-merge and narrow gpu tests on the final code
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -618,6 +619,10 @@ planned-ov:num_splits=24,planned-ov:num_splits=16 2>&1 | tail -5 | tee "$OUT/sma
       --rows 16x4096,1x4096,1x32768,64x4096,8x65536,256x4096 --variants default,\
 bn64.st4.nc2.r128.s0,bn128.st3.nc2.r168.s0,bn128.st2.nc2.r168.s0,bn64.st3.nc2.r80.s00,\
 bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
+    ;;
+  sixtyfourth)
+    gpu_tests mla_fused_tests.log ${GT_S:-110} 80 tests/test_mla_fused_merge.py \
+      tests/test_triton_mla.py -k "fused or narrow or graph"
     ;;
   sixtythird)
     gpu_tests mla_all_tests.log ${GT_S:-200} 150 tests -k "mla or MLA"
