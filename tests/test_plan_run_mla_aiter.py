@@ -223,7 +223,10 @@ def test_triton_mla_plans_its_split_workspace_into_static_buffers():
     limits = GraphLimits(mode=ForwardMode.DECODE, max_bs=4, q_len=1, max_num_tokens=4,
                          max_seq_len=80)
     spec = kernel.buffer_spec(limits)
-    assert sorted(spec.buffers) == ["triton.mla.partials.16h32.lse", "triton.mla.partials.16h32.o"]
+    # the partials, and the fused merge's counters (int32, zero-filled, left zero by it)
+    assert sorted(spec.buffers) == ["triton.mla.partials.16h32.cnt",
+                                    "triton.mla.partials.16h32.lse", "triton.mla.partials.16h32.o"]
+    assert spec.buffers["triton.mla.partials.16h32.cnt"] == ((4 * 1 * 16,), torch.int32)
     static = spec.allocate(DEVICE)
     plan, params = _triton_run(kernel, case, static)
     assert plan.part_o.data_ptr() == static["triton.mla.partials.16h32.o"].data_ptr()
