@@ -49,7 +49,7 @@ import torch
 from ._kvutil import next_pow2
 from ._launch import Launcher, launch_key, tensor_key
 from .paged_attention import _reduce_splits_kernel
-from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout
+from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout, sm90_gluon_reason
 
 __all__ = ["gluon_decode_reject_reason", "gluon_decode_layout_reason", "launch_gluon_decode",
            "gluon_decode", "cache_descriptors", "choose_splits", "plan_part",
@@ -99,14 +99,9 @@ def gluon_decode_reject_reason(*, q_heads: int, kv_heads: int, head_dim: int,
                                block_n: int = 64) -> Optional[str]:
     """Why the Gluon decode kernel cannot serve a layer group (``None``: it can). Host
     integers only; :func:`gluon_decode_layout_reason` checks the tensors."""
-    from .prefill import _capability
-
-    if not HAS_GLUON:
-        return "this Triton has no Gluon Hopper dialect"
-    if device.type != "cuda" or torch.version.hip is not None or _capability(device)[0] != 9:
-        return "needs an NVIDIA sm_90 GPU"
-    if dtype not in (torch.float16, torch.bfloat16) or kv_dtype != dtype:
-        return f"q {dtype} / cache {kv_dtype} (fp16/bf16, the same for both)"
+    why = sm90_gluon_reason(device, dtype, kv_dtype)
+    if why is not None:
+        return why
     if head_dim != v_head_dim or head_dim not in (64, 128, 256):
         return f"head dims {head_dim}/{v_head_dim} (equal, 64, 128 or 256)"
     if q_heads % kv_heads or q_heads // kv_heads > 16:

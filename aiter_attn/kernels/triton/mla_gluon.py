@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 
 from ._launch import Launcher, launch_key
-from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout
+from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout, sm90_gluon_reason
 
 __all__ = ["gluon_mla_reject_reason", "launch_gluon_mla", "GLUON_MLA_BLOCK_H"]
 
@@ -58,14 +58,9 @@ def gluon_mla_reject_reason(*, heads: int, rank: int, rope: int, dtype, kv_dtype
                             batch_invariant: bool) -> Optional[str]:
     """Why the Gluon MLA kernel cannot serve a plan (``None``: it can). Host integers only;
     :func:`gluon_mla_tensors_reason` checks the tensors at launch."""
-    from .prefill import _capability
-
-    if not HAS_GLUON:
-        return "this Triton has no Gluon Hopper dialect"
-    if device.type != "cuda" or torch.version.hip is not None or _capability(device)[0] != 9:
-        return "needs an NVIDIA sm_90 GPU"
-    if dtype not in (torch.float16, torch.bfloat16) or kv_dtype != dtype:
-        return f"q {dtype} / cache {kv_dtype} (fp16/bf16, the same for both)"
+    why = sm90_gluon_reason(device, dtype, kv_dtype)
+    if why is not None:
+        return why
     if rank != _RANK or rope != _ROPE:
         return f"kv_lora_rank {rank} + rope {rope} (512 + 64 only)"
     if heads % GLUON_MLA_BLOCK_H:

@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 
 from ._launch import Launcher, tensor_key
-from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout
+from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout, sm90_gluon_reason
 
 __all__ = ["narrow_mla_reject_reason", "narrow_mla_tensors_reason", "narrow_mla_splits",
            "launch_narrow_mla", "NARROW_MLA_MAX_HEADS"]
@@ -60,14 +60,9 @@ def narrow_mla_reject_reason(*, heads: int, rank: int, rope: int, dtype, kv_dtyp
                              batch_invariant: bool) -> Optional[str]:
     """Why the narrow Gluon MLA kernel cannot serve a plan (``None``: it can). Host
     integers only; :func:`narrow_mla_tensors_reason` checks the tensors at launch."""
-    from .prefill import _capability
-
-    if not HAS_GLUON:
-        return "this Triton has no Gluon Hopper dialect"
-    if device.type != "cuda" or torch.version.hip is not None or _capability(device)[0] != 9:
-        return "needs an NVIDIA sm_90 GPU"
-    if dtype not in (torch.float16, torch.bfloat16) or kv_dtype != dtype:
-        return f"q {dtype} / cache {kv_dtype} (fp16/bf16, the same for both)"
+    why = sm90_gluon_reason(device, dtype, kv_dtype)
+    if why is not None:
+        return why
     if rank != _RANK or rope != _ROPE:
         return f"kv_lora_rank {rank} + rope {rope} (512 + 64 only)"
     if heads > NARROW_MLA_MAX_HEADS:

@@ -49,21 +49,35 @@ except ImportError:  # pragma: no cover - older Triton
 
 from ._launch import Launcher, launch_key
 
-__all__ = ["HAS_GLUON", "gluon_reject_reason", "gluon_launch_args", "launch_gluon_prefill"]
+__all__ = ["HAS_GLUON", "sm90_gluon_reason", "gluon_reject_reason", "gluon_launch_args", "launch_gluon_prefill"]
 
 _LOG2E = 1.4426950408889634
 _GL_DTYPES = {}
 
 
-def gluon_reject_reason(q, k, v, *, causal, window, softcap, search, config) -> Optional[str]:
-    """Why the Gluon kernel cannot serve this launch (``None``: it can). Host checks only."""
-    from .prefill import _capability, tma_ok
+def sm90_gluon_reason(device, dtype=None, kv_dtype=None) -> Optional[str]:
+    """The part every Gluon kernel's reject reason shares (``None``: fine): this Triton has
+    the Gluon Hopper dialect, ``device`` is an NVIDIA sm_90 GPU and, when ``dtype`` is given,
+    q (``dtype``) and the cache (``kv_dtype``) are both fp16 or both bf16. Host checks only."""
+    from .prefill import _capability
 
     if not HAS_GLUON:
         return "this Triton has no Gluon Hopper dialect"
-    if (q.device.type != "cuda" or torch.version.hip is not None
-            or _capability(q.device)[0] != 9):
+    if device.type != "cuda" or torch.version.hip is not None or _capability(device)[0] != 9:
         return "needs an NVIDIA sm_90 GPU"
+    if dtype is not None and (dtype not in (torch.float16, torch.bfloat16)
+                              or kv_dtype != dtype):
+        return f"q {dtype} / cache {kv_dtype} (fp16/bf16, the same for both)"
+    return None
+
+
+def gluon_reject_reason(q, k, v, *, causal, window, softcap, search, config) -> Optional[str]:
+    """Why the Gluon kernel cannot serve this launch (``None``: it can). Host checks only."""
+    from .prefill import tma_ok
+
+    why = sm90_gluon_reason(q.device)
+    if why is not None:
+        return why
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:
         return f"dtype {q.dtype} (fp16/bf16 only)"
     d, dv = q.shape[2], v.shape[2]
