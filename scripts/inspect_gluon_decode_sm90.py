@@ -102,16 +102,11 @@ def main():
     p.add_argument("--ring", action="store_true", help="the ring MLA kernel")
     a = p.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from inspect_gluon_prefill_sm90 import gluon_report, print_report
+    from inspect_gluon_prefill_sm90 import report_and_dump
 
     k = (compile_ring_mla if a.ring else compile_narrow_mla if a.mla
          else compile_decode)(**json.loads(a.const))
-    print_report(gluon_report(k), a.json)
-    if a.dump:
-        os.makedirs(a.dump, exist_ok=True)
-        for key in ("ttgir", "ptx"):
-            with open(os.path.join(a.dump, f"k.{key}"), "w") as f:
-                f.write(k.asm[key])
+    report_and_dump(k, a.json, a.dump)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,17 @@ def print_report(report: dict, as_json: bool) -> None:
             print(f"{key:<14}", val)
 
 
+def report_and_dump(k, as_json: bool, dump) -> None:
+    """Print compiled kernel ``k``'s report; with ``dump`` (a folder) also write its TTGIR
+    and PTX there (``k.ttgir``, ``k.ptx``)."""
+    print_report(gluon_report(k), as_json)
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        for key in ("ttgir", "ptx"):
+            with open(os.path.join(dump, f"k.{key}"), "w") as f:
+                f.write(k.asm[key])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("const", nargs="?", default="{}")
@@ -98,13 +109,7 @@ def main():
     p.add_argument("--json", action="store_true", help="one JSON line instead of a table")
     p.add_argument("--dump", default=None)
     a = p.parse_args()
-    k = compile_gluon(ws=a.ws, **json.loads(a.const))
-    print_report(gluon_report(k), a.json)
-    if a.dump:
-        os.makedirs(a.dump, exist_ok=True)
-        for key in ("ttgir", "ptx"):
-            with open(os.path.join(a.dump, f"k.{key}"), "w") as f:
-                f.write(k.asm[key])
+    report_and_dump(compile_gluon(ws=a.ws, **json.loads(a.const)), a.json, a.dump)
 
 
 if __name__ == "__main__":
