@@ -73,6 +73,8 @@ ANCHORS = ("cudnn", "fa2", "flex", "aiter")
 MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 # the split merge in the attention launch (no second launch)
                 "fused": {"fused_merge": True}, "fused-pdl": {"fused_merge": True, "pdl": True},
+                # a cooperative launch: every split merges a column slice
+                "coop": {"fused_merge": "cooperative"},
                 "narrow": {"narrow": True},  # the narrow Gluon kernel (sm_90)
                 "ring": {"ring": True},  # the ring Gluon kernel (sm_90)
                 # the narrow kernel merging its own splits

@@ -109,6 +109,8 @@
 #   scripts/gpu_session.sh sixtythird    # every MLA gpu test again (the replay test's lengths
 #                                  # fixed), failures with their reasons
 #   scripts/gpu_session.sh sixtyfourth   # the fused-merge and narrow gpu tests on the final code
+#   scripts/gpu_session.sh sixtyfifth    # the cooperative merge: its gpu tests, the 16-head rows
+#                                  # beside the default, the time split
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -619,6 +621,19 @@ planned-ov:num_splits=24,planned-ov:num_splits=16 2>&1 | tail -5 | tee "$OUT/sma
       --rows 16x4096,1x4096,1x32768,64x4096,8x65536,256x4096 --variants default,\
 bn64.st4.nc2.r128.s0,bn128.st3.nc2.r168.s0,bn128.st2.nc2.r168.s0,bn64.st3.nc2.r80.s00,\
 bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
+    ;;
+  sixtyfifth)
+    timeout 100 python3 -m pytest -m gpu -q --timeout 60 tests/test_mla_fused_merge.py \
+      -k "cooperative" -x -p no:cacheprovider -p no:warnings --tb=short > "$OUT/coop_tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed|Timeout" "$OUT/coop_tests.log" | tail -15
+    gpu_tests mla_fused_tests.log ${GT_S:-100} 60 tests/test_mla_fused_merge.py
+    timeout ${BA_S:-150} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 \
+      --mla-variants coop,fused,narrow --out "$OUT/mla" > "$OUT/mla.log" 2>&1
+    grep -E "ours|==|Error|error" "$OUT/mla.log" | head -20
+    timeout ${TS_S:-120} python3 benchmarks/mla_time_split.py --rows 16x64x4096 --splits 0,2,8 \
+      --tunings '[{}, {"fused_merge": "cooperative"}]' 2>&1 | tee "$OUT/mla_time_split.log" | tail -20
+    rm -f "$OUT"/*/*.png
     ;;
   sixtyfourth)
     gpu_tests mla_fused_tests.log ${GT_S:-110} 80 tests/test_mla_fused_merge.py \

@@ -1,5 +1,7 @@
 """The MLA kernel's one-launch split merge (``fused_merge``): the last split program of a
-(token, head block) to finish merges its partials in the same launch.
+(token, head block) to finish merges its partials in the same launch; or (``"cooperative"``,
+GPU only) a cooperative launch whose splits wait for each other and each merge a slice of
+the columns.
 
 Checked against the float64 oracle (outputs and the natural-log LSE), against the two-launch
 merge, with empty splits (keys shorter than the split count), fully masked rows, verify
@@ -157,22 +159,83 @@ def test_fused_merge_only_where_it_applies():
 
 # ---------------------------------------------------------------- GPU (compiled, concurrent)
 
+def test_cooperative_merge_mode_selection():
+    """The cooperative form only where every program can be resident: on a GPU, 4-warp
+    launches whose programs fit two per SM; never in the interpreter (its programs run one
+    after another, so a split waiting for its siblings would wait forever)."""
+    from aiter_attn.kernels.triton.mla import COOPERATIVE, LAST_SPLIT, TritonMLA
+
+    mode = TritonMLA._fused_mode
+    assert mode(True, 16, 4, 4, 256, 110_592, torch.device("cpu")) == LAST_SPLIT
+    assert mode(False, 16, 4, 4, 256, 110_592, torch.device("cpu")) == 0
+    assert mode("cooperative", 16, 17, 4, 256, 110_592, torch.device("cpu")) == 0
+    assert mode("cooperative", 64, 4, 4, 256, 110_592, torch.device("cpu")) == 0
+    with pytest.raises(ValueError, match="fused_merge='last'.*cooperative"):
+        mode("last", 16, 4, 4, 256, 110_592, torch.device("cpu"))
+    if torch.cuda.is_available():
+        from aiter_attn.kernels.triton._kvutil import interpreting, num_sms
+
+        dev = torch.device("cuda")
+        sms = num_sms(dev)
+        want = 0 if interpreting() else COOPERATIVE
+        assert mode("cooperative", 16, 4, 4, 2 * sms, 110_592, dev) == want
+        assert mode("cooperative", 16, 4, 4, 2 * sms + 1, 110_592, dev) == 0
+        assert mode("cooperative", 16, 4, 8, 64, 110_592, dev) == 0  # 8 warps
+        assert mode("cooperative", 16, 4, 4, sms + 1, 200_000, dev) == 0  # one per SM
+    else:
+        assert mode("cooperative", 16, 4, 4, 256, 110_592, torch.device("cpu")) == 0
+
+
+# ---------------------------------------------------------------- GPU (compiled, concurrent)
+
+FUSED_MODES = [pytest.param(True, id="last-split"),
+               pytest.param("cooperative", id="cooperative")]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", FUSED_MODES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("splits", [2, 4, 7])
-def test_gpu_fused_merge_deepseek(splits, dtype, monkeypatch):
+@pytest.mark.parametrize("splits", [2, 3, 4, 7])
+def test_gpu_fused_merge_deepseek(splits, dtype, mode, monkeypatch):
     case = MLACase([1] * 6, [4096, 1000, 64, 5, 129, 2049], rank=512, rope=64, page=64,
                    heads=16, dtype=dtype, device="cuda", seed=7)
     _no_second_launch(monkeypatch)
     lse = torch.empty(6, 16, device="cuda")
     for _ in range(3):  # counters left at zero: repeated launches agree
-        out = case.run(num_kv_splits=splits, fused_merge=True, lse=lse)
+        out = case.run(num_kv_splits=splits, fused_merge=mode, lse=lse)
         assert_close_rel(out, case.expected(), RTOL[dtype], f"fused {splits} splits")
         assert_close_rel(lse.cpu(), _lse_oracle(case), 2e-3, "fused LSE")
 
 
 @pytest.mark.gpu
-def test_gpu_fused_merge_graph_replay_matches_eager():
+@pytest.mark.parametrize("case_kw,splits", CASES)
+def test_gpu_cooperative_merge_cases(case_kw, splits, monkeypatch):
+    """The CPU cases (empty splits, verify rows, page 48, two head blocks) with every split
+    merging a column slice, compiled: the same rows and LSE as the oracle."""
+    case_kw = dict(case_kw)
+    launch = case_kw.pop("launch", {})
+    case = MLACase(**case_kw, dtype=torch.float16, device="cuda", seed=3)
+    _no_second_launch(monkeypatch)
+    lse = torch.full((case.q.shape[0], case.heads), float("nan"), device="cuda")
+    out = case.run(num_kv_splits=splits, fused_merge="cooperative", lse=lse, **launch)
+    assert torch.isfinite(out).all()
+    assert_close_rel(out, case.expected(), RTOL[torch.float16], f"cooperative, {splits} splits")
+    assert_close_rel(lse.cpu(), _lse_oracle(case), 2e-3, "cooperative LSE")
+
+
+@pytest.mark.gpu
+def test_gpu_cooperative_merge_equals_last_split_merge():
+    """Both one-launch forms merge the same partials in split order: the same bits."""
+    case = MLACase([1] * 8, [3000, 17, 900, 4096, 1, 640, 2222, 64], rank=512, rope=64,
+                   page=64, dtype=torch.bfloat16, device="cuda", seed=11)
+    a = case.run(num_kv_splits=4, fused_merge=True)
+    b = case.run(num_kv_splits=4, fused_merge="cooperative")
+    assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", FUSED_MODES)
+def test_gpu_fused_merge_graph_replay_matches_eager(mode):
     case = MLACase([1] * 8, [100 + 37 * i for i in range(8)], rank=512, rope=64, page=64,
                    dtype=torch.bfloat16, device="cuda")
     from aiter_attn.kernels.triton.mla import mla_paged_attention as fn
@@ -180,7 +243,7 @@ def test_gpu_fused_merge_graph_replay_matches_eager():
     q, kv = case.q.cuda(), case.kv_cache.cuda()
     kw = case.kwargs()
     out = torch.empty(8, 16, 512, dtype=torch.bfloat16, device="cuda")
-    launch = dict(max_seqlen_k=1024, num_kv_splits=4, fused_merge=True)
+    launch = dict(max_seqlen_k=1024, num_kv_splits=4, fused_merge=mode)
     fn(q, kv, out, **kw, **launch)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

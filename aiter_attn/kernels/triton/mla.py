@@ -112,6 +112,10 @@ def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: to
 
 _T = dict(eq=False, repr=False)
 
+#: ``FUSED_MERGE`` of the Triton kernel: the last split of a (token, head block) to finish
+#: merges it; or a cooperative launch whose splits all wait, then each merge a column slice
+LAST_SPLIT, COOPERATIVE = 1, 2
+
 #: the fused merge's counters of plans without a graph's static buffers, one zeroed buffer
 #: per (device, stream): every launch leaves its counters at zero, and launches on one stream
 #: are ordered (two streams never share counters)
@@ -374,8 +378,10 @@ class TritonMLA(MLAKernel):
         split_v = t.get("split_v_load")
         # the one-launch merge: 16-head blocks (memory-bound: a second launch and its gap
         # are a few percent of the step), split counts its unrolled merge holds
-        fused = bool(use_parts and not self.batch_invariant and not empty and bh <= 16
-                     and splits <= 16 and t.get("fused_merge", MLA_FUSED_MERGE))
+        fused = self._fused_mode(t.get("fused_merge", MLA_FUSED_MERGE), bh, splits, warps,
+                                 num_tokens * head_blocks * splits,
+                                 self._ring_bytes(bn, stages), device) if (
+            use_parts and not self.batch_invariant and not empty) else 0
         counters = self._counters(num_tokens * head_blocks, md, out, device) if fused else None
         cfg_kw = dict(
             PAGE_SIZE=page_size, KV_LORA=self.rank, ROPE=self.rope,
@@ -392,7 +398,9 @@ class TritonMLA(MLAKernel):
                          and t.get("v_pairs", MLA_FP8_VALUE_PAIRS)),
             SPLIT_V_LOAD=self.kv_dtype != self.dtype if split_v is None else bool(split_v),
             FIXED_CHUNK=fixed_chunk, FUSED_MERGE=fused, ONE_QUERY=one_query,
+            MERGE_SLICE=max(16, next_pow2(-(-self.block_dv // splits))),
             num_warps=warps, num_stages=stages,
+            **(dict(launch_cooperative_grid=True) if fused == COOPERATIVE else {}),
             **pdl_kwargs(pdl_mode(t.get("pdl"), device), reduction=False))
         gluon = bh == GLUON_MLA_BLOCK_H and t.get("gluon", True) and gluon_mla_reject_reason(
             heads=self.heads, rank=self.rank, rope=self.rope, dtype=self.dtype,
@@ -415,6 +423,36 @@ class TritonMLA(MLAKernel):
             mask=mask_t, batch=batch, head_blocks=head_blocks, splits=splits,
             use_parts=use_parts, part_o=part_o, part_lse=part_lse, cfg_kw=cfg_kw,
             gluon=gluon, counters=counters)
+
+    def _ring_bytes(self, block_n, stages) -> int:
+        """Shared memory of one program's latent ring (and, on a narrower cache, its two
+        converted tiles; see :func:`mla_launch_config`)."""
+        dim = self.block_dv + self.block_dr
+        convert = 2 * block_n * dim * self.dtype.itemsize if self.kv_size < self.dtype.itemsize else 0
+        return stages * block_n * dim * self.kv_size + convert
+
+    @staticmethod
+    def _fused_mode(option, block_h, splits, warps, programs, ring_bytes, device) -> int:
+        """``FUSED_MERGE`` of a split launch: 0 (a merge launch), :data:`LAST_SPLIT` or
+        :data:`COOPERATIVE` from the ``fused_merge`` option (``False`` / ``True`` /
+        ``"cooperative"``), where it serves: head blocks of up to 16 (the memory-bound
+        kernel), up to 16 splits; the cooperative form only compiled on a GPU (the
+        interpreter runs programs one after another: the waits would never end) and with
+        every program resident at once: ``programs`` within the SMs' count times the
+        programs of ``warps`` warps whose latent ring (``ring_bytes``) fits one SM's shared
+        memory (at most two: the 4-warp default's registers)."""
+        if not option or block_h > 16 or splits > 16:
+            return 0
+        if option == "cooperative":
+            budget = _smem_budget(device)
+            if interpreting() or budget is None or warps > 4:
+                return 0
+            resident = min(_MAX_RESIDENT, budget // max(ring_bytes, 1))
+            return COOPERATIVE if programs <= resident * num_sms(device) else 0
+        if option is True:
+            return LAST_SPLIT
+        raise ValueError(f"fused_merge={option!r}; allowed: False, True (the last split "
+                         "merges) or 'cooperative' (every split merges a slice).")
 
     @staticmethod
     def _kw(plan: TritonMLAPlan, key):

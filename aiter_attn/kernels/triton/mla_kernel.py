@@ -19,9 +19,10 @@ the partial outputs by their log-sum-exp, or (``fused_merge``) the last split pr
 token's head block merges them in the same launch. The split count depends only on host integers
 (shapes, ``max_seqlen_k`` or the block-table width), so the launch is CUDA-graph safe.
 
-One program per (token × head block, split); ``FUSED_MERGE``: the last split of a token's
-head block to finish merges (:func:`.mla_merge.merge_head_block`); ``ONE_QUERY``: every
-request has one query, so token ``t`` is request ``t``.
+One program per (token × head block, split); ``FUSED_MERGE``: 1, the last split of a token's
+head block to finish merges (:func:`.mla_merge.merge_head_block`); 2, a cooperative launch
+whose splits all wait for each other and each merge ``MERGE_SLICE`` columns; ``ONE_QUERY``:
+every request has one query, so token ``t`` is request ``t``.
 """
 
 from __future__ import annotations
@@ -138,8 +139,9 @@ def _mla_fwd_kernel(
     FIXED_CHUNK: tl.constexpr,
     PDL: tl.constexpr = False,
     V_PAIRS: tl.constexpr = False,
-    FUSED_MERGE: tl.constexpr = False,
+    FUSED_MERGE: tl.constexpr = 0,
     ONE_QUERY: tl.constexpr = False,
+    MERGE_SLICE: tl.constexpr = 16,
 ):
     if PDL:  # programmatic dependent launch: the previous kernel's writes first
         wait_then_release()
@@ -276,7 +278,27 @@ def _mla_fwd_kernel(
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + t.to(tl.int64) * stride_lt + offs_h * stride_lh + split, lse,
                  mask=mask_h)
-        if FUSED_MERGE:
+        if FUSED_MERGE == 2:
+            # one cooperative launch (every program resident): each split, once all the
+            # splits of its (token, head block) have written their partials, merges its own
+            # slice of the columns. The counter counts arrivals (release / acquire, after a
+            # barrier), then departures: the last to leave, when no split still waits on the
+            # count, sets it back to zero for the next launch
+            tl.debug_barrier()
+            tl.atomic_add(count_ptr + pid, 1, sem="release")
+            seen = tl.atomic_add(count_ptr + pid, 0, sem="acquire")
+            while seen < NUM_SPLITS:
+                seen = tl.atomic_add(count_ptr + pid, 0, sem="acquire")
+            offs_c = split * MERGE_SLICE + tl.arange(0, MERGE_SLICE)
+            merge_head_block(out_ptr, part_o_ptr, part_lse_ptr, lse_ptr, t.to(tl.int64),
+                             offs_h, mask_h, offs_c, offs_c < KV_LORA, stride_ot, stride_oh,
+                             stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+                             stride_ot_lse, stride_oh_lse, BLOCK_H, MERGE_SLICE, NUM_SPLITS,
+                             WRITE_LSE, lse_owner=split == 0)
+            left = tl.atomic_add(count_ptr + pid, 1, sem="relaxed")
+            if left == 2 * NUM_SPLITS - 1:
+                tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed")
+        elif FUSED_MERGE == 1:
             # one launch: the last split of this (token, head block) to finish merges it. Its
             # counter (zero before the launch, zero again after it) counts finished splits;
             # the barrier and the acq_rel atomic order every thread's partial stores before

@@ -75,11 +75,14 @@ def _mla_merge_kernel(
 def merge_head_block(out_ptr, part_o_ptr, part_lse_ptr, lse_ptr, t, offs_h, mask_h, offs_dv,
                      mask_dv, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt,
                      stride_lh, stride_ot_lse, stride_oh_lse, BLOCK_H: tl.constexpr,
-                     BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr):
+                     BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr,
+                     lse_owner=True):
     """The merge of one token's head block (``offs_h`` ``[BLOCK_H]``, ``t`` int64) from its
-    ``NUM_SPLITS`` partials, in split order (the same bits whichever split runs it). The
+    ``NUM_SPLITS`` partials, in split order (the same bits whichever split runs it), over
+    the columns ``offs_dv`` (``[BLOCK_DV]``: all of them, or one program's slice). The
     partials were written by other programs of this launch: they are read through L2
-    (``.cg``), after the caller's acquiring count."""
+    (``.cg``), after the caller's acquiring count. ``lse_owner``: this program writes the
+    merged LSE (one of the programs sharing a head block's slices)."""
     lse_base = part_lse_ptr + t * stride_lt + offs_h * stride_lh
     o_base = part_o_ptr + t * stride_pt + offs_h[:, None] * stride_ph + offs_dv[None, :]
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -103,7 +106,8 @@ def merge_head_block(out_ptr, part_o_ptr, part_lse_ptr, lse_ptr, t, offs_h, mask
     if WRITE_LSE:  # natural log
         lse_out = tl.where(has, (m + tl.log2(tl.where(has, den, 1.0))) / 1.4426950408889634,
                            float("-inf"))
-        tl.store(lse_ptr + t * stride_ot_lse + offs_h * stride_oh_lse, lse_out, mask=mask_h)
+        tl.store(lse_ptr + t * stride_ot_lse + offs_h * stride_oh_lse, lse_out,
+                 mask=mask_h & lse_owner)
 
 
 def merge_splits(out, part_o, part_lse, lse, rank: int, block_dv: int, *,
