@@ -75,6 +75,9 @@ MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 "fused": {"fused_merge": True}, "fused-pdl": {"fused_merge": True, "pdl": True},
                 # a cooperative launch: every split merges a column slice
                 "coop": {"fused_merge": "cooperative"},
+                # latent tiles through tensor descriptors (TMA)
+                "desc": {"kv_desc": True},
+                "desc-coop": {"kv_desc": True, "fused_merge": "cooperative"},
                 "narrow": {"narrow": True},  # the narrow Gluon kernel (sm_90)
                 "ring": {"ring": True},  # the ring Gluon kernel (sm_90)
                 # the narrow kernel merging its own splits

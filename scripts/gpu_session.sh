@@ -111,6 +111,8 @@
 #   scripts/gpu_session.sh sixtyfourth   # the fused-merge and narrow gpu tests on the final code
 #   scripts/gpu_session.sh sixtyfifth    # the cooperative merge: its gpu tests, the 16-head rows
 #                                  # beside the default, the time split
+#   scripts/gpu_session.sh sixtysixth    # latent tiles through tensor descriptors: gpu tests,
+#                                  # the 16-head rows, the time split
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -621,6 +623,16 @@ planned-ov:num_splits=24,planned-ov:num_splits=16 2>&1 | tail -5 | tee "$OUT/sma
       --rows 16x4096,1x4096,1x32768,64x4096,8x65536,256x4096 --variants default,\
 bn64.st4.nc2.r128.s0,bn128.st3.nc2.r168.s0,bn128.st2.nc2.r168.s0,bn64.st3.nc2.r80.s00,\
 bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
+    ;;
+  sixtysixth)
+    gpu_tests mla_desc_tests.log ${GT_S:-120} 60 tests/test_mla_kv_desc.py
+    timeout ${BA_S:-200} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192,16x64x2048 \
+      --mla-variants desc,desc-coop,narrow --out "$OUT/mla" > "$OUT/mla.log" 2>&1
+    grep -E "ours|==|Error|error" "$OUT/mla.log" | head -24
+    timeout ${TS_S:-100} python3 benchmarks/mla_time_split.py --rows 16x64x4096 --splits 0 \
+      --tunings '[{}, {"kv_desc": true}]' 2>&1 | tee "$OUT/mla_time_split.log" | tail -8
+    rm -f "$OUT"/*/*.png
     ;;
   sixtyfifth)
     timeout 100 python3 -m pytest -m gpu -q --timeout 60 tests/test_mla_fused_merge.py \

@@ -42,7 +42,8 @@ def _compile(fn, ptr_types, scalars_f32, no_div, const, warps, stages):
         if n in const:
             sig[n] = "constexpr"
         elif n in ptr_types:
-            sig[n] = "*" + ptr_types[n]
+            t = ptr_types[n]
+            sig[n] = t[1:-1] if t.startswith("<") else "*" + t
         else:
             sig[n] = "fp32" if n in scalars_f32 else "i32"
     # integer arguments that are multiples of 16 at launch get Triton's divisibility hint
@@ -179,10 +180,16 @@ def compile_mla(kv="bf16", q="bf16", warps=4, stages=3, **const):
              BLOCK_N=64, BLOCK_B=64, NUM_SPLITS=1, CAUSAL=False, HAS_MASK=False,
              SCALE_FROM_PTR=False, IEEE=False, EVEN_D=True, PAGE_CHUNK=0,
              FP16_DOTS=fp8 and q == "bf16", SPLIT_V_LOAD=fp8, WRITE_LSE=False,
-             FIXED_CHUNK=0, PDL=False, V_PAIRS=False, FUSED_MERGE=False, ONE_QUERY=False)
+             FIXED_CHUNK=0, PDL=False, V_PAIRS=False, FUSED_MERGE=0, ONE_QUERY=False,
+             KV_DESC=False)
     c.update(const)
     c["TILE_IN_PAGE"] = c["PAGE_SIZE"] % c["BLOCK_N"] == 0
-    ptrs = dict(q_ptr=q, kv_ptr=kv, out_ptr=q, part_o_ptr="fp32", part_lse_ptr="fp32",
+    bn = c["BLOCK_N"]
+    # the cache's tensor descriptors (KV_DESC): "*T" names a pointer, a string in <> a type
+    desc = ({"kn_desc": f"<tensordesc<{kv}[{bn}, {c['KV_LORA']}]>",
+             "kr_desc": f"<tensordesc<{kv}[{bn}, {c['ROPE']}]>"} if c["KV_DESC"]
+            else {"kn_desc": kv, "kr_desc": kv})
+    ptrs = dict(q_ptr=q, kv_ptr=kv, **desc, out_ptr=q, part_o_ptr="fp32", part_lse_ptr="fp32",
                 cu_q_ptr="i32", seqused_ptr="i32", bt_ptr="i32", mask_ptr="u8",
                 mask_indptr_ptr="i64", scale_ptr="fp32", lse_ptr="fp32", count_ptr="i32")
     return _compile(mla._mla_fwd_kernel, ptrs, {"qk_scale_log2", "kv_scale_val"},

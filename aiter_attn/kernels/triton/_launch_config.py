@@ -24,7 +24,8 @@ from ._pdl import pdl_mode
 
 __all__ = ["TUNING_OVERRIDES", "OVERRIDE_KEYS", "check_overrides", "LaunchConfig",
            "choose_config", "BATCH_INVARIANT_SPLIT_TOKENS",
-           "FP8_VALUE_PAIRS", "MLA_FP8_VALUE_PAIRS", "MLA_FUSED_MERGE", "PREFETCH_PAGES", "CARRIED_PAGE_LOOKUP"]
+           "FP8_VALUE_PAIRS", "MLA_FP8_VALUE_PAIRS", "MLA_FUSED_MERGE", "MLA_KV_DESCRIPTORS",
+           "PREFETCH_PAGES", "CARRIED_PAGE_LOOKUP"]
 
 #: Keys per split in batch-invariant mode (rounded up to a multiple of ``block_n``).
 BATCH_INVARIANT_SPLIT_TOKENS = 512
@@ -99,6 +100,12 @@ MLA_FP8_VALUE_PAIRS = True
 #: a split step is one launch. Head blocks of up to 16 (the memory-bound kernel), up to
 #: 16 splits, never batch-invariant.
 MLA_FUSED_MERGE = False
+
+#: The Triton MLA kernel reads whole latent tiles through tensor descriptors (TMA on sm_90;
+#: ``mla_paged_attention(..., kv_desc=)``) where the cache allows: 16-bit latents of q's dtype,
+#: a power-of-two rank and rope, pages holding whole tiles, no custom mask, not
+#: batch-invariant. The split's last, partial tile keeps the masked pointer loads.
+MLA_KV_DESCRIPTORS = False
 
 #: Split decode whose splits fit one chunk of the chunked page lookup (1x4k: 16 splits of two
 #: tiles): read the page ids in the program's first round trip (the kernel's

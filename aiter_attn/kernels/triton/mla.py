@@ -23,13 +23,15 @@ from ...validation import INDEX_DTYPES, unit_stride
 from ..base import (MEMO, KernelPlan, MLAKernel, _adhoc_metadata, mask_literal,
                     mla_layer_params, mla_request, plan_hints, token_count_error)
 from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
-from ._launch_config import BATCH_INVARIANT_SPLIT_TOKENS, MLA_FP8_VALUE_PAIRS, MLA_FUSED_MERGE
+from ._launch_config import (BATCH_INVARIANT_SPLIT_TOKENS, MLA_FP8_VALUE_PAIRS, MLA_FUSED_MERGE,
+                             MLA_KV_DESCRIPTORS)
 from .mla_gluon import (GLUON_MLA_BLOCK_H, gluon_mla_reject_reason, gluon_mla_tensors_reason,
                         launch_gluon_mla)
 from .mla_kernel import _LOG2E, _mla_fwd_kernel
 from .mla_merge import merge_splits
-from .mla_narrow_gluon import (NARROW_MLA_MAX_HEADS, launch_narrow_mla, narrow_mla_reject_reason,
-                               narrow_mla_splits, narrow_mla_tensors_reason)
+from .mla_narrow_gluon import (NARROW_MLA_MAX_HEADS, launch_narrow_mla, narrow_descriptors,
+                               narrow_mla_layout_reason, narrow_mla_reject_reason,
+                               narrow_mla_splits)
 from .mla_ring_gluon import launch_ring_mla, ring_mla_splits
 from ._pdl import pdl_kwargs, pdl_mode
 
@@ -37,6 +39,28 @@ __all__ = ["mla_paged_attention", "mla_launch_config", "TritonMLA", "TritonMLAPl
            "mla_request"]
 
 log = logging.getLogger(__name__)
+
+try:  # Triton >= 3.3: host tensor descriptors (TMA on sm_90)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = None
+
+
+def _tma_device(device: torch.device) -> bool:
+    """Tensor-descriptor reads of the cache: NVIDIA sm_90 or later, or Triton's interpreter
+    (which reads descriptors on the CPU)."""
+    if TensorDescriptor is None:
+        return False
+    if interpreting():
+        return True
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    from .prefill import _capability
+
+    return _capability(device)[0] >= 9
+
+#: cache tensors whose narrow-kernel TMA descriptors one kernel keeps (then it starts over)
+_DESCS_KEEP = 64
 
 #: Launch defaults, from the H200 sweeps of ``benchmarks/bench_attention.py --mla-sweep``
 #: (bf16, kv_lora 512 + rope 64, page 64). 16 heads (2026-12-04, CUDA-graph replay): 32-key
@@ -184,7 +208,8 @@ class TritonMLA(MLAKernel):
     ``tuning`` (tests, benchmarks) overrides the launch heuristics: ``num_kv_splits``,
     ``block_h``, ``block_n``, ``num_warps``, ``num_stages``, ``page_chunk``, ``split_v_load``,
     ``v_pairs`` (fp8 value reads as 16-bit column pairs), ``fused_merge`` (the split merge
-    in the attention launch), ``ring`` (``True``: the ring Gluon kernel of
+    in the attention launch: ``True`` or ``"cooperative"``), ``kv_desc`` (latent tiles
+    through tensor descriptors), ``ring`` (``True``: the ring Gluon kernel of
     :mod:`.mla_ring_gluon` for up to 16 heads), ``one_query`` (``False``: decode steps search ``cu_seqlens_q``
     for their request like any other), ``narrow`` (``True``: the narrow
     Gluon kernel of :mod:`.mla_narrow_gluon` for up to 16 heads), ``gluon`` (``False``: never the Gluon kernels of :mod:`.mla_gluon`, which otherwise
@@ -195,6 +220,8 @@ class TritonMLA(MLAKernel):
     def __init__(self, request=None, tuning: Optional[dict] = None):
         super().__init__(request)
         self.tuning = dict(tuning or {})
+        self._ndescs: dict = {}  # cache key -> the narrow kernel's descriptors (or None)
+        self._kdescs: dict = {}  # cache key -> the Triton kernel's descriptors (or None)
         if request is not None:
             self._bind(request)
 
@@ -383,13 +410,18 @@ class TritonMLA(MLAKernel):
                                  self._ring_bytes(bn, stages), device) if (
             use_parts and not self.batch_invariant and not empty) else 0
         counters = self._counters(num_tokens * head_blocks, md, out, device) if fused else None
+        even_d = self.block_dv == self.rank and self.block_dr == self.rope
+        kv_desc = bool(t.get("kv_desc", MLA_KV_DESCRIPTORS) and even_d and page_size % bn == 0
+                       and self.kv_dtype == self.dtype and self.dtype != torch.float32
+                       and fixed_chunk == 0 and mask is None and not split_v
+                       and _tma_device(device))
         cfg_kw = dict(
             PAGE_SIZE=page_size, KV_LORA=self.rank, ROPE=self.rope,
             BLOCK_DV=self.block_dv, BLOCK_DR=self.block_dr, BLOCK_H=bh, BLOCK_N=bn,
             BLOCK_B=next_pow2(max(batch, 1)), NUM_SPLITS=splits, HAS_MASK=mask is not None,
             IEEE=self.dtype == torch.float32, TILE_IN_PAGE=page_size % bn == 0,
             EVEN_D=self.block_dv == self.rank and self.block_dr == self.rope,
-            PAGE_CHUNK=next_pow2(page_chunk) if page_chunk > 0 and (
+            PAGE_CHUNK=next_pow2(page_chunk) if page_chunk > 0 and not kv_desc and (
                 page_size % bn == 0 or bn % page_size == 0) else 0,
             FP16_DOTS=is_fp8(self.kv_dtype) and self.dtype == torch.bfloat16,
             # fp8 latents' values as 16-bit column pairs (the default; run() checks the cache
@@ -398,7 +430,7 @@ class TritonMLA(MLAKernel):
                          and t.get("v_pairs", MLA_FP8_VALUE_PAIRS)),
             SPLIT_V_LOAD=self.kv_dtype != self.dtype if split_v is None else bool(split_v),
             FIXED_CHUNK=fixed_chunk, FUSED_MERGE=fused, ONE_QUERY=one_query,
-            MERGE_SLICE=max(16, next_pow2(-(-self.block_dv // splits))),
+            MERGE_SLICE=max(16, next_pow2(-(-self.block_dv // splits))), KV_DESC=kv_desc,
             num_warps=warps, num_stages=stages,
             **(dict(launch_cooperative_grid=True) if fused == COOPERATIVE else {}),
             **pdl_kwargs(pdl_mode(t.get("pdl"), device), reduction=False))
@@ -456,10 +488,10 @@ class TritonMLA(MLAKernel):
 
     @staticmethod
     def _kw(plan: TritonMLAPlan, key):
-        causal, from_ptr, write_lse, pairs = key
+        causal, from_ptr, write_lse, pairs, descs = key
         kw = dict(plan.cfg_kw)
         kw.update(CAUSAL=causal and not plan.mask_literal, SCALE_FROM_PTR=from_ptr,
-                  WRITE_LSE=write_lse, V_PAIRS=kw["V_PAIRS"] and pairs)
+                  WRITE_LSE=write_lse, V_PAIRS=kw["V_PAIRS"] and pairs, KV_DESC=descs)
         plan.kw_cache[key] = kw
         return kw
 
@@ -480,7 +512,9 @@ class TritonMLA(MLAKernel):
         # value pairs need every latent row on a 16-byte boundary (strides and base)
         pairs = plan.cfg_kw["V_PAIRS"] and not (
             (kv_cache.stride(0) | kv_cache.stride(1) | kv_cache.data_ptr()) % 16)
-        key = (params.causal, from_ptr, write_lse, pairs)
+        kdescs = (self._kv_descs(kv_cache, plan.cfg_kw["BLOCK_N"]) if plan.cfg_kw["KV_DESC"]
+                  else None)
+        key = (params.causal, from_ptr, write_lse, pairs, kdescs is not None)
         kw = plan.kw_cache.get(key)
         if kw is None:
             kw = self._kw(plan, key)
@@ -493,8 +527,9 @@ class TritonMLA(MLAKernel):
         ps_l = part_lse.stride() if plan.use_parts else (0, 0)
         lse_t = lse if write_lse else part_lse
         ls = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
-        if (plan.narrow is not None and not from_ptr
-                and narrow_mla_tensors_reason(q, kv_cache, out) is None):
+        descs = (self._narrow_descs(kv_cache) if plan.narrow is not None and not from_ptr
+                 else None)
+        if descs is not None and q.stride(2) == 1 and out.stride(2) == 1:
             nsplits, n_o, n_l, ring, ncount, one_q = plan.narrow
             if ring:
                 launch_ring_mla(q, kv_cache, out, cu, seqused_k, block_table, params.scale,
@@ -505,7 +540,7 @@ class TritonMLA(MLAKernel):
                                   splits=nsplits, batch=plan.batch, causal=kw["CAUSAL"],
                                   lse=lse if nsplits == 1 or ncount is not None else None,
                                   part_o=n_o, part_lse=n_l, counters=ncount,
-                                  one_query=one_q)
+                                  one_query=one_q, descs=descs)
             if nsplits > 1 and ncount is None:
                 merge_splits(out, n_o, n_l, lse, self.rank, self.block_dv)
             return out
@@ -518,7 +553,8 @@ class TritonMLA(MLAKernel):
                              part_lse=plan.part_lse if plan.use_parts else None)
         else:
             self._launch_triton(q, kv_cache, out, plan, params, kw, lse_t, ls, scale_t,
-                                mask_arg, mask_ind, part_o, part_lse, ps_o, ps_l)
+                                mask_arg, mask_ind, part_o, part_lse, ps_o, ps_l,
+                                kdescs or (kv_cache, kv_cache))
             merged = kw["FUSED_MERGE"]
         if plan.use_parts and not merged:
             merge_splits(out, part_o, part_lse, lse, self.rank, self.block_dv,
@@ -526,12 +562,44 @@ class TritonMLA(MLAKernel):
                          **pdl_kwargs(plan.cfg_kw["PDL"], reduction=True))
         return out
 
+    def _narrow_descs(self, kv_cache):
+        """The narrow kernel's two TMA descriptors of ``kv_cache``, built once per cache
+        tensor (data pointer, shape, strides), or ``None`` where TMA cannot read its rows
+        (:func:`.mla_narrow_gluon.narrow_mla_tensors_reason`): layer calls only look them up."""
+        memo = self._ndescs
+        key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype)
+        descs = memo.get(key, 0)
+        if descs == 0:
+            if len(memo) >= _DESCS_KEEP:
+                memo.clear()
+            ok = narrow_mla_layout_reason(kv_cache) is None
+            descs = memo[key] = narrow_descriptors(kv_cache) if ok else None
+        return descs
+
+    def _kv_descs(self, kv_cache, block_n):
+        """The Triton kernel's tensor descriptors of ``kv_cache`` (rows ``[slots, R + rope]``,
+        blocks ``[block_n, R]`` and ``[block_n, rope]``), built once per cache tensor, or
+        ``None`` where TMA cannot read its rows."""
+        key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype, block_n)
+        descs = self._kdescs.get(key, 0)
+        if descs == 0:
+            if len(self._kdescs) >= _DESCS_KEEP:
+                self._kdescs.clear()
+            descs = None
+            if narrow_mla_layout_reason(kv_cache) is None and TensorDescriptor is not None:
+                p, ps, _, d = kv_cache.shape
+                rows = kv_cache.as_strided((p * ps, d), (kv_cache.stride(1), 1))
+                descs = tuple(TensorDescriptor(rows, [p * ps, d], [kv_cache.stride(1), 1],
+                                               [block_n, w]) for w in (self.rank, self.rope))
+            self._kdescs[key] = descs
+        return descs
+
     def _launch_triton(self, q, kv_cache, out, plan, params, kw, lse_t, ls, scale_t,
-                       mask_arg, mask_ind, part_o, part_lse, ps_o, ps_l):
+                       mask_arg, mask_ind, part_o, part_lse, ps_o, ps_l, descs):
         cu, seqused_k, block_table = plan.args
         qs, os_ = q.stride(), out.stride()
         _mla_fwd_kernel[plan.grid](
-            q, kv_cache, out, part_o, part_lse, lse_t,
+            q, kv_cache, descs[0], descs[1], out, part_o, part_lse, lse_t,
             cu, seqused_k, block_table, mask_arg, mask_ind, scale_t,
             plan.counters if plan.counters is not None else cu, params.scale * _LOG2E, 1.0,
             self.heads, plan.batch, plan.head_blocks,
@@ -570,6 +638,7 @@ def mla_paged_attention(
     narrow: Optional[bool] = None,
     fused_merge: Optional[bool] = None,
     ring: Optional[bool] = None,
+    kv_desc: Optional[bool] = None,
 ) -> torch.Tensor:
     """Absorbed MLA over a paged latent cache (Triton). Same contract as
     :func:`aiter_attn.kernels.reference.mla_paged_attention_reference`.
@@ -613,11 +682,16 @@ def mla_paged_attention(
         narrow: ``True``: the narrow Gluon kernel (:mod:`.mla_narrow_gluon`) for up to 16
             heads where it serves (bf16/fp16 latents 512 + 64, ``gcd(page, 64) >= 16``, no
             mask, NVIDIA sm_90); an option (level with the Triton kernel on the H200).
-        fused_merge: the split merge inside the Triton launch (the last split program of a
-            token's head block merges it; head blocks of up to 16, up to 16 splits, not
+        fused_merge: the split merge inside the Triton launch (``True``: the last split
+            program of a token's head block merges it; ``"cooperative"``: a cooperative
+            launch whose splits wait for each other and each merge a column slice, GPU only,
+            every program resident; head blocks of up to 16, up to 16 splits, not
             batch-invariant); default :data:`._launch_config.MLA_FUSED_MERGE`.
         ring: ``True``: the ring Gluon kernel (:mod:`.mla_ring_gluon`: 32-key tiles, q in
             registers, two programs per SM) where the narrow kernel would serve.
+        kv_desc: the Triton kernel reads whole latent tiles through tensor descriptors (TMA
+            on sm_90) where the cache allows; default
+            :data:`._launch_config.MLA_KV_DESCRIPTORS`.
         batch_invariant: each row's bits independent of the rest of the batch: keys split
             every :data:`BATCH_INVARIANT_SPLIT_TOKENS` (rounded to ``block_n``) at absolute
             positions, the split path and a fixed-order merge always (the split count, a
@@ -650,7 +724,7 @@ def mla_paged_attention(
         num_kv_splits=num_kv_splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
         num_stages=num_stages, page_chunk=page_chunk, split_v_load=split_v_load,
         gluon=gluon, v_pairs=v_pairs, pdl=pdl, narrow=narrow,
-        fused_merge=fused_merge, ring=ring).items() if v is not None}
+        fused_merge=fused_merge, ring=ring, kv_desc=kv_desc).items() if v is not None}
     kernel = TritonMLA(mla_request(q, kv_cache, kv_lora_rank,
                                    custom_mask=custom_mask is not None, lse=lse is not None,
                                    batch_invariant=batch_invariant), tuning)

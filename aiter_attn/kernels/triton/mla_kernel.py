@@ -51,13 +51,21 @@ def _dot(a, b, IEEE: tl.constexpr):
 def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, offs_n, hi,
               mask_row, offs_dv, offs_dr, mask_dv, mask_dr,
               KV_LORA: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
-              EVEN_D: tl.constexpr, SPLIT_V_LOAD: tl.constexpr, V_PAIRS: tl.constexpr):
+              EVEN_D: tl.constexpr, SPLIT_V_LOAD: tl.constexpr, V_PAIRS: tl.constexpr,
+              kn_desc=None, kr_desc=None, slot0=0, KV_DESC: tl.constexpr = False):
     """One latent tile: rows ``row`` (int64 offsets, ``[BLOCK_N]``) of keys ``offs_n``; keys
     at or past ``hi`` are masked. Updates the online softmax ``(acc [H, R], m_i, l_i)``;
     ``V_PAIRS`` (fp8 latents): ``acc``/``acc_odd`` ``[H, R/2]`` hold the even/odd value
-    columns, read as 16-bit pairs (see the paged kernel's ``_tile_step``)."""
+    columns, read as 16-bit pairs (see the paged kernel's ``_tile_step``). ``KV_DESC``: the
+    tile is the cache rows ``[slot0, slot0 + BLOCK_N)`` read through the tensor descriptors
+    ``kn_desc`` (``[BLOCK_N, R]``) and ``kr_desc`` (``[BLOCK_N, rope]``) (TMA on sm_90),
+    every key of it below ``hi`` (the caller takes a split's partial last tile through the
+    masked pointer loads, so rows past the end never reach the value product)."""
     mask_n = offs_n < hi
-    if EVEN_D:  # row-only masks keep the 16-byte vector loads along the latent dim
+    if KV_DESC:
+        c_nope = kn_desc.load([slot0, 0])
+        c_rope = kr_desc.load([slot0, KV_LORA])
+    elif EVEN_D:  # row-only masks keep the 16-byte vector loads along the latent dim
         c_nope = tl.load(kv_ptr + row[:, None] + offs_dv[None, :], mask=mask_n[:, None],
                          other=0.0).to(q_nope.dtype)
         c_rope = tl.load(kv_ptr + row[:, None] + KV_LORA + offs_dr[None, :],
@@ -106,7 +114,7 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
 
 @triton.jit
 def _mla_fwd_kernel(
-    q_ptr, kv_ptr, out_ptr, part_o_ptr, part_lse_ptr, lse_ptr,
+    q_ptr, kv_ptr, kn_desc, kr_desc, out_ptr, part_o_ptr, part_lse_ptr, lse_ptr,
     cu_q_ptr, seqused_ptr, bt_ptr, mask_ptr, mask_indptr_ptr, scale_ptr, count_ptr,
     qk_scale_log2, kv_scale_val,
     num_heads, batch, num_head_blocks,
@@ -142,6 +150,7 @@ def _mla_fwd_kernel(
     FUSED_MERGE: tl.constexpr = 0,
     ONE_QUERY: tl.constexpr = False,
     MERGE_SLICE: tl.constexpr = 16,
+    KV_DESC: tl.constexpr = False,
 ):
     if PDL:  # programmatic dependent launch: the previous kernel's writes first
         wait_then_release()
@@ -216,7 +225,31 @@ def _mla_fwd_kernel(
         mask_row = mask_ptr + tl.load(mask_indptr_ptr + b).to(tl.int64) + qi.to(tl.int64) * kv_len
 
     offs_t = tl.arange(0, BLOCK_N)
-    if PAGE_CHUNK > 0:
+    if KV_DESC:
+        # tiles inside pages (TILE_IN_PAGE) read through the descriptors: the full tiles in
+        # the loop (pipelined TMA copies), then the split's last, partial tile if any
+        full_hi = lo + (tl.maximum(hi - lo, 0) // BLOCK_N) * BLOCK_N
+        page_next = tl.load(bt_row + lo // PAGE_SIZE, mask=lo < full_hi, other=0)
+        for start in range(lo, full_hi, BLOCK_N):
+            page = page_next  # page ids a tile ahead
+            page_next = tl.load(bt_row + (start + BLOCK_N) // PAGE_SIZE,
+                                mask=start + BLOCK_N < full_hi, other=0)
+            acc, acc_odd, m_i, l_i = _mla_tile(
+                acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, offs_t, start + offs_t,
+                hi, mask_row, offs_dv, offs_dr, mask_dv, mask_dr, KV_LORA, HAS_MASK, IEEE,
+                EVEN_D, SPLIT_V_LOAD, V_PAIRS, kn_desc, kr_desc,
+                page * PAGE_SIZE + start % PAGE_SIZE, True)
+        # the partial tile (none or one) through masked pointer loads, rows past ``hi``
+        # read as zeros; a loop, so that its copies go through shared memory as well
+        for start in range(full_hi, hi, BLOCK_N):
+            page = tl.load(bt_row + start // PAGE_SIZE).to(tl.int64)
+            row = (page * stride_kvp + (start % PAGE_SIZE) * stride_kvs
+                   + offs_t.to(tl.int64) * stride_kvs)
+            acc, acc_odd, m_i, l_i = _mla_tile(
+                acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row,
+                start + offs_t, hi, mask_row, offs_dv, offs_dr, mask_dv, mask_dr, KV_LORA,
+                HAS_MASK, IEEE, EVEN_D, SPLIT_V_LOAD, V_PAIRS)
+    elif PAGE_CHUNK > 0:
         # the chunked block-table lookup (see ._paging): latent copies pipeline num_stages - 1
         # tiles ahead
         t_hi = tl.cdiv(hi, BLOCK_N)

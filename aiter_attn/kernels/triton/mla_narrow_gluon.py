@@ -44,6 +44,7 @@ from ._launch import Launcher, tensor_key
 from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout, sm90_gluon_reason
 
 __all__ = ["narrow_mla_reject_reason", "narrow_mla_tensors_reason", "narrow_mla_splits",
+           "narrow_mla_layout_reason", "narrow_descriptors",
            "launch_narrow_mla", "NARROW_MLA_MAX_HEADS"]
 
 NARROW_MLA_MAX_HEADS = 16
@@ -79,6 +80,15 @@ def narrow_mla_reject_reason(*, heads: int, rank: int, rope: int, dtype, kv_dtyp
 def narrow_mla_tensors_reason(q, kv_cache, out) -> Optional[str]:
     """The launch-time half (``None``: fine): row-contiguous, 16-byte aligned cache rows
     ``page_size`` rows apart; unit last-dim strides of q and out."""
+    reason = narrow_mla_layout_reason(kv_cache)
+    if reason is None and (q.stride(2) != 1 or out.stride(2) != 1):
+        return "q / out last dim not contiguous"
+    return reason
+
+
+def narrow_mla_layout_reason(kv_cache) -> Optional[str]:
+    """The cache's half of :func:`narrow_mla_tensors_reason` (``None``: TMA reads its rows),
+    checked once per cache tensor by the callers that keep its descriptors."""
     p, ps, _, d = kv_cache.shape
     s = kv_cache.stride()
     if s[3] != 1 or s[0] != ps * s[1] or (s[1] * kv_cache.element_size()) % 16:
@@ -87,8 +97,6 @@ def narrow_mla_tensors_reason(q, kv_cache, out) -> Optional[str]:
         return "kv_cache not 16-byte aligned"
     if p * ps >= 2 ** 31:
         return "more than 2^31 cache slots"
-    if q.stride(2) != 1 or out.stride(2) != 1:
-        return "q / out last dim not contiguous"
     return None
 
 
@@ -340,7 +348,9 @@ if HAS_GLUON:
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def _descriptors(kv_cache):
+def narrow_descriptors(kv_cache):
+    """The two TMA descriptors (latent and rope columns) of ``kv_cache`` viewed as rows
+    ``[slots, R + rope]``."""
     p, ps, _, d = kv_cache.shape
     rows = kv_cache.as_strided((p * ps, d), (kv_cache.stride(1), 1))
     box = _box_rows(ps)
@@ -361,7 +371,7 @@ def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, 
     query. The caller checked :func:`narrow_mla_reject_reason` and
     :func:`narrow_mla_tensors_reason`."""
     t, h, _ = q.shape
-    kn_d, kr_d = descs if descs is not None else _descriptors(kv_cache)
+    kn_d, kr_d = descs if descs is not None else narrow_descriptors(kv_cache)
     po = part_o if part_o is not None else out
     pl = part_lse if part_lse is not None else out
     ps_o = part_o.stride()[:3] if part_o is not None else (0, 0, 0)
