@@ -78,6 +78,9 @@ MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 # latent tiles through tensor descriptors (TMA)
                 "desc": {"kv_desc": True},
                 "desc-coop": {"kv_desc": True, "fused_merge": "cooperative"},
+                # the accumulator rescaled only when a maximum grows past 2^8
+                "lazy": {"lazy_rescale": True},
+                "desc-lazy": {"kv_desc": True, "lazy_rescale": True},
                 "narrow": {"narrow": True},  # the narrow Gluon kernel (sm_90)
                 "ring": {"ring": True},  # the ring Gluon kernel (sm_90)
                 # the narrow kernel merging its own splits

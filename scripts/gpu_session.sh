@@ -113,6 +113,7 @@
 #                                  # beside the default, the time split
 #   scripts/gpu_session.sh sixtysixth    # latent tiles through tensor descriptors: gpu tests,
 #                                  # the 16-head rows, the time split
+#   scripts/gpu_session.sh sixtyseventh  # ncu: the Triton kernel with and without descriptors
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -624,14 +625,25 @@ planned-ov:num_splits=24,planned-ov:num_splits=16 2>&1 | tail -5 | tee "$OUT/sma
 bn64.st4.nc2.r128.s0,bn128.st3.nc2.r168.s0,bn128.st2.nc2.r168.s0,bn64.st3.nc2.r80.s00,\
 bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
     ;;
+  sixtyseventh)
+    timeout ${NCU_S:-200} ncu --clock-control none --profile-from-start off --nvtx \
+      --target-processes all --section SpeedOfLight --section Occupancy \
+      --section MemoryWorkloadAnalysis --section WarpStateStats --metrics \
+smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum \
+      python3 benchmarks/ncu_kernels.py --cases mla16,mla16-desc,mla16-desc-lazy > "$OUT/ncu.log" 2>&1
+    grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Dynamic Shared|smsp__inst|bank_conf|wavefronts" \
+      "$OUT/ncu.log" | head -60
+    ;;
   sixtysixth)
-    gpu_tests mla_desc_tests.log ${GT_S:-120} 60 tests/test_mla_kv_desc.py
+    gpu_tests mla_desc_tests.log ${GT_S:-120} 60 tests/test_mla_kv_desc.py \
+      tests/test_mla_lazy_rescale.py
     timeout ${BA_S:-200} python3 benchmarks/bench_attention.py --only mla --rep 30 \
       --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192,16x64x2048 \
-      --mla-variants desc,desc-coop,narrow --out "$OUT/mla" > "$OUT/mla.log" 2>&1
+      --mla-variants desc,lazy,desc-lazy,desc-coop,narrow --out "$OUT/mla" > "$OUT/mla.log" 2>&1
     grep -E "ours|==|Error|error" "$OUT/mla.log" | head -24
     timeout ${TS_S:-100} python3 benchmarks/mla_time_split.py --rows 16x64x4096 --splits 0 \
-      --tunings '[{}, {"kv_desc": true}]' 2>&1 | tee "$OUT/mla_time_split.log" | tail -8
+      --tunings '[{}, {"kv_desc": true}, {"kv_desc": true, "lazy_rescale": true}]' 2>&1 \
+      | tee "$OUT/mla_time_split.log" | tail -8
     rm -f "$OUT"/*/*.png
     ;;
   sixtyfifth)

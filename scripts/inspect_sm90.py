@@ -181,7 +181,7 @@ def compile_mla(kv="bf16", q="bf16", warps=4, stages=3, **const):
              SCALE_FROM_PTR=False, IEEE=False, EVEN_D=True, PAGE_CHUNK=0,
              FP16_DOTS=fp8 and q == "bf16", SPLIT_V_LOAD=fp8, WRITE_LSE=False,
              FIXED_CHUNK=0, PDL=False, V_PAIRS=False, FUSED_MERGE=0, ONE_QUERY=False,
-             KV_DESC=False)
+             KV_DESC=False, LAZY_RESCALE=False)
     c.update(const)
     c["TILE_IN_PAGE"] = c["PAGE_SIZE"] % c["BLOCK_N"] == 0
     bn = c["BLOCK_N"]

@@ -25,7 +25,7 @@ from ._pdl import pdl_mode
 __all__ = ["TUNING_OVERRIDES", "OVERRIDE_KEYS", "check_overrides", "LaunchConfig",
            "choose_config", "BATCH_INVARIANT_SPLIT_TOKENS",
            "FP8_VALUE_PAIRS", "MLA_FP8_VALUE_PAIRS", "MLA_FUSED_MERGE", "MLA_KV_DESCRIPTORS",
-           "PREFETCH_PAGES", "CARRIED_PAGE_LOOKUP"]
+           "MLA_LAZY_RESCALE", "PREFETCH_PAGES", "CARRIED_PAGE_LOOKUP"]
 
 #: Keys per split in batch-invariant mode (rounded up to a multiple of ``block_n``).
 BATCH_INVARIANT_SPLIT_TOKENS = 512
@@ -106,6 +106,11 @@ MLA_FUSED_MERGE = False
 #: a power-of-two rank and rope, pages holding whole tiles, no custom mask, not
 #: batch-invariant. The split's last, partial tile keeps the masked pointer loads.
 MLA_KV_DESCRIPTORS = False
+
+#: The Triton MLA kernel's online softmax keeps its running maximum until some head's tile
+#: maximum exceeds it by more than 8 (log2 units, p ≤ 256): most tiles skip the ``[H, R]``
+#: accumulator rescale (``mla_paged_attention(..., lazy_rescale=)``).
+MLA_LAZY_RESCALE = False
 
 #: Split decode whose splits fit one chunk of the chunked page lookup (1x4k: 16 splits of two
 #: tiles): read the page ids in the program's first round trip (the kernel's

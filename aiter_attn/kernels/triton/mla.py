@@ -24,7 +24,7 @@ from ..base import (MEMO, KernelPlan, MLAKernel, _adhoc_metadata, mask_literal,
                     mla_layer_params, mla_request, plan_hints, token_count_error)
 from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
 from ._launch_config import (BATCH_INVARIANT_SPLIT_TOKENS, MLA_FP8_VALUE_PAIRS, MLA_FUSED_MERGE,
-                             MLA_KV_DESCRIPTORS)
+                             MLA_KV_DESCRIPTORS, MLA_LAZY_RESCALE)
 from .mla_gluon import (GLUON_MLA_BLOCK_H, gluon_mla_reject_reason, gluon_mla_tensors_reason,
                         launch_gluon_mla)
 from .mla_kernel import _LOG2E, _mla_fwd_kernel
@@ -209,7 +209,8 @@ class TritonMLA(MLAKernel):
     ``block_h``, ``block_n``, ``num_warps``, ``num_stages``, ``page_chunk``, ``split_v_load``,
     ``v_pairs`` (fp8 value reads as 16-bit column pairs), ``fused_merge`` (the split merge
     in the attention launch: ``True`` or ``"cooperative"``), ``kv_desc`` (latent tiles
-    through tensor descriptors), ``ring`` (``True``: the ring Gluon kernel of
+    through tensor descriptors), ``lazy_rescale`` (the accumulator rescaled only when a
+    maximum grows by more than 2^8), ``ring`` (``True``: the ring Gluon kernel of
     :mod:`.mla_ring_gluon` for up to 16 heads), ``one_query`` (``False``: decode steps search ``cu_seqlens_q``
     for their request like any other), ``narrow`` (``True``: the narrow
     Gluon kernel of :mod:`.mla_narrow_gluon` for up to 16 heads), ``gluon`` (``False``: never the Gluon kernels of :mod:`.mla_gluon`, which otherwise
@@ -431,6 +432,7 @@ class TritonMLA(MLAKernel):
             SPLIT_V_LOAD=self.kv_dtype != self.dtype if split_v is None else bool(split_v),
             FIXED_CHUNK=fixed_chunk, FUSED_MERGE=fused, ONE_QUERY=one_query,
             MERGE_SLICE=max(16, next_pow2(-(-self.block_dv // splits))), KV_DESC=kv_desc,
+            LAZY_RESCALE=bool(t.get("lazy_rescale", MLA_LAZY_RESCALE)),
             num_warps=warps, num_stages=stages,
             **(dict(launch_cooperative_grid=True) if fused == COOPERATIVE else {}),
             **pdl_kwargs(pdl_mode(t.get("pdl"), device), reduction=False))
@@ -639,6 +641,7 @@ def mla_paged_attention(
     fused_merge: Optional[bool] = None,
     ring: Optional[bool] = None,
     kv_desc: Optional[bool] = None,
+    lazy_rescale: Optional[bool] = None,
 ) -> torch.Tensor:
     """Absorbed MLA over a paged latent cache (Triton). Same contract as
     :func:`aiter_attn.kernels.reference.mla_paged_attention_reference`.
@@ -692,6 +695,9 @@ def mla_paged_attention(
         kv_desc: the Triton kernel reads whole latent tiles through tensor descriptors (TMA
             on sm_90) where the cache allows; default
             :data:`._launch_config.MLA_KV_DESCRIPTORS`.
+        lazy_rescale: the Triton kernel moves its running maximum (and rescales the
+            accumulator) only when a head's maximum grows by more than 2^8; default
+            :data:`._launch_config.MLA_LAZY_RESCALE`.
         batch_invariant: each row's bits independent of the rest of the batch: keys split
             every :data:`BATCH_INVARIANT_SPLIT_TOKENS` (rounded to ``block_n``) at absolute
             positions, the split path and a fixed-order merge always (the split count, a
@@ -724,7 +730,8 @@ def mla_paged_attention(
         num_kv_splits=num_kv_splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
         num_stages=num_stages, page_chunk=page_chunk, split_v_load=split_v_load,
         gluon=gluon, v_pairs=v_pairs, pdl=pdl, narrow=narrow,
-        fused_merge=fused_merge, ring=ring, kv_desc=kv_desc).items() if v is not None}
+        fused_merge=fused_merge, ring=ring, kv_desc=kv_desc,
+        lazy_rescale=lazy_rescale).items() if v is not None}
     kernel = TritonMLA(mla_request(q, kv_cache, kv_lora_rank,
                                    custom_mask=custom_mask is not None, lse=lse is not None,
                                    batch_invariant=batch_invariant), tuning)

@@ -52,7 +52,8 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
               mask_row, offs_dv, offs_dr, mask_dv, mask_dr,
               KV_LORA: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
               EVEN_D: tl.constexpr, SPLIT_V_LOAD: tl.constexpr, V_PAIRS: tl.constexpr,
-              kn_desc=None, kr_desc=None, slot0=0, KV_DESC: tl.constexpr = False):
+              kn_desc=None, kr_desc=None, slot0=0, KV_DESC: tl.constexpr = False,
+              LAZY_RESCALE: tl.constexpr = False):
     """One latent tile: rows ``row`` (int64 offsets, ``[BLOCK_N]``) of keys ``offs_n``; keys
     at or past ``hi`` are masked. Updates the online softmax ``(acc [H, R], m_i, l_i)``;
     ``V_PAIRS`` (fp8 latents): ``acc``/``acc_odd`` ``[H, R/2]`` hold the even/odd value
@@ -83,7 +84,20 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
         visible = visible & (bits != 0)
     s = tl.where(visible[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
+    if LAZY_RESCALE:
+        # the running maximum moves (and acc is rescaled) only when some head's maximum
+        # grew past it by more than 2^8: most tiles skip the [H, R] rescale; p stays ≤ 256
+        if tl.max(m_new - m_i, axis=0) > 8.0:
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            if V_PAIRS:
+                acc_odd = acc_odd * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        m_new = m_i
+        alpha = tl.full(m_i.shape, 1.0, tl.float32)
+    else:
+        alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if V_PAIRS:
@@ -93,8 +107,11 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
                         other=0)
         c_val, c_odd = split_fp8_pairs(pairs, kv_ptr.dtype.element_ty)
         p16 = p.to(q_nope.dtype)
-        acc = acc * alpha[:, None] + _dot(p16, c_val.to(q_nope.dtype), IEEE)
-        acc_odd = acc_odd * alpha[:, None] + _dot(p16, c_odd.to(q_nope.dtype), IEEE)
+        if not LAZY_RESCALE:
+            acc = acc * alpha[:, None]
+            acc_odd = acc_odd * alpha[:, None]
+        acc = acc + _dot(p16, c_val.to(q_nope.dtype), IEEE)
+        acc_odd = acc_odd + _dot(p16, c_odd.to(q_nope.dtype), IEEE)
     else:
         if SPLIT_V_LOAD:
             # a converted (fp8 -> fp16) tile used by two dots is not software-pipelined by
@@ -108,7 +125,9 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
                             other=0.0).to(q_nope.dtype)
         else:
             c_val = c_nope
-        acc = acc * alpha[:, None] + _dot(p.to(q_nope.dtype), c_val, IEEE)
+        if not LAZY_RESCALE:
+            acc = acc * alpha[:, None]
+        acc = acc + _dot(p.to(q_nope.dtype), c_val, IEEE)
     return acc, acc_odd, m_new, l_i
 
 
@@ -151,6 +170,7 @@ def _mla_fwd_kernel(
     ONE_QUERY: tl.constexpr = False,
     MERGE_SLICE: tl.constexpr = 16,
     KV_DESC: tl.constexpr = False,
+    LAZY_RESCALE: tl.constexpr = False,
 ):
     if PDL:  # programmatic dependent launch: the previous kernel's writes first
         wait_then_release()
@@ -238,7 +258,7 @@ def _mla_fwd_kernel(
                 acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, offs_t, start + offs_t,
                 hi, mask_row, offs_dv, offs_dr, mask_dv, mask_dr, KV_LORA, HAS_MASK, IEEE,
                 EVEN_D, SPLIT_V_LOAD, V_PAIRS, kn_desc, kr_desc,
-                page * PAGE_SIZE + start % PAGE_SIZE, True)
+                page * PAGE_SIZE + start % PAGE_SIZE, True, LAZY_RESCALE=LAZY_RESCALE)
         # the partial tile (none or one) through masked pointer loads, rows past ``hi``
         # read as zeros; a loop, so that its copies go through shared memory as well
         for start in range(full_hi, hi, BLOCK_N):
@@ -248,7 +268,7 @@ def _mla_fwd_kernel(
             acc, acc_odd, m_i, l_i = _mla_tile(
                 acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row,
                 start + offs_t, hi, mask_row, offs_dv, offs_dr, mask_dv, mask_dr, KV_LORA,
-                HAS_MASK, IEEE, EVEN_D, SPLIT_V_LOAD, V_PAIRS)
+                HAS_MASK, IEEE, EVEN_D, SPLIT_V_LOAD, V_PAIRS, LAZY_RESCALE=LAZY_RESCALE)
     elif PAGE_CHUNK > 0:
         # the chunked block-table lookup (see ._paging): latent copies pipeline num_stages - 1
         # tiles ahead
@@ -264,7 +284,8 @@ def _mla_fwd_kernel(
                     acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr,
                     page * stride_kvp + in_page * stride_kvs, (c0 + j) * BLOCK_N + offs_t, hi,
                     mask_row, offs_dv, offs_dr, mask_dv, mask_dr,
-                    KV_LORA, HAS_MASK, IEEE, EVEN_D, SPLIT_V_LOAD, V_PAIRS)
+                    KV_LORA, HAS_MASK, IEEE, EVEN_D, SPLIT_V_LOAD, V_PAIRS,
+                    LAZY_RESCALE=LAZY_RESCALE)
     else:
         # any page size: page ids are fetched one tile ahead (the loop carries them)
         if TILE_IN_PAGE:  # page_size % BLOCK_N == 0 and tiles start at multiples of BLOCK_N
@@ -288,7 +309,7 @@ def _mla_fwd_kernel(
             acc, acc_odd, m_i, l_i = _mla_tile(
                 acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, offs_n, hi,
                 mask_row, offs_dv, offs_dr, mask_dv, mask_dr, KV_LORA, HAS_MASK, IEEE, EVEN_D,
-                SPLIT_V_LOAD, V_PAIRS)
+                SPLIT_V_LOAD, V_PAIRS, LAZY_RESCALE=LAZY_RESCALE)
     if V_PAIRS:  # interleave the columns back: [H, R/2, 2] -> [H, R]
         acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_H, BLOCK_DV])
 
