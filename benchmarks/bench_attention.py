@@ -81,6 +81,9 @@ MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 # the accumulator rescaled only when a maximum grows past 2^8
                 "lazy": {"lazy_rescale": True},
                 "desc-lazy": {"kv_desc": True, "lazy_rescale": True},
+                # the same on 64-key tiles, 8 warps, one program per SM
+                "desc-lazy-64w8": {"kv_desc": True, "lazy_rescale": True, "block_n": 64,
+                                   "num_warps": 8, "num_stages": 3},
                 "narrow": {"narrow": True},  # the narrow Gluon kernel (sm_90)
                 "ring": {"ring": True},  # the ring Gluon kernel (sm_90)
                 # the narrow kernel merging its own splits

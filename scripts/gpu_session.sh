@@ -639,7 +639,8 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       tests/test_mla_lazy_rescale.py
     timeout ${BA_S:-200} python3 benchmarks/bench_attention.py --only mla --rep 30 \
       --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192,16x64x2048 \
-      --mla-variants desc,lazy,desc-lazy,desc-coop,narrow --out "$OUT/mla" > "$OUT/mla.log" 2>&1
+      --mla-variants desc,lazy,desc-lazy,desc-lazy-64w8,desc-coop,narrow --out "$OUT/mla" \
+      > "$OUT/mla.log" 2>&1
     grep -E "ours|==|Error|error" "$OUT/mla.log" | head -24
     timeout ${TS_S:-100} python3 benchmarks/mla_time_split.py --rows 16x64x4096 --splits 0 \
       --tunings '[{}, {"kv_desc": true}, {"kv_desc": true, "lazy_rescale": true}]' 2>&1 \
