@@ -21,7 +21,7 @@ import torch
 from aiter_attn.testing.compare import assert_close_rel
 
 from ._triton_util import requires_triton
-from .test_triton_mla import RTOL, MLACase
+from .test_triton_mla import RTOL, MLACase, assert_graph_replay_matches_eager
 
 pytestmark = requires_triton
 
@@ -94,14 +94,7 @@ def test_fully_masked_row_and_padding_row_are_zero(monkeypatch):
     assert_close_rel(out, case.expected(), 1e-5, "masked, fused")
 
     pad = MLACase([1, 1, 1], [9, 4, 17], page=4, seed=2)
-    kw = pad.kwargs()
-    kw["cu_seqlens_q"] = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device=pad.device)
-    kw["seqused_k"] = torch.tensor([9, 0, 17], dtype=torch.int32, device=pad.device)
-    out = torch.full((3, 16, 64), float("nan"), device=pad.device)
-    from aiter_attn.kernels.triton.mla import mla_paged_attention
-
-    mla_paged_attention(pad.q.to(pad.device), pad.kv_cache.to(pad.device), out,
-                        num_kv_splits=2, fused_merge=True, **kw)
+    out = pad.run(padding_row=1, num_kv_splits=2, fused_merge=True)
     assert torch.isfinite(out).all() and (out[1] == 0).all()
 
 
@@ -236,24 +229,6 @@ def test_gpu_cooperative_merge_equals_last_split_merge():
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", FUSED_MODES)
 def test_gpu_fused_merge_graph_replay_matches_eager(mode):
-    case = MLACase([1] * 8, [100 + 37 * i for i in range(8)], rank=512, rope=64, page=64,
-                   dtype=torch.bfloat16, device="cuda")
-    from aiter_attn.kernels.triton.mla import mla_paged_attention as fn
-
-    q, kv = case.q.cuda(), case.kv_cache.cuda()
-    kw = case.kwargs()
-    out = torch.empty(8, 16, 512, dtype=torch.bfloat16, device="cuda")
-    launch = dict(max_seqlen_k=1024, num_kv_splits=4, fused_merge=mode)
-    fn(q, kv, out, **kw, **launch)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(q, kv, out, **kw, **launch)
-    # new lengths within the block table's width (7 pages of 64: 448 keys)
-    kw["seqused_k"].copy_(torch.tensor([5 + 60 * i for i in range(8)], device="cuda"))
-    q.copy_(torch.randn_like(q))
-    for _ in range(3):
-        graph.replay()
-    eager = torch.empty_like(out)
-    fn(q, kv, eager, **kw, **launch)
-    assert torch.equal(out, eager)
+    assert_graph_replay_matches_eager([5 + 60 * i for i in range(8)], replays=3,
+                                      num_kv_splits=4, fused_merge=mode)
 

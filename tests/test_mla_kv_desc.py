@@ -17,7 +17,7 @@ import torch
 from aiter_attn.testing.compare import assert_close_rel
 
 from ._triton_util import requires_triton
-from .test_triton_mla import RTOL, MLACase
+from .test_triton_mla import RTOL, MLACase, assert_graph_replay_matches_eager
 
 pytestmark = requires_triton
 
@@ -77,14 +77,8 @@ def test_kv_desc_matches_oracle_with_nan_past_ends(case_kw, splits, block_n, mon
 
 def test_kv_desc_padding_row_is_zero(monkeypatch):
     pad = MLACase([1, 1, 1], [40, 4, 64], page=16, dtype=torch.float16, seed=2)
-    kw = pad.kwargs()
-    kw["seqused_k"] = torch.tensor([40, 0, 64], dtype=torch.int32, device=pad.device)
-    out = torch.full((3, 16, 64), float("nan"), dtype=torch.float16, device=pad.device)
     seen = _spy_kv_desc(monkeypatch)
-    from aiter_attn.kernels.triton.mla import mla_paged_attention
-
-    mla_paged_attention(pad.q.to(pad.device), pad.kv_cache.to(pad.device), out,
-                        num_kv_splits=2, block_n=16, kv_desc=True, **kw)
+    out = pad.run(padding_row=1, num_kv_splits=2, block_n=16, kv_desc=True)
     assert seen == [True]
     assert torch.isfinite(out).all() and (out[1] == 0).all()
 
@@ -154,23 +148,5 @@ def test_gpu_kv_desc_cases(case_kw, splits, block_n, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_kv_desc_graph_replay_matches_eager():
-    case = MLACase([1] * 8, [100 + 37 * i for i in range(8)], rank=512, rope=64, page=64,
-                   dtype=torch.bfloat16, device="cuda")
-    from aiter_attn.kernels.triton.mla import mla_paged_attention as fn
-
-    q, kv = case.q.cuda(), case.kv_cache.cuda()
-    kw = case.kwargs()
-    out = torch.empty(8, 16, 512, dtype=torch.bfloat16, device="cuda")
-    launch = dict(max_seqlen_k=1024, num_kv_splits=4, kv_desc=True)
-    fn(q, kv, out, **kw, **launch)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(q, kv, out, **kw, **launch)
-    # new lengths within the block table's width (7 pages of 64: 448 keys)
-    kw["seqused_k"].copy_(torch.tensor([5 + 60 * i for i in range(8)], device="cuda"))
-    q.copy_(torch.randn_like(q))
-    for _ in range(3):
-        graph.replay()
-    eager = torch.empty_like(out)
-    fn(q, kv, eager, **kw, **launch)
-    assert torch.equal(out, eager)
+    assert_graph_replay_matches_eager([5 + 60 * i for i in range(8)], replays=3,
+                                      num_kv_splits=4, kv_desc=True)

@@ -82,13 +82,7 @@ def test_lazy_rescale_padding_and_masked_rows_are_zero():
     assert_close_rel(out, case.expected(), 1e-5, "masked, lazy")
 
     pad = MLACase([1, 1, 1], [9, 4, 17], page=4, seed=2)
-    kw = pad.kwargs()
-    kw["seqused_k"] = torch.tensor([9, 0, 17], dtype=torch.int32, device=pad.device)
-    out = torch.full((3, 16, 64), float("nan"), device=pad.device)
-    from aiter_attn.kernels.triton.mla import mla_paged_attention
-
-    mla_paged_attention(pad.q.to(pad.device), pad.kv_cache.to(pad.device), out,
-                        num_kv_splits=2, lazy_rescale=True, **kw)
+    out = pad.run(padding_row=1, num_kv_splits=2, lazy_rescale=True)
     assert torch.isfinite(out).all() and (out[1] == 0).all()
 
 

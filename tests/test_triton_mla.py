@@ -91,11 +91,16 @@ class MLACase:
                     softmax_scale=self.softmax_scale, kv_scale=scale,
                     custom_mask=mv(self.custom_mask), mask_indptr=mv(self.mask_indptr))
 
-    def run(self, **extra):
+    def run(self, padding_row=None, **extra):
+        """The kernel's rows (``out`` NaN-filled first); ``padding_row``: that request is
+        made a graph padding row (``seqused_k`` 0), whose output must come out zero."""
         out = torch.full((self.q.shape[0], self.heads, self.rank), float("nan"),
                          dtype=self.dtype, device=self.device)
-        _kernel()(self.q.to(self.device), self.kv_cache.to(self.device), out,
-                  **self.kwargs(), **extra)
+        kw = self.kwargs()
+        if padding_row is not None:
+            kw["seqused_k"] = kw["seqused_k"].clone()
+            kw["seqused_k"][padding_row] = 0
+        _kernel()(self.q.to(self.device), self.kv_cache.to(self.device), out, **kw, **extra)
         return out
 
     def expected(self, causal=True):
@@ -262,25 +267,33 @@ def test_gpu_deepseek_shapes(shape, dtype, kv):
     assert_close_rel(out, case.expected(), RTOL[dtype], f"{dtype} kv={kv}")
 
 
-@pytest.mark.gpu
-def test_gpu_cuda_graph_replay_matches_eager():
-    """Capture once, change lengths and tables in place, replay: equals a fresh eager call."""
+def assert_graph_replay_matches_eager(new_lens, replays=1, **launch):
+    """Capture a 16-head bf16 decode of 8 requests (latents 512 + 64, 7 pages of 64 each)
+    once with the keywords ``launch``, change the lengths (``new_lens``, within the block
+    table's 448 keys) and q in place, replay ``replays`` times: equals a fresh eager call."""
     case = MLACase([1] * 8, [100 + 37 * i for i in range(8)], rank=512, rope=64, page=64,
                    dtype=torch.bfloat16, device="cuda")
     q, kv = case.q.cuda(), case.kv_cache.cuda()
     kw = case.kwargs()
     out = torch.empty(8, 16, 512, dtype=torch.bfloat16, device="cuda")
     fn = _kernel()
-    fn(q, kv, out, **kw, max_seqlen_k=1024)  # compile outside the capture
+    fn(q, kv, out, **kw, max_seqlen_k=1024, **launch)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn(q, kv, out, **kw, max_seqlen_k=1024)
-    kw["seqused_k"].copy_(torch.tensor([5 + i for i in range(8)], device="cuda"))
+        fn(q, kv, out, **kw, max_seqlen_k=1024, **launch)
+    kw["seqused_k"].copy_(torch.tensor(new_lens, device="cuda"))
     q.copy_(torch.randn_like(q))
-    graph.replay()
+    for _ in range(replays):
+        graph.replay()
     eager = torch.empty_like(out)
-    fn(q, kv, eager, **kw, max_seqlen_k=1024)
+    fn(q, kv, eager, **kw, max_seqlen_k=1024, **launch)
     assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_matches_eager():
+    """Capture once, change lengths and tables in place, replay: equals a fresh eager call."""
+    assert_graph_replay_matches_eager([5 + i for i in range(8)])
 
 
 # ------------------------------------------------ the warp-specialised Gluon kernel (sm_90)
@@ -467,10 +480,7 @@ def test_decode_steps_take_token_t_as_request_t():
     for splits in (1, 3):
         out = case.run(max_seqlen_q=1, num_kv_splits=splits)
         assert_close_rel(out, case.expected(), 1e-5, f"one query per request, {splits} splits")
-    kw = case.kwargs()
-    kw["seqused_k"] = torch.tensor([9, 0, 1, 70], dtype=torch.int32, device=case.device)
-    out = torch.full((4, 16, 64), float("nan"), device=case.device)
-    _kernel()(case.q.to(case.device), case.kv_cache.to(case.device), out, max_seqlen_q=1, **kw)
+    out = case.run(padding_row=1, max_seqlen_q=1)
     assert torch.isfinite(out).all() and (out[1] == 0).all()
     want = case.expected()
     assert_close_rel(out[[0, 2, 3]], want[[0, 2, 3]], 1e-5, "rows around the padding")

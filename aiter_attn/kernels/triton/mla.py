@@ -34,17 +34,12 @@ from .mla_narrow_gluon import (NARROW_MLA_MAX_HEADS, launch_narrow_mla, narrow_d
                                narrow_mla_splits)
 from .mla_ring_gluon import launch_ring_mla, ring_mla_splits
 from ._pdl import pdl_kwargs, pdl_mode
+from .prefill import TensorDescriptor, _capability
 
 __all__ = ["mla_paged_attention", "mla_launch_config", "TritonMLA", "TritonMLAPlan",
            "mla_request"]
 
 log = logging.getLogger(__name__)
-
-try:  # Triton >= 3.3: host tensor descriptors (TMA on sm_90)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older Triton
-    TensorDescriptor = None
-
 
 def _tma_device(device: torch.device) -> bool:
     """Tensor-descriptor reads of the cache: NVIDIA sm_90 or later, or Triton's interpreter
@@ -55,11 +50,10 @@ def _tma_device(device: torch.device) -> bool:
         return True
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    from .prefill import _capability
-
     return _capability(device)[0] >= 9
 
-#: cache tensors whose narrow-kernel TMA descriptors one kernel keeps (then it starts over)
+
+#: cache tensors whose TMA descriptors one kernel keeps (then it starts over)
 _DESCS_KEEP = 64
 
 #: Launch defaults, from the H200 sweeps of ``benchmarks/bench_attention.py --mla-sweep``
@@ -78,6 +72,17 @@ def _smem_budget(device: torch.device) -> Optional[int]:
     buffers), ``None`` without a GPU."""
     total = max_shared_mem(device)
     return None if total is None else total - 4096
+
+
+def ring_bytes(block_n: int, stages: int, dim: int, elem_size: int, kv_elem_size: int) -> int:
+    """Shared memory of one program's latent ring: ``stages`` tiles ``[block_n, dim]`` of
+    ``kv_elem_size`` bytes, and on a narrower cache two converted tiles of ``elem_size``
+    bytes, one per dot (K^T for q·K, V for p·V take different shared-memory layouts).
+    Measured on the H200 (fp8 cache, 16 heads, block_n 64, 3 stages): Triton asked for
+    253,952 B = ring 110,592 + K^T 73,728 + V 65,536 + 4,096; one converted tile was counted
+    before, which let 3 stages through and the launch raised OutOfResources."""
+    convert = 2 * block_n * dim * elem_size if kv_elem_size < elem_size else 0
+    return stages * block_n * dim * kv_elem_size + convert
 
 
 def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: torch.device,
@@ -101,13 +106,7 @@ def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: to
     budget = _smem_budget(device)
 
     def need(bn, stages):
-        # a narrower cache is converted into two more tiles: one per dot (K^T for q·K, V for
-        # p·V take different shared-memory layouts). Measured on the H200 (fp8 cache, 16
-        # heads, block_n 64, 3 stages): Triton asked for 253,952 B = ring 110,592 + K^T
-        # 73,728 + V 65,536 + 4,096; one converted tile was counted before, which let 3
-        # stages through and the launch raised OutOfResources.
-        convert = 2 * bn * dim * elem_size if kv_elem_size < elem_size else 0
-        return stages * bn * dim * kv_elem_size + convert
+        return ring_bytes(bn, stages, dim, elem_size, kv_elem_size)
 
     if block_n is None:
         block_n = bn_default
@@ -221,8 +220,7 @@ class TritonMLA(MLAKernel):
     def __init__(self, request=None, tuning: Optional[dict] = None):
         super().__init__(request)
         self.tuning = dict(tuning or {})
-        self._ndescs: dict = {}  # cache key -> the narrow kernel's descriptors (or None)
-        self._kdescs: dict = {}  # cache key -> the Triton kernel's descriptors (or None)
+        self._descs: dict = {}  # (kernel, cache key) -> its TMA descriptors (or None)
         if request is not None:
             self._bind(request)
 
@@ -408,7 +406,8 @@ class TritonMLA(MLAKernel):
         # are a few percent of the step), split counts its unrolled merge holds
         fused = self._fused_mode(t.get("fused_merge", MLA_FUSED_MERGE), bh, splits, warps,
                                  num_tokens * head_blocks * splits,
-                                 self._ring_bytes(bn, stages), device) if (
+                                 ring_bytes(bn, stages, self.block_dv + self.block_dr,
+                                            self.dtype.itemsize, self.kv_size), device) if (
             use_parts and not self.batch_invariant and not empty) else 0
         counters = self._counters(num_tokens * head_blocks, md, out, device) if fused else None
         even_d = self.block_dv == self.rank and self.block_dr == self.rope
@@ -421,7 +420,7 @@ class TritonMLA(MLAKernel):
             BLOCK_DV=self.block_dv, BLOCK_DR=self.block_dr, BLOCK_H=bh, BLOCK_N=bn,
             BLOCK_B=next_pow2(max(batch, 1)), NUM_SPLITS=splits, HAS_MASK=mask is not None,
             IEEE=self.dtype == torch.float32, TILE_IN_PAGE=page_size % bn == 0,
-            EVEN_D=self.block_dv == self.rank and self.block_dr == self.rope,
+            EVEN_D=even_d,
             PAGE_CHUNK=next_pow2(page_chunk) if page_chunk > 0 and not kv_desc and (
                 page_size % bn == 0 or bn % page_size == 0) else 0,
             FP16_DOTS=is_fp8(self.kv_dtype) and self.dtype == torch.bfloat16,
@@ -457,13 +456,6 @@ class TritonMLA(MLAKernel):
             mask=mask_t, batch=batch, head_blocks=head_blocks, splits=splits,
             use_parts=use_parts, part_o=part_o, part_lse=part_lse, cfg_kw=cfg_kw,
             gluon=gluon, counters=counters)
-
-    def _ring_bytes(self, block_n, stages) -> int:
-        """Shared memory of one program's latent ring (and, on a narrower cache, its two
-        converted tiles; see :func:`mla_launch_config`)."""
-        dim = self.block_dv + self.block_dr
-        convert = 2 * block_n * dim * self.dtype.itemsize if self.kv_size < self.dtype.itemsize else 0
-        return stages * block_n * dim * self.kv_size + convert
 
     @staticmethod
     def _fused_mode(option, block_h, splits, warps, programs, ring_bytes, device) -> int:
@@ -514,8 +506,8 @@ class TritonMLA(MLAKernel):
         # value pairs need every latent row on a 16-byte boundary (strides and base)
         pairs = plan.cfg_kw["V_PAIRS"] and not (
             (kv_cache.stride(0) | kv_cache.stride(1) | kv_cache.data_ptr()) % 16)
-        kdescs = (self._kv_descs(kv_cache, plan.cfg_kw["BLOCK_N"]) if plan.cfg_kw["KV_DESC"]
-                  else None)
+        kdescs = (self._cache_descs(kv_cache, plan.cfg_kw["BLOCK_N"])
+                  if plan.cfg_kw["KV_DESC"] else None)
         key = (params.causal, from_ptr, write_lse, pairs, kdescs is not None)
         kw = plan.kw_cache.get(key)
         if kw is None:
@@ -529,7 +521,7 @@ class TritonMLA(MLAKernel):
         ps_l = part_lse.stride() if plan.use_parts else (0, 0)
         lse_t = lse if write_lse else part_lse
         ls = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
-        descs = (self._narrow_descs(kv_cache) if plan.narrow is not None and not from_ptr
+        descs = (self._cache_descs(kv_cache) if plan.narrow is not None and not from_ptr
                  else None)
         if descs is not None and q.stride(2) == 1 and out.stride(2) == 1:
             nsplits, n_o, n_l, ring, ncount, one_q = plan.narrow
@@ -564,36 +556,27 @@ class TritonMLA(MLAKernel):
                          **pdl_kwargs(plan.cfg_kw["PDL"], reduction=True))
         return out
 
-    def _narrow_descs(self, kv_cache):
-        """The narrow kernel's two TMA descriptors of ``kv_cache``, built once per cache
-        tensor (data pointer, shape, strides), or ``None`` where TMA cannot read its rows
-        (:func:`.mla_narrow_gluon.narrow_mla_tensors_reason`): layer calls only look them up."""
-        memo = self._ndescs
-        key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype)
-        descs = memo.get(key, 0)
+    def _cache_descs(self, kv_cache, block_n: Optional[int] = None):
+        """The TMA descriptors of ``kv_cache`` (rows ``[slots, R + rope]``), built once per
+        cache tensor (data pointer, shape, strides, dtype) and then only looked up: the
+        narrow kernel's two (``block_n`` ``None``), or the Triton kernel's blocks
+        ``[block_n, R]`` and ``[block_n, rope]``; ``None`` where TMA cannot read the rows
+        (:func:`.mla_narrow_gluon.narrow_mla_layout_reason`)."""
+        key = (block_n, kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype)
+        descs = self._descs.get(key, 0)
         if descs == 0:
-            if len(memo) >= _DESCS_KEEP:
-                memo.clear()
-            ok = narrow_mla_layout_reason(kv_cache) is None
-            descs = memo[key] = narrow_descriptors(kv_cache) if ok else None
-        return descs
-
-    def _kv_descs(self, kv_cache, block_n):
-        """The Triton kernel's tensor descriptors of ``kv_cache`` (rows ``[slots, R + rope]``,
-        blocks ``[block_n, R]`` and ``[block_n, rope]``), built once per cache tensor, or
-        ``None`` where TMA cannot read its rows."""
-        key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype, block_n)
-        descs = self._kdescs.get(key, 0)
-        if descs == 0:
-            if len(self._kdescs) >= _DESCS_KEEP:
-                self._kdescs.clear()
+            if len(self._descs) >= _DESCS_KEEP:
+                self._descs.clear()
             descs = None
-            if narrow_mla_layout_reason(kv_cache) is None and TensorDescriptor is not None:
-                p, ps, _, d = kv_cache.shape
-                rows = kv_cache.as_strided((p * ps, d), (kv_cache.stride(1), 1))
-                descs = tuple(TensorDescriptor(rows, [p * ps, d], [kv_cache.stride(1), 1],
-                                               [block_n, w]) for w in (self.rank, self.rope))
-            self._kdescs[key] = descs
+            if narrow_mla_layout_reason(kv_cache) is None:
+                if block_n is None:
+                    descs = narrow_descriptors(kv_cache)
+                elif TensorDescriptor is not None:
+                    p, ps, _, d = kv_cache.shape
+                    rows = kv_cache.as_strided((p * ps, d), (kv_cache.stride(1), 1))
+                    descs = tuple(TensorDescriptor(rows, [p * ps, d], [kv_cache.stride(1), 1],
+                                                   [block_n, w]) for w in (self.rank, self.rope))
+            self._descs[key] = descs
         return descs
 
     def _launch_triton(self, q, kv_cache, out, plan, params, kw, lse_t, ls, scale_t,

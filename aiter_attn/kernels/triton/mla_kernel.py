@@ -84,22 +84,17 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
         visible = visible & (bits != 0)
     s = tl.where(visible[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    if LAZY_RESCALE:
-        # the running maximum moves (and acc is rescaled) only when some head's maximum
-        # grew past it by more than 2^8: most tiles skip the [H, R] rescale; p stays ≤ 256
-        if tl.max(m_new - m_i, axis=0) > 8.0:
-            alpha = tl.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            if V_PAIRS:
-                acc_odd = acc_odd * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
-        m_new = m_i
-        alpha = tl.full(m_i.shape, 1.0, tl.float32)
-    else:
+    # LAZY_RESCALE: the running maximum moves (and acc is rescaled) only when some head's
+    # maximum grew past it by more than 2^8: most tiles skip the [H, R] rescale; p ≤ 256
+    if not LAZY_RESCALE or tl.max(m_new - m_i, axis=0) > 8.0:
         alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        if V_PAIRS:
+            acc_odd = acc_odd * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
+    p = tl.exp2(s - m_i[:, None])
+    l_i = l_i + tl.sum(p, axis=1)
     if V_PAIRS:
         # fp8 values as column pairs, two half-width dots (the launch takes this path only
         # when every row offset is a multiple of 16 bytes)
@@ -107,9 +102,6 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
                         other=0)
         c_val, c_odd = split_fp8_pairs(pairs, kv_ptr.dtype.element_ty)
         p16 = p.to(q_nope.dtype)
-        if not LAZY_RESCALE:
-            acc = acc * alpha[:, None]
-            acc_odd = acc_odd * alpha[:, None]
         acc = acc + _dot(p16, c_val.to(q_nope.dtype), IEEE)
         acc_odd = acc_odd + _dot(p16, c_odd.to(q_nope.dtype), IEEE)
     else:
@@ -125,10 +117,8 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
                             other=0.0).to(q_nope.dtype)
         else:
             c_val = c_nope
-        if not LAZY_RESCALE:
-            acc = acc * alpha[:, None]
         acc = acc + _dot(p.to(q_nope.dtype), c_val, IEEE)
-    return acc, acc_odd, m_new, l_i
+    return acc, acc_odd, m_i, l_i
 
 
 @triton.jit
@@ -259,17 +249,10 @@ def _mla_fwd_kernel(
                 hi, mask_row, offs_dv, offs_dr, mask_dv, mask_dr, KV_LORA, HAS_MASK, IEEE,
                 EVEN_D, SPLIT_V_LOAD, V_PAIRS, kn_desc, kr_desc,
                 page * PAGE_SIZE + start % PAGE_SIZE, True, LAZY_RESCALE=LAZY_RESCALE)
-        # the partial tile (none or one) through masked pointer loads, rows past ``hi``
-        # read as zeros; a loop, so that its copies go through shared memory as well
-        for start in range(full_hi, hi, BLOCK_N):
-            page = tl.load(bt_row + start // PAGE_SIZE).to(tl.int64)
-            row = (page * stride_kvp + (start % PAGE_SIZE) * stride_kvs
-                   + offs_t.to(tl.int64) * stride_kvs)
-            acc, acc_odd, m_i, l_i = _mla_tile(
-                acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row,
-                start + offs_t, hi, mask_row, offs_dv, offs_dr, mask_dv, mask_dr, KV_LORA,
-                HAS_MASK, IEEE, EVEN_D, SPLIT_V_LOAD, V_PAIRS, LAZY_RESCALE=LAZY_RESCALE)
-    elif PAGE_CHUNK > 0:
+        # the partial tile (none or one): the pointer loop below, its masked loads reading
+        # rows past ``hi`` as zeros (a loop, so that its copies go through shared memory)
+        lo = full_hi
+    if PAGE_CHUNK > 0:  # (never with KV_DESC: the plan turns the chunked lookup off)
         # the chunked block-table lookup (see ._paging): latent copies pipeline num_stages - 1
         # tiles ahead
         t_hi = tl.cdiv(hi, BLOCK_N)

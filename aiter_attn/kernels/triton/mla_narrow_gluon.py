@@ -38,13 +38,11 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import torch
-
 from ._launch import Launcher, tensor_key
 from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout, sm90_gluon_reason
 
-__all__ = ["narrow_mla_reject_reason", "narrow_mla_tensors_reason", "narrow_mla_splits",
-           "narrow_mla_layout_reason", "narrow_descriptors",
+__all__ = ["narrow_mla_reject_reason", "narrow_mla_layout_reason", "narrow_mla_splits",
+           "narrow_descriptors",
            "launch_narrow_mla", "NARROW_MLA_MAX_HEADS"]
 
 NARROW_MLA_MAX_HEADS = 16
@@ -60,7 +58,7 @@ def narrow_mla_reject_reason(*, heads: int, rank: int, rope: int, dtype, kv_dtyp
                              page_size: int, device, masked: bool,
                              batch_invariant: bool) -> Optional[str]:
     """Why the narrow Gluon MLA kernel cannot serve a plan (``None``: it can). Host
-    integers only; :func:`narrow_mla_tensors_reason` checks the tensors at launch."""
+    integers only; :func:`narrow_mla_layout_reason` checks the cache at launch."""
     why = sm90_gluon_reason(device, dtype, kv_dtype)
     if why is not None:
         return why
@@ -77,18 +75,10 @@ def narrow_mla_reject_reason(*, heads: int, rank: int, rope: int, dtype, kv_dtyp
     return None
 
 
-def narrow_mla_tensors_reason(q, kv_cache, out) -> Optional[str]:
-    """The launch-time half (``None``: fine): row-contiguous, 16-byte aligned cache rows
-    ``page_size`` rows apart; unit last-dim strides of q and out."""
-    reason = narrow_mla_layout_reason(kv_cache)
-    if reason is None and (q.stride(2) != 1 or out.stride(2) != 1):
-        return "q / out last dim not contiguous"
-    return reason
-
-
 def narrow_mla_layout_reason(kv_cache) -> Optional[str]:
-    """The cache's half of :func:`narrow_mla_tensors_reason` (``None``: TMA reads its rows),
-    checked once per cache tensor by the callers that keep its descriptors."""
+    """The launch-time check of the cache (``None``: TMA reads its rows): row-contiguous,
+    16-byte aligned rows ``page_size`` rows apart. Checked once per cache tensor by the
+    callers that keep its descriptors; they also need unit last-dim strides of q and out."""
     p, ps, _, d = kv_cache.shape
     s = kv_cache.stride()
     if s[3] != 1 or s[0] != ps * s[1] or (s[1] * kv_cache.element_size()) % 16:
@@ -368,8 +358,8 @@ def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, 
     ``part_o`` ``[T, H, S, R]`` / ``part_lse`` ``[T, H, S]`` (:mod:`.mla`'s partials) for
     its merge kernel, or, given ``counters`` (zeroed int32 ``[T]``, left zero), merges
     them itself (the last split of each token). ``one_query``: every request has one
-    query. The caller checked :func:`narrow_mla_reject_reason` and
-    :func:`narrow_mla_tensors_reason`."""
+    query. The caller checked :func:`narrow_mla_reject_reason`,
+    :func:`narrow_mla_layout_reason` and unit last-dim strides of q and out."""
     t, h, _ = q.shape
     kn_d, kr_d = descs if descs is not None else narrow_descriptors(kv_cache)
     po = part_o if part_o is not None else out

@@ -280,8 +280,9 @@ def launch_ring_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, sp
     """One launch over ``(tokens, splits)`` programs; with ``splits > 1`` it writes
     ``part_o`` ``[T, H, S, R]`` / ``part_lse`` ``[T, H, S]`` (:mod:`.mla`'s partials) for
     its merge kernel. The caller checked
-    :func:`.mla_narrow_gluon.narrow_mla_reject_reason` and
-    :func:`.mla_narrow_gluon.narrow_mla_tensors_reason`."""
+    :func:`.mla_narrow_gluon.narrow_mla_reject_reason`,
+    :func:`.mla_narrow_gluon.narrow_mla_layout_reason` and unit last-dim strides of q and
+    out."""
     t, h, _ = q.shape
     kv_d = _descriptors(kv_cache)
     po = part_o if part_o is not None else out
