@@ -84,6 +84,10 @@ MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 # the same on 64-key tiles, 8 warps, one program per SM
                 "desc-lazy-64w8": {"kv_desc": True, "lazy_rescale": True, "block_n": 64,
                                    "num_warps": 8, "num_stages": 3},
+                # split partials in q's 16-bit dtype (half the partial bytes)
+                "half": {"half_partials": True},
+                "desc-lazy-half": {"kv_desc": True, "lazy_rescale": True,
+                                   "half_partials": True},
                 "narrow": {"narrow": True},  # the narrow Gluon kernel (sm_90)
                 "ring": {"ring": True},  # the ring Gluon kernel (sm_90)
                 # the narrow kernel merging its own splits

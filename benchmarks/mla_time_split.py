@@ -38,15 +38,19 @@ def _replay_us(fn, rep: int) -> float:
     return 1000.0 * float(tt.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
 
 
-def split_row(heads, bs, ctx, splits, rep, tuning=None):
+def launches(heads, bs, ctx, splits, tuning=None, *, device="cuda", dtype=torch.bfloat16):
+    """The row planned once (static workspace): ``(x, out, plan, step, attention, merge)``,
+    ``step`` the run, ``attention`` the attention launch alone (into the plan's partials, or
+    ``out`` without splits), ``merge`` the merge launch alone (``None`` without a merge
+    launch). ``device="cpu"`` runs in Triton's interpreter (the tests)."""
     from _inputs import make_mla
 
     from aiter_attn.kernels.base import _adhoc_metadata, mla_layer_params
     from aiter_attn.kernels.triton.mla import TritonMLA, mla_request
     from aiter_attn.kernels.triton.mla_merge import merge_splits
 
-    x = make_mla(bs, ctx, heads=heads)
-    out = torch.empty(bs, heads, x.rank, dtype=x.q.dtype, device="cuda")
+    x = make_mla(bs, ctx, heads=heads, dtype=dtype, device=device)
+    out = torch.empty(bs, heads, x.rank, dtype=x.q.dtype, device=device)
     kernel = TritonMLA(mla_request(x.q, x.kv_cache, x.rank),
                        dict(tuning or {}, **({"num_kv_splits": splits} if splits else {})))
     md = _adhoc_metadata(x.q, x.kv_cache, x.cu_seqlens_q, x.seqused_k, x.block_table, None,
@@ -55,7 +59,11 @@ def split_row(heads, bs, ctx, splits, rep, tuning=None):
                               num_q_heads=heads, head_dim=x.q.shape[2])
     static: dict = {}
     plan = kernel.plan(md, static)
-    key = (params.causal, False, False, False)
+    kdescs = (kernel._cache_descs(x.kv_cache, plan.cfg_kw["BLOCK_N"])
+              if plan.cfg_kw["KV_DESC"] else None)
+    # the run's launch key: (causal, scale from a pointer, LSE out, fp8 value pairs,
+    # descriptor tiles)
+    key = (params.causal, False, False, False, kdescs is not None)
     kw = plan.kw_cache.get(key) or kernel._kw(plan, key)
     cu = plan.args[0]
     parts = (plan.part_o, plan.part_lse) if plan.use_parts else (out, out)
@@ -67,18 +75,27 @@ def split_row(heads, bs, ctx, splits, rep, tuning=None):
 
     def attention():
         kernel._launch_triton(x.q, x.kv_cache, out, plan, params, kw, parts[1], (0, 0), cu,
-                              cu, cu, *parts, ps_o, ps_l)
+                              cu, cu, *parts, ps_o, ps_l, kdescs or (x.kv_cache, x.kv_cache))
 
+    merge = None
+    if plan.use_parts and not plan.cfg_kw["FUSED_MERGE"]:
+        def merge():
+            merge_splits(out, plan.part_o, plan.part_lse, None, x.rank, kernel.block_dv)
+    return x, out, plan, step, attention, merge
+
+
+def split_row(heads, bs, ctx, splits, rep, tuning=None, timer=_replay_us, **where):
+    """One row's record: step, attention, merge, prologue (µs, by ``timer(fn, rep)``), TB/s."""
+    x, out, plan, step, attention, merge = launches(heads, bs, ctx, splits, tuning, **where)
     rec = {"row": f"{heads}x{bs}x{ctx}", "tuning": json.dumps(tuning or {}),
            "splits": plan.splits,
-           "fused": bool(plan.cfg_kw["FUSED_MERGE"]), "step": _replay_us(step, rep)}
-    rec["attention"] = _replay_us(attention, rep) if not rec["fused"] else None
-    if plan.use_parts and not rec["fused"]:
-        rec["merge"] = _replay_us(lambda: merge_splits(out, plan.part_o, plan.part_lse, None,
-                                                       x.rank, kernel.block_dv), rep)
+           "fused": bool(plan.cfg_kw["FUSED_MERGE"]), "step": timer(step, rep)}
+    rec["attention"] = timer(attention, rep) if not rec["fused"] else None
+    if merge is not None:
+        rec["merge"] = timer(merge, rep)
     full = x.seqused_k.clone()
     x.seqused_k.fill_(1)
-    rec["prologue"] = _replay_us(step, rep)
+    rec["prologue"] = timer(step, rep)
     x.seqused_k.copy_(full)
     nbytes = x.kv_cache[..., :].element_size() * bs * ctx * (x.rank + x.rope)
     rec["TB/s"] = nbytes / rec["step"] / 1e6

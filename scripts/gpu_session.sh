@@ -111,8 +111,8 @@
 #   scripts/gpu_session.sh sixtyfourth   # the fused-merge and narrow gpu tests on the final code
 #   scripts/gpu_session.sh sixtyfifth    # the cooperative merge: its gpu tests, the 16-head rows
 #                                  # beside the default, the time split
-#   scripts/gpu_session.sh sixtysixth    # latent tiles through tensor descriptors: gpu tests,
-#                                  # the 16-head rows, the time split
+#   scripts/gpu_session.sh sixtysixth    # latent tiles through tensor descriptors, lazy
+#                                  # rescale, 16-bit partials: gpu tests, 16-head rows, time split
 #   scripts/gpu_session.sh sixtyseventh  # ncu: the Triton kernel with and without descriptors
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
@@ -635,16 +635,16 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       "$OUT/ncu.log" | head -60
     ;;
   sixtysixth)
-    gpu_tests mla_desc_tests.log ${GT_S:-120} 60 tests/test_mla_kv_desc.py \
-      tests/test_mla_lazy_rescale.py
-    timeout ${BA_S:-200} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+    gpu_tests mla_desc_tests.log ${GT_S:-180} 60 tests/test_mla_kv_desc.py \
+      tests/test_mla_lazy_rescale.py tests/test_mla_half_partials.py
+    timeout ${BA_S:-240} python3 benchmarks/bench_attention.py --only mla --rep 30 \
       --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192,16x64x2048 \
-      --mla-variants desc,lazy,desc-lazy,desc-lazy-64w8,desc-coop,narrow --out "$OUT/mla" \
-      > "$OUT/mla.log" 2>&1
-    grep -E "ours|==|Error|error" "$OUT/mla.log" | head -24
-    timeout ${TS_S:-100} python3 benchmarks/mla_time_split.py --rows 16x64x4096 --splits 0 \
-      --tunings '[{}, {"kv_desc": true}, {"kv_desc": true, "lazy_rescale": true}]' 2>&1 \
-      | tee "$OUT/mla_time_split.log" | tail -8
+      --mla-variants desc,lazy,desc-lazy,half,desc-lazy-half,desc-lazy-64w8,desc-coop,narrow \
+      --out "$OUT/mla" > "$OUT/mla.log" 2>&1
+    grep -E "ours|==|Error|error" "$OUT/mla.log" | head -30
+    timeout ${TS_S:-120} python3 benchmarks/mla_time_split.py --rows 16x64x4096 --splits 0 \
+      --tunings '[{}, {"kv_desc": true}, {"kv_desc": true, "lazy_rescale": true}, {"half_partials": true}, {"kv_desc": true, "lazy_rescale": true, "half_partials": true}]' 2>&1 \
+      | tee "$OUT/mla_time_split.log" | tail -12
     rm -f "$OUT"/*/*.png
     ;;
   sixtyfifth)

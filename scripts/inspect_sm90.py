@@ -160,19 +160,20 @@ def compile_reduce(warps=4, stages=1, **const):
     return _compile(pa._reduce_splits_kernel, ptrs, set(), {"num_splits"}, c, warps, stages)
 
 
-def compile_mla_merge(warps=4, stages=1, **const):
+def compile_mla_merge(warps=4, stages=1, part="fp32", **const):
     """The MLA kernels' split merge (``mla_merge._mla_merge_kernel``): bf16 output, rank
-    512, 4 splits unless the JSON says otherwise."""
+    512, 4 splits unless the JSON says otherwise; ``part``: the partials' dtype (``"bf16"``:
+    ``half_partials``)."""
     from aiter_attn.kernels.triton import mla_merge
 
     c = dict(KV_LORA=512, BLOCK_DV=512, NUM_SPLITS=4, BLOCK_S=4, WRITE_LSE=False,
              FIXED_ORDER=False, PDL=False)
     c.update(const)
-    ptrs = dict(out_ptr="bf16", part_o_ptr="fp32", part_lse_ptr="fp32", lse_ptr="fp32")
+    ptrs = dict(out_ptr="bf16", part_o_ptr=part, part_lse_ptr="fp32", lse_ptr="fp32")
     return _compile(mla_merge._mla_merge_kernel, ptrs, set(), set(), c, warps, stages)
 
 
-def compile_mla(kv="bf16", q="bf16", warps=4, stages=3, **const):
+def compile_mla(kv="bf16", q="bf16", warps=4, stages=3, part="fp32", **const):
     from aiter_attn.kernels.triton import mla
 
     fp8 = kv.startswith("fp8")
@@ -189,7 +190,7 @@ def compile_mla(kv="bf16", q="bf16", warps=4, stages=3, **const):
     desc = ({"kn_desc": f"<tensordesc<{kv}[{bn}, {c['KV_LORA']}]>",
              "kr_desc": f"<tensordesc<{kv}[{bn}, {c['ROPE']}]>"} if c["KV_DESC"]
             else {"kn_desc": kv, "kr_desc": kv})
-    ptrs = dict(q_ptr=q, kv_ptr=kv, **desc, out_ptr=q, part_o_ptr="fp32", part_lse_ptr="fp32",
+    ptrs = dict(q_ptr=q, kv_ptr=kv, **desc, out_ptr=q, part_o_ptr=part, part_lse_ptr="fp32",
                 cu_q_ptr="i32", seqused_ptr="i32", bt_ptr="i32", mask_ptr="u8",
                 mask_indptr_ptr="i64", scale_ptr="fp32", lse_ptr="fp32", count_ptr="i32")
     return _compile(mla._mla_fwd_kernel, ptrs, {"qk_scale_log2", "kv_scale_val"},

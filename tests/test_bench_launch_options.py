@@ -3,8 +3,8 @@
 ``TUNING_OVERRIDES`` is read with ``.get``: a misspelt key is ignored without a word, and a
 benchmark would time the default under the option's label. So every variant of
 ``benchmarks/bench_variants.py``, every ``--variants`` / ``--overrides`` /
-``--mla-variants`` value in ``scripts/gpu_session.sh`` and the MLA variants of
-``bench_attention.py`` must name options the kernels know, and a wrong one must stop the
+``--mla-variants`` / ``--tunings`` value in ``scripts/gpu_session.sh`` and the MLA variants
+of ``bench_attention.py`` must name options the kernels know, and a wrong one must stop the
 benchmark before it starts.
 """
 
@@ -78,6 +78,15 @@ def test_session_variants_overrides_and_mla_variants_resolve():
     ba = _bench("bench_attention")
     mla = [v for m in re.finditer(r"--mla-variants\s+(\S+)", text) for v in m[1].split(",")]
     assert mla and set(mla) <= set(ba.MLA_VARIANTS), mla
+    from aiter_attn.kernels.triton.mla import TUNING_KEYS
+
+    for name, tuning in ba.MLA_VARIANTS.items():
+        assert set(tuning) <= TUNING_KEYS, (name, sorted(set(tuning) - TUNING_KEYS))
+    tunings = re.findall(r"--tunings\s+'([^']*)'", text)
+    assert tunings, "no mla_time_split.py --tunings call found"
+    for t in tunings:
+        for tuning in json.loads(t):
+            assert set(tuning) <= TUNING_KEYS, (t, sorted(set(tuning) - TUNING_KEYS))
     configs = re.findall(r"--mla-configs\s+(\S+)", text)
     assert configs, "no --mla-configs call found"
     for c in configs:

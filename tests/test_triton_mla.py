@@ -484,3 +484,11 @@ def test_decode_steps_take_token_t_as_request_t():
     assert torch.isfinite(out).all() and (out[1] == 0).all()
     want = case.expected()
     assert_close_rel(out[[0, 2, 3]], want[[0, 2, 3]], 1e-5, "rows around the padding")
+
+
+def test_unknown_tuning_key_is_refused_with_the_allowed_ones():
+    """A misspelt option would otherwise be ignored (and a benchmark time the default)."""
+    from aiter_attn.kernels.triton.mla import TritonMLA
+
+    with pytest.raises(ValueError, match=r"unknown tuning key\(s\) \['kv_descs'\].*kv_desc"):
+        TritonMLA(None, {"kv_descs": True, "num_kv_splits": 2})

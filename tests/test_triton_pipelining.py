@@ -83,6 +83,14 @@ SPILL_CEILINGS = [
                  id="mla-16h-8warps"),
     pytest.param("mla", dict(BLOCK_H=64, BLOCK_N=64, warps=8, stages=2), 40,
                  id="mla-128h-default"),
+    # the 16-head options timed next: tiles through descriptors (241 registers), the lazy
+    # rescale and 16-bit partials (255: two 4-warp programs per SM still fit, no spills)
+    pytest.param("mla", dict(BLOCK_H=16, BLOCK_N=32, warps=4, stages=3, NUM_SPLITS=4,
+                             ONE_QUERY=True, KV_DESC=True, LAZY_RESCALE=True), 0,
+                 id="mla-16h-desc-lazy"),
+    pytest.param("mla", dict(BLOCK_H=16, BLOCK_N=32, warps=4, stages=3, NUM_SPLITS=4,
+                             ONE_QUERY=True, KV_DESC=True, LAZY_RESCALE=True, part="bf16"), 0,
+                 id="mla-16h-desc-lazy-half"),
 ]
 
 
@@ -214,6 +222,7 @@ def test_carried_page_lookup_keeps_two_tiles_in_flight(launched, kv):
     pytest.param("reduce", dict(SPLITS_PAD=64), id="paged-64"),  # 1x32k: 33 splits
     pytest.param("mla_merge", dict(NUM_SPLITS=4, BLOCK_S=4), id="mla-4"),
     pytest.param("mla_merge", dict(NUM_SPLITS=16, BLOCK_S=16), id="mla-16"),
+    pytest.param("mla_merge", dict(NUM_SPLITS=4, BLOCK_S=4, part="bf16"), id="mla-4-half"),
 ])
 def test_split_reduction_reads_in_one_round_trip(kernel, config):
     """The split reductions' (max, sum) and accumulator loads all go out before their first

@@ -25,7 +25,7 @@ from ._pdl import pdl_mode
 __all__ = ["TUNING_OVERRIDES", "OVERRIDE_KEYS", "check_overrides", "LaunchConfig",
            "choose_config", "BATCH_INVARIANT_SPLIT_TOKENS",
            "FP8_VALUE_PAIRS", "MLA_FP8_VALUE_PAIRS", "MLA_FUSED_MERGE", "MLA_KV_DESCRIPTORS",
-           "MLA_LAZY_RESCALE", "PREFETCH_PAGES", "CARRIED_PAGE_LOOKUP"]
+           "MLA_LAZY_RESCALE", "MLA_HALF_PARTIALS", "PREFETCH_PAGES", "CARRIED_PAGE_LOOKUP"]
 
 #: Keys per split in batch-invariant mode (rounded up to a multiple of ``block_n``).
 BATCH_INVARIANT_SPLIT_TOKENS = 512
@@ -111,6 +111,14 @@ MLA_KV_DESCRIPTORS = False
 #: maximum exceeds it by more than 8 (log2 units, p ≤ 256): most tiles skip the ``[H, R]``
 #: accumulator rescale (``mla_paged_attention(..., lazy_rescale=)``).
 MLA_LAZY_RESCALE = False
+
+#: The Triton MLA kernel's split partials ``o / l`` in q's 16-bit dtype instead of float32
+#: (``mla_paged_attention(..., half_partials=)``; the LSEs stay float32): head blocks of up to
+#: 16, 16-bit queries, not batch-invariant. At 16 heads 64x4k with 4 splits the partials are
+#: 8.4 MB written and read back (5.6% of the step's bytes beside the 302 MB cache read); half
+#: of that goes. Each partial row is a weighted mean of values, so its rounding (2^-9 in
+#: bf16) is that of the output row the merge then rounds again.
+MLA_HALF_PARTIALS = False
 
 #: Split decode whose splits fit one chunk of the chunked page lookup (1x4k: 16 splits of two
 #: tiles): read the page ids in the program's first round trip (the kernel's

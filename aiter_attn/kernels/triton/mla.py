@@ -24,7 +24,7 @@ from ..base import (MEMO, KernelPlan, MLAKernel, _adhoc_metadata, mask_literal,
                     mla_layer_params, mla_request, plan_hints, token_count_error)
 from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
 from ._launch_config import (BATCH_INVARIANT_SPLIT_TOKENS, MLA_FP8_VALUE_PAIRS, MLA_FUSED_MERGE,
-                             MLA_KV_DESCRIPTORS, MLA_LAZY_RESCALE)
+                             MLA_HALF_PARTIALS, MLA_KV_DESCRIPTORS, MLA_LAZY_RESCALE)
 from .mla_gluon import (GLUON_MLA_BLOCK_H, gluon_mla_reject_reason, gluon_mla_tensors_reason,
                         launch_gluon_mla)
 from .mla_kernel import _LOG2E, _mla_fwd_kernel
@@ -37,7 +37,7 @@ from ._pdl import pdl_kwargs, pdl_mode
 from .prefill import TensorDescriptor, _capability
 
 __all__ = ["mla_paged_attention", "mla_launch_config", "TritonMLA", "TritonMLAPlan",
-           "mla_request"]
+           "mla_request", "TUNING_KEYS"]
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class TritonMLAPlan(KernelPlan):
         batch / head_blocks / splits: host integers of the launch.
         use_parts: the split path runs (partials + merge).
         part_o / part_lse: split partials ``[T, H, S, R]`` / ``[T, H, S]`` float32 (``None``
-            without the split path).
+            without the split path; ``part_o`` in q's 16-bit dtype with ``half_partials``).
         cfg_kw: the launch configuration's constexprs; kw_cache: per-layer-flag dicts.
     """
 
@@ -201,6 +201,14 @@ class TritonMLAPlan(KernelPlan):
     counters: Optional[torch.Tensor] = attrs.field(default=None, **_T)
 
 
+#: the ``tuning`` keys :class:`TritonMLA` reads (a misspelt key would otherwise be ignored
+#: without a word, and a benchmark would time the default under the option's name)
+TUNING_KEYS = frozenset({
+    "num_kv_splits", "block_h", "block_n", "num_warps", "num_stages", "page_chunk",
+    "split_v_load", "v_pairs", "pdl", "fused_merge", "kv_desc", "lazy_rescale",
+    "half_partials", "ring", "one_query", "narrow", "gluon"})
+
+
 class TritonMLA(MLAKernel):
     """``mla_paged_attention`` (Triton) as plan/run, bound once per layer group.
 
@@ -209,7 +217,8 @@ class TritonMLA(MLAKernel):
     ``v_pairs`` (fp8 value reads as 16-bit column pairs), ``fused_merge`` (the split merge
     in the attention launch: ``True`` or ``"cooperative"``), ``kv_desc`` (latent tiles
     through tensor descriptors), ``lazy_rescale`` (the accumulator rescaled only when a
-    maximum grows by more than 2^8), ``ring`` (``True``: the ring Gluon kernel of
+    maximum grows by more than 2^8), ``half_partials`` (split partials in q's 16-bit dtype),
+    ``ring`` (``True``: the ring Gluon kernel of
     :mod:`.mla_ring_gluon` for up to 16 heads), ``one_query`` (``False``: decode steps search ``cu_seqlens_q``
     for their request like any other), ``narrow`` (``True``: the narrow
     Gluon kernel of :mod:`.mla_narrow_gluon` for up to 16 heads), ``gluon`` (``False``: never the Gluon kernels of :mod:`.mla_gluon`, which otherwise
@@ -220,6 +229,10 @@ class TritonMLA(MLAKernel):
     def __init__(self, request=None, tuning: Optional[dict] = None):
         super().__init__(request)
         self.tuning = dict(tuning or {})
+        unknown = sorted(set(self.tuning) - TUNING_KEYS)
+        if unknown:
+            raise ValueError(f"TritonMLA: unknown tuning key(s) {unknown}; allowed: "
+                             f"{sorted(TUNING_KEYS)}. Check the spelling.")
         self._descs: dict = {}  # (kernel, cache key) -> its TMA descriptors (or None)
         if request is not None:
             self._bind(request)
@@ -339,11 +352,14 @@ class TritonMLA(MLAKernel):
                 "the kernel's buffer_spec sizes them.")
         return buf[:tiles]
 
-    def _partials(self, splits, num_tokens, md, out, device):
+    def _partials(self, splits, num_tokens, md, out, device, dtype=torch.float32):
+        """Split partials ``o`` ``[T, H, S, R]`` of ``dtype`` (float32, or q's 16-bit dtype:
+        then a 16-bit view of the same float32 workspace, half of it used) and float32 LSEs
+        ``[T, H, S]``: fresh tensors, or views of the graph's static buffers in ``out``."""
         shape_o = (num_tokens, self.heads, splits, self.rank)
         shape_l = (num_tokens, self.heads, splits)
         if out is None:
-            return (torch.empty(shape_o, dtype=torch.float32, device=device),
+            return (torch.empty(shape_o, dtype=dtype, device=device),
                     torch.empty(shape_l, dtype=torch.float32, device=device))
         rows = splits * num_tokens
         buf = out.get(self._ws + ".o")
@@ -364,7 +380,7 @@ class TritonMLA(MLAKernel):
                 "build CudaGraphManager after binding the layers so the kernel's buffer_spec "
                 "sizes it.")
         n_o, n_l = rows * self.heads * self.rank, rows * self.heads
-        return buf[:n_o].view(shape_o), lse[:n_l].view(shape_l)
+        return buf.view(dtype)[:n_o].view(shape_o), lse[:n_l].view(shape_l)
 
     # -- plan / run ----------------------------------------------------------------------
     def plan(self, md, out: Optional[dict] = None) -> TritonMLAPlan:
@@ -393,8 +409,14 @@ class TritonMLA(MLAKernel):
         use_parts = splits > 1 or self.batch_invariant
         empty = num_tokens == 0 or batch == 0
         part_o = part_lse = None
+        # 16-bit partials: the Triton kernel's 16-head blocks (the Gluon kernel of 64-head
+        # blocks writes float32), never batch-invariant (its fixed-order merge stays float32)
+        half = bool(t.get("half_partials", MLA_HALF_PARTIALS) and bh <= 16
+                    and self.dtype in (torch.float16, torch.bfloat16)
+                    and not self.batch_invariant)
         if use_parts and not empty:
-            part_o, part_lse = self._partials(splits, num_tokens, md, out, device)
+            part_o, part_lse = self._partials(splits, num_tokens, md, out, device,
+                                              self.dtype if half else torch.float32)
         mask = md.mask
         mask_t = None
         if mask is not None:
@@ -625,6 +647,7 @@ def mla_paged_attention(
     ring: Optional[bool] = None,
     kv_desc: Optional[bool] = None,
     lazy_rescale: Optional[bool] = None,
+    half_partials: Optional[bool] = None,
 ) -> torch.Tensor:
     """Absorbed MLA over a paged latent cache (Triton). Same contract as
     :func:`aiter_attn.kernels.reference.mla_paged_attention_reference`.
@@ -681,6 +704,10 @@ def mla_paged_attention(
         lazy_rescale: the Triton kernel moves its running maximum (and rescales the
             accumulator) only when a head's maximum grows by more than 2^8; default
             :data:`._launch_config.MLA_LAZY_RESCALE`.
+        half_partials: the Triton kernel's split partials (``o / l`` per split) in q's
+            16-bit dtype instead of float32, half the bytes written and merged (head blocks
+            of up to 16, bf16/fp16 queries, not batch-invariant; the LSEs stay float32);
+            default :data:`._launch_config.MLA_HALF_PARTIALS`.
         batch_invariant: each row's bits independent of the rest of the batch: keys split
             every :data:`BATCH_INVARIANT_SPLIT_TOKENS` (rounded to ``block_n``) at absolute
             positions, the split path and a fixed-order merge always (the split count, a
@@ -714,7 +741,7 @@ def mla_paged_attention(
         num_stages=num_stages, page_chunk=page_chunk, split_v_load=split_v_load,
         gluon=gluon, v_pairs=v_pairs, pdl=pdl, narrow=narrow,
         fused_merge=fused_merge, ring=ring, kv_desc=kv_desc,
-        lazy_rescale=lazy_rescale).items() if v is not None}
+        lazy_rescale=lazy_rescale, half_partials=half_partials).items() if v is not None}
     kernel = TritonMLA(mla_request(q, kv_cache, kv_lora_rank,
                                    custom_mask=custom_mask is not None, lse=lse is not None,
                                    batch_invariant=batch_invariant), tuning)

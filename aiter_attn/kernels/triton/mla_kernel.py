@@ -311,7 +311,8 @@ def _mla_fwd_kernel(
     else:
         p_ptrs = (part_o_ptr + t.to(tl.int64) * stride_pt + offs_h[:, None] * stride_ph
                   + split * stride_ps)
-        tl.store(p_ptrs + offs_dv[None, :], o, mask=o_mask)
+        # float32, or q's 16-bit dtype (``half_partials``)
+        tl.store(p_ptrs + offs_dv[None, :], o.to(part_o_ptr.dtype.element_ty), mask=o_mask)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + t.to(tl.int64) * stride_lt + offs_h * stride_lh + split, lse,
                  mask=mask_h)

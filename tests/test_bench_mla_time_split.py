@@ -1,0 +1,53 @@
+"""benchmarks/mla_time_split.py's launches run and agree (CPU: Triton's interpreter, a small
+row; the H200 times them): the attention launch alone then the merge launch alone give the
+step's rows, for the default and for every kernel option the GPU sessions time with it."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from ._triton_util import requires_triton
+
+pytestmark = requires_triton
+
+_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+@pytest.fixture
+def split_bench():
+    sys.path.insert(0, _BENCH)
+    try:
+        import mla_time_split
+
+        yield mla_time_split
+    finally:
+        sys.path.remove(_BENCH)
+
+
+@pytest.mark.parametrize("tuning", [
+    {}, {"kv_desc": True, "lazy_rescale": True, "half_partials": True},
+    {"fused_merge": True}], ids=["default", "desc-lazy-half", "fused"])
+def test_attention_then_merge_equals_the_step(split_bench, tuning):
+    x, out, plan, step, attention, merge = split_bench.launches(
+        16, 2, 128, 2, tuning, device="cpu", dtype=torch.float16)
+    assert plan.use_parts and plan.splits == 2
+    step()
+    want = out.clone()
+    out.fill_(float("nan"))
+    attention()
+    if merge is not None:
+        merge()
+    else:
+        assert tuning.get("fused_merge"), "only the fused merge has no merge launch"
+    assert torch.equal(out, want)
+    assert torch.isfinite(out).all()
+
+
+def test_split_row_record(split_bench):
+    rec = split_bench.split_row(16, 2, 128, 2, 1, {"kv_desc": True},
+                                timer=lambda fn, rep: (fn(), 10.0)[1], device="cpu",
+                                dtype=torch.float16)
+    assert rec["splits"] == 2 and rec["attention"] == rec["merge"] == rec["step"] == 10.0
+    assert rec["row"] == "16x2x128" and '"kv_desc": true' in rec["tuning"]
