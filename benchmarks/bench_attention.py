@@ -91,7 +91,9 @@ MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 "narrow": {"narrow": True},  # the narrow Gluon kernel (sm_90)
                 "ring": {"ring": True},  # the ring Gluon kernel (sm_90)
                 # the narrow kernel merging its own splits
-                "narrow-fused": {"narrow": True, "fused_merge": True}}
+                "narrow-fused": {"narrow": True, "fused_merge": True},
+                # the narrow kernel with 16-bit partials
+                "narrow-half": {"narrow": True, "half_partials": True}}
 #: MLA launch configs timed by --mla-sweep: (block_h, block_n, num_warps, num_stages, splits).
 MLA_SWEEP = [(16, 32, 4, 2, None), (16, 32, 4, 4, None), (16, 64, 4, 3, None),
              (16, 32, 8, 3, None), (16, 32, 4, 3, "x2"), (32, 32, 8, 3, None),

@@ -639,7 +639,7 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       tests/test_mla_lazy_rescale.py tests/test_mla_half_partials.py
     timeout ${BA_S:-240} python3 benchmarks/bench_attention.py --only mla --rep 30 \
       --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192,16x64x2048 \
-      --mla-variants desc,lazy,desc-lazy,half,desc-lazy-half,desc-lazy-64w8,desc-coop,narrow \
+      --mla-variants desc,lazy,desc-lazy,half,desc-lazy-half,desc-lazy-64w8,desc-coop,narrow,narrow-half \
       --out "$OUT/mla" > "$OUT/mla.log" 2>&1
     grep -E "ours|==|Error|error" "$OUT/mla.log" | head -30
     timeout ${TS_S:-120} python3 benchmarks/mla_time_split.py --rows 16x64x4096 --splits 0 \

@@ -176,3 +176,29 @@ def test_gpu_half_partials_graph_replay_matches_eager():
     assert_graph_replay_matches_eager([5 + 60 * i for i in range(8)], replays=3,
                                       num_kv_splits=4, half_partials=True, kv_desc=True,
                                       lazy_rescale=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["merge-launch", "fused-merge"])
+@pytest.mark.parametrize("splits", [2, 4])
+def test_gpu_narrow_kernel_half_partials(splits, fused, monkeypatch):
+    """The narrow Gluon kernel (sm_90) writes its partials in q's dtype too; its own merge
+    (``fused_merge``) and the merge launch read them into float32."""
+    from aiter_attn.kernels.triton import mla
+
+    seen, launch = [], mla.launch_narrow_mla
+
+    def spy(*args, **kw):
+        seen.append(kw["part_o"].dtype)
+        return launch(*args, **kw)
+
+    monkeypatch.setattr(mla, "launch_narrow_mla", spy)
+    case = MLACase([1] * 6, [4096, 1000, 64, 5, 129, 2049], rank=512, rope=64, page=64,
+                   heads=16, dtype=torch.bfloat16, device="cuda", seed=7)
+    lse = torch.full((6, 16), float("nan"), device="cuda")
+    out = case.run(num_kv_splits=splits, narrow=True, half_partials=True, fused_merge=fused,
+                   lse=lse)
+    assert seen == [torch.bfloat16], seen
+    assert torch.isfinite(out).all()
+    assert_close_rel(out, case.expected(), RTOL[torch.bfloat16], f"narrow half {splits}")
+    assert_close_rel(lse.cpu(), _lse_oracle(case), 2e-3, "narrow half LSE")

@@ -409,11 +409,13 @@ class TritonMLA(MLAKernel):
         use_parts = splits > 1 or self.batch_invariant
         empty = num_tokens == 0 or batch == 0
         part_o = part_lse = None
-        # 16-bit partials: the Triton kernel's 16-head blocks (the Gluon kernel of 64-head
-        # blocks writes float32), never batch-invariant (its fixed-order merge stays float32)
-        half = bool(t.get("half_partials", MLA_HALF_PARTIALS) and bh <= 16
-                    and self.dtype in (torch.float16, torch.bfloat16)
-                    and not self.batch_invariant)
+        # 16-bit partials: the Triton kernel's 16-head blocks and the narrow kernel (the Gluon
+        # kernel of 64-head blocks writes float32), never batch-invariant (its fixed-order
+        # merge stays float32)
+        half_ok = bool(t.get("half_partials", MLA_HALF_PARTIALS)
+                       and self.dtype in (torch.float16, torch.bfloat16)
+                       and not self.batch_invariant)
+        half = half_ok and bh <= 16
         if use_parts and not empty:
             part_o, part_lse = self._partials(splits, num_tokens, md, out, device,
                                               self.dtype if half else torch.float32)
@@ -464,8 +466,9 @@ class TritonMLA(MLAKernel):
         narrow = None
         nsplits = self._narrow_splits(num_tokens, kv_bound, device, page_size, mask)
         if nsplits is not None and not empty:
-            nparts = (self._partials(nsplits, num_tokens, md, out, device) if nsplits > 1
-                      else (None, None))
+            nparts = (self._partials(nsplits, num_tokens, md, out, device,
+                                     self.dtype if half_ok else torch.float32)
+                      if nsplits > 1 else (None, None))
             ring = bool(t.get("ring", False))
             # the narrow kernel's own split merge (fused_merge): counters, one per token
             ncount = (self._counters(num_tokens, md, out, device)

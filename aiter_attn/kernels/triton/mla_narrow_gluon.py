@@ -205,7 +205,7 @@ if HAS_GLUON:
                              mask=ok)
                 else:
                     gl.store(part_o + t64 * s_pt + hh64 * s_ph + split.to(gl.int64) * s_ps
-                             + d, o, mask=ok)
+                             + d, o.to(part_o.dtype.element_ty), mask=ok)
             if SPLITS == 1:
                 if WRITE_LSE:
                     gl.store(lse_ptr + t64 * s_et + h64 * s_eh, lse2 * 0.6931471805599453,
@@ -258,7 +258,7 @@ if HAS_GLUON:
                                     cache_modifier=".cg") - m)
                 o = gl.load(part_o + t64 * s_pt + hh64[None, :] * s_ph + s * s_ps + d,
                             mask=ok, other=0.0, cache_modifier=".cg")
-                acc += o * w[None, :]
+                acc += o.to(gl.float32) * w[None, :]
             gl.store(out + t64 * s_ot + hh64[None, :] * s_oh + d,
                      (acc * inv[None, :]).to(out.dtype.element_ty), mask=ok)
         if WRITE_LSE:
