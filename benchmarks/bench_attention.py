@@ -92,6 +92,11 @@ MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 "ring": {"ring": True},  # the ring Gluon kernel (sm_90)
                 # the narrow kernel merging its own splits
                 "narrow-fused": {"narrow": True, "fused_merge": True},
+                # q·Kᵀ as two independent mma chains (latent halves)
+                "split2": {"qk_split": 2},
+                "half-split2": {"half_partials": True, "qk_split": 2},
+                "desc-lazy-half-split2": {"kv_desc": True, "lazy_rescale": True,
+                                          "half_partials": True, "qk_split": 2},
                 # the narrow kernel with 16-bit partials
                 "narrow-half": {"narrow": True, "half_partials": True}}
 #: MLA launch configs timed by --mla-sweep: (block_h, block_n, num_warps, num_stages, splits).

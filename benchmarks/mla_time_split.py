@@ -59,8 +59,7 @@ def launches(heads, bs, ctx, splits, tuning=None, *, device="cuda", dtype=torch.
                               num_q_heads=heads, head_dim=x.q.shape[2])
     static: dict = {}
     plan = kernel.plan(md, static)
-    kdescs = (kernel._cache_descs(x.kv_cache, plan.cfg_kw["BLOCK_N"])
-              if plan.cfg_kw["KV_DESC"] else None)
+    kdescs = kernel.tile_descs(x.kv_cache, plan)
     # the run's launch key: (causal, scale from a pointer, LSE out, fp8 value pairs,
     # descriptor tiles)
     key = (params.causal, False, False, False, kdescs is not None)

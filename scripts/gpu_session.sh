@@ -111,9 +111,10 @@
 #   scripts/gpu_session.sh sixtyfourth   # the fused-merge and narrow gpu tests on the final code
 #   scripts/gpu_session.sh sixtyfifth    # the cooperative merge: its gpu tests, the 16-head rows
 #                                  # beside the default, the time split
-#   scripts/gpu_session.sh sixtysixth    # latent tiles through tensor descriptors, lazy
-#                                  # rescale, 16-bit partials: gpu tests, 16-head rows, time split
-#   scripts/gpu_session.sh sixtyseventh  # ncu: the Triton kernel with and without descriptors
+#   scripts/gpu_session.sh sixtysixth    # the 16-head MLA options (descriptors, lazy rescale,
+#                                  # 16-bit partials, two score chains): rows, time split
+#   scripts/gpu_session.sh sixtyseventh  # their gpu tests; ncu of the default and the options
+#   scripts/gpu_session.sh sixtyeighth   # the remaining 16-head variants, 64x2k
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -626,25 +627,38 @@ bn64.st4.nc2.r128.s0,bn128.st3.nc2.r168.s0,bn128.st2.nc2.r168.s0,bn64.st3.nc2.r8
 bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
     ;;
   sixtyseventh)
-    timeout ${NCU_S:-200} ncu --clock-control none --profile-from-start off --nvtx \
+    # correctness of the four 16-head options (descriptors, lazy rescale, 16-bit partials,
+    # two score chains), then ncu of the default and the options
+    gpu_tests mla_option_tests.log ${GT_S:-330} 90 tests/test_mla_kv_desc.py \
+      tests/test_mla_lazy_rescale.py tests/test_mla_half_partials.py tests/test_mla_qk_split.py
+    timeout ${NCU_S:-220} ncu --clock-control none --profile-from-start off --nvtx \
       --target-processes all --section SpeedOfLight --section Occupancy \
       --section MemoryWorkloadAnalysis --section WarpStateStats --metrics \
 smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum \
-      python3 benchmarks/ncu_kernels.py --cases mla16,mla16-desc,mla16-desc-lazy > "$OUT/ncu.log" 2>&1
+      python3 benchmarks/ncu_kernels.py --cases mla16,mla16-split2,mla16-desc-lazy,mla16-all \
+      > "$OUT/ncu.log" 2>&1
     grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Dynamic Shared|smsp__inst|bank_conf|wavefronts" \
-      "$OUT/ncu.log" | head -60
+      "$OUT/ncu.log" | head -80
     ;;
   sixtysixth)
-    gpu_tests mla_desc_tests.log ${GT_S:-180} 60 tests/test_mla_kv_desc.py \
-      tests/test_mla_lazy_rescale.py tests/test_mla_half_partials.py
-    timeout ${BA_S:-240} python3 benchmarks/bench_attention.py --only mla --rep 30 \
-      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192,16x64x2048 \
-      --mla-variants desc,lazy,desc-lazy,half,desc-lazy-half,desc-lazy-64w8,desc-coop,narrow,narrow-half \
+    # the 16-head rows with the options, alone and together; the step's time split
+    timeout ${BA_S:-330} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 \
+      --mla-variants desc-lazy,half,split2,desc-lazy-half,half-split2,desc-lazy-half-split2,narrow,narrow-half \
       --out "$OUT/mla" > "$OUT/mla.log" 2>&1
     grep -E "ours|==|Error|error" "$OUT/mla.log" | head -30
-    timeout ${TS_S:-120} python3 benchmarks/mla_time_split.py --rows 16x64x4096 --splits 0 \
-      --tunings '[{}, {"kv_desc": true}, {"kv_desc": true, "lazy_rescale": true}, {"half_partials": true}, {"kv_desc": true, "lazy_rescale": true, "half_partials": true}]' 2>&1 \
+    timeout ${TS_S:-200} python3 benchmarks/mla_time_split.py --rows 16x64x4096 --splits 0 \
+      --tunings '[{}, {"half_partials": true}, {"qk_split": 2}, {"kv_desc": true, "lazy_rescale": true}, {"kv_desc": true, "lazy_rescale": true, "half_partials": true, "qk_split": 2}]' 2>&1 \
       | tee "$OUT/mla_time_split.log" | tail -12
+    rm -f "$OUT"/*/*.png
+    ;;
+  sixtyeighth)
+    # the remaining 16-head variants, and 64x2k
+    timeout ${BA_S:-330} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x64x2048 \
+      --mla-variants desc,lazy,desc-lazy-64w8,desc-coop,desc-lazy-half-split2 \
+      --out "$OUT/mla" > "$OUT/mla.log" 2>&1
+    grep -E "ours|==|Error|error" "$OUT/mla.log" | head -30
     rm -f "$OUT"/*/*.png
     ;;
   sixtyfifth)

@@ -182,12 +182,12 @@ def compile_mla(kv="bf16", q="bf16", warps=4, stages=3, part="fp32", **const):
              SCALE_FROM_PTR=False, IEEE=False, EVEN_D=True, PAGE_CHUNK=0,
              FP16_DOTS=fp8 and q == "bf16", SPLIT_V_LOAD=fp8, WRITE_LSE=False,
              FIXED_CHUNK=0, PDL=False, V_PAIRS=False, FUSED_MERGE=0, ONE_QUERY=False,
-             KV_DESC=False, LAZY_RESCALE=False)
+             KV_DESC=False, LAZY_RESCALE=False, QK_SPLIT=1)
     c.update(const)
     c["TILE_IN_PAGE"] = c["PAGE_SIZE"] % c["BLOCK_N"] == 0
     bn = c["BLOCK_N"]
     # the cache's tensor descriptors (KV_DESC): "*T" names a pointer, a string in <> a type
-    desc = ({"kn_desc": f"<tensordesc<{kv}[{bn}, {c['KV_LORA']}]>",
+    desc = ({"kn_desc": f"<tensordesc<{kv}[{bn}, {c['KV_LORA'] // c['QK_SPLIT']}]>",
              "kr_desc": f"<tensordesc<{kv}[{bn}, {c['ROPE']}]>"} if c["KV_DESC"]
             else {"kn_desc": kv, "kr_desc": kv})
     ptrs = dict(q_ptr=q, kv_ptr=kv, **desc, out_ptr=q, part_o_ptr=part, part_lse_ptr="fp32",
@@ -235,6 +235,34 @@ def _loads_before(ptx: str, instruction: str) -> int:
     return len(re.findall(r"ld\.global", body[:first.start() if first else len(body)]))
 
 
+def _mma_chain(ptx: str) -> int:
+    """The longest chain of dependent ``mma.sync`` in program order: an mma one deeper than
+    the deepest mma that wrote its accumulator input (C) registers; any other instruction
+    writing a register starts it over. Each link waits the mma latency (q·Kᵀ of a 16-head
+    MLA tile: one chain as deep as the latent width / 16)."""
+    depth: dict = {}
+    best = 0
+    for line in ptx.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("//", ".", "$", "{", "}")) or line.endswith(":"):
+            continue
+        op, _, rest = line.partition(" ")
+        groups = re.findall(r"\{([^}]*)\}|(%[\w.]+)", rest)
+        ops = [g[0] or g[1] for g in groups]
+        if not ops:
+            continue
+        dest = re.findall(r"%[\w.]+", ops[0])
+        if op.startswith("mma.sync") and len(ops) >= 4:
+            d = 1 + max([depth.get(r, 0) for r in re.findall(r"%[\w.]+", ops[3])] + [0])
+            best = max(best, d)
+            for r in dest:
+                depth[r] = d
+        else:
+            for r in dest:
+                depth.pop(r, None)
+    return best
+
+
 def report(kernel) -> dict:
     ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
     res = resource_usage(kernel)
@@ -248,6 +276,7 @@ def report(kernel) -> dict:
         "local-memory ops in the PTX": len(re.findall(r"(ld|st)\.local", ptx)),
         "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
         "mma.sync": len(re.findall(r"mma\.sync", ptx)),
+        "longest mma.sync chain": _mma_chain(ptx),
         "8-bit shared loads": len(re.findall(r"ld\.shared\.[bus]8", ptx)),
         "ld.global before the first branch": _loads_before(ptx, r"bra(\.uni)?"),
         "ld.global before the first bar.sync": _loads_before(ptx, r"bar\.sync"),

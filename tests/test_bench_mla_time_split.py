@@ -27,8 +27,8 @@ def split_bench():
 
 
 @pytest.mark.parametrize("tuning", [
-    {}, {"kv_desc": True, "lazy_rescale": True, "half_partials": True},
-    {"fused_merge": True}], ids=["default", "desc-lazy-half", "fused"])
+    {}, {"kv_desc": True, "lazy_rescale": True, "half_partials": True, "qk_split": 2},
+    {"fused_merge": True}], ids=["default", "desc-lazy-half-split2", "fused"])
 def test_attention_then_merge_equals_the_step(split_bench, tuning):
     x, out, plan, step, attention, merge = split_bench.launches(
         16, 2, 128, 2, tuning, device="cpu", dtype=torch.float16)

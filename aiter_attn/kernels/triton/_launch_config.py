@@ -25,7 +25,7 @@ from ._pdl import pdl_mode
 __all__ = ["TUNING_OVERRIDES", "OVERRIDE_KEYS", "check_overrides", "LaunchConfig",
            "choose_config", "BATCH_INVARIANT_SPLIT_TOKENS",
            "FP8_VALUE_PAIRS", "MLA_FP8_VALUE_PAIRS", "MLA_FUSED_MERGE", "MLA_KV_DESCRIPTORS",
-           "MLA_LAZY_RESCALE", "MLA_HALF_PARTIALS", "PREFETCH_PAGES", "CARRIED_PAGE_LOOKUP"]
+           "MLA_LAZY_RESCALE", "MLA_HALF_PARTIALS", "MLA_QK_SPLIT", "PREFETCH_PAGES", "CARRIED_PAGE_LOOKUP"]
 
 #: Keys per split in batch-invariant mode (rounded up to a multiple of ``block_n``).
 BATCH_INVARIANT_SPLIT_TOKENS = 512
@@ -119,6 +119,13 @@ MLA_LAZY_RESCALE = False
 #: of that goes. Each partial row is a weighted mean of values, so its rounding (2^-9 in
 #: bf16) is that of the output row the merge then rounds again.
 MLA_HALF_PARTIALS = False
+
+#: The Triton MLA kernel's q·Kᵀ over the latent columns as two independent mma chains (2)
+#: or one (1; ``mla_paged_attention(..., qk_split=)``). With 16 heads each warp's scores are
+#: one m16n8 accumulator over K = 576: the sm_90 SASS is a chain of 36 dependent HMMAs a
+#: tile (about 36 × the mma latency per tile and warp). Two halves (R/2 and R/2 + rope
+#: deep) run side by side; p·V then updates two half accumulators.
+MLA_QK_SPLIT = 1
 
 #: Split decode whose splits fit one chunk of the chunked page lookup (1x4k: 16 splits of two
 #: tiles): read the page ids in the program's first round trip (the kernel's

@@ -24,7 +24,8 @@ from ..base import (MEMO, KernelPlan, MLAKernel, _adhoc_metadata, mask_literal,
                     mla_layer_params, mla_request, plan_hints, token_count_error)
 from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
 from ._launch_config import (BATCH_INVARIANT_SPLIT_TOKENS, MLA_FP8_VALUE_PAIRS, MLA_FUSED_MERGE,
-                             MLA_HALF_PARTIALS, MLA_KV_DESCRIPTORS, MLA_LAZY_RESCALE)
+                             MLA_HALF_PARTIALS, MLA_KV_DESCRIPTORS, MLA_LAZY_RESCALE,
+                             MLA_QK_SPLIT)
 from .mla_gluon import (GLUON_MLA_BLOCK_H, gluon_mla_reject_reason, gluon_mla_tensors_reason,
                         launch_gluon_mla)
 from .mla_kernel import _LOG2E, _mla_fwd_kernel
@@ -206,7 +207,7 @@ class TritonMLAPlan(KernelPlan):
 TUNING_KEYS = frozenset({
     "num_kv_splits", "block_h", "block_n", "num_warps", "num_stages", "page_chunk",
     "split_v_load", "v_pairs", "pdl", "fused_merge", "kv_desc", "lazy_rescale",
-    "half_partials", "ring", "one_query", "narrow", "gluon"})
+    "half_partials", "qk_split", "ring", "one_query", "narrow", "gluon"})
 
 
 class TritonMLA(MLAKernel):
@@ -218,7 +219,7 @@ class TritonMLA(MLAKernel):
     in the attention launch: ``True`` or ``"cooperative"``), ``kv_desc`` (latent tiles
     through tensor descriptors), ``lazy_rescale`` (the accumulator rescaled only when a
     maximum grows by more than 2^8), ``half_partials`` (split partials in q's 16-bit dtype),
-    ``ring`` (``True``: the ring Gluon kernel of
+    ``qk_split`` (2: q·Kᵀ as two independent mma chains over the latent halves), ``ring`` (``True``: the ring Gluon kernel of
     :mod:`.mla_ring_gluon` for up to 16 heads), ``one_query`` (``False``: decode steps search ``cu_seqlens_q``
     for their request like any other), ``narrow`` (``True``: the narrow
     Gluon kernel of :mod:`.mla_narrow_gluon` for up to 16 heads), ``gluon`` (``False``: never the Gluon kernels of :mod:`.mla_gluon`, which otherwise
@@ -435,6 +436,7 @@ class TritonMLA(MLAKernel):
             use_parts and not self.batch_invariant and not empty) else 0
         counters = self._counters(num_tokens * head_blocks, md, out, device) if fused else None
         even_d = self.block_dv == self.rank and self.block_dr == self.rope
+        qk_split = self._qk_split(t.get("qk_split", MLA_QK_SPLIT), even_d)
         kv_desc = bool(t.get("kv_desc", MLA_KV_DESCRIPTORS) and even_d and page_size % bn == 0
                        and self.kv_dtype == self.dtype and self.dtype != torch.float32
                        and fixed_chunk == 0 and mask is None and not split_v
@@ -455,6 +457,7 @@ class TritonMLA(MLAKernel):
             SPLIT_V_LOAD=self.kv_dtype != self.dtype if split_v is None else bool(split_v),
             FIXED_CHUNK=fixed_chunk, FUSED_MERGE=fused, ONE_QUERY=one_query,
             MERGE_SLICE=max(16, next_pow2(-(-self.block_dv // splits))), KV_DESC=kv_desc,
+            QK_SPLIT=qk_split,
             LAZY_RESCALE=bool(t.get("lazy_rescale", MLA_LAZY_RESCALE)),
             num_warps=warps, num_stages=stages,
             **(dict(launch_cooperative_grid=True) if fused == COOPERATIVE else {}),
@@ -481,6 +484,18 @@ class TritonMLA(MLAKernel):
             mask=mask_t, batch=batch, head_blocks=head_blocks, splits=splits,
             use_parts=use_parts, part_o=part_o, part_lse=part_lse, cfg_kw=cfg_kw,
             gluon=gluon, counters=counters)
+
+    def _qk_split(self, option, even_d: bool) -> int:
+        """``QK_SPLIT`` of the Triton kernel: 2 (q·Kᵀ as two independent mma chains over the
+        latent halves, p·V into two half accumulators) where the ``qk_split`` option asks and
+        the latents allow: a cache of q's dtype (fp8 caches keep their value-pair reads),
+        power-of-two widths (``even_d``), a rank of at least 32; else 1."""
+        if option in (None, 1, False):
+            return 1
+        if option != 2:
+            raise ValueError(f"qk_split={option!r}; allowed: 1 (one chain) or 2 (two halves).")
+        ok = even_d and self.kv_dtype == self.dtype and self.rank >= 32
+        return 2 if ok else 1
 
     @staticmethod
     def _fused_mode(option, block_h, splits, warps, programs, ring_bytes, device) -> int:
@@ -531,8 +546,7 @@ class TritonMLA(MLAKernel):
         # value pairs need every latent row on a 16-byte boundary (strides and base)
         pairs = plan.cfg_kw["V_PAIRS"] and not (
             (kv_cache.stride(0) | kv_cache.stride(1) | kv_cache.data_ptr()) % 16)
-        kdescs = (self._cache_descs(kv_cache, plan.cfg_kw["BLOCK_N"])
-                  if plan.cfg_kw["KV_DESC"] else None)
+        kdescs = self.tile_descs(kv_cache, plan)
         key = (params.causal, from_ptr, write_lse, pairs, kdescs is not None)
         kw = plan.kw_cache.get(key)
         if kw is None:
@@ -581,13 +595,24 @@ class TritonMLA(MLAKernel):
                          **pdl_kwargs(plan.cfg_kw["PDL"], reduction=True))
         return out
 
-    def _cache_descs(self, kv_cache, block_n: Optional[int] = None):
+    def tile_descs(self, kv_cache, plan: TritonMLAPlan):
+        """The Triton launch's latent-tile descriptors of ``kv_cache`` under ``plan``
+        (``None`` without ``KV_DESC``, or where TMA cannot read the rows)."""
+        kw = plan.cfg_kw
+        if not kw["KV_DESC"]:
+            return None
+        return self._cache_descs(kv_cache, kw["BLOCK_N"], self.rank // kw["QK_SPLIT"])
+
+    def _cache_descs(self, kv_cache, block_n: Optional[int] = None, cols: Optional[int] = None):
         """The TMA descriptors of ``kv_cache`` (rows ``[slots, R + rope]``), built once per
         cache tensor (data pointer, shape, strides, dtype) and then only looked up: the
         narrow kernel's two (``block_n`` ``None``), or the Triton kernel's blocks
-        ``[block_n, R]`` and ``[block_n, rope]``; ``None`` where TMA cannot read the rows
+        ``[block_n, cols]`` (``cols``: R, or R/2 with ``QK_SPLIT``) and ``[block_n, rope]``;
+        ``None`` where TMA cannot read the rows
         (:func:`.mla_narrow_gluon.narrow_mla_layout_reason`)."""
-        key = (block_n, kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype)
+        cols = cols or self.rank
+        key = (block_n, cols, kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(),
+               kv_cache.dtype)
         descs = self._descs.get(key, 0)
         if descs == 0:
             if len(self._descs) >= _DESCS_KEEP:
@@ -600,7 +625,7 @@ class TritonMLA(MLAKernel):
                     p, ps, _, d = kv_cache.shape
                     rows = kv_cache.as_strided((p * ps, d), (kv_cache.stride(1), 1))
                     descs = tuple(TensorDescriptor(rows, [p * ps, d], [kv_cache.stride(1), 1],
-                                                   [block_n, w]) for w in (self.rank, self.rope))
+                                                   [block_n, w]) for w in (cols, self.rope))
             self._descs[key] = descs
         return descs
 
@@ -651,6 +676,7 @@ def mla_paged_attention(
     kv_desc: Optional[bool] = None,
     lazy_rescale: Optional[bool] = None,
     half_partials: Optional[bool] = None,
+    qk_split: Optional[int] = None,
 ) -> torch.Tensor:
     """Absorbed MLA over a paged latent cache (Triton). Same contract as
     :func:`aiter_attn.kernels.reference.mla_paged_attention_reference`.
@@ -711,6 +737,10 @@ def mla_paged_attention(
             16-bit dtype instead of float32, half the bytes written and merged (head blocks
             of up to 16, bf16/fp16 queries, not batch-invariant; the LSEs stay float32);
             default :data:`._launch_config.MLA_HALF_PARTIALS`.
+        qk_split: ``2``: the Triton kernel computes q·Kᵀ as two independent mma chains over
+            the latent halves (each half as deep) and p·V into two half accumulators
+            (latents of q's dtype, power-of-two widths, rank ≥ 32); default
+            :data:`._launch_config.MLA_QK_SPLIT`.
         batch_invariant: each row's bits independent of the rest of the batch: keys split
             every :data:`BATCH_INVARIANT_SPLIT_TOKENS` (rounded to ``block_n``) at absolute
             positions, the split path and a fixed-order merge always (the split count, a
@@ -744,7 +774,8 @@ def mla_paged_attention(
         num_stages=num_stages, page_chunk=page_chunk, split_v_load=split_v_load,
         gluon=gluon, v_pairs=v_pairs, pdl=pdl, narrow=narrow,
         fused_merge=fused_merge, ring=ring, kv_desc=kv_desc,
-        lazy_rescale=lazy_rescale, half_partials=half_partials).items() if v is not None}
+        lazy_rescale=lazy_rescale, half_partials=half_partials,
+        qk_split=qk_split).items() if v is not None}
     kernel = TritonMLA(mla_request(q, kv_cache, kv_lora_rank,
                                    custom_mask=custom_mask is not None, lse=lse is not None,
                                    batch_invariant=batch_invariant), tuning)

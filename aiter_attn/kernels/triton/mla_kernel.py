@@ -53,7 +53,7 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
               KV_LORA: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
               EVEN_D: tl.constexpr, SPLIT_V_LOAD: tl.constexpr, V_PAIRS: tl.constexpr,
               kn_desc=None, kr_desc=None, slot0=0, KV_DESC: tl.constexpr = False,
-              LAZY_RESCALE: tl.constexpr = False):
+              LAZY_RESCALE: tl.constexpr = False, q_nope_b=None, QK_SPLIT: tl.constexpr = 1):
     """One latent tile: rows ``row`` (int64 offsets, ``[BLOCK_N]``) of keys ``offs_n``; keys
     at or past ``hi`` are masked. Updates the online softmax ``(acc [H, R], m_i, l_i)``;
     ``V_PAIRS`` (fp8 latents): ``acc``/``acc_odd`` ``[H, R/2]`` hold the even/odd value
@@ -61,14 +61,24 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
     tile is the cache rows ``[slot0, slot0 + BLOCK_N)`` read through the tensor descriptors
     ``kn_desc`` (``[BLOCK_N, R]``) and ``kr_desc`` (``[BLOCK_N, rope]``) (TMA on sm_90),
     every key of it below ``hi`` (the caller takes a split's partial last tile through the
-    masked pointer loads, so rows past the end never reach the value product)."""
+    masked pointer loads, so rows past the end never reach the value product).
+    ``QK_SPLIT == 2``: the latent columns in two halves (``offs_dv`` spans one half;
+    ``q_nope`` / ``q_nope_b`` and ``acc`` / ``acc_odd`` ``[H, R/2]`` are the first and second
+    halves; ``kn_desc`` blocks are ``[BLOCK_N, R/2]``): q·Kᵀ sums two independent chains of
+    mma (R/2 and R/2 + rope deep) instead of one R + rope deep, and p·V updates both halves."""
     mask_n = offs_n < hi
+    c_nope_b = None
     if KV_DESC:
         c_nope = kn_desc.load([slot0, 0])
+        if QK_SPLIT == 2:
+            c_nope_b = kn_desc.load([slot0, KV_LORA // 2])
         c_rope = kr_desc.load([slot0, KV_LORA])
     elif EVEN_D:  # row-only masks keep the 16-byte vector loads along the latent dim
         c_nope = tl.load(kv_ptr + row[:, None] + offs_dv[None, :], mask=mask_n[:, None],
                          other=0.0).to(q_nope.dtype)
+        if QK_SPLIT == 2:
+            c_nope_b = tl.load(kv_ptr + row[:, None] + KV_LORA // 2 + offs_dv[None, :],
+                               mask=mask_n[:, None], other=0.0).to(q_nope.dtype)
         c_rope = tl.load(kv_ptr + row[:, None] + KV_LORA + offs_dr[None, :],
                          mask=mask_n[:, None], other=0.0).to(q_nope.dtype)
     else:
@@ -76,8 +86,15 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
                          mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(q_nope.dtype)
         c_rope = tl.load(kv_ptr + row[:, None] + KV_LORA + offs_dr[None, :],
                          mask=mask_n[:, None] & mask_dr[None, :], other=0.0).to(q_nope.dtype)
-    s = _dot(q_nope, tl.trans(c_nope), IEEE) + _dot(q_rope, tl.trans(c_rope), IEEE)
-    s = s * qk_scale
+    if QK_SPLIT == 2:
+        # two independent mma chains; each is scaled before the sum, so that Triton does not
+        # fold the add into the second dot's accumulator (which would chain them again)
+        s = (_dot(q_nope, tl.trans(c_nope), IEEE) * qk_scale
+             + _dot(q_nope_b, tl.trans(c_nope_b), IEEE) * qk_scale
+             + _dot(q_rope, tl.trans(c_rope), IEEE) * qk_scale)
+    else:
+        s = _dot(q_nope, tl.trans(c_nope), IEEE) + _dot(q_rope, tl.trans(c_rope), IEEE)
+        s = s * qk_scale
     visible = mask_n
     if HAS_MASK:
         bits = tl.load(mask_row + offs_n, mask=mask_n, other=0)
@@ -89,13 +106,17 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
     if not LAZY_RESCALE or tl.max(m_new - m_i, axis=0) > 8.0:
         alpha = tl.exp2(m_i - m_new)
         acc = acc * alpha[:, None]
-        if V_PAIRS:
+        if V_PAIRS or QK_SPLIT == 2:
             acc_odd = acc_odd * alpha[:, None]
         l_i = l_i * alpha
         m_i = m_new
     p = tl.exp2(s - m_i[:, None])
     l_i = l_i + tl.sum(p, axis=1)
-    if V_PAIRS:
+    if QK_SPLIT == 2:  # the two column halves of the values
+        p16 = p.to(q_nope.dtype)
+        acc = acc + _dot(p16, c_nope, IEEE)
+        acc_odd = acc_odd + _dot(p16, c_nope_b, IEEE)
+    elif V_PAIRS:
         # fp8 values as column pairs, two half-width dots (the launch takes this path only
         # when every row offset is a multiple of 16 bytes)
         pairs = tl.load(fp8_pair_ptrs(kv_ptr, row, offs_dv.shape[0]), mask=mask_n[:, None],
@@ -161,6 +182,7 @@ def _mla_fwd_kernel(
     MERGE_SLICE: tl.constexpr = 16,
     KV_DESC: tl.constexpr = False,
     LAZY_RESCALE: tl.constexpr = False,
+    QK_SPLIT: tl.constexpr = 1,
 ):
     if PDL:  # programmatic dependent launch: the previous kernel's writes first
         wait_then_release()
@@ -208,11 +230,19 @@ def _mla_fwd_kernel(
     mask_h = offs_h < num_heads
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < KV_LORA
+    # the latent columns one tile step reads at once: all, or one half (QK_SPLIT: the plan
+    # takes it only with BLOCK_DV == KV_LORA)
+    offs_dt = tl.arange(0, BLOCK_DV // QK_SPLIT)
+    mask_dt = offs_dt < KV_LORA
     offs_dr = tl.arange(0, BLOCK_DR)
     mask_dr = offs_dr < ROPE
 
     q_row = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
-    q_nope = tl.load(q_row + offs_dv[None, :], mask=mask_h[:, None] & mask_dv[None, :], other=0.0)
+    q_nope = tl.load(q_row + offs_dt[None, :], mask=mask_h[:, None] & mask_dt[None, :], other=0.0)
+    q_nope_b = q_nope
+    if QK_SPLIT == 2:
+        q_nope_b = tl.load(q_row + KV_LORA // 2 + offs_dt[None, :], mask=mask_h[:, None],
+                           other=0.0)
     q_rope = tl.load(q_row + KV_LORA + offs_dr[None, :], mask=mask_h[:, None] & mask_dr[None, :],
                      other=0.0)
     if FP16_DOTS:
@@ -223,7 +253,7 @@ def _mla_fwd_kernel(
 
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if V_PAIRS:  # even / odd value columns (see _mla_tile)
+    if V_PAIRS or QK_SPLIT == 2:  # even / odd value columns, or halves (see _mla_tile)
         acc = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
         acc_odd = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
     else:
@@ -246,9 +276,10 @@ def _mla_fwd_kernel(
                                 mask=start + BLOCK_N < full_hi, other=0)
             acc, acc_odd, m_i, l_i = _mla_tile(
                 acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, offs_t, start + offs_t,
-                hi, mask_row, offs_dv, offs_dr, mask_dv, mask_dr, KV_LORA, HAS_MASK, IEEE,
+                hi, mask_row, offs_dt, offs_dr, mask_dt, mask_dr, KV_LORA, HAS_MASK, IEEE,
                 EVEN_D, SPLIT_V_LOAD, V_PAIRS, kn_desc, kr_desc,
-                page * PAGE_SIZE + start % PAGE_SIZE, True, LAZY_RESCALE=LAZY_RESCALE)
+                page * PAGE_SIZE + start % PAGE_SIZE, True, LAZY_RESCALE=LAZY_RESCALE,
+                q_nope_b=q_nope_b, QK_SPLIT=QK_SPLIT)
         # the partial tile (none or one): the pointer loop below, its masked loads reading
         # rows past ``hi`` as zeros (a loop, so that its copies go through shared memory)
         lo = full_hi
@@ -266,9 +297,9 @@ def _mla_fwd_kernel(
                 acc, acc_odd, m_i, l_i = _mla_tile(
                     acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr,
                     page * stride_kvp + in_page * stride_kvs, (c0 + j) * BLOCK_N + offs_t, hi,
-                    mask_row, offs_dv, offs_dr, mask_dv, mask_dr,
+                    mask_row, offs_dt, offs_dr, mask_dt, mask_dr,
                     KV_LORA, HAS_MASK, IEEE, EVEN_D, SPLIT_V_LOAD, V_PAIRS,
-                    LAZY_RESCALE=LAZY_RESCALE)
+                    LAZY_RESCALE=LAZY_RESCALE, q_nope_b=q_nope_b, QK_SPLIT=QK_SPLIT)
     else:
         # any page size: page ids are fetched one tile ahead (the loop carries them)
         if TILE_IN_PAGE:  # page_size % BLOCK_N == 0 and tiles start at multiples of BLOCK_N
@@ -291,10 +322,13 @@ def _mla_fwd_kernel(
                 row = page * stride_kvp + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kvs
             acc, acc_odd, m_i, l_i = _mla_tile(
                 acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, offs_n, hi,
-                mask_row, offs_dv, offs_dr, mask_dv, mask_dr, KV_LORA, HAS_MASK, IEEE, EVEN_D,
-                SPLIT_V_LOAD, V_PAIRS, LAZY_RESCALE=LAZY_RESCALE)
+                mask_row, offs_dt, offs_dr, mask_dt, mask_dr, KV_LORA, HAS_MASK, IEEE, EVEN_D,
+                SPLIT_V_LOAD, V_PAIRS, LAZY_RESCALE=LAZY_RESCALE, q_nope_b=q_nope_b,
+                QK_SPLIT=QK_SPLIT)
     if V_PAIRS:  # interleave the columns back: [H, R/2, 2] -> [H, R]
         acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_H, BLOCK_DV])
+    if QK_SPLIT == 2:  # the halves side by side: [H, R/2, 2] -> [H, 2, R/2] -> [H, R]
+        acc = tl.reshape(tl.permute(tl.join(acc, acc_odd), [0, 2, 1]), [BLOCK_H, BLOCK_DV])
 
     has = l_i > 0
     inv = tl.where(has, kv_scale / tl.where(has, l_i, 1.0), 0.0)
