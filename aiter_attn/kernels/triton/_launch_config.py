@@ -109,7 +109,9 @@ MLA_KV_DESCRIPTORS = False
 
 #: The Triton MLA kernel's online softmax keeps its running maximum until some head's tile
 #: maximum exceeds it by more than 8 (log2 units, p ≤ 256): most tiles skip the ``[H, R]``
-#: accumulator rescale (``mla_paged_attention(..., lazy_rescale=)``).
+#: accumulator rescale (``mla_paged_attention(..., lazy_rescale=)``); its row sums are kept
+#: per element ``[H, BLOCK_N]`` and summed once after the last tile, so a tile has one
+#: cross-warp reduction (the maximum) instead of two.
 MLA_LAZY_RESCALE = False
 
 #: The Triton MLA kernel's split partials ``o / l`` in q's 16-bit dtype instead of float32

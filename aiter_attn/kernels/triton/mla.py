@@ -731,7 +731,8 @@ def mla_paged_attention(
             on sm_90) where the cache allows; default
             :data:`._launch_config.MLA_KV_DESCRIPTORS`.
         lazy_rescale: the Triton kernel moves its running maximum (and rescales the
-            accumulator) only when a head's maximum grows by more than 2^8; default
+            accumulator) only when a head's maximum grows by more than 2^8, and keeps its
+            row sums per element (one cross-warp reduction a tile); default
             :data:`._launch_config.MLA_LAZY_RESCALE`.
         half_partials: the Triton kernel's split partials (``o / l`` per split) in q's
             16-bit dtype instead of float32, half the bytes written and merged (head blocks

@@ -55,7 +55,9 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
               kn_desc=None, kr_desc=None, slot0=0, KV_DESC: tl.constexpr = False,
               LAZY_RESCALE: tl.constexpr = False, q_nope_b=None, QK_SPLIT: tl.constexpr = 1):
     """One latent tile: rows ``row`` (int64 offsets, ``[BLOCK_N]``) of keys ``offs_n``; keys
-    at or past ``hi`` are masked. Updates the online softmax ``(acc [H, R], m_i, l_i)``;
+    at or past ``hi`` are masked. Updates the online softmax ``(acc [H, R], m_i, l_i)``
+    (``l_i`` ``[H]``, or with ``LAZY_RESCALE`` ``[H, BLOCK_N]``: row sums kept per element,
+    so that a tile has one cross-warp reduction, the maximum);
     ``V_PAIRS`` (fp8 latents): ``acc``/``acc_odd`` ``[H, R/2]`` hold the even/odd value
     columns, read as 16-bit pairs (see the paged kernel's ``_tile_step``). ``KV_DESC``: the
     tile is the cache rows ``[slot0, slot0 + BLOCK_N)`` read through the tensor descriptors
@@ -108,10 +110,16 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
         acc = acc * alpha[:, None]
         if V_PAIRS or QK_SPLIT == 2:
             acc_odd = acc_odd * alpha[:, None]
-        l_i = l_i * alpha
+        if LAZY_RESCALE:
+            l_i = l_i * alpha[:, None]
+        else:
+            l_i = l_i * alpha
         m_i = m_new
     p = tl.exp2(s - m_i[:, None])
-    l_i = l_i + tl.sum(p, axis=1)
+    if LAZY_RESCALE:
+        l_i = l_i + p  # row sums per element: summed once, after the last tile
+    else:
+        l_i = l_i + tl.sum(p, axis=1)
     if QK_SPLIT == 2:  # the two column halves of the values
         p16 = p.to(q_nope.dtype)
         acc = acc + _dot(p16, c_nope, IEEE)
@@ -252,7 +260,10 @@ def _mla_fwd_kernel(
         q_rope = tl.minimum(tl.maximum(q_rope.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if LAZY_RESCALE:  # row sums per element (see _mla_tile)
+        l_i = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     if V_PAIRS or QK_SPLIT == 2:  # even / odd value columns, or halves (see _mla_tile)
         acc = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
         acc_odd = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
@@ -330,6 +341,8 @@ def _mla_fwd_kernel(
     if QK_SPLIT == 2:  # the halves side by side: [H, R/2, 2] -> [H, 2, R/2] -> [H, R]
         acc = tl.reshape(tl.permute(tl.join(acc, acc_odd), [0, 2, 1]), [BLOCK_H, BLOCK_DV])
 
+    if LAZY_RESCALE:
+        l_i = tl.sum(l_i, axis=1)
     has = l_i > 0
     inv = tl.where(has, kv_scale / tl.where(has, l_i, 1.0), 0.0)
     o = acc * inv[:, None]
