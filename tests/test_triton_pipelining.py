@@ -83,8 +83,8 @@ SPILL_CEILINGS = [
                  id="mla-16h-8warps"),
     pytest.param("mla", dict(BLOCK_H=64, BLOCK_N=64, warps=8, stages=2), 40,
                  id="mla-128h-default"),
-    # the 16-head options timed next: tiles through descriptors (241 registers), the lazy
-    # rescale and 16-bit partials (255: two 4-warp programs per SM still fit, no spills)
+    # the 16-head options timed next: tiles through descriptors, the lazy rescale, 16-bit
+    # partials, two score chains (241-255 registers: two 4-warp programs per SM still fit)
     pytest.param("mla", dict(BLOCK_H=16, BLOCK_N=32, warps=4, stages=3, NUM_SPLITS=4,
                              ONE_QUERY=True, KV_DESC=True, LAZY_RESCALE=True), 0,
                  id="mla-16h-desc-lazy"),
