@@ -115,6 +115,8 @@
 #                                  # 16-bit partials, two score chains): rows, time split
 #   scripts/gpu_session.sh sixtyseventh  # their gpu tests; ncu of the default and the options
 #   scripts/gpu_session.sh sixtyeighth   # the remaining 16-head variants, 64x2k
+#   scripts/gpu_session.sh sixtyninth    # every MLA gpu test with candidate defaults
+#                                  # (MLA_DEFAULTS='{"kv_desc": true, ...}')
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
@@ -651,6 +653,13 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       --tunings '[{}, {"half_partials": true}, {"qk_split": 2}, {"kv_desc": true, "lazy_rescale": true}, {"kv_desc": true, "lazy_rescale": true, "half_partials": true, "qk_split": 2}]' 2>&1 \
       | tee "$OUT/mla_time_split.log" | tail -12
     rm -f "$OUT"/*/*.png
+    ;;
+  sixtyninth)
+    # every MLA gpu test with candidate defaults (MLA_DEFAULTS: JSON of the options, e.g.
+    # {"kv_desc": true, "lazy_rescale": true, "half_partials": true, "qk_split": 2}),
+    # before the library flips them
+    AITER_ATTN_TEST_MLA_DEFAULTS="${MLA_DEFAULTS:-{\"kv_desc\": true, \"lazy_rescale\": true, \"half_partials\": true, \"qk_split\": 2\}}" \
+      gpu_tests mla_candidate_tests.log ${GT_S:-400} 150 tests -k "mla or MLA"
     ;;
   sixtyeighth)
     # the remaining 16-head variants, and 64x2k

@@ -29,3 +29,35 @@ def pytest_runtest_logreport(report):
         return
     with open(path, "a") as f:
         f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
+#: ``AITER_ATTN_TEST_MLA_DEFAULTS``'s keys: the MLA options whose defaults a run may change
+_MLA_DEFAULT_NAMES = {"kv_desc": "MLA_KV_DESCRIPTORS", "lazy_rescale": "MLA_LAZY_RESCALE",
+                      "half_partials": "MLA_HALF_PARTIALS", "qk_split": "MLA_QK_SPLIT",
+                      "fused_merge": "MLA_FUSED_MERGE"}
+
+
+def mla_test_defaults(raw: str) -> dict:
+    """``{constant name: value}`` from the JSON of ``AITER_ATTN_TEST_MLA_DEFAULTS`` (e.g.
+    ``{"kv_desc": true, "qk_split": 2}``); an unknown key is refused with the known ones."""
+    import json
+
+    opts = json.loads(raw)
+    unknown = sorted(set(opts) - set(_MLA_DEFAULT_NAMES))
+    if unknown:
+        raise ValueError(f"AITER_ATTN_TEST_MLA_DEFAULTS: unknown option(s) {unknown}; "
+                         f"allowed: {sorted(_MLA_DEFAULT_NAMES)}.")
+    return {_MLA_DEFAULT_NAMES[k]: v for k, v in opts.items()}
+
+
+def pytest_configure(config):
+    """``AITER_ATTN_TEST_MLA_DEFAULTS='{"kv_desc": true, ...}'`` runs the whole suite with
+    those MLA kernel options as the defaults (a GPU session checks candidate defaults with
+    every MLA test before the library flips them); unset, nothing changes."""
+    raw = os.environ.get("AITER_ATTN_TEST_MLA_DEFAULTS")
+    if not raw:
+        return
+    from aiter_attn.kernels.triton import mla
+
+    for name, value in mla_test_defaults(raw).items():
+        setattr(mla, name, value)
