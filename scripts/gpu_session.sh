@@ -116,7 +116,7 @@
 #   scripts/gpu_session.sh sixtyseventh  # their gpu tests; ncu of the default and the options
 #   scripts/gpu_session.sh sixtyeighth   # the remaining 16-head variants, 64x2k
 #   scripts/gpu_session.sh sixtyninth    # every MLA gpu test with candidate defaults
-#                                  # (MLA_DEFAULTS='{"kv_desc": true, ...}')
+#                                  # (MLA_DEFAULTS: a JSON object of the options)
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
 #                                  # kernel) and the engine graph tests, -n 4
 #   scripts/gpu_session.sh twentysecond # Gluon gpu tests, Triton/Gluon/capped 128-row rows,
