@@ -289,7 +289,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kernel", choices=("paged", "mla", "reduce", "mla_merge"))
     ap.add_argument("config", nargs="?", default="{}", help="JSON constexprs / options")
-    ap.add_argument("--dump", help="write k.ttgir, k.ptx, k.cubin and k.sass into this folder")
+    ap.add_argument("--dump", help="write k.ttgir, k.ptx, k.cubin and k.sass into this folder "
+                    "and print the SASS's innermost tensor-core loops")
     ap.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = ap.parse_args(argv)
     cfg = json.loads(args.config)
@@ -307,7 +308,64 @@ def main(argv=None) -> int:
             with open(os.path.join(args.dump, "k." + ext), "w") as f:
                 f.write(k.asm[ext])
         write_sass(k, args.dump)
+        with open(os.path.join(args.dump, "k.sass")) as f:
+            loops = sass_loops(f.read())
+        for lp in loops:  # the key loops: instructions per warp and tile
+            if args.json:
+                print(json.dumps({"sass loop": lp}))
+            else:
+                top = ", ".join(f"{o} {n}" for o, n in list(lp["opcodes"].items())[:12])
+                print(f"SASS loop at {lp['at']}: {lp['instructions']} instructions, "
+                      f"{lp['HMMA']} HMMA, longest HMMA chain {lp['longest HMMA chain']} "
+                      f"({top})")
     return 0
+
+
+def sass_loops(sass: str) -> list:
+    """The innermost loops (a backward branch whose range holds no other) of a ``cuobjdump
+    -sass`` listing that issue tensor-core instructions: ``{"at", "instructions", "HMMA",
+    "longest HMMA chain", "opcodes"}`` each (a key loop's instructions per warp and tile;
+    the chain: HMMAs whose accumulator input an earlier HMMA of the loop body wrote)."""
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2).strip()))
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    spans = []
+    for i, (a, text) in enumerate(ins):
+        m = re.search(r"BRA .*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
+            spans.append((at[int(m.group(1), 16)], i))
+    inner = [(s, e) for s, e in spans
+             if not any((s2, e2) != (s, e) and s <= s2 and e2 <= e for s2, e2 in spans)]
+    out = []
+    for s, e in inner:
+        ops, depth, chain, hmma = {}, {}, 0, 0
+        for _, text in ins[s:e + 1]:
+            body = re.sub(r"^@!?U?P\w+\s+", "", text)
+            op = body.split()[0]
+            base = op.split(".")[0]
+            ops[base] = ops.get(base, 0) + 1
+            args = [x.strip() for x in body[len(op):].split(",")]
+
+            def regs(tok, n):
+                r = re.match(r"R(\d+)", tok)
+                return range(int(r.group(1)), int(r.group(1)) + n) if r else range(0)
+            if base == "HMMA" and len(args) >= 4:
+                hmma += 1
+                d = 1 + max([depth.get(r, 0) for r in regs(args[3], 4)] + [0])
+                chain = max(chain, d)
+                for r in regs(args[0], 4):
+                    depth[r] = d
+            elif args and args[0].startswith("R"):
+                for r in regs(args[0], 1):
+                    depth.pop(r, None)
+        if hmma:
+            out.append({"at": hex(ins[s][0]), "instructions": e - s + 1, "HMMA": hmma,
+                        "longest HMMA chain": chain,
+                        "opcodes": dict(sorted(ops.items(), key=lambda kv: -kv[1]))})
+    return out
 
 
 def write_sass(kernel, folder: str) -> None:

@@ -252,3 +252,28 @@ def test_split_reduction_reads_in_one_round_trip(kernel, config):
     rep = _inspect(kernel, config)
     assert rep["ld.global"] > 0, rep
     assert rep["ld.global before the first bar.sync"] == rep["ld.global"], rep
+
+
+def test_sass_loops_counts_the_innermost_loop_and_its_hmma_chain():
+    """``inspect_sm90.sass_loops`` on a hand-written listing: an outer loop around an inner
+    one; the inner one's three HMMAs, two chained through their accumulator, one not."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from inspect_sm90 import sass_loops
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    sass = "\n".join(f"        /*{a:04x}*/   {t} ;" for a, t in [
+        (0x00, "MOV R1, RZ"),
+        (0x10, "LDSM.16.M88.4 R4, [R2]"),
+        (0x20, "HMMA.16816.F32.BF16 R8, R4, R6, RZ"),
+        (0x30, "HMMA.16816.F32.BF16 R8, R4, R6, R8"),
+        (0x40, "HMMA.16816.F32.BF16 R12, R4, R6, RZ"),
+        (0x50, "@P0 BRA 0x10"),
+        (0x60, "IADD3 R1, R1, 0x1, RZ"),
+        (0x70, "@P1 BRA 0x0"),
+    ])
+    loops = sass_loops(sass)
+    assert len(loops) == 1, loops
+    lp = loops[0]
+    assert lp["at"] == "0x10" and lp["instructions"] == 5 and lp["HMMA"] == 3, lp
+    assert lp["longest HMMA chain"] == 2 and lp["opcodes"]["LDSM"] == 1, lp
