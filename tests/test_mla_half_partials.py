@@ -19,26 +19,15 @@ from aiter_attn.testing.compare import assert_close_rel
 
 from ._triton_util import requires_triton
 from .test_mla_fused_merge import _lse_oracle
-from .test_triton_mla import RTOL, MLACase, assert_graph_replay_matches_eager
+from .test_triton_mla import (RTOL, MLACase, assert_graph_replay_matches_eager,
+                              spy_mla_launches)
 
 pytestmark = requires_triton
 
 
 def _spy_partials(monkeypatch) -> list:
     """Records the dtype of each Triton MLA launch's ``part_o`` (its sixth argument)."""
-    from aiter_attn.kernels.triton import mla
-
-    seen, kernel = [], mla._mla_fwd_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append(args[5].dtype)
-                return kernel[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(mla, "_mla_fwd_kernel", Spy())
-    return seen
+    return spy_mla_launches(monkeypatch, lambda args, kw: args[5].dtype)
 
 
 CASES = [

@@ -17,26 +17,15 @@ import torch
 from aiter_attn.testing.compare import assert_close_rel
 
 from ._triton_util import requires_triton
-from .test_triton_mla import RTOL, MLACase, assert_graph_replay_matches_eager
+from .test_triton_mla import (RTOL, MLACase, assert_graph_replay_matches_eager,
+                              spy_mla_launches)
 
 pytestmark = requires_triton
 
 
 def _spy_kv_desc(monkeypatch) -> list:
     """Records each Triton MLA launch's ``KV_DESC``."""
-    from aiter_attn.kernels.triton import mla
-
-    seen, kernel = [], mla._mla_fwd_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append(kw["KV_DESC"])
-                return kernel[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(mla, "_mla_fwd_kernel", Spy())
-    return seen
+    return spy_mla_launches(monkeypatch, lambda args, kw: kw["KV_DESC"])
 
 
 def _nan_past_ends(case: MLACase) -> None:

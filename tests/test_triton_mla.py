@@ -267,6 +267,24 @@ def test_gpu_deepseek_shapes(shape, dtype, kv):
     assert_close_rel(out, case.expected(), RTOL[dtype], f"{dtype} kv={kv}")
 
 
+def spy_mla_launches(monkeypatch, pick) -> list:
+    """Records ``pick(args, kwargs)`` of each Triton MLA kernel launch (the launch itself
+    still runs): which constexprs a plan really launched with."""
+    from aiter_attn.kernels.triton import mla
+
+    seen, kernel = [], mla._mla_fwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(pick(args, kw))
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(mla, "_mla_fwd_kernel", Spy())
+    return seen
+
+
 def assert_graph_replay_matches_eager(new_lens, replays=1, **launch):
     """Capture a 16-head bf16 decode of 8 requests (latents 512 + 64, 7 pages of 64 each)
     once with the keywords ``launch``, change the lengths (``new_lens``, within the block
