@@ -25,7 +25,8 @@ from ._pdl import pdl_mode
 __all__ = ["TUNING_OVERRIDES", "OVERRIDE_KEYS", "check_overrides", "LaunchConfig",
            "choose_config", "BATCH_INVARIANT_SPLIT_TOKENS",
            "FP8_VALUE_PAIRS", "MLA_FP8_VALUE_PAIRS", "MLA_FUSED_MERGE", "MLA_KV_DESCRIPTORS",
-           "MLA_LAZY_RESCALE", "MLA_HALF_PARTIALS", "MLA_QK_SPLIT", "PREFETCH_PAGES", "CARRIED_PAGE_LOOKUP"]
+           "MLA_LAZY_RESCALE", "MLA_HALF_PARTIALS", "MLA_QK_SPLIT", "PREFETCH_PAGES",
+           "CARRIED_PAGE_LOOKUP"]
 
 #: Keys per split in batch-invariant mode (rounded up to a multiple of ``block_n``).
 BATCH_INVARIANT_SPLIT_TOKENS = 512

@@ -213,18 +213,20 @@ TUNING_KEYS = frozenset({
 class TritonMLA(MLAKernel):
     """``mla_paged_attention`` (Triton) as plan/run, bound once per layer group.
 
-    ``tuning`` (tests, benchmarks) overrides the launch heuristics: ``num_kv_splits``,
-    ``block_h``, ``block_n``, ``num_warps``, ``num_stages``, ``page_chunk``, ``split_v_load``,
-    ``v_pairs`` (fp8 value reads as 16-bit column pairs), ``fused_merge`` (the split merge
-    in the attention launch: ``True`` or ``"cooperative"``), ``kv_desc`` (latent tiles
-    through tensor descriptors), ``lazy_rescale`` (the accumulator rescaled only when a
-    maximum grows by more than 2^8), ``half_partials`` (split partials in q's 16-bit dtype),
-    ``qk_split`` (2: q·Kᵀ as two independent mma chains over the latent halves), ``ring`` (``True``: the ring Gluon kernel of
-    :mod:`.mla_ring_gluon` for up to 16 heads), ``one_query`` (``False``: decode steps search ``cu_seqlens_q``
-    for their request like any other), ``narrow`` (``True``: the narrow
-    Gluon kernel of :mod:`.mla_narrow_gluon` for up to 16 heads), ``gluon`` (``False``: never the Gluon kernels of :mod:`.mla_gluon`, which otherwise
-    serves what :func:`.mla_gluon.gluon_mla_reject_reason` allows: 64-head blocks of
-    bf16/fp16 latents 512 + 64 on NVIDIA sm_90).
+    ``tuning`` (tests, benchmarks; keys in :data:`TUNING_KEYS`, others refused) overrides
+    the launch heuristics: ``num_kv_splits``, ``block_h``, ``block_n``, ``num_warps``,
+    ``num_stages``, ``page_chunk``, ``split_v_load``, ``v_pairs`` (fp8 value reads as 16-bit
+    column pairs), ``pdl``, ``fused_merge`` (the split merge in the attention launch:
+    ``True`` or ``"cooperative"``), ``kv_desc`` (latent tiles through tensor descriptors),
+    ``lazy_rescale`` (the accumulator rescaled only when a maximum grows by more than 2^8;
+    row sums per element), ``half_partials`` (split partials in q's 16-bit dtype),
+    ``qk_split`` (2: q·Kᵀ as two independent mma chains over the latent halves), ``ring``
+    (``True``: the ring Gluon kernel of :mod:`.mla_ring_gluon` for up to 16 heads),
+    ``one_query`` (``False``: decode steps search ``cu_seqlens_q`` for their request like any
+    other), ``narrow`` (``True``: the narrow Gluon kernel of :mod:`.mla_narrow_gluon` for up
+    to 16 heads), ``gluon`` (``False``: never the Gluon kernels of :mod:`.mla_gluon`, which
+    otherwise serves what :func:`.mla_gluon.gluon_mla_reject_reason` allows: 64-head blocks
+    of bf16/fp16 latents 512 + 64 on NVIDIA sm_90).
     """
 
     def __init__(self, request=None, tuning: Optional[dict] = None):
@@ -734,8 +736,8 @@ def mla_paged_attention(
             accumulator) only when a head's maximum grows by more than 2^8, and keeps its
             row sums per element (one cross-warp reduction a tile); default
             :data:`._launch_config.MLA_LAZY_RESCALE`.
-        half_partials: the Triton kernel's split partials (``o / l`` per split) in q's
-            16-bit dtype instead of float32, half the bytes written and merged (head blocks
+        half_partials: the Triton and narrow kernels' split partials (``o / l`` per split)
+            in q's 16-bit dtype instead of float32, half the bytes written and merged (head blocks
             of up to 16, bf16/fp16 queries, not batch-invariant; the LSEs stay float32);
             default :data:`._launch_config.MLA_HALF_PARTIALS`.
         qk_split: ``2``: the Triton kernel computes q·Kᵀ as two independent mma chains over

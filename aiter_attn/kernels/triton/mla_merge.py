@@ -1,8 +1,9 @@
 """The split merge of the MLA kernels (:mod:`.mla`, :mod:`.mla_gluon`,
-:mod:`.mla_narrow_gluon`): partial outputs ``o / l`` ``[T, H, S, R]`` (float32, or the queries'
-16-bit dtype: read into float32) and their float32 log2 LSEs ``[T, H, S]`` combined into the rows (and the natural-log LSE): :func:`merge_splits` (a second
-launch over ``(tokens, heads)``) and :func:`merge_head_block` (the one-launch form: run by the
-last split program of a (token, head block) to finish, inside the attention kernel)."""
+:mod:`.mla_narrow_gluon`): partial outputs ``o / l`` ``[T, H, S, R]`` (float32, or the
+queries' 16-bit dtype: read into float32) and their float32 log2 LSEs ``[T, H, S]``
+combined into the rows (and the natural-log LSE): :func:`merge_splits` (a second launch over
+``(tokens, heads)``) and :func:`merge_head_block` (the one-launch form: run by the last split
+program of a (token, head block) to finish, inside the attention kernel)."""
 
 from __future__ import annotations
 
