@@ -136,7 +136,8 @@ def test_half_partials_declined_where_they_do_not_apply():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("launch", [{}, {"kv_desc": True, "lazy_rescale": True},
-                                    {"fused_merge": True}], ids=["plain", "desc-lazy", "fused"])
+                                    {"fused_merge": True}, {"fused_merge": "cooperative"}],
+                         ids=["plain", "desc-lazy", "fused", "cooperative"])
 @pytest.mark.parametrize("splits", [2, 4, 7])
 def test_gpu_half_partials_deepseek(splits, launch, dtype, monkeypatch):
     case = MLACase([1] * 6, [4096, 1000, 64, 5, 129, 2049], rank=512, rope=64, page=64,
