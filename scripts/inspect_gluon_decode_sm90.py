@@ -19,10 +19,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 
-def _compile_sm90(fn, c: dict, q: str, descs: dict, fp32_ptrs: tuple, maxnreg: int):
+def _compile_sm90(fn, c: dict, q: str, descs: dict, fp32_ptrs: tuple, maxnreg: int,
+                  ptrs: dict = None):
     """Compile Gluon kernel ``fn`` for sm_90: constexprs ``c``, q / out of dtype ``q``, host
     tensor descriptors ``descs`` (name -> block shape), float32 pointers ``fp32_ptrs``,
-    int32 index pointers ``cu_q`` / ``seqused`` / ``bt``, ``qk2`` float, other ints."""
+    pointers of other element types ``ptrs`` (name -> Triton type name), int32 index
+    pointers ``cu_q`` / ``seqused`` / ``bt``, ``qk2`` float, other ints."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -35,6 +37,8 @@ def _compile_sm90(fn, c: dict, q: str, descs: dict, fp32_ptrs: tuple, maxnreg: i
         elif n in descs:
             layout = gl.NVMMASharedLayout.get_default_for(list(descs[n]), gdt)
             sig[n] = f"tensordesc<{q}[{descs[n][0]}, {descs[n][1]}],{layout!r}>"
+        elif n in (ptrs or {}):
+            sig[n] = "*" + ptrs[n]
         elif n in ("q_ptr", "out"):
             sig[n] = "*" + q
         elif n in fp32_ptrs:
@@ -67,8 +71,9 @@ def compile_decode(q="bf16", maxnreg=None, **const):
                          ("part_acc", "part_ml", "lse_ptr"), maxnreg)
 
 
-def compile_narrow_mla(q="bf16", **const):
-    """The narrow MLA kernel (:mod:`aiter_attn.kernels.triton.mla_narrow_gluon`)."""
+def compile_narrow_mla(q="bf16", part="fp32", **const):
+    """The narrow MLA kernel (:mod:`aiter_attn.kernels.triton.mla_narrow_gluon`); ``part``:
+    its split partials' dtype (``"bf16"``: ``half_partials``)."""
     from aiter_attn.kernels.triton import mla_narrow_gluon as mn
 
     c = dict(HP=16, PAGE=64, BOX=64, CAUSAL=True, SPLITS=1, WRITE_LSE=False, BLOCK_B=64,
@@ -78,7 +83,7 @@ def compile_narrow_mla(q="bf16", **const):
     c["BOX"] = min(c["BOX"], 64)
     return _compile_sm90(mn._narrow_mla_kernel, c, q,
                          {"kn_d": (c["BOX"], 512), "kr_d": (c["BOX"], 64)},
-                         ("part_o", "part_l", "lse_ptr"), mn._MAXNREG)
+                         ("part_l", "lse_ptr"), mn._MAXNREG, ptrs={"part_o": part})
 
 
 def compile_ring_mla(q="bf16", **const):

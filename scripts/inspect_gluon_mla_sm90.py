@@ -6,7 +6,6 @@ shared memory, the partitions' register re-allocations (``setmaxnreg``) and the 
 Usage::
 
     python scripts/inspect_gluon_mla_sm90.py '{"SPLITS": 1, "WRITE_LSE": false}' [--json]
-    python scripts/inspect_gluon_mla_sm90.py --narrow '{"SPLITS": 4, "part": "bf16"}' [--json]
 """
 
 from __future__ import annotations
@@ -57,60 +56,15 @@ def compile_mla(q="bf16", **const):
                           options=dict(num_warps=4, num_stages=1, maxnreg=mg._MAXNREG))
 
 
-def compile_narrow(q="bf16", part="fp32", **const):
-    """The narrow Gluon kernel (:mod:`aiter_attn.kernels.triton.mla_narrow_gluon`, up to 16
-    heads): pages of 64, 4 splits unless the JSON says otherwise; ``part``: the partials'
-    dtype (``"bf16"``: ``half_partials``)."""
-    import torch
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from aiter_attn.kernels.triton import mla_narrow_gluon as mn
-
-    c = dict(HP=16, PAGE=64, BOX=mn._box_rows(64), CAUSAL=True, SPLITS=4, WRITE_LSE=False,
-             BLOCK_B=64, CONSUMER_REGS=mn._MAXNREG, LOADER_REGS=mn._LOADER_REGS, num_warps=4,
-             FUSED=False, ONE_QUERY=True)
-    c.update(const)
-    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[q]
-    fn = mn._narrow_mla_kernel
-    names = fn.arg_names
-    box = c["BOX"]
-    sig = {}
-    for n in names:
-        if n in c:
-            sig[n] = "constexpr"
-        elif n == "kn_d":
-            sig[n] = f"tensordesc<{q}[{box}, 512],{mn._smem_layout(box, 512, tdt)!r}>"
-        elif n == "kr_d":
-            sig[n] = f"tensordesc<{q}[{box}, 64],{mn._smem_layout(box, 64, tdt)!r}>"
-        elif n in ("q_ptr", "out"):
-            sig[n] = f"*{q}"
-        elif n == "part_o":
-            sig[n] = f"*{part}"
-        elif n in ("part_l", "lse_ptr"):
-            sig[n] = "*fp32"
-        elif n in ("cu_q", "seqused", "bt", "count"):
-            sig[n] = "*i32"
-        elif n == "qk2":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in c.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, num_stages=1, maxnreg=mn._MAXNREG))
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("const", nargs="?", default="{}")
-    p.add_argument("--narrow", action="store_true",
-                   help="the narrow kernel (up to 16 heads) instead of the 64-head one")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from inspect_gluon_prefill_sm90 import gluon_report, print_report
 
-    build = compile_narrow if a.narrow else compile_mla
-    print_report(gluon_report(build(**json.loads(a.const))), a.json)
+    print_report(gluon_report(compile_mla(**json.loads(a.const))), a.json)
 
 
 if __name__ == "__main__":

@@ -235,32 +235,42 @@ def _loads_before(ptx: str, instruction: str) -> int:
     return len(re.findall(r"ld\.global", body[:first.start() if first else len(body)]))
 
 
-def _mma_chain(ptx: str) -> int:
-    """The longest chain of dependent ``mma.sync`` in program order: an mma one deeper than
-    the deepest mma that wrote its accumulator input (C) registers; any other instruction
-    writing a register starts it over. Each link waits the mma latency (q·Kᵀ of a 16-head
-    MLA tile: one chain as deep as the latent width / 16)."""
+def _longest_chain(instructions) -> int:
+    """The longest chain of dependent tensor-core mmas in program order, from ``(is_mma,
+    written registers, accumulator-input registers)`` per instruction: an mma is one deeper
+    than the deepest mma that wrote its accumulator input (C); any other instruction writing
+    a register starts it over. Each link waits the mma latency (q·Kᵀ of a 16-head MLA tile:
+    one chain as deep as the latent width / 16)."""
     depth: dict = {}
     best = 0
-    for line in ptx.splitlines():
-        line = line.strip()
-        if not line or line.startswith(("//", ".", "$", "{", "}")) or line.endswith(":"):
-            continue
-        op, _, rest = line.partition(" ")
-        groups = re.findall(r"\{([^}]*)\}|(%[\w.]+)", rest)
-        ops = [g[0] or g[1] for g in groups]
-        if not ops:
-            continue
-        dest = re.findall(r"%[\w.]+", ops[0])
-        if op.startswith("mma.sync") and len(ops) >= 4:
-            d = 1 + max([depth.get(r, 0) for r in re.findall(r"%[\w.]+", ops[3])] + [0])
+    for is_mma, written, acc in instructions:
+        if is_mma:
+            d = 1 + max([depth.get(r, 0) for r in acc] + [0])
             best = max(best, d)
-            for r in dest:
+            for r in written:
                 depth[r] = d
         else:
-            for r in dest:
+            for r in written:
                 depth.pop(r, None)
     return best
+
+
+def _mma_chain(ptx: str) -> int:
+    """:func:`_longest_chain` of the PTX's ``mma.sync`` (whole kernel, program order)."""
+    def parsed():
+        for line in ptx.splitlines():
+            line = line.strip()
+            if not line or line.startswith(("//", ".", "$", "{", "}")) or line.endswith(":"):
+                continue
+            op, _, rest = line.partition(" ")
+            groups = re.findall(r"\{([^}]*)\}|(%[\w.]+)", rest)
+            ops = [g[0] or g[1] for g in groups]
+            if not ops:
+                continue
+            mma = op.startswith("mma.sync") and len(ops) >= 4
+            yield (mma, re.findall(r"%[\w.]+", ops[0]),
+                   re.findall(r"%[\w.]+", ops[3]) if mma else ())
+    return _longest_chain(parsed())
 
 
 def report(kernel) -> dict:
@@ -340,27 +350,23 @@ def sass_loops(sass: str) -> list:
     inner = [(s, e) for s, e in spans
              if not any((s2, e2) != (s, e) and s <= s2 and e2 <= e for s2, e2 in spans)]
     out = []
+    def regs(tok, n):  # an HMMA's register quads, another instruction's one register
+        r = re.match(r"R(\d+)", tok)
+        return range(int(r.group(1)), int(r.group(1)) + n) if r else range(0)
+
     for s, e in inner:
-        ops, depth, chain, hmma = {}, {}, 0, 0
+        ops, deps = {}, []
         for _, text in ins[s:e + 1]:
             body = re.sub(r"^@!?U?P\w+\s+", "", text)
             op = body.split()[0]
             base = op.split(".")[0]
             ops[base] = ops.get(base, 0) + 1
             args = [x.strip() for x in body[len(op):].split(",")]
-
-            def regs(tok, n):
-                r = re.match(r"R(\d+)", tok)
-                return range(int(r.group(1)), int(r.group(1)) + n) if r else range(0)
-            if base == "HMMA" and len(args) >= 4:
-                hmma += 1
-                d = 1 + max([depth.get(r, 0) for r in regs(args[3], 4)] + [0])
-                chain = max(chain, d)
-                for r in regs(args[0], 4):
-                    depth[r] = d
-            elif args and args[0].startswith("R"):
-                for r in regs(args[0], 1):
-                    depth.pop(r, None)
+            mma = base == "HMMA" and len(args) >= 4
+            deps.append((mma, regs(args[0], 4 if mma else 1) if args else (),
+                         regs(args[3], 4) if mma else ()))
+        hmma = sum(m for m, _, _ in deps)
+        chain = _longest_chain(deps)
         if hmma:
             out.append({"at": hex(ins[s][0]), "instructions": e - s + 1, "HMMA": hmma,
                         "longest HMMA chain": chain,

@@ -2,28 +2,18 @@
 row; the H200 times them): the attention launch alone then the merge launch alone give the
 step's rows, for the default and for every kernel option the GPU sessions time with it."""
 
-import os
-import sys
-
 import pytest
 import torch
 
 from ._triton_util import requires_triton
+from .test_bench_launch_options import _bench
 
 pytestmark = requires_triton
-
-_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
 @pytest.fixture
 def split_bench():
-    sys.path.insert(0, _BENCH)
-    try:
-        import mla_time_split
-
-        yield mla_time_split
-    finally:
-        sys.path.remove(_BENCH)
+    return _bench("mla_time_split")
 
 
 @pytest.mark.parametrize("tuning", [

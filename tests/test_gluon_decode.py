@@ -287,7 +287,8 @@ def _inspect_mla(const: dict, kernel: str = "--mla") -> dict:
     {},
     {"HP": 8, "PAGE": 48, "BOX": 16, "SPLITS": 3, "WRITE_LSE": True},
     {"PAGE": 16, "BOX": 16, "WRITE_LSE": True, "q": "fp16"},
-], ids=["h16-p64", "h8-p48-splits-lse", "h16-p16-fp16"])
+    {"SPLITS": 4, "part": "bf16"},
+], ids=["h16-p64", "h8-p48-splits-lse", "h16-p16-fp16", "h16-splits-bf16-partials"])
 def test_narrow_mla_compiles_for_sm90(const):
     """The narrow MLA kernel (``mla_narrow_gluon.py``): 12 warps within the SM's registers
     and the H200's shared memory (two 72 KB latent slots, q, P, the hand-over buffer); 68
@@ -375,7 +376,8 @@ def test_layer_launch_keys_and_argument_list(monkeypatch):
 
 @pytest.mark.parametrize("const", [
     {"FUSED": True, "ONE_QUERY": True, "SPLITS": 2, "WRITE_LSE": True},
-], ids=["fused-merge-one-query"])
+    {"FUSED": True, "ONE_QUERY": True, "SPLITS": 4, "part": "bf16"},
+], ids=["fused-merge-one-query", "fused-merge-bf16-partials"])
 def test_narrow_mla_fused_merge_compiles_for_sm90(const):
     """The narrow kernel merging its own splits: one acq_rel count per program, the same
     registers and shared memory as the two-launch form."""

@@ -81,23 +81,3 @@ def test_gluon_mla_compiles_for_sm90(const):
     assert r["stack"] <= 160, r
     assert r["wgmma"] >= 40, r  # scores (36 + 4 k-steps) and p·v per tile, both roles
 
-
-@pytest.mark.parametrize("const", [
-    {"SPLITS": 4},
-    {"SPLITS": 4, "part": "bf16", "FUSED": True},
-], ids=["float32-partials", "bf16-partials-own-merge"])
-def test_narrow_gluon_mla_compiles_for_sm90(const):
-    """The narrow MLA kernel (``mla_narrow_gluon.py``, up to 16 heads) with float32 or
-    16-bit partials (``half_partials``): one program per SM (two consumer warpgroups and a
-    loader warp, 12 warps at 128 registers), within the H200's shared memory (two 72 KB
-    slots beside q), 8 bytes of stack as before."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, str(ROOT / "scripts" / "inspect_gluon_mla_sm90.py"), "--narrow",
-           json.dumps(const), "--json"]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-3000:]
-    r = json.loads(res.stdout.strip().splitlines()[-1])
-    assert r["warps"] == 12 and r["registers"] * 12 * 32 <= 65536, r
-    assert r["shared"] <= H200_SMEM_OPTIN and r["stack"] <= 8, r
-    assert r["wgmma"] > 0, r

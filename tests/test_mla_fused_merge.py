@@ -13,15 +13,14 @@ replay and DeepSeek shapes.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from aiter_attn.testing.compare import assert_close_rel
 
 from ._triton_util import requires_triton
-from .test_triton_mla import RTOL, MLACase, assert_graph_replay_matches_eager
+from .test_triton_mla import (LSE_RTOL, RTOL, MLACase, assert_graph_replay_matches_eager,
+                              deepseek_decode)
 
 pytestmark = requires_triton
 
@@ -33,22 +32,6 @@ def _no_second_launch(monkeypatch):
         raise AssertionError("the fused merge made the second (merge_splits) launch")
 
     monkeypatch.setattr(mla, "merge_splits", fail)
-
-
-def _lse_oracle(case: MLACase) -> torch.Tensor:
-    """Natural-log LSE of the scaled logits per (token, head), float64, causal."""
-    rows, t = [], 0
-    for b, (n, L) in enumerate(zip(case.q_lens, case.kv_lens)):
-        c = case.dense[b].double()[:, 0]  # [L, dim]
-        for i in range(n):
-            s = case.q[t + i].double() @ c.T * case.softmax_scale  # [H, L]
-            visible = torch.arange(L) <= L - n + i
-            if case.masks is not None:
-                visible &= case.masks[b][i]
-            s = s.masked_fill(~visible, -math.inf)
-            rows.append(torch.logsumexp(s, dim=-1))
-        t += n
-    return torch.stack(rows)
 
 
 CASES = [
@@ -69,12 +52,8 @@ def test_fused_merge_matches_oracle_and_lse(case_kw, splits, dtype, monkeypatch)
     launch = case_kw.pop("launch", {})
     case = MLACase(**case_kw, dtype=dtype, seed=3)
     _no_second_launch(monkeypatch)
-    lse = torch.full((case.q.shape[0], case.heads), float("nan"), device=case.device)
-    out = case.run(num_kv_splits=splits, fused_merge=True, lse=lse, **launch)
-    assert torch.isfinite(out).all()
-    assert_close_rel(out, case.expected(), RTOL[dtype], f"fused merge, {splits} splits")
-    assert_close_rel(lse.cpu(), _lse_oracle(case), 1e-5 if dtype == torch.float32 else 2e-3,
-                     "fused merge LSE")
+    case.assert_rows_and_lse(f"fused merge, {splits} splits", num_kv_splits=splits,
+                             fused_merge=True, **launch)
 
 
 def test_fused_merge_equals_two_launch_merge():
@@ -190,14 +169,13 @@ FUSED_MODES = [pytest.param(True, id="last-split"),
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("splits", [2, 3, 4, 7])
 def test_gpu_fused_merge_deepseek(splits, dtype, mode, monkeypatch):
-    case = MLACase([1] * 6, [4096, 1000, 64, 5, 129, 2049], rank=512, rope=64, page=64,
-                   heads=16, dtype=dtype, device="cuda", seed=7)
+    case = deepseek_decode(dtype)
     _no_second_launch(monkeypatch)
     lse = torch.empty(6, 16, device="cuda")
     for _ in range(3):  # counters left at zero: repeated launches agree
         out = case.run(num_kv_splits=splits, fused_merge=mode, lse=lse)
         assert_close_rel(out, case.expected(), RTOL[dtype], f"fused {splits} splits")
-        assert_close_rel(lse.cpu(), _lse_oracle(case), 2e-3, "fused LSE")
+        assert_close_rel(lse.cpu(), case.expected_lse(), LSE_RTOL[dtype], "fused LSE")
 
 
 @pytest.mark.gpu
@@ -209,11 +187,8 @@ def test_gpu_cooperative_merge_cases(case_kw, splits, monkeypatch):
     launch = case_kw.pop("launch", {})
     case = MLACase(**case_kw, dtype=torch.float16, device="cuda", seed=3)
     _no_second_launch(monkeypatch)
-    lse = torch.full((case.q.shape[0], case.heads), float("nan"), device="cuda")
-    out = case.run(num_kv_splits=splits, fused_merge="cooperative", lse=lse, **launch)
-    assert torch.isfinite(out).all()
-    assert_close_rel(out, case.expected(), RTOL[torch.float16], f"cooperative, {splits} splits")
-    assert_close_rel(lse.cpu(), _lse_oracle(case), 2e-3, "cooperative LSE")
+    case.assert_rows_and_lse(f"cooperative, {splits} splits", num_kv_splits=splits,
+                             fused_merge="cooperative", **launch)
 
 
 @pytest.mark.gpu

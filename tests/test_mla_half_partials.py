@@ -18,9 +18,8 @@ import torch
 from aiter_attn.testing.compare import assert_close_rel
 
 from ._triton_util import requires_triton
-from .test_mla_fused_merge import _lse_oracle
 from .test_triton_mla import (RTOL, MLACase, assert_graph_replay_matches_eager,
-                              spy_mla_launches)
+                              deepseek_decode, spy_mla_launches)
 
 pytestmark = requires_triton
 
@@ -48,13 +47,9 @@ CASES = [
 def test_half_partials_match_oracle_and_lse(case_kw, splits, launch, fused, monkeypatch):
     case = MLACase(**case_kw, dtype=torch.float16, seed=3)
     seen = _spy_partials(monkeypatch)
-    lse = torch.full((case.q.shape[0], case.heads), float("nan"), device=case.device)
-    out = case.run(num_kv_splits=splits, half_partials=True, fused_merge=fused, lse=lse,
-                   **launch)
+    case.assert_rows_and_lse(f"half partials, {splits}", num_kv_splits=splits,
+                             half_partials=True, fused_merge=fused, **launch)
     assert seen and all(d == torch.float16 for d in seen), f"partials were {seen}"
-    assert torch.isfinite(out).all()
-    assert_close_rel(out, case.expected(), RTOL[torch.float16], f"half partials, {splits}")
-    assert_close_rel(lse.cpu(), _lse_oracle(case), 2e-3, "half partials LSE")
 
 
 def test_half_partials_stay_close_to_float32_partials():
@@ -140,15 +135,11 @@ def test_half_partials_declined_where_they_do_not_apply():
                          ids=["plain", "desc-lazy", "fused", "cooperative"])
 @pytest.mark.parametrize("splits", [2, 4, 7])
 def test_gpu_half_partials_deepseek(splits, launch, dtype, monkeypatch):
-    case = MLACase([1] * 6, [4096, 1000, 64, 5, 129, 2049], rank=512, rope=64, page=64,
-                   heads=16, dtype=dtype, device="cuda", seed=7)
+    case = deepseek_decode(dtype)
     seen = _spy_partials(monkeypatch)
-    lse = torch.full((6, 16), float("nan"), device="cuda")
-    out = case.run(num_kv_splits=splits, half_partials=True, lse=lse, **launch)
+    case.assert_rows_and_lse(f"half partials {splits} splits", num_kv_splits=splits,
+                             half_partials=True, **launch)
     assert seen and all(d == dtype for d in seen), seen
-    assert torch.isfinite(out).all()
-    assert_close_rel(out, case.expected(), RTOL[dtype], f"half partials {splits} splits")
-    assert_close_rel(lse.cpu(), _lse_oracle(case), 2e-3, "half partials LSE")
 
 
 @pytest.mark.gpu
@@ -183,12 +174,7 @@ def test_gpu_narrow_kernel_half_partials(splits, fused, monkeypatch):
         return launch(*args, **kw)
 
     monkeypatch.setattr(mla, "launch_narrow_mla", spy)
-    case = MLACase([1] * 6, [4096, 1000, 64, 5, 129, 2049], rank=512, rope=64, page=64,
-                   heads=16, dtype=torch.bfloat16, device="cuda", seed=7)
-    lse = torch.full((6, 16), float("nan"), device="cuda")
-    out = case.run(num_kv_splits=splits, narrow=True, half_partials=True, fused_merge=fused,
-                   lse=lse)
+    case = deepseek_decode(torch.bfloat16)
+    case.assert_rows_and_lse(f"narrow half {splits}", num_kv_splits=splits, narrow=True,
+                             half_partials=True, fused_merge=fused)
     assert seen == [torch.bfloat16], seen
-    assert torch.isfinite(out).all()
-    assert_close_rel(out, case.expected(), RTOL[torch.bfloat16], f"narrow half {splits}")
-    assert_close_rel(lse.cpu(), _lse_oracle(case), 2e-3, "narrow half LSE")

@@ -18,7 +18,7 @@ from aiter_attn.testing.compare import assert_close_rel
 
 from ._triton_util import requires_triton
 from .test_triton_mla import (RTOL, MLACase, assert_graph_replay_matches_eager,
-                              spy_mla_launches)
+                              deepseek_decode, spy_mla_launches)
 
 pytestmark = requires_triton
 
@@ -113,8 +113,7 @@ def test_kv_desc_declined_where_it_cannot_serve():
 @pytest.mark.parametrize("splits", [1, 2, 4, 7])
 @pytest.mark.parametrize("page", [32, 64])
 def test_gpu_kv_desc_deepseek(page, splits, dtype, monkeypatch):
-    case = MLACase([1] * 6, [4096, 1000, 64, 5, 129, 2049], rank=512, rope=64, page=page,
-                   heads=16, dtype=dtype, device="cuda", seed=7)
+    case = deepseek_decode(dtype, page=page)
     _nan_past_ends(case)
     seen = _spy_kv_desc(monkeypatch)
     out = case.run(num_kv_splits=splits, kv_desc=True)

@@ -19,8 +19,7 @@ import torch
 from aiter_attn.testing.compare import assert_close_rel
 
 from ._triton_util import requires_triton
-from .test_mla_fused_merge import _lse_oracle
-from .test_triton_mla import RTOL, MLACase
+from .test_triton_mla import MLACase, deepseek_decode
 
 pytestmark = requires_triton
 
@@ -65,12 +64,8 @@ CASES = [
 def test_lazy_rescale_matches_oracle_and_lse(case_kw, splits, profile, dtype):
     case = MLACase(**case_kw, dtype=dtype, seed=9)
     _shape_logits(case, profile)
-    lse = torch.full((case.q.shape[0], case.heads), float("nan"), device=case.device)
-    out = case.run(num_kv_splits=splits, block_n=16, lazy_rescale=True, lse=lse)
-    assert torch.isfinite(out).all()
-    assert_close_rel(out, case.expected(), RTOL[dtype], f"lazy rescale {profile}")
-    assert_close_rel(lse.cpu(), _lse_oracle(case), 1e-5 if dtype == torch.float32 else 2e-3,
-                     "lazy rescale LSE")
+    case.assert_rows_and_lse(f"lazy rescale {profile}", num_kv_splits=splits, block_n=16,
+                             lazy_rescale=True)
 
 
 def test_lazy_rescale_padding_and_masked_rows_are_zero():
@@ -115,11 +110,7 @@ def test_lazy_rescale_bound_is_two_to_the_eighth():
 @pytest.mark.parametrize("profile", ["grow", "shrink", "jump"])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_gpu_lazy_rescale_deepseek(splits, profile, kv_desc):
-    case = MLACase([1] * 6, [4096, 1000, 64, 5, 129, 2049], rank=512, rope=64, page=64,
-                   heads=16, dtype=torch.bfloat16, device="cuda", seed=7)
+    case = deepseek_decode(torch.bfloat16)
     _shape_logits(case, profile)
-    lse = torch.empty(6, 16, device="cuda")
-    out = case.run(num_kv_splits=splits, lazy_rescale=True, kv_desc=kv_desc, lse=lse)
-    assert torch.isfinite(out).all()
-    assert_close_rel(out, case.expected(), RTOL[torch.bfloat16], f"lazy {profile}")
-    assert_close_rel(lse.cpu(), _lse_oracle(case), 2e-3, "lazy LSE")
+    case.assert_rows_and_lse(f"lazy {profile}", num_kv_splits=splits, lazy_rescale=True,
+                             kv_desc=kv_desc)

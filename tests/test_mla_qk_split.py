@@ -18,9 +18,8 @@ import torch
 from aiter_attn.testing.compare import assert_close_rel
 
 from ._triton_util import requires_triton
-from .test_mla_fused_merge import _lse_oracle
 from .test_triton_mla import (RTOL, MLACase, assert_graph_replay_matches_eager,
-                              spy_mla_launches)
+                              deepseek_decode, spy_mla_launches)
 
 pytestmark = requires_triton
 
@@ -52,13 +51,9 @@ CASES = [
 def test_qk_split_matches_oracle_and_lse(case_kw, splits, launch, dtype, monkeypatch):
     case = MLACase(**case_kw, dtype=dtype, seed=3)
     seen = _spy_qk_split(monkeypatch)
-    lse = torch.full((case.q.shape[0], case.heads), float("nan"), device=case.device)
-    out = case.run(num_kv_splits=splits, qk_split=2, lse=lse, **launch)
+    case.assert_rows_and_lse(f"qk_split, {splits} splits", num_kv_splits=splits, qk_split=2,
+                             **launch)
     assert seen and all(k == 2 for k in seen), seen
-    assert torch.isfinite(out).all()
-    assert_close_rel(out, case.expected(), RTOL[dtype], f"qk_split, {splits} splits")
-    assert_close_rel(lse.cpu(), _lse_oracle(case), 1e-5 if dtype == torch.float32 else 2e-3,
-                     "qk_split LSE")
 
 
 def test_qk_split_close_to_one_chain():
@@ -110,15 +105,11 @@ def test_qk_split_declined_where_it_does_not_apply():
                                          "half_partials": True}], ids=["plain", "desc-lazy-half"])
 @pytest.mark.parametrize("splits", [1, 4, 7])
 def test_gpu_qk_split_deepseek(splits, launch, dtype, monkeypatch):
-    case = MLACase([1] * 6, [4096, 1000, 64, 5, 129, 2049], rank=512, rope=64, page=64,
-                   heads=16, dtype=dtype, device="cuda", seed=7)
+    case = deepseek_decode(dtype)
     seen = _spy_qk_split(monkeypatch)
-    lse = torch.full((6, 16), float("nan"), device="cuda")
-    out = case.run(num_kv_splits=splits, qk_split=2, lse=lse, **launch)
+    case.assert_rows_and_lse(f"qk_split {splits} splits", num_kv_splits=splits, qk_split=2,
+                             **launch)
     assert seen and all(k == 2 for k in seen), seen
-    assert torch.isfinite(out).all()
-    assert_close_rel(out, case.expected(), RTOL[dtype], f"qk_split {splits} splits")
-    assert_close_rel(lse.cpu(), _lse_oracle(case), 2e-3, "qk_split LSE")
 
 
 @pytest.mark.gpu

@@ -13,6 +13,8 @@ the dequantised cache values.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -26,6 +28,8 @@ from ._triton_util import DEVICE, requires_triton
 pytestmark = requires_triton
 
 RTOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+#: the natural-log LSE against the float64 oracle's (logits in float32, or rounded q)
+LSE_RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-3}
 
 
 def _kernel():
@@ -112,6 +116,39 @@ class MLACase:
                 causal=causal, mask=None if self.masks is None else self.masks[b]))
             t += n
         return torch.cat(outs)
+
+    def expected_lse(self):
+        """Natural-log LSE of the scaled logits per (token, head), float64, causal."""
+        rows, t = [], 0
+        for b, (n, L) in enumerate(zip(self.q_lens, self.kv_lens)):
+            c = self.dense[b].double()[:, 0]  # [L, dim]
+            for i in range(n):
+                s = self.q[t + i].double() @ c.T * self.softmax_scale  # [H, L]
+                visible = torch.arange(L) <= L - n + i
+                if self.masks is not None:
+                    visible &= self.masks[b][i]
+                s = s.masked_fill(~visible, -math.inf)
+                rows.append(torch.logsumexp(s, dim=-1))
+            t += n
+        return torch.stack(rows)
+
+    def assert_rows_and_lse(self, label, **launch):
+        """Run with ``launch`` and an LSE output (NaN-filled first): the rows are finite and
+        match the oracle (:data:`RTOL`), the LSE the oracle's (:data:`LSE_RTOL`). Returns
+        the rows."""
+        lse = torch.full((self.q.shape[0], self.heads), float("nan"), device=self.device)
+        out = self.run(lse=lse, **launch)
+        assert torch.isfinite(out).all(), label
+        assert_close_rel(out, self.expected(), RTOL[self.dtype], label)
+        assert_close_rel(lse.cpu(), self.expected_lse(), LSE_RTOL[self.dtype], label + " LSE")
+        return out
+
+
+def deepseek_decode(dtype, page=64, device="cuda"):
+    """Six 16-head DeepSeek decode rows (latents 512 + 64): a long request, a 1000-key one,
+    one tile exactly, a 5-key and a 1-key tail past a tile, half a context."""
+    return MLACase([1] * 6, [4096, 1000, 64, 5, 129, 2049], rank=512, rope=64, page=page,
+                   heads=16, dtype=dtype, device=device, seed=7)
 
 
 CPU_CASES = [
