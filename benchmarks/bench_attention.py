@@ -97,6 +97,11 @@ MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 "half-split2": {"half_partials": True, "qk_split": 2},
                 "desc-lazy-half-split2": {"kv_desc": True, "lazy_rescale": True,
                                           "half_partials": True, "qk_split": 2},
+                # q·Kᵀ as four mma chains (latent quarters), pointer loads: the sm_90 build's
+                # chain 8, about 357 executed instructions a tile with the lazy rescale
+                "split4": {"qk_split": 4},
+                "lazy-half-split4": {"lazy_rescale": True, "half_partials": True,
+                                     "qk_split": 4},
                 # the narrow kernel with 16-bit partials
                 "narrow-half": {"narrow": True, "half_partials": True}}
 #: MLA launch configs timed by --mla-sweep: (block_h, block_n, num_warps, num_stages, splits).

@@ -81,6 +81,9 @@ CASES = {
     "mla16-all": lambda: _mla(16, kv_desc=True, lazy_rescale=True, half_partials=True,
                               qk_split=2),
     "mla16-split2": lambda: _mla(16, qk_split=2),  # q·Kᵀ as two mma chains
+    # four chains, the lazy rescale and 16-bit partials on pointer loads
+    "mla16-lazy-half-split4": lambda: _mla(16, lazy_rescale=True, half_partials=True,
+                                           qk_split=4),
     "mla128": lambda: _mla(128),
     "fp8-64x16k": lambda: _decode(64, 16384, "ours", kv_dtype=torch.float8_e4m3fn),
     "bf16-64x16k": lambda: _decode(64, 16384, "ours"),

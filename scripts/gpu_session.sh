@@ -112,7 +112,7 @@
 #   scripts/gpu_session.sh sixtyfifth    # the cooperative merge: its gpu tests, the 16-head rows
 #                                  # beside the default, the time split
 #   scripts/gpu_session.sh sixtysixth    # the 16-head MLA options (descriptors, lazy rescale,
-#                                  # 16-bit partials, two score chains): rows, time split
+#                                  # 16-bit partials, two or four score chains): rows, time split
 #   scripts/gpu_session.sh sixtyseventh  # their gpu tests; ncu of the default and the options
 #   scripts/gpu_session.sh sixtyeighth   # the remaining 16-head variants, 64x2k
 #   scripts/gpu_session.sh sixtyninth    # every MLA gpu test with candidate defaults
@@ -637,7 +637,7 @@ bn128.st3.nc1.r168.s0 2>&1 | tail -9 | tee "$OUT/gluon_decode.log"
       --target-processes all --section SpeedOfLight --section Occupancy \
       --section MemoryWorkloadAnalysis --section WarpStateStats --metrics \
 smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum \
-      python3 benchmarks/ncu_kernels.py --cases mla16,mla16-split2,mla16-desc-lazy,mla16-all \
+      python3 benchmarks/ncu_kernels.py --cases mla16,mla16-split2,mla16-lazy-half-split4,mla16-desc-lazy,mla16-all \
       > "$OUT/ncu.log" 2>&1
     grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Dynamic Shared|smsp__inst|bank_conf|wavefronts" \
       "$OUT/ncu.log" | head -80
@@ -647,11 +647,11 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
     # never ran on a GPU, and a fault would end the process); the step's time split
     timeout ${BA_S:-330} python3 benchmarks/bench_attention.py --only mla --rep 30 \
       --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 \
-      --mla-variants half,split2,half-split2,narrow,narrow-half,desc-lazy,desc-lazy-half,desc-lazy-half-split2 \
+      --mla-variants half,split2,half-split2,split4,lazy-half-split4,narrow,narrow-half,desc-lazy,desc-lazy-half,desc-lazy-half-split2 \
       --out "$OUT/mla" > "$OUT/mla.log" 2>&1
     grep -E "ours|==|Error|error" "$OUT/mla.log" | head -30
     timeout ${TS_S:-200} python3 benchmarks/mla_time_split.py --rows 16x64x4096 --splits 0 \
-      --tunings '[{}, {"half_partials": true}, {"qk_split": 2}, {"kv_desc": true, "lazy_rescale": true}, {"kv_desc": true, "lazy_rescale": true, "half_partials": true, "qk_split": 2}]' 2>&1 \
+      --tunings '[{}, {"half_partials": true}, {"qk_split": 2}, {"qk_split": 4}, {"lazy_rescale": true, "half_partials": true, "qk_split": 4}, {"kv_desc": true, "lazy_rescale": true}, {"kv_desc": true, "lazy_rescale": true, "half_partials": true, "qk_split": 2}]' 2>&1 \
       | tee "$OUT/mla_time_split.log" | tail -12
     rm -f "$OUT"/*/*.png
     ;;

@@ -1,7 +1,8 @@
-"""The Triton MLA kernel's q·Kᵀ as two independent mma chains (``qk_split=2``): the latent
-columns in two halves, each half's scores accumulated on its own (the sm_90 build's longest
-chain of dependent HMMAs a tile: 36 → 16, ``tests/test_triton_pipelining.py``), p·V into two
-half accumulators put side by side at the end.
+"""The Triton MLA kernel's q·Kᵀ as two or four independent mma chains (``qk_split=2`` /
+``4``): the latent columns in halves / quarters, each part's scores accumulated on its own
+(the sm_90 build's longest chain of dependent HMMAs a tile: 36 → 16 → 8,
+``tests/test_triton_pipelining.py``), p·V into as many part accumulators put side by side at
+the end.
 
 Checked against the float64 oracle (rows and the natural-log LSE) through the pointer loads
 and the tensor descriptors, with splits (empty ones too), verify rows, custom masks, page 48,
@@ -46,35 +47,41 @@ CASES = [
 ]
 
 
+PARTS = pytest.mark.parametrize("parts", [2, 4], ids=["halves", "quarters"])
+
+
+@PARTS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case_kw,splits,launch", CASES)
-def test_qk_split_matches_oracle_and_lse(case_kw, splits, launch, dtype, monkeypatch):
+def test_qk_split_matches_oracle_and_lse(case_kw, splits, launch, dtype, parts, monkeypatch):
     case = MLACase(**case_kw, dtype=dtype, seed=3)
     seen = _spy_qk_split(monkeypatch)
-    case.assert_rows_and_lse(f"qk_split, {splits} splits", num_kv_splits=splits, qk_split=2,
-                             **launch)
-    assert seen and all(k == 2 for k in seen), seen
+    case.assert_rows_and_lse(f"qk_split {parts}, {splits} splits", num_kv_splits=splits,
+                             qk_split=parts, **launch)
+    assert seen and all(k == parts for k in seen), seen
 
 
-def test_qk_split_close_to_one_chain():
+@PARTS
+def test_qk_split_close_to_one_chain(parts):
     """Only the order of the score sums changes: the rows agree with one chain's to fp16
     rounding, and differ (the option ran)."""
     case = MLACase([1, 2, 1], [150, 77, 96], page=16, dtype=torch.float16, seed=5)
     a = case.run(num_kv_splits=2, qk_split=1)
-    b = case.run(num_kv_splits=2, qk_split=2)
-    assert not torch.equal(a, b), "two chains changed no bit: the option did nothing"
-    assert_close_rel(b, a.double(), 1e-3, "two chains vs one")
+    b = case.run(num_kv_splits=2, qk_split=parts)
+    assert not torch.equal(a, b), f"{parts} chains changed no bit: the option did nothing"
+    assert_close_rel(b, a.double(), 1e-3, f"{parts} chains vs one")
 
 
-def test_qk_split_padding_row_is_zero():
+@PARTS
+def test_qk_split_padding_row_is_zero(parts):
     pad = MLACase([1, 1, 1], [40, 4, 64], page=16, dtype=torch.float16, seed=2)
-    out = pad.run(padding_row=1, num_kv_splits=2, qk_split=2)
+    out = pad.run(padding_row=1, num_kv_splits=2, qk_split=parts)
     assert torch.isfinite(out).all() and (out[1] == 0).all()
 
 
 def test_qk_split_declined_where_it_does_not_apply():
     """One chain for fp8 caches (their value-pair reads), ranks that are not a power of two
-    or under 32; a wrong value is refused with the allowed ones."""
+    or under 32 (halves) / 64 (quarters); a wrong value is refused with the allowed ones."""
     from aiter_attn.kernels.base import _adhoc_metadata
     from aiter_attn.kernels.triton.mla import TritonMLA, mla_request
 
@@ -93,35 +100,47 @@ def test_qk_split_declined_where_it_does_not_apply():
     assert split_of(dtype=torch.float32) == 2
     assert split_of(rank=80) == 1  # padded to 128: not even
     assert split_of(rank=16) == 1
-    with pytest.raises(ValueError, match=r"qk_split=4.*allowed: 1.*or 2"):
-        split_of(qk_split=4)
+    assert split_of(qk_split=4) == 4
+    assert split_of(rank=32, qk_split=4) == 1  # quarters of 8 columns: under an mma's k
+    assert split_of(rank=32, qk_split=2) == 2
+    assert split_of(kv_dtype=torch.float8_e4m3fn, qk_split=4) == 1
+    for wrong in (3, 8, True):
+        with pytest.raises(ValueError, match=rf"qk_split={wrong}.*allowed: 1.*2.*or 4"):
+            split_of(qk_split=wrong)
 
 
 # ---------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
+@PARTS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("launch", [{}, {"kv_desc": True, "lazy_rescale": True,
-                                         "half_partials": True}], ids=["plain", "desc-lazy-half"])
+                                         "half_partials": True},
+                                    {"lazy_rescale": True, "half_partials": True}],
+                         ids=["plain", "desc-lazy-half", "lazy-half"])
 @pytest.mark.parametrize("splits", [1, 4, 7])
-def test_gpu_qk_split_deepseek(splits, launch, dtype, monkeypatch):
+def test_gpu_qk_split_deepseek(splits, launch, dtype, parts, monkeypatch):
     case = deepseek_decode(dtype)
     seen = _spy_qk_split(monkeypatch)
-    case.assert_rows_and_lse(f"qk_split {splits} splits", num_kv_splits=splits, qk_split=2,
-                             **launch)
-    assert seen and all(k == 2 for k in seen), seen
+    case.assert_rows_and_lse(f"qk_split {parts}, {splits} splits", num_kv_splits=splits,
+                             qk_split=parts, **launch)
+    assert seen and all(k == parts for k in seen), seen
 
 
 @pytest.mark.gpu
+@PARTS
 @pytest.mark.parametrize("case_kw,splits,launch", CASES)
-def test_gpu_qk_split_cases(case_kw, splits, launch, monkeypatch):
+def test_gpu_qk_split_cases(case_kw, splits, launch, parts, monkeypatch):
     case = MLACase(**case_kw, dtype=torch.float16, device="cuda", seed=3)
-    out = case.run(num_kv_splits=splits, qk_split=2, **launch)
-    assert_close_rel(out, case.expected(), RTOL[torch.float16], f"qk_split {splits}")
+    out = case.run(num_kv_splits=splits, qk_split=parts, **launch)
+    assert_close_rel(out, case.expected(), RTOL[torch.float16], f"qk_split {parts}, {splits}")
 
 
 @pytest.mark.gpu
-def test_gpu_qk_split_graph_replay_matches_eager():
+@pytest.mark.parametrize("launch", [dict(qk_split=2, kv_desc=True, lazy_rescale=True,
+                                         half_partials=True),
+                                    dict(qk_split=4, lazy_rescale=True, half_partials=True)],
+                         ids=["desc-lazy-half-split2", "lazy-half-split4"])
+def test_gpu_qk_split_graph_replay_matches_eager(launch):
     assert_graph_replay_matches_eager([5 + 60 * i for i in range(8)], replays=3,
-                                      num_kv_splits=4, qk_split=2, kv_desc=True,
-                                      lazy_rescale=True, half_partials=True)
+                                      num_kv_splits=4, **launch)

@@ -94,6 +94,10 @@ SPILL_CEILINGS = [
     pytest.param("mla", dict(BLOCK_H=16, BLOCK_N=32, warps=4, stages=3, NUM_SPLITS=4,
                              ONE_QUERY=True, KV_DESC=True, LAZY_RESCALE=True, part="bf16",
                              QK_SPLIT=2), 0, id="mla-16h-desc-lazy-half-qk-split"),
+    # four score chains on pointer loads (168 registers, as the default)
+    pytest.param("mla", dict(BLOCK_H=16, BLOCK_N=32, warps=4, stages=3, NUM_SPLITS=4,
+                             ONE_QUERY=True, LAZY_RESCALE=True, part="bf16", QK_SPLIT=4), 0,
+                 id="mla-16h-lazy-half-qk-split4"),
 ]
 
 
@@ -103,15 +107,17 @@ def test_mla_qk_split_shortens_the_score_chain(extra):
     """16 heads: each warp's scores are one m16n8 accumulator over the 576 latent columns, a
     chain of 36 dependent mma.sync a tile (each waits the previous one's latency); with
     ``QK_SPLIT=2`` the two halves (256, 256 + 64 rope: the rope is a third chain) accumulate
-    side by side: 16 deep. The mma count stays (36 + 32 a tile)."""
+    side by side: 16 deep; with ``QK_SPLIT=4`` the quarters: 8 deep. The mma count stays
+    (36 + 32 a tile)."""
     cfg = dict(BLOCK_H=16, BLOCK_N=32, warps=4, stages=3, NUM_SPLITS=4, ONE_QUERY=True,
                **extra)
     one = _inspect("mla", cfg)
-    two = _inspect("mla", dict(cfg, QK_SPLIT=2))
     assert one["longest mma.sync chain"] == 36, one
-    assert two["longest mma.sync chain"] == 16, two
-    assert two["mma.sync"] == one["mma.sync"], (one, two)
-    assert two["stack bytes (ptxas spills)"] == 0 and two["registers"] <= 255, two
+    for parts, chain in ((2, 16), (4, 8)):
+        rep = _inspect("mla", dict(cfg, QK_SPLIT=parts))
+        assert rep["longest mma.sync chain"] == chain, (parts, rep)
+        assert rep["mma.sync"] == one["mma.sync"], (parts, one, rep)
+        assert rep["stack bytes (ptxas spills)"] == 0 and rep["registers"] <= 255, (parts, rep)
 
 
 @pytest.mark.parametrize("kernel,config,ceiling", SPILL_CEILINGS)

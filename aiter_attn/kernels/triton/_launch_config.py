@@ -123,11 +123,12 @@ MLA_LAZY_RESCALE = False
 #: bf16) is that of the output row the merge then rounds again.
 MLA_HALF_PARTIALS = False
 
-#: The Triton MLA kernel's q·Kᵀ over the latent columns as two independent mma chains (2)
-#: or one (1; ``mla_paged_attention(..., qk_split=)``). With 16 heads each warp's scores are
-#: one m16n8 accumulator over K = 576: the sm_90 SASS is a chain of 36 dependent HMMAs a
-#: tile (about 36 × the mma latency per tile and warp). Two halves (R/2 and R/2 + rope
-#: deep) run side by side; p·V then updates two half accumulators.
+#: The Triton MLA kernel's q·Kᵀ over the latent columns as two or four independent mma
+#: chains (2, 4) or one (1; ``mla_paged_attention(..., qk_split=)``). With 16 heads each
+#: warp's scores are one m16n8 accumulator over K = 576: the sm_90 SASS is a chain of 36
+#: dependent HMMAs a tile (about 36 × the mma latency per tile and warp). Halves (R/2 deep,
+#: the rope a third chain) or quarters run side by side; p·V then updates as many part
+#: accumulators.
 MLA_QK_SPLIT = 1
 
 #: Split decode whose splits fit one chunk of the chunked page lookup (1x4k: 16 splits of two

@@ -220,7 +220,8 @@ class TritonMLA(MLAKernel):
     ``True`` or ``"cooperative"``), ``kv_desc`` (latent tiles through tensor descriptors),
     ``lazy_rescale`` (the accumulator rescaled only when a maximum grows by more than 2^8;
     row sums per element), ``half_partials`` (split partials in q's 16-bit dtype),
-    ``qk_split`` (2: q·Kᵀ as two independent mma chains over the latent halves), ``ring``
+    ``qk_split`` (2 / 4: q·Kᵀ as two / four independent mma chains over the latent halves
+    / quarters), ``ring``
     (``True``: the ring Gluon kernel of :mod:`.mla_ring_gluon` for up to 16 heads),
     ``one_query`` (``False``: decode steps search ``cu_seqlens_q`` for their request like any
     other), ``narrow`` (``True``: the narrow Gluon kernel of :mod:`.mla_narrow_gluon` for up
@@ -488,16 +489,18 @@ class TritonMLA(MLAKernel):
             gluon=gluon, counters=counters)
 
     def _qk_split(self, option, even_d: bool) -> int:
-        """``QK_SPLIT`` of the Triton kernel: 2 (q·Kᵀ as two independent mma chains over the
-        latent halves, p·V into two half accumulators) where the ``qk_split`` option asks and
-        the latents allow: a cache of q's dtype (fp8 caches keep their value-pair reads),
-        power-of-two widths (``even_d``), a rank of at least 32; else 1."""
-        if option in (None, 1, False):
+        """``QK_SPLIT`` of the Triton kernel: 2 or 4 (q·Kᵀ as that many independent mma
+        chains over the latent halves / quarters, p·V into as many part accumulators) where
+        the ``qk_split`` option asks and the latents allow: a cache of q's dtype (fp8 caches
+        keep their value-pair reads), power-of-two widths (``even_d``), parts of at least 16
+        columns (an mma's k: a rank of at least 32 / 64); else 1."""
+        if option is None or option is False:
             return 1
-        if option != 2:
-            raise ValueError(f"qk_split={option!r}; allowed: 1 (one chain) or 2 (two halves).")
-        ok = even_d and self.kv_dtype == self.dtype and self.rank >= 32
-        return 2 if ok else 1
+        if isinstance(option, bool) or option not in (1, 2, 4):  # True: which count?
+            raise ValueError(f"qk_split={option!r}; allowed: 1 (one chain), 2 (two halves) "
+                             "or 4 (four quarters).")
+        ok = even_d and self.kv_dtype == self.dtype and self.rank >= 16 * option
+        return int(option) if ok else 1
 
     @staticmethod
     def _fused_mode(option, block_h, splits, warps, programs, ring_bytes, device) -> int:
@@ -609,7 +612,7 @@ class TritonMLA(MLAKernel):
         """The TMA descriptors of ``kv_cache`` (rows ``[slots, R + rope]``), built once per
         cache tensor (data pointer, shape, strides, dtype) and then only looked up: the
         narrow kernel's two (``block_n`` ``None``), or the Triton kernel's blocks
-        ``[block_n, cols]`` (``cols``: R, or R/2 with ``QK_SPLIT``) and ``[block_n, rope]``;
+        ``[block_n, cols]`` (``cols``: R, or R/QK_SPLIT) and ``[block_n, rope]``;
         ``None`` where TMA cannot read the rows
         (:func:`.mla_narrow_gluon.narrow_mla_layout_reason`)."""
         cols = cols or self.rank
@@ -740,9 +743,9 @@ def mla_paged_attention(
             in q's 16-bit dtype instead of float32, half the bytes written and merged (head blocks
             of up to 16, bf16/fp16 queries, not batch-invariant; the LSEs stay float32);
             default :data:`._launch_config.MLA_HALF_PARTIALS`.
-        qk_split: ``2``: the Triton kernel computes q·Kᵀ as two independent mma chains over
-            the latent halves (each half as deep) and p·V into two half accumulators
-            (latents of q's dtype, power-of-two widths, rank ≥ 32); default
+        qk_split: ``2`` / ``4``: the Triton kernel computes q·Kᵀ as two / four independent
+            mma chains over the latent halves / quarters and p·V into as many part
+            accumulators (latents of q's dtype, power-of-two widths, rank ≥ 32 / 64); default
             :data:`._launch_config.MLA_QK_SPLIT`.
         batch_invariant: each row's bits independent of the rest of the batch: keys split
             every :data:`BATCH_INVARIANT_SPLIT_TOKENS` (rounded to ``block_n``) at absolute

@@ -53,7 +53,8 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
               KV_LORA: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
               EVEN_D: tl.constexpr, SPLIT_V_LOAD: tl.constexpr, V_PAIRS: tl.constexpr,
               kn_desc=None, kr_desc=None, slot0=0, KV_DESC: tl.constexpr = False,
-              LAZY_RESCALE: tl.constexpr = False, q_nope_b=None, QK_SPLIT: tl.constexpr = 1):
+              LAZY_RESCALE: tl.constexpr = False, q_nope_b=None, QK_SPLIT: tl.constexpr = 1,
+              acc_c=None, acc_d=None, q_nope_c=None, q_nope_d=None):
     """One latent tile: rows ``row`` (int64 offsets, ``[BLOCK_N]``) of keys ``offs_n``; keys
     at or past ``hi`` are masked. Updates the online softmax ``(acc [H, R], m_i, l_i)``
     (``l_i`` ``[H]``, or with ``LAZY_RESCALE`` ``[H, BLOCK_N]``: row sums kept per element,
@@ -64,22 +65,35 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
     ``kn_desc`` (``[BLOCK_N, R]``) and ``kr_desc`` (``[BLOCK_N, rope]``) (TMA on sm_90),
     every key of it below ``hi`` (the caller takes a split's partial last tile through the
     masked pointer loads, so rows past the end never reach the value product).
-    ``QK_SPLIT == 2``: the latent columns in two halves (``offs_dv`` spans one half;
-    ``q_nope`` / ``q_nope_b`` and ``acc`` / ``acc_odd`` ``[H, R/2]`` are the first and second
-    halves; ``kn_desc`` blocks are ``[BLOCK_N, R/2]``): q·Kᵀ sums two independent chains of
-    mma (R/2 and R/2 + rope deep) instead of one R + rope deep, and p·V updates both halves."""
+    ``QK_SPLIT == 2`` / ``4``: the latent columns in halves / quarters (``offs_dv`` spans
+    one part; ``q_nope``, ``q_nope_b`` (, ``q_nope_c``, ``q_nope_d``) and ``acc``,
+    ``acc_odd`` (, ``acc_c``, ``acc_d``) ``[H, R/QK_SPLIT]`` are the parts in column order;
+    ``kn_desc`` blocks are ``[BLOCK_N, R/QK_SPLIT]``): q·Kᵀ sums ``QK_SPLIT`` independent
+    chains of mma (R/QK_SPLIT deep, the rope a chain of its own) instead of one R + rope
+    deep, and p·V updates every part."""
     mask_n = offs_n < hi
     c_nope_b = None
+    c_nope_c = None
+    c_nope_d = None
+    PART = KV_LORA // QK_SPLIT
     if KV_DESC:
         c_nope = kn_desc.load([slot0, 0])
-        if QK_SPLIT == 2:
-            c_nope_b = kn_desc.load([slot0, KV_LORA // 2])
+        if QK_SPLIT >= 2:
+            c_nope_b = kn_desc.load([slot0, PART])
+        if QK_SPLIT == 4:
+            c_nope_c = kn_desc.load([slot0, 2 * PART])
+            c_nope_d = kn_desc.load([slot0, 3 * PART])
         c_rope = kr_desc.load([slot0, KV_LORA])
     elif EVEN_D:  # row-only masks keep the 16-byte vector loads along the latent dim
         c_nope = tl.load(kv_ptr + row[:, None] + offs_dv[None, :], mask=mask_n[:, None],
                          other=0.0).to(q_nope.dtype)
-        if QK_SPLIT == 2:
-            c_nope_b = tl.load(kv_ptr + row[:, None] + KV_LORA // 2 + offs_dv[None, :],
+        if QK_SPLIT >= 2:
+            c_nope_b = tl.load(kv_ptr + row[:, None] + PART + offs_dv[None, :],
+                               mask=mask_n[:, None], other=0.0).to(q_nope.dtype)
+        if QK_SPLIT == 4:
+            c_nope_c = tl.load(kv_ptr + row[:, None] + 2 * PART + offs_dv[None, :],
+                               mask=mask_n[:, None], other=0.0).to(q_nope.dtype)
+            c_nope_d = tl.load(kv_ptr + row[:, None] + 3 * PART + offs_dv[None, :],
                                mask=mask_n[:, None], other=0.0).to(q_nope.dtype)
         c_rope = tl.load(kv_ptr + row[:, None] + KV_LORA + offs_dr[None, :],
                          mask=mask_n[:, None], other=0.0).to(q_nope.dtype)
@@ -88,7 +102,14 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
                          mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(q_nope.dtype)
         c_rope = tl.load(kv_ptr + row[:, None] + KV_LORA + offs_dr[None, :],
                          mask=mask_n[:, None] & mask_dr[None, :], other=0.0).to(q_nope.dtype)
-    if QK_SPLIT == 2:
+    if QK_SPLIT == 4:
+        # four independent mma chains and the rope's (scaled before the sum, as below)
+        s = ((_dot(q_nope, tl.trans(c_nope), IEEE) * qk_scale
+              + _dot(q_nope_b, tl.trans(c_nope_b), IEEE) * qk_scale)
+             + (_dot(q_nope_c, tl.trans(c_nope_c), IEEE) * qk_scale
+                + _dot(q_nope_d, tl.trans(c_nope_d), IEEE) * qk_scale)
+             + _dot(q_rope, tl.trans(c_rope), IEEE) * qk_scale)
+    elif QK_SPLIT == 2:
         # two independent mma chains; each is scaled before the sum, so that Triton does not
         # fold the add into the second dot's accumulator (which would chain them again)
         s = (_dot(q_nope, tl.trans(c_nope), IEEE) * qk_scale
@@ -108,8 +129,11 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
     if not LAZY_RESCALE or tl.max(m_new - m_i, axis=0) > 8.0:
         alpha = tl.exp2(m_i - m_new)
         acc = acc * alpha[:, None]
-        if V_PAIRS or QK_SPLIT == 2:
+        if V_PAIRS or QK_SPLIT >= 2:
             acc_odd = acc_odd * alpha[:, None]
+        if QK_SPLIT == 4:
+            acc_c = acc_c * alpha[:, None]
+            acc_d = acc_d * alpha[:, None]
         if LAZY_RESCALE:
             l_i = l_i * alpha[:, None]
         else:
@@ -120,10 +144,13 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
         l_i = l_i + p  # row sums per element: summed once, after the last tile
     else:
         l_i = l_i + tl.sum(p, axis=1)
-    if QK_SPLIT == 2:  # the two column halves of the values
+    if QK_SPLIT >= 2:  # the column parts of the values
         p16 = p.to(q_nope.dtype)
         acc = acc + _dot(p16, c_nope, IEEE)
         acc_odd = acc_odd + _dot(p16, c_nope_b, IEEE)
+        if QK_SPLIT == 4:
+            acc_c = acc_c + _dot(p16, c_nope_c, IEEE)
+            acc_d = acc_d + _dot(p16, c_nope_d, IEEE)
     elif V_PAIRS:
         # fp8 values as column pairs, two half-width dots (the launch takes this path only
         # when every row offset is a multiple of 16 bytes)
@@ -147,7 +174,7 @@ def _mla_tile(acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, off
         else:
             c_val = c_nope
         acc = acc + _dot(p.to(q_nope.dtype), c_val, IEEE)
-    return acc, acc_odd, m_i, l_i
+    return acc, acc_odd, acc_c, acc_d, m_i, l_i
 
 
 @triton.jit
@@ -238,8 +265,8 @@ def _mla_fwd_kernel(
     mask_h = offs_h < num_heads
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < KV_LORA
-    # the latent columns one tile step reads at once: all, or one half (QK_SPLIT: the plan
-    # takes it only with BLOCK_DV == KV_LORA)
+    # the latent columns one tile step reads at once: all, or one half / quarter (QK_SPLIT:
+    # the plan takes it only with BLOCK_DV == KV_LORA)
     offs_dt = tl.arange(0, BLOCK_DV // QK_SPLIT)
     mask_dt = offs_dt < KV_LORA
     offs_dr = tl.arange(0, BLOCK_DR)
@@ -248,8 +275,15 @@ def _mla_fwd_kernel(
     q_row = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
     q_nope = tl.load(q_row + offs_dt[None, :], mask=mask_h[:, None] & mask_dt[None, :], other=0.0)
     q_nope_b = q_nope
-    if QK_SPLIT == 2:
-        q_nope_b = tl.load(q_row + KV_LORA // 2 + offs_dt[None, :], mask=mask_h[:, None],
+    q_nope_c = q_nope
+    q_nope_d = q_nope
+    if QK_SPLIT >= 2:  # the other column parts of q (see _mla_tile)
+        q_nope_b = tl.load(q_row + KV_LORA // QK_SPLIT + offs_dt[None, :],
+                           mask=mask_h[:, None], other=0.0)
+    if QK_SPLIT == 4:
+        q_nope_c = tl.load(q_row + KV_LORA // 2 + offs_dt[None, :], mask=mask_h[:, None],
+                           other=0.0)
+        q_nope_d = tl.load(q_row + 3 * (KV_LORA // 4) + offs_dt[None, :], mask=mask_h[:, None],
                            other=0.0)
     q_rope = tl.load(q_row + KV_LORA + offs_dr[None, :], mask=mask_h[:, None] & mask_dr[None, :],
                      other=0.0)
@@ -264,12 +298,20 @@ def _mla_fwd_kernel(
         l_i = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
     else:
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if V_PAIRS or QK_SPLIT == 2:  # even / odd value columns, or halves (see _mla_tile)
+    if QK_SPLIT == 4:  # column quarters (see _mla_tile)
+        acc = tl.zeros([BLOCK_H, BLOCK_DV // 4], dtype=tl.float32)
+        acc_odd = tl.zeros([BLOCK_H, BLOCK_DV // 4], dtype=tl.float32)
+        acc_c = tl.zeros([BLOCK_H, BLOCK_DV // 4], dtype=tl.float32)
+        acc_d = tl.zeros([BLOCK_H, BLOCK_DV // 4], dtype=tl.float32)
+    elif V_PAIRS or QK_SPLIT == 2:  # even / odd value columns, or halves (see _mla_tile)
         acc = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
         acc_odd = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
         acc_odd = tl.zeros([BLOCK_H, 16], dtype=tl.float32)  # unused
+    if QK_SPLIT != 4:
+        acc_c = tl.zeros([BLOCK_H, 16], dtype=tl.float32)  # unused
+        acc_d = tl.zeros([BLOCK_H, 16], dtype=tl.float32)  # unused
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     mask_row = mask_ptr
     if HAS_MASK:
@@ -285,12 +327,13 @@ def _mla_fwd_kernel(
             page = page_next  # page ids a tile ahead
             page_next = tl.load(bt_row + (start + BLOCK_N) // PAGE_SIZE,
                                 mask=start + BLOCK_N < full_hi, other=0)
-            acc, acc_odd, m_i, l_i = _mla_tile(
+            acc, acc_odd, acc_c, acc_d, m_i, l_i = _mla_tile(
                 acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, offs_t, start + offs_t,
                 hi, mask_row, offs_dt, offs_dr, mask_dt, mask_dr, KV_LORA, HAS_MASK, IEEE,
                 EVEN_D, SPLIT_V_LOAD, V_PAIRS, kn_desc, kr_desc,
                 page * PAGE_SIZE + start % PAGE_SIZE, True, LAZY_RESCALE=LAZY_RESCALE,
-                q_nope_b=q_nope_b, QK_SPLIT=QK_SPLIT)
+                q_nope_b=q_nope_b, QK_SPLIT=QK_SPLIT, acc_c=acc_c, acc_d=acc_d,
+                q_nope_c=q_nope_c, q_nope_d=q_nope_d)
         # the partial tile (none or one): the pointer loop below, its masked loads reading
         # rows past ``hi`` as zeros (a loop, so that its copies go through shared memory)
         lo = full_hi
@@ -305,12 +348,13 @@ def _mla_fwd_kernel(
             for j in range(0, n_in):
                 page, in_page = tile_pages_of(chunk_pages, j, c0 + j, BLOCK_N, PAGE_SIZE,
                                               PAGE_CHUNK, TILE_IN_PAGE)
-                acc, acc_odd, m_i, l_i = _mla_tile(
+                acc, acc_odd, acc_c, acc_d, m_i, l_i = _mla_tile(
                     acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr,
                     page * stride_kvp + in_page * stride_kvs, (c0 + j) * BLOCK_N + offs_t, hi,
                     mask_row, offs_dt, offs_dr, mask_dt, mask_dr,
                     KV_LORA, HAS_MASK, IEEE, EVEN_D, SPLIT_V_LOAD, V_PAIRS,
-                    LAZY_RESCALE=LAZY_RESCALE, q_nope_b=q_nope_b, QK_SPLIT=QK_SPLIT)
+                    LAZY_RESCALE=LAZY_RESCALE, q_nope_b=q_nope_b, QK_SPLIT=QK_SPLIT,
+                    acc_c=acc_c, acc_d=acc_d, q_nope_c=q_nope_c, q_nope_d=q_nope_d)
     else:
         # any page size: page ids are fetched one tile ahead (the loop carries them)
         if TILE_IN_PAGE:  # page_size % BLOCK_N == 0 and tiles start at multiples of BLOCK_N
@@ -331,15 +375,20 @@ def _mla_fwd_kernel(
                 page_next = tl.load(bt_row + (nxt + offs_t) // PAGE_SIZE,
                                     mask=nxt + offs_t < hi, other=0)
                 row = page * stride_kvp + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kvs
-            acc, acc_odd, m_i, l_i = _mla_tile(
+            acc, acc_odd, acc_c, acc_d, m_i, l_i = _mla_tile(
                 acc, acc_odd, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, offs_n, hi,
                 mask_row, offs_dt, offs_dr, mask_dt, mask_dr, KV_LORA, HAS_MASK, IEEE, EVEN_D,
                 SPLIT_V_LOAD, V_PAIRS, LAZY_RESCALE=LAZY_RESCALE, q_nope_b=q_nope_b,
-                QK_SPLIT=QK_SPLIT)
+                QK_SPLIT=QK_SPLIT, acc_c=acc_c, acc_d=acc_d, q_nope_c=q_nope_c,
+                q_nope_d=q_nope_d)
     if V_PAIRS:  # interleave the columns back: [H, R/2, 2] -> [H, R]
         acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_H, BLOCK_DV])
     if QK_SPLIT == 2:  # the halves side by side: [H, R/2, 2] -> [H, 2, R/2] -> [H, R]
         acc = tl.reshape(tl.permute(tl.join(acc, acc_odd), [0, 2, 1]), [BLOCK_H, BLOCK_DV])
+    if QK_SPLIT == 4:
+        # the quarters side by side: [H, R/4, u, v] (quarter u + 2v) -> [H, v, u, R/4] -> [H, R]
+        acc = tl.reshape(tl.permute(tl.join(tl.join(acc, acc_odd), tl.join(acc_c, acc_d)),
+                                    [0, 3, 2, 1]), [BLOCK_H, BLOCK_DV])
 
     if LAZY_RESCALE:
         l_i = tl.sum(l_i, axis=1)
