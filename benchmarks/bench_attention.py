@@ -102,6 +102,10 @@ MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 "split4": {"qk_split": 4},
                 "lazy-half-split4": {"lazy_rescale": True, "half_partials": True,
                                      "qk_split": 4},
+                # the last split merges (16-bit partials: half the bytes of its serial tail)
+                "half-fused": {"half_partials": True, "fused_merge": True},
+                "lazy-half-split4-fused": {"lazy_rescale": True, "half_partials": True,
+                                           "qk_split": 4, "fused_merge": True},
                 # the narrow kernel with 16-bit partials
                 "narrow-half": {"narrow": True, "half_partials": True}}
 #: MLA launch configs timed by --mla-sweep: (block_h, block_n, num_warps, num_stages, splits).

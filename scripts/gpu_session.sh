@@ -647,11 +647,11 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
     # never ran on a GPU, and a fault would end the process); the step's time split
     timeout ${BA_S:-330} python3 benchmarks/bench_attention.py --only mla --rep 30 \
       --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 \
-      --mla-variants half,split2,half-split2,split4,lazy-half-split4,narrow,narrow-half,desc-lazy,desc-lazy-half,desc-lazy-half-split2 \
+      --mla-variants split4,lazy-half-split4,lazy-half-split4-fused,half,half-fused,split2,half-split2,narrow,narrow-half,desc-lazy,desc-lazy-half,desc-lazy-half-split2 \
       --out "$OUT/mla" > "$OUT/mla.log" 2>&1
-    grep -E "ours|==|Error|error" "$OUT/mla.log" | head -30
+    grep -E "ours|==|Error|error" "$OUT/mla.log" | head -40
     timeout ${TS_S:-200} python3 benchmarks/mla_time_split.py --rows 16x64x4096 --splits 0 \
-      --tunings '[{}, {"half_partials": true}, {"qk_split": 2}, {"qk_split": 4}, {"lazy_rescale": true, "half_partials": true, "qk_split": 4}, {"kv_desc": true, "lazy_rescale": true}, {"kv_desc": true, "lazy_rescale": true, "half_partials": true, "qk_split": 2}]' 2>&1 \
+      --tunings '[{}, {"half_partials": true}, {"qk_split": 4}, {"lazy_rescale": true, "half_partials": true, "qk_split": 4}, {"half_partials": true, "fused_merge": true}, {"qk_split": 2}, {"kv_desc": true, "lazy_rescale": true, "half_partials": true, "qk_split": 2}]' 2>&1 \
       | tee "$OUT/mla_time_split.log" | tail -12
     rm -f "$OUT"/*/*.png
     ;;
