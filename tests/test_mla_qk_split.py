@@ -81,15 +81,18 @@ def test_qk_split_padding_row_is_zero(parts):
 
 def test_qk_split_declined_where_it_does_not_apply():
     """One chain for fp8 caches (their value-pair reads), ranks that are not a power of two
-    or under 32 (halves) / 64 (quarters); a wrong value is refused with the allowed ones."""
+    or under 32 (halves) / 64 (quarters), 64-head blocks (wgmma on sm_90); a wrong value is
+    refused with the allowed ones."""
     from aiter_attn.kernels.base import _adhoc_metadata
     from aiter_attn.kernels.triton.mla import TritonMLA, mla_request
 
-    def split_of(dtype=torch.float16, kv_dtype=None, rank=64, qk_split=2):
-        case = MLACase([1, 1], [40, 70], page=16, rank=rank, dtype=dtype, kv_dtype=kv_dtype)
+    def split_of(dtype=torch.float16, kv_dtype=None, rank=64, qk_split=2, block_h=None):
+        case = MLACase([1, 1], [40, 70], page=16, rank=rank, dtype=dtype, kv_dtype=kv_dtype,
+                       heads=64 if block_h else 16)
         q, kv = case.q.to(case.device), case.kv_cache.to(case.device)
         kw = case.kwargs()
-        k = TritonMLA(mla_request(q, kv, case.rank), {"qk_split": qk_split})
+        tuning = {"qk_split": qk_split, **({"block_h": block_h} if block_h else {})}
+        k = TritonMLA(mla_request(q, kv, case.rank), tuning)
         md = _adhoc_metadata(q, kv, kw["cu_seqlens_q"], kw["seqused_k"], kw["block_table"],
                              None, None, None, None, "test")
         return k.plan(md).cfg_kw["QK_SPLIT"]
@@ -104,6 +107,9 @@ def test_qk_split_declined_where_it_does_not_apply():
     assert split_of(rank=32, qk_split=4) == 1  # quarters of 8 columns: under an mma's k
     assert split_of(rank=32, qk_split=2) == 2
     assert split_of(kv_dtype=torch.float8_e4m3fn, qk_split=4) == 1
+    assert split_of(qk_split=4, block_h=32) == 4
+    assert split_of(qk_split=4, block_h=64) == 1  # wgmma: no mma.sync chain
+    assert split_of(qk_split=2, block_h=64) == 1
     for wrong in (3, 8, True):
         with pytest.raises(ValueError, match=rf"qk_split={wrong}.*allowed: 1.*2.*or 4"):
             split_of(qk_split=wrong)

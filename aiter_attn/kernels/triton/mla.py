@@ -439,7 +439,7 @@ class TritonMLA(MLAKernel):
             use_parts and not self.batch_invariant and not empty) else 0
         counters = self._counters(num_tokens * head_blocks, md, out, device) if fused else None
         even_d = self.block_dv == self.rank and self.block_dr == self.rope
-        qk_split = self._qk_split(t.get("qk_split", MLA_QK_SPLIT), even_d)
+        qk_split = self._qk_split(t.get("qk_split", MLA_QK_SPLIT), even_d, bh)
         kv_desc = bool(t.get("kv_desc", MLA_KV_DESCRIPTORS) and even_d and page_size % bn == 0
                        and self.kv_dtype == self.dtype and self.dtype != torch.float32
                        and fixed_chunk == 0 and mask is None and not split_v
@@ -488,18 +488,21 @@ class TritonMLA(MLAKernel):
             use_parts=use_parts, part_o=part_o, part_lse=part_lse, cfg_kw=cfg_kw,
             gluon=gluon, counters=counters)
 
-    def _qk_split(self, option, even_d: bool) -> int:
+    def _qk_split(self, option, even_d: bool, block_h: int) -> int:
         """``QK_SPLIT`` of the Triton kernel: 2 or 4 (q·Kᵀ as that many independent mma
         chains over the latent halves / quarters, p·V into as many part accumulators) where
         the ``qk_split`` option asks and the latents allow: a cache of q's dtype (fp8 caches
         keep their value-pair reads), power-of-two widths (``even_d``), parts of at least 16
-        columns (an mma's k: a rank of at least 32 / 64); else 1."""
+        columns (an mma's k: a rank of at least 32 / 64), head blocks under 64 (``block_h``:
+        64-row blocks are wgmma on sm_90, no chain of dependent mma.sync to shorten, and the
+        parts only add spills: 40 → 88 bytes with quarters); else 1."""
         if option is None or option is False:
             return 1
         if isinstance(option, bool) or option not in (1, 2, 4):  # True: which count?
             raise ValueError(f"qk_split={option!r}; allowed: 1 (one chain), 2 (two halves) "
                              "or 4 (four quarters).")
-        ok = even_d and self.kv_dtype == self.dtype and self.rank >= 16 * option
+        ok = (even_d and self.kv_dtype == self.dtype and self.rank >= 16 * option
+              and block_h < 64)
         return int(option) if ok else 1
 
     @staticmethod
