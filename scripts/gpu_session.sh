@@ -114,7 +114,8 @@
 #   scripts/gpu_session.sh sixtysixth    # the 16-head MLA options (descriptors, lazy rescale,
 #                                  # 16-bit partials, two or four score chains): rows, time split
 #   scripts/gpu_session.sh sixtyseventh  # their gpu tests; ncu of the default and the options
-#   scripts/gpu_session.sh sixtyeighth   # the remaining 16-head variants, 64x2k
+#   scripts/gpu_session.sh sixtyeighth   # the candidates at 128x8k and 64x2k
+#                                  # (MLA_VARIANTS: a comma list), the rest at 64x4k
 #   scripts/gpu_session.sh sixtyninth    # every MLA gpu test with candidate defaults
 #                                  # (MLA_DEFAULTS: a JSON object of the options)
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
@@ -643,10 +644,11 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       "$OUT/ncu.log" | head -80
     ;;
   sixtysixth)
-    # the 16-head rows with the options, alone and together (the descriptor ones last: they
-    # never ran on a GPU, and a fault would end the process); the step's time split
+    # the 64x4k 16-head row with the options, alone and together (the descriptor ones last:
+    # they never ran on a GPU, and a fault would end the process); the step's time split.
+    # 128x8k and 64x2k for the best of them: sixtyeighth
     timeout ${BA_S:-330} python3 benchmarks/bench_attention.py --only mla --rep 30 \
-      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 \
+      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096 \
       --mla-variants split4,lazy-half-split4,lazy-half-split4-fused,half,half-fused,split2,half-split2,narrow,narrow-half,desc-lazy,desc-lazy-half,desc-lazy-half-split2 \
       --out "$OUT/mla" > "$OUT/mla.log" 2>&1
     grep -E "ours|==|Error|error" "$OUT/mla.log" | head -40
@@ -663,12 +665,18 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       gpu_tests mla_candidate_tests.log ${GT_S:-400} 150 tests -k "mla or MLA"
     ;;
   sixtyeighth)
-    # the remaining 16-head variants, and 64x2k
+    # the candidates at 128x8k and 64x2k (a flipped default must hold 128x8k), then the
+    # remaining descriptor variants at 64x4k
     timeout ${BA_S:-330} python3 benchmarks/bench_attention.py --only mla --rep 30 \
-      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x64x2048 \
-      --mla-variants desc,lazy,desc-lazy-64w8,desc-coop,desc-lazy-half-split2 \
+      --anchors "" --mla-kv bf16 --mla-rows 16x128x8192,16x64x2048 \
+      --mla-variants ${MLA_VARIANTS:-split4,lazy-half-split4,lazy-half-split4-fused,half-fused,half-split2,narrow,desc-lazy-half-split2} \
       --out "$OUT/mla" > "$OUT/mla.log" 2>&1
     grep -E "ours|==|Error|error" "$OUT/mla.log" | head -30
+    timeout ${BB_S:-200} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096 \
+      --mla-variants desc,lazy,desc-lazy-64w8,desc-coop \
+      --out "$OUT/mla_rest" > "$OUT/mla_rest.log" 2>&1
+    grep -E "ours|==|Error|error" "$OUT/mla_rest.log" | head -30
     rm -f "$OUT"/*/*.png
     ;;
   sixtyfifth)

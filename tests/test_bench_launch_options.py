@@ -76,7 +76,9 @@ def test_session_variants_overrides_and_mla_variants_resolve():
     for ov in overrides:
         check_overrides(json.loads(ov), "gpu_session.sh")
     ba = _bench("bench_attention")
-    mla = [v for m in re.finditer(r"--mla-variants\s+(\S+)", text) for v in m[1].split(",")]
+    # a list may be a default: ${MLA_VARIANTS:-a,b}
+    mla = [v for m in re.finditer(r"--mla-variants\s+(?:\$\{[A-Z_]+:-)?([^\s}]+)", text)
+           for v in m[1].split(",")]
     assert mla and set(mla) <= set(ba.MLA_VARIANTS), mla
     from aiter_attn.kernels.triton.mla import TUNING_KEYS
 
