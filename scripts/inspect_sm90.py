@@ -283,6 +283,9 @@ def report(kernel) -> dict:
         "shared_bytes": kernel.metadata.shared,
         "cp.async (16 B)": len(re.findall(r"cp\.async\.cg", ptx)),
         "ld.global": len(re.findall(r"ld\.global", ptx)),
+        # global stores by width: 16-byte vectors (v4 of 32 bits) and narrower ones
+        "st.global 16 B": len(re.findall(r"st\.global(\.[a-z]+)*\.v4\.b32", ptx)),
+        "st.global narrower": len(re.findall(r"st\.global(?!(\.[a-z]+)*\.v4\.b32)", ptx)),
         "local-memory ops in the PTX": len(re.findall(r"(ld|st)\.local", ptx)),
         "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
         "mma.sync": len(re.findall(r"mma\.sync", ptx)),

@@ -260,6 +260,16 @@ def test_split_reduction_reads_in_one_round_trip(kernel, config):
     assert rep["ld.global before the first bar.sync"] == rep["ld.global"], rep
 
 
+@pytest.mark.parametrize("part,vectors", [("fp32", 16), ("bf16", 8)])
+def test_mla_split_partials_are_stored_as_16_byte_vectors(part, vectors):
+    """A 16-head program's ``[16, 512]`` partial row block, 64 values a thread, leaves as
+    16-byte vector stores in both dtypes (16 of float32, 8 of bf16: the 16-bit view of the
+    float32 workspace keeps the 16-byte alignment); the one narrower store is the LSE."""
+    rep = _inspect("mla", dict(BLOCK_N=32, warps=4, stages=3, NUM_SPLITS=4, ONE_QUERY=True,
+                               part=part))
+    assert rep["st.global 16 B"] == vectors and rep["st.global narrower"] == 1, rep
+
+
 def test_sass_loops_counts_the_innermost_loop_and_its_hmma_chain():
     """``inspect_sm90.sass_loops`` on a hand-written listing: an outer loop around an inner
     one; the inner one's three HMMAs, two chained through their accumulator, one not."""
