@@ -116,6 +116,8 @@
 #   scripts/gpu_session.sh sixtyseventh  # their gpu tests; ncu of the default and the options
 #   scripts/gpu_session.sh sixtyeighth   # the candidates at 128x8k and 64x2k
 #                                  # (MLA_VARIANTS: a comma list), the rest at 64x4k
+#   scripts/gpu_session.sh seventieth    # the ring Gluon kernel's operands by ldmatrix:
+#                                  # tests, 64x4k row, ncu bank conflicts
 #   scripts/gpu_session.sh sixtyninth    # every MLA gpu test with candidate defaults
 #                                  # (MLA_DEFAULTS: a JSON object of the options)
 #   scripts/gpu_session.sh twentyseventh # prefill gpu tests (windows in the warp-specialised
@@ -649,13 +651,28 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
     # 128x8k and 64x2k for the best of them: sixtyeighth
     timeout ${BA_S:-330} python3 benchmarks/bench_attention.py --only mla --rep 30 \
       --anchors "" --mla-kv bf16 --mla-rows 16x64x4096 \
-      --mla-variants split4,lazy-half-split4,lazy-half-split4-fused,half,half-fused,split2,half-split2,narrow,narrow-half,desc-lazy,desc-lazy-half,desc-lazy-half-split2 \
+      --mla-variants split4,lazy-half-split4,lazy-half-split4-fused,half,half-fused,split2,half-split2,narrow,narrow-half,desc-lazy,desc-lazy-half,desc-lazy-half-split2,ring \
       --out "$OUT/mla" > "$OUT/mla.log" 2>&1
     grep -E "ours|==|Error|error" "$OUT/mla.log" | head -40
     timeout ${TS_S:-200} python3 benchmarks/mla_time_split.py --rows 16x64x4096 --splits 0 \
       --tunings '[{}, {"half_partials": true}, {"qk_split": 4}, {"lazy_rescale": true, "half_partials": true, "qk_split": 4}, {"half_partials": true, "fused_merge": true}, {"qk_split": 2}, {"kv_desc": true, "lazy_rescale": true, "half_partials": true, "qk_split": 2}]' 2>&1 \
       | tee "$OUT/mla_time_split.log" | tail -12
     rm -f "$OUT"/*/*.png
+    ;;
+  seventieth)
+    # the ring Gluon kernel with its operands read by ldmatrix (k_width 2; 52 conflicted
+    # ld.shared.v4 before): its gpu tests, its 64x4k row, and ncu's bank-conflict counters
+    gpu_tests ring_tests.log ${GT_S:-150} 90 tests/test_triton_mla.py::test_gpu_ring_gluon_mla
+    timeout ${BA_S:-150} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096 --mla-variants ring,narrow \
+      --out "$OUT/mla_ring" > "$OUT/mla_ring.log" 2>&1
+    grep -E "ours|==|Error|error" "$OUT/mla_ring.log" | head -10
+    timeout ${NCU_S:-150} ncu --clock-control none --profile-from-start off --nvtx \
+      --target-processes all --section SpeedOfLight --section WarpStateStats --metrics \
+smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum \
+      python3 benchmarks/ncu_kernels.py --cases mla16-ring > "$OUT/ncu_ring.log" 2>&1
+    grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Warp Cycles Per Issued|smsp__inst|bank_conf|wavefronts" \
+      "$OUT/ncu_ring.log" | head -20
     ;;
   sixtyninth)
     # every MLA gpu test with candidate defaults (MLA_DEFAULTS: JSON of the options, e.g.

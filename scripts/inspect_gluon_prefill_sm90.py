@@ -65,7 +65,9 @@ def compile_gluon(q="bf16", warps=4, maxnreg=None, ws=False, **const):
 
 def gluon_report(k) -> dict:
     """Registers, spills (ptxas stack bytes), shared memory, warps, wgmma count, the wgmma
-    waits and the partitions' ``setmaxnreg`` values of a compiled kernel ``k``."""
+    waits, the partitions' ``setmaxnreg`` values, and the shared-memory reads by kind
+    (``ldmatrix``, and 16-byte ``ld.shared.v4`` vectors: an mma.sync operand read that way
+    instead of by ldmatrix) of a compiled kernel ``k``."""
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -80,6 +82,8 @@ def gluon_report(k) -> dict:
                        re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)],
         "setmaxnreg": sorted({int(x) for x in
                               re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+        "ldmatrix": len(re.findall(r"ldmatrix\.", ptx)),
+        "ld.shared.v4": len(re.findall(r"ld\.shared\.v4\.", ptx)),
     }
 
 

@@ -394,8 +394,13 @@ def test_ring_mla_compiles_for_sm90(const):
     """The ring MLA kernel (``mla_ring_gluon.py``): two programs per SM, in registers (q in
     registers, eight [64, 16] accumulators: at most 256 a thread for 2 × 128 threads) and in
     shared memory (three 36 KB slots each: within half the SM's 228 KB with the 1 KB each
-    program reserves); at most 32 bytes spilled."""
+    program reserves); no spills. Its mma operands come out of the ring by ``ldmatrix``
+    (39 for the scores, 18 transposed for the values): with 8-element operand packing
+    (``k_width=8``) the scores' operands were 52 ``ld.shared.v4`` reads, which the sixteenth
+    session's Nsight Compute found 2-way bank-conflicted, and 16 bytes spilled; the 16 left
+    are the last tile's row zeroing."""
     r = _inspect_mla(const, "--ring")
-    assert r["stack"] <= 32, r
+    assert r["stack"] == 0, r
+    assert r["ldmatrix"] >= 57 and r["ld.shared.v4"] <= 16, r
     assert 2 * (r["shared"] + 1024) <= 233472, r
     assert r["registers"] <= 256, r

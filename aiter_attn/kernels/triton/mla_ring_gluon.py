@@ -133,10 +133,13 @@ if HAS_GLUON:
             version=[2, 0], warps_per_cta=[2, 2], instr_shape=[16, 8])
         o_lay: gl.constexpr = gl.NVMMADistributedLayout(
             version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
-        a_s: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_lay, k_width=8)
-        b_s: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=s_lay, k_width=8)
-        a_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_lay, k_width=8)
-        b_o: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=o_lay, k_width=8)
+        # two 16-bit elements along k per register (the mma's own packing): operands come
+        # out of the swizzled ring by ldmatrix (k_width=8 read the scores' operands as
+        # ld.shared.v4, 2-way bank-conflicted, and spilled)
+        a_s: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_lay, k_width=2)
+        b_s: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=s_lay, k_width=2)
+        a_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_lay, k_width=2)
+        b_o: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=o_lay, k_width=2)
         col_s: gl.constexpr = gl.SliceLayout(0, s_lay)
         row_s: gl.constexpr = gl.SliceLayout(1, s_lay)
         col_o: gl.constexpr = gl.SliceLayout(0, o_lay)
