@@ -134,13 +134,19 @@ class MLACase:
 
     def assert_rows_and_lse(self, label, **launch):
         """Run with ``launch`` and an LSE output (NaN-filled first): the rows are finite and
-        match the oracle (:data:`RTOL`), the LSE the oracle's (:data:`LSE_RTOL`). Returns
-        the rows."""
+        match the oracle (:data:`RTOL`), the LSE the oracle's (:data:`LSE_RTOL`); a row with
+        nothing visible (custom masks can hide every key) is exactly zero with an LSE of
+        ``-inf``. Returns the rows."""
         lse = torch.full((self.q.shape[0], self.heads), float("nan"), device=self.device)
         out = self.run(lse=lse, **launch)
         assert torch.isfinite(out).all(), label
         assert_close_rel(out, self.expected(), RTOL[self.dtype], label)
-        assert_close_rel(lse.cpu(), self.expected_lse(), LSE_RTOL[self.dtype], label + " LSE")
+        exp_lse, lse = self.expected_lse(), lse.cpu()
+        dead = torch.isinf(exp_lse)
+        assert torch.equal(torch.isneginf(lse), dead), label + " LSE -inf where nothing is visible"
+        assert (out.cpu()[dead] == 0).all(), label + " rows with nothing visible"
+        if (~dead).any():
+            assert_close_rel(lse[~dead], exp_lse[~dead], LSE_RTOL[self.dtype], label + " LSE")
         return out
 
 

@@ -277,14 +277,12 @@ def _mla_fwd_kernel(
     q_nope_b = q_nope
     q_nope_c = q_nope
     q_nope_d = q_nope
+    PART = KV_LORA // QK_SPLIT
     if QK_SPLIT >= 2:  # the other column parts of q (see _mla_tile)
-        q_nope_b = tl.load(q_row + KV_LORA // QK_SPLIT + offs_dt[None, :],
-                           mask=mask_h[:, None], other=0.0)
+        q_nope_b = tl.load(q_row + PART + offs_dt[None, :], mask=mask_h[:, None], other=0.0)
     if QK_SPLIT == 4:
-        q_nope_c = tl.load(q_row + KV_LORA // 2 + offs_dt[None, :], mask=mask_h[:, None],
-                           other=0.0)
-        q_nope_d = tl.load(q_row + 3 * (KV_LORA // 4) + offs_dt[None, :], mask=mask_h[:, None],
-                           other=0.0)
+        q_nope_c = tl.load(q_row + 2 * PART + offs_dt[None, :], mask=mask_h[:, None], other=0.0)
+        q_nope_d = tl.load(q_row + 3 * PART + offs_dt[None, :], mask=mask_h[:, None], other=0.0)
     q_rope = tl.load(q_row + KV_LORA + offs_dr[None, :], mask=mask_h[:, None] & mask_dr[None, :],
                      other=0.0)
     if FP16_DOTS:
