@@ -9,6 +9,7 @@ plugin's name forces one (and raises with reasons if it cannot serve).
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import attrs
@@ -66,7 +67,7 @@ def _check_window(window_size):
     if (
         not isinstance(window_size, (tuple, list))
         or len(window_size) != 2
-        or any((not isinstance(w, int)) or w < -1 for w in window_size)
+        or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window_size)
     ):
         raise ValueError(
             f"window_size={window_size!r}; expected a (left, right) pair of ints ≥ -1 "
@@ -152,6 +153,17 @@ def _lse_buffer(return_lse, out_lse, q):
     return out_lse
 
 
+def _check_mask(custom_mask, mask_indptr, cu_seqlens_q):
+    """A tree-verify mask: both or neither, bool/uint8 flat mask, ``[batch + 1]`` indptr
+    (devices are checked with the op's other tensors)."""
+    if (custom_mask is None) != (mask_indptr is None):
+        raise ValueError("custom_mask and mask_indptr go together; pass both or neither.")
+    if custom_mask is not None:
+        check_tensor("custom_mask", custom_mask, dtypes=(torch.bool, torch.uint8), ndim=1)
+        check_tensor("mask_indptr", mask_indptr, dtypes=INDEX_DTYPES, ndim=1,
+                     shape=(cu_seqlens_q.shape[0],))
+
+
 def _validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, out,
                     **optional_tensors):
     check_tensor("q", q, dtypes=ATTN_DTYPES, ndim=3,
@@ -173,6 +185,9 @@ def _validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, o
         )
     check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=INDEX_DTYPES, ndim=1,
                  hint="cu_seqlens_q is int32 [batch + 1].")
+    if cu_seqlens_q.shape[0] == 0:
+        raise ValueError("cu_seqlens_q has shape (0,); expected [batch + 1] offsets starting "
+                         "at 0 (an empty batch is [0]).")
     bs = cu_seqlens_q.shape[0] - 1
     check_tensor("seqused_k", seqused_k, dtypes=INDEX_DTYPES, ndim=1, shape=(bs,),
                  hint="seqused_k is int32 [batch]: KV length per request.")
@@ -272,19 +287,15 @@ def paged_attention(
             lse = _lse_buffer(True, out_lse, q)
             return kernel.run(q, (k_cache, v_cache), plan, params, out, lse=lse), lse
     _validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, out,
-                    sinks=sinks, custom_mask=custom_mask, mask_indptr=mask_indptr)
+                    sinks=sinks, custom_mask=custom_mask, mask_indptr=mask_indptr,
+                    k_scale=k_scale, v_scale=v_scale)
     _check_window(window_size)
     softmax_scale, softcap = check_attention_scalars(softmax_scale, softcap, k_scale=k_scale,
                                                      v_scale=v_scale)
     if sinks is not None:
         check_tensor("sinks", sinks, ndim=1, shape=(q.shape[1],),
                      hint="sinks is float32 [num_q_heads].")
-    if (custom_mask is None) != (mask_indptr is None):
-        raise ValueError("custom_mask and mask_indptr go together; pass both or neither.")
-    if custom_mask is not None:
-        check_tensor("custom_mask", custom_mask, dtypes=(torch.bool, torch.uint8), ndim=1)
-        check_tensor("mask_indptr", mask_indptr, dtypes=INDEX_DTYPES, ndim=1,
-                     shape=(cu_seqlens_q.shape[0],))
+    _check_mask(custom_mask, mask_indptr, cu_seqlens_q)
     lse = _lse_buffer(return_lse, out_lse, q)
     window_size = tuple(window_size)
     # select once per cheap key (everything the request depends on), then plan + run
@@ -451,11 +462,17 @@ def mla_paged_attention(
     check_tensor("kv_cache", kv_cache, dtypes=ATTN_DTYPES + tuple(FP8_DTYPES), ndim=4,
                  shape=(None, None, 1, q.shape[2]),
                  hint="kv_cache is [num_pages, page_size, 1, kv_lora_rank + rope_dim].")
+    if isinstance(kv_lora_rank, bool) or not isinstance(kv_lora_rank, numbers.Integral):
+        raise TypeError(f"kv_lora_rank={kv_lora_rank!r} must be a Python int (the latent "
+                        "width, e.g. 512); pass int(...).")
+    kv_lora_rank = int(kv_lora_rank)
     if not 0 < kv_lora_rank <= q.shape[2]:
         raise ValueError(f"kv_lora_rank={kv_lora_rank}; must be in 1..{q.shape[2]} (q's last dim).")
     _validate_paged(q, kv_cache, kv_cache[..., :kv_lora_rank], cu_seqlens_q, seqused_k,
-                    block_table, out)
+                    block_table, out, custom_mask=custom_mask, mask_indptr=mask_indptr,
+                    kv_scale=kv_scale)
     softmax_scale, _ = check_attention_scalars(softmax_scale, kv_scale=kv_scale)
+    _check_mask(custom_mask, mask_indptr, cu_seqlens_q)
     lse = _lse_buffer(return_lse, out_lse, q)
     features = {"fp8"} if kv_cache.dtype in FP8_DTYPES else set()
     if custom_mask is not None:
@@ -552,13 +569,27 @@ def write_kv(
 
     Caches ``[num_pages, page_size, heads, dim]``; k/v ``[num_tokens, heads, dim]``.
     """
+    check_tensor("k_cache", k_cache, dtypes=ATTN_DTYPES + tuple(FP8_DTYPES), ndim=4,
+                 hint="k_cache is [num_pages, page_size, num_kv_heads, head_dim].")
+    if (v_cache is None) != (v is None):
+        raise ValueError("v_cache and v go together; pass both or neither (v_cache=None, "
+                         "v=None: a single latent cache).")
     check_tensor("slots", slots, dtypes=INDEX_DTYPES, ndim=1,
                  hint="slots (out_cache_loc) is int64 [num_tokens].")
-    check_tensor("k", k, ndim=3, shape=(slots.shape[0], k_cache.shape[2], k_cache.shape[3]),
+    check_tensor("k", k, dtypes=ATTN_DTYPES, ndim=3,
+                 shape=(slots.shape[0], k_cache.shape[2], k_cache.shape[3]),
                  hint="k is [num_tokens, num_kv_heads, head_dim] matching the cache.")
     if v is not None:
-        check_tensor("v", v, ndim=3, shape=(slots.shape[0], v_cache.shape[2], v_cache.shape[3]),
+        # v_cache's slots are k_cache's (a smaller v_cache would be written past its end)
+        check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), ndim=4,
+                     shape=(k_cache.shape[0], k_cache.shape[1], None, None),
+                     hint="v_cache is [num_pages, page_size, num_kv_heads, head_dim_v] with "
+                          "k_cache's pages and dtype.")
+        check_tensor("v", v, dtypes=ATTN_DTYPES, ndim=3,
+                     shape=(slots.shape[0], v_cache.shape[2], v_cache.shape[3]),
                      hint="v is [num_tokens, num_kv_heads, head_dim_v] matching the cache.")
+    check_same_device("k_cache", k_cache, v_cache=v_cache, slots=slots, k=k, v=v,
+                      k_scale=k_scale, v_scale=v_scale)
     check_scale("k_scale", k_scale)
     check_scale("v_scale", v_scale)
     req = KernelRequest(

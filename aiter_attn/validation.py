@@ -71,7 +71,8 @@ def check_tensor(
     if shape is not None:
         for i, want in enumerate(shape):
             if want is not None and t.shape[i] != want:
-                expect = tuple("*" if s is None else s for s in shape)
+                sizes = ["*" if s is None else str(s) for s in shape]
+                expect = f"({', '.join(sizes)}{',' if len(sizes) == 1 else ''})"
                 raise ValueError(
                     f"{name} has shape {tuple(t.shape)}; expected {expect}. {hint}".strip()
                 )
@@ -121,9 +122,15 @@ def require_unit_stride(name: str, t: Optional[torch.Tensor]) -> None:
 
 
 def check_finite(name: str, value, *, minimum: Optional[float] = None, hint: str = "") -> float:
-    """``value`` as a float, refusing NaN/±inf (and values below ``minimum``)."""
+    """``value`` as a float, refusing NaN/±inf (and values below ``minimum``). A Python
+    number or a one-element CPU tensor: reading a device tensor would be a device sync."""
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)):
         raise TypeError(f"{name}={value!r} must be a real number. {hint}".strip())
+    if isinstance(value, torch.Tensor) and (value.device.type != "cpu" or value.numel() != 1):
+        # float() of a device tensor waits for the device: the op's scalars stay on the host
+        raise TypeError(f"{name} is a tensor of shape {tuple(value.shape)} on "
+                        f"{value.device}; pass a Python float (e.g. {name}=float(x) once, "
+                        f"outside the step). {hint}".strip())
     v = float(value)
     if not math.isfinite(v):
         raise ValueError(f"{name}={v}; must be a finite number. {hint}".strip())

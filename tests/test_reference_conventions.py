@@ -78,6 +78,34 @@ def test_fully_masked_row_is_zero_not_nan():
     assert torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.parametrize("width", [0, 2], ids=["no-table", "table"])
+def test_request_without_keys_is_zero_with_lse_minus_inf(width):
+    """A non-causal query of a request with no key (``seqused_k`` 0; its block-table row
+    of ``width`` pages unread) is zeros with LSE −inf; with a sink, zeros with LSE = the
+    sink. The request beside it (7 keys) is the oracle's. The reference kernel raised on an
+    empty reduction here."""
+    q, kc, vc, k, v, a = _one_request(7, hq=2, hkv=1, d=4)
+    q2 = torch.cat([torch.randn(1, 2, 4), q])
+    live = a["block_table"]  # [1, 2]: the 7 keys' two pages
+    table = (torch.cat([torch.zeros_like(live), live]) if width
+             else torch.zeros(2, 0, dtype=torch.int32))
+    args = dict(cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
+                seqused_k=torch.tensor([0, 7 if width else 0], dtype=torch.int32),
+                block_table=table)
+    out, lse = ops.paged_attention(q2, kc, vc, softmax_scale=0.5, causal=False,
+                                   return_lse=True, **args)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.equal(lse[0], torch.full_like(lse[0], float("-inf")))
+    if width:
+        ref = dense_attention(q, k, v, scale=0.5, causal=False)
+        assert_close_rel(out[1:], ref, 1e-5, "live request")
+    sink = torch.tensor([0.5, -1.0])
+    out, lse = ops.paged_attention(q2, kc, vc, softmax_scale=0.5, causal=False, sinks=sink,
+                                   return_lse=True, **args)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.allclose(lse[0], sink)
+
+
 @pytest.mark.parametrize("window", [(-1, -1), (3, 0)], ids=["full", "w4"])
 def test_ragged_queries_are_last_tokens(window):
     """Query i of n sits at position L-n+i: matches the float64 oracle for a 5:1 GQA request."""

@@ -174,7 +174,8 @@ def paged_attention_reference(
             s = torch.cat([s, sink], dim=-1)
         if lse is not None:
             lse[q0:q1] = torch.logsumexp(s, dim=-1).transpose(0, 1).to(lse.dtype)  # [n, Hq]
-        row_max = s.amax(dim=-1, keepdim=True)
+        # no key at all (non-causal, seqused_k 0, no sink): zeros, like a fully masked row
+        row_max = s.amax(dim=-1, keepdim=True) if s.shape[-1] else s.new_zeros(*s.shape[:-1], 1)
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
         p = torch.exp(s - row_max)
         denom = p.sum(dim=-1, keepdim=True)
