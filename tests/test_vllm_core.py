@@ -187,6 +187,96 @@ def test_paged_attention_support_reports_kernel_level(monkeypatch):
     assert level == CGSupport.NEVER and "sinks" in reason
 
 
+def _attn_spec(head_size, *, dtype=torch.float16, block_size=16, sliding_window=None):
+    """A stand-in for vLLM's per-layer ``FullAttentionSpec`` / ``SlidingWindowSpec``."""
+    spec = SimpleNamespace(block_size=block_size, num_kv_heads=2, head_size=head_size,
+                           head_size_v=head_size, dtype=dtype)
+    if sliding_window is not None:
+        spec.sliding_window = sliding_window
+    return spec
+
+
+def test_group_cudagraph_support_reads_uniform_type_group_specs(monkeypatch):
+    """vLLM's V1 runner asks the builder's CUDA-graph level with the group's spec, which is a
+    ``UniformTypeKVCacheSpecs`` (per-layer specs in ``kv_cache_specs``, no dtype / head_size of
+    its own) when the group's layers differ in head count or size: the level is the weakest
+    over those layers, and a single layer's spec is read as before."""
+    from aiter_attn.kernels.registry import Capabilities, KernelRegistry
+
+    reg = KernelRegistry()
+    reg.register("paged_attention", "gpu", lambda *a, **k: None,
+                 Capabilities(devices={"cuda"}, max_head_dim=128, features={"window"},
+                              cg_support=CGSupport.ALWAYS), priority=10)
+    reg.register("paged_attention", "slow", lambda *a, **k: None,
+                 Capabilities(devices={"cuda"}, features={"window"},
+                              cg_support=CGSupport.NEVER))
+    monkeypatch.setattr(core, "kernel_registry", lambda: reg)
+    small, big = _attn_spec(64), _attn_spec(256)
+    assert core.group_cudagraph_support(small, device="cuda") == CGSupport.ALWAYS
+    assert core.group_cudagraph_support(big, device="cuda") == CGSupport.NEVER
+    uniform = SimpleNamespace(block_size=16, kv_cache_specs={"l0": small, "l1": _attn_spec(128)})
+    assert core.group_cudagraph_support(uniform, device="cuda") == CGSupport.ALWAYS
+    mixed = SimpleNamespace(block_size=16, kv_cache_specs={"l0": small, "l1": big})
+    assert core.group_cudagraph_support(mixed, device="cuda") == CGSupport.NEVER
+    windowed = SimpleNamespace(block_size=16, kv_cache_specs={
+        "l0": _attn_spec(64, sliding_window=8), "l1": _attn_spec(128, sliding_window=8)})
+    assert core.group_cudagraph_support(windowed, device="cuda") == CGSupport.ALWAYS
+
+
+def test_sinks_follow_in_place_weight_reloads():
+    """The float32 sinks the kernels read follow vLLM's sinks parameter when its values are
+    replaced in place with no ``process_weights_after_loading`` after (vLLM's
+    ``reload_weights(is_checkpoint_format=False)`` does ``param.copy_(w)``; RL weight syncs
+    call ``model.load_weights``): a bf16 parameter is re-read into the same float32 buffer on
+    every call (one tensor, so memoised calls and captured graphs keep reading it); a float32
+    one is passed as is. Attention with the reloaded sinks equals the reference with them."""
+    assert core.refresh_sinks(None, None) is None
+    torch.manual_seed(3)
+    param = torch.nn.Parameter(torch.randn(4).to(torch.bfloat16), requires_grad=False)
+    buf = core.refresh_sinks(param, None)
+    assert buf.dtype == torch.float32 and torch.equal(buf, param.float())
+    new = torch.randn(4).to(torch.bfloat16)
+    with torch.no_grad():
+        param.copy_(new)
+    again = core.refresh_sinks(param, buf)
+    assert again is buf and torch.equal(again, new.float())
+    f32 = torch.nn.Parameter(torch.randn(4), requires_grad=False)
+    assert core.refresh_sinks(f32, None) is f32
+
+    hq, hkv, d, page = 4, 2, 32, 16
+    kv = _vllm_cache(4, hkv, page, d, d)
+    table = torch.tensor([[2, 1], [3, 0]], dtype=torch.int32)
+    common = _common([3, 1], [20, 9], block_table=table,
+                     slot_mapping=torch.zeros(4, dtype=torch.int64))
+    md = core.metadata_from_common(common)
+    params = core.AttnLayerParams(num_heads=hq, num_kv_heads=hkv, head_size=d, head_size_v=d,
+                                  scale=d ** -0.5)
+    query = torch.randn(4, hq, d)
+    out = core.run_attention(params, md, query, kv, torch.empty(4, hq, d),
+                             sinks=core.refresh_sinks(param, buf))
+    k_plain, v_plain = (t.contiguous() for t in core.kv_cache_views(kv, d, d))
+    expected = ops.paged_attention(
+        query, k_plain, v_plain, cu_seqlens_q=common.query_start_loc,
+        seqused_k=common.seq_lens, block_table=table, softmax_scale=d ** -0.5,
+        sinks=new.float(), backend="reference")
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_models_needing_more_than_causal_masks_are_refused():
+    """A multimodal prefix-LM (Gemma3, PaliGemma: image tokens attend bidirectionally through
+    ``mm_req_doc_ranges``) or an R-SWA model (``rswa_prefix_lens``) needs masks our kernels do
+    not apply: vLLM's GPU selector refuses such models for a backend without
+    ``supports_mm_prefix`` / ``supports_rswa``, its CPU platform does not ask, so the builder
+    must refuse them instead of serving plain causal attention."""
+    plain = SimpleNamespace(is_mm_prefix_lm=False, rswa_window=None)
+    assert core.unsupported_model_reason(plain) == ""
+    assert core.unsupported_model_reason(None) == ""
+    why = core.unsupported_model_reason(SimpleNamespace(is_mm_prefix_lm=True, rswa_window=None))
+    assert "is_mm_prefix_lm=True" in why and "--language-model-only" in why
+    why = core.unsupported_model_reason(SimpleNamespace(is_mm_prefix_lm=False, rswa_window=128))
+    assert "rswa_window=128" in why
+
+
 def test_register_without_vllm_logs_and_returns(monkeypatch, caplog):
     """A plugin that cannot load says why and registers nothing (here: no vLLM at all)."""
     import sys

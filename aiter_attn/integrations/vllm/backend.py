@@ -6,7 +6,8 @@
 * :class:`AiterAttnMetadataBuilder`: once per step and KV-cache group, maps vLLM's
   ``CommonAttentionMetadata`` onto our plan (:func:`.core.metadata_from_common`); its CUDA-graph
   support level is the one our kernel registry reports for the kernel it would pick.
-* :class:`AiterAttnImpl`: per layer, normalises window / soft-cap / sinks once, writes K/V into
+* :class:`AiterAttnImpl`: per layer, normalises window / soft-cap once, reads the sinks
+  parameter as float32 on every forward (:func:`.core.refresh_sinks`), writes K/V into
   vLLM's cache (``do_kv_cache_update``) and runs :func:`aiter_attn.ops.paged_attention`.
 
 This module imports vLLM; :mod:`aiter_attn.integrations.vllm` registers it by class path only.
@@ -61,6 +62,12 @@ class AiterAttnMetadataBuilder(AttentionMetadataBuilder[core.AiterAttnMetadata])
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        why = core.unsupported_model_reason(getattr(vllm_config, "model_config", None))
+        if why:
+            raise NotImplementedError(
+                f"aiter_attn's vLLM backend cannot serve this model: {why}. Otherwise serve "
+                "it with vLLM's own attention (on the CPU: disable the plugin with "
+                "AITER_ATTN_VLLM=0 or VLLM_PLUGINS set to a list without 'aiter_attn').")
         kernel = _kernel_name(kv_cache_spec)
         log.info_once("aiter_attn: serving vLLM attention as %s (%s kernels, %s pages of %d)",
                       registered_name(), kernel, type(kv_cache_spec).__name__,
@@ -70,11 +77,10 @@ class AiterAttnMetadataBuilder(AttentionMetadataBuilder[core.AiterAttnMetadata])
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         """The CUDA-graph level of the kernel our registry picks for this group's layers
         (vLLM takes the weakest across groups): ``ALWAYS`` for the Triton kernel on a GPU,
-        ``NEVER`` for the reference (the CPU, where vLLM captures no graphs anyway)."""
-        level, _ = core.paged_attention_support(
-            device=_device_type(), dtype=kv_cache_spec.dtype, head_size=kv_cache_spec.head_size,
-            head_size_v=kv_cache_spec.head_size_v, page_size=kv_cache_spec.block_size,
-            sliding_window=getattr(kv_cache_spec, "sliding_window", None) is not None)
+        ``NEVER`` for the reference (the CPU, where vLLM captures no graphs anyway).
+        ``kv_cache_spec`` is a layer's spec or, from vLLM's V1 runner, the group's
+        ``UniformTypeKVCacheSpecs`` (see :func:`.core.group_cudagraph_support`)."""
+        level = core.group_cudagraph_support(kv_cache_spec, device=_device_type())
         return AttentionCGSupport[CGSupport(level).name]
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -125,13 +131,13 @@ class AiterAttnImpl(AttentionImpl[core.AiterAttnMetadata]):
         self._sinks_f32: Optional[torch.Tensor] = None
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
-        self._sinks_f32 = None  # re-derived from the loaded values on the next forward
+        # made here, outside any CUDA-graph capture; refreshed on every forward
+        self._sinks_f32 = core.refresh_sinks(self.sinks, None)
 
     def _sinks(self) -> Optional[torch.Tensor]:
-        if self.sinks is None:
-            return None
-        if self._sinks_f32 is None:
-            self._sinks_f32 = self.sinks.detach().to(torch.float32).contiguous()
+        """float32 ``[num_heads]`` sinks holding the parameter's current values (weights may
+        be reloaded in place without ``process_weights_after_loading``), or None."""
+        self._sinks_f32 = core.refresh_sinks(self.sinks, self._sinks_f32)
         return self._sinks_f32
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,

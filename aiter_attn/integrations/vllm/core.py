@@ -29,10 +29,14 @@ __all__ = [
     "AttnLayerParams",
     "kv_cache_views",
     "metadata_from_common",
+    "unsupported_model_reason",
     "window_from_vllm",
     "write_kv_cache",
+    "refresh_sinks",
     "run_attention",
     "paged_attention_support",
+    "layer_specs",
+    "group_cudagraph_support",
 ]
 
 
@@ -144,6 +148,32 @@ def metadata_from_common(common, *, capturing: bool = False) -> AiterAttnMetadat
     )
 
 
+def unsupported_model_reason(model_config) -> str:
+    """Why this model's attention needs masks our kernels do not apply, or ``""``.
+
+    vLLM's GPU selector refuses these models for a backend without ``supports_mm_prefix`` /
+    ``supports_rswa``; its CPU platform picks ``CPU_ATTN`` (us) without asking, and the
+    per-step fields that carry them (``CommonAttentionMetadata.mm_req_doc_ranges``,
+    ``rswa_prefix_lens``) would otherwise be ignored, serving plain causal attention.
+
+    Args:
+        model_config: vLLM's ``ModelConfig`` (read by attribute: ``is_mm_prefix_lm``,
+            ``rswa_window``), or None.
+    """
+    if model_config is None:
+        return ""
+    if getattr(model_config, "is_mm_prefix_lm", False):
+        return ("the model is a multimodal prefix-LM (is_mm_prefix_lm=True: image tokens "
+                "attend to each other bidirectionally), and aiter_attn applies only causal / "
+                "window masks; serve it text-only (--language-model-only, or "
+                "--limit-mm-per-prompt with every modality at 0, turns those masks off)")
+    rswa = getattr(model_config, "rswa_window", None)
+    if rswa is not None:
+        return (f"the model uses reference sliding-window attention (rswa_window={rswa}), "
+                "which aiter_attn does not implement (only full or sliding-window)")
+    return ""
+
+
 @dataclass(frozen=True)
 class AttnLayerParams:
     """A layer's constants, normalised once at construction (vLLM's impl ``__init__``).
@@ -179,6 +209,33 @@ def write_kv_cache(params: AttnLayerParams, kv_cache: torch.Tensor, key: torch.T
         if not bool(keep.all()):
             key, value, slots = key[keep], value[keep], slots[keep]
     ops.write_kv(k_cache, v_cache, slots, key, value)
+
+
+def refresh_sinks(sinks: Optional[torch.Tensor],
+                  buf: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The float32 contiguous ``[num_heads]`` sinks the kernels take, read from vLLM's sinks
+    parameter now: vLLM may replace weights in place with no ``process_weights_after_loading``
+    after (``reload_weights(is_checkpoint_format=False)`` does ``param.copy_(w)``; RL weight
+    syncs call ``model.load_weights``), so a copy made once would go stale.
+
+    Args:
+        sinks: the layer's sinks parameter (any float dtype, ``[num_heads]``) or None.
+        buf: the float32 buffer this returned last time for this layer, or None.
+
+    Returns:
+        ``sinks`` itself when it is float32 and contiguous; else ``buf`` (made when None or
+        unfit) refreshed from ``sinks`` in place: the same tensor every call, so memoised ops
+        calls and captured CUDA graphs keep reading it (a graph replays the refresh). None
+        without sinks.
+    """
+    if sinks is None:
+        return None
+    if sinks.dtype == torch.float32 and sinks.is_contiguous():
+        return sinks
+    if buf is None or buf.shape != sinks.shape or buf.device != sinks.device:
+        buf = torch.empty(sinks.shape, dtype=torch.float32, device=sinks.device)
+    buf.copy_(sinks.detach())
+    return buf
 
 
 def run_attention(params: AttnLayerParams, md: AiterAttnMetadata, query: torch.Tensor,
@@ -225,3 +282,28 @@ def paged_attention_support(*, device: str, dtype: torch.dtype, head_size: int,
     except KernelSelectionError as exc:
         return CGSupport.NEVER, str(exc)
     return sel.impl.capabilities.cg_support, None
+
+
+def layer_specs(kv_cache_spec) -> tuple:
+    """The per-layer specs a KV-cache group's spec covers, as vLLM's
+    ``kv_cache_interface.iter_layer_specs``: a ``UniformTypeKVCacheSpecs`` (one group of
+    layers of one type that differ in head count or size) holds them in ``kv_cache_specs``
+    and has no ``dtype`` / ``head_size`` of its own; any other spec is its own layer's."""
+    specs = getattr(kv_cache_spec, "kv_cache_specs", None)
+    return (kv_cache_spec,) if specs is None else tuple(specs.values())
+
+
+def group_cudagraph_support(kv_cache_spec, *, device: str) -> CGSupport:
+    """The CUDA-graph level of a KV-cache group (the builder's ``get_cudagraph_support``):
+    the weakest over its layers' specs (:func:`layer_specs`; vLLM's V1 runner passes the
+    group's spec, the V2 runner a layer's) of :func:`paged_attention_support`, each read
+    from the spec's ``dtype``, ``head_size``, ``head_size_v``, ``block_size`` and
+    ``sliding_window`` (absent = none). ``NEVER`` for a group with no layer spec."""
+    levels = [
+        paged_attention_support(
+            device=device, dtype=spec.dtype, head_size=spec.head_size,
+            head_size_v=getattr(spec, "head_size_v", None), page_size=spec.block_size,
+            sliding_window=getattr(spec, "sliding_window", None) is not None)[0]
+        for spec in layer_specs(kv_cache_spec)
+    ]
+    return min(levels, default=CGSupport.NEVER)
