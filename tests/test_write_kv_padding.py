@@ -59,3 +59,35 @@ def test_live_slot_zero_beside_padding_rows(backend, slots):
     exp_v[slots[live]] = v[live]
     assert torch.equal(k_cache.view(-1, heads, d), exp_k)
     assert torch.equal(v_cache.view(-1, heads, d), exp_v)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float8_e4m3fn],
+                         ids=["f32", "f16", "e4m3"])
+def test_padded_pages_write_their_slots_only(backend, dtype):
+    """Pages strided further apart than their rows (vLLM's ``page_size_padded``: each page's
+    bytes padded, the cache a view of a larger buffer) get the bytes the same write puts in
+    a contiguous cache, and the padding between pages keeps its bytes. The reference writer
+    flattened the cache with ``view`` and raised on such a view."""
+    g = torch.Generator().manual_seed(7)
+    pages, page, pad, heads, d = 5, 16, 3, 2, 48
+    slots = torch.tensor([33, -1, 17, 79, 4], dtype=torch.int64, device=DEVICE)
+    k = torch.randn(5, heads, d, generator=g).to(DEVICE)
+    v = torch.randn(5, heads, d, generator=g).to(DEVICE)
+    if dtype != torch.float8_e4m3fn:
+        k, v = k.to(dtype), v.to(dtype)
+    bufs = [torch.randn(pages, page + pad, heads, d, generator=g).to(dtype).to(DEVICE)
+            for _ in range(2)]
+    want = [b.clone() for b in bufs]
+    dense = [w[:, :page].contiguous() for w in want]
+    ops.write_kv(dense[0], dense[1], slots, k, v, backend=backend)
+    for w, dn in zip(want, dense):
+        w[:, :page] = dn
+    # the caches: views whose page stride is (page + pad) · heads · d
+    ops.write_kv(bufs[0][:, :page], bufs[1][:, :page], slots, k, v, backend=backend)
+    for name, got, w in zip("KV", bufs, want):
+        assert torch.equal(got.view(torch.uint8), w.view(torch.uint8)), \
+            f"{name}: wrong bytes (a live slot or the padding between pages)"
+    if dtype != torch.float8_e4m3fn:  # (fp8 rounding is the writers' own: other tests)
+        live = slots >= 0  # and the contiguous write put each row where it belongs
+        assert torch.equal(dense[0].view(-1, heads, d)[slots[live]], k[live])

@@ -308,12 +308,12 @@ def _write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor)
     with no live row, slot 0's own bytes back. (Redirecting padding rows to slot 0 with slot
     0's old bytes raced with a live row writing slot 0: on CUDA the stale bytes won; H200,
     ``test_gpu_token_head_write_bytes_equal_reference``, 2026-12-04.)"""
-    raw_dtype = _RAW_DTYPES[cache.element_size()]
-    flat = cache.view(-1, *cache.shape[2:]).view(raw_dtype)
+    raw = cache.view(_RAW_DTYPES[cache.element_size()])  # [pages, page_size, ...]
     if slots.numel() == 0:
         return
+    page_size = cache.shape[1]  # pages may be strided apart (padded pages): no flat view
     slots = slots.long()
-    vals = values.view(raw_dtype)
+    vals = values.view(raw.dtype)
     live = slots >= 0
     pos = torch.arange(slots.shape[0], device=slots.device)
     last = torch.where(live, pos, -1).max()  # 0-dim, on the device
@@ -321,10 +321,10 @@ def _write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor)
     # index_select with a 1-element index: indexing with a 0-dim tensor reads it on the host
     last = last.clamp_min(0).view(1)
     target = torch.where(has_live, slots.index_select(0, last), 0)
-    target_val = torch.where(has_live, vals.index_select(0, last), flat[:1])
-    shape = (-1, *([1] * (flat.dim() - 1)))
+    target_val = torch.where(has_live, vals.index_select(0, last), raw[0, :1])
+    shape = (-1, *([1] * (vals.dim() - 1)))
     idx = torch.where(live, slots, target)
-    flat[idx] = torch.where(live.view(shape), vals, target_val)
+    raw[idx // page_size, idx % page_size] = torch.where(live.view(shape), vals, target_val)
 
 
 def build_page_table_reference(
