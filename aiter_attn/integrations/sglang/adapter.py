@@ -172,6 +172,16 @@ class AiterAttnSGLangBackend:
             self.core.bind_forward_metadata(batch, md)
             self._planned, self._graph_step = (forward_batch, batch), None
             return batch
+        if self._planned is not None and _same_step(self._planned[0], forward_batch):
+            # SGLang's breakable / piecewise prefill graphs plan the live batch and replay
+            # attention on their static view of it (same request tensors, slots in a static
+            # buffer): run the plan with the view's slots, as SGLang's backends do.
+            planned = self._planned[1]
+            batch = attrs.evolve(
+                planned, out_cache_loc=forward_batch.out_cache_loc[: planned.num_tokens])
+            self.core.bind_forward_metadata(batch, self.forward_metadata)
+            self._planned = (forward_batch, batch)
+            return batch
         raise RuntimeError(
             "forward_extend/forward_decode with a batch that was not planned: call "
             "init_forward_metadata(forward_batch) (or the graph hooks) for this batch first.")
@@ -205,6 +215,26 @@ class AiterAttnSGLangBackend:
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         """DECODE: ``[bs, H * Dv]``."""
         return self._run(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs):
+        """EAGLE verify's hook under ``SGLANG_ENABLE_OVERLAP_PLAN_STREAM`` (the base class
+        raises): nothing to patch, the verify plan ran after the draft (the plan stream waits
+        on it) and read its final tree mask."""
+
+
+def _same_step(planned, forward_batch) -> bool:
+    """Whether ``forward_batch`` is a view of the ``planned`` SGLang batch (the prefill graph
+    runners' ``static_forward_batch``): same mode and size, the very same request tensors, at
+    least the planned slots. Host checks only."""
+    try:
+        return (forward_batch.forward_mode == planned.forward_mode
+                and forward_batch.batch_size == planned.batch_size
+                and forward_batch.req_pool_indices is planned.req_pool_indices
+                and forward_batch.seq_lens is planned.seq_lens
+                and forward_batch.out_cache_loc is not None
+                and forward_batch.out_cache_loc.shape[0] >= planned.out_cache_loc.shape[0])
+    except AttributeError:
+        return False
 
 
 def build_backend_class(base: type) -> type:

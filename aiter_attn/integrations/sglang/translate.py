@@ -59,7 +59,8 @@ BATCH_FIELDS = ("forward_mode", "batch_size", "req_pool_indices", "seq_lens", "s
 #: ``RadixAttention`` attributes the adapter reads (each set in its ``__init__``).
 LAYER_FIELDS = ("layer_id", "tp_q_head_num", "tp_k_head_num", "qk_head_dim", "v_head_dim",
                 "scaling", "logit_cap", "logit_capping_method", "sliding_window_size",
-                "is_cross_attention", "attn_type", "k_scale_float", "v_scale_float")
+                "is_cross_attention", "attn_type", "k_scale_float", "v_scale_float",
+                "xai_temperature_len")
 
 #: ``ModelRunner`` attributes the adapter reads.
 RUNNER_FIELDS = ("req_to_token_pool", "token_to_kv_pool", "page_size", "dtype",
@@ -67,7 +68,7 @@ RUNNER_FIELDS = ("req_to_token_pool", "token_to_kv_pool", "page_size", "dtype",
 
 #: ``MHATokenToKVPool`` methods and attributes the adapter uses.
 POOL_METHODS = ("get_key_buffer", "get_value_buffer")
-POOL_FIELDS = ("start_layer", "layer_num")
+POOL_FIELDS = ("start_layer", "layer_num", "kv_cache_layout")
 
 
 def map_mode(mode) -> ForwardMode:
@@ -178,6 +179,12 @@ def layer_spec(layer) -> LayerSpec:
     if cap > 0 and method != "tanh":
         raise ValueError(f"layer {layer.layer_id} has logit_capping_method={method!r}; only "
                          "'tanh' soft-capping is implemented.")
+    temp_len = getattr(layer, "xai_temperature_len", -1)
+    if temp_len is not None and temp_len > 0:
+        raise ValueError(f"layer {layer.layer_id} has xai_temperature_len={temp_len} (Grok's "
+                         "position-dependent query temperature); the aiter_attn SGLang backend "
+                         "serves it only at ≤ 0 (off); serve this model with another "
+                         "--attention-backend (triton implements it).")
     sws = getattr(layer, "sliding_window_size", -1)
     window = None if sws is None or sws < 0 else int(sws) + 1
     return LayerSpec(
@@ -199,6 +206,17 @@ class SGLangMHAPool(MHAKVPool):
     """
 
     def __init__(self, sgl_pool, page_size: int, device):
+        layout = getattr(sgl_pool, "kv_cache_layout", "nhd")
+        if layout != "nhd":
+            raise ValueError(
+                f"SGLang's KV pool has kv_cache_layout={layout!r}; the aiter_attn SGLang backend "
+                "reads the token-major layout 'nhd' only: unset SGLANG_USE_HND_KVCACHE and "
+                "SGLANG_AITER_KV_CACHE_LAYOUT (or set it to 'nhd').")
+        if getattr(sgl_pool, "is_quantized_kv_cache", False):
+            raise ValueError(
+                "SGLang's KV pool is quantized (is_quantized_kv_cache=True, e.g. an FP4 KV "
+                "cache): its get_key_buffer returns dequantized copies, which the aiter_attn "
+                "backend cannot write; use --kv-cache-dtype auto (or an fp8 dtype).")
         k0 = sgl_pool.get_key_buffer(sgl_pool.start_layer)
         v0 = sgl_pool.get_value_buffer(sgl_pool.start_layer)
         slots = int(k0.shape[0])
