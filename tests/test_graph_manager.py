@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from aiter_attn import (AttentionBackend, BackendConfig, CGSupport, ForwardMode,
-                        GraphLimitError, GraphMetadataMismatch, LayerSpec, SpecDecodeConfig)
+                        GraphLimitError, GraphMetadataMismatch, LayerSpec, SpecDecodeConfig,
+                        SpecInfo)
 from aiter_attn.graph import (DUMMY_SLOT, NULL_REQ_ROW, CudaGraphManager, GraphLimits,
                               default_capture_sizes, next_capture_size)
 from aiter_attn.registry import StrategyPair, StrategyRegistry
@@ -199,6 +200,43 @@ def test_sglang_hooks_plan_into_the_same_buffers():
             ForwardMode.DECODE, None, batch.seq_lens_cpu)
 
 
+def test_sglang_replay_hook_without_seq_lens_cpu_is_refused_not_synced():
+    """The replay hook plans from the CPU mirror; without one it would read seq_lens back (a
+    device→host sync on the replay path): refused with an error naming the argument."""
+    rig = Rig.make("mha", max_bs=4)
+    be = rig.backend
+    be.init_cuda_graph_state(4, 4, capture_sizes=[4], use_cuda_graph=False)
+    be.init_forward_metadata_capture_cuda_graph(
+        4, 4, torch.zeros(4, dtype=torch.int64), torch.ones(4, dtype=torch.int32), None,
+        ForwardMode.DECODE, None, seq_lens_cpu=torch.ones(4, dtype=torch.int64))
+    for p in (3, 17, 30, 45):
+        rig.join(p)
+    batch = rig.batch("decode")
+    with pytest.raises(ValueError, match="seq_lens_cpu is required on replay"):
+        be.init_forward_metadata_replay_cuda_graph(
+            4, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_sum, None,
+            ForwardMode.DECODE, None, out_cache_loc=batch.out_cache_loc)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2])
+def test_engine_padded_rows_shorter_than_the_draft_are_refused_before_kernels(mode):
+    """Rows the engine padded itself (hooks) with a KV length below the step's query tokens put
+    queries before position 0: refused naming the row and the fill value, before any kernel."""
+    rig = Rig.make("mha", max_bs=4, page_size=4, spec=SpecDecodeConfig(num_draft_tokens=3))
+    be = rig.backend
+    mgr = be.init_cuda_graph_state(4, 12, capture_sizes=[4], use_cuda_graph=False)
+    spec = SpecInfo(num_draft_tokens=3, topk=1)
+    with pytest.raises(GraphLimitError, match=r"seq_lens_cpu\[0\]=1 < 3 .*fill"):
+        be.init_forward_metadata_capture_cuda_graph(
+            4, 12, torch.zeros(4, dtype=torch.int64), torch.ones(4, dtype=torch.int32), None,
+            mode, spec, seq_lens_cpu=torch.ones(4, dtype=torch.int64))
+    fill = mgr.fill_value(mode)
+    assert fill >= 3
+    be.init_forward_metadata_capture_cuda_graph(
+        4, 12, torch.zeros(4, dtype=torch.int64), torch.full((4,), fill, dtype=torch.int32),
+        None, mode, spec, seq_lens_cpu=torch.full((4,), fill, dtype=torch.int64))
+
+
 # -- limits and errors ---------------------------------------------------------------------
 
 def test_batch_larger_than_largest_capture_names_the_setting():
@@ -223,6 +261,19 @@ def test_request_longer_than_buffers_names_max_context_len():
     batch.seq_lens_cpu[0] = 65
     with pytest.raises(ValueError, match="max_context_len"):
         mgr.replay(batch, **rig.random_inputs(batch))
+
+
+def test_padded_size_below_the_batch_is_refused():
+    """load(padded_bs=) smaller than the batch would plan only its first padded_bs rows while
+    the rest were copied into the static inputs: refused before anything is written."""
+    rig = Rig.make("mha", max_bs=8)
+    mgr = rig.manager()
+    mgr.capture(rig.step_fn())
+    for p in (3, 9, 20, 31):
+        rig.join(p)
+    batch = rig.batch("decode")
+    with pytest.raises(GraphLimitError, match=r"padded_bs=2 < the batch's 4 requests"):
+        mgr.load(batch, padded_bs=2, **rig.random_inputs(batch))
 
 
 def test_spec_mode_without_spec_config_names_the_setting():

@@ -288,6 +288,18 @@ class CudaGraphManager:
                 f"spec_info has num_draft_tokens={spec.num_draft_tokens}, topk={spec.topk}; the "
                 f"graphs were captured for {st.spec.num_draft_tokens}, {st.spec.topk} "
                 "(BackendConfig.spec).")
+        if bs and lim.q_len > 1:
+            # host mirror, no sync: a row shorter than its queries (an engine's padding row at
+            # SGLang's fill value 1) would put queries before position 0
+            short = batch.seq_lens_cpu[:bs] < lim.q_len
+            if bool(short.any()):
+                i = int(short.to(torch.uint8).argmax())
+                raise GraphLimitError(
+                    f"seq_lens_cpu[{i}]={int(batch.seq_lens_cpu[i])} < {lim.q_len} query tokens "
+                    f"per request of {lim.mode.name}: every row, padding included, must hold "
+                    f"its own draft tokens; pad rows with seq_len ≥ {lim.q_len} "
+                    f"(CudaGraphManager.fill_value({lim.mode.name.lower()!r}) = "
+                    f"{self.fill_value(lim.mode)}).")
         if bs and batch.max_seq_len > lim.max_seq_len:
             raise GraphLimitError(
                 f"a request holds {batch.max_seq_len} KV tokens > the graph buffers' "
@@ -329,6 +341,10 @@ class CudaGraphManager:
         st = self._state(mode)
         validate_batch(batch, self.config, self.source.req_to_token)
         self.check_fits(batch)
+        if padded_bs is not None and padded_bs < batch.batch_size:
+            raise GraphLimitError(
+                f"padded_bs={padded_bs} < the batch's {batch.batch_size} requests; pad to a size "
+                "≥ the batch (or leave padded_bs out: the next captured size is used).")
         pbs = padded_bs if padded_bs is not None else next_capture_size(self.capture_sizes,
                                                                          batch.batch_size)
         e = self.entry(mode, pbs)
@@ -454,6 +470,11 @@ class CudaGraphManager:
                     out_cache_loc, positions, *, need_slots: bool) -> ForwardBatch:
         q = self._state(graph_mode(forward_mode)).limits.q_len
         if seq_lens_cpu is None:
+            if need_slots:  # replay: the hot path makes no device→host sync
+                raise ValueError(
+                    "seq_lens_cpu is required on replay: planning reads the CPU mirror of "
+                    "seq_lens (reading seq_lens back would sync); pass seq_lens_cpu="
+                    "forward_batch.seq_lens_cpu.")
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise ValueError("seq_lens_cpu is required while a CUDA graph is capturing "
                                  "(reading seq_lens back would sync).")

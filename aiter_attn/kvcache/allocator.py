@@ -8,6 +8,7 @@ from typing import Optional
 import attrs
 import torch
 
+from ._layers import check_page_size
 from .req_to_token import ReqToTokenPool
 
 __all__ = ["PageAllocator"]
@@ -36,6 +37,7 @@ class PageAllocator:
     _lens: dict = attrs.field(init=False, factory=dict)  # req row -> tokens held
 
     def __attrs_post_init__(self):
+        check_page_size(self.page_size, "PageAllocator")
         if self.num_pages < 2:
             raise ValueError(f"num_pages={self.num_pages}: need ≥ 2 (page 0 is the null page).")
         pages = list(range(1, self.num_pages))
@@ -60,6 +62,9 @@ class PageAllocator:
         Returns int64 ``[num_new_tokens]`` slots (the step's ``out_cache_loc`` part) on the
         pool's device, and writes them into ``pool.req_to_token[row]``.
         """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens={num_new_tokens} must be ≥ 0.")
+        pool.check_allocated(row, f"extend(row={row})")
         start = self._lens.get(row, 0)
         end = start + num_new_tokens
         if end > pool.max_context_len:
@@ -104,9 +109,15 @@ class PageAllocator:
         Only whole pages are shared (a partial page would be written by both). Returns the
         number of tokens now cached for ``dst_row``; pages are reference counted by the caller.
         """
+        if src_row not in self._pages_of:
+            raise ValueError(f"share_prefix: src_row={src_row} holds no pages of this allocator; "
+                             "share from a live request that was extended.")
+        pool.check_allocated(dst_row, f"share_prefix(dst_row={dst_row})")
         shared_pages = min(num_tokens, self._lens.get(src_row, 0)) // self.page_size
-        if self._lens.get(dst_row, 0):
-            raise ValueError(f"dst_row={dst_row} already holds tokens; share before extending.")
+        if self._lens.get(dst_row, 0) or self._pages_of.get(dst_row):
+            # a row truncated to 0 tokens still owns its pages: replacing them would leak them
+            raise ValueError(f"dst_row={dst_row} already holds tokens or pages; share before "
+                             "extending (or release the row and share into a fresh one).")
         pages = self._pages_of[src_row][:shared_pages]
         self._pages_of[dst_row] = list(pages)
         n = shared_pages * self.page_size
@@ -115,7 +126,11 @@ class PageAllocator:
         return n
 
     def release(self, pool: ReqToTokenPool, row: int, keep_pages: frozenset = frozenset()) -> None:
-        """Return the pages of request ``row`` (except ``keep_pages``, still shared) and its row."""
+        """Return the pages of request ``row`` (except ``keep_pages``, still shared) and its row.
+
+        Raises ValueError, changing nothing, for a row that is not allocated (released twice,
+        never handed out, row 0): freeing it again would hand it to two requests."""
+        pool.check_allocated(row, f"release(row={row})")
         for p in self._pages_of.pop(row, []):
             if p not in keep_pages:
                 self._free.append(p)

@@ -9,7 +9,7 @@ import attrs
 import torch
 
 from ..kv_scales import PER_LAYER, PER_TOKEN_HEAD, check_granularity
-from ._layers import check_layer_id, zeros_per_layer
+from ._layers import check_layer_id, check_page_size, zeros_per_layer
 
 __all__ = ["MHAKVPool"]
 
@@ -42,6 +42,7 @@ class MHAKVPool:
 
     def __attrs_post_init__(self):
         check_granularity(self.kv_scale_granularity, kv_dtype=self.dtype, where="MHAKVPool")
+        check_page_size(self.page_size, "MHAKVPool")
         if self.v_head_dim is None:
             self.v_head_dim = self.head_dim
         shape = (self.num_pages, self.page_size, self.num_kv_heads)

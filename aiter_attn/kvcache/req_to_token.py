@@ -20,6 +20,7 @@ class ReqToTokenPool:
     device: str = "cpu"
     req_to_token: torch.Tensor = attrs.field(init=False)
     _free_rows: list = attrs.field(init=False)
+    _free_set: set = attrs.field(init=False)  # the same rows, for membership checks
 
     def __attrs_post_init__(self):
         if self.size < 2:
@@ -28,6 +29,7 @@ class ReqToTokenPool:
             (self.size, self.max_context_len), dtype=torch.int32, device=self.device
         )
         self._free_rows = list(range(self.size - 1, 0, -1))
+        self._free_set = set(self._free_rows)
 
     def alloc(self) -> int:
         """Take a free row (never row 0)."""
@@ -36,11 +38,32 @@ class ReqToTokenPool:
                 f"ReqToTokenPool is full ({self.size - 1} requests); raise its size "
                 "(BackendConfig.max_batch_size or the engine's max_running_requests)."
             )
-        return self._free_rows.pop()
+        row = self._free_rows.pop()
+        self._free_set.discard(row)
+        return row
+
+    def check_allocated(self, row: int, what: str = "row") -> None:
+        """Raise ValueError unless ``row`` was handed out by :meth:`alloc` and not freed since
+        (row 0 is reserved for padding: it never holds slots and is never freed)."""
+        if row == 0:
+            raise ValueError(
+                f"{what}: row 0 is reserved (padding rows of captured batches read it; it must "
+                "stay all zeros); use a row from ReqToTokenPool.alloc().")
+        if not 0 < row < self.size:
+            raise ValueError(f"{what}: row {row} is outside the pool's rows 1..{self.size - 1}; "
+                             "use a row from ReqToTokenPool.alloc().")
+        if row in self._free_set:
+            raise ValueError(
+                f"{what}: row {row} is not allocated (never handed out, or already released); "
+                "release each request once, and only rows from ReqToTokenPool.alloc().")
 
     def free(self, row: int) -> None:
+        """Return ``row`` (zeroed) to the free list; raises for row 0, a row outside the pool
+        or one that is already free (it would be handed to two requests)."""
+        self.check_allocated(row, f"free(row={row})")
         self.req_to_token[row].zero_()
         self._free_rows.append(row)
+        self._free_set.add(row)
 
     @property
     def available(self) -> int:

@@ -294,7 +294,9 @@ class SWAPageAllocator:
 
     def release(self, req_pool: ReqToTokenPool, row: int,
                 keep_pages: frozenset = frozenset()) -> None:
-        """Free ``row``'s pages in both pools (except ``keep_pages``, still shared) and its row."""
+        """Free ``row``'s pages in both pools (except ``keep_pages``, still shared) and its row
+        (ValueError, changing nothing, for a row that is not allocated)."""
+        req_pool.check_allocated(row, f"release(row={row})")
         for fp in self.full.pages_of(row):
             if fp in keep_pages:
                 continue

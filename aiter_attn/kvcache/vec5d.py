@@ -22,7 +22,7 @@ import torch
 
 from ..kernels.reference_5d import V_LAYOUTS, vec_width
 from ..kernels.reference_extra import kv_nhd_from_5d
-from ._layers import check_layer_id, zeros_per_layer
+from ._layers import check_layer_id, check_page_size, zeros_per_layer
 
 __all__ = ["Vec5DKVPool"]
 
@@ -55,6 +55,7 @@ class Vec5DKVPool:
     def __attrs_post_init__(self):
         if self.v_head_dim is None:
             self.v_head_dim = self.head_dim
+        check_page_size(self.page_size, "Vec5DKVPool")
         x = self.x
         if self.v_layout not in V_LAYOUTS:
             raise ValueError(f"v_layout={self.v_layout!r}; allowed: {V_LAYOUTS}.")
