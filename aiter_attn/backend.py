@@ -76,6 +76,14 @@ def validate_batch(batch: ForwardBatch, config: BackendConfig, req_to_token: tor
         if bool((q_lens > batch.seq_lens_cpu).any()) or bool((q_lens < 0).any()):
             raise ValueError("extend_seq_lens must be in 0..seq_lens per request (new tokens "
                              "cannot exceed the request's total length).")
+    elif q_lens.shape[0] and int(q_lens[0]) > int(batch.seq_lens_cpu.min()):
+        # uniform modes: seq_lens counts this step's draft tokens too (KV length after them)
+        short = int(batch.seq_lens_cpu.argmin())
+        raise ValueError(
+            f"batch.seq_lens_cpu[{short}]={int(batch.seq_lens_cpu[short])} < the "
+            f"{int(q_lens[0])} query tokens per request of {batch.forward_mode.name}: seq_lens "
+            "is the KV length after this step's tokens, so it includes the draft tokens; "
+            "add them (seq_lens + num_draft_tokens).")
     if int(q_lens.sum()) != batch.num_tokens:
         raise ValueError(
             f"out_cache_loc has {batch.num_tokens} slots but the batch has {int(q_lens.sum())} "

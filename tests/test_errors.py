@@ -146,3 +146,18 @@ def test_layer_spec_validation():
         LayerSpec(layer_id=0, num_q_heads=4, num_kv_heads=2, head_dim=8, sinks=torch.zeros(2))
     with pytest.raises(ValueError, match="page_size"):
         BackendConfig(page_size=0)
+
+
+@pytest.mark.parametrize("mode", ["target_verify", "draft_extend_v2"])
+def test_uniform_rows_shorter_than_their_draft_are_refused(setup, mode):
+    """seq_lens counts this step's draft tokens: a request of 2 KV tokens cannot hold 3 draft
+    queries (they would sit before position 0). Refused by name before any kernel runs."""
+    from aiter_attn import SpecInfo
+
+    cfg, layer, sc, be = setup
+    batch = ForwardBatch.from_lengths(forward_mode=mode, req_pool_indices=sc.rows,
+                                      seq_lens=[6, 2], out_cache_loc=torch.arange(9, 15),
+                                      spec_info=SpecInfo(num_draft_tokens=3, topk=1))
+    with pytest.raises(ValueError, match=r"seq_lens_cpu\[1\]=2 < the 3 query tokens .*"
+                                         "includes the draft tokens"):
+        be.init_forward_metadata(batch)

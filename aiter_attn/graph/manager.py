@@ -339,8 +339,9 @@ class CudaGraphManager:
 
         mode = graph_mode(batch.forward_mode)
         st = self._state(mode)
+        if isinstance(batch, ForwardBatch):  # the graph limits first: they name the setting
+            self.check_fits(batch)
         validate_batch(batch, self.config, self.source.req_to_token)
-        self.check_fits(batch)
         if padded_bs is not None and padded_bs < batch.batch_size:
             raise GraphLimitError(
                 f"padded_bs={padded_bs} < the batch's {batch.batch_size} requests; pad to a size "
