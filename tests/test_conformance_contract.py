@@ -151,6 +151,78 @@ def test_write_op_touching_other_slots_fails(fresh_registry):
     assert r.status == "fail" and "`k_cache` differs from the reference" in r.reason
 
 
+#: what each op's request can ask for: a kernel that declares one of these gets such calls, so
+#: the suite must have a case that needs it (otherwise declaring it and ignoring it passes)
+REQUESTABLE = {
+    "paged_attention": {"sinks", "softcap", "window", "fp8", "custom_mask",
+                        "v_head_dim_differs", "non_causal", "lse"},
+    "paged_attention_5d": {"sinks", "softcap", "window", "fp8", "custom_mask",
+                           "v_head_dim_differs", "non_causal", "lse"},
+    "mla_paged_attention": {"fp8", "custom_mask", "lse"},
+}
+
+
+def test_every_requestable_feature_has_a_case():
+    from aiter_attn.testing.conformance.runner import _kernel_request
+
+    for op, wanted in REQUESTABLE.items():
+        seen = set()
+        for c in CASES:
+            if c.op == op:
+                seen |= _kernel_request(c, prepare(c).tensors).features
+        assert wanted <= seen, (op, sorted(wanted - seen))
+    for op in WRITE_OPS:  # fp8 caches: values divided by k_scale / v_scale
+        assert any(c.op == op and c.kv_dtype is not None and c.k_scale != 1 for c in CASES), op
+    # a row that sees nothing (zeros, LSE -inf): a 0/0 normalisation must be caught
+    assert any(c.empty_rows and c.lse and c.op == "paged_attention" for c in CASES)
+
+
+def _drop(feature, mla=False):
+    """Arguments that ignoring ``feature`` changes (the kernel declares it but drops it)."""
+    if feature == "fp8":
+        return {"kv_scale": None} if mla else {"k_scale": None, "v_scale": None}
+    return {"sinks": {"sinks": None}, "softcap": {"softcap": 0.0},
+            "window": {"window_size": (-1, -1)}, "non_causal": {"causal": True},
+            "custom_mask": {"custom_mask": None, "mask_indptr": None}}[feature]
+
+
+def _ignoring(op, feature):
+    from aiter_attn.kernels.reference import mla_paged_attention_reference
+    from aiter_attn.kernels.reference_5d import paged_attention_5d_reference
+
+    ref = {"paged_attention": paged_attention_reference,
+           "paged_attention_5d": paged_attention_5d_reference,
+           "mla_paged_attention": mla_paged_attention_reference}[op]
+
+    def fn(*a, **kw):
+        if feature == "lse":
+            kw.pop("lse", None)  # never writes out_lse
+        elif feature == "v_head_dim_differs":  # loops over the key width's lanes only
+            ret = ref(*a, **kw)
+            q, out = a[0], a[3]
+            if out.shape[-1] != q.shape[-1]:
+                out[..., out.shape[-1] // 2:] = 0
+            return ret
+        else:
+            kw.update({k: v for k, v in _drop(feature, op == "mla_paged_attention").items()
+                       if k in kw})
+        return ref(*a, **kw)
+    return fn
+
+
+@pytest.mark.parametrize("op,feature", [(op, f) for op, fs in REQUESTABLE.items()
+                                        for f in sorted(fs)])
+def test_declared_but_ignored_feature_fails(fresh_registry, op, feature):
+    """A kernel that declares every feature but ignores one fails ``verify`` on its op."""
+    from aiter_attn.kernels.registry import FEATURES
+    from aiter_attn.testing.conformance import run_conformance
+
+    _register(fresh_registry, "ignores", _ignoring(op, feature), op=op, features=FEATURES)
+    report = run_conformance("ignores", ops=[op])
+    assert report.failed(), (op, feature)
+    assert report.count("unsupported") == 0
+
+
 # ------------------------------------------------------------------- mutation self-tests
 
 def test_self_test_catches_every_mutant(fresh_registry):

@@ -104,3 +104,31 @@ def test_builtin_registries_serve_mha():
     sel = kernel_registry().select(KernelRequest(op="paged_attention", device="cpu",
                                                  dtype=torch.float32))
     assert sel.impl.name == "reference"
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("devices", "cuda", "devices='cuda' is a str"),
+    ("features", "lse", "features='lse' is a str"),
+    ("page_sizes", 16, "page_sizes=16"),
+    ("dtypes", {"float16"}, "dtypes holds 'float16'"),
+    ("kv_dtypes", {torch.float8_e4m3fn, "fp8"}, "kv_dtypes holds 'fp8'"),
+    ("head_dims", {64.0}, "head_dims holds 64.0"),
+], ids=["str-devices", "str-features", "int-pages", "str-dtype", "str-kv-dtype", "float-dim"])
+def test_capability_values_of_the_wrong_type_are_refused(field, value, msg):
+    """A plugin author's slip (``devices="cuda"``, ``dtypes={"float16"}``) is a clear error at
+    registration, not a kernel that is silently never selected (``"cuda"`` would become the
+    set of its letters)."""
+    with pytest.raises(TypeError, match=msg):
+        Capabilities(cg_support=CGSupport.NEVER, **{field: value})
+
+
+@pytest.mark.parametrize("answer", [True, False, 1])
+def test_predicate_must_return_a_reason_or_none(answer):
+    """A predicate returning a bool (``lambda r: r.head_dim <= 256``) is not taken as "serves"
+    nor given an obscure reason such as ``True``: the reason says what is wrong."""
+    r = KernelRegistry()
+    r.register("paged_attention", "pred", lambda: "pred",
+               Capabilities(cg_support=CGSupport.NEVER, predicate=lambda req: answer))
+    with pytest.raises(KernelSelectionError,
+                       match=f"predicate returned {answer!r}; it must return a reason"):
+        r.select(KernelRequest(op="paged_attention"), backend="pred")

@@ -44,8 +44,48 @@ FEATURES = frozenset(
 )
 
 
+#: the element type each set-valued field of :class:`Capabilities` holds.
+_ELEMENT_TYPES = {"devices": (str, "a device type such as 'cuda'"),
+                  "dtypes": (torch.dtype, "a torch.dtype such as torch.float16"),
+                  "kv_dtypes": (torch.dtype, "a torch.dtype such as torch.float8_e4m3fn"),
+                  "head_dims": (int, "an int"), "page_sizes": (int, "an int"),
+                  "features": (str, "a feature name")}
+
+
 def _frozenset_or_none(v):
-    return None if v is None else frozenset(v)
+    if v is None:
+        return None
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+        # frozenset("cuda") is the set of its letters: a kernel that is never selected
+        return _NotASet(v)
+    return frozenset(v)
+
+
+def _features(v):
+    return frozenset() if v is None else _frozenset_or_none(v)
+
+
+@attrs.frozen
+class _NotASet:
+    """A scalar given where :class:`Capabilities` wants a set; refused in its post-init, where
+    the message can name the field."""
+
+    value: object
+
+
+def _check_elements(caps) -> None:
+    for name, (kind, what) in _ELEMENT_TYPES.items():
+        value = getattr(caps, name)
+        if isinstance(value, _NotASet):
+            raise TypeError(
+                f"Capabilities({name}={value.value!r}): {name}={value.value!r} is a "
+                f"{type(value.value).__name__}, not a set; pass a set, e.g. "
+                f"{name}={{{value.value!r}}}."
+            )
+        for x in value or ():
+            if not isinstance(x, kind) or isinstance(x, bool):
+                raise TypeError(f"Capabilities({name}=...): {name} holds {x!r}; each entry is "
+                                f"{what}.")
 
 
 @attrs.frozen(kw_only=True)
@@ -72,11 +112,12 @@ class Capabilities:
     head_dims: Optional[frozenset] = attrs.field(default=None, converter=_frozenset_or_none)
     max_head_dim: Optional[int] = None
     page_sizes: Optional[frozenset] = attrs.field(default=None, converter=_frozenset_or_none)
-    features: frozenset = attrs.field(default=frozenset(), converter=frozenset)
+    features: frozenset = attrs.field(default=frozenset(), converter=_features)
     cg_support: CGSupport = None  # required: checked below with a message that says why
     predicate: Optional[Callable] = attrs.field(default=None, eq=False)
 
     def __attrs_post_init__(self):
+        _check_elements(self)
         if not isinstance(self.cg_support, CGSupport):
             raise TypeError(
                 f"Capabilities(cg_support={self.cg_support!r}): state how far the kernel runs "
@@ -116,7 +157,11 @@ class Capabilities:
         if missing:
             return f"missing features {sorted(missing)}"
         if self.predicate is not None:
-            return self.predicate(req)
+            reason = self.predicate(req)
+            if reason is not None and not isinstance(reason, str):
+                return (f"predicate returned {reason!r}; it must return a reason (str) when the "
+                        "kernel cannot serve the request and None when it can")
+            return reason
         return None
 
 

@@ -65,6 +65,8 @@ class ConformanceCase:
         scale: ``softmax_scale`` (``None``: ``1/sqrt(head_dim)``).
         k_scale / v_scale: fp8 (de)quantisation scales.
         causal, window, softcap, sinks, custom_mask: the attention features.
+        empty_rows: with ``custom_mask``, the first query of each request sees no key at all
+            (its output must be zeros and its LSE ``-inf``, not NaN).
         lse: also ask for the log-sum-exp (``out_lse``), compared with the oracle's.
         v_layout: 5-D value layout, ``"shuffled"`` or ``"hd_page"`` (5-D ops).
         q_len / topk / num_steps: tree-mask draft tokens; draft-decode branches and steps.
@@ -91,6 +93,7 @@ class ConformanceCase:
     softcap: float = 0.0
     sinks: bool = False
     custom_mask: bool = False
+    empty_rows: bool = False
     lse: bool = False
     v_layout: str = "shuffled"
     q_len: int = 1
@@ -108,6 +111,9 @@ class ConformanceCase:
                              f"{self.kv_lens}, each q_len ≤ its kv_len.")
         if self.op not in OPS:
             raise ValueError(f"case {self.name}: op={self.op!r}; allowed: {', '.join(OPS)}.")
+        if self.empty_rows and not self.custom_mask:
+            raise ValueError(f"case {self.name}: empty_rows needs custom_mask (the mask hides "
+                             "every key from those rows).")
         if self.v_layout not in ("shuffled", "hd_page"):
             raise ValueError(f"case {self.name}: v_layout={self.v_layout!r}; allowed: "
                              "shuffled, hd_page.")
@@ -158,6 +164,8 @@ def default_cases() -> tuple:
         C(name="noncausal-page16", q_lens=(3, 4), kv_lens=(20, 11), causal=False),
         C(name="custom-mask-page16", q_lens=(4, 3), kv_lens=(20, 35), custom_mask=True,
           quick=True, scale=0.3),
+        C(name="custom-mask-empty-rows-lse", q_lens=(3, 2), kv_lens=(19, 30), custom_mask=True,
+          empty_rows=True, lse=True, num_q_heads=4, num_kv_heads=2, scale=0.3),
         C(name="vdim32-qkdim48-page16", q_lens=(1, 5), kv_lens=(19, 12), head_dim=48,
           v_head_dim=32, scale=0.4),
         C(name="fp16-decode-page16-gqa4:1", q_lens=(1, 1, 1), kv_lens=(5, 40, 77),
@@ -179,7 +187,17 @@ def default_cases() -> tuple:
           scale=0.07, **p5),
         C(name="5d-fp16-window-sinks", q_lens=(1, 3), kv_lens=(40, 19), dtype=torch.float16,
           window=(9, 0), sinks=True, **p5),
+        C(name="5d-softcap-page16", q_lens=(1, 4), kv_lens=(25, 30), softcap=5.0, scale=0.2,
+          **p5),
+        C(name="5d-noncausal-page16", q_lens=(3, 4), kv_lens=(20, 11), causal=False, **p5),
+        C(name="5d-custom-mask-page16", q_lens=(4, 3), kv_lens=(20, 35), custom_mask=True,
+          scale=0.3, **p5),
+        C(name="5d-vdim32-qkdim48-page16", q_lens=(1, 5), kv_lens=(19, 12), head_dim=48,
+          v_head_dim=32, scale=0.4, **p5),
     ]
+    if _E4M3FN is not None:
+        cases.append(C(name="5d-fp8e4m3fn-page16-scales", q_lens=(1, 4), kv_lens=(33, 20),
+                       kv_dtype=_E4M3FN, k_scale=0.5, v_scale=2.0, scale=0.1, **p5))
     mla = dict(op="mla_paged_attention", num_kv_heads=1, head_dim=576, v_head_dim=512)
     cases += [
         C(name="mla-decode-h16-page1", q_lens=(1, 1, 1), kv_lens=(3, 20, 41), num_q_heads=16,
@@ -191,6 +209,8 @@ def default_cases() -> tuple:
         C(name="mla-extend-h16-page64", q_lens=(9, 1), kv_lens=(70, 5), num_q_heads=16,
           page_size=64, scale=0.1, **mla),
     ]
+    cases.append(C(name="mla-custom-mask-h16-page1", q_lens=(3, 2), kv_lens=(12, 25),
+                   num_q_heads=16, page_size=1, custom_mask=True, scale=0.1, **mla))
     if _E4M3FN is not None:
         cases.append(C(name="mla-fp8-decode-h16-page1", q_lens=(1, 1), kv_lens=(17, 9),
                        num_q_heads=16, page_size=1, kv_dtype=_E4M3FN, k_scale=0.5,
@@ -227,6 +247,16 @@ def default_cases() -> tuple:
         C(name="write_kv_5d-hd_page-page16-fp16", op="write_kv_5d", q_lens=(1, 3),
           kv_lens=(40, 3), dtype=torch.float16, v_layout="hd_page"),
     ]
+    if _E4M3FN is not None:  # fp8 caches: values divided by k_scale / v_scale
+        fp8 = dict(kv_dtype=_E4M3FN, k_scale=0.5, v_scale=2.0, num_kv_heads=2)
+        cases += [
+            C(name="write_kv-fp8e4m3fn-page16-scales", op="write_kv", q_lens=(3, 1),
+              kv_lens=(19, 16), **fp8),
+            C(name="write_kv_swa-fp8e4m3fn-page16-scales", op="write_kv_swa", q_lens=(2, 1),
+              kv_lens=(20, 33), **fp8),
+            C(name="write_kv_5d-fp8e4m3fn-page16-scales", op="write_kv_5d", q_lens=(2, 3),
+              kv_lens=(17, 5), **fp8),
+        ]
     # index builders: integers, compared exactly
     cases += [
         C(name="page_table-page16", op="build_page_table", q_lens=(1, 1, 1),

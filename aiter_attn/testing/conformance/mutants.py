@@ -83,6 +83,19 @@ def _reads_past_seqused_k(q, k, v, out, **kw):
     return out
 
 
+def _nan_on_empty_rows(q, k, v, out, **kw):
+    """Normalises by the row's exp-sum without guarding zero: NaN (0/0) where a row sees no
+    key, instead of zeros (and its LSE)."""
+    lse = kw.pop("lse", None)
+    row_lse = torch.empty(out.shape[:2], dtype=torch.float32, device=out.device)
+    R.paged_attention_reference(q, k, v, out, lse=row_lse, **kw)
+    empty = torch.isneginf(row_lse)
+    out[empty] = float("nan")
+    if lse is not None:
+        lse.copy_(torch.where(empty, torch.full_like(row_lse, float("nan")), row_lse))
+    return out
+
+
 _HOST_LENS: dict = {}
 
 
@@ -173,6 +186,12 @@ def _write_kv_null_page(k_cache, v_cache, slots, k, v, **kw):
     k_cache[0].zero_()
 
 
+def _write_kv_unscaled_fp8(k_cache, v_cache, slots, k, v, **kw):
+    """Declares fp8 but casts the values without dividing by k_scale / v_scale."""
+    kw["k_scale"] = kw["v_scale"] = None
+    R.write_kv_reference(k_cache, v_cache, slots, k, v, **kw)
+
+
 def _write_kv_swa_untranslated(k_cache, v_cache, slots, k, v, *, full_to_swa, **kw):
     keep = slots >= 0
     R.write_kv_reference(k_cache, v_cache, slots[keep], k[keep], v[keep], **kw)
@@ -240,6 +259,9 @@ MUTANTS = (
     M("mutant-plan-copies-lengths", "paged_attention", _PlanCopiesLengths,
       "kernel object whose plan keeps its own copy of seqused_k (stale on replay)",
       ("decode-page16-gqa5:1-d80",), CGSupport.ALWAYS),
+    M("mutant-nan-on-empty-rows", "paged_attention", _nan_on_empty_rows,
+      "NaN (0/0) for rows that see no key instead of zeros and an LSE of -inf",
+      ("custom-mask-empty-rows-lse",)),
     M("mutant-lse-log2", "paged_attention", _lse_log2,
       "returns the log-sum-exp in base 2", ("lse-extend-page16-gqa5:1-window-sinks",)),
     M("mutant-merge-nan-on-empty", "merge_attention_states", _merge_nan_on_empty,
@@ -254,6 +276,9 @@ MUTANTS = (
       "5-D kernel ignoring softmax_scale", ("5d-decode-page16-gqa4:1",)),
     M("mutant-write-kv-null-page", "write_kv", _write_kv_null_page,
       "also zeroes the null page", ("write_kv-page16-gqa",)),
+    M("mutant-write-kv-fp8-unscaled", "write_kv", _write_kv_unscaled_fp8,
+      "declares fp8 but stores the values without dividing by k_scale / v_scale",
+      ("write_kv-fp8e4m3fn-page16-scales",)),
     M("mutant-write-kv-swa-untranslated", "write_kv_swa", _write_kv_swa_untranslated,
       "writes the full-pool slot, not its SWA translation", ("write_kv_swa-page16",)),
     M("mutant-write-kv-5d-k-only", "write_kv_5d", _write_kv_5d_k_only,

@@ -94,6 +94,8 @@ def attention_inputs(case: ConformanceCase, device, g, lens) -> Prepared:
         for n, L in zip(case.q_lens, case.kv_lens):
             m = torch.rand(n, L, generator=g) < 0.6
             m[torch.arange(n), torch.arange(L - n, L)] = True  # a draft token sees itself
+            if case.empty_rows:
+                m[0] = False  # this query sees nothing: zeros out, LSE -inf
             masks.append(m)
             flat.append(m.reshape(-1))
             indptr.append(indptr[-1] + n * L)
