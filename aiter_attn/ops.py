@@ -481,6 +481,8 @@ def mla_paged_attention(
         features.add("lse")
     if batch_invariant:
         features.add("batch_invariant")
+    if not causal:  # kernels that serve causal attention only are not selected
+        features.add("non_causal")
     req = KernelRequest(
         op="mla_paged_attention", device=q.device.type, dtype=q.dtype, kv_dtype=kv_cache.dtype,
         head_dim=q.shape[2], v_head_dim=kv_lora_rank, page_size=kv_cache.shape[1],

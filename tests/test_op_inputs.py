@@ -177,3 +177,22 @@ def test_scale_tensor_on_another_device_is_refused(backend, op):
             _mla(backend, kv_scale=far)
         else:
             _write(backend, k_scale=far)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_mla_request_says_non_causal(monkeypatch, causal):
+    """A non-causal MLA call asks for ``non_causal``: a kernel serving causal attention only
+    (the aiter MLA kernel) is not selected for it, where it used to be chosen and raise."""
+    from aiter_attn.kernels.base import mla_request
+    from aiter_attn.kernels.registry import Capabilities, CGSupport
+
+    seen = []
+    reg = ops._registry()
+    real = reg.select
+    monkeypatch.setattr(reg, "select", lambda req, **kw: seen.append(req) or real(req, **kw))
+    _mla("reference", causal=causal)
+    assert ("non_causal" in seen[-1].features) == (not causal)
+    c = mla_case(device="cpu")
+    req = mla_request(c.q, c.kv_cache, c.kv_lora_rank, causal=causal)
+    causal_only = Capabilities(devices={"cpu"}, cg_support=CGSupport.NEVER)
+    assert (causal_only.reject_reason(req) is None) == causal

@@ -412,7 +412,7 @@ def mla_layer_params(*, scale, device, kv_lora_rank: int, num_q_heads: int = 0,
 
 
 def mla_request(q, kv_cache, kv_lora_rank: int, *, custom_mask: bool = False,
-                lse: bool = False, batch_invariant: bool = False):
+                lse: bool = False, batch_invariant: bool = False, causal: bool = True):
     """The :class:`~aiter_attn.kernels.registry.KernelRequest` of an ``mla_paged_attention``
     call on these tensors (the key :func:`aiter_attn.ops.mla_paged_attention` builds)."""
     from .registry import KernelRequest
@@ -420,7 +420,7 @@ def mla_request(q, kv_cache, kv_lora_rank: int, *, custom_mask: bool = False,
 
     features = {"fp8"} if kv_cache.dtype in FP8_DTYPES else set()
     for name, on in (("custom_mask", custom_mask), ("lse", lse),
-                     ("batch_invariant", batch_invariant)):
+                     ("batch_invariant", batch_invariant), ("non_causal", not causal)):
         if on:
             features.add(name)
     return KernelRequest(

@@ -79,7 +79,8 @@ def aiter_attn_register_kernels(register):
     register(  # plan/run kernel object (kernels/triton/mla.py)
         "mla_paged_attention", "triton", TritonMLA,
         Capabilities(devices=TRITON_DEVICES, dtypes=_FLOAT_DTYPES, max_head_dim=1024,
-                     features={"fp8", "custom_mask", "lse", "batch_invariant"}, cg_support=CGSupport.ALWAYS),
+                     features={"fp8", "custom_mask", "lse", "batch_invariant", "non_causal"},
+                     cg_support=CGSupport.ALWAYS),
         priority=triton_priority(),
     )
     index_caps = Capabilities(devices=TRITON_DEVICES, features={"fp8"},

@@ -264,7 +264,8 @@ class TritonMLA(MLAKernel):
             req = mla_request(q, kv_cache, kwargs["kv_lora_rank"],
                               custom_mask=kwargs.get("custom_mask") is not None,
                               lse=kwargs.get("lse") is not None,
-                              batch_invariant=bool(kwargs.get("batch_invariant")))
+                              batch_invariant=bool(kwargs.get("batch_invariant")),
+                              causal=kwargs.get("causal", True))
             return type(self)(req, self.tuning)(q, kv_cache, out, **kwargs)
         return super().__call__(q, kv_cache, out, **kwargs)
 
@@ -787,7 +788,7 @@ def mla_paged_attention(
         qk_split=qk_split).items() if v is not None}
     kernel = TritonMLA(mla_request(q, kv_cache, kv_lora_rank,
                                    custom_mask=custom_mask is not None, lse=lse is not None,
-                                   batch_invariant=batch_invariant), tuning)
+                                   batch_invariant=batch_invariant, causal=causal), tuning)
     md = _adhoc_metadata(q, kv_cache, cu_seqlens_q, seqused_k, block_table, custom_mask,
                          mask_indptr, max_seqlen_q, max_seqlen_k, "mla_paged_attention")
     params = mla_layer_params(scale=softmax_scale, device=q.device, kv_lora_rank=kv_lora_rank,

@@ -211,6 +211,8 @@ def default_cases() -> tuple:
     ]
     cases.append(C(name="mla-custom-mask-h16-page1", q_lens=(3, 2), kv_lens=(12, 25),
                    num_q_heads=16, page_size=1, custom_mask=True, scale=0.1, **mla))
+    cases.append(C(name="mla-noncausal-h8-page16", q_lens=(4, 2), kv_lens=(21, 6),
+                   num_q_heads=8, page_size=16, causal=False, scale=0.1, **mla))
     if _E4M3FN is not None:
         cases.append(C(name="mla-fp8-decode-h16-page1", q_lens=(1, 1), kv_lens=(17, 9),
                        num_q_heads=16, page_size=1, kv_dtype=_E4M3FN, k_scale=0.5,

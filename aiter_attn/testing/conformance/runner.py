@@ -198,7 +198,8 @@ def _kernel_request(case, t):
         from ...kernels.base import mla_request
 
         return mla_request(t["q"], t["kv_cache"], case.v_head_dim or case.head_dim,
-                           custom_mask=t.get("custom_mask") is not None, lse=case.lse)
+                           custom_mask=t.get("custom_mask") is not None, lse=case.lse,
+                           causal=case.causal)
     if case.op == "paged_attention_5d":
         from ...strategies.vec5d import paged_attention_5d_request as make
     else:
