@@ -96,3 +96,14 @@ def test_kernel_selection_once_per_layer_group(monkeypatch):
     for _ in range(3):
         _run_step(sc, be, ForwardMode.DECODE, [1, 1], torch.float32)
     assert len(built) == 1  # three layers of one shape: one group
+
+
+def test_extend_of_zero_tokens_then_decode():
+    """An EXTEND step whose requests bring no token at all is ``[0, Hq·Dv]``, the oracle's
+    too (the scenario's oracle used to raise on it); decoding goes on after it."""
+    cfg = BackendConfig(page_size=4, max_batch_size=4, max_context_len=64,
+                        dtype=torch.float32)
+    sc = PagedScenario.make(cfg, _layers(4, 2, 16), [5, 9], seed=3)
+    be = AttentionBackend(cfg, sc.req_pool, sc.kv_pool)
+    _run_step(sc, be, ForwardMode.EXTEND, [0, 0], torch.float32)
+    _run_step(sc, be, ForwardMode.DECODE, [1, 1], torch.float32)

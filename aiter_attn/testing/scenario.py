@@ -162,7 +162,9 @@ class PagedScenario:
                 mask=None if masks is None else masks[i],
             ))
             t += n
-        return torch.cat(outs).view(t, -1) if outs else torch.zeros(0, dtype=torch.float64)
+        width = layer.num_q_heads * layer.v_head_dim  # (a step of zero tokens: [0, width])
+        return (torch.cat(outs).view(t, width) if outs
+                else torch.zeros(0, width, dtype=torch.float64))
 
     def commit_step(self) -> None:
         """Append this step's K/V to the dense copies (after the backend wrote the pool)."""
