@@ -76,9 +76,8 @@ def validate_batch(batch: ForwardBatch, config: BackendConfig, req_to_token: tor
         if bool((q_lens > batch.seq_lens_cpu).any()) or bool((q_lens < 0).any()):
             raise ValueError("extend_seq_lens must be in 0..seq_lens per request (new tokens "
                              "cannot exceed the request's total length).")
-    elif q_lens.shape[0] and int(q_lens[0]) > int(batch.seq_lens_cpu.min()):
+    elif (short := batch.first_row_shorter_than(int(q_lens[0]))) is not None:
         # uniform modes: seq_lens counts this step's draft tokens too (KV length after them)
-        short = int(batch.seq_lens_cpu.argmin())
         raise ValueError(
             f"batch.seq_lens_cpu[{short}]={int(batch.seq_lens_cpu[short])} < the "
             f"{int(q_lens[0])} query tokens per request of {batch.forward_mode.name}: seq_lens "

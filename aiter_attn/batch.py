@@ -111,6 +111,13 @@ class ForwardBatch:
     def max_seq_len(self) -> int:
         return int(self.seq_lens_cpu.max()) if self.batch_size else 0
 
+    def first_row_shorter_than(self, n: int) -> Optional[int]:
+        """The first request whose KV length (``seq_lens_cpu``, this step's tokens included)
+        is below ``n``, or ``None`` (host mirror: no sync). A uniform mode's request shorter
+        than its ``n`` query tokens would put queries before position 0."""
+        short = self.seq_lens_cpu < n
+        return int(short.to(torch.uint8).argmax()) if bool(short.any()) else None
+
     @classmethod
     def from_lengths(
         cls,

@@ -15,7 +15,7 @@ from typing import Optional
 import attrs
 import torch
 
-from .kernels.base import FunctionKernel, LayerParams, _adhoc_metadata
+from .kernels.base import FunctionKernel, LayerParams, _adhoc_metadata, mla_request
 from .kernels.registry import KernelRequest
 from .types import FP8_DTYPES
 from .validation import (
@@ -474,20 +474,9 @@ def mla_paged_attention(
     softmax_scale, _ = check_attention_scalars(softmax_scale, kv_scale=kv_scale)
     _check_mask(custom_mask, mask_indptr, cu_seqlens_q)
     lse = _lse_buffer(return_lse, out_lse, q)
-    features = {"fp8"} if kv_cache.dtype in FP8_DTYPES else set()
-    if custom_mask is not None:
-        features.add("custom_mask")
-    if lse is not None:
-        features.add("lse")
-    if batch_invariant:
-        features.add("batch_invariant")
-    if not causal:  # kernels that serve causal attention only are not selected
-        features.add("non_causal")
-    req = KernelRequest(
-        op="mla_paged_attention", device=q.device.type, dtype=q.dtype, kv_dtype=kv_cache.dtype,
-        head_dim=q.shape[2], v_head_dim=kv_lora_rank, page_size=kv_cache.shape[1],
-        features=features, extra=(("heads", q.shape[1]),),
-    )
+    # non_causal: kernels that serve causal attention only are not selected
+    req = mla_request(q, kv_cache, kv_lora_rank, custom_mask=custom_mask is not None,
+                      lse=lse is not None, batch_invariant=batch_invariant, causal=causal)
     sel = _registry().select(req, backend=backend)
     if out is None:
         out = torch.empty(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype, device=q.device)

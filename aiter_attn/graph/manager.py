@@ -289,11 +289,9 @@ class CudaGraphManager:
                 f"graphs were captured for {st.spec.num_draft_tokens}, {st.spec.topk} "
                 "(BackendConfig.spec).")
         if bs and lim.q_len > 1:
-            # host mirror, no sync: a row shorter than its queries (an engine's padding row at
-            # SGLang's fill value 1) would put queries before position 0
-            short = batch.seq_lens_cpu[:bs] < lim.q_len
-            if bool(short.any()):
-                i = int(short.to(torch.uint8).argmax())
+            # a row shorter than its queries (an engine's padding row at SGLang's fill value 1)
+            i = batch.first_row_shorter_than(lim.q_len)
+            if i is not None:
                 raise GraphLimitError(
                     f"seq_lens_cpu[{i}]={int(batch.seq_lens_cpu[i])} < {lim.q_len} query tokens "
                     f"per request of {lim.mode.name}: every row, padding included, must hold "

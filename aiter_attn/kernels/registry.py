@@ -53,11 +53,10 @@ _ELEMENT_TYPES = {"devices": (str, "a device type such as 'cuda'"),
 
 
 def _frozenset_or_none(v):
-    if v is None:
-        return None
-    if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
-        # frozenset("cuda") is the set of its letters: a kernel that is never selected
-        return _NotASet(v)
+    if v is None or isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+        # a scalar stays as given (frozenset("cuda") would be its letters: a kernel that is
+        # never selected); the post-init refuses it, naming the field
+        return v
     return frozenset(v)
 
 
@@ -65,22 +64,13 @@ def _features(v):
     return frozenset() if v is None else _frozenset_or_none(v)
 
 
-@attrs.frozen
-class _NotASet:
-    """A scalar given where :class:`Capabilities` wants a set; refused in its post-init, where
-    the message can name the field."""
-
-    value: object
-
-
 def _check_elements(caps) -> None:
     for name, (kind, what) in _ELEMENT_TYPES.items():
         value = getattr(caps, name)
-        if isinstance(value, _NotASet):
+        if value is not None and not isinstance(value, frozenset):
             raise TypeError(
-                f"Capabilities({name}={value.value!r}): {name}={value.value!r} is a "
-                f"{type(value.value).__name__}, not a set; pass a set, e.g. "
-                f"{name}={{{value.value!r}}}."
+                f"Capabilities({name}={value!r}): {name}={value!r} is a "
+                f"{type(value).__name__}, not a set; pass a set, e.g. {name}={{{value!r}}}."
             )
         for x in value or ():
             if not isinstance(x, kind) or isinstance(x, bool):
