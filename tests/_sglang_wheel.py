@@ -192,6 +192,22 @@ def dataclass_from(src: SourceTree, relpath: str, name: str):
         name, [(f, Any, dataclasses.field(default=None)) for f in fields])
 
 
+def batch_padding(src: SourceTree):
+    """The wheel's DP-attention padding of a batch, ``ForwardBatch._pad_inputs_to_size`` (with
+    its ``_pad_tensor_to_size``), executed from its source on the GPU branch (``_is_cpu`` is
+    False): ``pad(fb, model_runner, num_tokens, bs)`` pads ``fb`` in place as
+    ``prepare_mlp_sync_batch`` does once it has chosen the padded sizes."""
+    body = methods(find_class(src.tree(BATCH_INFO), "ForwardBatch"))
+    ns = _exec_nodes([body["_pad_tensor_to_size"], body["_pad_inputs_to_size"]],
+                     {"torch": __import__("torch"), "_is_cpu": False}, "ForwardBatch padding")
+
+    def pad(fb, model_runner, num_tokens: int, bs: int):
+        fb._pad_tensor_to_size = types.MethodType(ns["_pad_tensor_to_size"], fb)
+        ns["_pad_inputs_to_size"](fb, model_runner, num_tokens, bs)
+
+    return pad
+
+
 # --------------------------------------------------------------------------------------------
 # a stand-in ``sglang`` package made of the wheel's modules
 

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import re
 import types
 
 import pytest
@@ -162,3 +163,16 @@ def test_quantized_pool_is_refused(sgl):
     w.pool.is_quantized_kv_cache = True
     with pytest.raises(ValueError, match="quantized"):
         sgl.cls(w.runner)
+
+
+def test_full_prefill_graph_is_refused_with_the_sglang_setting(sgl, wheel):
+    """``--cuda-graph-backend-prefill=full`` (experimental, opt-in) plans its captured
+    extend batch through ``init_forward_metadata_out_graph(forward_batch, in_capture=True)``;
+    the backend names SGLang's setting to change instead of the graph manager's API."""
+    src = wheel.read("sglang/srt/model_executor/runner/prefill_cuda_graph_runner.py")
+    assert re.search(r"init_forward_metadata_out_graph\(\s*forward_batch,\s*in_capture=True", src)
+    w = A.World(sgl)
+    fb, *_ = _extend_case(sgl, w)
+    w.backend.init_cuda_graph_state(4, 64)
+    with pytest.raises(ValueError, match="--cuda-graph-backend-prefill=breakable"):
+        w.backend.init_forward_metadata_out_graph(fb, in_capture=True)

@@ -19,6 +19,10 @@ Phases (SGLang → ours):
   ``out_cache_loc`` of the batch SGLang captured with (its static buffer, refreshed by SGLang
   before every replay), so replay needs no slots from us.
 
+Under DP attention SGLang pads a batch with tokens of no request after it is planned (EXTEND
+in translation, DRAFT_EXTEND_V2 after its pre-pad plan): the layers run on the planned tokens
+and the padding rows' output is zeros.
+
 ``forward`` always uses the batch object SGLang passes: the eager batch planned by
 ``init_forward_metadata``, or, after graph planning, the captured batch (bound on the first
 layer's call).
@@ -34,6 +38,7 @@ import attrs
 import torch
 
 from ...backend import AttentionBackend
+from ...contract import contract_of
 from ...graph.manager import graph_mode
 from ...types import ForwardMode, SpecDecodeConfig
 from .translate import SGLangMHAPool, config_from_runner, layer_spec, map_mode, to_forward_batch
@@ -129,6 +134,12 @@ class AiterAttnSGLangBackend:
                                "max_num_tokens); SGLang calls it when it builds its graph "
                                "runner.")
         mode = map_mode(forward_mode)
+        if not contract_of(mode).capturable:
+            raise ValueError(
+                f"forward_mode={mode.name} reached the CUDA-graph hooks: SGLang's full prefill "
+                "CUDA graph (--cuda-graph-backend-prefill=full) captures ragged extend "
+                "batches, which the aiter_attn backend plans on the host every step; use "
+                "--cuda-graph-backend-prefill=breakable (the default on CUDA) or disabled.")
         gmode = graph_mode(mode)  # the mode whose graphs serve it (its contract's)
         q = mgr.limits(gmode).q_len
         if seq_lens_cpu is None:
@@ -205,8 +216,18 @@ class AiterAttnSGLangBackend:
         if extra:
             raise TypeError(f"forward got {extra}, which the aiter_attn SGLang backend does not "
                             "implement (only sinks); serve this model with another backend.")
-        return self.core.forward(q, k, v, self._layer(layer), self._batch_for(forward_batch),
-                                 save_kv_cache, sinks=self._sinks_f32(layer.layer_id, sinks))
+        batch = self._batch_for(forward_batch)
+        spec, n = self._layer(layer), batch.num_tokens
+        sinks = self._sinks_f32(layer.layer_id, sinks)
+        if q.shape[0] == n or not _dp_padded(forward_batch, q, n):
+            return self.core.forward(q, k, v, spec, batch, save_kv_cache, sinks=sinks)
+        # DP-attention padding: the trailing rows belong to no request; they attend to nothing
+        # and write nothing, and their output rows are zeros.
+        out = q.new_zeros(q.shape[0], spec.num_q_heads * spec.v_head_dim)
+        out[:n] = self.core.forward(q[:n], None if k is None else k[:n],
+                                    None if v is None else v[:n], spec, batch, save_kv_cache,
+                                    sinks=sinks)
+        return out
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         """EXTEND / MIXED / TARGET_VERIFY / DRAFT_EXTEND(_V2): ``[num_tokens, H * Dv]``."""
@@ -220,6 +241,14 @@ class AiterAttnSGLangBackend:
         """EAGLE verify's hook under ``SGLANG_ENABLE_OVERLAP_PLAN_STREAM`` (the base class
         raises): nothing to patch, the verify plan ran after the draft (the plan stream waits
         on it) and read its final tree mask."""
+
+
+def _dp_padded(forward_batch, q, n: int) -> bool:
+    """Whether ``q`` is the planned step's ``n`` tokens followed by DP-attention padding:
+    more rows than planned, and SGLang padded the batch's slots to the same count (host
+    shapes only)."""
+    loc = getattr(forward_batch, "out_cache_loc", None)
+    return q.shape[0] > n and loc is not None and loc.shape[0] == q.shape[0]
 
 
 def _same_step(planned, forward_batch) -> bool:

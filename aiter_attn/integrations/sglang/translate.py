@@ -14,6 +14,10 @@ Conventions that differ between SGLang and :class:`~aiter_attn.ForwardBatch`:
   ``seq_lens .. seq_lens + draft``), so ``draft_token_num`` is added.
 * DRAFT_EXTEND_V2: SGLang's ``seq_lens`` already counts the ``num_draft_tokens`` written
   tokens, which are the last query tokens of each request: the same as ours.
+* DP-attention padding (``prepare_mlp_sync_batch``) appends tokens of no request to an
+  EXTEND batch (``out_cache_loc`` / ``positions`` padded with zeros, ``extend_seq_lens``
+  not): the batch here keeps the requests' tokens only, and the adapter runs the layers on
+  those rows and returns zeros for the rest.
 * RadixAttention's ``sliding_window_size`` is the flash-attn left window (HF ``w`` − 1);
   :class:`~aiter_attn.LayerSpec` keeps HF's ``w``.
 """
@@ -136,6 +140,7 @@ def to_forward_batch(fb, *, out_cache_loc: Optional[torch.Tensor] = None) -> For
         seq_cpu = seq_lens.to("cpu", torch.int64)  # extend may sync
     loc = fb.out_cache_loc if out_cache_loc is None else out_cache_loc
     num_tokens = int(loc.shape[0])
+    positions = getattr(fb, "positions", None)
     ext = ext_cpu = prefix_cpu = spec = None
     if mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND):
         ext_cpu = _host_ints("extend_seq_lens_cpu", getattr(fb, "extend_seq_lens_cpu", None), bs)
@@ -148,6 +153,10 @@ def to_forward_batch(fb, *, out_cache_loc: Optional[torch.Tensor] = None) -> For
                                 getattr(fb, "extend_prefix_lens_cpu", None), bs)
         if prefix_cpu is None:
             prefix_cpu = seq_cpu - ext_cpu
+        real = int(ext_cpu.sum())
+        if num_tokens > real:  # DP-attention padding: trailing slot-0 tokens of no request
+            loc, num_tokens = loc[:real], real
+            positions = positions[:real] if positions is not None else None
     elif mode == ForwardMode.TARGET_VERIFY:
         info = fb.spec_info
         q = _draft_tokens(info, num_tokens, bs)
@@ -161,7 +170,7 @@ def to_forward_batch(fb, *, out_cache_loc: Optional[torch.Tensor] = None) -> For
     return ForwardBatch(
         forward_mode=mode, req_pool_indices=fb.req_pool_indices[:bs],
         seq_lens=seq_lens.to(torch.int32), seq_lens_cpu=seq_cpu, out_cache_loc=loc,
-        positions=getattr(fb, "positions", None), extend_seq_lens=ext,
+        positions=positions, extend_seq_lens=ext,
         extend_seq_lens_cpu=ext_cpu, extend_prefix_lens_cpu=prefix_cpu, spec_info=spec)
 
 
