@@ -37,8 +37,14 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
 
 
 def _fp8_grid(shape, dtype, scale, g) -> torch.Tensor:
-    """Values that quantise exactly (``fp8 value · scale``): no rounding mode to argue about."""
-    return torch.randn(*shape, generator=g).to(dtype).float() * scale
+    """Values that quantise exactly (``fp8 value · scale``): no rounding mode to argue about;
+    the first and last elements are 4× past the format's range (a writer saturates them to
+    ±max, never NaN)."""
+    x = torch.randn(*shape, generator=g).to(dtype).float() * scale
+    flat = x.view(-1)
+    big = 4 * torch.finfo(dtype).max * scale
+    flat[0], flat[-1] = big, -big
+    return x
 
 
 def write_inputs(case: ConformanceCase, device, g, lens) -> Prepared:

@@ -192,6 +192,24 @@ def _write_kv_unscaled_fp8(k_cache, v_cache, slots, k, v, **kw):
     R.write_kv_reference(k_cache, v_cache, slots, k, v, **kw)
 
 
+def _write_kv_fp8_overflow_nan(k_cache, v_cache, slots, k, v, *, k_scale=None,
+                               v_scale=None, **kw):
+    """fp8 without saturation: a value past the format's range is stored as NaN (what a
+    plain e4m3fn conversion of an out-of-range value gives in hardware without ``satfinite``)."""
+    R.write_kv_reference(k_cache, v_cache, slots, k, v, k_scale=k_scale, v_scale=v_scale,
+                         **kw)
+    for cache, x, s in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+        if cache is None or x is None:
+            continue
+        over = (x.float() / float(s)).abs() > torch.finfo(cache.dtype).max
+        rows = cache.view(-1, *cache.shape[2:])
+        for i in over.reshape(over.shape[0], -1).any(-1).nonzero().flatten().tolist():
+            slot = int(slots[i])
+            row = rows[slot].float()
+            row[over[i].view(row.shape)] = float("nan")
+            rows[slot] = row.to(cache.dtype)
+
+
 def _write_kv_swa_untranslated(k_cache, v_cache, slots, k, v, *, full_to_swa, **kw):
     keep = slots >= 0
     R.write_kv_reference(k_cache, v_cache, slots[keep], k[keep], v[keep], **kw)
@@ -278,6 +296,9 @@ MUTANTS = (
       "also zeroes the null page", ("write_kv-page16-gqa",)),
     M("mutant-write-kv-fp8-unscaled", "write_kv", _write_kv_unscaled_fp8,
       "declares fp8 but stores the values without dividing by k_scale / v_scale",
+      ("write_kv-fp8e4m3fn-page16-scales",)),
+    M("mutant-write-kv-fp8-overflow-nan", "write_kv", _write_kv_fp8_overflow_nan,
+      "stores fp8 values past the format's range as NaN instead of saturating them",
       ("write_kv-fp8e4m3fn-page16-scales",)),
     M("mutant-write-kv-swa-untranslated", "write_kv_swa", _write_kv_swa_untranslated,
       "writes the full-pool slot, not its SWA translation", ("write_kv_swa-page16",)),
