@@ -15,7 +15,9 @@ Third-party plugins are found through the entry-point group ``aiter_attn`` (see
 ``docs/plugins.md``); the built-ins (reference kernels, strategies, ``triton``, ``aiter``)
 load through the same loader in :mod:`aiter_attn.plugins`. Every attribute of a plugin whose
 name starts with ``aiter_attn_`` must be one of the hooks below, marked ``@hookimpl``;
-anything else (a typo such as ``aiter_attn_register_kernel``) makes the plugin invalid.
+anything else (a typo such as ``aiter_attn_register_kernel``) makes the plugin invalid, and
+so does a hook marked as a wrapper (``hookwrapper=True``/``wrapper=True``): each hook is
+called once per plugin.
 """
 
 from __future__ import annotations
@@ -45,13 +47,15 @@ class AiterAttnSpec:
         :mod:`aiter_attn.kernels.reference`). ``capabilities`` is a
         :class:`~aiter_attn.kernels.registry.Capabilities` that must state ``cg_support``
         (no default); a registration without it is refused and the plugin skipped. Higher
-        priority wins among those whose capabilities serve a request; ``replace=True``
-        overrides an existing name.
+        priority (an int) wins among those whose capabilities serve a request; ``replace=True``
+        overrides an existing name. Call ``register`` while the hook runs (a call after it
+        returned raises ``RuntimeError``) and return ``None``.
         """
 
     @hookspec
     def aiter_attn_register_strategies(self, register):
-        """Register strategy pairs: ``register(pair: StrategyPair, *, replace=False)``."""
+        """Register strategy pairs: ``register(pair: StrategyPair, *, replace=False)``, called
+        while the hook runs; the hook returns ``None``."""
 
 
 def hook_names() -> frozenset:

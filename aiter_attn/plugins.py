@@ -13,9 +13,10 @@ A plugin that was not requested by name and fails any of those steps is logged (
 skipped; :func:`skipped_plugins` says why.
 
 Validation (:func:`validate_plugin`): every attribute named ``aiter_attn_*`` must be a hook of
-:class:`~aiter_attn.hookspecs.AiterAttnSpec` marked ``@hookimpl`` (so a typo cannot be
-silently ignored); pluggy checks the argument names on ``register`` and
-``PluginManager.check_pending`` runs after each plugin.
+:class:`~aiter_attn.hookspecs.AiterAttnSpec` marked ``@hookimpl``, not as a wrapper (so a
+typo cannot be silently ignored); pluggy checks the argument names on ``register`` and
+``PluginManager.check_pending`` runs after each plugin. A hook registers through the
+``register`` it is given while it runs and returns ``None`` (:func:`build_registries`).
 
 Loading is lazy (first call of :func:`kernel_registry` / :func:`strategy_registry` /
 :func:`get_plugin_manager`) and idempotent (one process-wide state; :func:`reset_plugins`
@@ -194,6 +195,17 @@ def register_plugin(pm: pluggy.PluginManager, name: str, plugin) -> None:
     except pluggy.PluginValidationError as exc:
         pm.unregister(name=name)
         raise PluginValidationError(f"plugin {name!r} implements unknown hooks: {exc}") from exc
+    # registration hooks are called once per plugin with a recorder (build_registries), not
+    # through pluggy's call loop: a wrapper would only be started, never run
+    for caller in pm.get_hookcallers(plugin) or ():
+        for impl in caller.get_hookimpls():
+            if impl.plugin is plugin and (impl.hookwrapper or impl.wrapper):
+                pm.unregister(name=name)
+                raise PluginValidationError(
+                    f"plugin {name!r} marks {caller.name!r} as a hook wrapper "
+                    "(hookwrapper=True or wrapper=True); the aiter_attn hooks are called once "
+                    "per plugin and take no wrappers. Use a plain @hookimpl."
+                )
 
 
 def _fail(report: LoadReport, source: PluginSource, what: str, exc: BaseException, *,
@@ -310,13 +322,20 @@ def build_registries(pm: pluggy.PluginManager, *, requested: Iterable[str] = (),
             name = impl.plugin_name
             if name in failed:
                 continue
-            calls: list = []
+            register = _Recorder(kind, name, hook.name)
             try:
-                impl.function(register=lambda *a, **k: calls.append((kind, a, k)))
+                result = impl.function(register=register)
             except Exception as exc:
                 fail(name, f"its {hook.name} hook failed: {type(exc).__name__}: {exc}", exc)
                 continue
-            staged.setdefault(name, []).extend(calls)
+            finally:
+                register.closed = True
+            if result is not None:
+                msg = (f"its {hook.name} hook returned {result!r}; a hook registers by calling "
+                       "register(...) and returns None (a returned value is never used)")
+                fail(name, msg, TypeError(msg))
+                continue
+            staged.setdefault(name, []).extend(register.calls)
 
     # 2. apply them in load order; a refused registration drops its plugin and starts over
     while True:
@@ -346,6 +365,33 @@ def build_registries(pm: pluggy.PluginManager, *, requested: Iterable[str] = (),
             if name in report.loaded:
                 report.loaded.remove(name)
     return kernels, strategies
+
+
+class _Recorder:
+    """The ``register`` callback one plugin's hook gets: records its calls while the hook
+    runs; a call after the hook returned (a plugin that kept the callback) raises, since the
+    registries are already built and the registration would be lost silently."""
+
+    def __init__(self, kind: str, plugin: str, hook: str):
+        self.kind, self.plugin, self.hook = kind, plugin, hook
+        self.calls: list = []
+        self.closed = False
+
+    def __call__(self, *args, **kwargs):
+        if self.closed:
+            raise RuntimeError(
+                f"plugin {self.plugin!r} called register{_call_repr(args, kwargs)} after its "
+                f"{self.hook} hook returned; registrations are taken only while the hook runs "
+                "(the registries are built once, at first use). Call register inside the hook; "
+                "to extend a built registry call its register() method, or "
+                "aiter_attn.plugins.reset_plugins() to load the plugins again."
+            )
+        self.calls.append((self.kind, args, kwargs))
+
+
+def _call_repr(args, kwargs) -> str:
+    parts = [repr(a) for a in args[:2]] + (["..."] if len(args) > 2 or kwargs else [])
+    return f"({', '.join(parts)})"
 
 
 def _apply_kernel(kernels, capabilities_type, source, op, name, fn, capabilities=None,

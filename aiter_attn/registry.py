@@ -7,6 +7,8 @@ over; an explicit choice that cannot serve raises with all reasons.
 
 from __future__ import annotations
 
+import logging
+import numbers
 import threading
 from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
@@ -20,9 +22,29 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["StrategyPair", "StrategyRegistry", "StrategySelectionError", "Cell",
            "register_cells"]
 
+log = logging.getLogger(__name__)
+
 
 def _modes(value):
     return frozenset(ForwardMode.parse(m) for m in value)
+
+
+def _check_name(inst, attribute, value):
+    if not isinstance(value, str) or not value.strip():
+        raise TypeError(f"StrategyPair(name={value!r}): name is a non-empty str such as "
+                        "'mha.decode' (the name `strategy=` and `aiter-attn info` use).")
+
+
+def _check_priority(inst, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"StrategyPair({inst.name!r}, priority={value!r}): priority is an int "
+                        "(higher wins among pairs that can serve).")
+
+
+def _check_cg_support(inst, attribute, value):
+    if not isinstance(value, CGSupport):
+        raise TypeError(f"StrategyPair({inst.name!r}, cg_support={value!r}): cg_support is a "
+                        "CGSupport (NEVER, UNIFORM_SINGLE_TOKEN_DECODE, UNIFORM_BATCH, ALWAYS).")
 
 
 @attrs.frozen(kw_only=True)
@@ -44,13 +66,13 @@ class StrategyPair:
             tree-verify pair always plans a mask); other modes get the default contract.
     """
 
-    name: str
+    name: str = attrs.field(validator=_check_name)
     arch: AttnArch = attrs.field(converter=AttnArch.parse)
     modes: frozenset = attrs.field(converter=_modes)
     metadata: Callable = attrs.field(eq=False)
     execution: Callable = attrs.field(eq=False)
-    priority: int = 0
-    cg_support: CGSupport = CGSupport.NEVER
+    priority: int = attrs.field(default=0, validator=_check_priority)
+    cg_support: CGSupport = attrs.field(default=CGSupport.NEVER, validator=_check_cg_support)
     supports: Optional[Callable] = attrs.field(default=None, eq=False)
     description: str = ""
     kernel_op: str = "paged_attention"
@@ -72,7 +94,16 @@ class StrategyPair:
         if mode not in self.modes:
             return f"does not serve {mode.name} (serves {sorted(m.name for m in self.modes)})"
         if self.supports is not None and config is not None:
-            return self.supports(config)
+            try:
+                reason = self.supports(config)
+            except Exception as exc:  # one pair's broken check must not stop selection
+                log.warning("strategy %s: supports() raised", self.name, exc_info=True)
+                return (f"supports() raised {type(exc).__name__}: {exc}; it must return a "
+                        "reason (str) or None for every config")
+            if reason is not None and not isinstance(reason, str):
+                return (f"supports() returned {reason!r}; it must return a reason (str) when "
+                        "the pair cannot serve the config and None when it can")
+            return reason
         return None
 
 

@@ -168,7 +168,9 @@ def kv_formats_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def collect_info() -> dict:
+def collect_info(device: str | None = None) -> dict:
+    """Everything ``aiter-attn info`` reports; ``device``: the device type the table's
+    kernels are selected for (default: ``cuda`` where available, else ``cpu``)."""
     from ..plugins import kernel_registry, loaded_plugins, skipped_plugins
 
     try:
@@ -201,7 +203,7 @@ def collect_info() -> dict:
         "plugins": loaded_plugins(),
         "skipped_plugins": skipped_plugins(),
         "kernels": kernels,
-        "table": mode_arch_table(),
+        "table": mode_arch_table(device=device),
         "engine_steps": ENGINE_STEPS_NOTE,
         "cascade": CASCADE_NOTE,
         "batch_invariant": BATCH_INVARIANT_NOTE,
@@ -304,14 +306,28 @@ def table_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _device_type(device: str | None) -> str | None:
+    """``--device``'s device type (``cuda:1`` → ``cuda``: kernels declare types)."""
+    from .errors import UsageError
+
+    if device is None:
+        return None
+    try:
+        return torch.device(device).type
+    except (RuntimeError, ValueError) as exc:
+        raise UsageError(f"--device {device!r} is not a device: {str(exc).splitlines()[0]} "
+                         "Pass a device type such as cpu or cuda.") from exc
+
+
 def run(args) -> int:
+    device = _device_type(args.device)
     if args.markdown:
-        print(table_markdown(mode_arch_table(device=args.device)), end="")
+        print(table_markdown(mode_arch_table(device=device)), end="")
         return 0
     if args.kv_formats:
         print(kv_formats_markdown(kv_formats_table()), end="")
         return 0
-    info = collect_info()
+    info = collect_info(device=device)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:
@@ -321,10 +337,11 @@ def run(args) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("info", help="show environment, plugins, kernels and the mode×arch table")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--markdown", action="store_true",
-                   help="print only the mode × architecture table as Markdown")
-    p.add_argument("--kv-formats", action="store_true",
-                   help="print only the KV-cache formats table as Markdown")
+    output = p.add_mutually_exclusive_group()  # each prints a different document
+    output.add_argument("--json", action="store_true", help="machine-readable output")
+    output.add_argument("--markdown", action="store_true",
+                        help="print only the mode × architecture table as Markdown")
+    output.add_argument("--kv-formats", action="store_true",
+                        help="print only the KV-cache formats table as Markdown")
     p.add_argument("--device", default=None, help="device type the table's kernels are for")
     p.set_defaults(func=run)

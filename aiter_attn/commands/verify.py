@@ -46,6 +46,21 @@ def _usage_error(args, msg: str) -> int:
     return 2
 
 
+def _no_case_matches(cases, ops, args) -> str:
+    """Why the filters (``--op``/``--case``/``--quick``) leave no case, and what to drop."""
+    by_name = {c.name: c for c in cases}
+    why = []
+    for name in args.case or ():
+        c = by_name[name]
+        if ops and c.op not in ops:
+            why.append(f"{name} is a {c.op} case, not one of --op {', '.join(ops)}")
+        elif args.quick and not c.quick:
+            why.append(f"{name} is not in the --quick subset")
+    if not why:
+        why.append(f"no case of {', '.join(ops or ())} is in the --quick subset")
+    return f"no case matches the filters: {'; '.join(why)}. Drop or change a filter."
+
+
 def _self_test(args) -> int:
     from ..testing.conformance.mutants import self_test
 
@@ -72,7 +87,7 @@ def _self_test(args) -> int:
 
 
 def run(args) -> int:
-    from ..testing.conformance import CASES, OPS, run_conformance
+    from ..testing.conformance import CASES, OPS, run_conformance, select_cases
 
     try:
         torch.empty(0, device=args.device)
@@ -82,6 +97,12 @@ def run(args) -> int:
     if args.self_test:
         if args.backend is not None:
             return _usage_error(args, "--self-test runs its own broken kernels; drop --backend.")
+        ignored = [flag for flag, value in (("--op", args.op), ("--case", args.case),
+                                            ("--dtype", args.dtype), ("--strict", args.strict))
+                   if value]
+        if ignored:  # the self-test runs each mutant on its own cases: a filter would not apply
+            return _usage_error(args, f"--self-test runs each broken kernel on its own cases; "
+                                      f"drop {' '.join(ignored)} (--quick and --device apply).")
         return _self_test(args)
     if args.backend is None:
         return _usage_error(args, "pass --backend NAME (see `aiter-attn info`) or --self-test.")
@@ -105,6 +126,9 @@ def run(args) -> int:
             return _usage_error(args, f"backend {args.backend!r} implements none of the ops the "
                                       f"suite checks ({', '.join(OPS)}); it registers "
                                       f"{sorted(known[args.backend])}.")
+    if not select_cases(CASES, ops=set(ops or ()), quick=args.quick, names=set(args.case or ())):
+        # an empty report would pass: nothing verified must not read as conformance
+        return _usage_error(args, _no_case_matches(CASES, ops, args))
     report = run_conformance(args.backend, device=args.device, ops=ops, quick=args.quick,
                              names=args.case, dtype=dtype)
     failed = not report.ok or (args.strict and report.count("unsupported"))

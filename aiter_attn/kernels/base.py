@@ -374,6 +374,8 @@ class FunctionKernel(AttentionKernel):
             max_seqlen_q=mq, max_seqlen_k=mk)
 
     def run(self, q, cache, plan, params, out, lse=None):
+        if q.shape[0] != plan.num_tokens:  # O(1): a stale plan would index past q or skip rows
+            raise token_count_error(self.name, q.shape[0], plan)
         k_cache, v_cache = cache
         causal = params.causal and not plan.mask_literal
         extra = {} if lse is None else {"lse": lse}  # functions without the feature lack it
@@ -464,6 +466,8 @@ class MLAFunctionKernel(FunctionKernel):
     op = "mla_paged_attention"
 
     def run(self, q, cache, plan, params, out, lse=None):
+        if q.shape[0] != plan.num_tokens:
+            raise token_count_error(self.name, q.shape[0], plan)
         extra = {} if lse is None else {"lse": lse}
         extra.update(self._flags())
         return type(self).fn(

@@ -9,6 +9,7 @@ an automatic choice falls back to the next candidate. ``AITER_ATTN_BACKEND`` ove
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 from typing import Callable, Optional
 
@@ -115,6 +116,11 @@ class Capabilities:
                 "CGSupport.UNIFORM_BATCH (captured batches with one query length) or "
                 "CGSupport.ALWAYS (any captured batch). There is no default."
             )
+        mh = self.max_head_dim
+        if mh is not None and (isinstance(mh, bool) or not isinstance(mh, numbers.Integral)
+                               or mh < 1):
+            raise TypeError(f"Capabilities(max_head_dim={mh!r}): max_head_dim is a positive int "
+                            "(the largest head dim served) or None (any).")
         unknown = self.features - FEATURES
         if unknown:
             raise ValueError(
@@ -147,7 +153,12 @@ class Capabilities:
         if missing:
             return f"missing features {sorted(missing)}"
         if self.predicate is not None:
-            reason = self.predicate(req)
+            try:
+                reason = self.predicate(req)
+            except Exception as exc:  # one kernel's broken predicate must not stop selection
+                log.warning("Capabilities.predicate raised for %s", req, exc_info=True)
+                return (f"predicate raised {type(exc).__name__}: {exc}; it must return a reason "
+                        "(str) or None for every request")
             if reason is not None and not isinstance(reason, str):
                 return (f"predicate returned {reason!r}; it must return a reason (str) when the "
                         "kernel cannot serve the request and None when it can")
@@ -223,6 +234,23 @@ class Selection:
         return self if self.check_values else attrs.evolve(self, check_values=True)
 
 
+def _check_registration(op, name, fn, priority) -> None:
+    """Refuse a registration that would break selection later (for every caller of ``op``:
+    candidates are sorted by ``(-priority, name)``), naming the argument and the fix."""
+    for arg, value in (("op", op), ("name", name)):
+        if not isinstance(value, str) or not value.strip():
+            raise TypeError(f"register(op={op!r}, name={name!r}, ...): {arg}={value!r}; {arg} "
+                            "is a non-empty str (the backend name users select for a name).")
+    if not callable(fn):
+        raise TypeError(f"register({op!r}, {name!r}, fn={fn!r}): fn is a "
+                        f"{type(fn).__name__}, not callable; pass the kernel function or an "
+                        "AttentionKernel subclass.")
+    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+        raise TypeError(f"register({op!r}, {name!r}, ..., priority={priority!r}): priority is "
+                        "an int (higher wins; reference 0, triton 100, aiter 150), got a "
+                        f"{type(priority).__name__}.")
+
+
 class KernelSelectionError(ValueError):
     """No implementation can serve a request; the message lists every candidate's reason."""
 
@@ -259,8 +287,9 @@ class KernelRegistry:
         raises unless ``replace=True`` (a plugin that deliberately overrides a built-in says
         so).
         """
-        from .base import ATTENTION_OPS, AttentionKernel, function_kernel
+        from .base import ATTENTION_OPS, AttentionKernel, MLAKernel, function_kernel
 
+        _check_registration(op, name, fn, priority)
         if not isinstance(capabilities, Capabilities):
             raise TypeError(
                 f"capabilities must be aiter_attn.kernels.registry.Capabilities, "
@@ -271,6 +300,15 @@ class KernelRegistry:
             if op not in ATTENTION_OPS:
                 raise TypeError(f"{fn.__name__} is a kernel object but op {op!r} takes a "
                                 f"function; kernel objects serve {sorted(ATTENTION_OPS)}.")
+            # the functional convenience is the base's __call__: MLA's takes (q, kv_cache,
+            # out, kv_lora_rank=…), the others (q, k_cache, v_cache, out, …)
+            if (op == "mla_paged_attention") != issubclass(fn, MLAKernel):
+                want = "MLAKernel" if op == "mla_paged_attention" else "AttentionKernel"
+                raise TypeError(
+                    f"register({op!r}, {name!r}, {fn.__name__}): op {op!r} takes a subclass "
+                    f"of aiter_attn.kernels.base.{want}, and {fn.__name__} "
+                    f"{'is not one' if want == 'MLAKernel' else 'is an MLAKernel'}; derive it "
+                    f"from {want} or register it for the op it implements.")
             base = fn
         elif op in ATTENTION_OPS:
             base = function_kernel(fn, op)
