@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -32,7 +33,11 @@ def _prompts(args) -> list[str]:
         if not path.is_file():
             raise FileNotFoundError(f"--prompts-file={str(path)!r} does not exist; pass a text "
                                     "file with one prompt per line.")
-        prompts += [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        from_file = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        if not from_file:
+            raise ValueError(f"--prompts-file={str(path)!r} has no prompt (it is empty or "
+                             "blank); write one prompt per line, or drop the flag.")
+        prompts += from_file
     return prompts or [DEFAULT_PROMPT]
 
 
@@ -311,6 +316,12 @@ def add_parser(sub) -> None:
 
 
 def _run_checked(args) -> int:
+    # before the model loads: a bad sampling value would only fail once requests are served
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        args._parser.error(f"--temperature={args.temperature} must be a finite number ≥ 0 "
+                           "(0 = greedy).")
+    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
+        args._parser.error(f"--top-p={args.top_p} must be in (0, 1]; 1 keeps every token.")
     if args.check and args.temperature > 0:
         args._parser.error("--check compares greedy decoding; drop --temperature.")
     for name in ("max_new_tokens", "batch_size", "page_size", "max_tokens_per_step"):

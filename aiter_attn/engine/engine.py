@@ -13,6 +13,7 @@ others prefill) is one EXTEND forward whose decoding requests are extend rows of
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -33,17 +34,29 @@ __all__ = ["EngineConfig", "EngineStats", "TokenEvent", "Engine"]
 log = logging.getLogger(__name__)
 
 
+def _positive_int(instance, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"EngineConfig: {attribute.name}={value!r} must be an int ≥ 1.")
+
+
+def _positive_int_or_none(instance, attribute, value):
+    # None picks the default; 0 is refused rather than read as "the default"
+    if value is not None:
+        _positive_int(instance, attribute, value)
+
+
 @attrs.frozen(kw_only=True)
 class EngineConfig:
-    """Engine settings.
+    """Engine settings. Every count is an int ≥ 1 (ValueError otherwise); ``chunk_size`` and
+    ``kv_tokens`` may also be ``None`` for their defaults.
 
     Attributes:
         page_size: tokens per KV page.
         max_batch_size: most running requests.
         max_context_len: most tokens (prompt + generated) per request.
         max_tokens_per_step: token budget of one step (prefill chunks + decode tokens).
-        chunk_size: most prompt tokens one request feeds per step (default: the budget).
-        kv_tokens: KV pool capacity in tokens (default: ``max_batch_size · max_context_len``).
+        chunk_size: most prompt tokens one request feeds per step (``None``: the budget).
+        kv_tokens: KV pool capacity in tokens (``None``: ``max_batch_size · max_context_len``).
         prefix_caching: reuse computed whole pages of running requests with the same prefix.
         kernel_backend: force a kernel backend by name; ``None`` = best registered.
         shuffle_pages_seed: hand out pages in a seeded random order (tests).
@@ -75,18 +88,18 @@ class EngineConfig:
             whole group; ``None`` = off.
     """
 
-    page_size: int = 16
-    max_batch_size: int = 8
-    max_context_len: int = 2048
-    max_tokens_per_step: int = 512
-    chunk_size: Optional[int] = None
-    kv_tokens: Optional[int] = None
+    page_size: int = attrs.field(default=16, validator=_positive_int)
+    max_batch_size: int = attrs.field(default=8, validator=_positive_int)
+    max_context_len: int = attrs.field(default=2048, validator=_positive_int)
+    max_tokens_per_step: int = attrs.field(default=512, validator=_positive_int)
+    chunk_size: Optional[int] = attrs.field(default=None, validator=_positive_int_or_none)
+    kv_tokens: Optional[int] = attrs.field(default=None, validator=_positive_int_or_none)
     prefix_caching: bool = True
     kernel_backend: Optional[str] = None
     shuffle_pages_seed: Optional[int] = None
     swa_pool: bool = True
     speculative: Optional[str] = None
-    num_draft_tokens: int = 4
+    num_draft_tokens: int = attrs.field(default=4, validator=_positive_int)
     cuda_graph: Optional[bool] = None
     debug_checks: bool = False
     batch_invariant: bool = False
@@ -136,6 +149,17 @@ class TokenEvent:
     finished: bool
 
 
+def _check_positions(model, config: EngineConfig) -> None:
+    """Raise unless ``model`` has a position for every token a request may hold (a model
+    with a ``max_positions`` attribute, e.g. its RoPE table; others are not limited)."""
+    limit = getattr(model, "max_positions", None)
+    if limit is not None and config.max_context_len > limit:
+        raise ValueError(
+            f"EngineConfig: max_context_len={config.max_context_len} but the model has "
+            f"{limit} positions (max_positions); lower max_context_len to ≤ {limit} or build "
+            f"the model with max_positions ≥ {config.max_context_len}.")
+
+
 class Engine:
     """Serve requests over ``model`` (any ``EngineModel``).
 
@@ -145,6 +169,7 @@ class Engine:
     """
 
     def __init__(self, model: EngineModel, config: EngineConfig = EngineConfig()):
+        _check_positions(model, config)
         self.config = config
         self.kv = KVCacheManager(
             num_pages=config.num_pages, page_size=config.page_size,
@@ -172,6 +197,14 @@ class Engine:
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams()
                     ) -> Request:
         """Queue a prompt; it joins the running batch at the next step with room for it."""
+        req = self._checked_request(prompt_ids, params, rid=len(self.requests))
+        self.scheduler.add(req)
+        self.requests.append(req)
+        return req
+
+    def _checked_request(self, prompt_ids: Sequence[int], params: SamplingParams, *,
+                         rid: int) -> Request:
+        """A new, not yet queued request; raises ValueError if it could never be served."""
         vocab = self.runner.model.vocab_size
         ids = [int(i) for i in prompt_ids]
         bad = [i for i in ids if not 0 <= i < vocab]
@@ -179,9 +212,8 @@ class Engine:
             raise ValueError(
                 f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}; "
                 "encode prompts with the model's own tokenizer.")
-        req = Request(rid=len(self.requests), prompt_ids=ids, params=params)
-        self.scheduler.add(req)
-        self.requests.append(req)
+        req = Request(rid=rid, prompt_ids=ids, params=params)
+        self.kv.check_fits(req)
         return req
 
     @property
@@ -198,8 +230,10 @@ class Engine:
             t0 = time.perf_counter()
             per_req = self.spec_decoder.decode_step(self.runner, plan.decode)
             self.stats.decode_seconds += time.perf_counter() - t0
-            self.stats.decode_tokens += sum(len(t) for t in per_req)
-            events += self._emit_many(plan.decode, per_req)
+            emitted = self._emit_many(plan.decode, per_req)
+            # tokens accepted past a request's stop token are dropped, not counted
+            self.stats.decode_tokens += len(emitted)
+            events += emitted
         elif plan.decode:
             t0 = time.perf_counter()
             logits = self.runner.forward(ForwardMode.DECODE, [(r, 1) for r in plan.decode])
@@ -288,9 +322,16 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] = SamplingParams()
                  ) -> list[list[int]]:
-        """Generated ids for each prompt (all queued at once)."""
+        """Generated ids for each prompt (all queued at once; none is queued when one of
+        them is refused). ``params``: one for every prompt, or a sequence of one per prompt."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"generate: {len(prompts)} prompts but {len(params)} SamplingParams; "
+                             "pass one SamplingParams for all, or one per prompt.")
+        first = len(self.requests)
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            self._checked_request(p, sp, rid=first + i)
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         self.run()
         return [r.output_ids for r in reqs]

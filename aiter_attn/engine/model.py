@@ -113,6 +113,12 @@ class LlamaFamilyModel:
         self.kv_layout = KVLayout(num_layers=len(layers), num_kv_heads=s0.num_kv_heads,
                                   head_dim=s0.head_dim, v_head_dim=s0.v_head_dim, dtype=dtype)
 
+    @property
+    def max_positions(self) -> int:
+        """Length of the RoPE table: positions must be below it (the engine refuses a longer
+        ``max_context_len``)."""
+        return self.rope.max_positions
+
     @classmethod
     def from_hf(cls, hf_model, *, dtype: torch.dtype = torch.float32, device="cpu",
                 max_positions: Optional[int] = None, progress=None) -> "LlamaFamilyModel":

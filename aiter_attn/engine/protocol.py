@@ -48,6 +48,9 @@ class EngineModel(Protocol):
         layer_specs: one :class:`LayerSpec` per attention layer, in pool order.
         vocab_size: logits width.
         device / dtype: where and in which dtype activations live.
+
+    Optional: ``max_positions`` (int), the most positions the model can embed (e.g. its RoPE
+    table); the engine then refuses an ``EngineConfig.max_context_len`` above it.
     """
 
     kv_layout: KVLayout

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from typing import Optional
 
 import attrs
@@ -10,9 +12,11 @@ import attrs
 __all__ = ["SamplingParams", "Request", "RequestStatus"]
 
 
-def _non_negative(instance, attribute, value):
-    if value < 0:
-        raise ValueError(f"{attribute.name}={value!r} must be ≥ 0.")
+def _temperature(instance, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+            or not math.isfinite(value) or value < 0:
+        raise ValueError(f"temperature={value!r} must be a finite number ≥ 0; 0 decodes "
+                         "greedily.")
 
 
 def _top_p(instance, attribute, value):
@@ -20,27 +24,37 @@ def _top_p(instance, attribute, value):
         raise ValueError(f"top_p={value!r} must be in (0, 1]; 1 keeps every token.")
 
 
+def _max_new_tokens(instance, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"max_new_tokens={value!r} must be an int ≥ 1.")
+
+
+def _token_ids(value) -> frozenset:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"stop_token_ids={value!r} must be a collection of token ids, e.g. "
+                         f"{{{value!r}}}.")
+    return frozenset(value)
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     """How one request picks tokens.
 
     Attributes:
-        max_new_tokens: most tokens to generate (≥ 1).
-        temperature: 0 = greedy (argmax); > 0 samples from ``softmax(logits / temperature)``.
+        max_new_tokens: most tokens to generate (an int ≥ 1).
+        temperature: 0 = greedy (argmax); > 0 (finite) samples from
+            ``softmax(logits / temperature)``.
         top_p: nucleus sampling: keep the smallest set of tokens whose probability ≥ ``top_p``.
         seed: seeds this request's own generator (reproducible whatever the batch around it).
-        stop_token_ids: generation stops after emitting one of these (it is kept in the output).
+        stop_token_ids: generation stops after emitting one of these (it is kept in the
+            output); any collection of ints, stored as a ``frozenset``.
     """
 
-    max_new_tokens: int = 16
-    temperature: float = attrs.field(default=0.0, validator=_non_negative)
+    max_new_tokens: int = attrs.field(default=16, validator=_max_new_tokens)
+    temperature: float = attrs.field(default=0.0, validator=_temperature)
     top_p: float = attrs.field(default=1.0, validator=_top_p)
     seed: Optional[int] = None
-    stop_token_ids: frozenset = attrs.field(default=frozenset(), converter=frozenset)
-
-    def __attrs_post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be ≥ 1.")
+    stop_token_ids: frozenset = attrs.field(default=frozenset(), converter=_token_ids)
 
     @property
     def greedy(self) -> bool:

@@ -48,7 +48,10 @@ def sample_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> list[int
             else:
                 g.seed()  # non-deterministic, and leaves the global RNG alone
             req.generator = g
-        probs = torch.softmax(logits[i].float().cpu() / p.temperature, dim=-1)
+        row = logits[i].float().cpu()
+        # shifting by the max first keeps a tiny temperature finite: the max maps to 0, the
+        # rest to ≤ 0 (or -inf), never inf - inf = NaN; the softmax is the same
+        probs = torch.softmax((row - row.max()) / p.temperature, dim=-1)
         probs = top_p_filter(probs, p.top_p)
         tokens[i] = int(torch.multinomial(probs, 1, generator=req.generator))
     return tokens
