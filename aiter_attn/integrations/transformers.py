@@ -12,14 +12,16 @@ Gemma-2, gpt-oss, …) runs its attention through this backend's kernels::
 
 The function serves two callers:
 
-* **transformers' own cache** (``model.generate`` with a ``DynamicCache``): each layer hands
-  over q ``[B, H, T_q, D]`` and the whole cached k/v ``[B, H_kv, T_k, D]``. They are laid out
-  as a paged cache of page size 1 (one contiguous copy of k/v per layer) and run through
-  :func:`aiter_attn.ops.paged_attention` with the layer's scaling, soft-cap (Gemma-2), sliding
-  window (HF convention ``w`` ⇒ ``(w - 1, 0)``) and sinks (gpt-oss ``s_aux``). Left padding
-  comes from transformers' boolean mask (the ``sdpa`` mask function is registered under the
-  same name): key columns that no query of a row may see are dropped from that row's page
-  table, and query rows that are themselves padding give zeros (no real token reads them).
+* **transformers' own cache** (``model.generate`` with a dynamic or static cache): each layer
+  hands over q ``[B, H, T_q, D]`` and the whole cached k/v ``[B, H_kv, T_k, D]``. They are
+  laid out as a paged cache of page size 1 (one contiguous copy of k/v per layer) and run
+  through :func:`aiter_attn.ops.paged_attention` with the layer's scaling, soft-cap (Gemma-2),
+  sliding window (HF convention ``w`` ⇒ ``(w - 1, 0)``) and sinks (gpt-oss ``s_aux``).
+  Padding comes from transformers' boolean mask (the ``sdpa`` mask function is registered
+  under the same name): key columns that no query of a row may see (left or right padding, a
+  static cache's unwritten tail) are dropped from that row's page table, and query rows that
+  see nothing give zeros (no real token reads them). A mask this cannot reproduce exactly
+  (packed sequences, holes in a row) is refused with a ValueError, never served approximately.
 * **the reference engine** (:class:`aiter_attn.engine.models.hf_wrapped.HFWrappedModel`):
   inside :func:`route_to_backend` the same function sends each layer's packed step
   (``[1, T]`` tokens of many requests) to an :class:`~aiter_attn.AttentionBackend` over the
@@ -98,25 +100,78 @@ def _engine_attention(route: EngineRoute, module, query, key, value):
     return o.view(1, t, spec.num_q_heads, spec.v_head_dim), None
 
 
-def _visible(attention_mask: torch.Tensor) -> torch.Tensor:
-    """bool ``[B, T_q, T_k]``: which key each query may see (bool masks as given, additive
-    float masks where 0)."""
-    m = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask
-    return m if m.dtype == torch.bool else m == 0
+def _visible(attention_mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
+    """bool ``[B, H_m, T_q, T_k]``: which key each query may see (bool masks as given, additive
+    float masks where 0; a mask broadcast over the batch expanded to it)."""
+    m = attention_mask if attention_mask.dim() == 4 else attention_mask[:, None]
+    if m.dim() != 4 or m.shape[0] not in (1, batch) or tuple(m.shape[2:]) != (q_len, kv_len):
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}; expected [B, 1, T_q, T_k] "
+            f"= [{batch}, 1, {q_len}, {kv_len}] (or [B, T_q, T_k]) for query [B, H, {q_len}, D] "
+            f"and key [B, H_kv, {kv_len}, D].")
+    m = m if m.dtype == torch.bool else m == 0
+    return m.expand(batch, -1, -1, -1)
 
 
-def _layout(attention_mask, batch: int, q_len: int, kv_len: int, device):
-    """``(skip_keys [B], q_lens [B])`` host ints: leading key columns no query of the row sees
-    (left padding, keys out of every query's window) and the row's real queries."""
+def _kernel_mask(lo, hi, q_lens, q_len: int, kv_len: int, causal: bool, window):
+    """bool ``[B, 1, T_q, T_k]``: what the kernel computes for rows laid out as ``keys
+    [lo, hi)``, the last ``q_lens`` query rows real, query ``i`` at key column
+    ``hi - (T_q - i)``."""
+    dev = lo.device
+    i = torch.arange(q_len, device=dev)[None, :, None]
+    j = torch.arange(kv_len, device=dev)[None, None, :]
+    lo, hi, q_lens = lo[:, None, None], hi[:, None, None], q_lens[:, None, None]
+    pos = hi - (q_len - i)
+    seen = (i >= q_len - q_lens) & (j >= lo) & (j < hi)
+    if causal:
+        seen &= j <= pos
+    if window[0] >= 0:
+        seen &= j >= pos - window[0]
+    if window[1] >= 0:
+        seen &= j <= pos + window[1]
+    return seen[:, None]
+
+
+def _layout(attention_mask, batch: int, q_len: int, kv_len: int, *, causal: bool, window):
+    """``(lo [B], hi [B], q_lens [B])`` host ints: each row's key columns ``[lo, hi)`` (key
+    columns outside that no query sees: left padding, right padding, a static cache's
+    unwritten tail, keys out of every query's window) and its real queries, the last
+    ``q_lens`` rows. A mask that this layout, causal order and the window cannot reproduce
+    exactly (packed sequences, holes in a row, per-head masks) raises ValueError.
+
+    Without a mask transformers means ``sdpa``'s ``is_causal`` (upper-left alignment): it
+    leaves the mask out with ``1 < T_q < T_k`` only for a static cache's first prefill, whose
+    key columns after the queries are not written yet."""
     if attention_mask is None:
-        return [0] * batch, [q_len] * batch
-    vis = _visible(attention_mask)
-    seen = vis.any(dim=1)  # [B, T_k]
-    first = torch.where(seen.any(dim=1), seen.float().argmax(dim=1),
-                        torch.full((batch,), kv_len, device=seen.device)).tolist()
-    skip = [int(f) for f in first]
-    q_lens = [max(0, min(q_len, kv_len - s)) for s in skip]
-    return skip, q_lens
+        hi = q_len if causal and 1 < q_len < kv_len else kv_len
+        return [0] * batch, [hi] * batch, [min(q_len, hi)] * batch
+    vis = _visible(attention_mask, batch, q_len, kv_len)
+    cols = torch.arange(kv_len, device=vis.device)
+    rows = torch.arange(q_len, device=vis.device)
+    seen = vis.any(dim=2).any(dim=1)  # [B, T_k]
+    anything = seen.any(dim=1)
+    lo = torch.where(anything, torch.where(seen, cols, kv_len).amin(dim=1), 0)
+    hi = torch.where(anything, torch.where(seen, cols, -1).amax(dim=1) + 1, 0)
+    real = vis.any(dim=3).any(dim=1)  # [B, T_q]
+    first_real = torch.where(real, rows, q_len).amin(dim=1)
+    q_lens = q_len - first_real
+    if causal:  # a causal row's queries are its last keys; a non-causal row's see them all
+        q_lens = torch.minimum(q_lens, hi - lo)
+    wrong = vis != _kernel_mask(lo, hi, q_lens, q_len, kv_len, causal, window)
+    # one host read for the layout and the check
+    host = torch.stack([lo, hi, q_lens, wrong.flatten(1).any(dim=1).long()]).tolist()
+    lo_h, hi_h, q_lens_h, bad = host
+    if any(bad):
+        b, h, i, j = (int(x) for x in wrong.nonzero()[0].tolist())
+        raise ValueError(
+            f"attention_mask[{b}, {h}, {i}, {j}] is {bool(vis[b, h, i, j])}, but the "
+            f"{ATTN_IMPLEMENTATION!r} attention serves masks of one key range per row (left or "
+            f"right padding, a static cache's unwritten tail) with "
+            f"{'causal order' if causal else 'every query seeing the range'} and the layer's "
+            f"window {tuple(window)}: row {b} would see keys [{lo_h[b]}, {hi_h[b]}) from its "
+            f"last {q_lens_h[b]} queries. Packed sequences, holes in a row and per-head masks "
+            "are not expressible; run this model with attn_implementation='sdpa' or 'eager'.")
+    return lo_h, hi_h, q_lens_h
 
 
 def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -130,8 +185,9 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
         module: the calling attention module (``layer_idx``, ``is_causal``).
         query: ``[B, H, T_q, D]``; key / value: ``[B, H_kv, T_k, D(_v)]`` (the cache's whole
             content for this layer, this step's tokens last).
-        attention_mask: bool ``[B, 1, T_q, T_k]`` (True = may attend) or ``None`` (causal,
-            no padding).
+        attention_mask: bool ``[B, 1, T_q, T_k]`` (True = may attend; additive float masks
+            where 0) or ``None``: no padding, causal in ``sdpa``'s sense (with
+            ``1 < T_q < T_k``, a static cache's first prefill, query ``i`` sees keys ``0..i``).
         scaling: softmax scale (default ``D ** -0.5``).
         sliding_window: HF window ``w`` (each query sees its ``w`` latest keys) or ``None``.
         softcap: logit soft-cap (Gemma-2) or ``None``.
@@ -155,14 +211,16 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     hkv, tk, dv = key.shape[1], key.shape[2], value.shape[-1]
     device = query.device
     causal = bool(getattr(module, "is_causal", True))
-    skip, q_lens = _layout(attention_mask, b, tq, tk, device)
-    # k/v as pages of one token: row r's keys are pages r*T_k + skip[r] ... r*T_k + T_k - 1.
+    window = (-1, -1) if not sliding_window or sliding_window <= 0 else (int(sliding_window) - 1,
+                                                                        0 if causal else -1)
+    lo, hi, q_lens = _layout(attention_mask, b, tq, tk, causal=causal, window=window)
+    # k/v as pages of one token: row r's keys are pages r*T_k + lo[r] ... r*T_k + hi[r] - 1.
     k_pages = key.transpose(1, 2).reshape(b * tk, 1, hkv, d)
     v_pages = value.transpose(1, 2).reshape(b * tk, 1, hkv, dv)
-    kv_lens = [tk - s for s in skip]
+    kv_lens = [e - s for s, e in zip(lo, hi)]
     width = max(max(kv_lens), 1)
     cols = torch.arange(width, device=device)
-    base = (torch.arange(b, device=device) * tk + torch.tensor(skip, device=device))[:, None]
+    base = (torch.arange(b, device=device) * tk + torch.tensor(lo, device=device))[:, None]
     block_table = torch.where(cols[None] < torch.tensor(kv_lens, device=device)[:, None],
                               base + cols[None], 0).to(torch.int32)
     rows = [torch.arange(tq - n, tq, device=device) + r * tq for r, n in enumerate(q_lens)]
@@ -171,8 +229,6 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     q_packed = q_flat.index_select(0, take)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
                       device=device)
-    window = (-1, -1) if not sliding_window or sliding_window <= 0 else (int(sliding_window) - 1,
-                                                                        0 if causal else -1)
     sinks = None if s_aux is None else s_aux.detach().to(device=device, dtype=torch.float32)
     out = torch.zeros(b * tq, h, dv, dtype=query.dtype, device=device)
     if take.numel():

@@ -36,7 +36,7 @@ import torch
 from ..graph.signature import SIGNATURE_KEY
 from ..metadata import PageTable
 from ..types import CGSupport, FP8_DTYPES
-from ..validation import check_tensor
+from ..validation import check_attention_scalars, check_tensor
 from .base import AttentionKernel, KernelPlan, LayerParams, plan_hints, token_count_error
 from .cascade_plan import (CascadeIndex, cascade_index_buffers, num_tiles_bound,
                            plan_cascade_index)
@@ -350,11 +350,17 @@ class CascadeKernel(AttentionKernel):
             main = torch.cuda.current_stream(q.device)
             side.wait_stream(main)
             own_stream = torch.cuda.stream(side)
+        own = out
+        if self.impl == "reference" and self.inner.name == "reference" \
+                and out.dtype != torch.float32:
+            # the torch reference writes any dtype: keep its own pass in float32 so that the
+            # merged result is rounded to out's dtype once (eager-only path: allocating is fine)
+            own = torch.empty(out.shape, dtype=torch.float32, device=out.device)
         with own_stream:
-            self.inner.run(q, cache, plan.inner, params, out, lse=plan.own_lse)
+            self.inner.run(q, cache, plan.inner, params, own, lse=plan.own_lse)
         k_cache, v_cache = cache
         if self.impl == "reference":
-            return self._run_reference(q, k_cache, v_cache, plan, params, out, lse)
+            return self._run_reference(q, k_cache, v_cache, plan, params, own, out, lse)
         from .triton.cascade import cascade_merge_triton, cascade_shared_triton
 
         ix = plan.index
@@ -369,7 +375,9 @@ class CascadeKernel(AttentionKernel):
         cascade_merge_triton(out, plan.own_lse, plan.part_acc, plan.part_ml, ix.tok_shared, lse)
         return out
 
-    def _run_reference(self, q, k_cache, v_cache, plan, params, out, lse):
+    def _run_reference(self, q, k_cache, v_cache, plan, params, own, out, lse):
+        """Shared pass and merge in torch; ``own`` holds the own pass (``out`` or a float32
+        buffer), the merged result goes to ``out``."""
         from .reference import merge_attention_states_reference
         from .reference_cascade import cascade_shared_reference
 
@@ -380,7 +388,7 @@ class CascadeKernel(AttentionKernel):
             k_scale=params.k_scale, v_scale=params.v_scale)
         merged_lse = lse if lse is not None else torch.empty_like(plan.own_lse)
         merged = torch.empty_like(shared)
-        merge_attention_states_reference(out.float(), plan.own_lse, shared, shared_lse, merged,
+        merge_attention_states_reference(own.float(), plan.own_lse, shared, shared_lse, merged,
                                          merged_lse)
         out.copy_(merged.to(out.dtype))
         return out
@@ -430,13 +438,16 @@ def cascade_paged_attention(
             or min_shared_tokens < 1:
         raise ValueError(f"min_shared_tokens={min_shared_tokens!r}; must be an int ≥ 1 (the "
                          "least tokens a run of requests must share).")
-    check_tensor("q", q, ndim=3, hint="q is [num_tokens, num_q_heads, head_dim].")
-    check_tensor("k_cache", k_cache, ndim=4,
-                 hint="k_cache is [num_pages, page_size, num_kv_heads, head_dim].")
-    check_tensor("v_cache", v_cache, ndim=4,
-                 hint="v_cache is [num_pages, page_size, num_kv_heads, head_dim_v].")
-    check_tensor("block_table", block_table, ndim=2, shape=(seqused_k.shape[0], None),
-                 hint="block_table is int32 [batch, max_pages_per_request].")
+    # the checks of ops.paged_attention (the same arguments, refused by the same names): the
+    # kernels launch on them unchecked
+    ops._validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, out,
+                        sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+    ops._check_window(window_size)
+    softmax_scale, softcap = check_attention_scalars(softmax_scale, softcap, k_scale=k_scale,
+                                                     v_scale=v_scale)
+    if sinks is not None:
+        check_tensor("sinks", sinks, ndim=1, shape=(q.shape[1],),
+                     hint="sinks is float32 [num_q_heads].")
     req = ops.paged_attention_request(q, k_cache, v_cache, window_size=tuple(window_size),
                                       softcap=softcap, sinks=sinks, causal=True)
     req = ops.with_call_features(req, lse=True)
