@@ -220,6 +220,23 @@ class _AiterKernel:
     def _call(self, call: M.AiterCall):
         return self._entry(call.fn)[0](*call.args, **call.kwargs)
 
+    def _fallback(self, why: str):
+        """The best non-aiter kernel of this op serving the bound request (bound once), for
+        the steps aiter's functions cannot serve."""
+        nxt = getattr(self, "_next", None)
+        if nxt is None:
+            from ..plugins import kernel_registry
+
+            for impl in kernel_registry().implementations(self.op):
+                if impl.name != "aiter" and impl.capabilities.reject_reason(self.request) is None:
+                    log.debug("%s: %s; using %s", self.op, why, impl.name)
+                    nxt = self._next = impl.bind(self.request)
+                    break
+            else:
+                raise ValueError(f"aiter cannot serve this {self.op} step ({why}) and no other "
+                                 f"{self.op} kernel is registered for it; pick another backend.")
+        return nxt
+
     def _token_indices(self, md, block_table, seqused_k, out):
         """``(kv_indptr, kv_indices, last_page_lens)`` of the step (1-token pages)."""
         bs, width = block_table.shape
@@ -295,6 +312,7 @@ class AiterPagedAttention(_AiterKernel, AttentionKernel):
         self.fp8 = request.kv_dtype in FP8_DTYPES
         extra = dict(request.extra)
         self.q_heads = extra.get("q_heads")
+        self.kv_heads = extra.get("kv_heads")
         self.v_head_dim = request.v_head_dim or request.head_dim
         self._unit = None
 
@@ -340,9 +358,14 @@ class AiterPagedAttention(_AiterKernel, AttentionKernel):
         bs, width = block_table.shape
         max_ctx = width * pages.page_size
         max_k = int(hint_k) if hint_k is not None else max_ctx
+        ragged_reason = None
+        if max_q <= 1:
+            ragged_reason = M.ragged_decode_reason(num_tokens=query.num_tokens, batch=bs,
+                                                   q_heads=self.q_heads, kv_heads=self.kv_heads)
         route = M.route_paged_attention(
             max_q, causal=self.causal, has_sinks=self.has_sinks, has_window=self.has_window,
-            is_fp8=self.fp8, prefill_params=self._params("mha_batch_prefill_func"))
+            is_fp8=self.fp8, prefill_params=self._params("mha_batch_prefill_func"),
+            ragged_reason=ragged_reason)
         common = dict(num_tokens=query.num_tokens, mask_literal=mask_literal(md), route=route,
                       args=(cu, seqused_k, block_table), max_q=max_q, max_k=max_k)
         if route == "unified_attention":
@@ -406,7 +429,9 @@ class AiterMLAPlan(KernelPlan):
     """One step of :class:`AiterMLA` for one layer group.
 
     Attributes:
-        route: ``"mla_decode_fwd"`` (uniform query length ≤ 4) or ``"mla_prefill_fwd"``.
+        route: ``"mla_decode_fwd"`` (uniform query length ≤ 4), ``"mla_prefill_fwd"``, or
+            ``"fallback"``: a step aiter's kernels cannot serve (:meth:`AiterMLA.step_reason`),
+            planned (``inner``) and run by the next registered kernel (``fallback``).
         args: ``(cu_seqlens_q, kv_indptr, kv_indices, last_page_lens)``.
         decode: the :class:`~aiter_attn.kernels.aiter_marshal.MLADecodePlan` (decode route).
         work: the persistent kernel's work metadata, filled by ``get_mla_metadata_v1`` in
@@ -422,12 +447,16 @@ class AiterMLAPlan(KernelPlan):
     q_pad: Optional[torch.Tensor] = attrs.field(default=None, **_T)
     o_pad: Optional[torch.Tensor] = attrs.field(default=None, **_T)
     max_q: int
+    fallback: Optional[object] = attrs.field(default=None, **_T)
+    inner: Optional[KernelPlan] = None
 
 
 class AiterMLA(_AiterKernel, MLAKernel):
     """``mla_paged_attention`` on aiter: ``mla_decode_fwd`` for decode-like steps (uniform
     query length ≤ 4; persistent mode with ``get_mla_metadata_v1`` work metadata planned once
-    per step; 4/8 heads padded to 16 into planned buffers), ``mla_prefill_fwd`` otherwise."""
+    per step; 4/8 heads padded to 16 into planned buffers), ``mla_prefill_fwd`` otherwise.
+    Steps neither serves for this head count (:meth:`step_reason`) are planned and run by the
+    next registered ``mla_paged_attention`` kernel, chosen once per binding."""
 
     FUNCTIONS = ("mla_decode_fwd", "mla_prefill_fwd", "get_mla_metadata_info_v1",
                  "get_mla_metadata_v1")
@@ -445,6 +474,7 @@ class AiterMLA(_AiterKernel, MLAKernel):
         self.padded, self.repeat = M.mla_head_padding(self.heads)
         self._sizes: dict = {}  # (batch, max_q) -> work-buffer specs (host ints, once each)
         self._scales: dict = {}  # id(scale tensor) -> (tensor, float): prefill's host scale
+        self._next = None  # the kernel serving the steps aiter cannot (bound on first use)
 
     def __call__(self, q, kv_cache, out, **kwargs):
         if kwargs.get("custom_mask") is not None or not kwargs.get("causal", True):
@@ -475,15 +505,30 @@ class AiterMLA(_AiterKernel, MLAKernel):
                 info_fn=self._fn("get_mla_metadata_info_v1"))
         return specs
 
+    def step_reason(self, max_q: int) -> Optional[str]:
+        """Why aiter's MLA kernels cannot serve a step of ``max_q`` query tokens per request
+        for this layer (``None``: they can); host integers only."""
+        if max_q > 4:
+            if self.heads in M.MLA_PREFILL_HEADS:
+                return None
+            return (f"{self.heads} heads with {max_q} query tokens per request: "
+                    f"mla_prefill_fwd takes {sorted(M.MLA_PREFILL_HEADS)} heads")
+        dplan = M.mla_decode_plan(self.heads, self.kv_dtype, max_q)
+        return M.mla_decode_reason(dplan, self.kv_dtype, max(max_q, 1))
+
     def buffer_spec(self, limits):
         """Token indices, the persistent kernel's work metadata (sized by aiter's
         ``get_mla_metadata_info_v1`` for ``limits.max_bs`` requests of ``limits.q_len``
-        queries) and the head-padding buffers, for ``limits``."""
+        queries) and the head-padding buffers, for ``limits``; for a cell aiter cannot serve,
+        the next kernel's buffers."""
         from ..strategies.base import BufferSpec
 
         req = self.request
         if req is None:
             return BufferSpec({})
+        why = self.step_reason(limits.q_len)
+        if why is not None:
+            return self._fallback(why).buffer_spec(limits)
         spec = self._index_spec(limits, req.page_size)
         if limits.q_len > 4:  # mla_prefill_fwd: token indices only
             return BufferSpec(spec)
@@ -519,6 +564,11 @@ class AiterMLA(_AiterKernel, MLAKernel):
         cu, seqused_k, block_table = map(unit_stride, (query.cu_seqlens_q, pages.seqused_k,
                                                        pages.block_table))
         max_q = _max_q(cu, plan_hints(md)[0])
+        why = self.step_reason(max_q)
+        if why is not None:
+            nxt = self._fallback(why)
+            return AiterMLAPlan(route="fallback", num_tokens=query.num_tokens, args=(),
+                                max_q=max_q, fallback=nxt, inner=nxt.plan(md, out))
         kv_indptr, kv_indices, ones = self._token_indices(md, block_table, seqused_k, out)
         common = dict(num_tokens=query.num_tokens, mask_literal=False, max_q=max_q,
                       args=(cu, kv_indptr, kv_indices, ones))
@@ -546,6 +596,8 @@ class AiterMLA(_AiterKernel, MLAKernel):
     def run(self, q, cache, plan: AiterMLAPlan, params, out, lse=None):
         """The planned route's aiter call; allocates nothing (padded heads go through the
         plan's buffers)."""
+        if plan.fallback is not None:
+            return plan.fallback.run(q, cache, plan.inner, params, out, lse=lse)
         t = q.shape[0]
         if t != plan.num_tokens:
             raise token_count_error(self.name, t, plan)
@@ -639,22 +691,6 @@ class AiterPagedAttention5D(_AiterKernel, AttentionKernel):
             return type(self)(req)(q, k_cache, v_cache, out, **kwargs)
         return super().__call__(q, k_cache, v_cache, out, **kwargs)
 
-    def _fallback(self, why: str):
-        """The best non-aiter ``paged_attention_5d`` kernel serving the request (bound once)."""
-        if self._next is None:
-            from ..plugins import kernel_registry
-
-            for impl in kernel_registry().implementations("paged_attention_5d"):
-                if impl.name != "aiter" and impl.capabilities.reject_reason(self.request) is None:
-                    log.debug("paged_attention_5d: %s; using %s", why, impl.name)
-                    self._next = impl.bind(self.request)
-                    break
-            else:
-                raise ValueError(f"aiter's pa_decode_gluon cannot serve this call ({why}) and "
-                                 "no other paged_attention_5d kernel is registered; pick "
-                                 "another backend.")
-        return self._next
-
     def buffer_spec(self, limits):
         from ..strategies.base import BufferSpec
 
@@ -711,9 +747,24 @@ def aiter_paged_attention_5d(q, k_cache, v_cache, out, **kwargs):
     return AiterPagedAttention5D()(q, k_cache, v_cache, out, **kwargs)
 
 
+def _prefill_takes_descale() -> bool:
+    """Whether the installed ``mha_batch_prefill_func`` takes ``k_descale`` (fp8 caches)."""
+    try:
+        params = accepted_params("mha_batch_prefill_func")
+    except ImportError:
+        return False
+    return params is not None and "k_descale" in params
+
+
 def _paged_predicate(req) -> Optional[str]:
     if "non_causal" in req.features and req.features & {"sinks", "window"}:
         return "aiter serves sinks/windows only causally (unified_attention)"
+    if {"non_causal", "fp8"} <= req.features and not _prefill_takes_descale():
+        # extend steps would need mha_batch_prefill_func (fp8: k_descale) or
+        # unified_attention (causal only)
+        return ("non-causal attention over an fp8 cache: this aiter release's "
+                "mha_batch_prefill_func takes no k_descale and unified_attention is causal "
+                "only; use a 16-bit cache or another backend for this layer")
     for name, dim in (("head_dim", req.head_dim), ("v_head_dim", req.v_head_dim)):
         # mha_batch_prefill_func pads other sizes internally, which breaks a caller's out=
         if dim is not None and dim % 8:

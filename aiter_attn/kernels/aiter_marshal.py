@@ -38,6 +38,8 @@ __all__ = [
     "kv_cache_dtype_name",
     "mla_head_padding",
     "mla_decode_plan",
+    "mla_decode_reason",
+    "MLA_PREFILL_HEADS",
     "pad_heads",
     "unpad_heads",
     "kv_last_page_lens",
@@ -47,6 +49,8 @@ __all__ = [
     "mla_work_buffer_spec",
     "allocate_buffers",
     "vec5d_x",
+    "RAGGED_MAX_GQA",
+    "ragged_decode_reason",
     "route_paged_attention",
     "build_paged_attention_ragged_call",
     "build_mha_batch_prefill_call",
@@ -181,6 +185,38 @@ def mla_decode_plan(num_heads: int, kv_dtype: torch.dtype, max_seqlen_q: int = 1
     split = (64 if max_seqlen_q == 1 else 32) if persistent else None
     return MLADecodePlan(num_heads, padded, repeat, persistent, fast, not fast and persistent,
                          split)
+
+
+def mla_decode_reason(plan: MLADecodePlan, kv_dtype: torch.dtype,
+                      max_seqlen_q: int) -> Optional[str]:
+    """Why ``mla_decode_fwd`` cannot serve a step of ``max_seqlen_q`` query tokens per
+    request with ``plan``, or ``None`` if it can (``amd-aiter`` 0.1.7's ``aiter/mla.py``).
+
+    Non-persistent, ``get_meta_param`` asserts the head count is 16 or 128; persistent, the
+    kernel takes 16 heads, 128 heads on an fp8 cache, or 32…512 heads (a multiple of 16)
+    simulated as 16 for single-token decode only; the decode kernels take ≤ 4 query tokens.
+    """
+    h = plan.padded_heads
+    if not 1 <= max_seqlen_q <= 4:
+        return (f"max_seqlen_q={max_seqlen_q}: mla_decode_fwd serves 1..4 query tokens per "
+                "request")
+    fp8 = kv_dtype in _FP8_E4M3 or kv_dtype in _FP8_E5M2
+    if plan.persistent:
+        if h == 16 or (h == 128 and fp8) or (h % 16 == 0 and 32 <= h <= 512
+                                              and max_seqlen_q == 1):
+            return None
+        return (f"{h} heads with {max_seqlen_q} query tokens per request: the persistent "
+                "mla_decode_fwd serves 16 heads, 128 on an fp8 cache, or 32..512 for "
+                "single-token decode")
+    if h in (16, 128):
+        return None
+    return (f"{h} heads with {max_seqlen_q} query tokens per request: the non-persistent "
+            "mla_decode_fwd serves 16 or 128 heads")
+
+
+#: query heads per latent KV head that ``mla_prefill_fwd``'s kernel takes (the wheel's
+#: ``asm_mla.cu``, ``mla_prefill_asm_fwd``: ``gqa_ratio == 16 || gqa_ratio == 128``)
+MLA_PREFILL_HEADS = frozenset({16, 128})
 
 
 def kv_last_page_lens(seqused_k: torch.Tensor, page_size: int,
@@ -328,18 +364,48 @@ def vec5d_x(dtype: torch.dtype) -> int:
 # routing and call builders
 
 
+#: the largest query heads per KV head ``paged_attention_ragged`` launches (the
+#: ``switch(gqa_ratio)`` of its launcher in the wheel's ``attention_ragged.cu``: 1…16; the
+#: JIT kernel's ``wg_start_head_idx = kv_head_idx * GQA_RATIO_PER_LOOP`` also mis-places
+#: heads of later KV heads above 16).
+RAGGED_MAX_GQA = 16
+
+
+def ragged_decode_reason(*, num_tokens: int, batch: int, q_heads: Optional[int],
+                         kv_heads: Optional[int]) -> Optional[str]:
+    """Why ``paged_attention_ragged`` cannot serve a decode step, or ``None`` if it can.
+
+    Its grid is ``(num_seqs = query.size(0), partitions, kv_heads)`` and query row ``b``
+    reads request ``b``'s KV (``kv_indptr[b]``), so the step needs exactly one query token
+    per request; and its GQA ratio must be one its launcher dispatches
+    (1…:data:`RAGGED_MAX_GQA`). Host integers only (no sync).
+    """
+    if num_tokens != batch:
+        return (f"{num_tokens} query tokens for {batch} requests (paged_attention_ragged "
+                "reads one query token per request)")
+    if not q_heads or not kv_heads:
+        return "the layer's head counts are unknown (the request carries no q_heads/kv_heads)"
+    gqa = q_heads // kv_heads
+    if q_heads % kv_heads or not 1 <= gqa <= RAGGED_MAX_GQA:
+        return (f"gqa ratio {q_heads}/{kv_heads} = {q_heads / kv_heads:g}: "
+                f"paged_attention_ragged launches 1..{RAGGED_MAX_GQA}")
+    return None
+
+
 def route_paged_attention(max_seqlen_q: int, *, causal: bool = True, has_sinks: bool = False,
                           window: tuple = (-1, -1), has_window: bool = False,
                           is_fp8: bool = False,
-                          prefill_params: Optional[frozenset] = None) -> str:
+                          prefill_params: Optional[frozenset] = None,
+                          ragged_reason: Optional[str] = None) -> str:
     """Which aiter function serves a ``paged_attention`` call (a kernel object decides once
     per step, in its plan, from its layer group's features and the step's ``max_seqlen_q``).
 
     Sinks and sliding windows (``window`` other than ``(-1, -1)``, or ``has_window``) go to
     ``unified_attention`` (it takes both; it is causal only). Single-token decode goes to
-    ``paged_attention_ragged``; longer queries to ``mha_batch_prefill_func``, unless the
-    cache is fp8 and the installed release of that function takes no ``k_descale`` (then
-    ``unified_attention``, which dequantises).
+    ``paged_attention_ragged`` unless ``ragged_reason`` (:func:`ragged_decode_reason`) says
+    it cannot serve the step; longer queries (and those decode steps) to
+    ``mha_batch_prefill_func``, unless the cache is fp8 and the installed release of that
+    function takes no ``k_descale`` (then ``unified_attention``, which dequantises).
     """
     special = has_sinks or has_window or tuple(window) != (-1, -1)
     if special:
@@ -347,7 +413,7 @@ def route_paged_attention(max_seqlen_q: int, *, causal: bool = True, has_sinks: 
             raise ValueError("aiter serves sinks and sliding windows only with causal=True "
                              "(unified_attention); use another backend for this layer.")
         return "unified_attention"
-    if max_seqlen_q <= 1:
+    if max_seqlen_q <= 1 and ragged_reason is None:
         return "paged_attention_ragged"
     if is_fp8 and not _has(prefill_params, "k_descale"):
         if not causal:
