@@ -141,7 +141,8 @@ def check_finite(name: str, value, *, minimum: Optional[float] = None, hint: str
 
 def check_scale(name: str, value) -> None:
     """A k/v (de)quantisation scale: ``None`` (= 1), a finite positive number, or a floating
-    tensor holding exactly one element (0-d or ``[1]``; read on the device, no sync).
+    tensor holding exactly one element (0-d or ``[1]``; a host tensor's value is checked like a
+    number's, a device tensor's is read by the kernel, no sync).
 
     Only per-layer (scalar) scales are served. A per-(sequence, kv-head) descale tensor, the
     ``[batch, num_kv_heads]`` that vLLM and flash-attention pass, is refused rather than
@@ -162,6 +163,11 @@ def check_scale(name: str, value) -> None:
         if not value.is_floating_point():
             raise TypeError(f"{name} has dtype {value.dtype}; a scale tensor must be floating "
                             "point. Convert it with .float().")
+        if value.device.type == "cpu":  # a host value reads without a sync: check it
+            v = float(value.reshape(()))
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name}=tensor({v}); a quantisation scale must be a finite "
+                                 "positive number.")
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}={value!r} must be a number, a 1-element tensor or None.")

@@ -178,3 +178,17 @@ def test_every_scalar_form_gives_the_same_output(backend):
             for s in (2.0, torch.tensor(2.0), torch.tensor([2.0]), torch.tensor([[2.0]]))]
     for o in outs[1:]:
         assert torch.equal(o, outs[0])
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf],
+                         ids=["zero", "negative", "nan", "inf"])
+def test_bad_host_tensor_scales_are_refused(bad):
+    """A scale tensor on the host is read without a device sync, so its value is checked as a
+    number's is (NaN used to give NaN outputs); a device tensor's value is the kernel's."""
+    q, kc, vc, kw, _ = _issue_example()
+    with pytest.raises(ValueError, match="v_scale=tensor"):
+        ops.paged_attention(q, kc, vc, k_scale=1.0, v_scale=torch.tensor(bad),
+                            backend="reference", **kw)
+    with pytest.raises(ValueError, match="k_scale=tensor"):
+        LayerSpec(layer_id=0, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                  k_scale=torch.tensor([bad]))
