@@ -712,7 +712,9 @@ class TritonPagedAttention5D(TritonPagedAttention):
 
     def _layout(self, k_cache, v_cache):
         ks, vs = k_cache.stride(), v_cache.stride()
-        if ks[4] != 1 or vs[-1] != 1:
+        # a one-element innermost axis (hd_page V of one-token pages) is read at index 0
+        # only: PyTorch leaves it any stride, even in a .contiguous() tensor
+        if (ks[4] != 1 and k_cache.shape[4] != 1) or (vs[-1] != 1 and v_cache.shape[-1] != 1):
             raise ValueError(
                 f"{self.name}: the innermost axis of k_cache and v_cache must be contiguous; "
                 "pass .contiguous() tensors.")

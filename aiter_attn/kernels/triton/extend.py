@@ -187,6 +187,7 @@ class TritonExtendAttention(AttentionKernel):
             raise ValueError(
                 f"{self.name}: k/v hold {k.shape[0]}/{v.shape[0]} tokens but q holds "
                 f"{q.shape[0]}; pass this step's new keys and values, one per query token.")
+        self._check_new_kv(q, k, v)
         prefix = None
         if plan.paged_plan is not None:
             self.paged.run(q, cache, plan.paged_plan, self._params_for_prefix(params),
@@ -196,6 +197,23 @@ class TritonExtendAttention(AttentionKernel):
         return launch_dense(q, k, v, out, cu, cu, params.scale, True, params.window,
                             params.softcap, params.sinks, lse, prefix, plan.dense_cfg,
                             plan.grid, plan.search)
+
+    def _check_new_kv(self, q, k, v):
+        """The new keys/values are the bound layer's ``[T, kv_heads, head_dim(_v)]`` in q's
+        dtype (the dense pass takes its GQA grouping and head dims from them, the prefix
+        pass from the cache: a mismatch would mix two layers)."""
+        for name, t, dim in (("k", k, self.head_dim), ("v", v, self.v_head_dim)):
+            if t.dim() != 3 or t.shape[1] != self.kv_heads or t.shape[2] != dim:
+                raise ValueError(
+                    f"{self.name}: {name} is {list(t.shape)} but this layer's new "
+                    f"{'keys' if name == 'k' else 'values'} are [num_tokens, {self.kv_heads}, "
+                    f"{dim}] (the cache's kv heads and head dim); pass the step's new {name} "
+                    "in that shape.")
+            if t.dtype != q.dtype:
+                raise ValueError(
+                    f"{self.name}: {name} is {t.dtype} but q is {q.dtype}; pass the new "
+                    f"{'keys' if name == 'k' else 'values'} in q's dtype (they are used as "
+                    "computed, before any cache quantisation).")
 
     def __call__(self, q, k, v, k_cache, v_cache, out, *, cu_seqlens_q, seqused_k, block_table,
                  softmax_scale, causal=True, window_size=(-1, -1), softcap=0.0, sinks=None,

@@ -505,7 +505,8 @@ def dense_prefill(
         q: ``[Tq, Hq, D]`` fp16/bf16/fp32 (last axis contiguous).
         k, v: ``[Tk, Hkv, D]`` / ``[Tk, Hkv, Dv]``, q's dtype; ``Hq % Hkv == 0``.
         out: ``[Tq, Hq, Dv]`` (written).
-        cu_seqlens_q / cu_seqlens_k: int32 ``[B + 1]`` request offsets into q and k/v.
+        cu_seqlens_q / cu_seqlens_k: int32 ``[B + 1]`` request offsets into q and k/v (int64
+            too: then plain-pointer loads, tensor descriptors take 32-bit offsets).
         max_seqlen_q / max_seqlen_k: host bounds of the per-request lengths (the grid).
         window_size: flash-attn ``(left, right)``, ``-1`` unbounded, on the relative positions.
         sinks: float32 ``[Hq]`` attention-sink logits (counted once), or ``None``.
@@ -534,6 +535,13 @@ def launch_dense(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap, sinks
     """One dense launch on ``grid`` (:meth:`PrefillConfig.grid`): the Gluon kernel when
     ``config.gluon`` and :func:`.prefill_gluon.gluon_reject_reason` finds nothing against
     it, else the Triton kernel. Returns ``out``."""
+    check_dense_operands(q, k, v, out, cu_q, cu_k)
+    # tensor-descriptor loads take 32-bit offsets: int64 request offsets (an allowed index
+    # dtype) run the Triton kernel with plain pointers
+    offsets32 = cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32
+    if config.gluon and not offsets32:
+        config, grid, search = config.triton_fallback(grid, search, q.shape[0],
+                                                      cu_q.shape[0] - 1)
     if config.gluon:
         from .prefill_gluon import gluon_reject_reason, launch_gluon_prefill
 
@@ -554,6 +562,33 @@ def launch_dense(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap, sinks
         kw["SEARCH"] = True
     _DENSE.launch(grid, args, kw, launch_key(args, kw))
     return out
+
+
+def check_dense_operands(q, k, v, out, cu_q, cu_k) -> None:
+    """O(1) host checks of one dense launch, before anything is launched: k/v/out in q's
+    dtype, k ``[Tk, Hkv, D]`` with q's head dim, v ``[Tk, Hkv, Dv]`` with k's tokens and heads,
+    out ``[Tq, Hq, Dv]``, integer request offsets. Raises ValueError naming the argument."""
+    num_tokens, hq, d = q.shape
+    for name, t in (("k", k), ("v", v), ("out", out)):
+        if t.dtype != q.dtype or t.dim() != 3:
+            raise ValueError(
+                f"dense prefill: {name} is {t.dtype} with {t.dim()} dims but q is {q.dtype} "
+                f"[num_tokens, heads, head_dim]; pass {name} as a 3-D {q.dtype} tensor.")
+    if k.shape[2] != d:
+        raise ValueError(
+            f"dense prefill: k has head dim {k.shape[2]} but q has {d}; they must match.")
+    if tuple(v.shape[:2]) != tuple(k.shape[:2]):
+        raise ValueError(
+            f"dense prefill: v is {list(v.shape)} but k is {list(k.shape)}; v needs k's token "
+            "and head counts ([num_keys, num_kv_heads, head_dim_v]).")
+    if tuple(out.shape) != (num_tokens, hq, v.shape[2]):
+        raise ValueError(
+            f"dense prefill: out is {list(out.shape)}; expected [{num_tokens}, {hq}, "
+            f"{v.shape[2]}] (q's tokens and heads, v's head dim).")
+    for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"dense prefill: {name} is {t.dtype}; pass int32 (or int64) "
+                             "request offsets [batch + 1].")
 
 
 def epilogue_operands(out, lse, prefix) -> tuple:
@@ -586,6 +621,7 @@ def prefill_launch_args(q, k, v, out, cu_q, cu_k, scale, causal, window, softcap
     bm, bn = config.block_m, config.block_n
     use_tma = bool(config.tma and (q.device.type == "cuda" or interpreting())
                    and d == d_pad and dv == dv_pad
+                   and cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32
                    and tma_ok(q, d) and tma_ok(k, d) and tma_ok(v, dv))
     if use_tma:
         qd = _descriptor(q, num_tokens, hq * d, [bm, d])
