@@ -25,6 +25,7 @@ import sys
 import types
 import zipfile
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -226,28 +227,53 @@ def _mla_decode_result(args):
 RESULTS = {"get_mla_metadata_info_v1": _info_result, "mla_decode_fwd": _mla_decode_result}
 
 
-def install_fake_aiter(monkeypatch, signatures: dict, label: str) -> list:
-    """Put a fake ``aiter`` package with ``signatures`` into ``sys.modules``; returns the list
-    every call is recorded into."""
+def fake_module(monkeypatch, path: str) -> types.ModuleType:
+    """The fake package ``path`` in ``sys.modules`` (created with its parents, undone by
+    ``monkeypatch``); missing submodules of a fake package raise ``ModuleNotFoundError``."""
+    mod = sys.modules.get(path)
+    if mod is None:
+        mod = types.ModuleType(path)
+        mod.__path__ = []
+        monkeypatch.setitem(sys.modules, path, mod)
+        parent, _, leaf = path.rpartition(".")
+        if parent:
+            setattr(fake_module(monkeypatch, parent), leaf, mod)
+    return mod
+
+
+#: where aiter keeps the device architecture its kernels and ``aiter.utility.dtypes.fp8``
+#: follow (``get_gfx``; tests/test_aiter_fp8_format.py binds the name to the wheel)
+CHIP_INFO = "aiter.jit.utils.chip_info"
+
+
+def stub_gfx(monkeypatch, gfx: str) -> list:
+    """Give the (fake) ``aiter`` package a ``get_gfx()`` answering ``gfx``: the device
+    architecture, stubbed as aiter is. Returns the list of its calls."""
+    calls: list = []
+
+    def get_gfx():
+        calls.append(gfx)
+        return gfx
+
+    fake_module(monkeypatch, "aiter")
+    monkeypatch.setattr(fake_module(monkeypatch, CHIP_INFO), "get_gfx", get_gfx, raising=False)
+    return calls
+
+
+def install_fake_aiter(monkeypatch, signatures: dict, label: str, *,
+                       gfx: Optional[str] = "gfx942") -> list:
+    """Put a fake ``aiter`` package with ``signatures`` into ``sys.modules`` (on a ``gfx``
+    device: MI300's gfx942 unless told; ``None``: aiter cannot tell); returns the list every
+    call is recorded into."""
     calls: list = []
     for name in [m for m in sys.modules if m == "aiter" or m.startswith("aiter.")]:
         monkeypatch.delitem(sys.modules, name)
-    modules: dict = {}
-
-    def module(path):
-        if path not in modules:
-            mod = types.ModuleType(path)
-            mod.__path__ = []  # a package, so missing submodules raise ModuleNotFoundError
-            modules[path] = mod
-            monkeypatch.setitem(sys.modules, path, mod)
-            parent, _, leaf = path.rpartition(".")
-            if parent:
-                setattr(module(parent), leaf, mod)
-        return modules[path]
-
     for fn, (mod_path, sig, _) in signatures.items():
-        setattr(module(mod_path), fn, Recorder(fn, sig, label, calls, RESULTS.get(fn)))
-    module("aiter")
+        setattr(fake_module(monkeypatch, mod_path), fn,
+                Recorder(fn, sig, label, calls, RESULTS.get(fn)))
+    fake_module(monkeypatch, "aiter")
+    if gfx is not None:
+        stub_gfx(monkeypatch, gfx)
     return calls
 
 
@@ -306,11 +332,18 @@ def run_every_plugin_path(vec5d: bool = True) -> None:
     A.aiter_paged_attention(q, k, v, out, window_size=(15, 0), **kw)  # SWA → unified
     A.aiter_paged_attention(q, k, v, out, sinks=torch.zeros(8), **kw)  # sinks → unified
     for heads, kv_dtype, q_len in ((16, torch.bfloat16, 1), (4, fp8, 1), (32, torch.bfloat16, 1),
-                                   (8, torch.bfloat16, 2), (128, fp8, 2)):
+                                   (8, torch.bfloat16, 2), (16, fp8, 2),
+                                   (128, torch.bfloat16, 2)):
         q, kv, out, kw = _mla(heads, kv_dtype, q_len)
         A.aiter_mla_paged_attention(q, kv, out, **kw)
         # the fake kernel copies q into o: unpadded outputs must be each head's own query
         torch.testing.assert_close(out, q[..., :512], rtol=0, atol=0)
+    # 128 heads on an fp8 cache with bf16 queries: asm_mla.cu has no kernel for it (its
+    # 128-head fp8 kernels take fp8 queries): the next registered kernel runs the step
+    q, kv, out, kw = _mla(128, fp8, 2)
+    A.aiter_mla_paged_attention(q, kv, out, **kw)
+    want = mla_paged_attention_reference(q, kv, torch.empty_like(out), **kw)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
     q, kv, out, kw = _mla(16, q_len=9, ps=64)
     A.aiter_mla_paged_attention(q, kv, out, **kw)  # extend → mla_prefill_fwd
     qd = torch.randn(10, 4, 192).bfloat16()
@@ -390,6 +423,11 @@ def _check_calls_bind(tree, monkeypatch):
         assert args["causal"] is True
     assert (15, 0) in {tuple(a["window_size"]) for a in by["unified_attention"]}
     assert all(a["q"].shape[1] % 16 == 0 for a in by["mla_decode_fwd"])
+    # what asm_mla.cu has kernels for (tests/test_aiter_mla_routing.py binds these facts)
+    for a in by["mla_decode_fwd"]:
+        if a["kv_buffer"].element_size() == 1 and a["q"].element_size() == 2:
+            assert a["q"].shape[1] != 128, "bf16 queries, fp8 cache, 128 heads: no kernel"
+    assert all(a["kv_buffer"].dtype == torch.bfloat16 for a in by["mla_prefill_fwd"])
     persistent = [a for a in by["mla_decode_fwd"] if a.get("work_meta_data") is not None]
     assert persistent and all(a["num_kv_splits"] for a in persistent)
     (gluon,) = by["pa_decode_gluon"]

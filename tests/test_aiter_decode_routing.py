@@ -4,6 +4,9 @@ wheel's kernels can do (read from the wheel's source on the CPU).
 - ``paged_attention_ragged`` launches one query token per request (query row ``b`` is
   request ``b``: ``query_loc = seq_idx * MTP`` over ``num_seqs = query.size(0)``) and its
   launcher switches on GQA ratios 1…16 only: other decode steps go to the extend route.
+- Its launcher switches on head sizes 64 and 128 only, and the JIT kernel it runs computes
+  ``VHELOOP = HEAD_SIZE / 16 / NWARPS`` blocks of 64 value dims: for 16, 80 or 96 some value
+  dims are never computed. Those decode steps go to the extend route too.
 - ``mha_batch_prefill_func`` of a release without ``k_descale`` takes no fp8 cache and
   ``unified_attention`` is causal only, so a non-causal fp8 layer is declined by the
   capabilities (with the reason), not accepted and then refused in ``plan``.
@@ -50,8 +53,38 @@ def test_ragged_gqa_bound_is_the_wheels(wheel):  # noqa: F811
     assert src, f"{_RAGGED_CU} is missing from the wheel"
     cases = _ragged_gqa_cases(src)
     assert cases == set(range(1, M.RAGGED_MAX_GQA + 1))
-    # the head sizes it dispatches on (reported, see ragged_decode_reason's docstring)
-    assert _switch_cases(src, "CALL_CUSTOM_LAUNCHER_BLK_HEAD", "head_size") == {64, 128}
+
+
+_PA_KERNELS = "aiter_meta/csrc/cpp_itfs/pa/pa_kernels.cuh"
+_PA_RAGGED_JIT = "aiter_meta/csrc/cpp_itfs/pa/pa_ragged.cpp.jinja"
+#: lanes per wavefront on the CDNA GPUs aiter targets (gfx90a/gfx942/gfx950)
+_WAVE = 64
+
+
+def _value_dims_computed(wheel, head_size: int) -> int:  # noqa: F811
+    """How many value dims the JIT ragged kernel computes for ``head_size``: its
+    ``VHELOOP = HEAD_SIZE / 16 / NWARPS`` (integer division) blocks of ``16·NWARPS``, with
+    ``NWARPS = NTHR / 64`` and ``NTHR`` the block size its launcher template uses."""
+    kernel, launcher = wheel.read(_PA_KERNELS), wheel.read(_PA_RAGGED_JIT)
+    assert kernel and launcher, f"{_PA_KERNELS} or {_PA_RAGGED_JIT} is missing from the wheel"
+    m = re.search(r"constexpr int VHELOOP\s*=\s*HEAD_SIZE\s*/\s*16\s*/\s*NWARPS\s*;", kernel)
+    assert m, "the ragged kernel's VHELOOP formula changed: re-derive the served head sizes"
+    nthr = int(re.search(r"constexpr int NTHR\s*=\s*(\d+)\s*;", launcher).group(1))
+    nwarps = nthr // _WAVE
+    return head_size // 16 // nwarps * 16 * nwarps
+
+
+def test_ragged_head_sizes_are_the_wheels(wheel):  # noqa: F811
+    """Our head sizes for paged_attention_ragged are the ones its launcher switches on, and
+    the JIT kernel computes every value dim of each; 16, 80 and 96 would leave dims unwritten."""
+    src = wheel.read(_RAGGED_CU)
+    assert src, f"{_RAGGED_CU} is missing from the wheel"
+    sizes = _switch_cases(src, "CALL_CUSTOM_LAUNCHER_BLK_HEAD", "head_size")
+    assert M.RAGGED_HEAD_SIZES == sizes
+    for d in sizes:
+        assert _value_dims_computed(wheel, d) == d, d
+    for d in (16, 80, 96):
+        assert _value_dims_computed(wheel, d) < d, d
 
 
 def _step(hq, hkv, d, q_lens, kv_lens=(20, 33), kv_dtype=torch.bfloat16):
@@ -65,30 +98,61 @@ def _step(hq, hkv, d, q_lens, kv_lens=(20, 33), kv_dtype=torch.bfloat16):
     return q, k, md
 
 
-@pytest.mark.parametrize("hq,hkv,q_lens,route", [
-    pytest.param(8, 2, (1, 1), "paged_attention_ragged", id="gqa4-decode"),
-    pytest.param(16, 1, (1, 1), "paged_attention_ragged", id="gqa16-decode"),
-    pytest.param(32, 1, (1, 1), "mha_batch_prefill_func", id="mqa32-decode"),
-    pytest.param(64, 2, (1, 1), "mha_batch_prefill_func", id="gqa32-decode"),
-    pytest.param(8, 2, (1, 0), "mha_batch_prefill_func", id="request-without-query"),
+@pytest.mark.parametrize("hq,hkv,d,q_lens,route", [
+    pytest.param(8, 2, 64, (1, 1), "paged_attention_ragged", id="gqa4-decode"),
+    pytest.param(16, 1, 64, (1, 1), "paged_attention_ragged", id="gqa16-decode"),
+    pytest.param(8, 2, 128, (1, 1), "paged_attention_ragged", id="gqa4-D128-decode"),
+    pytest.param(32, 1, 64, (1, 1), "mha_batch_prefill_func", id="mqa32-decode"),
+    pytest.param(64, 2, 64, (1, 1), "mha_batch_prefill_func", id="gqa32-decode"),
+    pytest.param(8, 2, 64, (1, 0), "mha_batch_prefill_func", id="request-without-query"),
+    pytest.param(8, 2, 16, (1, 1), "mha_batch_prefill_func", id="gqa4-D16-decode"),
+    pytest.param(8, 2, 80, (1, 1), "mha_batch_prefill_func", id="gqa4-D80-decode"),
+    pytest.param(8, 2, 96, (1, 1), "mha_batch_prefill_func", id="gqa4-D96-decode"),
+    pytest.param(8, 2, 256, (1, 1), "mha_batch_prefill_func", id="gqa4-D256-decode"),
 ])
-def test_decode_route_follows_what_ragged_launches(wheel, monkeypatch, hq, hkv, q_lens,  # noqa: F811
-                                                   route):
+def test_decode_route_follows_what_ragged_launches(wheel, monkeypatch, hq, hkv, d,  # noqa: F811
+                                                   q_lens, route):
     """A decode step goes to paged_attention_ragged only when it launches it: one query
-    token per request and a GQA ratio its launcher has; otherwise the extend route (which
-    takes ragged cu_seqlens_q and any GQA ratio)."""
+    token per request, a GQA ratio and a head size its launcher has; otherwise the extend
+    route (which takes ragged cu_seqlens_q, any GQA ratio and these head sizes)."""
     install_fake_aiter(monkeypatch, read_signatures(wheel), wheel.label)
-    q, k, md = _step(hq, hkv, 64, q_lens)
+    q, k, md = _step(hq, hkv, d, q_lens)
     kernel = A.AiterPagedAttention(paged_attention_request(q, k, k))
     assert kernel.plan(md).route == route
 
 
+def test_fp8_decode_with_an_unlaunched_head_size_dequantises_elsewhere(wheel,  # noqa: F811
+                                                                       monkeypatch):
+    """An fp8 decode step of head size 96 cannot take paged_attention_ragged; on a release
+    whose mha_batch_prefill_func takes no k_descale it goes to unified_attention (which
+    dequantises), with the scales."""
+    sigs = read_signatures(wheel)
+    calls = install_fake_aiter(monkeypatch, sigs, wheel.label)
+    q, k, md = _step(8, 2, 96, (1, 1), kv_dtype=torch.float8_e4m3fnuz)
+    kernel = A.AiterPagedAttention(paged_attention_request(q, k, k))
+    takes = "k_descale" in sigs["mha_batch_prefill_func"][1].parameters
+    assert kernel.plan(md).route == ("mha_batch_prefill_func" if takes else "unified_attention")
+    A.aiter_paged_attention(q, k, k, torch.empty_like(q), cu_seqlens_q=md.query.cu_seqlens_q,
+                            seqused_k=md.pages.seqused_k, block_table=md.pages.block_table,
+                            softmax_scale=0.1, k_scale=torch.tensor(0.5),
+                            v_scale=torch.tensor(2.0), max_seqlen_q=1)
+    (name, args), = calls
+    assert name != "paged_attention_ragged" and args["k_descale"] is not None
+
+
 def test_ragged_reason_names_the_limit():
-    why = M.ragged_decode_reason(num_tokens=2, batch=2, q_heads=64, kv_heads=2)
+    dims = dict(head_dim=128, v_head_dim=128)
+    why = M.ragged_decode_reason(num_tokens=2, batch=2, q_heads=64, kv_heads=2, **dims)
     assert "gqa ratio 64/2 = 32" in why and "1..16" in why
-    why = M.ragged_decode_reason(num_tokens=1, batch=2, q_heads=8, kv_heads=2)
+    why = M.ragged_decode_reason(num_tokens=1, batch=2, q_heads=8, kv_heads=2, **dims)
     assert "1 query tokens for 2 requests" in why
-    assert M.ragged_decode_reason(num_tokens=2, batch=2, q_heads=8, kv_heads=2) is None
+    assert M.ragged_decode_reason(num_tokens=2, batch=2, q_heads=8, kv_heads=2, **dims) is None
+    why = M.ragged_decode_reason(num_tokens=2, batch=2, q_heads=8, kv_heads=2, head_dim=80,
+                                 v_head_dim=80)
+    assert "head_dim=80" in why and "64, 128" in why and "extend route" in why
+    why = M.ragged_decode_reason(num_tokens=2, batch=2, q_heads=8, kv_heads=2, head_dim=128,
+                                 v_head_dim=64)
+    assert "v_head_dim=64" in why and "head_dim=128" in why
 
 
 def _req(**kw):

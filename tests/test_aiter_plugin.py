@@ -260,7 +260,10 @@ def test_capabilities_reject_with_reasons(op, kw, reason):
     assert reason in (caps.reject_reason(_req(op, **kw)) or "")
 
 
-def test_capabilities_accept():
+def test_capabilities_accept(monkeypatch):
+    from .test_aiter_contract import stub_gfx
+
+    stub_gfx(monkeypatch, "gfx942")  # MI300: fp8 caches are e4m3fnuz (test_aiter_fp8_format)
     caps = A.capabilities()
     assert caps["paged_attention"].reject_reason(
         _req(features={"sinks", "window", "softcap"})) is None

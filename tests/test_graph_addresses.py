@@ -152,8 +152,8 @@ def test_aiter_plans_keep_static_addresses(monkeypatch):
     from .test_plan_run_mla_aiter import _fake_aiter
 
     _fake_aiter(monkeypatch)
-    q = torch.zeros(4, 4, 16, dtype=torch.bfloat16)
-    k = torch.zeros(17, 4, 2, 16, dtype=torch.bfloat16)
+    q = torch.zeros(4, 4, 64, dtype=torch.bfloat16)
+    k = torch.zeros(17, 4, 2, 64, dtype=torch.bfloat16)
     kernel = A.AiterPagedAttention(ops.paged_attention_request(q, k, k))
     limits = GraphLimits(mode=ForwardMode.DECODE, max_bs=4, q_len=1, max_num_tokens=4,
                          max_seq_len=16)

@@ -380,7 +380,8 @@ def test_aiter_paged_layer_call_only_launches(monkeypatch):
     calls = _fake_aiter(monkeypatch)
     counts = _count_marshalling(monkeypatch)
     cfg = BackendConfig(page_size=4, max_batch_size=4, max_context_len=64, dtype=torch.bfloat16)
-    layers = [LayerSpec(layer_id=i, num_q_heads=4, num_kv_heads=2, head_dim=16)
+    # head_dim 64: a size paged_attention_ragged launches (M.RAGGED_HEAD_SIZES)
+    layers = [LayerSpec(layer_id=i, num_q_heads=4, num_kv_heads=2, head_dim=64)
               for i in range(3)]
     sc = PagedScenario.make(cfg, layers, [5, 9], seed=1)
     reg = _aiter_registry("paged_attention", A.AiterPagedAttention)
@@ -523,29 +524,39 @@ def test_mla_checked_mode_wraps_the_bound_kernel(monkeypatch):
         sc.backend.forward(q, k, None, sc.absorbed, sc.batch)
 
 
-def test_aiter_mla_prefill_folds_the_fp8_scale_once(monkeypatch):
-    """mla_prefill_fwd takes no descale: the latent cache's fp8 scale is folded into the
-    softmax scale and the output, its tensor read to the host once per layer (remembered by
-    the bound kernel), not on every call."""
+def test_aiter_mla_fp8_extend_runs_on_the_next_kernel(monkeypatch):
+    """mla_prefill_fwd's kernels read a bf16 latent cache only (``mla_pfl_bf16_a16w16_*``;
+    the wheel binding is tests/test_aiter_mla_routing.py): an extend step over an fp8 cache is
+    planned and run by the next registered MLA kernel (the reference on the CPU), on every
+    layer call, and equals the reference with the cache's scale exactly; aiter's prefill is
+    never called. A bf16 cache's extend stays on mla_prefill_fwd."""
     import aiter_attn.kernels.aiter as A
 
     calls = _fake_aiter(monkeypatch)
     fp8 = torch.float8_e4m3fn
-    q = torch.randn(9, 16, 576).bfloat16()
-    kv = torch.zeros(4, 64, 1, 576).to(fp8)
+    g = torch.Generator().manual_seed(9)
+    q = (torch.randn(9, 16, 576, generator=g) * 0.5).bfloat16()
+    kv = (torch.randn(4, 64, 1, 576, generator=g) * 0.5).to(fp8)
     kernel = A.AiterMLA(mla_request(q, kv, 512))
     scale = torch.tensor(0.5)
     params = mla_layer_params(scale=0.25, device=q.device, kv_lora_rank=512, num_q_heads=16,
                               head_dim=576, kv_scale=scale, fp8=True)
-    md = _adhoc_metadata(q, kv, torch.tensor([0, 9], dtype=torch.int32),
-                         torch.tensor([40], dtype=torch.int32),
-                         torch.tensor([[2, 0]], dtype=torch.int32), None, None, 9, 128,
-                         "mla_paged_attention")
+    index = dict(cu_seqlens_q=torch.tensor([0, 9], dtype=torch.int32),
+                 seqused_k=torch.tensor([40], dtype=torch.int32),
+                 block_table=torch.tensor([[2, 0]], dtype=torch.int32))
+    md = _adhoc_metadata(q, kv, *index.values(), None, None, 9, 128, "mla_paged_attention")
     plan = kernel.plan(md)
-    assert plan.route == "mla_prefill_fwd"
-    for _ in range(2):
-        out = torch.ones(9, 16, 512).bfloat16()
+    assert plan.route == "fallback" and plan.fallback is not None
+    assert "kv cache dtype torch.float8_e4m3fn" in kernel.step_reason(9)
+    want = reference.mla_paged_attention_reference(
+        q, kv, torch.empty(9, 16, 512, dtype=torch.bfloat16), kv_lora_rank=512,
+        softmax_scale=0.25, kv_scale=scale, **index)
+    for _ in range(2):  # two layer calls of the step
+        out = torch.full((9, 16, 512), float("nan"), dtype=torch.bfloat16)
         kernel.run(q, (kv,), plan, params, out)
-        assert calls[-1][0] == "mla_prefill_fwd" and calls[-1][1]["sm_scale"] == 0.125
-        assert torch.equal(out, torch.full_like(out, 0.5))  # the value scale on the output
-    assert len(kernel._scales) == 1
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert "mla_prefill_fwd" not in {name for name, _ in calls}
+
+    kv16 = kv.to(torch.bfloat16)
+    bf16_kernel = A.AiterMLA(mla_request(q, kv16, 512))
+    assert bf16_kernel.plan(md).route == "mla_prefill_fwd"

@@ -8,17 +8,22 @@ CPU by ``tests/test_aiter_contract.py``) and have not been run on an AMD GPU her
 ======================  ==========================================================
 our op                  aiter function
 ======================  ==========================================================
-paged_attention         ``paged_attention_ragged`` (decode; fp8 as ``"fp8_e4m3"``),
-                        ``mha_batch_prefill_func`` (prefill/extend),
+paged_attention         ``paged_attention_ragged`` (decode, head dim 64/128; fp8 as
+                        ``"fp8_e4m3"``), ``mha_batch_prefill_func`` (prefill/extend),
                         ``unified_attention`` (sliding windows, sinks, verify, fp8)
 mla_paged_attention     ``mla_decode_fwd`` (+ ``get_mla_metadata_info_v1`` /
                         ``get_mla_metadata_v1`` persistent work metadata; 4/8 heads
-                        padded to 16), ``mla_prefill_fwd`` (extend)
+                        padded to 16), ``mla_prefill_fwd`` (extend, bf16 cache)
 varlen_attention        ``flash_attn_varlen_func`` (dense ragged q/k/v, MLA extend
                         without prefix)
 paged_attention_5d      ``pa_decode_gluon`` (5-D shuffled layout, ≤ 4 query tokens per
                         request; newer releases only)
 ======================  ==========================================================
+
+fp8 caches are accepted in the running GPU's native e4m3 format only (gfx942:
+``float8_e4m3fnuz``, gfx950: ``float8_e4m3fn``; :func:`native_fp8`). Steps aiter's kernels
+cannot serve (head sizes, head counts, dtypes the wheel has no kernel for) are routed to
+another aiter function or planned and run by the next registered kernel.
 
 The attention ops are plan/run kernel objects (:mod:`aiter_attn.kernels.base`), bound once
 per layer group: ``plan(md, out=None)`` (once per step) routes between aiter's functions on
@@ -53,6 +58,7 @@ __all__ = [
     "AITER_FUNCTIONS",
     "OPTIONAL_FUNCTIONS",
     "availability",
+    "native_fp8",
     "resolve",
     "accepted_params",
     "mla_buffer_spec",
@@ -97,6 +103,23 @@ def availability() -> tuple[bool, str]:
     except Exception as exc:  # aiter's import compiles/loads native code; any failure counts
         return False, f"import aiter failed: {type(exc).__name__}: {exc}"
     return True, ""
+
+
+def native_fp8() -> tuple[Optional[torch.dtype], str]:
+    """``(format, device)``: the e4m3 dtype aiter's kernels read on the running GPU, from
+    aiter's own architecture (``aiter.jit.utils.chip_info.get_gfx``, as its
+    ``aiter.utility.dtypes.fp8`` is chosen) and :data:`aiter_marshal.NATIVE_FP8`; or
+    ``(None, why)`` where aiter cannot tell (no aiter, an architecture without fp8 kernels).
+    Imports aiter when called (at registration), never at our import."""
+    try:
+        gfx = importlib.import_module("aiter.jit.utils.chip_info").get_gfx()
+    except Exception as exc:  # aiter's import or its rocminfo query; any failure counts
+        return None, (f"the device's architecture is unknown (aiter's get_gfx: "
+                      f"{type(exc).__name__}: {exc})")
+    native = M.NATIVE_FP8.get(gfx)
+    if native is None:
+        return None, f"aiter has no fp8 format for {gfx} (it has {sorted(M.NATIVE_FP8)})"
+    return native, str(gfx)
 
 
 def resolve(name: str):
@@ -313,6 +336,7 @@ class AiterPagedAttention(_AiterKernel, AttentionKernel):
         extra = dict(request.extra)
         self.q_heads = extra.get("q_heads")
         self.kv_heads = extra.get("kv_heads")
+        self.head_dim = request.head_dim
         self.v_head_dim = request.v_head_dim or request.head_dim
         self._unit = None
 
@@ -360,8 +384,9 @@ class AiterPagedAttention(_AiterKernel, AttentionKernel):
         max_k = int(hint_k) if hint_k is not None else max_ctx
         ragged_reason = None
         if max_q <= 1:
-            ragged_reason = M.ragged_decode_reason(num_tokens=query.num_tokens, batch=bs,
-                                                   q_heads=self.q_heads, kv_heads=self.kv_heads)
+            ragged_reason = M.ragged_decode_reason(
+                num_tokens=query.num_tokens, batch=bs, q_heads=self.q_heads,
+                kv_heads=self.kv_heads, head_dim=self.head_dim, v_head_dim=self.v_head_dim)
         route = M.route_paged_attention(
             max_q, causal=self.causal, has_sinks=self.has_sinks, has_window=self.has_window,
             is_fp8=self.fp8, prefill_params=self._params("mha_batch_prefill_func"),
@@ -473,7 +498,6 @@ class AiterMLA(_AiterKernel, MLAKernel):
         self.q_dtype, self.kv_dtype = request.dtype, request.kv_dtype
         self.padded, self.repeat = M.mla_head_padding(self.heads)
         self._sizes: dict = {}  # (batch, max_q) -> work-buffer specs (host ints, once each)
-        self._scales: dict = {}  # id(scale tensor) -> (tensor, float): prefill's host scale
         self._next = None  # the kernel serving the steps aiter cannot (bound on first use)
 
     def __call__(self, q, kv_cache, out, **kwargs):
@@ -484,17 +508,6 @@ class AiterMLA(_AiterKernel, MLAKernel):
             req = mla_request(q, kv_cache, kwargs["kv_lora_rank"])
             return type(self)(req)(q, kv_cache, out, **kwargs)
         return super().__call__(q, kv_cache, out, **kwargs)
-
-    def _host_scale(self, params) -> float:
-        """The layer's kv scale as a float: a tensor scale is read once (its first call, an
-        eager step before any capture) and remembered with the tensor."""
-        t = params.k_scale
-        if not isinstance(t, torch.Tensor):
-            return float(t)
-        hit = self._scales.get(id(t))
-        if hit is None or hit[0] is not t:
-            hit = self._scales[id(t)] = (t, float(t))
-        return hit[1]
 
     def _work_specs(self, batch, max_q, dplan):
         key = (batch, max_q)
@@ -509,12 +522,10 @@ class AiterMLA(_AiterKernel, MLAKernel):
         """Why aiter's MLA kernels cannot serve a step of ``max_q`` query tokens per request
         for this layer (``None``: they can); host integers only."""
         if max_q > 4:
-            if self.heads in M.MLA_PREFILL_HEADS:
-                return None
-            return (f"{self.heads} heads with {max_q} query tokens per request: "
-                    f"mla_prefill_fwd takes {sorted(M.MLA_PREFILL_HEADS)} heads")
+            return M.mla_prefill_reason(self.heads, self.q_dtype, self.kv_dtype, max_q)
         dplan = M.mla_decode_plan(self.heads, self.kv_dtype, max_q)
-        return M.mla_decode_reason(dplan, self.kv_dtype, max(max_q, 1))
+        # the queries reach aiter as the layer's dtype (never quantised here)
+        return M.mla_decode_reason(dplan, self.kv_dtype, max(max_q, 1), q_dtype=self.q_dtype)
 
     def buffer_spec(self, limits):
         """Token indices, the persistent kernel's work metadata (sized by aiter's
@@ -604,16 +615,10 @@ class AiterMLA(_AiterKernel, MLAKernel):
         kv_cache = cache[0]
         cu, kv_indptr, kv_indices, ones = plan.args
         scale = params.k_scale_t if params.has_scales else None  # fp8 caches only
-        if plan.route == "mla_prefill_fwd":
-            # mla_prefill_fwd takes no descale: fold it (keys: into the softmax scale; values:
-            # into the output); a tensor scale is read to the host once per layer
-            ks = self._host_scale(params) if params.has_scales else 1.0
+        if plan.route == "mla_prefill_fwd":  # a bf16 cache (step_reason): no scales
             self._call(M.build_mla_prefill_call(
                 q, kv_cache, out, qo_indptr=cu, kv_indptr=kv_indptr, kv_indices=kv_indices,
-                last_page_lens=ones, max_seqlen_q=plan.max_q,
-                softmax_scale=params.scale * ks))
-            if ks != 1.0:
-                out.mul_(ks)
+                last_page_lens=ones, max_seqlen_q=plan.max_q, softmax_scale=params.scale))
             return out
         r = self.repeat
         if r > 1:
@@ -787,19 +792,40 @@ def _mla_shape(req) -> Optional[str]:
     return None
 
 
+def _checks(*checks):
+    """One predicate: the first reason of ``checks`` (each ``request -> reason or None``)."""
+    def predicate(req) -> Optional[str]:
+        for check in checks:
+            reason = check(req)
+            if reason is not None:
+                return reason
+        return None
+    return predicate
+
+
 def capabilities() -> dict:
-    """The capabilities each registered aiter kernel declares (op → Capabilities)."""
+    """The capabilities each registered aiter kernel declares (op → Capabilities). The fp8
+    cache format they accept is the running device's native one, decided here, once
+    (:func:`native_fp8`)."""
     fp8 = {d for d in (getattr(torch, "float8_e4m3fn", None),
                        getattr(torch, "float8_e4m3fnuz", None)) if d is not None}
     act = {torch.float16, torch.bfloat16}
+    native, device = native_fp8()
+
+    def fp8_format(req) -> Optional[str]:
+        return M.fp8_format_reason(req.kv_dtype, native, device)
+
     return {
         "paged_attention": Capabilities(
             devices={"cuda"}, dtypes=act, kv_dtypes=act | fp8, max_head_dim=256,
             features={"sinks", "softcap", "window", "fp8", "non_causal"},
-            cg_support=CGSupport.UNIFORM_BATCH, predicate=_paged_predicate),
+            cg_support=CGSupport.UNIFORM_BATCH, predicate=_checks(fp8_format, _paged_predicate)),
+        # asm_mla.cu has kernels for bf16 (and fp8) queries and caches only; the layer's
+        # queries go in as they are
         "mla_paged_attention": Capabilities(
-            devices={"cuda"}, dtypes=act, kv_dtypes=act | fp8, features={"fp8"},
-            cg_support=CGSupport.UNIFORM_BATCH, predicate=_mla_shape),
+            devices={"cuda"}, dtypes={torch.bfloat16}, kv_dtypes={torch.bfloat16} | fp8,
+            features={"fp8"},
+            cg_support=CGSupport.UNIFORM_BATCH, predicate=_checks(fp8_format, _mla_shape)),
         # dense ragged prefill: not used in captured steps, never verified under capture
         "varlen_attention": Capabilities(
             devices={"cuda"}, dtypes=act, max_head_dim=256,
@@ -809,7 +835,8 @@ def capabilities() -> dict:
         # verified against our convention, so windows go to another kernel.
         "paged_attention_5d": Capabilities(
             devices={"cuda"}, dtypes=act, kv_dtypes=act | fp8, page_sizes={16, 64, 1024},
-            features={"sinks", "fp8"}, cg_support=CGSupport.UNIFORM_BATCH),
+            features={"sinks", "fp8"}, cg_support=CGSupport.UNIFORM_BATCH,
+            predicate=fp8_format),
     }
 
 

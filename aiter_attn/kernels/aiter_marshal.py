@@ -36,10 +36,15 @@ __all__ = [
     "MLADecodePlan",
     "PARTITION_SIZE",
     "kv_cache_dtype_name",
+    "NATIVE_FP8",
+    "fp8_format_reason",
     "mla_head_padding",
     "mla_decode_plan",
     "mla_decode_reason",
+    "MLA_DECODE_A16W8_HEADS",
     "MLA_PREFILL_HEADS",
+    "MLA_PREFILL_DTYPES",
+    "mla_prefill_reason",
     "pad_heads",
     "unpad_heads",
     "kv_last_page_lens",
@@ -50,6 +55,7 @@ __all__ = [
     "allocate_buffers",
     "vec5d_x",
     "RAGGED_MAX_GQA",
+    "RAGGED_HEAD_SIZES",
     "ragged_decode_reason",
     "route_paged_attention",
     "build_paged_attention_ragged_call",
@@ -123,6 +129,34 @@ def kv_cache_dtype_name(kv_dtype: torch.dtype) -> str:
     )
 
 
+#: the e4m3 format aiter's kernels decode on each GPU architecture: the device's native one,
+#: which its conversion instructions read (``__builtin_amdgcn_cvt_pk_f32_fp8``); the wheel's
+#: ``aiter/utility/dtypes.py`` (``defaultDtypes``, looked up with ``get_gfx()``). aiter has no
+#: fp8 format for other architectures.
+NATIVE_FP8 = {
+    "gfx942": getattr(torch, "float8_e4m3fnuz", None),  # MI300
+    "gfx950": getattr(torch, "float8_e4m3fn", None),  # MI350
+}
+
+
+def fp8_format_reason(kv_dtype: torch.dtype, native: Optional[torch.dtype],
+                      device: str) -> Optional[str]:
+    """Why aiter's kernels cannot read a ``kv_dtype`` cache on a device whose native e4m3
+    format is ``native`` (``None``: unknown, with ``device`` saying why), or ``None`` if they
+    can. 16-bit caches always can; an fp8 cache only in the native format (the other e4m3
+    has another exponent bias and NaN encoding: its bytes would be misread)."""
+    if kv_dtype not in _FP8_E4M3 and kv_dtype not in _FP8_E5M2:
+        return None
+    if native is None:
+        return (f"kv cache dtype {kv_dtype}: aiter's kernels read fp8 in the device's native "
+                f"fp8 format only, and {device}; use a 16-bit cache or another backend")
+    if kv_dtype != native:
+        return (f"kv cache dtype {kv_dtype}: aiter's kernels on this {device} device read "
+                f"fp8 as {native}, its native fp8 format (a {kv_dtype} cache would be "
+                f"misread); store the cache as {native} or use another backend")
+    return None
+
+
 def mla_head_padding(num_heads: int) -> tuple[int, int]:
     """``(padded_heads, repeat)`` for aiter's MLA decode: 4 and 8 heads are padded to 16 by
     repeating each head ``16 // num_heads`` times; multiples of 16 up to 128 pass unchanged."""
@@ -187,14 +221,25 @@ def mla_decode_plan(num_heads: int, kv_dtype: torch.dtype, max_seqlen_q: int = 1
                          split)
 
 
-def mla_decode_reason(plan: MLADecodePlan, kv_dtype: torch.dtype,
-                      max_seqlen_q: int) -> Optional[str]:
+#: query heads per latent KV head of ``mla_decode_fwd``'s kernels for 16-bit queries over an
+#: fp8 cache: the wheel's ``asm_mla.cu`` (``mla_decode_stage1_asm_fwd``, bf16-query /
+#: fp8-cache branch) has only ``mla_a16w8_qh16_m16x4_n16x1_coex0_mask1_ps``, persistent. The
+#: 128-head fp8 kernels (``mla_a8w8_qh128_*``) take fp8 queries, which the plugin does not
+#: pass; for any other combination ``impl_ptr`` stays null and ``TORCH_CHECK`` fails.
+MLA_DECODE_A16W8_HEADS = frozenset({16})
+
+
+def mla_decode_reason(plan: MLADecodePlan, kv_dtype: torch.dtype, max_seqlen_q: int, *,
+                      q_dtype: torch.dtype) -> Optional[str]:
     """Why ``mla_decode_fwd`` cannot serve a step of ``max_seqlen_q`` query tokens per
-    request with ``plan``, or ``None`` if it can (``amd-aiter`` 0.1.7's ``aiter/mla.py``).
+    request with ``plan`` and ``q_dtype`` queries, or ``None`` if it can (``amd-aiter``
+    0.1.7's ``aiter/mla.py`` and ``asm_mla.cu``).
 
     Non-persistent, ``get_meta_param`` asserts the head count is 16 or 128; persistent, the
     kernel takes 16 heads, 128 heads on an fp8 cache, or 32…512 heads (a multiple of 16)
     simulated as 16 for single-token decode only; the decode kernels take ≤ 4 query tokens.
+    16-bit queries over an fp8 cache reach a kernel only with
+    :data:`MLA_DECODE_A16W8_HEADS` heads (after the simulation), persistent.
     """
     h = plan.padded_heads
     if not 1 <= max_seqlen_q <= 4:
@@ -202,21 +247,51 @@ def mla_decode_reason(plan: MLADecodePlan, kv_dtype: torch.dtype,
                 "request")
     fp8 = kv_dtype in _FP8_E4M3 or kv_dtype in _FP8_E5M2
     if plan.persistent:
-        if h == 16 or (h == 128 and fp8) or (h % 16 == 0 and 32 <= h <= 512
-                                              and max_seqlen_q == 1):
-            return None
-        return (f"{h} heads with {max_seqlen_q} query tokens per request: the persistent "
-                "mla_decode_fwd serves 16 heads, 128 on an fp8 cache, or 32..512 for "
-                "single-token decode")
-    if h in (16, 128):
-        return None
-    return (f"{h} heads with {max_seqlen_q} query tokens per request: the non-persistent "
-            "mla_decode_fwd serves 16 or 128 heads")
+        native = h == 16 or (h == 128 and fp8)
+        if not native and not (h % 16 == 0 and 32 <= h <= 512 and max_seqlen_q == 1):
+            return (f"{h} heads with {max_seqlen_q} query tokens per request: the persistent "
+                    "mla_decode_fwd serves 16 heads, 128 on an fp8 cache, or 32..512 for "
+                    "single-token decode")
+        launched = h if native else 16  # mla.py runs 32..512 heads as 16
+    elif h in (16, 128):
+        launched = h
+    else:
+        return (f"{h} heads with {max_seqlen_q} query tokens per request: the non-persistent "
+                "mla_decode_fwd serves 16 or 128 heads")
+    if fp8 and q_dtype not in _FP8_E4M3:
+        allowed = sorted(MLA_DECODE_A16W8_HEADS)
+        if not plan.persistent or launched not in MLA_DECODE_A16W8_HEADS:
+            return (f"{h} heads with {q_dtype} queries over an fp8 cache: mla_decode_fwd's "
+                    f"16-bit-query fp8 kernels (mla_a16w8_*) take {allowed} heads per latent "
+                    "head, persistent; the step runs on the next kernel")
+    return None
 
 
 #: query heads per latent KV head that ``mla_prefill_fwd``'s kernel takes (the wheel's
 #: ``asm_mla.cu``, ``mla_prefill_asm_fwd``: ``gqa_ratio == 16 || gqa_ratio == 128``)
 MLA_PREFILL_HEADS = frozenset({16, 128})
+
+#: query and cache dtypes ``mla_prefill_fwd`` reads: ``mla_prefill_asm_fwd`` has only the
+#: ``mla_pfl_bf16_a16w16_*`` kernels, branches on the query's dtype alone and never checks
+#: the cache's (an fp8 cache would be read as bf16).
+MLA_PREFILL_DTYPES = frozenset({torch.bfloat16})
+
+
+def mla_prefill_reason(heads: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                       max_seqlen_q: int) -> Optional[str]:
+    """Why ``mla_prefill_fwd`` cannot serve an extend step of ``heads`` query heads (one
+    latent head), or ``None`` if it can: :data:`MLA_PREFILL_HEADS` heads, queries and cache
+    in :data:`MLA_PREFILL_DTYPES`."""
+    if heads not in MLA_PREFILL_HEADS:
+        return (f"{heads} heads with {max_seqlen_q} query tokens per request: "
+                f"mla_prefill_fwd takes {sorted(MLA_PREFILL_HEADS)} heads")
+    allowed = sorted(map(str, MLA_PREFILL_DTYPES))
+    for name, dtype in (("query", q_dtype), ("kv cache", kv_dtype)):
+        if dtype not in MLA_PREFILL_DTYPES:
+            return (f"{name} dtype {dtype} with {max_seqlen_q} query tokens per request: "
+                    f"mla_prefill_fwd's kernels (mla_pfl_bf16_a16w16_*) read {allowed} only; "
+                    "the step runs on the next kernel")
+    return None
 
 
 def kv_last_page_lens(seqused_k: torch.Tensor, page_size: int,
@@ -370,19 +445,33 @@ def vec5d_x(dtype: torch.dtype) -> int:
 #: heads of later KV heads above 16).
 RAGGED_MAX_GQA = 16
 
+#: the head sizes ``paged_attention_ragged`` launches (the ``switch(head_size)`` of
+#: ``CALL_CUSTOM_LAUNCHER_BLK_HEAD`` in the wheel's ``attention_ragged.cu``). The JIT kernel
+#: it runs (``pa_kernels.cuh``) computes ``VHELOOP = HEAD_SIZE / 16 / NWARPS`` blocks of 64
+#: value dims, so other sizes (16, 80, 96, …) would leave value dims unwritten.
+RAGGED_HEAD_SIZES = frozenset({64, 128})
+
 
 def ragged_decode_reason(*, num_tokens: int, batch: int, q_heads: Optional[int],
-                         kv_heads: Optional[int]) -> Optional[str]:
+                         kv_heads: Optional[int], head_dim: Optional[int],
+                         v_head_dim: Optional[int]) -> Optional[str]:
     """Why ``paged_attention_ragged`` cannot serve a decode step, or ``None`` if it can.
 
     Its grid is ``(num_seqs = query.size(0), partitions, kv_heads)`` and query row ``b``
     reads request ``b``'s KV (``kv_indptr[b]``), so the step needs exactly one query token
-    per request; and its GQA ratio must be one its launcher dispatches
-    (1…:data:`RAGGED_MAX_GQA`). Host integers only (no sync).
+    per request; its GQA ratio must be one its launcher dispatches
+    (1…:data:`RAGGED_MAX_GQA`); and one head size (``query.size(2)``) serves queries, keys
+    and values, so ``head_dim == v_head_dim`` in :data:`RAGGED_HEAD_SIZES`. Host integers
+    only (no sync).
     """
     if num_tokens != batch:
         return (f"{num_tokens} query tokens for {batch} requests (paged_attention_ragged "
                 "reads one query token per request)")
+    sizes = ", ".join(map(str, sorted(RAGGED_HEAD_SIZES)))
+    if head_dim not in RAGGED_HEAD_SIZES or v_head_dim != head_dim:
+        return (f"head_dim={head_dim}, v_head_dim={v_head_dim}: paged_attention_ragged "
+                f"launches head_dim == v_head_dim in {{{sizes}}} only; the step takes the "
+                "extend route")
     if not q_heads or not kv_heads:
         return "the layer's head counts are unknown (the request carries no q_heads/kv_heads)"
     gqa = q_heads // kv_heads
