@@ -58,12 +58,13 @@ def test_no_module_spells_out_a_set_of_modes():
 
 #: Attributes ``engine/`` may read optionally, all of objects it does not own: a Hugging Face
 #: config (``model_type``, …), transformers modules and tokenizers, and the two optional
-#: attributes of a user's model documented in docs/models.md / docs/engine.md.
+#: attributes of a user's model documented in docs/models.md / docs/engine.md and the
+#: ``EngineModel`` protocol.
 _EXTERNAL_ATTRS = {"model_type", "architectures", "hidden_act", "head_dim",
                    "tie_word_embeddings", "max_position_embeddings", "sliding_window",
                    "layer_types", "rope_parameters", "rope_scaling", "chat_template",
                    "generation_config", "eos_token_id", "sinks", "attn_logit_softcapping",
-                   "attn_arch", "cuda_graph_capturable"}
+                   "attn_arch", "cuda_graph_capturable", "max_positions"}
 
 
 def test_graph_engine_and_multistep_probe_no_attributes():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 import numbers
+from collections.abc import Iterable
 from typing import Optional
 
 import attrs
@@ -30,7 +31,7 @@ def _max_new_tokens(instance, attribute, value):
 
 
 def _token_ids(value) -> frozenset:
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise ValueError(f"stop_token_ids={value!r} must be a collection of token ids, e.g. "
                          f"{{{value!r}}}.")
     return frozenset(value)
