@@ -32,8 +32,8 @@ def validate_batch(batch: ForwardBatch, config: BackendConfig, req_to_token: tor
     if not isinstance(batch, ForwardBatch):
         raise TypeError(f"batch must be an aiter_attn.ForwardBatch, got {type(batch).__name__}.")
     bs = batch.batch_size
-    check_tensor("batch.seq_lens_cpu", batch.seq_lens_cpu, ndim=1,
-                 hint="seq_lens_cpu is the CPU mirror of seq_lens.")
+    check_tensor("batch.seq_lens_cpu", batch.seq_lens_cpu, dtypes=(torch.int32, torch.int64),
+                 ndim=1, hint="seq_lens_cpu is the int64 CPU mirror of seq_lens.")
     if batch.seq_lens_cpu.device.type != "cpu":
         raise ValueError("batch.seq_lens_cpu must live on the CPU (it is the host mirror).")
     check_tensor("batch.seq_lens", batch.seq_lens, dtypes=(torch.int32,), ndim=1, shape=(bs,),
@@ -53,10 +53,14 @@ def validate_batch(batch: ForwardBatch, config: BackendConfig, req_to_token: tor
     if bs == 0:
         return
     max_len = int(batch.seq_lens_cpu.max())
-    limit = min(config.max_context_len, req_to_token.shape[1])
+    # a kv_slack mode's KV may hold this step's draft tokens past max_context_len (contract)
+    slack = int(batch.q_lens_cpu[0]) if contract_of(batch.forward_mode).kv_slack else 0
+    limit = min(config.max_context_len + slack, req_to_token.shape[1])
     if max_len > limit:
+        bound = f"max_context_len={limit}" if not slack else (
+            f"{limit} (max_context_len + {slack} draft tokens, or the ReqToTokenPool width)")
         raise ValueError(
-            f"a request holds {max_len} tokens > max_context_len={limit}; raise "
+            f"a request holds {max_len} tokens > {bound}; raise "
             "BackendConfig.max_context_len (and the ReqToTokenPool width) or shorten it."
         )
     if int(batch.seq_lens_cpu.min()) < 1:
@@ -71,6 +75,12 @@ def validate_batch(batch: ForwardBatch, config: BackendConfig, req_to_token: tor
             )
         check_tensor("batch.extend_seq_lens", batch.extend_seq_lens, dtypes=(torch.int32,),
                      ndim=1, shape=(bs,))
+        check_tensor("batch.extend_seq_lens_cpu", batch.extend_seq_lens_cpu,
+                     dtypes=(torch.int32, torch.int64), ndim=1, shape=(bs,),
+                     hint="extend_seq_lens_cpu is the int64 CPU mirror of extend_seq_lens.")
+        if batch.extend_seq_lens_cpu.device.type != "cpu":
+            raise ValueError("batch.extend_seq_lens_cpu must live on the CPU (it is the host "
+                             "mirror of extend_seq_lens).")
     q_lens = batch.q_lens_cpu
     if ragged:
         if bool((q_lens > batch.seq_lens_cpu).any()) or bool((q_lens < 0).any()):
@@ -296,3 +306,12 @@ class AttentionBackend:
                 f"v has shape {tuple(v.shape)}; expected {n} × {layer.num_kv_heads} × "
                 f"{layer.v_head_dim}."
             )
+        for name, t in (("k", k), ("v", v)):  # written into the pool: same dtype/device as q
+            if t is None:
+                continue
+            if t.dtype != self.config.dtype:
+                raise TypeError(f"{name} has dtype {t.dtype}; {name} must be in the backend's "
+                                f"dtype {self.config.dtype} (BackendConfig.dtype), like q.")
+            if t.device != self._device:
+                raise ValueError(f"{name} is on {t.device}; the backend's pools are on "
+                                 f"{self._device}.")

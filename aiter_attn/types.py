@@ -170,7 +170,8 @@ class LayerSpec:
     num_q_heads: int = attrs.field(validator=_positive)
     num_kv_heads: int = attrs.field(validator=_positive)
     head_dim: int = attrs.field(validator=_positive)
-    v_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive))
     scaling: Optional[float] = None
     logit_cap: float = 0.0
     sliding_window: Optional[int] = attrs.field(default=None, converter=_window_converter)

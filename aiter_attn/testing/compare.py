@@ -6,11 +6,15 @@ import torch
 
 
 def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str = ""):
-    """Relative error ``‖a − e‖ / ‖e‖`` below ``rtol``; reports NaN/inf and worst entries."""
+    """Relative error ``‖a − e‖ / ‖e‖`` below ``rtol``; reports NaN/inf (in either) and worst
+    entries."""
     a = actual.double().cpu().reshape(expected.shape)
     e = expected.double().cpu()
     bad = ~torch.isfinite(a)
     assert not bad.any(), f"{what}: {int(bad.sum())} non-finite values at {bad.nonzero()[:5].tolist()}"
+    bad = ~torch.isfinite(e)  # a NaN reference makes the error NaN, which no bound rejects
+    assert not bad.any(), (f"{what}: expected has {int(bad.sum())} non-finite values at "
+                           f"{bad.nonzero()[:5].tolist()}; compare only the finite entries.")
     denom = e.norm().clamp_min(1e-12)
     rel = float((a - e).norm() / denom)
     if rel > rtol:

@@ -76,6 +76,12 @@ def check_ragged_kv(ragged: RaggedKV, seq_lens: torch.Tensor, req_rows: torch.Te
 def check_invariants(md: AttnMetadata, batch: ForwardBatch, ctx) -> None:
     """Check the parts of ``md`` that are present against ``batch`` and the pools."""
     bs = batch.batch_size
+    if md.mode != batch.forward_mode or md.batch_size != bs:
+        raise InvariantError(f"metadata planned for {md.mode.name} bs={md.batch_size}, batch is "
+                             f"{batch.forward_mode.name} bs={bs}.")
+    if md.query.num_tokens != batch.num_tokens:
+        raise InvariantError(f"query.num_tokens={md.query.num_tokens} != the batch's "
+                             f"{batch.num_tokens} query tokens.")
     check_indptr("cu_seqlens_q", md.query.cu_seqlens_q[: bs + 1], batch.q_lens_cpu)
     seq = batch.seq_lens_cpu
     if not torch.equal(md.pages.seqused_k[:bs].cpu().long(), seq.long()):

@@ -9,10 +9,10 @@ import attrs
 import torch
 from hypothesis import strategies as st
 
-from ..batch import ForwardBatch
+from ..batch import ForwardBatch, SpecInfo
 from ..contract import contract_of
 from ..kvcache import PageAllocator, ReqToTokenPool
-from ..types import BackendConfig, ForwardMode, LayerSpec
+from ..types import BackendConfig, ForwardMode, LayerSpec, SpecDecodeConfig
 
 __all__ = ["page_sizes", "layer_specs", "request_lengths", "PagedBatch", "paged_batches"]
 
@@ -64,13 +64,19 @@ class PagedBatch:
 def paged_batches(draw, *, mode: ForwardMode = ForwardMode.EXTEND,
                   page_size: Optional[int] = None, max_bs: int = 6, max_prefix: int = 150,
                   max_new: int = 40, draft_tokens: int = 1, max_context_len: int = 256):
-    """A :class:`PagedBatch` for ``mode`` with shuffled page allocation and a few idle rows."""
+    """A :class:`PagedBatch` for ``mode`` with shuffled page allocation and a few idle rows.
+
+    A draft-count mode (TARGET_VERIFY, DRAFT_EXTEND_V2) gets ``draft_tokens`` per request, a
+    chain ``SpecInfo`` and ``BackendConfig.spec`` to match, so the batch is valid as drawn."""
     ps = page_size if page_size is not None else draw(page_sizes())
     prefix, new = draw(request_lengths(mode=mode, max_bs=max_bs, max_prefix=max_prefix,
                                        max_new=max_new, draft_tokens=draft_tokens))
     seed = draw(st.integers(0, 2**16))
+    draft = contract_of(mode).tokens == "draft"
+    spec_info = SpecInfo(num_draft_tokens=draft_tokens) if draft else None
     cfg = BackendConfig(page_size=ps, max_batch_size=max_bs + 2, max_context_len=max_context_len,
-                        dtype=torch.float32)
+                        dtype=torch.float32,
+                        spec=SpecDecodeConfig(num_draft_tokens=draft_tokens) if draft else None)
     total_pages = sum(-(-(p + n) // ps) for p, n in zip(prefix, new)) + 3
     req_pool = ReqToTokenPool(len(prefix) + 3, max_context_len)
     alloc = PageAllocator(total_pages + draw(st.integers(0, 8)), ps, shuffle_seed=seed)
@@ -88,6 +94,6 @@ def paged_batches(draw, *, mode: ForwardMode = ForwardMode.EXTEND,
     batch = ForwardBatch.from_lengths(
         forward_mode=mode, req_pool_indices=list(order), seq_lens=seq,
         out_cache_loc=torch.cat(locs) if locs else torch.zeros(0, dtype=torch.int64),
-        extend_seq_lens=new,
+        extend_seq_lens=new, spec_info=spec_info,
     )
     return PagedBatch(cfg, req_pool, alloc, batch, prefix, new)
