@@ -70,7 +70,7 @@ from .common import attend_layer
 from .mha import (DecodeMetadata, PagedMetadata, plan_page_table, plan_query_layout,
                   write_kv_request)
 from .spec import (DraftDecodeStepMetadata, DraftExtendV2Metadata, VerifyTreeMetadata,
-                   check_batch_topk, resolve_num_draft_tokens)
+                   check_batch_topk, config_topk, resolve_num_draft_tokens)
 
 __all__ = [
     "MLA_PROJECTIONS_KEY",
@@ -181,6 +181,12 @@ class HeadPadding:
                               validator=attrs.validators.in_(("auto", "always", "never")))
 
     def __attrs_post_init__(self):
+        if type(self.pad_to) is not int or self.pad_to < 1:
+            raise ValueError(
+                f"HeadPadding.pad_to={self.pad_to!r}; must be a positive int (the head count "
+                "the kernel needs, e.g. 16 for aiter's MLA decode). Pass pad_to=16, or "
+                "policy='never' to turn padding off."
+            )
         bad = sorted(h for h in self.pad_from if h <= 0 or self.pad_to % h)
         if bad:
             raise ValueError(
@@ -285,6 +291,13 @@ class MLAVerifyMetadata(VerifyTreeMetadata):
 
     cg_support = CGSupport.UNIFORM_BATCH
 
+    def buffer_spec(self, max_bs: int, max_tokens: int, max_seq_len: int) -> BufferSpec:
+        """The tree's ``custom_mask`` / ``mask_indptr`` only when the config verifies trees:
+        a chain plans no mask, so its static buffers are the page table's alone."""
+        if config_topk(self.ctx.config) > 1:
+            return super().buffer_spec(max_bs, max_tokens, max_seq_len)
+        return PagedMetadata.buffer_spec(self, max_bs, max_tokens, max_seq_len)
+
     def plan(self, batch: ForwardBatch, out: Optional[dict] = None) -> AttnMetadata:
         resolve_num_draft_tokens(batch, self.ctx.config)  # clear error before any work
         if check_batch_topk(batch, self.ctx.config) > 1:  # the config decides, as on MHA
@@ -335,11 +348,21 @@ class MLAExtendMetadata(MetadataStrategy):
         if out is None:
             out = self.eager_buffers(batch)
         bs = batch.batch_size
+        total_prefix = self._prefix_total(batch)
+        if static:  # host ints: the CPU mirrors against the buffers' shapes
+            rows, cap = out["dense_block_table"].shape
+            if (bs > rows or batch.max_seq_len > cap
+                    or total_prefix > out["prefix_slots"].numel()):
+                raise ValueError(
+                    f"{bs} requests of up to {batch.max_seq_len} tokens ({total_prefix} cached "
+                    f"prefix tokens) do not fit the static buffers, sized for {rows} requests "
+                    f"of up to {cap} tokens (max_seq_len); allocate them with buffer_spec("
+                    "max_bs, max_tokens, max_seq_len) for the largest batch and longest "
+                    "request, or plan eagerly (out=None).")
         cu = out["cu_seqlens_q"][: bs + 1]
         query = plan_query_layout(batch, cu, None)
         pages = plan_page_table(self.ctx, batch, out["block_table"][:bs], out["seqused_k"][:bs],
                                 static)
-        total_prefix = self._prefix_total(batch)
         prefix_lens = batch.seq_lens - batch.extend_seq_lens.to(batch.seq_lens.dtype)
         prefix_indptr = out["prefix_indptr"][: bs + 1]
         prefix_slots = out["prefix_slots"][:total_prefix]
