@@ -13,8 +13,8 @@ from ..metadata import AttnMetadata, CustomMask, PageTable, QueryLayout
 from ..types import FP8_DTYPES, LayerSpec
 from .base import ExecutionStrategy
 
-__all__ = ["attend_layer", "effective_causal", "effective_window", "require_pool",
-           "window_tree_mask", "write_kv_request", "write_kwargs"]
+__all__ = ["attend_layer", "effective_causal", "effective_window", "kv_pair_error",
+           "require_pool", "window_tree_mask", "write_kv_request", "write_kwargs"]
 
 
 def window_tree_mask(mask: CustomMask, batch: ForwardBatch, query: QueryLayout,
@@ -110,6 +110,17 @@ def write_kwargs(layer: LayerSpec, kv_scales) -> dict:
     if kv_scales is not None:
         kw["k_scale_cache"], kw["v_scale_cache"] = kv_scales
     return kw
+
+
+def kv_pair_error(layer: LayerSpec, k, v) -> ValueError:
+    """The error of a layer call that would write only one of K and V (``k`` or ``v`` is
+    ``None`` with ``save_kv_cache=True``): NHD-family caches store both for every slot."""
+    given, missing = ("k", "v") if v is None else ("v", "k")
+    return ValueError(
+        f"layer {layer.layer_id}: {given} given but {missing}=None with save_kv_cache=True; the "
+        f"KV cache stores both k and v of every new token. Pass both ([num_tokens, "
+        "num_kv_heads * head_dim(_v)]), or neither with save_kv_cache=False when the cache "
+        "already holds them.")
 
 
 def require_pool(ctx, pool_cls: type, arch: str, hint: str = ""):

@@ -23,7 +23,7 @@ from ..types import AttnArch, CGSupport, ForwardMode, LayerSpec
 from .base import (BufferSpec, ExecutionStrategy, KernelGroup, LayerBinding,
                    MetadataStrategy)
 from .cascade import CascadeExecutionMixin
-from .common import attend_layer, write_kwargs
+from .common import attend_layer, kv_pair_error, write_kwargs
 from .common import write_kv_request as common_write_request
 
 __all__ = ["PagedMetadata", "DecodeMetadata", "ExtendMetadata", "PagedExecution",
@@ -112,11 +112,12 @@ class DecodeMetadata(PagedMetadata):
 class ExtendMetadata(PagedMetadata):
     """EXTEND: ragged query lengths (prefill, prefix-cached extend, chunked prefill).
 
-    ``md.extras["max_prefix_len"]``: the longest cached prefix of the batch (a host int from
-    ``extend_prefix_lens_cpu``, when the batch has it): ``extend_attention`` skips its prefix
-    pass on a step without one. ``md.extras["min_q_len"]``: the fewest new tokens of a
-    request (host int from ``extend_seq_lens_cpu``): ``BackendConfig.dense_extend``'s auto
-    rule reads it."""
+    ``md.extras["max_prefix_len"]``: the longest cached prefix of the batch (a host int:
+    ``seq_lens_cpu - extend_seq_lens_cpu``, the mirrors the batch is validated by, never the
+    unchecked ``extend_prefix_lens_cpu``: a stale one would skip the prefix of a step that has
+    one): ``extend_attention`` skips its prefix pass on a step without one.
+    ``md.extras["min_q_len"]``: the fewest new tokens of a request (host int from
+    ``extend_seq_lens_cpu``): ``BackendConfig.dense_extend``'s auto rule reads it."""
 
     cg_support = CGSupport.NEVER
 
@@ -124,10 +125,9 @@ class ExtendMetadata(PagedMetadata):
         md = super().plan(batch, out)
         q_lens = batch.extend_seq_lens_cpu
         if q_lens is not None:
-            md.extras["min_q_len"] = int(q_lens.min()) if batch.batch_size else 0
-        pre = batch.extend_prefix_lens_cpu
-        if pre is not None:
-            md.extras["max_prefix_len"] = int(pre.max()) if batch.batch_size else 0
+            bs = batch.batch_size
+            md.extras["min_q_len"] = int(q_lens.min()) if bs else 0
+            md.extras["max_prefix_len"] = int((batch.seq_lens_cpu - q_lens).max()) if bs else 0
         return md
 
 
@@ -173,6 +173,8 @@ class PagedExecution(CascadeExecutionMixin, ExecutionStrategy):
         kv_scales = pool.scale_buffers(layer.layer_id) if self.token_scales else None
         num_tokens = q.shape[0]
         q = q.view(num_tokens, layer.num_q_heads, layer.head_dim)
+        if save_kv_cache and (k is None) != (v is None):
+            raise kv_pair_error(layer, k, v)
         if save_kv_cache and k is not None:
             # the write kernel is chosen once per (cache, input) dtype pair: no request is
             # built and nothing is validated on later calls; a backend with no KV write of

@@ -40,8 +40,8 @@ from ..registry import Cell, register_cells
 from ..types import AttnArch, CGSupport, ForwardMode, LayerSpec
 from .base import BufferSpec, ExecutionStrategy
 from .cascade import CascadeExecutionMixin
-from .common import (attend_layer, effective_causal, effective_window, require_pool,
-                     window_tree_mask, write_kv_request, write_kwargs)
+from .common import (attend_layer, effective_causal, effective_window, kv_pair_error,
+                     require_pool, window_tree_mask, write_kv_request, write_kwargs)
 from .mha import DecodeMetadata, ExtendMetadata, plan_page_table
 from .spec import (
     DraftDecodeStepMetadata,
@@ -192,6 +192,8 @@ class SWAExecution(CascadeExecutionMixin, ExecutionStrategy):
         num_tokens = q.shape[0]
         q = q.view(num_tokens, layer.num_q_heads, layer.head_dim)
         pages = metadata.extras["swa_pages"] if on_swa else metadata.pages
+        if save_kv_cache and (k is None) != (v is None):
+            raise kv_pair_error(layer, k, v)
         if save_kv_cache and k is not None:
             op = "write_kv_swa" if on_swa else "write_kv"
             kw = {"full_to_swa": self.pool.full_to_swa_index_mapping} if on_swa else {}

@@ -27,7 +27,8 @@ from ..hookspecs import hookimpl
 from ..kernels.reference_5d import paged_attention_5d_reference, v_layout_of, vec_width
 from ..kernels.registry import Capabilities, KernelRequest
 from ..metadata import AttnMetadata
-from ..ops import _lse_buffer, attention_features, call_extras, with_call_features
+from ..ops import (_check_mask, _check_window, _lse_buffer, attention_features, call_extras,
+                   with_call_features)
 from ..registry import Cell, register_cells
 from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
 from ..validation import (
@@ -39,7 +40,7 @@ from ..validation import (
     check_tensor,
 )
 from .base import ExecutionStrategy
-from .common import attend_layer, require_pool
+from .common import attend_layer, kv_pair_error, require_pool
 from .mha import DecodeMetadata, ExtendMetadata
 from .spec import (
     DraftDecodeStepMetadata,
@@ -138,15 +139,28 @@ def paged_attention_5d(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_ta
     if q.shape[1] % k_cache.shape[1]:
         raise ValueError(f"num_q_heads={q.shape[1]} is not a multiple of num_kv_heads="
                          f"{k_cache.shape[1]}.")
-    check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=INDEX_DTYPES, ndim=1)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=INDEX_DTYPES, ndim=1,
+                 hint="cu_seqlens_q is int32 [batch + 1].")
+    if cu_seqlens_q.shape[0] == 0:
+        raise ValueError("cu_seqlens_q has shape (0,); expected [batch + 1] offsets starting "
+                         "at 0 (an empty batch is [0]).")
     bs = cu_seqlens_q.shape[0] - 1
-    check_tensor("seqused_k", seqused_k, dtypes=INDEX_DTYPES, ndim=1, shape=(bs,))
-    check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2, shape=(bs, None))
+    check_tensor("seqused_k", seqused_k, dtypes=INDEX_DTYPES, ndim=1, shape=(bs,),
+                 hint="seqused_k is int32 [batch]: KV length per request.")
+    check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2, shape=(bs, None),
+                 hint="block_table is int32 [batch, max_pages_per_request].")
+    if out is not None:
+        check_tensor("out", out, dtypes=(q.dtype,), ndim=3,
+                     shape=(q.shape[0], q.shape[1], _v_head_dim(v_cache)),
+                     hint="out is [num_tokens, num_q_heads, head_dim_v] in q's dtype.")
+    if sinks is not None:
+        check_tensor("sinks", sinks, ndim=1, shape=(q.shape[1],),
+                     hint="sinks is float32 [num_q_heads].")
     check_same_device("q", q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q,
                       seqused_k=seqused_k, block_table=block_table, out=out, sinks=sinks,
                       custom_mask=custom_mask, mask_indptr=mask_indptr)
-    if (custom_mask is None) != (mask_indptr is None):
-        raise ValueError("custom_mask and mask_indptr go together; pass both or neither.")
+    _check_window(window_size)
+    _check_mask(custom_mask, mask_indptr, cu_seqlens_q)
     softmax_scale, softcap = check_attention_scalars(softmax_scale, softcap, k_scale=k_scale,
                                                      v_scale=v_scale)
     lse = _lse_buffer(return_lse, out_lse, q)
@@ -189,10 +203,14 @@ def write_kv_5d(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None,
     check_tensor("slots", slots, dtypes=INDEX_DTYPES, ndim=1,
                  hint="slots (out_cache_loc) is int64 [num_tokens].")
     head_dim = k_cache.shape[2] * k_cache.shape[4]
-    check_tensor("k", k, ndim=3, shape=(slots.shape[0], k_cache.shape[1], head_dim),
+    check_tensor("k", k, dtypes=ATTN_DTYPES, ndim=3,
+                 shape=(slots.shape[0], k_cache.shape[1], head_dim),
                  hint="k is [num_tokens, num_kv_heads, head_dim] matching the cache.")
-    check_tensor("v", v, ndim=3, shape=(slots.shape[0], k_cache.shape[1], _v_head_dim(v_cache)),
+    check_tensor("v", v, dtypes=ATTN_DTYPES, ndim=3,
+                 shape=(slots.shape[0], k_cache.shape[1], _v_head_dim(v_cache)),
                  hint="v is [num_tokens, num_kv_heads, head_dim_v] matching the cache.")
+    check_same_device("k_cache", k_cache, v_cache=v_cache, slots=slots, k=k, v=v,
+                      k_scale=k_scale, v_scale=v_scale)
     check_scale("k_scale", k_scale)
     check_scale("v_scale", v_scale)
     sel = _registry().select(write_kv_5d_request(k_cache, v_cache, k), backend=backend)
@@ -213,6 +231,8 @@ class Vec5DExecution(ExecutionStrategy):
         k_cache, v_cache = self.ctx.kv_pool.kv_buffers(layer.layer_id)
         num_tokens = q.shape[0]
         q = q.view(num_tokens, layer.num_q_heads, layer.head_dim)
+        if save_kv_cache and (k is None) != (v is None):
+            raise kv_pair_error(layer, k, v)
         if save_kv_cache and k is not None:
             k3 = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
             write = self.kernel_for(("write_kv_5d", layer, k.dtype),
