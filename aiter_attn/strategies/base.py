@@ -17,7 +17,8 @@ from ..batch import ForwardBatch
 from ..metadata import AttnMetadata
 from ..types import BackendConfig, CGSupport, LayerSpec
 
-__all__ = ["BufferSpec", "StrategyContext", "MetadataStrategy", "ExecutionStrategy"]
+__all__ = ["BufferSpec", "StrategyContext", "MetadataStrategy", "ExecutionStrategy",
+           "kv_geometry"]
 
 
 @attrs.frozen
@@ -128,6 +129,19 @@ class LayerBinding:
     out_width: int = 0
 
 
+def kv_geometry(k_cache: torch.Tensor, v_cache: torch.Tensor) -> Optional[tuple]:
+    """``(num_kv_heads, head_dim, v_head_dim)`` held by one layer's paged caches: NHD pages
+    (K ``[pages, page_size, H, D]``, V ``[..., H, Dv]``) or the 5-D vectorized layout (K
+    ``[pages, H, D // x, page_size, x]``; V ``[pages, H, page_size // x, Dv, x]`` or
+    ``[pages, H, Dv, page_size]``); ``None`` for another layout (nothing to check)."""
+    if k_cache.dim() == 5:
+        return (k_cache.shape[1], k_cache.shape[2] * k_cache.shape[4],
+                v_cache.shape[3] if v_cache.dim() == 5 else v_cache.shape[2])
+    if k_cache.dim() == 4 and v_cache.dim() == 4:
+        return k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
+    return None
+
+
 class ExecutionStrategy(abc.ABC):
     """Writes new K/V into the pool and launches one kernel op per layer call.
 
@@ -141,6 +155,24 @@ class ExecutionStrategy(abc.ABC):
         self._kernels: dict = {}
         self.groups: dict = {}  # group key -> KernelGroup
         self._layers: dict = {}  # (id(layer), mask?, id(sinks), tag) -> LayerBinding
+        self._fits: dict = {}  # id(layer) -> layer: checked against its KV buffers
+
+    def check_layer(self, layer: LayerSpec, k_cache, v_cache) -> None:
+        """Raise if ``layer``'s ``num_kv_heads`` / ``head_dim`` / ``v_head_dim`` do not match
+        its KV buffers (:func:`kv_geometry`); once per layer (a dict lookup after)."""
+        if self._fits.get(id(layer)) is layer:
+            return
+        have = kv_geometry(k_cache, v_cache)
+        if have is not None:
+            for name, pool_value in zip(("num_kv_heads", "head_dim", "v_head_dim"), have):
+                value = getattr(layer, name)
+                if value != pool_value:
+                    raise ValueError(
+                        f"layer {layer.layer_id} has {name}={value} but the KV pool's buffers "
+                        f"of the layer hold {pool_value} (k_cache {tuple(k_cache.shape)}, "
+                        f"v_cache {tuple(v_cache.shape)}). Build the LayerSpec with the pool's "
+                        f"{name}={pool_value} (or the pool with the model's geometry).")
+        self._fits[id(layer)] = layer
 
     # -- plan/run kernels ------------------------------------------------------------------
     def bind_layer(self, layer: LayerSpec, md: AttnMetadata, request_fn, q, k_cache, v_cache,
@@ -158,6 +190,7 @@ class ExecutionStrategy(abc.ABC):
         b = self._layers.get(key)
         if b is not None and b.layer is layer:
             return b
+        self.check_layer(layer, k_cache, v_cache)
         from ..kernels.base import LayerParams
         from ..types import FP8_DTYPES
 

@@ -27,7 +27,7 @@ from .common import attend_layer, kv_pair_error, write_kwargs
 from .common import write_kv_request as common_write_request
 
 __all__ = ["PagedMetadata", "DecodeMetadata", "ExtendMetadata", "PagedExecution",
-           "plan_query_layout", "plan_page_table"]
+           "plan_query_layout", "plan_page_table", "check_static_pages"]
 
 
 def plan_query_layout(batch: ForwardBatch, cu_seqlens_q: torch.Tensor, uniform_q_len: Optional[int]):
@@ -50,12 +50,34 @@ def plan_query_layout(batch: ForwardBatch, cu_seqlens_q: torch.Tensor, uniform_q
                        num_tokens=int(q_lens.sum()))
 
 
+def check_static_pages(batch: ForwardBatch, page_size: int, block_table: torch.Tensor,
+                       name: str = "block_table") -> None:
+    """Raise unless the static page table ``block_table`` (a ``[:bs]`` view of the ``out=``
+    buffer) has a row per request and a page per ``page_size`` tokens of the longest one.
+    Host ints only (the buffer's shape, ``seq_lens_cpu``): no device→host sync."""
+    rows, width = block_table.shape
+    bs, longest = batch.batch_size, batch.max_seq_len
+    need = -(-longest // page_size)
+    if rows < bs or width < need:
+        raise ValueError(
+            f"{bs} requests of up to {longest} tokens do not fit the static {name} buffer: it "
+            f"has {rows} rows of {width} pages; the batch needs {bs} rows of {need} pages "
+            f"({page_size} tokens a page). Allocate the static buffers with buffer_spec(max_bs, "
+            f"max_tokens, max_seq_len) for the largest batch and the longest request "
+            f"(max_seq_len >= {longest}), or plan eagerly (out=None).")
+
+
 def plan_page_table(ctx, batch: ForwardBatch, block_table: torch.Tensor, seqused_k: torch.Tensor,
                     static: bool, *, full_to_swa: Optional[torch.Tensor] = None,
                     swa_block_table: Optional[torch.Tensor] = None) -> PageTable:
     """Fill ``block_table`` (int32 ``[bs, W]`` view) and ``seqused_k`` from ``req_to_token``;
-    with ``full_to_swa`` also ``swa_block_table`` (same shape), in the same kernel pass."""
+    with ``full_to_swa`` also ``swa_block_table`` (same shape), in the same kernel pass.
+    ``static`` buffers too small for the batch raise first (:func:`check_static_pages`)."""
     page_size = ctx.config.page_size
+    if static:
+        check_static_pages(batch, page_size, block_table)
+        if swa_block_table is not None and swa_block_table.shape != block_table.shape:
+            check_static_pages(batch, page_size, swa_block_table, "swa_block_table")
     if full_to_swa is not None:
         ops.build_page_tables_swa(ctx.req_to_token, batch.req_pool_indices, batch.seq_lens,
                                   page_size, full_to_swa, block_table, swa_block_table)
@@ -87,8 +109,9 @@ class PagedMetadata(MetadataStrategy):
         if out is None:
             out = self.eager_buffers(batch)
         bs = batch.batch_size
-        query = plan_query_layout(batch, out["cu_seqlens_q"][: bs + 1], self.uniform_q_len(batch))
-        pages = self.plan_pages(batch, out, static)
+        q_len = self.uniform_q_len(batch)
+        pages = self.plan_pages(batch, out, static)  # first: raises if static buffers are small
+        query = plan_query_layout(batch, out["cu_seqlens_q"][: bs + 1], q_len)
         return AttnMetadata(mode=batch.forward_mode, batch_size=bs, query=query, pages=pages)
 
     def plan_pages(self, batch: ForwardBatch, out: dict, static: bool) -> PageTable:
@@ -169,6 +192,8 @@ class PagedExecution(CascadeExecutionMixin, ExecutionStrategy):
             save_kv_cache: bool = True, sinks=None):
         pool = self.ctx.kv_pool
         k_cache, v_cache = pool.kv_buffers(layer.layer_id)
+        if self._fits.get(id(layer)) is not layer:  # first call: layer vs pool, before writes
+            self.check_layer(layer, k_cache, v_cache)
         # per-(token, head) scale buffers of the layer (None: one scale per layer)
         kv_scales = pool.scale_buffers(layer.layer_id) if self.token_scales else None
         num_tokens = q.shape[0]

@@ -187,6 +187,8 @@ class SWAExecution(CascadeExecutionMixin, ExecutionStrategy):
                 "mark it full in SWAKVPool.create(layer_is_swa=...)."
             )
         k_cache, v_cache = self.pool.kv_buffers(layer.layer_id)
+        if self._fits.get(id(layer)) is not layer:  # first call: layer vs pool, before writes
+            self.check_layer(layer, k_cache, v_cache)
         # per-(token, head) scale buffers of the pool holding the layer (None: per layer)
         kv_scales = self.pool.scale_buffers(layer.layer_id) if self.token_scales else None
         num_tokens = q.shape[0]

@@ -229,6 +229,8 @@ class Vec5DExecution(ExecutionStrategy):
     def run(self, q, k, v, layer: LayerSpec, batch: ForwardBatch, metadata: AttnMetadata, *,
             save_kv_cache: bool = True, sinks=None):
         k_cache, v_cache = self.ctx.kv_pool.kv_buffers(layer.layer_id)
+        if self._fits.get(id(layer)) is not layer:  # first call: layer vs pool, before writes
+            self.check_layer(layer, k_cache, v_cache)
         num_tokens = q.shape[0]
         q = q.view(num_tokens, layer.num_q_heads, layer.head_dim)
         if save_kv_cache and (k is None) != (v is None):
