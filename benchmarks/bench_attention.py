@@ -217,6 +217,9 @@ def bench_impl(name, make, x, expected, select, rtol, rep, graphs):
 
 
 def add_rates(rec, bytes_moved, flops):
+    # this record's own counts (an fp8 row's bf16 twin moves twice the K/V bytes of its row):
+    # the roofline places each point at its own FLOP per byte
+    rec["bytes"], rec["flops"] = bytes_moved, flops
     for mode in ("eager", "graph"):
         ms = rec.get(f"{mode}_ms")
         if ms:

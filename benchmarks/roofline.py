@@ -24,11 +24,13 @@ def plot(results, meta, path, mode="graph"):
     for case in results:
         if "impls" not in case:
             continue
-        ai = case["flops"] / case["bytes"]
         for rec in case["impls"]:
             name = rec["impl"]
             if name not in MARKERS:
                 continue
+            # the record's own counts where it has them (an fp8 row's bf16 twin reads a bf16
+            # cache: the row's fp8 bytes would put it at twice its intensity)
+            ai = rec.get("flops", case["flops"]) / rec.get("bytes", case["bytes"])
             val = rec.get(f"{mode}_tflops") or rec.get("eager_tflops")
             if not val:
                 continue
