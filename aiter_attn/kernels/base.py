@@ -447,9 +447,21 @@ class MLAKernel(AttentionKernel):
     def __call__(self, q, kv_cache, out, *, kv_lora_rank, cu_seqlens_q, seqused_k, block_table,
                  softmax_scale, causal=True, kv_scale=None, custom_mask=None, mask_indptr=None,
                  max_seqlen_q=None, max_seqlen_k=None, lse=None, batch_invariant=False):
-        """One functional call: plan from the arguments, run."""
+        """One functional call: plan from the arguments, run. An unbound kernel (the
+        registration's functional convenience, ``Selection.fn``) is first bound to this call's
+        request, so ``batch_invariant=True`` (and lse, mask, causality) reach its plan."""
         from ..types import FP8_DTYPES
 
+        if self.request is None:
+            req = mla_request(q, kv_cache, kv_lora_rank, custom_mask=custom_mask is not None,
+                              lse=lse is not None, batch_invariant=batch_invariant,
+                              causal=causal)
+            return type(self)(req)(
+                q, kv_cache, out, kv_lora_rank=kv_lora_rank, cu_seqlens_q=cu_seqlens_q,
+                seqused_k=seqused_k, block_table=block_table, softmax_scale=softmax_scale,
+                causal=causal, kv_scale=kv_scale, custom_mask=custom_mask,
+                mask_indptr=mask_indptr, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                lse=lse, batch_invariant=batch_invariant)
         md = _adhoc_metadata(q, kv_cache, cu_seqlens_q, seqused_k, block_table, custom_mask,
                              mask_indptr, max_seqlen_q, max_seqlen_k, self.op)
         params = mla_layer_params(scale=softmax_scale, device=q.device,

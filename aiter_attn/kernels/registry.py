@@ -162,8 +162,18 @@ class Capabilities:
             if reason is not None and not isinstance(reason, str):
                 return (f"predicate returned {reason!r}; it must return a reason (str) when the "
                         "kernel cannot serve the request and None when it can")
+            if reason is not None and not reason.strip():
+                return (f"predicate returned an empty reason ({reason!r}); return a sentence "
+                        "saying why the kernel cannot serve the request, or None when it can")
             return reason
         return None
+
+
+def _request_features(v):
+    if isinstance(v, (str, bytes)):
+        raise TypeError(f"KernelRequest(features={v!r}): a bare string would be read as its "
+                        f"letters; pass a set of feature names, e.g. features={{{v!r}}}.")
+    return frozenset() if v is None else frozenset(v)
 
 
 @attrs.frozen(kw_only=True)
@@ -177,7 +187,7 @@ class KernelRequest:
     head_dim: Optional[int] = None
     v_head_dim: Optional[int] = None
     page_size: Optional[int] = None
-    features: frozenset = attrs.field(default=frozenset(), converter=frozenset)
+    features: frozenset = attrs.field(default=frozenset(), converter=_request_features)
     extra: tuple = ()  # op-specific hashable details (e.g. MLA head count)
 
 
@@ -377,12 +387,19 @@ class KernelRegistry:
             backend = env_value("AITER_ATTN_BACKEND") or None
         if fallback and backend is not None:
             try:
-                return self.select(request, backend)
+                return self._pick(request, backend)
             except KernelSelectionError as exc:
-                sel = self.select(request, None)
+                # the automatic choice: not ``select(request, None)``, which would read
+                # AITER_ATTN_BACKEND again and force the same backend
+                sel = self._pick(request, None)
                 log.debug("op %s: backend %r cannot serve it (%s); using %s", request.op,
                           backend, exc, sel.impl.name)
                 return sel
+        return self._pick(request, backend)
+
+    def _pick(self, request: KernelRequest, backend: Optional[str]) -> Selection:
+        """The cached selection for ``request`` with ``backend`` already resolved (``None``:
+        the automatic choice, whatever the environment says)."""
         key = (request, backend)
         hit = self._cache.get(key)
         if hit is not None:
