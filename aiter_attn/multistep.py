@@ -37,6 +37,7 @@ Typical use::
 
 from __future__ import annotations
 
+import operator
 from collections.abc import MutableMapping
 from typing import Optional
 
@@ -49,6 +50,7 @@ from .metadata import AttnMetadata
 from .registry import StrategySelectionError
 from .strategies.base import BufferSpec
 from .types import BackendConfig, ForwardMode, LayerSpec, SpecDecodeConfig
+from .validation import INDEX_DTYPES, check_tensor
 
 __all__ = ["MultiStepDraftBackend", "DraftStep", "draft_columns_needed"]
 
@@ -92,6 +94,18 @@ class _StepBuffers(MutableMapping):
         return sum(1 for k in self._out if k.startswith(self._prefix))
 
 
+def _count(value, name: str) -> int:
+    """``topk`` / ``num_steps`` as an int ≥ 1 (a bool or a fractional value is refused, not
+    rounded: the draft slot layout depends on it)."""
+    try:
+        ok = not isinstance(value, bool) and operator.index(value) >= 1
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name}={value!r}; must be an integer ≥ 1 (SpecDecodeConfig.{name}).")
+    return operator.index(value)
+
+
 def draft_columns_needed(prefix_lens: torch.Tensor, page_size: int, topk: int,
                          num_steps: int) -> torch.Tensor:
     """``req_to_token`` columns each request needs for its draft slots (CPU int64 ``[bs]``):
@@ -133,11 +147,9 @@ class MultiStepDraftBackend:
                  step_strategy: Optional[str] = None, extra: Optional[dict] = None,
                  strategies=None, kernels=None):
         spec = config.spec or SpecDecodeConfig()
-        self.topk = int(topk if topk is not None else spec.topk)
-        self.num_steps = int(num_steps if num_steps is not None else spec.num_steps)
-        for name, value in (("topk", self.topk), ("num_steps", self.num_steps)):
-            if value < 1:
-                raise ValueError(f"{name}={value}; must be ≥ 1 (SpecDecodeConfig.{name}).")
+        self.topk = _count(topk if topk is not None else spec.topk, "topk")
+        self.num_steps = _count(num_steps if num_steps is not None else spec.num_steps,
+                                "num_steps")
         self.config = config
         if step_strategy is None:
             step_strategy = f"{config.arch.value}.draft_decode_step"
@@ -282,6 +294,17 @@ class MultiStepDraftBackend:
             raise ValueError(
                 f"multi-step draft decode takes a DECODE batch whose seq_lens are the committed "
                 f"lengths; got forward_mode={batch.forward_mode.name}.")
+        bs = batch.batch_size
+        hint = ("the draft batch holds one entry per request (build it with "
+                "ForwardBatch.from_lengths).")
+        check_tensor("batch.seq_lens_cpu", batch.seq_lens_cpu, dtypes=INDEX_DTYPES, ndim=1,
+                     hint=hint)
+        if batch.seq_lens_cpu.device.type != "cpu":
+            raise ValueError("batch.seq_lens_cpu must live on the CPU (the host mirror of "
+                             "seq_lens).")
+        for name in ("req_pool_indices", "seq_lens"):
+            check_tensor(f"batch.{name}", getattr(batch, name), dtypes=INDEX_DTYPES, ndim=1,
+                         shape=(bs,), hint=hint)
         if batch.req_pool_indices.device != self.req_to_token.device:
             raise ValueError(f"batch tensors are on {batch.req_pool_indices.device}; the pools are "
                              f"on {self.req_to_token.device}.")

@@ -7,7 +7,8 @@ import operator
 
 import torch
 
-__all__ = ["zeros_per_layer", "check_layer_id", "check_page_size"]
+__all__ = ["zeros_per_layer", "check_layer_id", "check_page_size", "check_int",
+           "check_geometry"]
 
 
 def zeros_per_layer(num_layers: int, shape: tuple, dtype: torch.dtype, device) -> list:
@@ -24,12 +25,36 @@ def check_layer_id(layer_id: int, num_layers: int) -> None:
         )
 
 
+def _is_int_at_least(value, low: int) -> bool:
+    """Whether ``value`` is an integer (not a bool) ``≥ low``."""
+    try:
+        return not isinstance(value, bool) and operator.index(value) >= low
+    except TypeError:
+        return False
+
+
 def check_page_size(page_size, where: str) -> None:
     """Raise ValueError unless ``page_size`` is a positive integer (tokens per page)."""
-    try:
-        ok = not isinstance(page_size, bool) and operator.index(page_size) >= 1
-    except TypeError:
-        ok = False
-    if not ok:
+    if not _is_int_at_least(page_size, 1):
         raise ValueError(f"{where}: page_size={page_size!r} must be a positive integer (tokens "
                          "per page), the same as BackendConfig.page_size.")
+
+
+def check_int(value, name: str, low: int = 0, hint: str = "") -> int:
+    """``value`` as an int; ValueError unless it is an integer (not a bool, not a float, even a
+    whole one) ``≥ low``. ``name`` and ``hint`` make the message."""
+    if not _is_int_at_least(value, low):
+        raise ValueError(f"{name}={value!r} must be an integer ≥ {low}{hint}.")
+    return operator.index(value)
+
+
+def check_geometry(where: str, dtype: torch.dtype, **sizes) -> None:
+    """A pool's sizes and storage dtype, before any allocation: each ``sizes`` entry an integer
+    ≥ 1 (``num_layers`` ≥ 0: a hybrid pool's full part may hold none), ``dtype`` a floating
+    (fp32/fp16/bf16/fp8) ``torch.dtype``."""
+    for name, value in sizes.items():
+        check_int(value, f"{where}.{name}", 0 if name == "num_layers" else 1,
+                  "; size the pool from the model's KV geometry")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{where}.dtype={dtype!r}: the KV cache stores floating values; pass "
+                         "torch.float16, torch.bfloat16, torch.float32 or an fp8 dtype.")

@@ -8,10 +8,16 @@ from typing import Optional
 import attrs
 import torch
 
-from ._layers import check_page_size
-from .req_to_token import ReqToTokenPool
+from ._layers import check_int, check_page_size
+from .req_to_token import ReqToTokenPool, row_index
 
-__all__ = ["PageAllocator"]
+__all__ = ["PageAllocator", "check_token_count"]
+
+
+def check_token_count(value, name: str) -> int:
+    """A count of tokens as an int: ValueError unless an integer ≥ 0 (a bool or a float, even
+    a whole one, is refused: it would become a float length or slot)."""
+    return check_int(value, name, 0, " (a number of tokens)")
 
 
 @attrs.define(eq=False)
@@ -51,10 +57,10 @@ class PageAllocator:
         return len(self._free)
 
     def tokens_held(self, row: int) -> int:
-        return self._lens.get(row, 0)
+        return self._lens.get(row_index(row, "tokens_held"), 0)
 
     def pages_of(self, row: int) -> list[int]:
-        return list(self._pages_of.get(row, []))
+        return list(self._pages_of.get(row_index(row, "pages_of"), []))
 
     def extend(self, pool: ReqToTokenPool, row: int, num_new_tokens: int) -> torch.Tensor:
         """Reserve slots for ``num_new_tokens`` more tokens of request ``row``.
@@ -62,9 +68,8 @@ class PageAllocator:
         Returns int64 ``[num_new_tokens]`` slots (the step's ``out_cache_loc`` part) on the
         pool's device, and writes them into ``pool.req_to_token[row]``.
         """
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens={num_new_tokens} must be ≥ 0.")
-        pool.check_allocated(row, f"extend(row={row})")
+        num_new_tokens = check_token_count(num_new_tokens, "num_new_tokens")
+        row = pool.check_allocated(row, f"extend(row={row})")
         start = self._lens.get(row, 0)
         end = start + num_new_tokens
         if end > pool.max_context_len:
@@ -95,6 +100,8 @@ class PageAllocator:
         The row keeps its pages (the next ``extend`` reuses their slots); only the held length
         moves back. Raises unless ``0 ≤ num_tokens ≤ tokens_held(row)``.
         """
+        row = row_index(row, "truncate")
+        num_tokens = check_token_count(num_tokens, "num_tokens")
         held = self._lens.get(row, 0)
         if not 0 <= num_tokens <= held:
             raise ValueError(
@@ -109,10 +116,12 @@ class PageAllocator:
         Only whole pages are shared (a partial page would be written by both). Returns the
         number of tokens now cached for ``dst_row``; pages are reference counted by the caller.
         """
+        num_tokens = check_token_count(num_tokens, "num_tokens")
+        src_row = row_index(src_row, "share_prefix(src_row)")
         if src_row not in self._pages_of:
             raise ValueError(f"share_prefix: src_row={src_row} holds no pages of this allocator; "
                              "share from a live request that was extended.")
-        pool.check_allocated(dst_row, f"share_prefix(dst_row={dst_row})")
+        dst_row = pool.check_allocated(dst_row, f"share_prefix(dst_row={dst_row})")
         shared_pages = min(num_tokens, self._lens.get(src_row, 0)) // self.page_size
         if self._lens.get(dst_row, 0) or self._pages_of.get(dst_row):
             # a row truncated to 0 tokens still owns its pages: replacing them would leak them
@@ -130,7 +139,7 @@ class PageAllocator:
 
         Raises ValueError, changing nothing, for a row that is not allocated (released twice,
         never handed out, row 0): freeing it again would hand it to two requests."""
-        pool.check_allocated(row, f"release(row={row})")
+        row = pool.check_allocated(row, f"release(row={row})")
         for p in self._pages_of.pop(row, []):
             if p not in keep_pages:
                 self._free.append(p)

@@ -9,7 +9,7 @@ import attrs
 import torch
 
 from ..kv_scales import PER_LAYER, PER_TOKEN_HEAD, check_granularity
-from ._layers import check_layer_id, check_page_size, zeros_per_layer
+from ._layers import check_geometry, check_layer_id, check_page_size, zeros_per_layer
 
 __all__ = ["MHAKVPool"]
 
@@ -45,6 +45,9 @@ class MHAKVPool:
         check_page_size(self.page_size, "MHAKVPool")
         if self.v_head_dim is None:
             self.v_head_dim = self.head_dim
+        check_geometry("MHAKVPool", self.dtype, num_pages=self.num_pages,
+                       num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                       v_head_dim=self.v_head_dim, num_layers=self.num_layers)
         shape = (self.num_pages, self.page_size, self.num_kv_heads)
         self.k_buffers = zeros_per_layer(self.num_layers, shape + (self.head_dim,), self.dtype,
                                          self.device)

@@ -12,14 +12,14 @@ from __future__ import annotations
 import attrs
 import torch
 
-from ._layers import check_layer_id, zeros_per_layer
+from ._layers import check_geometry, check_int, check_layer_id, zeros_per_layer
 
 __all__ = ["MLAKVPool"]
 
 
 def _positive(instance, attribute, value):
-    if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"MLAKVPool.{attribute.name}={value!r} must be a positive integer.")
+    """attrs validator: a positive integer (a bool is not one)."""
+    check_int(value, f"MLAKVPool.{attribute.name}", 1)
 
 
 @attrs.define(eq=False)
@@ -49,6 +49,7 @@ class MLAKVPool:
     latent_buffers: list = attrs.field(init=False)
 
     def __attrs_post_init__(self):
+        check_geometry("MLAKVPool", self.dtype)
         shape = (self.num_pages, self.page_size, 1, self.latent_dim)
         self.latent_buffers = zeros_per_layer(self.num_layers, shape, self.dtype, self.device)
 

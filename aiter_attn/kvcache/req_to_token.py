@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
+import operator
+
 import attrs
 import torch
 
-__all__ = ["ReqToTokenPool"]
+__all__ = ["ReqToTokenPool", "row_index"]
+
+
+def row_index(row, what: str = "row") -> int:
+    """``row`` as a Python int: an int, a NumPy int or a one-element integer tensor (a row read
+    from ``req_pool_indices``). Rows key the allocators' dicts and the free set, where a tensor
+    hashes by identity, so each is turned into its int first; a bool, a float or anything else
+    raises ValueError."""
+    is_bool = isinstance(row, bool) or (isinstance(row, torch.Tensor) and row.dtype == torch.bool)
+    try:
+        if not is_bool:
+            return operator.index(row)
+    except TypeError:
+        pass
+    raise ValueError(f"{what}: row={row!r} is not a row index; pass the int that "
+                     "ReqToTokenPool.alloc() returned.")
 
 
 @attrs.define(eq=False)
@@ -42,9 +59,11 @@ class ReqToTokenPool:
         self._free_set.discard(row)
         return row
 
-    def check_allocated(self, row: int, what: str = "row") -> None:
-        """Raise ValueError unless ``row`` was handed out by :meth:`alloc` and not freed since
-        (row 0 is reserved for padding: it never holds slots and is never freed)."""
+    def check_allocated(self, row: int, what: str = "row") -> int:
+        """``row`` as an int (:func:`row_index`); raise ValueError unless it was handed out by
+        :meth:`alloc` and not freed since (row 0 is reserved for padding: it never holds slots
+        and is never freed)."""
+        row = row_index(row, what)
         if row == 0:
             raise ValueError(
                 f"{what}: row 0 is reserved (padding rows of captured batches read it; it must "
@@ -56,11 +75,12 @@ class ReqToTokenPool:
             raise ValueError(
                 f"{what}: row {row} is not allocated (never handed out, or already released); "
                 "release each request once, and only rows from ReqToTokenPool.alloc().")
+        return row
 
     def free(self, row: int) -> None:
         """Return ``row`` (zeroed) to the free list; raises for row 0, a row outside the pool
         or one that is already free (it would be handed to two requests)."""
-        self.check_allocated(row, f"free(row={row})")
+        row = self.check_allocated(row, f"free(row={row})")
         self.req_to_token[row].zero_()
         self._free_rows.append(row)
         self._free_set.add(row)

@@ -22,9 +22,9 @@ from typing import Optional, Sequence
 import attrs
 import torch
 
-from .allocator import PageAllocator
+from .allocator import PageAllocator, check_token_count
 from .mha import MHAKVPool
-from .req_to_token import ReqToTokenPool
+from .req_to_token import ReqToTokenPool, row_index
 
 __all__ = ["SWAKVPool", "SWAPageAllocator"]
 
@@ -172,6 +172,8 @@ class SWAPageAllocator:
     full: PageAllocator = attrs.field(init=False)
     _swa_free: list = attrs.field(init=False)
     _swa_of: dict = attrs.field(init=False, factory=dict)  # full page -> SWA page
+    # row -> (shortest length a truncate may leave, end of the row's freed SWA tokens)
+    _floor: dict = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self):
         ps = self.pool.page_size
@@ -201,7 +203,20 @@ class SWAPageAllocator:
 
     def truncate(self, row: int, num_tokens: int) -> None:
         """As :meth:`PageAllocator.truncate`: the row keeps its full pages and their SWA
-        pages; only the held length moves back (rejected speculative drafts)."""
+        pages; only the held length moves back (rejected speculative drafts).
+
+        Raises, changing nothing, where the next query (at ``num_tokens``) would see a key
+        whose SWA page :meth:`free_swa_out_of_window` already returned (it would read the
+        null slot's zeros)."""
+        row = row_index(row, "truncate")
+        num_tokens = check_token_count(num_tokens, "num_tokens")
+        floor, freed_end = self._floor.get(row, (0, 0))
+        if num_tokens < floor:
+            raise ValueError(
+                f"truncate(row={row}, num_tokens={num_tokens}): the row's SWA pages of tokens "
+                f"0..{freed_end - 1} were freed (free_swa_out_of_window), so a query at "
+                f"{num_tokens} would read freed keys; truncate to ≥ {floor} only (pass "
+                "free_swa_out_of_window the committed length as next_position).")
         self.full.truncate(row, num_tokens)
 
     def pages_of(self, row: int) -> list[int]:
@@ -227,8 +242,7 @@ class SWAPageAllocator:
         Returns the int64 full slots (``out_cache_loc``); writes ``req_to_token[row]`` and the
         translation of every new page. Raises before changing anything if either pool is full.
         """
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens={num_new_tokens} must be ≥ 0.")
+        num_new_tokens = check_token_count(num_new_tokens, "num_new_tokens")
         ps = self.page_size
         held = self.full.tokens_held(row)
         have = len(self.full.pages_of(row))
@@ -268,10 +282,12 @@ class SWAPageAllocator:
         A page whose last token is before ``next_position - window + 1`` is unmapped
         (translation → 0, the SWA null slot) and its SWA page goes back to the free list; the
         full page stays (full-attention layers still read it). Returns the pages freed.
+        Afterwards :meth:`truncate` refuses a length whose next query would see a freed key.
         """
         if window is None or window < 1:
             raise ValueError(f"window={window!r}; pass the largest sliding_window (≥ 1) of the "
                              "model's SWA layers.")
+        row = row_index(row, "free_swa_out_of_window")
         held = self.full.tokens_held(row)
         nxt = held if next_position is None else int(next_position)
         if not 0 <= nxt <= held:
@@ -281,7 +297,7 @@ class SWAPageAllocator:
         if first_visible <= 0:
             return 0
         freed = 0
-        for fp in self.full.pages_of(row)[: first_visible // self.page_size]:
+        for i, fp in enumerate(self.full.pages_of(row)[: first_visible // self.page_size]):
             if fp in keep_pages:
                 continue
             sp = self._swa_of.pop(fp, None)
@@ -290,13 +306,17 @@ class SWAPageAllocator:
             self._map(fp, 0)
             self._swa_free.append(sp)
             freed += 1
+            # a query at n sees keys ≥ n - window + 1: those must lie past this page
+            end = (i + 1) * self.page_size
+            self._floor[row] = max(self._floor.get(row, (0, 0)), (end + window - 1, end))
         return freed
 
     def release(self, req_pool: ReqToTokenPool, row: int,
                 keep_pages: frozenset = frozenset()) -> None:
         """Free ``row``'s pages in both pools (except ``keep_pages``, still shared) and its row
         (ValueError, changing nothing, for a row that is not allocated)."""
-        req_pool.check_allocated(row, f"release(row={row})")
+        row = req_pool.check_allocated(row, f"release(row={row})")
+        self._floor.pop(row, None)
         for fp in self.full.pages_of(row):
             if fp in keep_pages:
                 continue

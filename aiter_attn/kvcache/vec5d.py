@@ -22,7 +22,7 @@ import torch
 
 from ..kernels.reference_5d import V_LAYOUTS, vec_width
 from ..kernels.reference_extra import kv_nhd_from_5d
-from ._layers import check_layer_id, check_page_size, zeros_per_layer
+from ._layers import check_geometry, check_layer_id, check_page_size, zeros_per_layer
 
 __all__ = ["Vec5DKVPool"]
 
@@ -56,6 +56,9 @@ class Vec5DKVPool:
         if self.v_head_dim is None:
             self.v_head_dim = self.head_dim
         check_page_size(self.page_size, "Vec5DKVPool")
+        check_geometry("Vec5DKVPool", self.dtype, num_pages=self.num_pages,
+                       num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                       v_head_dim=self.v_head_dim, num_layers=self.num_layers)
         x = self.x
         if self.v_layout not in V_LAYOUTS:
             raise ValueError(f"v_layout={self.v_layout!r}; allowed: {V_LAYOUTS}.")
