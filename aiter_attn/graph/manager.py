@@ -348,9 +348,11 @@ class CudaGraphManager:
                                                                          batch.batch_size)
         e = self.entry(mode, pbs)
         fill = self.fill_value(mode)
-        check_mask_fits(self.static, batch, pbs, st.limits.q_len, fill, st.limits.max_seq_len)
+        tree = st.limits.mask_numel > 0  # the static batch reads static.custom_mask
+        check_mask_fits(self.static, batch, pbs, st.limits.q_len, fill, st.limits.max_seq_len,
+                        tree_mask=tree)
         self._load_inputs(e, batch.batch_size * st.rows_per_request, inputs)
-        load_padded(self.static, batch, pbs, st.limits.q_len, fill)
+        load_padded(self.static, batch, pbs, st.limits.q_len, fill, tree_mask=tree)
         self._plan(e, capturing=capturing)
         return e
 
@@ -368,6 +370,13 @@ class CudaGraphManager:
                 raise ValueError(
                     f"token input {name!r} has shape {tuple(value.shape)}; expected "
                     f"{(n, *buf.shape[1:])} (one row per query token).")
+            # copy_ would convert silently (floats truncated into ids, q in another dtype
+            # than eager would accept) or copy across devices with a sync: refuse instead
+            if value.dtype != buf.dtype or value.device != buf.device:
+                raise ValueError(
+                    f"token input {name!r} is {value.dtype} on {value.device}; this manager "
+                    f"owns it as {buf.dtype} on {buf.device} (CudaGraphManager(token_inputs="
+                    "...)): convert it with .to(device, dtype) or declare that dtype.")
             buf[:n].copy_(value)
             buf[n: e.inputs[name].shape[0]].zero_()
 
@@ -382,7 +391,8 @@ class CudaGraphManager:
             seq_lens_cpu=torch.zeros(0, dtype=torch.int64),
             out_cache_loc=torch.zeros(0, dtype=torch.int64, device=dev),
         )
-        load_padded(self.static, empty, e.bs, st.limits.q_len, self.fill_value(e.mode))
+        load_padded(self.static, empty, e.bs, st.limits.q_len, self.fill_value(e.mode),
+                    tree_mask=st.limits.mask_numel > 0)
         for buf in e.inputs.values():
             buf.zero_()
 

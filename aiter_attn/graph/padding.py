@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 
 from ..batch import ForwardBatch
+from ..validation import check_tensor
 from .buffers import DUMMY_SLOT, NULL_REQ_ROW, StaticInputs
 
 __all__ = ["GraphLimitError", "next_capture_size", "load_padded", "check_mask_fits", "mask_layout"]
@@ -45,9 +46,14 @@ def next_capture_size(sizes: Sequence[int], bs: int) -> int:
 
 
 def load_padded(static: StaticInputs, batch: ForwardBatch, padded_bs: int, q_len: int,
-                fill: int) -> None:
+                fill: int, *, tree_mask: bool = False) -> None:
     """Copy ``batch`` (``bs`` requests, ``bs · q_len`` tokens) into ``static`` rows ``[0, bs)``
-    and write padding rows ``[bs, padded_bs)``. Shapes/limits are checked by the caller."""
+    and write padding rows ``[bs, padded_bs)``. Shapes/limits are checked by the caller
+    (:func:`check_mask_fits` for the mask).
+
+    ``tree_mask``: the mode plans a tree mask (the static batch reads ``static.custom_mask``):
+    the batch's mask is copied (or expanded) and padding blocks are made all-visible. Without
+    it a mask the batch carries is not read (a chain's causal mask), as in eager planning."""
     bs, n = batch.batch_size, batch.num_tokens
     pad_tokens = (padded_bs - bs) * q_len
     static.req_pool_indices[:bs].copy_(batch.req_pool_indices)
@@ -71,7 +77,10 @@ def load_padded(static: StaticInputs, batch: ForwardBatch, padded_bs: int, q_len
         static.extend_seq_lens_cpu[:padded_bs].fill_(q_len)
         static.extend_state = (q_len, padded_bs)
     torch.sub(static.seq_lens_cpu[:padded_bs], q_len, out=static.extend_prefix_lens_cpu[:padded_bs])
+    if not tree_mask:
+        return
     spec = batch.spec_info
+    m = 0  # an all-padding batch (capture) has no mask of its own
     if spec is not None and spec.custom_mask is not None:
         m = q_len * batch.seq_lens_sum  # host int from the CPU mirror
         if mask_layout(spec.custom_mask, batch, q_len) == "tree":
@@ -83,7 +92,7 @@ def load_padded(static: StaticInputs, batch: ForwardBatch, padded_bs: int, q_len
             build_tree_mask(batch.seq_lens, spec.custom_mask, q_len, indptr, static.custom_mask, m)
         else:
             static.custom_mask[:m].copy_(spec.custom_mask.reshape(-1)[:m])
-        static.custom_mask[m:m + pad_tokens * fill].fill_(True)
+    static.custom_mask[m:m + pad_tokens * fill].fill_(True)
 
 
 def mask_layout(custom_mask: torch.Tensor, batch: ForwardBatch, q_len: int) -> str:
@@ -96,11 +105,31 @@ def mask_layout(custom_mask: torch.Tensor, batch: ForwardBatch, q_len: int) -> s
 
 
 def check_mask_fits(static: StaticInputs, batch: ForwardBatch, padded_bs: int, q_len: int,
-                    fill: int, max_seq_len: int) -> None:
-    """Raise when the tree mask (real blocks + padding blocks) overflows the static buffer."""
-    spec = batch.spec_info
-    if spec is None or spec.custom_mask is None:
+                    fill: int, max_seq_len: int, *, tree_mask: bool) -> None:
+    """Check the batch's tree mask before anything is written, as eager planning would.
+
+    ``tree_mask``: the mode plans a tree mask. Then the batch must carry one (else the static
+    mask of an earlier batch would be read), bool/uint8 on the batch's device (it is copied
+    into the bool static buffer: another dtype would be converted silently, e.g. an additive
+    0/-inf mask inverted), of a size :func:`mask_layout` accepts, and the real blocks plus
+    the padding blocks must fit the static buffer. Without ``tree_mask`` a mask the batch
+    carries is not read (a chain's causal mask, as in eager planning): nothing to check.
+    """
+    if not tree_mask:
         return
+    spec = batch.spec_info
+    mask = None if spec is None else spec.custom_mask
+    if mask is None:
+        raise ValueError(
+            f"{batch.forward_mode.name} of a tree draft (BackendConfig.spec.topk > 1) needs "
+            "spec_info.custom_mask: its captured graphs read a tree mask. Send SGLang's "
+            "per-request [q_len, seq_len] blocks or the [batch, q_len, q_len] tree part.")
+    check_tensor("spec_info.custom_mask", mask, dtypes=(torch.bool, torch.uint8),
+                 hint="custom_mask is a flat bool mask (True = may attend).")
+    if mask.device != batch.device:
+        raise ValueError(f"spec_info.custom_mask is on {mask.device}; the batch is on "
+                         f"{batch.device}. Build the mask on the batch's device.")
+    mask_layout(mask, batch, q_len)  # raises naming the accepted sizes
     need = q_len * batch.seq_lens_sum + (padded_bs - batch.batch_size) * q_len * fill
     have = int(static.custom_mask.shape[0])
     if need > have:

@@ -26,6 +26,7 @@ import torch
 from ..batch import ForwardBatch
 from ..strategies.base import BufferSpec
 from ..contract import capturable_modes, contract_of
+from ..registry import StrategySelectionError
 from ..types import BackendConfig, CGSupport, ForwardMode
 from .buffers import GraphLimits
 
@@ -109,12 +110,19 @@ class BackendSource:
         return int(self.backend.get_cuda_graph_seq_len_fill_value())
 
     def default_modes(self) -> list[ForwardMode]:
-        """DECODE, plus the speculative modes a capturable strategy serves when spec is set."""
+        """DECODE, plus the speculative modes a capturable strategy serves when spec is set.
+
+        The pair of a mode is the one the backend itself would plan with
+        (``backend.pair_for``: a forced ``AttentionBackend(strategy=...)`` included); a mode
+        it cannot serve is left out."""
         modes = [ForwardMode.DECODE]
         if self.config.spec is not None:
             for m in capturable_modes():
-                pair, _ = self.backend.strategies.candidates(m, self.config.arch, self.config)
-                if pair is None or pair.contract(m).tokens != "draft":
+                try:
+                    pair = self.backend.pair_for(m)
+                except StrategySelectionError:
+                    continue
+                if pair.contract(m).tokens != "draft":
                     continue
                 if pair.cg_support >= _min_support(m, pair):
                     modes.append(m)
