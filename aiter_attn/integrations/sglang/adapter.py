@@ -41,6 +41,7 @@ from ...backend import AttentionBackend
 from ...contract import contract_of
 from ...graph.manager import graph_mode
 from ...types import ForwardMode, SpecDecodeConfig
+from ..vllm.core import refresh_sinks
 from .translate import SGLangMHAPool, config_from_runner, layer_spec, map_mode, to_forward_batch
 
 __all__ = ["AiterAttnSGLangBackend", "build_backend_class"]
@@ -204,12 +205,15 @@ class AiterAttnSGLangBackend:
         return spec
 
     def _sinks_f32(self, layer_id: int, sinks):
-        if sinks is None:
-            return None
-        hit = self._sinks.get(layer_id)
-        if hit is None or hit[0] is not sinks:
-            hit = self._sinks[layer_id] = (sinks, sinks.detach().to(torch.float32).contiguous())
-        return hit[1]
+        """float32 sinks holding the parameter's values now: SGLang updates weights in place
+        (``update_weights_from_tensor`` / ``_from_disk`` copy into ``param.data``), so a copy
+        made once would go stale. One buffer per layer, refreshed on every call (a captured
+        graph replays the refresh); see
+        :func:`aiter_attn.integrations.vllm.core.refresh_sinks`."""
+        buf = refresh_sinks(sinks, self._sinks.get(layer_id))
+        if buf is not None and buf is not sinks:
+            self._sinks[layer_id] = buf
+        return buf
 
     def _run(self, q, k, v, layer, forward_batch, save_kv_cache, sinks=None, **kwargs):
         extra = sorted(n for n, val in kwargs.items() if val is not None)

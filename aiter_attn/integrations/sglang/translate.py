@@ -72,7 +72,7 @@ RUNNER_FIELDS = ("req_to_token_pool", "token_to_kv_pool", "page_size", "dtype",
 
 #: ``MHATokenToKVPool`` methods and attributes the adapter uses.
 POOL_METHODS = ("get_key_buffer", "get_value_buffer")
-POOL_FIELDS = ("start_layer", "layer_num", "kv_cache_layout")
+POOL_FIELDS = ("start_layer", "layer_num", "kv_cache_layout", "size", "k_scale_buffer")
 
 
 def map_mode(mode) -> ForwardMode:
@@ -226,9 +226,23 @@ class SGLangMHAPool(MHAKVPool):
                 "SGLang's KV pool is quantized (is_quantized_kv_cache=True, e.g. an FP4 KV "
                 "cache): its get_key_buffer returns dequantized copies, which the aiter_attn "
                 "backend cannot write; use --kv-cache-dtype auto (or an fp8 dtype).")
+        if getattr(sgl_pool, "k_scale_buffer", None) is not None:
+            raise ValueError(
+                f"SGLang's KV pool ({type(sgl_pool).__name__}) keeps block scale factors beside "
+                "its fp8 data (--kv-cache-dtype mxfp8), which the aiter_attn backend neither "
+                "writes nor reads; use --kv-cache-dtype fp8_e4m3 (per-tensor k/v scales) or "
+                "auto.")
         k0 = sgl_pool.get_key_buffer(sgl_pool.start_layer)
         v0 = sgl_pool.get_value_buffer(sgl_pool.start_layer)
         slots = int(k0.shape[0])
+        size = getattr(sgl_pool, "size", None)
+        if size is not None and slots < int(size) + page_size:
+            raise ValueError(
+                f"SGLang's KV pool ({type(sgl_pool).__name__}) holds {slots} slots per layer "
+                f"for size={size} tokens (+ {page_size} padding): it stores no KV "
+                "(--prefill-only-disable-kv-cache keeps placeholders only), and the aiter_attn "
+                "backend writes and reads every token's K/V in the pool; drop "
+                "--prefill-only-disable-kv-cache (or serve it with --attention-backend fa3).")
         super().__init__(num_pages=slots // page_size, page_size=page_size,
                          num_kv_heads=int(k0.shape[1]), head_dim=int(k0.shape[2]),
                          num_layers=0, dtype=k0.dtype, device=str(device),
