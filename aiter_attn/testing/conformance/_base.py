@@ -45,11 +45,15 @@ def gen(case: ConformanceCase, variant: int) -> torch.Generator:
 def lens_of(case: ConformanceCase, variant: int) -> tuple:
     """KV lengths of a variant: the second run of a graph-capturable kernel sees shorter
     requests in the same buffers (each still on as many pages, so every shape is the same)
-    where no host-side size depends on them."""
+    where no host-side size depends on them. With one token per page no request can get
+    shorter on as many pages, so there each is one token shorter (its block-table row keeps
+    every page): a kernel that keeps the first run's lengths still fails on page size 1."""
     fixed = case.custom_mask or case.op in ("build_ragged_kv_indices", "build_tree_mask")
     if variant == 0 or fixed:
         return case.kv_lens
     ps = case.page_size
+    if ps == 1:
+        return tuple(max(n, L - 1) for n, L in zip(case.q_lens, case.kv_lens))
     return tuple(max(n, ((L - 1) // ps) * ps + 1) for n, L in zip(case.q_lens, case.kv_lens))
 
 

@@ -133,8 +133,9 @@ def default_cases() -> tuple:
     """The cases our own kernels pass: decode, prefill, extend, mixed; GQA 5:1, head dim 80;
     pages 1/16/48; windows (causal and two-sided), sinks, soft-caps, fp8, custom masks,
     non-causal, v dim ≠ qk dim; fp16/bf16; softmax scales other than 1/√d; the 5-D layout in
-    both value layouts; MLA (kv_lora 512 + rope 64) with 4/8/16 heads, pages 1 and 64; every
-    KV write and index builder."""
+    both value layouts; MLA (kv_lora 512 + rope 64) with 4/8/16 heads, pages 1 and 64; on
+    every attention op, rows that see no key and requests with no query (graph padding);
+    every KV write and index builder."""
     C = ConformanceCase
     cases = [
         C(name="decode-page1-gqa4:1-d64", q_lens=(1, 1, 1, 1), kv_lens=(1, 7, 33, 64),
@@ -166,6 +167,14 @@ def default_cases() -> tuple:
           quick=True, scale=0.3),
         C(name="custom-mask-empty-rows-lse", q_lens=(3, 2), kv_lens=(19, 30), custom_mask=True,
           empty_rows=True, lse=True, num_q_heads=4, num_kv_heads=2, scale=0.3),
+        # a row that sees no key but has a sink: zeros out, LSE = the sink (not -inf)
+        C(name="custom-mask-empty-rows-sinks-lse", q_lens=(2, 3), kv_lens=(17, 26),
+          custom_mask=True, empty_rows=True, sinks=True, lse=True, num_q_heads=4,
+          num_kv_heads=2, scale=0.3),
+        # requests with no query this step (vLLM's graph padding: q_len 0, seqused_k 0) and
+        # one with keys but no query, between requests that have queries
+        C(name="mixed-page16-zero-length-requests", q_lens=(1, 0, 4, 0, 1),
+          kv_lens=(20, 9, 33, 0, 17), num_q_heads=4, num_kv_heads=2, scale=0.21, quick=True),
         C(name="vdim32-qkdim48-page16", q_lens=(1, 5), kv_lens=(19, 12), head_dim=48,
           v_head_dim=32, scale=0.4),
         C(name="fp16-decode-page16-gqa4:1", q_lens=(1, 1, 1), kv_lens=(5, 40, 77),
@@ -194,6 +203,13 @@ def default_cases() -> tuple:
           scale=0.3, **p5),
         C(name="5d-vdim32-qkdim48-page16", q_lens=(1, 5), kv_lens=(19, 12), head_dim=48,
           v_head_dim=32, scale=0.4, **p5),
+        C(name="5d-window-two-sided-noncausal", q_lens=(4, 3), kv_lens=(20, 11), causal=False,
+          window=(3, 2), scale=0.3, **p5),
+        C(name="5d-custom-mask-empty-rows-lse", q_lens=(3, 2), kv_lens=(19, 30),
+          custom_mask=True, empty_rows=True, lse=True, num_q_heads=4, num_kv_heads=2,
+          scale=0.3, **p5),
+        C(name="5d-zero-length-requests", q_lens=(1, 0, 3, 0), kv_lens=(20, 9, 21, 0),
+          scale=0.23, **p5),
     ]
     if _E4M3FN is not None:
         cases.append(C(name="5d-fp8e4m3fn-page16-scales", q_lens=(1, 4), kv_lens=(33, 20),
@@ -211,6 +227,11 @@ def default_cases() -> tuple:
     ]
     cases.append(C(name="mla-custom-mask-h16-page1", q_lens=(3, 2), kv_lens=(12, 25),
                    num_q_heads=16, page_size=1, custom_mask=True, scale=0.1, **mla))
+    cases.append(C(name="mla-custom-mask-empty-rows-lse-h16-page1", q_lens=(3, 2),
+                   kv_lens=(12, 25), num_q_heads=16, page_size=1, custom_mask=True,
+                   empty_rows=True, lse=True, scale=0.1, **mla))
+    cases.append(C(name="mla-zero-length-requests-h16-page1", q_lens=(1, 0, 1, 0),
+                   kv_lens=(14, 6, 30, 0), num_q_heads=16, page_size=1, scale=0.12, **mla))
     cases.append(C(name="mla-noncausal-h8-page16", q_lens=(4, 2), kv_lens=(21, 6),
                    num_q_heads=8, page_size=16, causal=False, scale=0.1, **mla))
     if _E4M3FN is not None:
@@ -265,6 +286,8 @@ def default_cases() -> tuple:
           kv_lens=(1, 33, 16), quick=True),
         C(name="page_table-page1", op="build_page_table", q_lens=(1, 1), kv_lens=(5, 2),
           page_size=1),
+        C(name="page_table-zero-length-request", op="build_page_table", q_lens=(1, 0, 1),
+          kv_lens=(17, 0, 4)),
         C(name="page_tables_swa-page16", op="build_page_tables_swa", q_lens=(1, 1, 1),
           kv_lens=(40, 3, 17), quick=True),
         C(name="ragged_kv_indices", op="build_ragged_kv_indices", q_lens=(1, 1, 1),

@@ -96,6 +96,63 @@ def _nan_on_empty_rows(q, k, v, out, **kw):
     return out
 
 
+def _one_sided_window(q, k, v, out, **kw):
+    """Applies only the window's left edge: a non-causal query sees every key to its right."""
+    kw["window_size"] = (kw["window_size"][0], -1)
+    return paged_attention_5d_reference(q, k, v, out, **kw)
+
+
+def _empty_rows_drop_sink(q, k, v, out, **kw):
+    """Guards rows that see no key with ``lse = -inf`` before the sink is added: such a row's
+    LSE must be the sink's logit."""
+    lse = kw.get("lse")
+    R.paged_attention_reference(q, k, v, out, **kw)
+    if lse is not None and kw.get("sinks") is not None:
+        no_sink = torch.empty_like(lse)
+        R.paged_attention_reference(q, k, v, torch.empty_like(out), **{**kw, "sinks": None,
+                                                                        "lse": no_sink})
+        lse[torch.isneginf(no_sink)] = float("-inf")
+    return out
+
+
+def _clobber_zero_length(out, cu_seqlens_q):
+    """One program per request writes row ``cu_seqlens_q[b]`` even where request ``b`` has no
+    query: the zeros of its empty softmax land on the next request's first row."""
+    cu = cu_seqlens_q.tolist()
+    for b in range(len(cu) - 1):
+        if cu[b] == cu[b + 1] < out.shape[0]:
+            out[cu[b]] = 0
+
+
+def _zero_length_clobbers(q, k, v, out, **kw):
+    R.paged_attention_reference(q, k, v, out, **kw)
+    _clobber_zero_length(out, kw["cu_seqlens_q"])
+    return out
+
+
+def _mla_zero_length_clobbers(q, kv, out, **kw):
+    R.mla_paged_attention_reference(q, kv, out, **kw)
+    _clobber_zero_length(out, kw["cu_seqlens_q"])
+    return out
+
+
+def _nan_on_empty_rows_of(ref):
+    """:func:`_nan_on_empty_rows` for another reference (q and the caches, then ``out``)."""
+
+    def fn(*args, **kw):
+        *inputs, out = args
+        lse = kw.pop("lse", None)
+        row_lse = torch.empty(out.shape[:2], dtype=torch.float32, device=out.device)
+        ref(*inputs, out, lse=row_lse, **kw)
+        empty = torch.isneginf(row_lse)
+        out[empty] = float("nan")
+        if lse is not None:
+            lse.copy_(row_lse)
+        return out
+
+    return fn
+
+
 _HOST_LENS: dict = {}
 
 
@@ -219,6 +276,13 @@ def _write_kv_5d_k_only(k_cache, v_cache, slots, k, v, **kw):
     RE.write_kv_5d_reference(k_cache, v_cache.clone(), slots, k, v, **kw)
 
 
+def _page_table_min_one_page(req_to_token, req_pool_indices, seq_lens, page_size, out):
+    """Takes ``max(1, ceil(seq_len / page_size))`` pages: an empty request gets its first
+    ``req_to_token`` page instead of the null page."""
+    return R.build_page_table_reference(req_to_token, req_pool_indices, seq_lens.clamp_min(1),
+                                        page_size, out)
+
+
 def _page_table_no_zero(req_to_token, req_pool_indices, seq_lens, page_size, out):
     before = out.clone()
     R.build_page_table_reference(req_to_token, req_pool_indices, seq_lens, page_size, out)
@@ -273,7 +337,7 @@ MUTANTS = (
       "reads the slots past seqused_k (masked lanes times zero)", ("decode-page16-gqa5:1-d80",)),
     M("mutant-stale-on-replay", "paged_attention", _stale_on_replay,
       "declares graph support but keeps the lengths of its first call per buffer",
-      ("decode-page16-gqa5:1-d80",), CGSupport.ALWAYS),
+      ("decode-page1-gqa4:1-d64", "decode-page16-gqa5:1-d80"), CGSupport.ALWAYS),
     M("mutant-plan-copies-lengths", "paged_attention", _PlanCopiesLengths,
       "kernel object whose plan keeps its own copy of seqused_k (stale on replay)",
       ("decode-page16-gqa5:1-d80",), CGSupport.ALWAYS),
@@ -289,9 +353,27 @@ MUTANTS = (
       "MLA kernel ignoring softmax_scale", ("mla-decode-h16-page1",)),
     M("mutant-mla-plan-copies-lengths", "mla_paged_attention", _MLAPlanCopiesLengths,
       "MLA kernel object whose plan keeps its own copy of seqused_k (stale on replay)",
-      ("mla-decode-h4-page64",), CGSupport.ALWAYS),
+      ("mla-decode-h16-page1", "mla-decode-h4-page64"), CGSupport.ALWAYS),
     M("mutant-5d-ignores-scale", "paged_attention_5d", _5d_ignores_scale,
       "5-D kernel ignoring softmax_scale", ("5d-decode-page16-gqa4:1",)),
+    M("mutant-5d-window-one-sided", "paged_attention_5d", _one_sided_window,
+      "5-D kernel applying only the window's left edge", ("5d-window-two-sided-noncausal",)),
+    M("mutant-empty-rows-drop-sink", "paged_attention", _empty_rows_drop_sink,
+      "LSE -inf for a row that sees no key although it has a sink",
+      ("custom-mask-empty-rows-sinks-lse",)),
+    M("mutant-zero-length-clobbers", "paged_attention", _zero_length_clobbers,
+      "writes a row for a request with no query (onto the next request's first row)",
+      ("mixed-page16-zero-length-requests",)),
+    M("mutant-mla-zero-length-clobbers", "mla_paged_attention", _mla_zero_length_clobbers,
+      "MLA kernel writing a row for a request with no query",
+      ("mla-zero-length-requests-h16-page1",)),
+    M("mutant-5d-nan-on-empty-rows", "paged_attention_5d",
+      _nan_on_empty_rows_of(paged_attention_5d_reference),
+      "5-D kernel: NaN (0/0) for rows that see no key", ("5d-custom-mask-empty-rows-lse",)),
+    M("mutant-mla-nan-on-empty-rows", "mla_paged_attention",
+      _nan_on_empty_rows_of(R.mla_paged_attention_reference),
+      "MLA kernel: NaN (0/0) for rows that see no key",
+      ("mla-custom-mask-empty-rows-lse-h16-page1",)),
     M("mutant-write-kv-null-page", "write_kv", _write_kv_null_page,
       "also zeroes the null page", ("write_kv-page16-gqa",)),
     M("mutant-write-kv-fp8-unscaled", "write_kv", _write_kv_unscaled_fp8,
@@ -306,6 +388,8 @@ MUTANTS = (
       "writes K but not V", ("write_kv_5d-shuffled-page16",)),
     M("mutant-page-table-no-zero", "build_page_table", _page_table_no_zero,
       "leaves stale entries past each request's pages", ("page_table-page16",)),
+    M("mutant-page-table-min-one-page", "build_page_table", _page_table_min_one_page,
+      "gives an empty request one page instead of none", ("page_table-zero-length-request",)),
     M("mutant-swa-tables-untranslated", "build_page_tables_swa", _swa_tables_untranslated,
       "copies the full table as the SWA table", ("page_tables_swa-page16",)),
     M("mutant-ragged-shifted", "build_ragged_kv_indices", _ragged_shifted,
