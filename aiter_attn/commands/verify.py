@@ -120,6 +120,12 @@ def run(args) -> int:
         return _usage_error(args, f"unknown case(s) {unknown}; cases: {sorted(all_names)}")
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     ops = args.op
+    missing = sorted(set(ops or ()) - known[args.backend])
+    if missing:  # its cases would all be "unsupported": nothing verified, yet exit 0
+        return _usage_error(args, (
+            f"backend {args.backend!r} registers no {', '.join(missing)} kernel, so --op "
+            f"{' --op '.join(missing)} would verify nothing; it registers "
+            f"{sorted(known[args.backend])}. Drop that --op or pick a backend that has it."))
     if not ops and not args.case:  # by default, the ops this backend implements
         ops = sorted(known[args.backend] & set(OPS))
         if not ops:
@@ -138,6 +144,9 @@ def run(args) -> int:
         print(json.dumps(data, indent=2))
     else:
         print(report.format_table())
+        if report.ok and failed:  # the table says "0 failed": say why the exit code is 1
+            names = [r.name for r in report.results if r.status == "unsupported"]
+            print(f"FAILED (--strict counts unsupported cases as failures): {', '.join(names)}")
     return 1 if failed else 0
 
 

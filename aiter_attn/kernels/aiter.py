@@ -770,6 +770,13 @@ def _paged_predicate(req) -> Optional[str]:
         return ("non-causal attention over an fp8 cache: this aiter release's "
                 "mha_batch_prefill_func takes no k_descale and unified_attention is causal "
                 "only; use a 16-bit cache or another backend for this layer")
+    # sinks and windows always run on unified_attention; fp8 extend steps too where the
+    # release's mha_batch_prefill_func takes no k_descale
+    unified = bool(req.features & {"sinks", "window"}) or (
+        "fp8" in req.features and not _prefill_takes_descale())
+    why = M.unified_page_size_reason(req.page_size) if unified else None
+    if why is not None:
+        return why
     for name, dim in (("head_dim", req.head_dim), ("v_head_dim", req.v_head_dim)):
         # mha_batch_prefill_func pads other sizes internally, which breaks a caller's out=
         if dim is not None and dim % 8:

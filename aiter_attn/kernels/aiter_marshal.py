@@ -57,6 +57,7 @@ __all__ = [
     "RAGGED_MAX_GQA",
     "RAGGED_HEAD_SIZES",
     "ragged_decode_reason",
+    "unified_page_size_reason",
     "route_paged_attention",
     "build_paged_attention_ragged_call",
     "build_mha_batch_prefill_call",
@@ -481,6 +482,22 @@ def ragged_decode_reason(*, num_tokens: int, batch: int, q_heads: Optional[int],
     return None
 
 
+def unified_page_size_reason(page_size: Optional[int]) -> Optional[str]:
+    """Why ``unified_attention`` cannot run over pages of ``page_size`` tokens, or ``None``.
+
+    The wheel's ``aiter/ops/triton/unified_attention.py`` tiles the keys by the page
+    (``TILE_SIZE = block_size``) for all-decode steps and in its 3-D (split-KV) kernel, and
+    its kernels build ``tl.arange(0, TILE_SIZE)``, which Triton accepts for powers of 2 only
+    (``arange's range must be a power of 2``): other page sizes fail on the device.
+    """
+    if page_size is None or (page_size > 0 and page_size & (page_size - 1) == 0):
+        return None
+    return (f"page_size {page_size} is not a power of 2: aiter's unified_attention (sinks, "
+            "sliding windows, fp8 extend without k_descale) tiles decode steps by the page "
+            "with tl.arange(0, page_size), which Triton builds for powers of 2 only; use "
+            "pages of 16, 32, 64, … or another backend")
+
+
 def route_paged_attention(max_seqlen_q: int, *, causal: bool = True, has_sinks: bool = False,
                           window: tuple = (-1, -1), has_window: bool = False,
                           is_fp8: bool = False,
@@ -575,8 +592,12 @@ def build_unified_attention_call(
     """Paged attention over our NHD page table (SWA windows, sinks, verify, fp8).
 
     ``max_seqlen_k`` is the static bound ``block_table.shape[1]·page_size`` (no host sync);
-    ``window_size`` is flash-attn ``(left, right)``, the same convention as our op."""
+    ``window_size`` is flash-attn ``(left, right)``, the same convention as our op. Pages
+    whose size is not a power of 2 raise ``ValueError`` (:func:`unified_page_size_reason`)."""
     page_size = k_cache.shape[1]
+    why = unified_page_size_reason(page_size)
+    if why is not None:
+        raise ValueError(why)
     return AiterCall("unified_attention", kwargs=dict(
         q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_seqlens_q,
         max_seqlen_q=int(max_seqlen_q), seqused_k=seqused_k,
