@@ -100,6 +100,16 @@ def validate_batch(batch: ForwardBatch, config: BackendConfig, req_to_token: tor
         )
 
 
+def _refuse_extra(kwargs: dict) -> None:
+    """Raise for the layer-call keywords that carry a value but that no strategy reads."""
+    extra = sorted(name for name, value in kwargs.items() if value is not None)
+    if extra:
+        raise TypeError(
+            f"forward() got {extra}, which AttentionBackend does not read (its layer call takes "
+            "q, k, v, layer, forward_batch, save_kv_cache and sinks); drop them, or fold what "
+            "they carry into q/k (e.g. concatenate the rotary part) before the call.")
+
+
 class AttentionBackend:
     """Attention for one model over a paged KV cache.
 
@@ -198,7 +208,12 @@ class AttentionBackend:
         The hot path: what depends only on the step (token count, batch size, the mode's
         execution strategy) is looked up once per planned metadata (``_step``), then O(1)
         checks of q/k/v and the strategy's run (one binding lookup, the output, the launch).
+
+        ``**kwargs`` takes SGLang's extra keywords so its calls fit; one with a value (``None``
+        is no value) is refused: nothing here reads it, so its effect would be lost silently.
         """
+        if kwargs:
+            _refuse_extra(kwargs)
         md = self.forward_metadata
         if md is None or self._batch is not forward_batch:
             raise RuntimeError(
@@ -213,6 +228,8 @@ class AttentionBackend:
         if layer.__class__ is not LayerSpec and not isinstance(layer, LayerSpec):
             raise TypeError(f"layer must be a LayerSpec, got {type(layer).__name__}.")
         self._check_qkv(q, k, v, layer, step[2])
+        if sinks is not None:
+            self._check_sinks(sinks, layer)
         if step[3] == 0:
             return q.new_zeros(0, layer.num_q_heads * layer.v_head_dim)
         return step[4].run(q, k, v, layer, forward_batch, md, save_kv_cache=save_kv_cache,
@@ -278,6 +295,25 @@ class AttentionBackend:
             raise ValueError("encoder_lens is set: cross-attention is not captured; run eagerly.")
         return self._graphs().plan_replay(bs, forward_mode, req_pool_indices, seq_lens,
                                           spec_info, seq_lens_cpu=seq_lens_cpu, **kw)
+
+    def _check_sinks(self, sinks, layer: LayerSpec) -> None:
+        """O(1) checks of a per-call ``sinks`` (it overrides ``layer.sinks``), before any KV
+        write or launch: the kernels read one float per query head from it unchecked, so a
+        short tensor would be read past its end (the Triton kernels) and a wrong type or
+        device fail inside a kernel."""
+        if not isinstance(sinks, torch.Tensor):
+            raise TypeError(f"sinks must be a torch.Tensor (float32 [num_q_heads]), got "
+                            f"{type(sinks).__name__}.")
+        if tuple(sinks.shape) != (layer.num_q_heads,):
+            raise ValueError(
+                f"sinks has shape {tuple(sinks.shape)}; expected ({layer.num_q_heads},), one "
+                f"logit per query head of layer {layer.layer_id} on this rank.")
+        if not sinks.dtype.is_floating_point:
+            raise TypeError(f"sinks has dtype {sinks.dtype}; pass float32 sink logits "
+                            "(sinks.float()).")
+        if sinks.device != self._device:
+            raise ValueError(f"sinks is on {sinks.device}; the backend's pools are on "
+                             f"{self._device}.")
 
     def _check_qkv(self, q, k, v, layer: LayerSpec, n) -> None:
         """O(1) checks of one layer call (type, dtype, element counts, device) for a step of

@@ -234,6 +234,8 @@ class MultiStepDraftBackend:
         if not isinstance(layer, LayerSpec):
             raise TypeError(f"layer must be a LayerSpec, got {type(layer).__name__}.")
         self._core._check_qkv(q, k, v, layer, batch)
+        if sinks is not None:
+            self._core._check_sinks(sinks, layer)
         if batch.batch_size == 0:
             return q.new_zeros(0, layer.num_q_heads * layer.v_head_dim)
         return self.executor.run(q, k, v, layer, batch, md, save_kv_cache=save_kv_cache,
