@@ -777,6 +777,16 @@ def mla_paged_attention(
         )
     if custom_mask is not None and mask_indptr is None:
         raise ValueError("custom_mask needs mask_indptr (int64 [batch + 1]); pass both.")
+    # the launch writes out / lse by these shapes without a bound (a wider out kept garbage
+    # columns, an lse of another shape or dtype got the [T, H] float32 row layout)
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    if tuple(out.shape) != (num_tokens, num_heads, kv_lora_rank):
+        raise ValueError(f"out has shape {tuple(out.shape)}; expected [{num_tokens}, "
+                         f"{num_heads}, {kv_lora_rank}] (num_tokens, num_heads, kv_lora_rank).")
+    if lse is not None and (lse.dtype != torch.float32
+                            or tuple(lse.shape) != (num_tokens, num_heads)):
+        raise ValueError(f"lse is {lse.dtype} {tuple(lse.shape)}; expected float32 "
+                         f"[{num_tokens}, {num_heads}] (num_tokens, num_heads).")
     if q.stride(-1) != 1:
         q = q.contiguous()
     tuning = {k: v for k, v in dict(

@@ -658,6 +658,27 @@ def reject_reason(request) -> Optional[str]:
     return None
 
 
+def check_call_tensors(q, k_cache, out, *, sinks=None, lse=None) -> None:
+    """The per-call tensors of a functional call (``ops.paged_attention`` checks the same):
+    query heads in whole groups of the KV heads, ``out`` ``[T, Hq, Dv]``, ``sinks`` ``[Hq]``
+    and ``lse`` float32 ``[T, Hq]``. The launch reads and writes them by these shapes without a
+    bound (a short ``sinks`` was read past its end, a small ``lse`` written past its end)."""
+    t, hq = q.shape[0], q.shape[1]
+    hkv = k_cache.shape[2]  # NHD pages [pages, page_size, Hkv, D]
+    if hkv <= 0 or hq % hkv:
+        raise ValueError(f"num_q_heads={hq} is not a multiple of num_kv_heads={hkv}; GQA "
+                         "needs whole groups of query heads per KV head.")
+    if out.dim() != 3 or tuple(out.shape[:2]) != (t, hq):
+        raise ValueError(f"out has shape {tuple(out.shape)}; expected [{t}, {hq}, head_dim_v] "
+                         "(num_tokens, num_q_heads, head_dim_v).")
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != hq):
+        raise ValueError(f"sinks has shape {tuple(sinks.shape)}; expected ({hq},), one logit "
+                         "per query head.")
+    if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (t, hq)):
+        raise ValueError(f"lse is {lse.dtype} {tuple(lse.shape)}; expected float32 "
+                         f"[{t}, {hq}] (num_tokens, num_q_heads).")
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -702,6 +723,7 @@ def paged_attention_triton(
     """
     from .attention import TritonPagedAttention, invariant_request
 
+    check_call_tensors(q, k_cache, out, sinks=sinks, lse=lse)
     kernel = TritonPagedAttention(invariant_request(
         TritonPagedAttention.request_for(q, k_cache, v_cache), batch_invariant))
     kernel.name = "triton"
