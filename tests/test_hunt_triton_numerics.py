@@ -52,3 +52,39 @@ def test_mla_paged_attention_refuses_bad_out_and_lse():
     wide = torch.zeros(t, h, case.q.shape[2])  # R + rope columns: R written, rope left as is
     with pytest.raises(ValueError, match="out"):
         mla_paged_attention(case.q, case.kv_cache, wide, **case.kwargs())
+
+
+def test_paged_attention_5d_triton_refuses_bad_sinks_and_lse():
+    """The 5-D entry point (same kernel, KV heads on axis 1 of its cache) had no such check: a
+    short ``sinks`` was read past its end and an ``lse`` of the wrong shape or dtype written
+    in the ``[T, H]`` float32 layout."""
+    from .test_triton_5d import _run_5d
+
+    case = Case([1, 3], [20, 9], hq=8, hkv=2, d=32, page=16)
+    t, hq = case.q.shape[0], case.hq
+    with pytest.raises(ValueError, match="sinks"):
+        _run_5d(case, v_shuffled=True, sinks=torch.randn(hq // 2))
+    with pytest.raises(ValueError, match="lse"):
+        _run_5d(case, v_shuffled=True, lse=torch.empty(hq, t))
+    with pytest.raises(ValueError, match="lse"):
+        _run_5d(case, v_shuffled=False, lse=torch.empty(t, hq, dtype=torch.float16))
+
+
+def test_extend_attention_refuses_bad_sinks_and_lse():
+    """The two-pass extend's functional call: the same per-call checks (KV heads from the new
+    ``k`` ``[T, Hkv, D]``)."""
+    from aiter_attn.kernels.triton.extend import TritonExtendAttention
+
+    from .test_triton_prefill_extend import _new_kv
+
+    case = Case([3, 1], [10, 7], hq=8, hkv=2, d=32, page=4, seed=2)
+    k, v = _new_kv(case)
+    t, hq = case.q.shape[0], case.hq
+    out = torch.empty(t, hq, case.dv, dtype=case.dtype)
+    kw = dict(cu_seqlens_q=case.cu, seqused_k=case.seqused_k, block_table=case.block_table,
+              softmax_scale=case.scale)
+    call = TritonExtendAttention()
+    with pytest.raises(ValueError, match="sinks"):
+        call(case.q, k, v, case.k_cache, case.v_cache, out, sinks=torch.randn(hq // 2), **kw)
+    with pytest.raises(ValueError, match="lse"):
+        call(case.q, k, v, case.k_cache, case.v_cache, out, lse=torch.empty(hq, t), **kw)

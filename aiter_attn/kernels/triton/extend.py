@@ -238,7 +238,9 @@ class TritonExtendAttention(AttentionKernel):
                 "paged_attention for those.")
         from ..base import LayerParams, _adhoc_metadata
         from ...types import FP8_DTYPES
+        from .paged_attention import check_call_tensors
 
+        check_call_tensors(q, k.shape[1], out, sinks=sinks, lse=lse)  # k [T, Hkv, D]
         md = _adhoc_metadata(q, k_cache, cu_seqlens_q, seqused_k, block_table, None, None,
                              max_seqlen_q, max_seqlen_k, "paged_attention")
         if max_prefix_len is not None:

@@ -658,13 +658,12 @@ def reject_reason(request) -> Optional[str]:
     return None
 
 
-def check_call_tensors(q, k_cache, out, *, sinks=None, lse=None) -> None:
+def check_call_tensors(q, num_kv_heads: int, out, *, sinks=None, lse=None) -> None:
     """The per-call tensors of a functional call (``ops.paged_attention`` checks the same):
     query heads in whole groups of the KV heads, ``out`` ``[T, Hq, Dv]``, ``sinks`` ``[Hq]``
     and ``lse`` float32 ``[T, Hq]``. The launch reads and writes them by these shapes without a
     bound (a short ``sinks`` was read past its end, a small ``lse`` written past its end)."""
-    t, hq = q.shape[0], q.shape[1]
-    hkv = k_cache.shape[2]  # NHD pages [pages, page_size, Hkv, D]
+    t, hq, hkv = q.shape[0], q.shape[1], num_kv_heads
     if hkv <= 0 or hq % hkv:
         raise ValueError(f"num_q_heads={hq} is not a multiple of num_kv_heads={hkv}; GQA "
                          "needs whole groups of query heads per KV head.")
@@ -723,7 +722,7 @@ def paged_attention_triton(
     """
     from .attention import TritonPagedAttention, invariant_request
 
-    check_call_tensors(q, k_cache, out, sinks=sinks, lse=lse)
+    check_call_tensors(q, k_cache.shape[2], out, sinks=sinks, lse=lse)  # NHD pages
     kernel = TritonPagedAttention(invariant_request(
         TritonPagedAttention.request_for(q, k_cache, v_cache), batch_invariant))
     kernel.name = "triton"
@@ -750,6 +749,9 @@ def paged_attention_5d_triton(
     """
     from .attention import TritonPagedAttention5D, invariant_request
 
+    # k_cache [pages, Hkv, D // x, page_size, x]
+    check_call_tensors(q, k_cache.shape[1], out, sinks=kwargs.get("sinks"),
+                       lse=kwargs.get("lse"))
     kernel = TritonPagedAttention5D(invariant_request(
         TritonPagedAttention5D.request_for(q, k_cache, v_cache),
         kwargs.pop("batch_invariant", False)))
