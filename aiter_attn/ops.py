@@ -75,6 +75,42 @@ def _check_window(window_size):
         )
 
 
+def _check_flag(name, value) -> bool:
+    """A boolean argument: ``bool`` (numpy's too) or the ints 0 / 1; anything else (a string
+    such as ``"False"``, ``None``) is refused rather than read by its truth value."""
+    kind = type(value)
+    if isinstance(value, bool) or (kind.__module__ == "numpy"
+                                   and kind.__name__ in ("bool", "bool_")):
+        return bool(value)
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name}={value!r} must be a bool (True or False).")
+
+
+def _check_hint(name, value):
+    """A host length hint (``max_seqlen_q`` / ``max_seqlen_k``): ``None`` or an int ≥ 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}={value!r} must be None or an int ≥ 0 (a host bound of the "
+                        "per-request lengths; pass int(...)).")
+    if value < 0:
+        raise ValueError(f"{name}={value!r} must be None or an int ≥ 0 (a host bound of the "
+                         "per-request lengths).")
+    return int(value)
+
+
+def _check_cache_axes(name, cache, *, heads: bool = True):
+    """A paged cache ``[pages, page_size, heads, dim]`` with at least one token per page and
+    (``heads``) one head: the ops divide by both."""
+    if cache.shape[1] < 1:
+        raise ValueError(f"{name} has shape {tuple(cache.shape)}; its page_size (axis 1) must "
+                         "be ≥ 1.")
+    if heads and cache.shape[2] < 1:
+        raise ValueError(f"{name} has shape {tuple(cache.shape)}; its num_kv_heads (axis 2) "
+                         "must be ≥ 1.")
+
+
 def attention_features(*, kv_dtype: torch.dtype, head_dim: int, v_head_dim: int,
                        window_size=(-1, -1), softcap=0.0, sinks=None, causal=True,
                        custom_mask=None) -> set:
@@ -171,6 +207,7 @@ def _validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, o
     kv_dtypes = ATTN_DTYPES + tuple(FP8_DTYPES)
     check_tensor("k_cache", k_cache, dtypes=kv_dtypes, ndim=4,
                  hint="k_cache is [num_pages, page_size, num_kv_heads, head_dim].")
+    _check_cache_axes("k_cache", k_cache)
     check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), ndim=4,
                  shape=(k_cache.shape[0], k_cache.shape[1], k_cache.shape[2], None),
                  hint="v_cache is [num_pages, page_size, num_kv_heads, head_dim_v] like k_cache.")
@@ -290,11 +327,19 @@ def paged_attention(
                     sinks=sinks, custom_mask=custom_mask, mask_indptr=mask_indptr,
                     k_scale=k_scale, v_scale=v_scale)
     _check_window(window_size)
+    causal = _check_flag("causal", causal)
+    return_lse = _check_flag("return_lse", return_lse)
+    batch_invariant = _check_flag("batch_invariant", batch_invariant)
+    max_seqlen_q = _check_hint("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _check_hint("max_seqlen_k", max_seqlen_k)
     softmax_scale, softcap = check_attention_scalars(softmax_scale, softcap, k_scale=k_scale,
                                                      v_scale=v_scale)
     if sinks is not None:
         check_tensor("sinks", sinks, ndim=1, shape=(q.shape[1],),
                      hint="sinks is float32 [num_q_heads].")
+        if not sinks.is_floating_point():
+            raise TypeError(f"sinks has dtype {sinks.dtype}; sinks are floating-point logits "
+                            "(float32 [num_q_heads]). Convert them with .float().")
     _check_mask(custom_mask, mask_indptr, cu_seqlens_q)
     lse = _lse_buffer(return_lse, out_lse, q)
     window_size = tuple(window_size)
@@ -462,6 +507,12 @@ def mla_paged_attention(
     check_tensor("kv_cache", kv_cache, dtypes=ATTN_DTYPES + tuple(FP8_DTYPES), ndim=4,
                  shape=(None, None, 1, q.shape[2]),
                  hint="kv_cache is [num_pages, page_size, 1, kv_lora_rank + rope_dim].")
+    _check_cache_axes("kv_cache", kv_cache, heads=False)
+    causal = _check_flag("causal", causal)
+    return_lse = _check_flag("return_lse", return_lse)
+    batch_invariant = _check_flag("batch_invariant", batch_invariant)
+    max_seqlen_q = _check_hint("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _check_hint("max_seqlen_k", max_seqlen_k)
     if isinstance(kv_lora_rank, bool) or not isinstance(kv_lora_rank, numbers.Integral):
         raise TypeError(f"kv_lora_rank={kv_lora_rank!r} must be a Python int (the latent "
                         "width, e.g. 512); pass int(...).")
@@ -562,6 +613,7 @@ def write_kv(
     """
     check_tensor("k_cache", k_cache, dtypes=ATTN_DTYPES + tuple(FP8_DTYPES), ndim=4,
                  hint="k_cache is [num_pages, page_size, num_kv_heads, head_dim].")
+    _check_cache_axes("k_cache", k_cache)
     if (v_cache is None) != (v is None):
         raise ValueError("v_cache and v go together; pass both or neither (v_cache=None, "
                          "v=None: a single latent cache).")

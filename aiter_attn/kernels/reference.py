@@ -207,7 +207,15 @@ def mla_paged_attention_reference(
     """Absorbed MLA: one latent KV head; keys are the whole ``kv_lora_rank + rope`` vector, values
     its first ``kv_lora_rank`` dims. q ``[T, H, kv_lora + rope]``, kv_cache
     ``[pages, page_size, 1, kv_lora + rope]``, out ``[T, H, kv_lora]``; optional ``lse``
-    float32 ``[T, H]`` as in :func:`paged_attention_reference`."""
+    float32 ``[T, H]`` as in :func:`paged_attention_reference`.
+
+    The index values (``max_seqlen_q`` included) are checked first, as in
+    :func:`paged_attention_reference`, and errors name this op."""
+    check_paged_index_values(
+        num_tokens=q.shape[0], num_pages=kv_cache.shape[0], page_size=kv_cache.shape[1],
+        cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table, causal=causal,
+        custom_mask=custom_mask, mask_indptr=mask_indptr, max_seqlen_q=max_seqlen_q,
+        op="mla_paged_attention")
     return paged_attention_reference(
         q,
         kv_cache,
@@ -222,6 +230,8 @@ def mla_paged_attention_reference(
         v_scale=kv_scale,
         custom_mask=custom_mask,
         mask_indptr=mask_indptr,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
         lse=lse,
     )
 
