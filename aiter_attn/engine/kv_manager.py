@@ -1,6 +1,7 @@
 """KV bookkeeping for the engine: request rows, pages, reservations and prefix sharing.
 
-Admission reserves every page a request can ever need (prompt + ``max_new_tokens``), so a
+Admission reserves every page a request can ever need (K/V of prompt + ``max_new_tokens`` - 1
+tokens: the last generated token is never fed; :meth:`KVCacheManager.max_kv_tokens_of`), so a
 running request never runs out of pages and nothing has to be preempted. Prefix caching lets
 a new request reuse the whole, already computed pages of a running request whose tokens start
 the same way (``PageAllocator.share_prefix``); pages are reference counted here, and a page
@@ -72,6 +73,11 @@ class KVCacheManager:
     def max_tokens_of(self, req: Request) -> int:
         return min(len(req.prompt_ids) + req.params.max_new_tokens, self.max_context_len)
 
+    def max_kv_tokens_of(self, req: Request) -> int:
+        """Most tokens whose K/V ``req`` ever holds: all of its tokens but the last generated
+        one, which finishes it unfed (speculative drafts never go past this either)."""
+        return self.max_tokens_of(req) - 1
+
     def check_fits(self, req: Request) -> None:
         """Raise if ``req`` could never run on this pool, naming the setting to change."""
         if len(req.prompt_ids) == 0:
@@ -81,7 +87,7 @@ class KVCacheManager:
                 f"request {req.rid}: prompt of {len(req.prompt_ids)} tokens leaves no room to "
                 f"generate under max_context_len={self.max_context_len}; raise max_context_len."
             )
-        need = self.pages_for(self.max_tokens_of(req))
+        need = self.pages_for(self.max_kv_tokens_of(req))
         if need > self.num_pages - 1:
             raise ValueError(
                 f"request {req.rid} may need {need} pages of {self.page_size} tokens but the pool "
@@ -158,7 +164,7 @@ class KVCacheManager:
         if self.available_rows == 0:
             return False
         donor, shared = self._best_donor(req) if self.prefix_caching else (None, 0)
-        need = self.pages_for(self.max_tokens_of(req)) - shared // self.page_size
+        need = self.pages_for(self.max_kv_tokens_of(req)) - shared // self.page_size
         if need > self.available_pages:
             return False
         row = self.req_pool.alloc()
