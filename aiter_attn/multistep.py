@@ -37,7 +37,6 @@ Typical use::
 
 from __future__ import annotations
 
-import operator
 from collections.abc import MutableMapping
 from typing import Optional
 
@@ -50,7 +49,7 @@ from .metadata import AttnMetadata
 from .registry import StrategySelectionError
 from .strategies.base import BufferSpec
 from .types import BackendConfig, ForwardMode, LayerSpec, SpecDecodeConfig
-from .validation import INDEX_DTYPES, check_tensor
+from .validation import INDEX_DTYPES, check_int, check_tensor
 
 __all__ = ["MultiStepDraftBackend", "DraftStep", "draft_columns_needed"]
 
@@ -94,18 +93,6 @@ class _StepBuffers(MutableMapping):
         return sum(1 for k in self._out if k.startswith(self._prefix))
 
 
-def _count(value, name: str) -> int:
-    """``topk`` / ``num_steps`` as an int ≥ 1 (a bool or a fractional value is refused, not
-    rounded: the draft slot layout depends on it)."""
-    try:
-        ok = not isinstance(value, bool) and operator.index(value) >= 1
-    except TypeError:
-        ok = False
-    if not ok:
-        raise ValueError(f"{name}={value!r}; must be an integer ≥ 1 (SpecDecodeConfig.{name}).")
-    return operator.index(value)
-
-
 def draft_columns_needed(prefix_lens: torch.Tensor, page_size: int, topk: int,
                          num_steps: int) -> torch.Tensor:
     """``req_to_token`` columns each request needs for its draft slots (CPU int64 ``[bs]``):
@@ -147,9 +134,11 @@ class MultiStepDraftBackend:
                  step_strategy: Optional[str] = None, extra: Optional[dict] = None,
                  strategies=None, kernels=None):
         spec = config.spec or SpecDecodeConfig()
-        self.topk = _count(topk if topk is not None else spec.topk, "topk")
-        self.num_steps = _count(num_steps if num_steps is not None else spec.num_steps,
-                                "num_steps")
+        # an int ≥ 1, not rounded: the draft slot layout depends on it
+        self.topk = check_int(topk if topk is not None else spec.topk, "topk", 1,
+                              " (SpecDecodeConfig.topk)")
+        self.num_steps = check_int(num_steps if num_steps is not None else spec.num_steps,
+                                   "num_steps", 1, " (SpecDecodeConfig.num_steps)")
         self.config = config
         if step_strategy is None:
             step_strategy = f"{config.arch.value}.draft_decode_step"

@@ -21,12 +21,14 @@ from .types import FP8_DTYPES
 from .validation import (
     ATTN_DTYPES,
     INDEX_DTYPES,
+    _capturing,
     check_attention_scalars,
     check_same_device,
     check_scale,
     check_tensor,
     debug_checks_enabled,
     env_value,
+    is_int_at_least,
     unit_stride,
 )
 
@@ -200,6 +202,37 @@ def _check_mask(custom_mask, mask_indptr, cu_seqlens_q):
                      shape=(cu_seqlens_q.shape[0],))
 
 
+def _check_batch_tensors(q, cu_seqlens_q, seqused_k, block_table, out, v_head_dim: int):
+    """The per-request index tensors and ``out`` of a paged call (any cache layout):
+    cu_seqlens_q ``[batch + 1]``, seqused_k ``[batch]``, block_table ``[batch, *]``, out
+    ``[num_tokens, num_q_heads, v_head_dim]`` in q's dtype."""
+    check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=INDEX_DTYPES, ndim=1,
+                 hint="cu_seqlens_q is int32 [batch + 1].")
+    if cu_seqlens_q.shape[0] == 0:
+        raise ValueError("cu_seqlens_q has shape (0,); expected [batch + 1] offsets starting "
+                         "at 0 (an empty batch is [0]).")
+    bs = cu_seqlens_q.shape[0] - 1
+    check_tensor("seqused_k", seqused_k, dtypes=INDEX_DTYPES, ndim=1, shape=(bs,),
+                 hint="seqused_k is int32 [batch]: KV length per request.")
+    check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2, shape=(bs, None),
+                 hint="block_table is int32 [batch, max_pages_per_request].")
+    if out is not None:
+        check_tensor("out", out, dtypes=(q.dtype,), ndim=3,
+                     shape=(q.shape[0], q.shape[1], v_head_dim),
+                     hint="out is [num_tokens, num_q_heads, head_dim_v] in q's dtype.")
+
+
+def _check_sinks(sinks, num_q_heads: int) -> None:
+    """Per-call sinks: ``None`` or floating ``[num_q_heads]`` logits."""
+    if sinks is None:
+        return
+    check_tensor("sinks", sinks, ndim=1, shape=(num_q_heads,),
+                 hint="sinks is float32 [num_q_heads].")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks has dtype {sinks.dtype}; sinks are floating-point logits "
+                        "(float32 [num_q_heads]). Convert them with .float().")
+
+
 def _validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, out,
                     **optional_tensors):
     check_tensor("q", q, dtypes=ATTN_DTYPES, ndim=3,
@@ -220,20 +253,7 @@ def _validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, o
             f"num_q_heads={q.shape[1]} is not a multiple of num_kv_heads={k_cache.shape[2]}; "
             "GQA needs whole groups of query heads per KV head."
         )
-    check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=INDEX_DTYPES, ndim=1,
-                 hint="cu_seqlens_q is int32 [batch + 1].")
-    if cu_seqlens_q.shape[0] == 0:
-        raise ValueError("cu_seqlens_q has shape (0,); expected [batch + 1] offsets starting "
-                         "at 0 (an empty batch is [0]).")
-    bs = cu_seqlens_q.shape[0] - 1
-    check_tensor("seqused_k", seqused_k, dtypes=INDEX_DTYPES, ndim=1, shape=(bs,),
-                 hint="seqused_k is int32 [batch]: KV length per request.")
-    check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2, shape=(bs, None),
-                 hint="block_table is int32 [batch, max_pages_per_request].")
-    if out is not None:
-        check_tensor("out", out, dtypes=(q.dtype,), ndim=3,
-                     shape=(q.shape[0], q.shape[1], v_cache.shape[3]),
-                     hint="out is [num_tokens, num_q_heads, head_dim_v] in q's dtype.")
+    _check_batch_tensors(q, cu_seqlens_q, seqused_k, block_table, out, v_cache.shape[3])
     check_same_device("q", q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q,
                       seqused_k=seqused_k, block_table=block_table, out=out, **optional_tensors)
 
@@ -334,12 +354,7 @@ def paged_attention(
     max_seqlen_k = _check_hint("max_seqlen_k", max_seqlen_k)
     softmax_scale, softcap = check_attention_scalars(softmax_scale, softcap, k_scale=k_scale,
                                                      v_scale=v_scale)
-    if sinks is not None:
-        check_tensor("sinks", sinks, ndim=1, shape=(q.shape[1],),
-                     hint="sinks is float32 [num_q_heads].")
-        if not sinks.is_floating_point():
-            raise TypeError(f"sinks has dtype {sinks.dtype}; sinks are floating-point logits "
-                            "(float32 [num_q_heads]). Convert them with .float().")
+    _check_sinks(sinks, q.shape[1])
     _check_mask(custom_mask, mask_indptr, cu_seqlens_q)
     lse = _lse_buffer(return_lse, out_lse, q)
     window_size = tuple(window_size)
@@ -646,7 +661,7 @@ def write_kv(
 
 
 def _check_page_size(page_size) -> None:
-    if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral) or page_size < 1:
+    if not is_int_at_least(page_size, 1):
         raise ValueError(f"page_size={page_size!r}; must be a positive int (the cache's tokens "
                          "per page).")
 
@@ -679,7 +694,7 @@ def _check_pool_rows(req_to_token, req_pool_indices, seq_lens, op: str) -> None:
 
 def _check_pool_values(req_to_token, req_pool_indices, seq_lens, op: str, total=None) -> None:
     """The checked mode (``AITER_ATTN_DEBUG=1``): the values the builders read (syncs)."""
-    if seq_lens.is_cuda and torch.cuda.is_current_stream_capturing():
+    if _capturing(seq_lens):
         return
     rows, cols = req_to_token.shape
     for b, (r, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
@@ -689,9 +704,9 @@ def _check_pool_values(req_to_token, req_pool_indices, seq_lens, op: str, total=
         if not 0 <= n <= cols:
             raise ValueError(f"{op}: seq_lens[{b}]={n}; must be in 0..{cols} (req_to_token's "
                              "width): a length past it reads other requests' tokens.")
-    if total is not None and total != int(seq_lens.sum()):
-        raise ValueError(f"{op}: total={total} but sum(seq_lens)={int(seq_lens.sum())}; pass "
-                         "the batch's seq_lens_sum.")
+    if total is not None and total != (n_sum := int(seq_lens.sum())):
+        raise ValueError(f"{op}: total={total} but sum(seq_lens)={n_sum}; pass the batch's "
+                         "seq_lens_sum.")
 
 
 def build_page_table(req_to_token, req_pool_indices, seq_lens, page_size, out, *, backend=None):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import operator
 import os
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -119,6 +120,22 @@ def require_unit_stride(name: str, t: Optional[torch.Tensor]) -> None:
 
 # --------------------------------------------------------------------------------------------
 # scalar arguments (cheap host checks at the op)
+
+
+def is_int_at_least(value, low: int) -> bool:
+    """Whether ``value`` is an integer (not a bool) ``≥ low``."""
+    try:
+        return not isinstance(value, bool) and operator.index(value) >= low
+    except TypeError:
+        return False
+
+
+def check_int(value, name: str, low: int = 0, hint: str = "") -> int:
+    """``value`` as an int; ValueError unless it is an integer (not a bool, not a float, even a
+    whole one) ``≥ low``. ``name`` and ``hint`` make the message."""
+    if not is_int_at_least(value, low):
+        raise ValueError(f"{name}={value!r} must be an integer ≥ {low}{hint}.")
+    return operator.index(value)
 
 
 def check_finite(name: str, value, *, minimum: Optional[float] = None, hint: str = "") -> float:

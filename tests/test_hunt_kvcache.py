@@ -171,5 +171,5 @@ def test_multistep_refuses_fractional_topk_and_steps(kw):
     ``True`` taken as 1), so the plan's draft layout differed from the caller's."""
     cfg, pool, _ = _multistep()
     name = next(iter(kw))
-    with pytest.raises(ValueError, match=rf"{name}={kw[name]!r}; must be an integer ≥ 1"):
+    with pytest.raises(ValueError, match=rf"{name}={kw[name]!r} must be an integer ≥ 1"):
         MultiStepDraftBackend(cfg, pool, None, **kw)

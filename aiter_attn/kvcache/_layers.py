@@ -3,9 +3,9 @@ layer, and the check of a ``layer_id`` against the pool's layer count."""
 
 from __future__ import annotations
 
-import operator
-
 import torch
+
+from ..validation import check_int, is_int_at_least
 
 __all__ = ["zeros_per_layer", "check_layer_id", "check_page_size", "check_int",
            "check_geometry"]
@@ -25,27 +25,11 @@ def check_layer_id(layer_id: int, num_layers: int) -> None:
         )
 
 
-def _is_int_at_least(value, low: int) -> bool:
-    """Whether ``value`` is an integer (not a bool) ``≥ low``."""
-    try:
-        return not isinstance(value, bool) and operator.index(value) >= low
-    except TypeError:
-        return False
-
-
 def check_page_size(page_size, where: str) -> None:
     """Raise ValueError unless ``page_size`` is a positive integer (tokens per page)."""
-    if not _is_int_at_least(page_size, 1):
+    if not is_int_at_least(page_size, 1):
         raise ValueError(f"{where}: page_size={page_size!r} must be a positive integer (tokens "
                          "per page), the same as BackendConfig.page_size.")
-
-
-def check_int(value, name: str, low: int = 0, hint: str = "") -> int:
-    """``value`` as an int; ValueError unless it is an integer (not a bool, not a float, even a
-    whole one) ``≥ low``. ``name`` and ``hint`` make the message."""
-    if not _is_int_at_least(value, low):
-        raise ValueError(f"{name}={value!r} must be an integer ≥ {low}{hint}.")
-    return operator.index(value)
 
 
 def check_geometry(where: str, dtype: torch.dtype, **sizes) -> None:

@@ -27,8 +27,8 @@ from ..hookspecs import hookimpl
 from ..kernels.reference_5d import paged_attention_5d_reference, v_layout_of, vec_width
 from ..kernels.registry import Capabilities, KernelRequest
 from ..metadata import AttnMetadata
-from ..ops import (_check_mask, _check_window, _lse_buffer, attention_features, call_extras,
-                   with_call_features)
+from ..ops import (_check_batch_tensors, _check_mask, _check_sinks, _check_window, _lse_buffer,
+                   attention_features, call_extras, with_call_features)
 from ..registry import Cell, register_cells
 from ..types import FP8_DTYPES, AttnArch, CGSupport, ForwardMode, LayerSpec
 from ..validation import (
@@ -139,23 +139,8 @@ def paged_attention_5d(q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_ta
     if q.shape[1] % k_cache.shape[1]:
         raise ValueError(f"num_q_heads={q.shape[1]} is not a multiple of num_kv_heads="
                          f"{k_cache.shape[1]}.")
-    check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=INDEX_DTYPES, ndim=1,
-                 hint="cu_seqlens_q is int32 [batch + 1].")
-    if cu_seqlens_q.shape[0] == 0:
-        raise ValueError("cu_seqlens_q has shape (0,); expected [batch + 1] offsets starting "
-                         "at 0 (an empty batch is [0]).")
-    bs = cu_seqlens_q.shape[0] - 1
-    check_tensor("seqused_k", seqused_k, dtypes=INDEX_DTYPES, ndim=1, shape=(bs,),
-                 hint="seqused_k is int32 [batch]: KV length per request.")
-    check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2, shape=(bs, None),
-                 hint="block_table is int32 [batch, max_pages_per_request].")
-    if out is not None:
-        check_tensor("out", out, dtypes=(q.dtype,), ndim=3,
-                     shape=(q.shape[0], q.shape[1], _v_head_dim(v_cache)),
-                     hint="out is [num_tokens, num_q_heads, head_dim_v] in q's dtype.")
-    if sinks is not None:
-        check_tensor("sinks", sinks, ndim=1, shape=(q.shape[1],),
-                     hint="sinks is float32 [num_q_heads].")
+    _check_batch_tensors(q, cu_seqlens_q, seqused_k, block_table, out, _v_head_dim(v_cache))
+    _check_sinks(sinks, q.shape[1])
     check_same_device("q", q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q,
                       seqused_k=seqused_k, block_table=block_table, out=out, sinks=sinks,
                       custom_mask=custom_mask, mask_indptr=mask_indptr)
