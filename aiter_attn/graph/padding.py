@@ -22,7 +22,6 @@ from typing import Sequence
 import torch
 
 from ..batch import ForwardBatch
-from ..validation import check_tensor
 from .buffers import DUMMY_SLOT, NULL_REQ_ROW, StaticInputs
 
 __all__ = ["GraphLimitError", "next_capture_size", "load_padded", "check_mask_fits", "mask_layout"]
@@ -117,19 +116,9 @@ def check_mask_fits(static: StaticInputs, batch: ForwardBatch, padded_bs: int, q
     """
     if not tree_mask:
         return
-    spec = batch.spec_info
-    mask = None if spec is None else spec.custom_mask
-    if mask is None:
-        raise ValueError(
-            f"{batch.forward_mode.name} of a tree draft (BackendConfig.spec.topk > 1) needs "
-            "spec_info.custom_mask: its captured graphs read a tree mask. Send SGLang's "
-            "per-request [q_len, seq_len] blocks or the [batch, q_len, q_len] tree part.")
-    check_tensor("spec_info.custom_mask", mask, dtypes=(torch.bool, torch.uint8),
-                 hint="custom_mask is a flat bool mask (True = may attend).")
-    if mask.device != batch.device:
-        raise ValueError(f"spec_info.custom_mask is on {mask.device}; the batch is on "
-                         f"{batch.device}. Build the mask on the batch's device.")
-    mask_layout(mask, batch, q_len)  # raises naming the accepted sizes
+    from ..strategies.spec import check_tree_mask  # the planners' rule, shared
+
+    check_tree_mask(batch, q_len)
     need = q_len * batch.seq_lens_sum + (padded_bs - batch.batch_size) * q_len * fill
     have = int(static.custom_mask.shape[0])
     if need > have:

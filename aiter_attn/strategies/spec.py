@@ -137,6 +137,23 @@ def tree_mask_layout(custom_mask: torch.Tensor, batch: ForwardBatch, q_len: int)
     return mask_layout_of_size(custom_mask.numel(), batch, q_len)
 
 
+def check_tree_mask(batch: ForwardBatch, q_len: int) -> str:
+    """The tree draft's ``spec_info.custom_mask`` as planning reads it (eager and graph replay
+    alike): present, on the batch's device, bool/uint8 and of a size :func:`tree_mask_layout`
+    accepts. Returns its layout; raises naming what to send otherwise."""
+    spec = batch.spec_info
+    mask = None if spec is None else spec.custom_mask
+    if mask is None:
+        raise ValueError(
+            f"{batch.forward_mode.name} of a tree draft (topk > 1) needs "
+            "spec_info.custom_mask; send SGLang's per-request [q_len, seq_len] blocks or the "
+            "[batch, q_len, q_len] tree part.")
+    if mask.device != batch.device:
+        raise ValueError(f"spec_info.custom_mask is on {mask.device}; the batch is on "
+                         f"{batch.device}. Build the mask on the batch's device.")
+    return tree_mask_layout(mask, batch, q_len)
+
+
 def mask_layout_of_size(numel: int, batch: ForwardBatch, q_len: int) -> str:
     """:func:`tree_mask_layout` from the mask's element count alone (no dtype check); shared
     with graph replay padding. Raises ValueError naming both accepted sizes."""
@@ -194,15 +211,7 @@ class VerifyTreeMetadata(_UniformPagedMetadata):
         n = self.uniform_q_len(batch)
         check_batch_topk(batch, self.ctx.config)
         spec = batch.spec_info
-        if spec.custom_mask is None:
-            raise ValueError(
-                f"TARGET_VERIFY with topk={spec.topk} (tree draft) needs spec_info.custom_mask; "
-                "send SGLang's per-request [q_len, seq_len] blocks or the [batch, q_len, q_len] "
-                "tree part.")
-        if spec.custom_mask.device != batch.device:
-            raise ValueError(f"spec_info.custom_mask is on {spec.custom_mask.device}; the batch "
-                             f"is on {batch.device}. Build the mask on the batch's device.")
-        layout = tree_mask_layout(spec.custom_mask, batch, n)
+        layout = check_tree_mask(batch, n)
         bs = batch.batch_size
         total = n * batch.seq_lens_sum
         static = out is not None
