@@ -21,14 +21,16 @@ from .types import FP8_DTYPES
 from .validation import (
     ATTN_DTYPES,
     INDEX_DTYPES,
-    _capturing,
     check_attention_scalars,
+    check_host_count,
+    check_page_size_arg,
+    check_pool_rows,
+    check_pool_values,
     check_same_device,
     check_scale,
     check_tensor,
     debug_checks_enabled,
     env_value,
-    is_int_at_least,
     unit_stride,
 )
 
@@ -660,66 +662,17 @@ def write_kv(
     )
 
 
-def _check_page_size(page_size) -> None:
-    if not is_int_at_least(page_size, 1):
-        raise ValueError(f"page_size={page_size!r}; must be a positive int (the cache's tokens "
-                         "per page).")
-
-
-def _host_count(name, value, what: str) -> int:
-    """A host int ≥ 0 (``total``, ``q_len``): a device tensor would need a sync to read."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}={value!r} must be a Python int ≥ 0 ({what}); pass int(...) "
-                        "of a host value.")
-    if value < 0:
-        raise ValueError(f"{name}={value}; must be ≥ 0 ({what}).")
-    return int(value)
-
-
-def _check_pool_rows(req_to_token, req_pool_indices, seq_lens, op: str) -> None:
-    """The shared inputs of the index builders: the pool's ``[R, C]`` token table and one
-    pool row and one length per request (shapes, dtypes, devices; no device reads)."""
-    check_tensor("req_to_token", req_to_token, dtypes=INDEX_DTYPES, ndim=2,
-                 hint=f"{op}: req_to_token is the pool's int32 [max_requests, max_context] "
-                      "token table.")
-    check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, ndim=1,
-                 hint=f"{op}: seq_lens is int32 [batch]: KV length per request.")
-    check_tensor("req_pool_indices", req_pool_indices, dtypes=INDEX_DTYPES, ndim=1,
-                 shape=(seq_lens.shape[0],),
-                 hint=f"{op}: req_pool_indices is int64 [batch], one req_to_token row per "
-                      "request (as many as seq_lens).")
-    check_same_device("req_to_token", req_to_token, req_pool_indices=req_pool_indices,
-                      seq_lens=seq_lens)
-
-
-def _check_pool_values(req_to_token, req_pool_indices, seq_lens, op: str, total=None) -> None:
-    """The checked mode (``AITER_ATTN_DEBUG=1``): the values the builders read (syncs)."""
-    if _capturing(seq_lens):
-        return
-    rows, cols = req_to_token.shape
-    for b, (r, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
-        if not 0 <= r < rows:
-            raise ValueError(f"{op}: req_pool_indices[{b}]={r} is not a row of req_to_token "
-                             f"(0..{rows - 1}); pass the request's pool slot.")
-        if not 0 <= n <= cols:
-            raise ValueError(f"{op}: seq_lens[{b}]={n}; must be in 0..{cols} (req_to_token's "
-                             "width): a length past it reads other requests' tokens.")
-    if total is not None and total != (n_sum := int(seq_lens.sum())):
-        raise ValueError(f"{op}: total={total} but sum(seq_lens)={n_sum}; pass the batch's "
-                         "seq_lens_sum.")
-
-
 def build_page_table(req_to_token, req_pool_indices, seq_lens, page_size, out, *, backend=None):
     """Fill ``out`` (int32 ``[batch, max_pages]``) with each request's page ids (0 past its
     length). See :func:`aiter_attn.kernels.reference.build_page_table_reference`."""
-    _check_page_size(page_size)
-    _check_pool_rows(req_to_token, req_pool_indices, seq_lens, "build_page_table")
+    check_page_size_arg(page_size)
+    check_pool_rows(req_to_token, req_pool_indices, seq_lens, "build_page_table")
     check_tensor("out", out, dtypes=INDEX_DTYPES, ndim=2, shape=(seq_lens.shape[0], None),
                  hint="out is the int32 [batch, max_pages] page table (one row per request).")
     check_same_device("out", out, req_to_token=req_to_token,
                       req_pool_indices=req_pool_indices, seq_lens=seq_lens)
     if debug_checks_enabled():
-        _check_pool_values(req_to_token, req_pool_indices, seq_lens, "build_page_table")
+        check_pool_values(req_to_token, req_pool_indices, seq_lens, "build_page_table")
     req = KernelRequest(op="build_page_table", device=out.device.type, page_size=page_size)
     return _registry().select(req, backend=backend).fn(
         req_to_token, req_pool_indices, seq_lens, page_size, out
@@ -778,12 +731,12 @@ def build_tree_mask(seq_lens, tree, q_len, mask_indptr, out, total, *, backend=N
     bs = seq_lens.shape[0]
     check_tensor("tree", tree, dtypes=(torch.bool, torch.uint8),
                  hint="tree is the bool [batch, q_len, q_len] draft-tree visibility.")
-    q_len = _host_count("q_len", q_len, "the draft tokens per request")
+    q_len = check_host_count("q_len", q_len, "the draft tokens per request")
     check_tensor("mask_indptr", mask_indptr, dtypes=INDEX_DTYPES, ndim=1, shape=(bs + 1,),
                  hint="mask_indptr is int64 [batch + 1]: each request's offset into out.")
     check_tensor("out", out, dtypes=(torch.bool, torch.uint8), ndim=1,
                  hint="out is the flat bool mask buffer [≥ total].")
-    total = _host_count("total", total, "q_len · sum(seq_lens), from the CPU mirror")
+    total = check_host_count("total", total, "q_len · sum(seq_lens), from the CPU mirror")
     if total > out.shape[0]:
         raise ValueError(f"total={total} mask elements but out holds {out.shape[0]}; size out "
                          "from q_len · sum(seq_lens) (or the graph manager's bound).")
@@ -800,7 +753,7 @@ def build_ragged_kv_indices(req_to_token, req_pool_indices, seq_lens, kv_indptr,
     req_to_token int ``[R, C]``; req_pool_indices, seq_lens int ``[B]``; kv_indptr
     int32/int64 ``[≥ B + 1]``; kv_indices int32/int64 ``[≥ total]``. See
     :func:`aiter_attn.kernels.reference.build_ragged_kv_indices_reference`."""
-    _check_pool_rows(req_to_token, req_pool_indices, seq_lens, "build_ragged_kv_indices")
+    check_pool_rows(req_to_token, req_pool_indices, seq_lens, "build_ragged_kv_indices")
     bs = seq_lens.shape[0]
     check_tensor("kv_indptr", kv_indptr, dtypes=INDEX_DTYPES, ndim=1,
                  hint="kv_indptr is int32 [≥ batch + 1].")
@@ -809,14 +762,14 @@ def build_ragged_kv_indices(req_to_token, req_pool_indices, seq_lens, kv_indptr,
                          f"{bs + 1} entries. Size it from the batch (or the graph bound).")
     check_tensor("kv_indices", kv_indices, dtypes=INDEX_DTYPES, ndim=1,
                  hint="kv_indices is int32 [≥ total].")
-    total = _host_count("total", total, "sum(seq_lens), from the batch's CPU mirror")
+    total = check_host_count("total", total, "sum(seq_lens), from the batch's CPU mirror")
     if total > kv_indices.shape[0]:
         raise ValueError(f"total={total} tokens but kv_indices holds {kv_indices.shape[0]}; "
                          "size it from the batch's seq_lens_sum (or the graph manager's bound).")
     check_same_device("kv_indices", kv_indices, req_to_token=req_to_token,
                       req_pool_indices=req_pool_indices, seq_lens=seq_lens, kv_indptr=kv_indptr)
     if debug_checks_enabled():
-        _check_pool_values(req_to_token, req_pool_indices, seq_lens, "build_ragged_kv_indices",
+        check_pool_values(req_to_token, req_pool_indices, seq_lens, "build_ragged_kv_indices",
                            total=total)
     req = KernelRequest(op="build_ragged_kv_indices", device=kv_indices.device.type)
     return _registry().select(req, backend=backend).fn(

@@ -20,6 +20,12 @@ import torch
 
 __all__ = [
     "check_tensor",
+    "check_int",
+    "is_int_at_least",
+    "check_page_size_arg",
+    "check_host_count",
+    "check_pool_rows",
+    "check_pool_values",
     "check_same_device",
     "check_finite",
     "check_scale",
@@ -459,3 +465,57 @@ class CheckedKernel:
         op = getattr(self.unchecked, "op", "paged_attention")
         _VALUE_CHECKS[op](q, k_cache, v_cache, out, **kwargs)
         return self.unchecked(q, k_cache, v_cache, out, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# index-builder inputs (build_page_table, build_ragged_kv_indices, build_tree_mask)
+
+
+def check_page_size_arg(page_size) -> None:
+    """An index builder's ``page_size``: a positive int (not a bool)."""
+    if not is_int_at_least(page_size, 1):
+        raise ValueError(f"page_size={page_size!r}; must be a positive int (the cache's tokens "
+                         "per page).")
+
+
+def check_host_count(name, value, what: str) -> int:
+    """A host int ≥ 0 (``total``, ``q_len``): a device tensor would need a sync to read."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}={value!r} must be a Python int ≥ 0 ({what}); pass int(...) "
+                        "of a host value.")
+    if value < 0:
+        raise ValueError(f"{name}={value}; must be ≥ 0 ({what}).")
+    return int(value)
+
+
+def check_pool_rows(req_to_token, req_pool_indices, seq_lens, op: str) -> None:
+    """The shared inputs of the index builders: the pool's ``[R, C]`` token table and one
+    pool row and one length per request (shapes, dtypes, devices; no device reads)."""
+    check_tensor("req_to_token", req_to_token, dtypes=INDEX_DTYPES, ndim=2,
+                 hint=f"{op}: req_to_token is the pool's int32 [max_requests, max_context] "
+                      "token table.")
+    check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, ndim=1,
+                 hint=f"{op}: seq_lens is int32 [batch]: KV length per request.")
+    check_tensor("req_pool_indices", req_pool_indices, dtypes=INDEX_DTYPES, ndim=1,
+                 shape=(seq_lens.shape[0],),
+                 hint=f"{op}: req_pool_indices is int64 [batch], one req_to_token row per "
+                      "request (as many as seq_lens).")
+    check_same_device("req_to_token", req_to_token, req_pool_indices=req_pool_indices,
+                      seq_lens=seq_lens)
+
+
+def check_pool_values(req_to_token, req_pool_indices, seq_lens, op: str, total=None) -> None:
+    """The checked mode (``AITER_ATTN_DEBUG=1``): the values the builders read (syncs)."""
+    if _capturing(seq_lens):
+        return
+    rows, cols = req_to_token.shape
+    for b, (r, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
+        if not 0 <= r < rows:
+            raise ValueError(f"{op}: req_pool_indices[{b}]={r} is not a row of req_to_token "
+                             f"(0..{rows - 1}); pass the request's pool slot.")
+        if not 0 <= n <= cols:
+            raise ValueError(f"{op}: seq_lens[{b}]={n}; must be in 0..{cols} (req_to_token's "
+                             "width): a length past it reads other requests' tokens.")
+    if total is not None and total != (n_sum := int(seq_lens.sum())):
+        raise ValueError(f"{op}: total={total} but sum(seq_lens)={n_sum}; pass the batch's "
+                         "seq_lens_sum.")
