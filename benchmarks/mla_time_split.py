@@ -10,6 +10,11 @@ For each row (``--rows``, heads x batch x context) and split count, the step pla
   epilogue and the merge: the step's fixed cost);
 * ``steady TB/s``: the latent bytes over ``step − prologue``.
 
+``--floor`` adds, on the same timer, what a replayed step costs before any attention work:
+an empty Triton launch of one program, two of them back to back (the attention launch and
+the merge launch of a split step), and one over the attention's own grid (the row's
+``(tokens · head blocks, splits)`` programs, each returning at once).
+
 On the GPU::
 
     python3 benchmarks/mla_time_split.py --rows 16x64x4096,16x64x1024 --splits 2,4,8 \
@@ -102,6 +107,39 @@ def split_row(heads, bs, ctx, splits, rep, tuning=None, timer=_replay_us, **wher
     return rec
 
 
+def _empty_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def empty(x_ptr, n: tl.constexpr):
+        if n < 0:  # never: keeps the argument
+            tl.store(x_ptr, 0)
+
+    return empty
+
+
+def launch_floor(grid: tuple, rep: int, timer=_replay_us, *, device="cuda") -> dict:
+    """Empty launches on ``timer`` (µs): ``one`` (one program), ``two`` (two launches of one
+    program back to back) and ``grid`` (one launch over ``grid``, every program returning at
+    once). The floor under a replayed step's fixed part (``prologue``)."""
+    empty = _empty_kernel()
+    x = torch.zeros(1, device=device)
+
+    def one():
+        empty[(1,)](x, 1)
+
+    def two():
+        empty[(1,)](x, 1)
+        empty[(1,)](x, 1)
+
+    def full():
+        empty[tuple(grid)](x, 1)
+
+    return {"grid": "x".join(map(str, grid)), "one": timer(one, rep), "two": timer(two, rep),
+            "grid_us": timer(full, rep)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="16x64x4096,16x64x1024")
@@ -111,6 +149,8 @@ def main(argv=None) -> int:
                         '\'[{}, {"fused_merge": true}, {"one_query": false}]\'')
     p.add_argument("--rep", type=int, default=30)
     p.add_argument("--out", default=None)
+    p.add_argument("--floor", action="store_true",
+                   help="also time empty launches (one, two, the attention's grid)")
     a = p.parse_args(argv)
     recs = []
     for row in a.rows.split(","):
@@ -121,6 +161,13 @@ def main(argv=None) -> int:
                 recs.append(r)
                 print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                                for k, v in r.items()), flush=True)
+                if a.floor and tuning == json.loads(a.tunings)[0]:
+                    grid = launches(heads, bs, ctx, sp, tuning)[2].grid
+                    f = launch_floor(grid, a.rep)
+                    recs.append(f)
+                    print("floor " + " ".join(f"{k}={v:.2f}" if isinstance(v, float)
+                                              else f"{k}={v}" for k, v in f.items()),
+                          flush=True)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "mla_time_split.json"), "w") as f:

@@ -41,3 +41,17 @@ def test_split_row_record(split_bench):
                                 dtype=torch.float16)
     assert rec["splits"] == 2 and rec["attention"] == rec["merge"] == rec["step"] == 10.0
     assert rec["row"] == "16x2x128" and '"kv_desc": true' in rec["tuning"]
+
+
+def test_launch_floor_runs_every_launch(split_bench):
+    """--floor: the three empty launches run (interpreter) and are each timed once."""
+    calls = []
+
+    def timer(fn, rep):
+        fn()
+        calls.append(fn.__name__)
+        return float(len(calls))
+
+    rec = split_bench.launch_floor((4, 2), 1, timer, device="cpu")
+    assert calls == ["one", "two", "full"]
+    assert rec == {"grid": "4x2", "one": 1.0, "two": 2.0, "grid_us": 3.0}
