@@ -83,13 +83,16 @@ def launches(heads, bs, ctx, splits, tuning=None, *, device="cuda", dtype=torch.
 
     merge = None
     if plan.use_parts and not plan.cfg_kw["FUSED_MERGE"]:
-        def merge():
-            merge_splits(out, plan.part_o, plan.part_lse, None, x.rank, kernel.block_dv)
+        def merge(fixed_order=False):
+            merge_splits(out, plan.part_o, plan.part_lse, None, x.rank, kernel.block_dv,
+                         fixed_order=fixed_order)
     return x, out, plan, step, attention, merge
 
 
-def split_row(heads, bs, ctx, splits, rep, tuning=None, timer=_replay_us, **where):
-    """One row's record: step, attention, merge, prologue (µs, by ``timer(fn, rep)``), TB/s."""
+def split_row(heads, bs, ctx, splits, rep, tuning=None, timer=_replay_us, merge_fixed=False,
+              **where):
+    """One row's record: step, attention, merge, prologue (µs, by ``timer(fn, rep)``), TB/s;
+    ``merge_fixed``: also the merge launch in its fixed-order form (``merge_fixed``)."""
     x, out, plan, step, attention, merge = launches(heads, bs, ctx, splits, tuning, **where)
     rec = {"row": f"{heads}x{bs}x{ctx}", "tuning": json.dumps(tuning or {}),
            "splits": plan.splits,
@@ -97,6 +100,8 @@ def split_row(heads, bs, ctx, splits, rep, tuning=None, timer=_replay_us, **wher
     rec["attention"] = timer(attention, rep) if not rec["fused"] else None
     if merge is not None:
         rec["merge"] = timer(merge, rep)
+        if merge_fixed:  # the split-by-split form (one row of R per split, no cross-split tile)
+            rec["merge_fixed"] = timer(lambda: merge(True), rep)
     full = x.seqused_k.clone()
     x.seqused_k.fill_(1)
     rec["prologue"] = timer(step, rep)
@@ -149,6 +154,8 @@ def main(argv=None) -> int:
                         '\'[{}, {"fused_merge": true}, {"one_query": false}]\'')
     p.add_argument("--rep", type=int, default=30)
     p.add_argument("--out", default=None)
+    p.add_argument("--merge-fixed", action="store_true",
+                   help="also time the merge launch in its fixed-order (split by split) form")
     p.add_argument("--floor", action="store_true",
                    help="also time empty launches (one, two, the attention's grid)")
     a = p.parse_args(argv)
@@ -157,7 +164,7 @@ def main(argv=None) -> int:
         heads, bs, ctx = map(int, row.split("x"))
         for sp in map(int, a.splits.split(",")):
             for tuning in json.loads(a.tunings):
-                r = split_row(heads, bs, ctx, sp, a.rep, tuning)
+                r = split_row(heads, bs, ctx, sp, a.rep, tuning, merge_fixed=a.merge_fixed)
                 recs.append(r)
                 print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                                for k, v in r.items()), flush=True)

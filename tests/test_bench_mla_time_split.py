@@ -55,3 +55,19 @@ def test_launch_floor_runs_every_launch(split_bench):
     rec = split_bench.launch_floor((4, 2), 1, timer, device="cpu")
     assert calls == ["one", "two", "full"]
     assert rec == {"grid": "4x2", "one": 1.0, "two": 2.0, "grid_us": 3.0}
+
+
+@pytest.mark.parametrize("tuning", [{}, {"half_partials": True}], ids=["float32", "16-bit"])
+def test_fixed_order_merge_form_gives_the_step(split_bench, tuning):
+    """--merge-fixed times merge(True): the split-by-split form writes the step's rows."""
+    x, out, plan, step, attention, merge = split_bench.launches(
+        16, 2, 128, 2, tuning, device="cpu", dtype=torch.float16)
+    step()
+    want = out.clone()
+    out.fill_(float("nan"))
+    attention()
+    merge(True)
+    torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)
+    rec = split_bench.split_row(16, 2, 128, 2, 1, tuning, timer=lambda fn, rep: (fn(), 3.0)[1],
+                                merge_fixed=True, device="cpu", dtype=torch.float16)
+    assert rec["merge_fixed"] == 3.0

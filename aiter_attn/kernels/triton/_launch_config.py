@@ -120,8 +120,11 @@ MLA_LAZY_RESCALE = False
 #: 16, 16-bit queries, not batch-invariant. At 16 heads 64x4k with 4 splits the partials are
 #: 8.4 MB written and read back (5.6% of the step's bytes beside the 302 MB cache read); half
 #: of that goes. Each partial row is a weighted mean of values, so its rounding (2^-9 in
-#: bf16) is that of the output row the merge then rounds again.
-MLA_HALF_PARTIALS = False
+#: bf16) is that of the output row the merge then rounds again. On by default since the
+#: twenty-fourth session: with the 16-bit merge split by split (``mla_merge.merge_splits``),
+#: H100 replayed 64x4k 2.73 -> 2.79-2.80 TB/s, 128x8k 3.01-3.03 -> 3.04 (docs/benchmarks.md);
+#: every MLA gpu test passes with it (``scripts/gpu_session.sh sixtyninth``).
+MLA_HALF_PARTIALS = True
 
 #: The Triton MLA kernel's q·Kᵀ over the latent columns as two or four independent mma
 #: chains (2, 4) or one (1; ``mla_paged_attention(..., qk_split=)``). With 16 heads each

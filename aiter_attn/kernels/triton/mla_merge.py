@@ -116,8 +116,14 @@ def merge_splits(out, part_o, part_lse, lse, rank: int, block_dv: int, *,
     """Launch the merge over ``(tokens, heads)`` programs: ``out`` ``[T, H, R]`` from
     ``part_o`` / ``part_lse`` (``lse``: optional float32 ``[T, H]`` output);
     ``fixed_order``: batch-invariant (split by split, in index order); ``pdl``: the
-    launch's programmatic-dependent-launch keywords (``_pdl.pdl_kwargs``)."""
+    launch's programmatic-dependent-launch keywords (``_pdl.pdl_kwargs``).
+
+    16-bit partials always merge split by split: their ``[splits, R]`` tile puts the splits
+    across warps, so the tiled form's sum over splits goes through shared memory (H100,
+    16 heads 64x4k, 4 splits: 6.5 µs against 2.0 split by split; float32 partials 2.5 either
+    way; ``benchmarks/mla_time_split.py --merge-fixed``, docs/benchmarks.md)."""
     t, h, splits = part_lse.shape
+    fixed_order = fixed_order or part_o.element_size() < 4
     os_, po, pl = out.stride(), part_o.stride(), part_lse.stride()
     ls = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     _mla_merge_kernel[(t, h)](
