@@ -31,14 +31,38 @@ def _prompts(args) -> list[str]:
     if args.prompts_file:
         path = Path(args.prompts_file)
         if not path.is_file():
-            raise FileNotFoundError(f"--prompts-file={str(path)!r} does not exist; pass a text "
+            what = "is a directory" if path.is_dir() else "does not exist"
+            raise FileNotFoundError(f"--prompts-file={str(path)!r} {what}; pass a text "
                                     "file with one prompt per line.")
-        from_file = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"--prompts-file={str(path)!r} is not UTF-8 text ({exc.reason} at "
+                             f"byte {exc.start}); save it as UTF-8, one prompt per line.") from exc
+        from_file = [line.strip() for line in text.splitlines() if line.strip()]
         if not from_file:
             raise ValueError(f"--prompts-file={str(path)!r} has no prompt (it is empty or "
                              "blank); write one prompt per line, or drop the flag.")
         prompts += from_file
     return prompts or [DEFAULT_PROMPT]
+
+
+#: ``torch.Generator.manual_seed`` takes seeds in [-2**63, 2**64 - 1].
+_SEED_MIN, _SEED_MAX = -2 ** 63, 2 ** 64 - 1
+
+
+def _check_seed(seed: int, num_prompts: int, sampling: bool) -> None:
+    """Before the model loads: every seed used (``seed`` for ``--random-config`` weights and,
+    when sampling, ``seed + i`` for prompt ``i``) is one torch's generators take; past that
+    range a prompt's first sampled token failed mid-run in ``manual_seed`` ("Overflow when
+    unpacking long long")."""
+    top = _SEED_MAX - (num_prompts - 1 if sampling else 0)
+    if not _SEED_MIN <= seed <= top:
+        used = (f"with {num_prompts} sampled prompt(s) (prompt i samples with seed + i) "
+                if sampling else "")
+        raise ValueError(
+            f"--seed={seed} is out of range: {used}it must be in [{_SEED_MIN}, {top}], the "
+            "seeds torch's generators take; pass a smaller seed.")
 
 
 def _device_and_dtype(args):
@@ -199,6 +223,7 @@ def run(args) -> int:
     out = sys.stdout
     try:
         texts = _prompts(args)
+        _check_seed(args.seed, len(texts), sampling=args.temperature > 0)
         device, dtype = _device_and_dtype(args)
         threads = _threads(args, device)
         if args.backend is not None:

@@ -141,6 +141,11 @@ def default_model_path() -> Path:
     return ggufs[0]
 
 
+def _one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line (user errors print only their first line)."""
+    return " ".join(str(exc).split())
+
+
 def _progress(total: int, desc: str, enabled: bool):
     from tqdm.auto import tqdm
 
@@ -191,6 +196,8 @@ def load_model(model: Optional[str] = None, *, random_config: Optional[str] = No
     folder, gguf = _resolve(model)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
+    from huggingface_hub.errors import StrictDataclassError
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -210,6 +217,12 @@ def load_model(model: Optional[str] = None, *, random_config: Optional[str] = No
                 f"{name}: {str(exc).strip()} The engine serves: "
                 f"{', '.join(ENGINE_MODEL_TYPES())}."
             ) from exc
+        except (OSError, TypeError, StrictDataclassError) as exc:
+            # config.json that is not JSON, or a field of the wrong type
+            raise InvalidModelFileError(
+                f"--model={str(folder / (gguf or 'config.json'))!r}: its config cannot be read "
+                f"({type(exc).__name__}: {_one_line(exc)}); fix the file or download the model "
+                "again.") from exc
         check_engine_supported(config)
         bar.update(1)
         bar.set_postfix_str("tokenizer")
@@ -226,8 +239,18 @@ def load_model(model: Optional[str] = None, *, random_config: Optional[str] = No
             tokenizer = ByteTokenizer(config.vocab_size)
         bar.update(1)
         bar.set_postfix_str("weights (dequantising)" if gguf else "weights")
-        hf_model = AutoModelForCausalLM.from_pretrained(str(folder), config=config,
-                                                        dtype=torch.float32, **kw)
+        try:
+            hf_model = AutoModelForCausalLM.from_pretrained(str(folder), config=config,
+                                                            dtype=torch.float32, **kw)
+        except OSError as exc:  # no weights file transformers knows
+            raise ModelNotFoundError(
+                f"--model={str(folder)!r} holds no weights transformers can load "
+                f"({_one_line(exc)}); put model.safetensors (or pytorch_model.bin) beside "
+                "config.json, or pass a .gguf file.") from exc
+        except SafetensorError as exc:
+            raise InvalidModelFileError(
+                f"--model={str(folder)!r}: a .safetensors weights file is truncated or "
+                f"corrupt ({_one_line(exc)}); download the model again.") from exc
         hf_model.eval()
         bar.update(1)
     finally:

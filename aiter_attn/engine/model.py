@@ -202,12 +202,17 @@ class LlamaFamilyModel:
 
 
 def _sliding_windows(config) -> list:
-    """Per-layer HF ``sliding_window`` (``None`` = full attention)."""
+    """Per-layer HF ``sliding_window`` (``None`` = full attention), as the transformers class
+    of ``config.model_type`` applies it: Qwen2 on the layers its ``layer_types`` mark
+    ``"sliding_attention"``; Mistral on every layer (``MistralAttention`` passes
+    ``config.sliding_window`` to each layer and ignores ``layer_types``); Llama on none
+    (``LlamaAttention`` has no window, whatever ``sliding_window`` or ``layer_types`` say)."""
     n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return [window if t == "sliding_attention" else None for t in layer_types]
     if config.model_type == "mistral":
         return [window] * n
+    if config.model_type == "qwen2":
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types:
+            return [window if t == "sliding_attention" else None for t in layer_types]
     return [None] * n

@@ -2,18 +2,20 @@
 
 The inverse frequencies (and the attention scaling some RoPE variants apply) come from the
 ``transformers`` rotary module of the source model, so every static RoPE type transformers
-knows (default, linear, llama3, yarn) is served with its exact frequencies. Position-dependent
-types (dynamic NTK, longrope) change frequencies with the sequence length and are refused.
+knows (default, linear, llama3, yarn, proportional) is served with its exact frequencies.
+Position-dependent types (dynamic NTK, longrope) change frequencies with the longest position
+of each forward, which in a batch of several requests belongs to another request, so they are
+refused (:func:`check_static_rope`), for our decoder and for transformers-wrapped models alike.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["RotaryEmbedding", "STATIC_ROPE_TYPES", "rope_type_of"]
+__all__ = ["RotaryEmbedding", "STATIC_ROPE_TYPES", "rope_type_of", "check_static_rope"]
 
 #: RoPE types whose frequencies do not depend on the sequence length.
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
 def rope_type_of(config) -> str:
@@ -22,6 +24,26 @@ def rope_type_of(config) -> str:
     if not params:
         return "default"
     return params.get("rope_type") or params.get("type") or "default"
+
+
+def check_static_rope(config) -> None:
+    """Raise ``ValueError`` unless the RoPE type of ``config`` is one of
+    :data:`STATIC_ROPE_TYPES`.
+
+    transformers recomputes dynamic-NTK and longrope frequencies from ``max(position_ids) + 1``
+    of each forward; the engine runs several requests' tokens in one forward, so one request's
+    rotation would depend on another's length (and on prefill chunking), and the tokens would
+    silently differ from ``transformers.generate``. Cheap: it reads the config only, so callers
+    check before loading the weights.
+    """
+    rtype = rope_type_of(config)
+    if rtype not in STATIC_ROPE_TYPES:
+        why = ("changes its frequencies with the sequence length"
+               if rtype in ("dynamic", "longrope") else "is not a RoPE type the engine knows")
+        raise ValueError(
+            f"rope_type={rtype!r} (the config's rope_parameters) {why}; the engine serves "
+            f"{', '.join(STATIC_ROPE_TYPES)}. Use a model with one of those."
+        )
 
 
 class RotaryEmbedding:
@@ -46,13 +68,7 @@ class RotaryEmbedding:
     @classmethod
     def from_hf(cls, hf_model, max_positions: int, dtype: torch.dtype, device) -> "RotaryEmbedding":
         """Take the frequencies of ``hf_model.model.rotary_emb`` (a transformers model)."""
-        config = hf_model.config
-        rtype = rope_type_of(config)
-        if rtype not in STATIC_ROPE_TYPES:
-            raise ValueError(
-                f"rope_type={rtype!r} changes its frequencies with the sequence length; the engine "
-                f"serves {', '.join(STATIC_ROPE_TYPES)}. Use a model with one of those."
-            )
+        check_static_rope(hf_model.config)
         rotary = hf_model.model.rotary_emb
         return cls(rotary.inv_freq, float(rotary.attention_scaling), max_positions, dtype, device)
 

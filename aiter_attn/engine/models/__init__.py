@@ -35,12 +35,14 @@ def build_engine_model(hf_model, *, wrap: bool = False, dtype=None, device=None,
         kw: passed to ``LlamaFamilyModel.from_hf`` (``max_positions``, ``progress``, …).
     """
     from ..model import LlamaFamilyModel, UnsupportedArchitectureError
+    from ..rope import check_static_rope
 
     mtype = getattr(hf_model.config, "model_type", None)
     if not wrap and mtype in _own_decoder_types():
         to = {k: v for k, v in (("dtype", dtype), ("device", device)) if v is not None}
         return LlamaFamilyModel.from_hf(hf_model, **to, **kw)
     if mtype in WRAPPED_MODEL_TYPES:
+        check_static_rope(hf_model.config)  # before the model is moved in place
         if dtype is not None or device is not None:
             hf_model.to(device=device, dtype=dtype)
         return HFWrappedModel.from_hf(hf_model)
@@ -51,11 +53,14 @@ def build_engine_model(hf_model, *, wrap: bool = False, dtype=None, device=None,
 
 def check_engine_supported(config) -> None:
     """Raise ``UnsupportedArchitectureError`` unless the engine serves ``config.model_type``
-    (own decoder or wrapped), naming every supported type."""
+    (own decoder or wrapped), naming every supported type, and ``ValueError`` for a RoPE type
+    whose frequencies depend on the sequence length (config only: before weights load)."""
     from ..model import UnsupportedArchitectureError, check_supported
+    from ..rope import check_static_rope
 
     mtype = getattr(config, "model_type", None)
     if mtype in WRAPPED_MODEL_TYPES and mtype not in _own_decoder_types():
+        check_static_rope(config)
         return
     try:
         check_supported(config)
@@ -64,3 +69,4 @@ def check_engine_supported(config) -> None:
             f"{exc} Through transformers' own modules the engine also serves: "
             f"{', '.join(sorted(set(WRAPPED_MODEL_TYPES) - set(_own_decoder_types())))}."
         ) from exc
+    check_static_rope(config)

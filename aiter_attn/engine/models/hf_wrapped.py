@@ -39,6 +39,7 @@ from ...strategies.mla import absorb_q, apply_w_uv, mla_layer_specs
 from ...integrations import transformers as hf_integration
 from ...types import LayerSpec
 from ..protocol import KVLayout
+from ..rope import check_static_rope
 
 __all__ = ["HFWrappedModel", "WRAPPED_MODEL_TYPES", "ATTN_IMPLEMENTATION"]
 
@@ -90,6 +91,21 @@ def _mla_forward(self, hidden_states, attention_mask=None, cache=None, position_
     return self.o_proj(o), None
 
 
+#: ``model_type``s whose attention modules keep no per-layer ``sliding_window`` but hand
+#: ``config.sliding_window`` to the attention function of every layer (``MistralAttention``).
+_CONFIG_WIDE_WINDOW_TYPES = ("mistral",)
+
+
+def _sliding_window_of(module) -> Optional[int]:
+    """The HF window ``module`` hands its attention function (``None`` = full attention)."""
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    cfg = module.config
+    if cfg.model_type in _CONFIG_WIDE_WINDOW_TYPES:
+        return getattr(cfg, "sliding_window", None)
+    return None
+
+
 def _standard_spec(module, layer_id: int) -> LayerSpec:
     cfg = module.config
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -98,7 +114,7 @@ def _standard_spec(module, layer_id: int) -> LayerSpec:
     cap = getattr(module, "attn_logit_softcapping", None)
     return LayerSpec(layer_id=layer_id, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
                      scaling=float(module.scaling), logit_cap=float(cap or 0.0),
-                     sliding_window=getattr(module, "sliding_window", None),
+                     sliding_window=_sliding_window_of(module),
                      sinks=None if sinks is None else sinks.detach().float())
 
 
@@ -157,6 +173,9 @@ class HFWrappedModel:
         if mtype not in WRAPPED_MODEL_TYPES:
             raise ValueError(f"model_type={mtype!r} cannot be wrapped; supported: "
                              f"{', '.join(sorted(WRAPPED_MODEL_TYPES))}.")
+        # transformers' rotary module would take dynamic/longrope frequencies from the longest
+        # position of the packed step, i.e. from whichever request in it is longest.
+        check_static_rope(hf_model.config)
         return cls(hf_model, routing=WRAPPED_MODEL_TYPES[mtype])
 
     @contextlib.contextmanager
