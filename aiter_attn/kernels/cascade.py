@@ -36,7 +36,7 @@ import torch
 from ..graph.signature import SIGNATURE_KEY
 from ..metadata import PageTable
 from ..types import CGSupport, FP8_DTYPES
-from ..validation import check_attention_scalars, check_tensor
+from ..validation import check_attention_scalars, unit_stride
 from .base import AttentionKernel, KernelPlan, LayerParams, plan_hints, token_count_error
 from .cascade_plan import (CascadeIndex, cascade_index_buffers, num_tiles_bound,
                            plan_cascade_index)
@@ -325,7 +325,11 @@ class CascadeKernel(AttentionKernel):
         return CascadePlan(
             side_stream=side,
             num_tokens=num_tokens, inner=self.inner.plan(own_view, out), cascade=True,
-            index=index, block_table=pages.block_table, cu_seqlens_q=query.cu_seqlens_q,
+            # the shared pass reads the leaders' rows with unit stride along the last axis:
+            # a strided view (``buf[:, ::2]``, a column-major table) is materialised here
+            # (graph buffers never are strided, so captured addresses stay the caller's)
+            index=index, block_table=unit_stride(pages.block_table),
+            cu_seqlens_q=query.cu_seqlens_q,
             seqused_k=pages.seqused_k, own_lse=own_lse,
             part_acc=acc.view(splits, num_tokens, self.q_heads, self._dv_pad()),
             part_ml=ml.view(splits, num_tokens, self.q_heads, 2), cfg=cfg, groups=groups)
@@ -443,11 +447,12 @@ def cascade_paged_attention(
     ops._validate_paged(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, out,
                         sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     ops._check_window(window_size)
+    return_lse = ops._check_flag("return_lse", return_lse)
+    max_seqlen_q = ops._check_hint("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = ops._check_hint("max_seqlen_k", max_seqlen_k)
     softmax_scale, softcap = check_attention_scalars(softmax_scale, softcap, k_scale=k_scale,
                                                      v_scale=v_scale)
-    if sinks is not None:
-        check_tensor("sinks", sinks, ndim=1, shape=(q.shape[1],),
-                     hint="sinks is float32 [num_q_heads].")
+    ops._check_sinks(sinks, q.shape[1])
     req = ops.paged_attention_request(q, k_cache, v_cache, window_size=tuple(window_size),
                                       softcap=softcap, sinks=sinks, causal=True)
     req = ops.with_call_features(req, lse=True)

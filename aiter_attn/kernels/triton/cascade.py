@@ -271,9 +271,15 @@ def cascade_shared_triton(q, k_cache, v_cache, part_acc, part_ml, tiles, q_pos, 
     """Launch the shared pass. q ``[T, Hq, D]``; caches NHD ``[pages, page, Hkv, D|Dv]``;
     part_acc float32 ``[splits, T, Hq, DV_PAD]``; part_ml float32 ``[splits, T, Hq, 2]``;
     tiles int32 ``[num_tiles, 4]``; q_pos int32 ``[T]``; block_table int32 ``[B, W]`` (the
-    full table: the shared pages are the leader's); ``window_left`` ``-1`` = unbounded;
-    ``k_scale_t``/``v_scale_t`` float32 1-element tensors or ``None``; ``cfg`` from
-    :func:`shared_config`."""
+    full table: the shared pages are the leader's; unit stride along its last axis);
+    ``window_left`` ``-1`` = unbounded; ``k_scale_t``/``v_scale_t`` float32 1-element
+    tensors or ``None``; ``cfg`` from :func:`shared_config`."""
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        # the kernel steps through a leader's row with stride 1: another stride would read
+        # the wrong page ids (CascadeKernel.plan materialises such views)
+        raise ValueError(
+            f"block_table has strides {tuple(block_table.stride())}; the shared pass reads "
+            "its rows with unit stride along the last axis. Pass block_table.contiguous().")
     hq, d = q.shape[1], q.shape[2]
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     group = hq // hkv
