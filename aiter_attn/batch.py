@@ -46,6 +46,16 @@ class SpecInfo:
     block_table: Optional[torch.Tensor] = None
 
 
+def _host_ints(name: str, values) -> torch.Tensor:
+    """int64 CPU tensor of ``values`` (host ints); a float is refused, not truncated."""
+    t = torch.as_tensor(values.tolist() if isinstance(values, torch.Tensor) else list(values))
+    if t.dim() != 1 or (t.numel() and (t.dtype == torch.bool or t.is_floating_point()
+                                       or t.is_complex())):
+        raise ValueError(f"{name}={t.tolist()!r} must be a flat sequence of integers (one per "
+                         "request).")
+    return t.to(torch.int64)
+
+
 def _uniform_q_len(mode, spec_info: Optional[SpecInfo]) -> Optional[int]:
     """Query tokens per request by ``mode``'s contract (``None``: ragged); a draft-count mode
     without ``spec_info`` counts one (a plain :class:`SpecInfo`)."""
@@ -138,12 +148,20 @@ class ForwardBatch:
         reads them, the tree window derives path positions from the mask).
         """
         mode = ForwardMode.parse(forward_mode)
-        seq_cpu = torch.as_tensor(list(seq_lens), dtype=torch.int64)
+        seq_cpu = _host_ints("seq_lens", seq_lens)
         bs = int(seq_cpu.shape[0])
         if extend_seq_lens is None:
             ext = torch.full((bs,), _uniform_q_len(mode, spec_info) or 1, dtype=torch.int64)
         else:
-            ext = torch.as_tensor(list(extend_seq_lens), dtype=torch.int64)
+            ext = _host_ints("extend_seq_lens", extend_seq_lens)
+            if ext.shape[0] != bs:  # would broadcast against seq_lens (prefix, positions)
+                raise ValueError(
+                    f"extend_seq_lens has {ext.shape[0]} entries for {bs} requests (seq_lens); "
+                    "give one new-token count per request.")
+        rpi_n = len(req_pool_indices)
+        if rpi_n != bs:
+            raise ValueError(f"req_pool_indices has {rpi_n} entries for {bs} requests "
+                             "(seq_lens); give one req_to_token row per request.")
         prefix = seq_cpu - ext
         positions = (
             torch.cat([torch.arange(int(p), int(s)) for p, s in zip(prefix, seq_cpu)])

@@ -26,7 +26,42 @@ log = logging.getLogger(__name__)
 
 
 def _modes(value):
-    return frozenset(ForwardMode.parse(m) for m in value)
+    # a str iterates as its letters ('decode' → 'd', 'e', …) and a member does not iterate:
+    # name the fix instead of the letter 'd'
+    if isinstance(value, (str, ForwardMode)):
+        raise TypeError(f"modes={value!r} is a single {type(value).__name__}; pass a set of "
+                        f"forward modes, e.g. modes={{{value!r}}}.")
+    modes = frozenset(ForwardMode.parse(m) for m in value)
+    if not modes:
+        raise ValueError("modes is empty: a strategy pair serves at least one forward mode, "
+                         "e.g. modes={ForwardMode.DECODE}.")
+    return modes
+
+
+def _contracts(value):
+    return {ForwardMode.parse(k): v for k, v in dict(value).items()}
+
+
+def _check_contracts(inst, attribute, value):
+    """Each override is a ModeContract of the mode it is keyed by, for a mode the pair serves:
+    ``pair.contract(mode)`` hands it to graph sizing and planning as that mode's contract (a
+    DECODE key holding TARGET_VERIFY's contract gave decode batches the draft count)."""
+    from .contract import ModeContract
+
+    for mode, contract in value.items():
+        if not isinstance(contract, ModeContract):
+            raise TypeError(f"StrategyPair({inst.name!r}, contracts={{{mode.name}: "
+                            f"{contract!r}}}): a contract is an aiter_attn.contract.ModeContract "
+                            "(e.g. aiter_attn.contract.TREE_VERIFY).")
+        if contract.mode is not mode:
+            raise ValueError(f"StrategyPair({inst.name!r}): contracts[{mode.name}] is the "
+                             f"contract of {contract.mode.name}; key each contract by its own "
+                             "mode (attrs.evolve(contract_of(mode), ...) makes one).")
+        if mode not in inst.modes:
+            raise ValueError(f"StrategyPair({inst.name!r}): contracts names {mode.name}, which "
+                             f"the pair does not serve (modes: "
+                             f"{sorted(m.name for m in inst.modes)}); add it to modes or drop "
+                             "the contract.")
 
 
 def _check_name(inst, attribute, value):
@@ -76,9 +111,8 @@ class StrategyPair:
     supports: Optional[Callable] = attrs.field(default=None, eq=False)
     description: str = ""
     kernel_op: str = "paged_attention"
-    contracts: Mapping = attrs.field(factory=dict, eq=False,
-                                     converter=lambda d: {ForwardMode.parse(k): v
-                                                          for k, v in dict(d).items()})
+    contracts: Mapping = attrs.field(factory=dict, eq=False, converter=_contracts,
+                                     validator=_check_contracts)
 
     def contract(self, mode) -> "ModeContract":
         """The mode contract this pair serves ``mode`` under (tokens per request and their

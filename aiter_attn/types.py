@@ -13,7 +13,7 @@ from typing import Optional
 import attrs
 import torch
 
-from .validation import check_finite, check_scale
+from .validation import check_finite, check_scale, is_int_at_least
 
 __all__ = [
     "ForwardMode",
@@ -124,8 +124,23 @@ class CGSupport(enum.IntEnum):
 
 
 def _positive(instance, attribute, value):
-    if value is None or value <= 0:
+    # an int, not a bool (True would be 1) nor a float (a head_dim of 64.0 or 8.5 reached
+    # torch's view() as a size, far from the argument that caused it)
+    if not is_int_at_least(value, 1):
         raise ValueError(f"{attribute.name}={value!r} must be a positive integer.")
+
+
+_NON_NEGATIVE_HINTS = {
+    "layer_id": "the index of the layer's buffers in the KV pool (True would be layer 1)",
+    "kv_lora_rank": "0 for layers that are not MLA",
+    "qk_rope_head_dim": "0 for layers that are not MLA",
+}
+
+
+def _non_negative(instance, attribute, value):
+    if not is_int_at_least(value, 0):
+        raise ValueError(f"{attribute.name}={value!r} must be an integer ≥ 0 "
+                         f"({_NON_NEGATIVE_HINTS[attribute.name]}).")
 
 
 def _scalar_scale(instance, attribute, value):
@@ -135,8 +150,33 @@ def _scalar_scale(instance, attribute, value):
 def _window_converter(value):
     if value is None:
         return None
+    # int() truncated 2.9 to a 2-token window and took True for a window of 1
+    if not is_int_at_least(value, -(2**63)):
+        raise ValueError(
+            f"sliding_window={value!r} must be an integer (HF convention: each query sees the "
+            "w most recent keys, itself included) or None / ≤ 0 for full attention.")
     value = int(value)
     return None if value <= 0 else value
+
+
+def _is_bool(value) -> bool:
+    """A Python or numpy bool (not an int, a float or a str: ``"false"`` is truthy)."""
+    return isinstance(value, bool) or (type(value).__module__ == "numpy"
+                                       and type(value).__name__ in ("bool", "bool_"))
+
+
+def _optional_bool(instance, attribute, value):
+    # read by identity (``is True`` / ``is not False``): a Python bool only
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(
+            f"BackendConfig.{attribute.name}={value!r}; allowed: None (automatic), True or "
+            "False. A 0 or 'false' is not False here (it would select the automatic rule).")
+
+
+def _bool(instance, attribute, value):
+    if not _is_bool(value):
+        raise TypeError(f"{attribute.name}={value!r} must be True or False (a str such as "
+                        "'false' would count as True).")
 
 
 @attrs.frozen(kw_only=True)
@@ -166,7 +206,7 @@ class LayerSpec:
             the latent pool's).
     """
 
-    layer_id: int
+    layer_id: int = attrs.field(validator=_non_negative)
     num_q_heads: int = attrs.field(validator=_positive)
     num_kv_heads: int = attrs.field(validator=_positive)
     head_dim: int = attrs.field(validator=_positive)
@@ -178,9 +218,9 @@ class LayerSpec:
     sinks: Optional[torch.Tensor] = attrs.field(default=None, eq=False, hash=False, repr=False)
     k_scale: float = attrs.field(default=1.0, validator=_scalar_scale)
     v_scale: float = attrs.field(default=1.0, validator=_scalar_scale)
-    is_cross_attention: bool = False
-    kv_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
+    is_cross_attention: bool = attrs.field(default=False, validator=_bool)
+    kv_lora_rank: int = attrs.field(default=0, validator=_non_negative)
+    qk_rope_head_dim: int = attrs.field(default=0, validator=_non_negative)
 
     def __attrs_post_init__(self):
         if self.v_head_dim is None:
@@ -303,11 +343,11 @@ class BackendConfig:
     tp_size: int = attrs.field(default=1, validator=_positive)
     kernel_backend: Optional[str] = None
     swa_window: Optional[int] = None
-    debug_checks: bool = False
-    batch_invariant: bool = False
+    debug_checks: bool = attrs.field(default=False, validator=_bool)
+    batch_invariant: bool = attrs.field(default=False, validator=_bool)
     kv_scale_granularity: str = "per_layer"
     cascade_min_shared_tokens: Optional[int] = None
-    dense_extend: Optional[bool] = None
+    dense_extend: Optional[bool] = attrs.field(default=None, validator=_optional_bool)
     dense_extend_min_tokens: int = attrs.field(default=2048, validator=_positive)
 
     def __attrs_post_init__(self):

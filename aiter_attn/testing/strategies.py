@@ -68,6 +68,13 @@ def paged_batches(draw, *, mode: ForwardMode = ForwardMode.EXTEND,
 
     A draft-count mode (TARGET_VERIFY, DRAFT_EXTEND_V2) gets ``draft_tokens`` per request, a
     chain ``SpecInfo`` and ``BackendConfig.spec`` to match, so the batch is valid as drawn."""
+    longest = max_prefix + (max_new if contract_of(mode).tokens == "ragged" else
+                            draft_tokens if contract_of(mode).tokens == "draft" else 1)
+    if longest > max_context_len:  # the allocator would refuse the draw itself
+        raise ValueError(
+            f"paged_batches(max_prefix={max_prefix}, ...) can draw requests of {longest} "
+            f"tokens > max_context_len={max_context_len}; lower max_prefix/max_new or raise "
+            "max_context_len.")
     ps = page_size if page_size is not None else draw(page_sizes())
     prefix, new = draw(request_lengths(mode=mode, max_bs=max_bs, max_prefix=max_prefix,
                                        max_new=max_new, draft_tokens=draft_tokens))
@@ -82,7 +89,8 @@ def paged_batches(draw, *, mode: ForwardMode = ForwardMode.EXTEND,
     alloc = PageAllocator(total_pages + draw(st.integers(0, 8)), ps, shuffle_seed=seed)
     # an unrelated request holds pages too, so foreign pages exist in the pool
     other = req_pool.alloc()
-    alloc.extend(req_pool, other, draw(st.integers(0, 2 * ps)))
+    # (at most 2 pages, the 2 of the 3 spare pages above, and never past its row's width)
+    alloc.extend(req_pool, other, draw(st.integers(0, min(2 * ps, max_context_len))))
     rows = [req_pool.alloc() for _ in prefix]
     order = draw(st.permutations(rows))
     locs = []
