@@ -3,7 +3,9 @@
 Subcommands live in ``aiter_attn/commands/<name>.py``; each has ``add_parser(subparsers)``
 which sets ``func`` on its parser. A missing subcommand module is skipped. A user mistake
 (:func:`aiter_attn.commands.errors.user_error_types`) ends in one line on stderr and exit code
-2; ``-v`` prints the traceback too.
+2; ``-v`` prints the traceback too. Output cut short by its reader (``aiter-attn info | head``)
+ends quietly with exit code 141 (128 + SIGPIPE, what a shell reports for a command killed by a
+closed pipe), never a ``BrokenPipeError`` traceback.
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
-__all__ = ["main", "SUBCOMMANDS"]
+__all__ = ["main", "SUBCOMMANDS", "EXIT_BROKEN_PIPE"]
 
 SUBCOMMANDS = ("info", "generate", "verify")
+#: exit code when the reader of stdout went away (128 + SIGPIPE)
+EXIT_BROKEN_PIPE = 141
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,9 +60,25 @@ def main(argv=None) -> int:
     from .commands.errors import report_user_error, user_error_types
 
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except user_error_types() as exc:  # a user mistake: one line, exit 2 (-v: traceback too)
         return report_user_error(args.command, exc, verbose=args.verbose)
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe: point stdout at /dev/null so that the interpreter's
+    final flush of what is still buffered cannot fail again, and end quietly."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout is no file (a test's capture)
+        pass
+    return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

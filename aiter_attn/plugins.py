@@ -123,9 +123,15 @@ def allow_list(value: Optional[str] = None) -> Optional[frozenset]:
     return names or None
 
 
+def _target_module(target: str) -> str:
+    """The module of ``"module[:attr] [extras]"`` (an entry point's value may end in extras,
+    which the packaging spec says consumers parse and may ignore)."""
+    return target.partition("[")[0].partition(":")[0].strip()
+
+
 def _import_target(target: str):
-    module, _, attr = target.partition(":")
-    obj = importlib.import_module(module.strip())
+    _, _, attr = target.partition("[")[0].partition(":")
+    obj = importlib.import_module(_target_module(target))
     for part in filter(None, attr.strip().split(".")):
         obj = getattr(obj, part)
     return obj
@@ -138,16 +144,27 @@ def discover_plugins(*, builtins: bool = True, entry_points: bool = True) -> lis
         sources += [PluginSource(n, m, "core") for n, m in CORE_PLUGINS.items()]
         sources += [PluginSource(n, m, "builtin") for n, m in OPTIONAL_PLUGINS.items()]
     if entry_points:
-        seen = {s.name for s in sources}
+        seen = {s.name: s for s in sources}
         eps = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
         for ep in eps:
-            if ep.name in seen:
-                log.warning("entry point %s = %s ignored: the name %r is taken by a built-in "
-                            "plugin", ep.name, ep.value, ep.name)
+            taken = seen.get(ep.name)
+            if taken is not None:
+                by = ("a built-in plugin" if taken.kind != "entry_point" else
+                      f"the entry point {taken.name} = {taken.target} of another distribution, "
+                      "which loads instead")
+                log.warning("entry point %s = %s%s ignored: the name %r is taken by %s; "
+                            "rename one of them (the entry point's name is the plugin's name)",
+                            ep.name, ep.value, _dist_of(ep), ep.name, by)
                 continue
-            seen.add(ep.name)
-            sources.append(PluginSource(ep.name, ep.value, "entry_point"))
+            seen[ep.name] = source = PluginSource(ep.name, ep.value, "entry_point")
+            sources.append(source)
     return sources
+
+
+def _dist_of(ep) -> str:
+    dist = getattr(ep, "dist", None)
+    name = getattr(dist, "name", None) if dist is not None else None
+    return f" (distribution {name})" if name else ""
 
 
 def new_plugin_manager() -> pluggy.PluginManager:
@@ -263,11 +280,12 @@ def load_plugins(
             plugin = _import_target(source.target)
         except ModuleNotFoundError as exc:
             # A built-in module that this build does not have yet is no news.
-            own_module = exc.name == source.target.partition(":")[0]
+            own_module = exc.name == _target_module(source.target)
             _fail(report, source, "could not be imported", exc,
                   quiet=own_module and source.kind != "entry_point")
             continue
-        except Exception as exc:  # a broken plugin must never take the library down
+        except (Exception, SystemExit) as exc:  # a broken plugin must never take the
+            # library down, not even one that calls sys.exit() when its driver is missing
             _fail(report, source, "failed to import", exc)
             continue
         if pm.is_registered(plugin):
@@ -325,7 +343,7 @@ def build_registries(pm: pluggy.PluginManager, *, requested: Iterable[str] = (),
             register = _Recorder(kind, name, hook.name)
             try:
                 result = impl.function(register=register)
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:  # SystemExit: as at import (load_plugins)
                 fail(name, f"its {hook.name} hook failed: {type(exc).__name__}: {exc}", exc)
                 continue
             finally:

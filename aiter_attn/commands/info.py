@@ -68,6 +68,11 @@ def mode_arch_table(device: str | None = None, dtype: torch.dtype | None = None)
             else:
                 pair, rejected = strategies.candidates(mode, arch, cfg)
                 why = f"no registered strategy serves {label} × {arch.name}"
+                # the pairs registered for this cell and why each declined (their supports())
+                own = [(p.name, p.reject_reason(mode, arch, cfg)) for p in strategies.pairs()
+                       if p.arch == arch and mode in p.modes]
+                if own:
+                    why += ": " + "; ".join(f"{n}: {r}" for n, r in own)
             if pair is None:
                 row.update(strategy=None, why=why)
             else:
@@ -187,9 +192,11 @@ def collect_info(device: str | None = None) -> dict:
             c = impl.capabilities
             kernels.append({
                 "op": op, "name": impl.name, "priority": impl.priority, "source": impl.source,
-                "devices": sorted(c.devices) if c.devices else "any",
-                "dtypes": sorted(str(d).replace("torch.", "") for d in c.dtypes) if c.dtypes else "any",
-                "page_sizes": sorted(c.page_sizes) if c.page_sizes else "any",
+                # None is "any"; an empty set serves nothing and is shown as such ([])
+                "devices": sorted(c.devices) if c.devices is not None else "any",
+                "dtypes": (sorted(str(d).replace("torch.", "") for d in c.dtypes)
+                           if c.dtypes is not None else "any"),
+                "page_sizes": sorted(c.page_sizes) if c.page_sizes is not None else "any",
                 "features": sorted(c.features), "cg_support": c.cg_support.name,
             })
     from .. import __version__

@@ -32,6 +32,17 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: the environment variable that forces a kernel backend by name for every selection
+BACKEND_ENV = "AITER_ATTN_BACKEND"
+
+
+def _env_backend() -> Optional[str]:
+    """``AITER_ATTN_BACKEND`` stripped of surrounding whitespace (as ``AITER_ATTN_PLUGINS`` is:
+    a value from a ``.env`` file or ``export X=" triton"`` names the same backend); ``None``
+    when unset or blank."""
+    raw = env_value(BACKEND_ENV)
+    return (raw.strip() or None) if raw else None
+
 #: Feature names a request may need and a kernel may declare. ``lse``: the kernel also writes
 #: the float32 log-sum-exp per (token, head) (``return_lse=True``; natural log of the exp-sum of
 #: the scaled, soft-capped logits, sinks included; ``-inf`` for a fully masked row).
@@ -65,6 +76,22 @@ def _features(v):
     return frozenset() if v is None else _frozenset_or_none(v)
 
 
+def _check_device_type(device: str) -> None:
+    """A kernel is selected by its inputs' device *type* (``q.device.type``): an index
+    (``"cuda:0"``), a capitalised or unknown name (``"CUDA"``, ``"gpu"``) would never match."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(
+            f"Capabilities(devices=...): {device!r} is not a torch device type "
+            f"({str(exc).splitlines()[0]}); use a type such as 'cuda' or 'cpu' (ROCm torch "
+            "reports 'cuda' too).") from exc
+    if kind != device:
+        raise ValueError(
+            f"Capabilities(devices=...): {device!r} names a device, not a device type; "
+            f"kernels are selected by the inputs' device type, so use {kind!r}.")
+
+
 def _check_elements(caps) -> None:
     for name, (kind, what) in _ELEMENT_TYPES.items():
         value = getattr(caps, name)
@@ -77,6 +104,8 @@ def _check_elements(caps) -> None:
             if not isinstance(x, kind) or isinstance(x, bool):
                 raise TypeError(f"Capabilities({name}=...): {name} holds {x!r}; each entry is "
                                 f"{what}.")
+            if name == "devices":
+                _check_device_type(x)
 
 
 @attrs.frozen(kw_only=True)
@@ -124,7 +153,8 @@ class Capabilities:
         unknown = self.features - FEATURES
         if unknown:
             raise ValueError(
-                f"unknown features {sorted(unknown)}; allowed: {sorted(FEATURES)}."
+                f"Capabilities(features=...): unknown features {sorted(unknown)}; allowed: "
+                f"{sorted(FEATURES)}. Fix the name (an unknown feature is never requested)."
             )
 
     def reject_reason(self, req: "KernelRequest") -> Optional[str]:
@@ -173,7 +203,15 @@ def _request_features(v):
     if isinstance(v, (str, bytes)):
         raise TypeError(f"KernelRequest(features={v!r}): a bare string would be read as its "
                         f"letters; pass a set of feature names, e.g. features={{{v!r}}}.")
-    return frozenset() if v is None else frozenset(v)
+    features = frozenset() if v is None else frozenset(v)
+    unknown = features - FEATURES
+    if unknown:
+        # no kernel can declare an unknown feature: every one would be rejected for "missing"
+        # it, and the error would blame the kernels instead of the request's typo
+        raise ValueError(f"KernelRequest(features={sorted(features, key=str)}): unknown "
+                         f"features {sorted(unknown, key=str)}; allowed: {sorted(FEATURES)}. "
+                         "Fix the name (no kernel can declare an unknown feature).")
+    return features
 
 
 @attrs.frozen(kw_only=True)
@@ -251,6 +289,10 @@ def _check_registration(op, name, fn, priority) -> None:
         if not isinstance(value, str) or not value.strip():
             raise TypeError(f"register(op={op!r}, name={name!r}, ...): {arg}={value!r}; {arg} "
                             "is a non-empty str (the backend name users select for a name).")
+        if value != value.strip():
+            # AITER_ATTN_BACKEND is read stripped: such a name could never be forced by it
+            raise ValueError(f"register(op={op!r}, name={name!r}, ...): {arg}={value!r} has "
+                             f"surrounding whitespace; pass {value.strip()!r}.")
     if not callable(fn):
         raise TypeError(f"register({op!r}, {name!r}, fn={fn!r}): fn is a "
                         f"{type(fn).__name__}, not callable; pass the kernel function or an "
@@ -302,8 +344,10 @@ class KernelRegistry:
         _check_registration(op, name, fn, priority)
         if not isinstance(capabilities, Capabilities):
             raise TypeError(
-                f"capabilities must be aiter_attn.kernels.registry.Capabilities, "
-                f"got {type(capabilities).__name__}."
+                f"register({op!r}, {name!r}, ..., capabilities={capabilities!r}): capabilities "
+                f"is a {type(capabilities).__name__}; pass an "
+                "aiter_attn.kernels.registry.Capabilities(...) instance (it states at least "
+                "cg_support)."
             )
         kernel_cls = None
         if isinstance(fn, type) and issubclass(fn, AttentionKernel):
@@ -331,7 +375,9 @@ class KernelRegistry:
             if fn is base:
                 fn = kernel_cls()  # the functional convenience: plan + run in one call
         impl = KernelImpl(
-            op=op, name=name, fn=fn, capabilities=capabilities, priority=priority, source=source,
+            # a plain int: numpy integers sort alike but are no JSON number (aiter-attn info)
+            op=op, name=name, fn=fn, capabilities=capabilities, priority=int(priority),
+            source=source,
             kernel_cls=kernel_cls,
         )
         with self._lock:
@@ -358,12 +404,12 @@ class KernelRegistry:
         """A kernel object bound for ``request``, cached on the caller's cheap hashable ``key``
         (which must determine the request). ``request`` is a :class:`KernelRequest` or a
         zero-argument callable building one, so a cache hit builds and hashes nothing."""
-        if backend is None:
-            backend = env_value("AITER_ATTN_BACKEND") or None
-        full = (key, backend, debug_checks_enabled())  # the checked mode binds its own
+        forced = _env_backend() if backend is None else backend
+        full = (key, forced, debug_checks_enabled())  # the checked mode binds its own
         hit = self._bound.get(full)
         if hit is None:
             req = request() if callable(request) else request
+            # the argument as given: a backend from the environment is named as such in errors
             hit = self.select(req, backend=backend).bind(req)
             self._bound[full] = hit
         return hit
@@ -383,11 +429,12 @@ class KernelRegistry:
 
     def _select(self, request: KernelRequest, backend: Optional[str],
                 fallback: bool) -> Selection:
+        origin = "backend"
         if backend is None:
-            backend = env_value("AITER_ATTN_BACKEND") or None
+            backend, origin = _env_backend(), BACKEND_ENV
         if fallback and backend is not None:
             try:
-                return self._pick(request, backend)
+                return self._pick(request, backend, origin)
             except KernelSelectionError as exc:
                 # the automatic choice: not ``select(request, None)``, which would read
                 # AITER_ATTN_BACKEND again and force the same backend
@@ -395,11 +442,13 @@ class KernelRegistry:
                 log.debug("op %s: backend %r cannot serve it (%s); using %s", request.op,
                           backend, exc, sel.impl.name)
                 return sel
-        return self._pick(request, backend)
+        return self._pick(request, backend, origin)
 
-    def _pick(self, request: KernelRequest, backend: Optional[str]) -> Selection:
+    def _pick(self, request: KernelRequest, backend: Optional[str],
+              origin: str = "backend") -> Selection:
         """The cached selection for ``request`` with ``backend`` already resolved (``None``:
-        the automatic choice, whatever the environment says)."""
+        the automatic choice, whatever the environment says); ``origin`` names where a forced
+        backend came from in errors (``"backend"``: the argument, or ``AITER_ATTN_BACKEND``)."""
         key = (request, backend)
         hit = self._cache.get(key)
         if hit is not None:
@@ -422,22 +471,43 @@ class KernelRegistry:
                 break
             rejected.append((impl.name, reason))
         if chosen is None:
-            names = [i.name for i in candidates]
-            detail = "; ".join(f"{n}: {r}" for n, r in rejected)
-            if backend is not None and backend not in names:
-                raise KernelSelectionError(
-                    f"backend={backend!r} has no kernel for op {request.op!r}; available: "
-                    f"{names}. Pick one of those or install the plugin that provides it."
-                )
-            raise KernelSelectionError(
-                f"no kernel can serve {request.op!r} for {request}: {detail}. "
-                "Change the layer/config or pick a backend that supports it."
-            )
+            raise KernelSelectionError(self._no_kernel_message(request, candidates, rejected,
+                                                               backend, origin))
         sel = Selection(chosen, tuple(rejected))
         if rejected:
             log.debug("op %s: chose %s; rejected %s", request.op, chosen.name, rejected)
         self._cache[key] = sel
         return sel
+
+    @staticmethod
+    def _no_kernel_message(request, candidates, rejected, backend, origin) -> str:
+        """Why nothing was chosen and what to do: a forced backend is named as it was given
+        (``backend=`` or ``AITER_ATTN_BACKEND``), with the kernels that would serve instead."""
+        names = [i.name for i in candidates]
+        forced = f"{origin}={backend!r}"
+        from_env = origin == BACKEND_ENV
+        if backend is not None and backend not in names:
+            fix = (f"Set {BACKEND_ENV} to one of those, unset it for the automatic choice, or "
+                   "install the plugin that provides it." if from_env else
+                   "Pick one of those or install the plugin that provides it.")
+            return (f"{forced} has no kernel for op {request.op!r}; available: {names}. {fix}")
+        if backend is None:
+            detail = "; ".join(f"{n}: {r}" for n, r in rejected)
+            return (f"no kernel can serve {request.op!r} for {request}: {detail}. "
+                    "Change the layer/config or pick a backend that supports it.")
+        # a forced backend that cannot serve: the others' own reasons, not "not requested"
+        own = dict(rejected)[backend]
+        others = [(i.name, i.capabilities.reject_reason(request)) for i in candidates
+                  if i.name != backend]
+        serving = [n for n, r in others if r is None]
+        detail = "; ".join([f"{backend}: {own}"] + [f"{n}: {r}" for n, r in others if r])
+        msg = f"no kernel can serve {request.op!r} for {request}: {detail}."
+        if not serving:
+            return msg + " Change the layer/config or pick a backend that supports it."
+        fix = (f"unset {BACKEND_ENV} (the automatic choice) or set it to one of those"
+               if from_env else "pass backend=None (the automatic choice) or one of those")
+        return (f"{msg} {forced} forces {backend!r}; {serving} can serve it: {fix}, or "
+                "change the layer/config.")
 
 
 class CheckedRegistry:
