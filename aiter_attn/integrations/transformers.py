@@ -100,17 +100,28 @@ def _engine_attention(route: EngineRoute, module, query, key, value):
     return o.view(1, t, spec.num_q_heads, spec.v_head_dim), None
 
 
-def _visible(attention_mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
-    """bool ``[B, H_m, T_q, T_k]``: which key each query may see (bool masks as given, additive
-    float masks where 0; a mask broadcast over the batch expanded to it)."""
+#: An additive float mask entry at or below this hides its key (transformers fills masked
+#: entries with the dtype's minimum or -inf; older models with -10000).
+_MASKED_AT = -1e4
+
+
+def _visible(attention_mask: torch.Tensor, batch: int, q_len: int, kv_len: int):
+    """``(vis, biased)``: vis bool ``[B, H_m, T_q, T_k]``, which key each query may see (bool
+    masks as given, additive float masks where 0; a mask broadcast over the batch expanded to
+    it); biased bool ``[B]``: rows of a float mask holding entries that are neither 0 nor a
+    masked value (an additive bias such as Falcon's ALiBi, which the kernel cannot add), or
+    ``None`` for a bool mask."""
     m = attention_mask if attention_mask.dim() == 4 else attention_mask[:, None]
     if m.dim() != 4 or m.shape[0] not in (1, batch) or tuple(m.shape[2:]) != (q_len, kv_len):
         raise ValueError(
             f"attention_mask has shape {tuple(attention_mask.shape)}; expected [B, 1, T_q, T_k] "
             f"= [{batch}, 1, {q_len}, {kv_len}] (or [B, T_q, T_k]) for query [B, H, {q_len}, D] "
             f"and key [B, H_kv, {kv_len}, D].")
-    m = m if m.dtype == torch.bool else m == 0
-    return m.expand(batch, -1, -1, -1)
+    m = m.expand(batch, -1, -1, -1)
+    if m.dtype == torch.bool:
+        return m, None
+    biased = ((m != 0) & (m > _MASKED_AT)).flatten(1).any(dim=1)
+    return m == 0, biased
 
 
 def _kernel_mask(lo, hi, q_lens, q_len: int, kv_len: int, causal: bool, window):
@@ -145,7 +156,7 @@ def _layout(attention_mask, batch: int, q_len: int, kv_len: int, *, causal: bool
     if attention_mask is None:
         hi = q_len if causal and 1 < q_len < kv_len else kv_len
         return [0] * batch, [hi] * batch, [min(q_len, hi)] * batch
-    vis = _visible(attention_mask, batch, q_len, kv_len)
+    vis, biased = _visible(attention_mask, batch, q_len, kv_len)
     cols = torch.arange(kv_len, device=vis.device)
     rows = torch.arange(q_len, device=vis.device)
     seen = vis.any(dim=2).any(dim=1)  # [B, T_k]
@@ -155,12 +166,25 @@ def _layout(attention_mask, batch: int, q_len: int, kv_len: int, *, causal: bool
     real = vis.any(dim=3).any(dim=1)  # [B, T_q]
     first_real = torch.where(real, rows, q_len).amin(dim=1)
     q_lens = q_len - first_real
-    if causal:  # a causal row's queries are its last keys; a non-causal row's see them all
+    if causal or tuple(window) != (-1, -1):
+        # query positions matter (causal order, a window): a row's queries are its last keys
+        # (a bidirectional window's padding queries that see a key are left to the check);
+        # without them every query of a non-causal row sees its whole key range
         q_lens = torch.minimum(q_lens, hi - lo)
     wrong = vis != _kernel_mask(lo, hi, q_lens, q_len, kv_len, causal, window)
-    # one host read for the layout and the check
-    host = torch.stack([lo, hi, q_lens, wrong.flatten(1).any(dim=1).long()]).tolist()
-    lo_h, hi_h, q_lens_h, bad = host
+    if biased is None:
+        biased = torch.zeros_like(anything)
+    # one host read for the layout and the checks
+    host = torch.stack([lo, hi, q_lens, wrong.flatten(1).any(dim=1).long(),
+                        biased.long()]).tolist()
+    lo_h, hi_h, q_lens_h, bad, biased_h = host
+    if any(biased_h):
+        b = biased_h.index(1)
+        raise ValueError(
+            f"attention_mask is an additive {attention_mask.dtype} mask whose row {b} holds "
+            f"values other than 0 (attend) and masked values (<= {_MASKED_AT:g}): a bias on the "
+            f"logits (ALiBi, relative positions) that the {ATTN_IMPLEMENTATION!r} attention "
+            "cannot add; run this model with attn_implementation='sdpa' or 'eager'.")
     if any(bad):
         b, h, i, j = (int(x) for x in wrong.nonzero()[0].tolist())
         raise ValueError(
@@ -172,6 +196,16 @@ def _layout(attention_mask, batch: int, q_len: int, kv_len: int, *, causal: bool
             f"last {q_lens_h[b]} queries. Packed sequences, holes in a row and per-head masks "
             "are not expressible; run this model with attn_implementation='sdpa' or 'eager'.")
     return lo_h, hi_h, q_lens_h
+
+
+#: Keywords of transformers' attention calls that change what attention computes and that
+#: the kernel cannot reproduce: refused when given (not None) rather than ignored.
+_UNSERVED_KWARGS = {
+    "position_bias": "an additive position bias on the logits (T5, LongT5, Pix2Struct, MPNet, …)",
+    "sinks": "per-token attention sinks",
+    "indices": "sparse attention over selected keys",
+    "block_indices": "block-sparse attention over selected key blocks",
+}
 
 
 def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -186,12 +220,17 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
         query: ``[B, H, T_q, D]``; key / value: ``[B, H_kv, T_k, D(_v)]`` (the cache's whole
             content for this layer, this step's tokens last).
         attention_mask: bool ``[B, 1, T_q, T_k]`` (True = may attend; additive float masks
-            where 0) or ``None``: no padding, causal in ``sdpa``'s sense (with
-            ``1 < T_q < T_k``, a static cache's first prefill, query ``i`` sees keys ``0..i``).
+            where 0, masked at ``<= -1e4``; any other value is a bias and refused) or
+            ``None``: no padding, causal in ``sdpa``'s sense (with ``1 < T_q < T_k``, a static
+            cache's first prefill, query ``i`` sees keys ``0..i``).
         scaling: softmax scale (default ``D ** -0.5``).
-        sliding_window: HF window ``w`` (each query sees its ``w`` latest keys) or ``None``.
+        sliding_window: HF window ``w`` (each query sees its ``w`` latest keys; a
+            bidirectional layer also its ``w - 1`` next ones) or ``None``.
         softcap: logit soft-cap (Gemma-2) or ``None``.
         s_aux: float ``[H]`` per-head sink logits (gpt-oss) or ``None``.
+        kwargs: ``is_causal`` (overrides ``module.is_causal``, as in transformers' ``sdpa``);
+            ``position_bias``, per-token ``sinks``, sparse ``indices`` / ``block_indices``
+            raise ValueError (the kernel cannot apply them); others are ignored.
 
     Returns:
         ``([B, T_q, H, D_v], None)`` in the query's dtype.
@@ -203,6 +242,12 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
         raise ValueError(f"dropout={dropout}: the {ATTN_IMPLEMENTATION!r} attention is "
                          "inference-only; call model.eval() or use another implementation "
                          "for training.")
+    for name, what in _UNSERVED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{name}= was passed to the {ATTN_IMPLEMENTATION!r} attention: {what}, which "
+                "its kernel cannot apply (ignoring it would give wrong outputs); run this model "
+                "with attn_implementation='sdpa' or 'eager'.")
     if kwargs.get("output_attentions"):
         raise ValueError(f"output_attentions=True is not available with "
                          f"attn_implementation={ATTN_IMPLEMENTATION!r} (the kernel never forms "
@@ -210,9 +255,14 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     b, h, tq, d = query.shape
     hkv, tk, dv = key.shape[1], key.shape[2], value.shape[-1]
     device = query.device
-    causal = bool(getattr(module, "is_causal", True))
-    window = (-1, -1) if not sliding_window or sliding_window <= 0 else (int(sliding_window) - 1,
-                                                                        0 if causal else -1)
+    # transformers' own functions take a passed is_causal over the module's (CLIP's text
+    # encoder layers are is_causal=False modules called with is_causal=True)
+    is_causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    # HF window w: w - 1 keys to the left; a bidirectional layer (ModernBERT) also sees w - 1
+    # to the right (transformers' flash convention, its masks' |i - j| < w)
+    w = int(sliding_window) - 1 if sliding_window and sliding_window > 0 else -1
+    window = (-1, -1) if w < 0 else (w, 0 if causal else w)
     lo, hi, q_lens = _layout(attention_mask, b, tq, tk, causal=causal, window=window)
     # k/v as pages of one token: row r's keys are pages r*T_k + lo[r] ... r*T_k + hi[r] - 1.
     k_pages = key.transpose(1, 2).reshape(b * tk, 1, hkv, d)

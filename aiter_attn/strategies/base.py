@@ -118,7 +118,8 @@ class KernelGroup:
 class LayerBinding:
     """A layer bound to its group: the group key, the kernel, the frozen LayerParams, and
     the output's ``[T, out_heads, out_dim]`` shape (``out_width = out_heads · out_dim``, the
-    row width the layer call returns)."""
+    row width the layer call returns). ``sinks``: the per-call sinks tensor its params were
+    made with (held, so a new tensor is told apart by identity; ``None``: the layer's own)."""
 
     layer: Any
     group: Any
@@ -127,6 +128,7 @@ class LayerBinding:
     out_heads: int = 0
     out_dim: int = 0
     out_width: int = 0
+    sinks: Any = None
 
 
 def kv_geometry(k_cache: torch.Tensor, v_cache: torch.Tensor) -> Optional[tuple]:
@@ -154,7 +156,7 @@ class ExecutionStrategy(abc.ABC):
         self.ctx = ctx
         self._kernels: dict = {}
         self.groups: dict = {}  # group key -> KernelGroup
-        self._layers: dict = {}  # (id(layer), mask?, id(sinks), tag) -> LayerBinding
+        self._layers: dict = {}  # (id(layer), mask?, sinks given?, tag) -> LayerBinding
         self._fits: dict = {}  # id(layer) -> layer: checked against its KV buffers
 
     def check_layer(self, layer: LayerSpec, k_cache, v_cache) -> None:
@@ -186,9 +188,14 @@ class ExecutionStrategy(abc.ABC):
         group's request then needs the ``kv_scale_per_token_head`` feature), or ``None``.
         """
         has_mask = md.mask is not None
-        key = (id(layer), has_mask, id(sinks), pages_key)
+        # keyed by whether per-call sinks are given, not by their id: a caller handing a new
+        # sinks tensor each step (``module.sinks.float()``) would add a binding per call, and
+        # a freed tensor's id, reused by the next one, returned params with the old values
+        key = (id(layer), has_mask, sinks is not None, pages_key)
         b = self._layers.get(key)
         if b is not None and b.layer is layer:
+            if b.sinks is not sinks:  # new per-call sinks: same group, params re-pointed
+                b.params, b.sinks = b.params.with_sinks(sinks), sinks
             return b
         self.check_layer(layer, k_cache, v_cache)
         from ..kernels.base import LayerParams
@@ -222,7 +229,7 @@ class ExecutionStrategy(abc.ABC):
         b = self._layers[key] = LayerBinding(
             layer=layer, group=gkey, kernel=group.kernel, params=params,
             out_heads=layer.num_q_heads, out_dim=layer.v_head_dim,
-            out_width=layer.num_q_heads * layer.v_head_dim)
+            out_width=layer.num_q_heads * layer.v_head_dim, sinks=sinks)
         return b
 
     def plan_group(self, group: "KernelGroup", md: AttnMetadata, batch=None):
