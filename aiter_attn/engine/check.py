@@ -50,7 +50,14 @@ def hf_greedy(hf_model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int
 
 def compare_outputs(ours: Sequence[Sequence[int]], theirs: Sequence[Sequence[int]]
                     ) -> list[Divergence]:
-    """One :class:`Divergence` per prompt whose ids differ (empty list = identical)."""
+    """One :class:`Divergence` per prompt whose ids differ (empty list = identical).
+
+    Raises ``ValueError`` when the two sides hold a different number of prompts (``zip``
+    would compare only the shorter and call the rest identical)."""
+    ours, theirs = list(ours), list(theirs)
+    if len(ours) != len(theirs):
+        raise ValueError(f"compare_outputs: {len(ours)} outputs of ours but {len(theirs)} of "
+                         "theirs; pass one list of generated ids per prompt on both sides.")
     out = []
     for i, (a, b) in enumerate(zip(ours, theirs)):
         a, b = list(a), list(b)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import numbers
 import time
-from typing import Callable, Iterable, Optional, Sequence
+from collections.abc import Iterable
+from typing import Callable, Optional, Sequence
 
 import attrs
 
@@ -23,7 +24,7 @@ from ..types import ForwardMode
 from .kv_manager import KVCacheManager
 from .graphs import graphs_enabled
 from .protocol import EngineModel
-from .request import Request, SamplingParams
+from .request import SEED_MAX, SEED_MIN, Request, RequestStatus, SamplingParams, as_int
 from .runner import ModelRunner
 from .sampler import sample_tokens
 from .scheduler import Scheduler
@@ -45,10 +46,25 @@ def _positive_int_or_none(instance, attribute, value):
         _positive_int(instance, attribute, value)
 
 
+def _flag(instance, attribute, value):
+    # a str such as "false" or "no" would count as True
+    if not isinstance(value, bool):
+        raise ValueError(f"EngineConfig: {attribute.name}={value!r} must be True or False.")
+
+
+def _shuffle_seed(instance, attribute, value):
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+            or not SEED_MIN <= value <= SEED_MAX:
+        raise ValueError(f"EngineConfig: shuffle_pages_seed={value!r} must be None or an int "
+                         "in [-2**63, 2**64 - 1] (what torch's generators take).")
+
+
 @attrs.frozen(kw_only=True)
 class EngineConfig:
     """Engine settings. Every count is an int ≥ 1 (ValueError otherwise); ``chunk_size`` and
-    ``kv_tokens`` may also be ``None`` for their defaults.
+    ``kv_tokens`` may also be ``None`` for their defaults; every on/off setting is a bool.
 
     Attributes:
         page_size: tokens per KV page.
@@ -58,7 +74,8 @@ class EngineConfig:
         chunk_size: most prompt tokens one request feeds per step (``None``: the budget).
         kv_tokens: KV pool capacity in tokens (``None``: ``max_batch_size · max_context_len``).
         prefix_caching: reuse computed whole pages of running requests with the same prefix.
-        kernel_backend: force a kernel backend by name; ``None`` = best registered.
+        kernel_backend: force a kernel backend by name; ``None`` = best registered (a name
+            nothing registered is refused when the engine is built).
         shuffle_pages_seed: hand out pages in a seeded random order (tests).
         swa_pool: sliding-window layers keep their KV in their own, smaller pool (hybrid SWA;
             a prefix is reused only while its donor still holds the SWA pages of the prefix's
@@ -94,16 +111,16 @@ class EngineConfig:
     max_tokens_per_step: int = attrs.field(default=512, validator=_positive_int)
     chunk_size: Optional[int] = attrs.field(default=None, validator=_positive_int_or_none)
     kv_tokens: Optional[int] = attrs.field(default=None, validator=_positive_int_or_none)
-    prefix_caching: bool = True
+    prefix_caching: bool = attrs.field(default=True, validator=_flag)
     kernel_backend: Optional[str] = None
-    shuffle_pages_seed: Optional[int] = None
-    swa_pool: bool = True
+    shuffle_pages_seed: Optional[int] = attrs.field(default=None, validator=_shuffle_seed)
+    swa_pool: bool = attrs.field(default=True, validator=_flag)
     speculative: Optional[str] = None
     num_draft_tokens: int = attrs.field(default=4, validator=_positive_int)
     cuda_graph: Optional[bool] = None
-    debug_checks: bool = False
-    batch_invariant: bool = False
-    mixed_steps: bool = True
+    debug_checks: bool = attrs.field(default=False, validator=_flag)
+    batch_invariant: bool = attrs.field(default=False, validator=_flag)
+    mixed_steps: bool = attrs.field(default=True, validator=_flag)
     cascade_min_shared_tokens: Optional[int] = None
 
     @property
@@ -160,6 +177,25 @@ def _check_positions(model, config: EngineConfig) -> None:
             f"the model with max_positions ≥ {config.max_context_len}.")
 
 
+def _prompt_token_ids(prompt_ids, rid: int) -> list[int]:
+    """``prompt_ids`` (a sequence of ints, a 1-D integer tensor or array) as a list of ints;
+    ValueError for anything else (``int(11.7)`` used to feed token 11 without a word)."""
+    if isinstance(prompt_ids, (str, bytes)):
+        raise ValueError(f"request {rid}: the prompt {prompt_ids[:40]!r} is text; pass its token "
+                         "ids (encode it with the model's tokenizer first).")
+    if getattr(prompt_ids, "ndim", 1) != 1 or not isinstance(prompt_ids, Iterable):
+        raise ValueError(f"request {rid}: the prompt must be a 1-D sequence of token ids, got "
+                         f"{type(prompt_ids).__name__} {prompt_ids!r:.60}; wrap one prompt's ids "
+                         "in a list ([ids]) when a list of prompts is expected.")
+    values = list(prompt_ids)  # an iterator is read once
+    ids = [as_int(v) for v in values]
+    bad = [v for v, i in zip(values, ids) if i is None]
+    if bad:
+        raise ValueError(f"request {rid}: prompt token ids must be ints, got {bad[:5]!r}; "
+                         "encode prompts with the model's own tokenizer.")
+    return ids
+
+
 class Engine:
     """Serve requests over ``model`` (any ``EngineModel``).
 
@@ -169,6 +205,9 @@ class Engine:
     """
 
     def __init__(self, model: EngineModel, config: EngineConfig = EngineConfig()):
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config={config!r:.60} must be an EngineConfig, e.g. "
+                            "EngineConfig(max_batch_size=8).")
         _check_positions(model, config)
         self.config = config
         self.kv = KVCacheManager(
@@ -205,8 +244,11 @@ class Engine:
     def _checked_request(self, prompt_ids: Sequence[int], params: SamplingParams, *,
                          rid: int) -> Request:
         """A new, not yet queued request; raises ValueError if it could never be served."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"request {rid}: params={params!r} must be a SamplingParams, e.g. "
+                            "SamplingParams(max_new_tokens=16).")
+        ids = _prompt_token_ids(prompt_ids, rid)
         vocab = self.runner.model.vocab_size
-        ids = [int(i) for i in prompt_ids]
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise ValueError(
@@ -221,8 +263,34 @@ class Engine:
         return self.scheduler.has_work
 
     def step(self) -> list[TokenEvent]:
-        """Run one step; return the tokens it produced."""
+        """Run one step; return the tokens it produced.
+
+        If the step raises (a kernel, the model, sampling), every request of it left half-way
+        (KV slots reserved past its computed tokens, or fed without a sampled token) is
+        finished with ``finish_reason="error"`` and its row and pages go back to the pool
+        before the exception propagates; the engine's other requests go on unharmed.
+        """
         plan = self.scheduler.schedule()
+        try:
+            return self._run(plan)
+        except BaseException:
+            self._finish_broken(plan)
+            raise
+
+    def _finish_broken(self, plan) -> None:
+        """Finish the requests of a failed step that cannot go on: a running request can
+        only if the allocator holds exactly its computed tokens and a token is left to feed
+        (fed again from where it stood, it would write K/V one slot off and decode garbage)."""
+        alloc = self.kv.allocator
+        for req in [*plan.decode, *(r for r, _ in plan.prefill)]:
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            if alloc.tokens_held(req.row) != req.num_computed or req.num_pending < 1:
+                log.warning("request %d failed mid-step; its pages go back to the pool",
+                            req.rid)
+                self.scheduler.finish(req, "error")
+
+    def _run(self, plan) -> list[TokenEvent]:
         events: list[TokenEvent] = []
         if plan.decode and plan.prefill and self._one_forward_mixed:
             return self._mixed_step(plan)
@@ -324,8 +392,17 @@ class Engine:
                  ) -> list[list[int]]:
         """Generated ids for each prompt (all queued at once; none is queued when one of
         them is refused). ``params``: one for every prompt, or a sequence of one per prompt."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
+            raise ValueError(f"generate: prompts={prompts!r:.60} must be a list of prompts, "
+                             "each a list of token ids.")
+        prompts = list(prompts)
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        elif isinstance(params, Iterable) and not isinstance(params, (str, bytes, dict)):
+            params = list(params)
+        else:
+            raise TypeError(f"generate: params={params!r:.60} must be a SamplingParams or a "
+                            "sequence of one SamplingParams per prompt.")
         if len(params) != len(prompts):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(params)} SamplingParams; "
                              "pass one SamplingParams for all, or one per prompt.")

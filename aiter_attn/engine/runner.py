@@ -21,7 +21,23 @@ from .graphs import EngineGraphs
 from .kv_manager import KVCacheManager
 from .protocol import EngineModel
 
-__all__ = ["ModelRunner"]
+__all__ = ["ModelRunner", "check_kernel_backend"]
+
+
+def check_kernel_backend(name: Optional[str]) -> None:
+    """Raise ``ValueError`` unless ``name`` (``None`` = the registry's best) names a registered
+    kernel backend: checked when the engine is built, not at its first forward, where the
+    requests already admitted went down with the step."""
+    if name is None:
+        return
+    from ..plugins import kernel_registry
+
+    reg = kernel_registry()
+    names = sorted({i.name for op in reg.ops() for i in reg.implementations(op)})
+    if not isinstance(name, str) or name not in names:
+        raise ValueError(f"kernel_backend={name!r} is not a registered kernel backend; "
+                         f"registered: {names} (or None for the best that serves). Is its "
+                         "plugin installed and allowed (AITER_ATTN_PLUGINS)?")
 
 
 class ModelRunner:
@@ -46,6 +62,7 @@ class ModelRunner:
                  cuda_graph: bool = False, batch_invariant: bool = False,
                  debug_checks: bool = False,
                  cascade_min_shared_tokens: Optional[int] = None):
+        check_kernel_backend(kernel_backend)
         layout = model.kv_layout
         device = str(model.device)
         self.model = model

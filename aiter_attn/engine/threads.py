@@ -10,6 +10,7 @@ one-minute load average, rounded down), never below one. An explicit ``--threads
 
 from __future__ import annotations
 
+import numbers
 import os
 from pathlib import Path
 from typing import Optional
@@ -75,17 +76,20 @@ def choose_threads(requested: Optional[int] = None, *, environ=None, load: Optio
     """The thread count for the engine's CPU work (see the module docstring).
 
     ``environ`` / ``load`` / ``affinity`` / ``physical`` replace what the machine says
-    (tests). Raises ``ValueError`` for a request below 1 or an ``OMP_NUM_THREADS`` that is not
-    a positive integer.
+    (tests). Raises ``ValueError`` for a request that is not an int ≥ 1 or an
+    ``OMP_NUM_THREADS`` that is not a positive integer.
     """
     env = os.environ if environ is None else environ
     if requested is not None:
-        if requested < 1:
-            raise ValueError(f"--threads={requested}; must be ≥ 1.")
+        # int(2.5) would run 2 threads without a word; a str failed comparing with 1
+        if isinstance(requested, bool) or not isinstance(requested, numbers.Integral) \
+                or requested < 1:
+            raise ValueError(f"--threads={requested!r}; must be an int ≥ 1.")
         return ThreadChoice(int(requested), "--threads")
     omp = env.get("OMP_NUM_THREADS", "").strip()
     if omp:
-        if not omp.isdigit() or int(omp) < 1:
+        # str.isdigit also takes digits int() refuses (superscripts: "²")
+        if not (omp.isascii() and omp.isdigit()) or int(omp) < 1:
             raise ValueError(f"OMP_NUM_THREADS={omp!r}; must be a positive integer (or unset).")
         return ThreadChoice(int(omp), "OMP_NUM_THREADS")
     aff = _affinity() if affinity is None else affinity
