@@ -113,7 +113,7 @@ def test_half_partials_view_the_static_float32_workspace():
 
 def test_half_partials_declined_where_they_do_not_apply():
     """float32 queries, batch-invariant launches (their fixed-order merge) and head blocks
-    of more than 16 keep float32 partials; the default (the option off) too."""
+    of more than 16 keep float32 partials; so does half_partials=False (the default is on)."""
     def part_dtype(dtype=torch.float16, heads=16, tuning=None, **req):
         case = MLACase([1, 1], [40, 70], page=16, heads=heads, dtype=dtype)
         tuning = {"num_kv_splits": 2, "half_partials": True, **(tuning or {})}

@@ -120,7 +120,9 @@ MLA_LAZY_RESCALE = False
 #: 16, 16-bit queries, not batch-invariant. At 16 heads 64x4k with 4 splits the partials are
 #: 8.4 MB written and read back (5.6% of the step's bytes beside the 302 MB cache read); half
 #: of that goes. Each partial row is a weighted mean of values, so its rounding (2^-9 in
-#: bf16) is that of the output row the merge then rounds again. On by default since the
+#: bf16) is that of the output row the merge then rounds again (rows at fp16's largest
+#: finite can round past it to inf: the merges read an fp16 ±inf as ±65504,
+#: ``mla_merge._partial_f32``). On by default since the
 #: twenty-fourth session: with the 16-bit merge split by split (``mla_merge.merge_splits``),
 #: H100 replayed 64x4k 2.73 -> 2.79-2.80 TB/s, 128x8k 3.01-3.03 -> 3.04 (docs/benchmarks.md);
 #: every MLA gpu test passes with it (``scripts/gpu_session.sh sixtyninth``).

@@ -1,6 +1,7 @@
 """The split merge of the MLA kernels (:mod:`.mla`, :mod:`.mla_gluon`,
 :mod:`.mla_narrow_gluon`): partial outputs ``o / l`` ``[T, H, S, R]`` (float32, or the
-queries' 16-bit dtype: read into float32) and their float32 log2 LSEs ``[T, H, S]``
+queries' 16-bit dtype: read into float32, an fp16 ±inf as ±65504) and their float32 log2
+LSEs ``[T, H, S]``
 combined into the rows (and the natural-log LSE): :func:`merge_splits` (a second launch over
 ``(tokens, heads)``) and :func:`merge_head_block` (the one-launch form: run by the last split
 program of a (token, head block) to finish, inside the attention kernel)."""
@@ -14,6 +15,22 @@ from ._kvutil import next_pow2
 from ._pdl import wait_then_release
 
 __all__ = ["merge_splits", "merge_head_block"]
+
+#: fp16's largest finite value: what an fp16 partial of ±inf is read as (:func:`_partial_f32`)
+_FP16_MAX = tl.constexpr(65504.0)  # jit functions read only constexpr globals
+
+
+@triton.jit
+def _partial_f32(o, part_o_ptr):
+    """Partial rows ``o`` as loaded from ``part_o_ptr``, in float32. An fp16 partial of ±inf
+    is read as ±65504: a partial row is ``Σ p16·v / Σ p`` (p rounded to 16 bits in the p·V
+    dot, float32 in the row sum), up to 2^-11 past the convex combination of cache values
+    it stands for, so values at fp16's largest finite can round to inf in a 16-bit store
+    (the merge then gave inf, or NaN where that split weighs 0); NaN stays NaN."""
+    o = o.to(tl.float32)
+    if part_o_ptr.dtype.element_ty == tl.float16:
+        o = tl.clamp(o, -_FP16_MAX, _FP16_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return o
 
 
 @triton.jit
@@ -51,7 +68,8 @@ def _mla_merge_kernel(
         for s in tl.static_range(0, NUM_SPLITS):
             w_s = tl.exp2(tl.load(lse_base + s) - m)
             den += w_s
-            acc += tl.load(o_base + s * stride_ps, mask=mask_dv, other=0.0) * w_s
+            acc += _partial_f32(tl.load(o_base + s * stride_ps, mask=mask_dv, other=0.0),
+                                part_o_ptr) * w_s
         res = acc / tl.where(den > 0, den, 1.0)
     else:
         offs_s = tl.arange(0, BLOCK_S)
@@ -60,8 +78,8 @@ def _mla_merge_kernel(
         m = tl.max(lse, axis=0)
         m = tl.where(m == float("-inf"), 0.0, m)
         w = tl.exp2(lse - m)  # empty splits (lse = -inf) weigh 0
-        o = tl.load(o_base[None, :] + offs_s[:, None] * stride_ps,
-                    mask=mask_s[:, None] & mask_dv[None, :], other=0.0)
+        o = _partial_f32(tl.load(o_base[None, :] + offs_s[:, None] * stride_ps,
+                                 mask=mask_s[:, None] & mask_dv[None, :], other=0.0), part_o_ptr)
         den = tl.sum(w, axis=0)
         res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0, den, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_dv,
@@ -98,8 +116,8 @@ def merge_head_block(out_ptr, part_o_ptr, part_lse_ptr, lse_ptr, t, offs_h, mask
         w = tl.exp2(tl.load(lse_base + s, mask=mask_h, other=float("-inf"),
                             cache_modifier=".cg") - m)  # empty splits weigh 0
         den += w
-        acc += tl.load(o_base + s * stride_ps, mask=o_mask, other=0.0,
-                       cache_modifier=".cg") * w[:, None]
+        acc += _partial_f32(tl.load(o_base + s * stride_ps, mask=o_mask, other=0.0,
+                                    cache_modifier=".cg"), part_o_ptr) * w[:, None]
     has = den > 0
     res = acc / tl.where(has, den, 1.0)[:, None]
     tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_dv[None, :],
