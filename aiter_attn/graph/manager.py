@@ -32,6 +32,7 @@ draft decode; see :mod:`aiter_attn.graph.sources`).
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Mapping
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -41,6 +42,7 @@ import torch
 from ..batch import ForwardBatch, SpecInfo
 from ..contract import contract_of
 from ..types import ForwardMode
+from ..validation import check_int, is_int_at_least
 from .buffers import (CAPTURABLE_MODES, GraphLimits, StaticInputs, default_capture_sizes)
 from .padding import GraphLimitError, check_mask_fits, load_padded, next_capture_size
 from .signature import (GraphMetadataMismatch, describe_signature, diff_signatures,
@@ -96,6 +98,8 @@ class _Entry:
 def _slice_rows(x, n: int):
     if isinstance(x, torch.Tensor):
         return x[:n]
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple takes its fields apart
+        return type(x)(*(_slice_rows(v, n) for v in x))
     if isinstance(x, (list, tuple)):
         return type(x)(_slice_rows(v, n) for v in x)
     if isinstance(x, Mapping):
@@ -106,14 +110,24 @@ def _slice_rows(x, n: int):
 _MIRRORS = ("seq_lens_cpu", "extend_seq_lens_cpu", "extend_prefix_lens_cpu")
 
 
+def _batch_sizes(values, name: str, *, allow_empty: bool = False) -> list[int]:
+    """``values`` as sorted distinct ints ≥ 1; a float (even a whole one), a bool or a string
+    is refused, never truncated into a size nobody asked for."""
+    given = list(values)  # an iterator is read once: the message lists what it held
+    if (not given and not allow_empty) or not all(is_int_at_least(s, 1) for s in given):
+        raise ValueError(f"{name}={given!r}; give batch sizes as integers ≥ 1.")
+    return sorted({operator.index(s) for s in given})
+
+
 class CudaGraphManager:
     """Static inputs + strategy buffers for captured batch sizes; capture and replay.
 
     Args:
         backend: the :class:`~aiter_attn.AttentionBackend` whose strategies plan (or a
             :class:`~aiter_attn.multistep.MultiStepDraftBackend`).
-        capture_sizes: batch sizes to capture, any order (default: a 1, 2, 4, 8, 16, … ladder
-            up to ``max_bs``).
+        capture_sizes: batch sizes to capture: integers ≥ 1, any order, repeats ignored (a
+            float, bool or string is refused, not truncated); default: a 1, 2, 4, 8, 16, …
+            ladder up to ``max_bs``.
         max_bs: largest batch (default: the largest capture size, else
             ``BackendConfig.max_batch_size``).
         max_num_tokens: optional extra bound on query tokens (SGLang's argument); never below
@@ -137,11 +151,14 @@ class CudaGraphManager:
         device = self.source.device
         sizes = None
         if capture_sizes is not None:
-            sizes = sorted({int(s) for s in capture_sizes})
-            if not sizes or sizes[0] < 1:
-                raise ValueError(f"capture_sizes={list(capture_sizes)!r}; give batch sizes ≥ 1.")
+            sizes = _batch_sizes(capture_sizes, "capture_sizes")
         if max_bs is None:
             max_bs = sizes[-1] if sizes else self.config.max_batch_size
+        max_bs = check_int(max_bs, "max_bs", 1, " (the largest captured batch size)")
+        if max_num_tokens is not None:
+            max_num_tokens = check_int(max_num_tokens, "max_num_tokens", 0,
+                                       " (query tokens of the largest batch; None = max_bs · "
+                                       "tokens per request)")
         sizes = sizes or default_capture_sizes(max_bs)
         if sizes[-1] > max_bs:
             raise ValueError(f"capture size {sizes[-1]} > max_bs={max_bs}; drop it or raise max_bs.")
@@ -208,6 +225,11 @@ class CudaGraphManager:
     def _resolve_modes(self, modes) -> list[ForwardMode]:
         if modes is None:
             return self.source.default_modes()
+        modes = list(modes)
+        if not modes:
+            raise ValueError("modes=[]; give the modes to capture (e.g. ['decode']) or leave "
+                             "modes out for the defaults (DECODE, plus the speculative modes "
+                             "when BackendConfig.spec is set).")
         out = []
         for m in modes:
             m = graph_mode(m)
@@ -405,11 +427,17 @@ class CudaGraphManager:
         Capture plans an all-padding batch into the static buffers, runs ``fn`` once to warm up
         (Triton compilation, workspaces), then records it in a graph sharing one memory pool.
         """
-        modes = [graph_mode(m) for m in modes] if modes is not None else self.modes
-        sizes = sorted(sizes if sizes is not None else self.capture_sizes, reverse=True)
+        # each (mode, size) once: IDLE is DECODE's graphs, a repeated size is the same graph
+        modes = (list(dict.fromkeys(graph_mode(m) for m in modes)) if modes is not None
+                 else self.modes)
+        sizes = (self.capture_sizes if sizes is None
+                 else _batch_sizes(sizes, "sizes", allow_empty=True))
         for s in sizes:
             if s not in self.capture_sizes:
                 raise ValueError(f"size {s} is not one of capture_sizes={self.capture_sizes}.")
+        for mode in modes:  # before any capture: never leave a half-captured manager
+            self._state(mode)
+        sizes = sorted(sizes, reverse=True)
         for mode in modes:
             for bs in sizes:
                 self._capture_one(fn, mode, bs)
