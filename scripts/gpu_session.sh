@@ -111,6 +111,9 @@
 #   scripts/gpu_session.sh sixtyfourth   # the fused-merge and narrow gpu tests on the final code
 #   scripts/gpu_session.sh sixtyfifth    # the cooperative merge: its gpu tests, the 16-head rows
 #                                  # beside the default, the time split
+#   scripts/gpu_session.sh seventyfirst  # item 4 on the H200: the 16-head rows (16-bit
+#                                  # partials by default) beside float32 partials and narrow,
+#                                  # twice; the time split with the launch floor
 #   scripts/gpu_session.sh sixtysixth    # the 16-head MLA options (descriptors, lazy rescale,
 #                                  # 16-bit partials, two or four score chains): rows, time split
 #   scripts/gpu_session.sh sixtyseventh  # their gpu tests; ncu of the default and the options
@@ -644,6 +647,23 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       > "$OUT/ncu.log" 2>&1
     grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Dynamic Shared|smsp__inst|bank_conf|wavefronts" \
       "$OUT/ncu.log" | head -80
+    ;;
+  seventyfirst)
+    # issue 14 item 4 on the H200 (3.9 TB/s at 64x4k): the default (16-bit partials since the
+    # twenty-fourth session, merged split by split) beside float32 partials and the narrow
+    # kernel, two runs; then where the step's time goes, with empty launches on the same timer
+    for i in 1 2; do
+      timeout ${BA_S:-150} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+        --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 \
+        --mla-variants f32-partials,narrow,narrow-f32 \
+        --out "$OUT/mla$i" > "$OUT/mla$i.log" 2>&1
+      grep -E "ours|==|Error|error|ceilings" "$OUT/mla$i.log" | head -12
+    done
+    timeout ${TS_S:-150} python3 benchmarks/mla_time_split.py --rows 16x64x4096 --splits 0 \
+      --floor --merge-fixed \
+      --tunings '[{}, {"half_partials": false}, {"narrow": true}]' 2>&1 \
+      | tee "$OUT/mla_time_split.log" | tail -6
+    rm -f "$OUT"/*/*.png
     ;;
   sixtysixth)
     # the 64x4k 16-head row with the options, alone and together (the descriptor ones last:
