@@ -63,7 +63,10 @@ def check_tensor(
     shape: Optional[Sequence[Optional[int]]] = None,
     hint: str = "",
 ) -> torch.Tensor:
-    """Check type, dtype, rank and (``None`` = any) sizes of a tensor argument."""
+    """Check type, dtype, rank and (``None`` = any) sizes of a tensor argument. ``shape``
+    is the whole shape: it fixes the rank too (one entry per axis), ``ndim`` given or not."""
+    if ndim is None and shape is not None:
+        ndim = len(shape)  # a tensor with more (or fewer) axes than ``shape`` names is refused
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}. {hint}".strip())
     if dtypes is not None and t.dtype not in dtypes:
@@ -115,12 +118,22 @@ def unit_stride(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def require_unit_stride(name: str, t: Optional[torch.Tensor]) -> None:
     """An output the kernel writes along its last axis with stride 1: refuse a strided view
-    (a copy would take the writes)."""
-    if t is not None and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+    (a copy would take the writes), or one whose elements share memory (an axis of more than
+    one element with stride 0, e.g. ``buf.expand(n, w)``: the kernel's programs would write
+    each other's rows, the last one winning; torch refuses such in-place writes too)."""
+    if t is None or t.dim() == 0:
+        return
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(
             f"{name} has strides {tuple(t.stride())}; the kernel writes it with unit stride "
             f"along its last axis. Pass a tensor contiguous in its last dim (e.g. a fresh "
             f"buffer) and copy it into the view afterwards.")
+    if 0 in t.stride() and any(n > 1 and s == 0 for n, s in zip(t.shape, t.stride())):
+        raise ValueError(
+            f"{name} has shape {tuple(t.shape)} and strides {tuple(t.stride())}: several of "
+            f"its elements are one memory location (an expanded view), so the kernel's writes "
+            f"would overwrite each other. Pass a buffer of its own (e.g. .clone() or "
+            f"torch.empty) and copy from it afterwards.")
 
 
 
@@ -411,14 +424,21 @@ def checked_kernel(op: str, fn: Callable) -> Callable:
     return checked
 
 
+#: the cache's page axis per attention op (NHD pages and MLA latents: 1; the 5-D K layout
+#: ``[pages, Hkv, D // x, page_size, x]``: 3), which the checked mode compares with the plan's
+#: page size
+_CACHE_PAGE_AXIS = {"paged_attention": 1, "extend_attention": 1, "mla_paged_attention": 1,
+                    "paged_attention_5d": 3}
+
+
 class CheckedKernel:
     """A bound attention kernel object (``plan``/``run``, see
     :class:`aiter_attn.kernels.base.AttentionKernel`) in the checked mode.
 
     ``plan(md)`` remembers the step's metadata; ``run`` (first call per plan and cache) checks
-    its index values against the cache with :func:`check_paged_index_values` before the
-    kernel launches; the functional ``__call__`` checks its arguments. Everything else is the
-    wrapped kernel's (``unchecked``).
+    its page size and index values against the cache (:func:`check_paged_index_values`)
+    before the kernel launches; the functional ``__call__`` checks its arguments. Everything
+    else is the wrapped kernel's (``unchecked``).
     """
 
     _KEEP = 64  # plans remembered (a step plans each layer group once)
@@ -452,6 +472,15 @@ class CheckedKernel:
         from .kernels.base import mask_literal, plan_hints
 
         op = getattr(self.unchecked, "op", "paged_attention")
+        axis = _CACHE_PAGE_AXIS.get(op)
+        if axis is not None and k_cache.dim() > axis \
+                and k_cache.shape[axis] != md.pages.page_size:
+            # the kernels address the cache with the plan's page size: a table of other pages
+            # passes every index check below and reads the wrong tokens
+            raise ValueError(
+                f"{op}: the plan's page table has page_size={md.pages.page_size} but the cache "
+                f"has {k_cache.shape[axis]} tokens per page (k_cache {tuple(k_cache.shape)}, "
+                f"axis {axis}); build the metadata with the pool's page size.")
         mask = md.mask
         check_paged_index_values(
             num_tokens=q.shape[0], num_pages=k_cache.shape[0], page_size=md.pages.page_size,

@@ -179,7 +179,8 @@ ONE_WAVE_MIN_SMEM = 160 * 1024
 TUNING_OVERRIDES: dict = {}
 
 #: Every key :data:`TUNING_OVERRIDES` understands (the kernels read it with ``.get``, so a
-#: misspelt key would be ignored without a word: the benchmarks check theirs against this).
+#: misspelt key would be ignored without a word: :func:`choose_config` refuses unknown keys
+#: in its cached host work, so no call pays for it; the benchmarks check theirs up front).
 OVERRIDE_KEYS = frozenset({
     "block_m", "block_n", "num_warps", "num_stages", "min_split_tokens", "num_splits",
     "heads", "warp_spec", "page_chunk", "split_tokens", "fused_reduce", "pdl", "v_pairs",
@@ -223,7 +224,7 @@ def _invariant_config_cached(group, head_dim_pad, ov, interpreting, fp32, smem):
     """The batch-invariant tiles: one shape for decode and prefill rows alike (64-row tiles
     of ``group`` heads, 64-key tiles; 32 for head dims over 128 or float32), chunked page
     lookup. ``num_splits`` is left 1 here; the caller sets it from ``max_k``."""
-    ov = dict(ov)
+    ov = check_overrides(dict(ov), "TUNING_OVERRIDES")  # a misspelt key is no silent default
     small = head_dim_pad > 128 or fp32
     block_m = 32 if small else 64
     block_n = 32 if small else 64
@@ -260,7 +261,7 @@ def _fit_smem(block_m, block_n, num_stages, head_dim_pad, elem, budget):
 @functools.lru_cache(maxsize=4096)
 def _choose_config_cached(group, max_q, max_k, head_dim_pad, batch, num_kv_heads, sms, ov,
                           interpreting, fp32, fp8_kv, smem, pdl=False):
-    ov = dict(ov)
+    ov = check_overrides(dict(ov), "TUNING_OVERRIDES")  # a misspelt key is no silent default
     decode_like = max_q * min(group, 64) <= 64
     if decode_like:
         # memory-bound: wide key tiles keep ~190 KB of K/V in flight per SM (H200: BLOCK_N 128
