@@ -22,6 +22,7 @@ from .validation import (
     ATTN_DTYPES,
     INDEX_DTYPES,
     check_attention_scalars,
+    check_own_elements,
     check_host_count,
     check_page_size_arg,
     check_pool_rows,
@@ -189,6 +190,7 @@ def _lse_buffer(return_lse, out_lse, q):
     check_tensor("out_lse", out_lse, dtypes=(torch.float32,), ndim=2,
                  shape=(q.shape[0], q.shape[1]),
                  hint="out_lse is float32 [num_tokens, num_q_heads].")
+    check_own_elements("out_lse", out_lse)
     check_same_device("q", q, out_lse=out_lse)
     return out_lse
 
@@ -222,6 +224,7 @@ def _check_batch_tensors(q, cu_seqlens_q, seqused_k, block_table, out, v_head_di
         check_tensor("out", out, dtypes=(q.dtype,), ndim=3,
                      shape=(q.shape[0], q.shape[1], v_head_dim),
                      hint="out is [num_tokens, num_q_heads, head_dim_v] in q's dtype.")
+        check_own_elements("out", out)
 
 
 def _check_sinks(sinks, num_q_heads: int) -> None:
@@ -601,6 +604,8 @@ def merge_attention_states(
     if out_lse is not None:
         check_tensor("out_lse", out_lse, dtypes=(torch.float32,), ndim=2, shape=shape[:2],
                      hint="out_lse is float32 [num_tokens, num_heads].")
+    check_own_elements("out", out)
+    check_own_elements("out_lse", out_lse)
     check_same_device("o_a", o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b, out=out, out_lse=out_lse)
     req = KernelRequest(op="merge_attention_states", device=o_a.device.type, dtype=o_a.dtype,
                         head_dim=shape[2])

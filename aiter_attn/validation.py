@@ -38,6 +38,7 @@ __all__ = [
     "CheckedKernel",
     "unit_stride",
     "require_unit_stride",
+    "check_own_elements",
     "ATTN_DTYPES",
     "INDEX_DTYPES",
     "DEBUG_ENV",
@@ -128,7 +129,15 @@ def require_unit_stride(name: str, t: Optional[torch.Tensor]) -> None:
             f"{name} has strides {tuple(t.stride())}; the kernel writes it with unit stride "
             f"along its last axis. Pass a tensor contiguous in its last dim (e.g. a fresh "
             f"buffer) and copy it into the view afterwards.")
-    if 0 in t.stride() and any(n > 1 and s == 0 for n, s in zip(t.shape, t.stride())):
+    check_own_elements(name, t)
+
+
+def check_own_elements(name: str, t: Optional[torch.Tensor]) -> None:
+    """An output whose elements are distinct memory: refuse an axis of more than one element
+    with stride 0 (``buf.expand(n, ...)``), whose rows every program would overwrite, the
+    last one winning (torch refuses such in-place writes too)."""
+    if t is not None and 0 in t.stride() \
+            and any(n > 1 and s == 0 for n, s in zip(t.shape, t.stride())):
         raise ValueError(
             f"{name} has shape {tuple(t.shape)} and strides {tuple(t.stride())}: several of "
             f"its elements are one memory location (an expanded view), so the kernel's writes "

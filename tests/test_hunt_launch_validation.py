@@ -151,3 +151,42 @@ def test_checked_mode_compares_the_plans_page_size_with_the_cache(page_size):
         return
     kernel.run(q, (k_cache, v_cache), plan, params, out)
     assert_close_rel(out, case.expected(), RTOL[case.dtype], "rows")
+
+
+# ---------------------------------------------------------------- attention outputs that share memory
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("which", ["out", "out_lse"])
+def test_paged_attention_refuses_expanded_outputs(backend, which):
+    """An expanded ``out`` / ``out_lse`` (one row for every token) was accepted on both
+    backends and returned garbage: every program wrote the same memory."""
+    from aiter_attn import ops
+
+    torch.manual_seed(0)
+    t, hq, hkv, d, ps = 3, 4, 2, 16, 4
+    q = torch.randn(t, hq, d)
+    k = torch.randn(4, ps, hkv, d)
+    v = torch.randn(4, ps, hkv, d)
+    cu = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    seq = torch.tensor([3, 5, 2], dtype=torch.int32)
+    bt = torch.tensor([[2, 0], [3, 1], [1, 0]], dtype=torch.int32)
+    kw = dict(cu_seqlens_q=cu, seqused_k=seq, block_table=bt, max_seqlen_q=1, max_seqlen_k=5,
+              softmax_scale=d ** -0.5, backend=backend)
+    if which == "out":
+        kw["out"] = torch.zeros(1, hq, d).expand(t, hq, d)
+    else:
+        kw["out_lse"] = torch.zeros(1, hq).expand(t, hq)
+    with pytest.raises(ValueError, match=f"{which} has shape .* one memory location"):
+        ops.paged_attention(q, k, v, **kw)
+
+
+def test_merge_attention_states_refuses_an_expanded_out():
+    from aiter_attn import ops
+
+    torch.manual_seed(0)
+    o = torch.randn(3, 2, 8)
+    lse = torch.randn(3, 2)
+    with pytest.raises(ValueError, match="out has shape .* one memory location"):
+        ops.merge_attention_states(o, lse, o.clone(), lse.clone(),
+                                   out=torch.zeros(1, 2, 8).expand(3, 2, 8))
