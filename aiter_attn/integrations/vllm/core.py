@@ -31,6 +31,7 @@ __all__ = [
     "metadata_from_common",
     "unsupported_model_reason",
     "window_from_vllm",
+    "batch_window",
     "write_kv_cache",
     "refresh_sinks",
     "run_attention",
@@ -48,6 +49,17 @@ def window_from_vllm(sliding_window: Optional[int]) -> tuple[int, int]:
     if not isinstance(sliding_window, int) or sliding_window < 1:
         raise ValueError(f"sliding_window={sliding_window!r}; expected None or an int ≥ 1.")
     return (sliding_window - 1, 0)
+
+
+def batch_window(window_size: tuple[int, int], causal: bool) -> tuple[int, int]:
+    """The layer's window for one batch: a causal window ``(w - 1, 0)`` made symmetric,
+    ``(w - 1, w - 1)``, when the batch is non-causal (vLLM's DFlash drafters), as vLLM's
+    FlashAttention (``_maybe_symmetrize_window``) and FlexAttention (``|q - kv| < w``) attend;
+    full attention ``(-1, -1)`` and other windows unchanged."""
+    left, right = window_size
+    if not causal and left >= 0 and right == 0:
+        return (left, left)
+    return window_size
 
 
 def kv_cache_views(kv_cache: torch.Tensor, head_size: int,
@@ -85,7 +97,9 @@ class AiterAttnMetadata:
     our ops take them: nothing is copied or recomputed.
 
     Attributes:
-        num_actual_tokens: tokens in the batch before padding (rows of q written).
+        num_actual_tokens: the requests' tokens (rows of q attended and of ``output``
+            written): vLLM's padded ``num_actual_tokens`` cut at ``query_start_loc_cpu[-1]``;
+            under CUDA-graph capture the padded count (every replay's rows).
         cu_seqlens_q: int32 ``[num_reqs + 1]``: vLLM's ``query_start_loc``.
         seqused_k: int32 ``[num_reqs]``: vLLM's ``seq_lens`` (KV length, this step included).
         block_table: int32 ``[num_reqs, max_blocks]``: vLLM's ``block_table_tensor``
@@ -119,7 +133,9 @@ def metadata_from_common(common, *, capturing: bool = False) -> AiterAttnMetadat
         capturing: the metadata is for a CUDA-graph capture. The grid hints are then kept
             only where every replay of that graph shares them: ``max_seqlen_q`` for a uniform
             batch (vLLM replays such graphs only for batches of that query length), never
-            ``max_seqlen_k`` (the kernels read each request's length on the device).
+            ``max_seqlen_k`` (the kernels read each request's length on the device); and
+            ``num_actual_tokens`` stays vLLM's padded count (replays have fewer real tokens,
+            which the kernels find in ``query_start_loc`` on the device).
 
     Raises:
         NotImplementedError: ``common.causal`` is a per-request tensor (prefix-LM masks).
@@ -136,6 +152,7 @@ def metadata_from_common(common, *, capturing: bool = False) -> AiterAttnMetadat
         max_seqlen_q, max_seqlen_k = (max_q if uniform else None), None
     else:
         max_seqlen_q, max_seqlen_k = max_q, int(common.max_seq_len)
+        num_tokens = _request_tokens(common, num_tokens)
     return AiterAttnMetadata(
         num_actual_tokens=num_tokens,
         cu_seqlens_q=common.query_start_loc,
@@ -146,6 +163,17 @@ def metadata_from_common(common, *, capturing: bool = False) -> AiterAttnMetadat
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
     )
+
+
+def _request_tokens(common, num_tokens: int) -> int:
+    """The tokens that belong to a request: vLLM's ``num_actual_tokens`` is the *padded*
+    count (piecewise CUDA-graph sizes, DP padding; padding requests repeat the last
+    ``query_start_loc``), so rows past ``query_start_loc[-1]`` are no request's. Read from the
+    host copy ``query_start_loc_cpu`` (no device sync); a capture keeps the padded count."""
+    cu_cpu = getattr(common, "query_start_loc_cpu", None)
+    if isinstance(cu_cpu, torch.Tensor) and cu_cpu.numel() and cu_cpu.device.type == "cpu":
+        return min(num_tokens, int(cu_cpu[-1]))
+    return num_tokens
 
 
 def unsupported_model_reason(model_config) -> str:
@@ -249,7 +277,8 @@ def run_attention(params: AttnLayerParams, md: AiterAttnMetadata, query: torch.T
     ops.paged_attention(
         query[:n], k_cache, v_cache,
         cu_seqlens_q=md.cu_seqlens_q, seqused_k=md.seqused_k, block_table=md.block_table,
-        softmax_scale=params.scale, causal=md.causal, window_size=params.window_size,
+        softmax_scale=params.scale, causal=md.causal,
+        window_size=batch_window(params.window_size, md.causal),
         softcap=params.softcap, sinks=sinks, out=output[:n],
         max_seqlen_q=md.max_seqlen_q, max_seqlen_k=md.max_seqlen_k,
     )
