@@ -245,7 +245,7 @@ HOPPER_NOTE = (
     "included) run `prefill_gluon_ws` (a loader warp and two 64-row consumer warpgroups "
     "sharing each K/V tile); MLA decode and verify in 64-head blocks of bf16/fp16 latents "
     "512 + 64 (pages of a multiple of 64 keys, no mask) run `mla_gluon` "
-    "(`mla_paged_attention(..., gluon=False)` keeps the Triton kernel); plain bf16/fp16 "
+    "(`aiter_attn.kernels.triton.mla.mla_paged_attention(..., gluon=False)` keeps the Triton kernel); plain bf16/fp16 "
     "decode (no sinks, soft-cap, left window or scales; NHD pages of a multiple of 16 keys) "
     "runs `decode_gluon` (TMA page loads, keys as the wgmma M side; "
     "`TUNING_OVERRIDES['gluon_decode'] = False` keeps the Triton kernel); every other launch "
