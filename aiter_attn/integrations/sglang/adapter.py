@@ -70,6 +70,8 @@ class AiterAttnSGLangBackend:
                                   self.config.device)
         self.core = AttentionBackend(self.config, model_runner.req_to_token_pool.req_to_token,
                                      self.pool, strategies=strategies, kernels=kernels)
+        # NGRAM's verify input carries no topk: its tree breadth is the server's topk
+        self._spec_topk = None if spec is None else spec.topk
         self.data_type = self.config.dtype
         self.kv_cache_dtype = self.config.kv_cache_dtype
         self.forward_metadata = None
@@ -82,7 +84,7 @@ class AiterAttnSGLangBackend:
     # -- eager ----------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch):
         """Plan this step (eager) for SGLang's ``forward_batch``."""
-        batch = to_forward_batch(forward_batch)
+        batch = to_forward_batch(forward_batch, spec_topk=self._spec_topk)
         self.forward_metadata = self.core.init_forward_metadata(batch)
         self._planned, self._graph_step = (forward_batch, batch), None
 
@@ -106,7 +108,8 @@ class AiterAttnSGLangBackend:
                          forward_batch.req_pool_indices, forward_batch.seq_lens,
                          getattr(forward_batch, "seq_lens_cpu", None),
                          getattr(forward_batch, "spec_info", None),
-                         getattr(forward_batch, "encoder_lens", None), capturing=in_capture)
+                         getattr(forward_batch, "encoder_lens", None), capturing=in_capture,
+                         num_padding=getattr(forward_batch, "num_padding", None))
 
     def init_forward_metadata_in_graph(self, forward_batch):
         """Nothing to record: the static buffers were planned outside the graph."""
@@ -128,7 +131,7 @@ class AiterAttnSGLangBackend:
                          encoder_lens, capturing=False)
 
     def _plan_graph(self, bs, forward_mode, req_pool_indices, seq_lens, seq_lens_cpu,
-                    spec_info, encoder_lens, *, capturing: bool):
+                    spec_info, encoder_lens, *, capturing: bool, num_padding=None):
         mgr = self.core.graph_manager
         if mgr is None:
             raise RuntimeError("CUDA-graph planning before init_cuda_graph_state(max_bs, "
@@ -159,8 +162,9 @@ class AiterAttnSGLangBackend:
         view = SimpleNamespace(
             batch_size=bs, forward_mode=forward_mode, req_pool_indices=req_pool_indices,
             seq_lens=seq_lens, seq_lens_cpu=seq_lens_cpu, out_cache_loc=self._dummy_slots(bs * q),
-            spec_info=spec_info, encoder_lens=encoder_lens, positions=None)
-        batch = to_forward_batch(view)
+            spec_info=spec_info, encoder_lens=encoder_lens, positions=None,
+            num_padding=num_padding)  # rows after the real ones (0.5.23's replay view)
+        batch = to_forward_batch(view, spec_topk=self._spec_topk)
         entry = mgr.load(batch, padded_bs=bs, capturing=capturing)
         self.forward_metadata = self.core.forward_metadata
         self._graph_step = (entry.run_batch, self.core.forward_metadata)

@@ -11,7 +11,9 @@ Conventions that differ between SGLang and :class:`~aiter_attn.ForwardBatch`:
   or CPU tensors in SGLang; int64 CPU tensors here.
 * TARGET_VERIFY: SGLang's ``seq_lens`` excludes the draft tokens (its kernels take the drafts'
   K/V separately); ours counts them (the drafts' slots are already in ``req_to_token`` at
-  ``seq_lens .. seq_lens + draft``), so ``draft_token_num`` is added.
+  ``seq_lens .. seq_lens + draft``), so ``draft_token_num`` is added. A tree's
+  ``custom_mask`` covers the real requests only; rows padded in afterwards (graph replay,
+  DP attention) get all-visible blocks (:func:`_pad_verify_mask`).
 * DRAFT_EXTEND_V2: SGLang's ``seq_lens`` already counts the ``num_draft_tokens`` written
   tokens, which are the last query tokens of each request: the same as ours.
 * DP-attention padding (``prepare_mlp_sync_batch``) appends tokens of no request to an
@@ -112,7 +114,49 @@ def _draft_tokens(spec_info, num_tokens: int, bs: int) -> int:
     return num_tokens // bs if bs else 1
 
 
-def to_forward_batch(fb, *, out_cache_loc: Optional[torch.Tensor] = None) -> ForwardBatch:
+def _pad_verify_mask(mask: Optional[torch.Tensor], seq_cpu: torch.Tensor, q: int,
+                     num_padding) -> Optional[torch.Tensor]:
+    """SGLang's verify tree mask for every row of a batch with padding rows.
+
+    SGLang builds ``spec_info.custom_mask`` for the real requests only (per request a
+    row-major ``[q, seq_len + q]`` block, ``build_tree_kernel_efficient``'s FULL_MASK, the
+    layout of every GPU backend without a verify-mask buffer) and pads the batch with whole
+    rows afterwards: CUDA-graph replay (``num_padding`` rows in the replay view) and DP
+    attention (``_pad_inputs_to_size``). SGLang's own backends pad the mask with True for those
+    rows (``NgramVerifyInput.generate_attn_arg_prefill``); so does this. The real rows are
+    ``batch - num_padding`` when the view says so, else the leading rows whose blocks add up to
+    the mask's size (``seq_cpu`` counts the drafts and is ≥ 1, so at most one prefix does),
+    except that a CPU mask of exactly ``batch · q²`` elements is SGLang's CPU layout
+    (``default_tree_mask_mode``: QLEN_ONLY, the tree part only), kept. A mask of any other
+    size is left as it is (planning names the sizes it accepts). Host integers only (the CPU
+    mirror and the mask's shape); the concatenation is a device op outside any graph
+    (planning).
+    """
+    if mask is None:
+        return None
+    ends = torch.cumsum(seq_cpu * q, 0)  # int64 CPU: end of each request's block
+    full = int(ends[-1]) if ends.numel() else 0
+    numel = mask.numel()
+    if numel >= full:
+        return mask
+    bs = int(seq_cpu.numel())
+    if isinstance(num_padding, int) and 0 <= num_padding <= bs:
+        raw = bs - num_padding
+        real = int(ends[raw - 1]) if raw else 0
+        if numel < real:
+            return mask
+    else:
+        if mask.device.type == "cpu" and numel == bs * q * q:
+            return mask
+        if not bool((ends == numel).any()):
+            return mask
+        real = numel
+    flat = mask.reshape(-1)[:real]
+    return torch.cat([flat, flat.new_ones(full - real)])
+
+
+def to_forward_batch(fb, *, out_cache_loc: Optional[torch.Tensor] = None,
+                     spec_topk: Optional[int] = None) -> ForwardBatch:
     """Our :class:`~aiter_attn.ForwardBatch` for SGLang's ``fb`` (a ``ForwardBatch`` or the
     replay view SGLang builds). No device→host sync in decode-like modes: host integers come
     from the CPU mirrors, which SGLang fills because ``needs_cpu_seq_lens`` is True.
@@ -122,6 +166,10 @@ def to_forward_batch(fb, *, out_cache_loc: Optional[torch.Tensor] = None) -> For
             ``out_cache_loc`` int64 ``[num_tokens]``, CPU mirrors as lists or CPU tensors.
         out_cache_loc: use these slots instead of ``fb.out_cache_loc`` (graph planning, where
             the slots are SGLang's static buffer, read by the captured writes).
+        spec_topk: the server's ``speculative_eagle_topk`` (the backend's
+            ``SpecDecodeConfig.topk``), for a verify ``spec_info`` without ``topk``:
+            ``NgramVerifyInput``, whose trie is irregular (``tree_topk`` -1) and whose
+            breadth the server sets as ``speculative_eagle_topk``.
     """
     mode = map_mode(fb.forward_mode)
     if getattr(fb, "encoder_lens", None) is not None:
@@ -160,11 +208,15 @@ def to_forward_batch(fb, *, out_cache_loc: Optional[torch.Tensor] = None) -> For
     elif mode == ForwardMode.TARGET_VERIFY:
         info = fb.spec_info
         q = _draft_tokens(info, num_tokens, bs)
-        topk = int(getattr(info, "topk", 1) or 1)
+        topk = getattr(info, "topk", None)
+        topk = int((spec_topk if topk is None else topk) or 1)
         seq_lens = seq_lens + q
         seq_cpu = seq_cpu + q
-        spec = SpecInfo(num_draft_tokens=q, topk=topk,
-                        custom_mask=getattr(info, "custom_mask", None) if topk > 1 else None)
+        mask = None
+        if topk > 1:
+            mask = _pad_verify_mask(getattr(info, "custom_mask", None), seq_cpu, q,
+                                    getattr(fb, "num_padding", None))
+        spec = SpecInfo(num_draft_tokens=q, topk=topk, custom_mask=mask)
     elif mode == ForwardMode.DRAFT_EXTEND_V2:
         spec = SpecInfo(num_draft_tokens=num_tokens // bs if bs else 1, topk=1)
     return ForwardBatch(
