@@ -191,8 +191,15 @@ def test_extend_per_token_head_scales():
     fn = kernel_registry().select(req, backend="triton").fn
     fn(q.to(dev), k_new.to(dev), v_new.to(dev), kc.to(dev), vc.to(dev), out, softcap=5.0,
        sinks=sinks.to(dev), max_seqlen_q=20, max_seqlen_k=130, **args)
-    exp = fp8_oracle(q, q_lens, dense, kw["softmax_scale"], softcap=5.0, sinks=sinks)
-    # fp16 new-token K/V (the oracle's are the float32 dequantised values): fp16 bound
+    # the oracle over what the kernel reads: the prefix from the fp8 cache (dequantised), the
+    # new tokens as the fp16 K/V it was given (not their float32 values)
+    seen = []
+    for (k, v), n in zip(dense, q_lens):
+        k, v = k.clone(), v.clone()
+        k[len(k) - n:] = k[len(k) - n:].to(q.dtype).float()
+        v[len(v) - n:] = v[len(v) - n:].to(q.dtype).float()
+        seen.append((k, v))
+    exp = fp8_oracle(q, q_lens, seen, kw["softmax_scale"], softcap=5.0, sinks=sinks)
     assert_close_rel(out, exp, RTOL[torch.float16], "per-token-head scales")
 
 

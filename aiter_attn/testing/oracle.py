@@ -48,6 +48,9 @@ def dense_attention(
     if window[1] >= 0:
         visible &= key <= pos + window[1]
     if mask is not None:
+        if tuple(mask.shape) != (n, L):  # a [L] or [1, L] mask would broadcast over the rows
+            raise ValueError(f"mask has shape {tuple(mask.shape)}; expected ({n}, {L}) (one row "
+                             "per query, one column per key position).")
         visible &= mask.to(dev).bool()
     sink = None if sinks is None else sinks.to(dev, torch.float64).view(hq, 1, 1)
     out = torch.empty(n, hq, v.shape[-1], dtype=torch.float64, device=dev)

@@ -60,7 +60,13 @@ class PagedScenario:
     def make(cls, config: BackendConfig, layers: Sequence[LayerSpec], prefix_lens: Sequence[int],
              *, seed: int = 0, num_pages: Optional[int] = None, kv_scale: float = 1.0):
         """An ``MHAKVPool`` of ``num_pages`` (default: twice :meth:`pages_needed`) pages full of
-        noise, a block-permuted allocator, and ``prefix_lens`` cached tokens per request."""
+        noise, a block-permuted allocator, and ``prefix_lens`` cached tokens per request.
+
+        ``kv_scale`` must stay 1.0: the cache is quantised with each layer's ``k_scale`` /
+        ``v_scale`` (set those on the :class:`LayerSpec`)."""
+        if kv_scale != 1.0:  # it was accepted and ignored: a scaled-cache test tested nothing
+            raise ValueError(f"kv_scale={kv_scale!r}: PagedScenario.make does not scale the cache; "
+                             "set LayerSpec.k_scale / v_scale on the layers instead.")
         g = torch.Generator().manual_seed(seed)
         ps = config.page_size
         num_pages = num_pages or 2 * cls.pages_needed(prefix_lens, ps)
@@ -145,6 +151,9 @@ class PagedScenario:
         """float64 ``[num_tokens, Hq * Dv]`` from dense per-request K/V (prefix + this step)."""
         b = self.batch
         q_lens = b.q_lens_cpu.tolist()
+        if masks is not None and len(masks) != len(q_lens):
+            raise ValueError(f"masks has {len(masks)} entries for {len(q_lens)} requests; give "
+                             "one [q_len, seq_len] mask per request of the step.")
         k_new = self.new_k[layer.layer_id].view(-1, layer.num_kv_heads, layer.head_dim)
         v_new = self.new_v[layer.layer_id].view(-1, layer.num_kv_heads, layer.v_head_dim)
         qv = q.view(-1, layer.num_q_heads, layer.head_dim).cpu()

@@ -5,11 +5,11 @@ Proving "no device→host sync" on a CPU-only box uses two complementary tools:
 
 * :mod:`aiter_attn.testing.nosync` puts every device tensor on ``meta`` (shapes, no data), so
   any read of device data on the host raises inside torch;
-* :func:`forbid_device_reads` patches ``Tensor.item/tolist/numpy/cpu`` and
-  ``__bool__/__int__/__float__/__index__`` to raise for any tensor not on the CPU, so the error
-  names the offending call. It also works on a GPU with real CUDA tensors (pair it with
-  ``torch.cuda.set_sync_debug_mode("error")`` there). CPU mirrors (``seq_lens_cpu``) and
-  host integers stay legal.
+* :func:`forbid_device_reads` patches ``Tensor.item/tolist/numpy/cpu``,
+  ``__bool__/__int__/__float__/__index__`` and ``__repr__/__format__`` (printing) to raise for
+  any tensor not on the CPU, so the error names the offending call. It also works on a GPU
+  with real CUDA tensors (pair it with ``torch.cuda.set_sync_debug_mode("error")`` there).
+  CPU mirrors (``seq_lens_cpu``) and host integers stay legal.
 """
 
 from __future__ import annotations
@@ -50,7 +50,10 @@ class HostReadError(RuntimeError):
     """A planning step read a device tensor back to the host."""
 
 
-_GUARDED = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
+# __repr__ / __format__: printing or formatting a device tensor (an f-string in a log or error
+# message) copies it to the host; a meta tensor prints without data, so only this guard sees it
+_GUARDED = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__",
+            "__repr__", "__format__")
 
 
 @contextlib.contextmanager
@@ -255,16 +258,22 @@ def draft_branch_expected(scenario, layer, q: torch.Tensor, k: torch.Tensor, v: 
                           rows: Sequence[tuple], branch_kv: dict) -> torch.Tensor:
     """float64 ``[len(rows), Hq·Dv]`` oracle of one draft step: row ``r = (b, branch)`` attends to
     request ``b``'s cached prefix (``scenario.dense_k/v``) plus that branch's draft tokens so
-    far, window at positions. Appends this step's ``k[r]``/``v[r]`` to ``branch_kv`` (a dict
-    the caller keeps across steps, keyed ``(layer_id, b, branch)``)."""
+    far, with the layer's window, soft-cap and sinks, the new K/V rounded as the cache stores
+    them. Appends this step's ``k[r]``/``v[r]`` to ``branch_kv`` (a dict the caller keeps across
+    steps, keyed ``(layer_id, b, branch)``)."""
     hkv, d, dv = layer.num_kv_heads, layer.head_dim, layer.v_head_dim
+    # the draft K/V as the cache stores them (fp8 rounding), like PagedScenario.expected
+    kc, vc = scenario.kv_pool.kv_buffers(layer.layer_id)
     expected = []
     for r, (b, br) in enumerate(rows):
         ks, vs = branch_kv.setdefault((layer.layer_id, b, br), ([], []))
-        ks.append(k[r].float().view(hkv, d))
-        vs.append(v[r].float().view(hkv, dv))
+        ks.append(scenario._roundtrip(k[r].float().view(hkv, d), kc.dtype, layer.k_scale))
+        vs.append(scenario._roundtrip(v[r].float().view(hkv, dv), vc.dtype, layer.v_scale))
         kk = torch.cat([scenario.dense_k[(layer.layer_id, b)], torch.stack(ks)])
         vv = torch.cat([scenario.dense_v[(layer.layer_id, b)], torch.stack(vs)])
+        # every convention of the layer: window, soft-cap and sinks (the draft kernel applies
+        # them all; an oracle without them fails a correct kernel and passes one that drops them)
         expected.append(dense_attention(q[r].view(1, layer.num_q_heads, d), kk, vv,
-                                        scale=layer.scaling, window=layer.window_size()).view(1, -1))
+                                        scale=layer.scaling, window=layer.window_size(),
+                                        softcap=layer.logit_cap, sinks=layer.sinks).view(1, -1))
     return torch.cat(expected)
