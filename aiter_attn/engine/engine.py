@@ -183,7 +183,11 @@ def _prompt_token_ids(prompt_ids, rid: int) -> list[int]:
     if isinstance(prompt_ids, (str, bytes)):
         raise ValueError(f"request {rid}: the prompt {prompt_ids[:40]!r} is text; pass its token "
                          "ids (encode it with the model's tokenizer first).")
-    if getattr(prompt_ids, "ndim", 1) != 1 or not isinstance(prompt_ids, Iterable):
+    import torch
+
+    # a tensor or an array says its rank; any other iterable is read as one prompt's ids
+    array = isinstance(prompt_ids, torch.Tensor) or type(prompt_ids).__module__ == "numpy"
+    if (array and prompt_ids.ndim != 1) or not isinstance(prompt_ids, Iterable):
         raise ValueError(f"request {rid}: the prompt must be a 1-D sequence of token ids, got "
                          f"{type(prompt_ids).__name__} {prompt_ids!r:.60}; wrap one prompt's ids "
                          "in a list ([ids]) when a list of prompts is expected.")

@@ -98,10 +98,10 @@ class _Entry:
 def _slice_rows(x, n: int):
     if isinstance(x, torch.Tensor):
         return x[:n]
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple takes its fields apart
-        return type(x)(*(_slice_rows(v, n) for v in x))
-    if isinstance(x, (list, tuple)):
+    if isinstance(x, list) or type(x) is tuple:
         return type(x)(_slice_rows(v, n) for v in x)
+    if isinstance(x, tuple):  # a namedtuple: built from its fields
+        return type(x)(*(_slice_rows(v, n) for v in x))
     if isinstance(x, Mapping):
         return {k: _slice_rows(v, n) for k, v in x.items()}
     return x
