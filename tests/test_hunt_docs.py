@@ -305,12 +305,21 @@ _PATH = re.compile(r"(?<![\w/.$-])((?:\.\./shared|aiter_attn|tests|scripts|bench
                    r"/[\w./*-]*\w)")
 
 
+#: the notes in ``../shared`` (beside the repository) the docs may cite
+SHARED_NOTES = {"DESIGN.md", "PERFORMANCE.md", "STYLE.md"}
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=DOC_IDS)
 def test_named_paths_exist(doc):
     text = doc.read_text()
     missing = []
     for m in _PATH.finditer(text):
         p = m.group(1)
+        if p.startswith("../shared/"):
+            # the project's shared notes sit beside the checkout, not in it (a CI clone has
+            # none): only the file name is checked, against the notes the docs may cite
+            assert p.split("/")[-1] in SHARED_NOTES, f"line {_line(text, m.start())}: {p}"
+            continue
         # ``kernels/registry.KernelRegistry``: a module path, then a name in it
         module = re.fullmatch(r"([\w/]+)\.[A-Za-z_]\w*", p)
         tries = [p] + ([module.group(1) + ".py"] if module else [])
