@@ -68,7 +68,7 @@ class AiterAttnMetadataBuilder(AttentionMetadataBuilder[core.AiterAttnMetadata])
                 f"aiter_attn's vLLM backend cannot serve this model: {why}. Otherwise serve "
                 "it with vLLM's own attention (on the CPU: disable the plugin with "
                 "AITER_ATTN_VLLM=0 or VLLM_PLUGINS set to a list without 'aiter_attn').")
-        kernel = _kernel_name(kv_cache_spec)
+        kernel = _kernel_name(kv_cache_spec, core.layer_query_heads(vllm_config))
         log.info_once("aiter_attn: serving vLLM attention as %s (%s kernels, %s pages of %d)",
                       registered_name(), kernel, type(kv_cache_spec).__name__,
                       kv_cache_spec.block_size)
@@ -79,8 +79,11 @@ class AiterAttnMetadataBuilder(AttentionMetadataBuilder[core.AiterAttnMetadata])
         (vLLM takes the weakest across groups): ``ALWAYS`` for the Triton kernel on a GPU,
         ``NEVER`` for the reference (the CPU, where vLLM captures no graphs anyway).
         ``kv_cache_spec`` is a layer's spec or, from vLLM's V1 runner, the group's
-        ``UniformTypeKVCacheSpecs`` (see :func:`.core.group_cudagraph_support`)."""
-        level = core.group_cudagraph_support(kv_cache_spec, device=_device_type())
+        ``UniformTypeKVCacheSpecs`` (see :func:`.core.group_cudagraph_support`). Each layer's
+        query heads come from ``vllm_config``, so a layer whose GQA group the Triton kernel
+        cannot take (it would run the reference) makes the group ``NEVER``."""
+        level = core.group_cudagraph_support(kv_cache_spec, device=_device_type(),
+                                             vllm_config=vllm_config)
         return AttentionCGSupport[CGSupport(level).name]
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -166,13 +169,17 @@ class AiterAttnImpl(AttentionImpl[core.AiterAttnMetadata]):
                                   sinks=self._sinks())
 
 
-def _kernel_name(spec) -> str:
+def _kernel_name(spec, num_heads: Optional[int] = None) -> str:
     from ...plugins import kernel_registry
     from ...kernels.registry import KernelRequest
 
+    num_kv_heads = getattr(spec, "num_kv_heads", None)
+    # the head counts as ops.paged_attention passes them: they decide the GQA group limit
+    extra = (("q_heads", num_heads), ("kv_heads", num_kv_heads)) if num_heads and \
+        num_kv_heads else ()
     req = KernelRequest(op="paged_attention", device=_device_type(), dtype=spec.dtype,
                         kv_dtype=spec.dtype, head_dim=spec.head_size,
-                        v_head_dim=spec.head_size_v, page_size=spec.block_size)
+                        v_head_dim=spec.head_size_v, page_size=spec.block_size, extra=extra)
     try:
         return kernel_registry().select(req).impl.name
     except Exception as exc:  # only a log line; the layer itself raises with the reason

@@ -38,6 +38,7 @@ __all__ = [
     "paged_attention_support",
     "layer_specs",
     "group_cudagraph_support",
+    "layer_query_heads",
 ]
 
 
@@ -322,17 +323,47 @@ def layer_specs(kv_cache_spec) -> tuple:
     return (kv_cache_spec,) if specs is None else tuple(specs.values())
 
 
-def group_cudagraph_support(kv_cache_spec, *, device: str) -> CGSupport:
+def layer_query_heads(vllm_config, layer_name: Optional[str] = None) -> Optional[int]:
+    """This rank's query heads of a layer, from vLLM's config (a KV-cache spec holds only the
+    KV heads): the attention layer's ``num_heads`` in
+    ``compilation_config.static_forward_context`` when ``layer_name`` is there, else the
+    model's ``model_config.get_num_attention_heads(parallel_config)``; None without a
+    config that says (the GQA group is then not checked)."""
+    if vllm_config is None:
+        return None
+    if layer_name is not None:
+        ctx = getattr(getattr(vllm_config, "compilation_config", None),
+                      "static_forward_context", None) or {}
+        heads = getattr(ctx.get(layer_name), "num_heads", None)
+        if heads:
+            return int(heads)
+    model_config = getattr(vllm_config, "model_config", None)
+    parallel_config = getattr(vllm_config, "parallel_config", None)
+    if model_config is None or parallel_config is None:
+        return None
+    get_heads = getattr(model_config, "get_num_attention_heads", None)
+    return None if get_heads is None else int(get_heads(parallel_config))
+
+
+def group_cudagraph_support(kv_cache_spec, *, device: str, vllm_config=None) -> CGSupport:
     """The CUDA-graph level of a KV-cache group (the builder's ``get_cudagraph_support``):
     the weakest over its layers' specs (:func:`layer_specs`; vLLM's V1 runner passes the
     group's spec, the V2 runner a layer's) of :func:`paged_attention_support`, each read
-    from the spec's ``dtype``, ``head_size``, ``head_size_v``, ``block_size`` and
-    ``sliding_window`` (absent = none). ``NEVER`` for a group with no layer spec."""
-    levels = [
-        paged_attention_support(
+    from the spec's ``dtype``, ``head_size``, ``head_size_v``, ``block_size``,
+    ``num_kv_heads`` and ``sliding_window`` (absent = none), with the layer's query heads
+    from ``vllm_config`` (:func:`layer_query_heads`): the registry then picks the kernel
+    ``ops.paged_attention`` will run, which for a GQA group over the Triton kernel's limit is
+    the reference (``NEVER``). ``NEVER`` for a group with no layer spec. Called once at
+    start-up, never per step."""
+    specs = getattr(kv_cache_spec, "kv_cache_specs", None)
+    named = [(None, kv_cache_spec)] if specs is None else list(specs.items())
+    levels = []
+    for name, spec in named:
+        num_kv_heads = getattr(spec, "num_kv_heads", None)
+        num_heads = layer_query_heads(vllm_config, name) if num_kv_heads else None
+        levels.append(paged_attention_support(
             device=device, dtype=spec.dtype, head_size=spec.head_size,
             head_size_v=getattr(spec, "head_size_v", None), page_size=spec.block_size,
-            sliding_window=getattr(spec, "sliding_window", None) is not None)[0]
-        for spec in layer_specs(kv_cache_spec)
-    ]
+            num_heads=num_heads, num_kv_heads=num_kv_heads if num_heads else None,
+            sliding_window=getattr(spec, "sliding_window", None) is not None)[0])
     return min(levels, default=CGSupport.NEVER)
