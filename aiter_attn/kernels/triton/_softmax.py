@@ -1,13 +1,17 @@
 """Online-softmax pieces shared by the Triton attention kernels (paged, cascade shared pass,
-dense prefill): a portable tanh for the soft-cap and one key tile's update of the running
-``(acc, m, l)`` in the base-2 domain (logits already scaled by ``log2 e``)."""
+dense prefill): a portable tanh for the soft-cap, one key tile's update of the running
+``(acc, m, l)`` in the base-2 domain (logits already scaled by ``log2 e``) and the cast of a
+finished row to the output's dtype (:func:`to_output`)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-__all__ = ["tanh", "online_softmax_tile", "online_softmax_tile_pairs"]
+__all__ = ["tanh", "online_softmax_tile", "online_softmax_tile_pairs", "to_output"]
+
+#: fp16's largest finite value: the bound of an fp16 output row (:func:`to_output`)
+_FP16_MAX = tl.constexpr(65504.0)  # jit functions read only constexpr globals
 
 
 @triton.jit
@@ -54,3 +58,15 @@ def online_softmax_tile_pairs(acc, acc_odd, m_i, l_i, s, v, v_odd, COMPUTE_DTYPE
     acc_odd = tl.dot(p, v_odd.to(COMPUTE_DTYPE), acc_odd * alpha[:, None],
                      input_precision=DOT_PRECISION)
     return acc, acc_odd, m_new, l_i
+
+
+@triton.jit
+def to_output(o, out_ptr):
+    """Finished float32 rows ``o`` cast to ``out_ptr``'s element type; an fp16 output is
+    clamped to ±65504 first. A row is ``Σ p16·v / Σ p`` (p rounded to 16 bits in the p·V dot,
+    float32 in the row sum), up to 2^-11 past the convex combination of cache values it
+    stands for, so values at fp16's largest finite could round to inf in the store. NaN stays
+    NaN; bf16/fp32 outputs take the plain cast (a compile-time branch)."""
+    if out_ptr.dtype.element_ty == tl.float16:
+        o = tl.clamp(o, -_FP16_MAX, _FP16_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return o.to(out_ptr.dtype.element_ty)

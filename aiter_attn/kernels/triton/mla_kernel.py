@@ -33,6 +33,7 @@ import triton.language as tl
 from .mla_merge import merge_head_block
 from ._paging import fp8_pair_ptrs, load_chunk_pages, split_fp8_pairs, tile_pages_of
 from ._pdl import wait_then_release
+from ._softmax import to_output
 
 __all__ = ["_mla_fwd_kernel"]
 
@@ -396,7 +397,7 @@ def _mla_fwd_kernel(
     o_mask = mask_h[:, None] & mask_dv[None, :]
     if NUM_SPLITS == 1 and FIXED_CHUNK == 0:
         o_ptrs = out_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
-        tl.store(o_ptrs + offs_dv[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        tl.store(o_ptrs + offs_dv[None, :], to_output(o, out_ptr), mask=o_mask)
         if WRITE_LSE:  # natural log; -inf with nothing visible
             lse_out = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634,
                                float("-inf"))

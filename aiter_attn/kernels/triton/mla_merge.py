@@ -13,11 +13,10 @@ import triton.language as tl
 
 from ._kvutil import next_pow2
 from ._pdl import wait_then_release
+from ._softmax import _FP16_MAX  # what an fp16 partial of ±inf is read as (_partial_f32)
 
 __all__ = ["merge_splits", "merge_head_block"]
 
-#: fp16's largest finite value: what an fp16 partial of ±inf is read as (:func:`_partial_f32`)
-_FP16_MAX = tl.constexpr(65504.0)  # jit functions read only constexpr globals
 
 
 @triton.jit

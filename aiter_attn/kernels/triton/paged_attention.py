@@ -46,7 +46,7 @@ from ...types import FP8_DTYPES
 from ._kvutil import next_pow2
 from ._paging import (fp8_pair_ptrs, load_chunk_pages, prefetch_chunk_pages, split_fp8_pairs,
                       tile_pages_of)
-from ._softmax import online_softmax_tile, online_softmax_tile_pairs, tanh
+from ._softmax import online_softmax_tile, online_softmax_tile_pairs, tanh, to_output
 from ._launch_config import TUNING_OVERRIDES, _cdiv, choose_config
 from ._pdl import wait_then_release
 
@@ -323,7 +323,7 @@ def _reduce_rows(O, Lse, PartAcc, PartML, Sinks, row_tok, qh, row_valid, offs_dv
     safe = tl.where(denom > 0.0, denom, 1.0)
     o = o / safe[:, None]
     o_rows = row_tok * stride_ot + qh.to(tl.int64) * stride_oh
-    tl.store(O + o_rows[:, None] + offs_dv[None, :], o.to(O.dtype.element_ty), mask=row_dv)
+    tl.store(O + o_rows[:, None] + offs_dv[None, :], to_output(o, O), mask=row_dv)
     if WRITE_LSE:
         lse = tl.where(denom > 0.0, (m_safe + tl.log2(safe)) / _LOG2E, float("-inf"))
         tl.store(Lse + row_tok * stride_lt + qh.to(tl.int64) * stride_lh, lse, mask=row_valid)
@@ -558,7 +558,7 @@ def _paged_attn_kernel(
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
         o_rows = (q_start + tok).to(tl.int64) * stride_ot + qh.to(tl.int64) * stride_oh
-        tl.store(O + o_rows[:, None] + offs_dv[None, :], o.to(O.dtype.element_ty), mask=out_mask)
+        tl.store(O + o_rows[:, None] + offs_dv[None, :], to_output(o, O), mask=out_mask)
         if WRITE_LSE:
             # natural-log LSE of the visible logits (and the sink); -inf with nothing visible
             lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) / _LOG2E, float("-inf"))
@@ -626,7 +626,7 @@ def _reduce_splits_kernel(
     if HAS_SINKS:
         denom += tl.exp2(sink - m_safe)
     o = o / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(O + t * stride_ot + h * stride_oh + offs_dv, o.to(O.dtype.element_ty), mask=dv_mask)
+    tl.store(O + t * stride_ot + h * stride_oh + offs_dv, to_output(o, O), mask=dv_mask)
     if WRITE_LSE:
         lse = tl.where(denom > 0.0, (m_safe + tl.log2(tl.where(denom > 0.0, denom, 1.0))) / _LOG2E,
                        float("-inf"))

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ._kvutil import interpreting, max_shared_mem, next_pow2, num_sms
-from ._softmax import tanh
+from ._softmax import tanh, to_output
 from ._launch import Launcher, launch_key
 from .prefill_gluon import HAS_GLUON
 
@@ -313,7 +313,7 @@ def _dense_prefill_kernel(
         m_i = m_new
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
-    tl.store(O + q_rows[:, None] * s_ot + h * s_oh + offs_dv[None, :], o.to(O.dtype.element_ty),
+    tl.store(O + q_rows[:, None] * s_ot + h * s_oh + offs_dv[None, :], to_output(o, O),
              mask=row_ok[:, None] & dv_mask[None, :])
     if WRITE_LSE:
         lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
