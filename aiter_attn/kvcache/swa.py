@@ -143,11 +143,18 @@ class SWAKVPool:
 
     def translate(self, full_slots: torch.Tensor,
                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """int64 SWA slots of ``full_slots`` (any int dtype, any shape); on the device, no sync."""
+        """int64 SWA slots of ``full_slots`` (any int dtype, any shape); on the device, no sync.
+
+        A negative (padding) slot stays -1, as the SWA writes skip it; slot 0 (the null slot)
+        and a slot whose SWA page was freed translate to 0."""
         idx = full_slots.reshape(-1).long()
+        pad = idx < 0
+        # gather at 0 for padding, then put -1 back (index_select would fail on -1)
+        gathered = self.full_to_swa_index_mapping.index_select(0, idx.clamp(min=0))
+        swa = torch.where(pad, torch.full_like(gathered, -1), gathered)
         if out is None:
-            return self.full_to_swa_index_mapping.index_select(0, idx).view(full_slots.shape)
-        torch.index_select(self.full_to_swa_index_mapping, 0, idx, out=out.view(-1))
+            return swa.view(full_slots.shape)
+        out.view(-1).copy_(swa)
         return out
 
 
@@ -174,6 +181,8 @@ class SWAPageAllocator:
     _swa_of: dict = attrs.field(init=False, factory=dict)  # full page -> SWA page
     # row -> (shortest length a truncate may leave, end of the row's freed SWA tokens)
     _floor: dict = attrs.field(init=False, factory=dict)
+    # largest window free_swa_out_of_window was given (how far back a query sees)
+    _window: int = attrs.field(init=False, default=1)
 
     def __attrs_post_init__(self):
         ps = self.pool.page_size
@@ -263,8 +272,31 @@ class SWAPageAllocator:
     def share_prefix(self, req_pool: ReqToTokenPool, src_row: int, dst_row: int,
                      num_tokens: int) -> int:
         """Prefix caching: ``dst_row`` reuses ``src_row``'s first whole pages (and their SWA
-        pages, through the shared translation). Returns the tokens now cached for ``dst_row``."""
-        return self.full.share_prefix(req_pool, src_row, dst_row, num_tokens)
+        pages, through the shared translation). Returns the tokens now cached for ``dst_row``.
+
+        Where :meth:`free_swa_out_of_window` already returned some of those SWA pages, only a
+        prefix whose next query (at its length) sees no freed key is shared (none if no such
+        prefix exists), and ``dst_row`` inherits the truncate floor of the freed pages."""
+        num_tokens = check_token_count(num_tokens, "num_tokens")
+        src = row_index(src_row, "share_prefix(src_row)")
+        ps = self.page_size
+        pages = self.full.pages_of(src)[: min(num_tokens, self.full.tokens_held(src)) // ps]
+        freed = [i for i, fp in enumerate(pages) if fp not in self._swa_of]
+        if not freed:
+            return self.full.share_prefix(req_pool, src_row, dst_row, num_tokens)
+        reach = self._window - 1  # a query at n sees keys ≥ n - reach
+        n_pages = len(pages)
+        # the longest whole-page prefix whose window [n - reach, n) holds no freed page
+        while n_pages and any(i < n_pages and (i + 1) * ps > n_pages * ps - reach
+                              for i in freed):
+            n_pages -= 1
+        n = self.full.share_prefix(req_pool, src_row, dst_row, n_pages * ps)
+        inside = [i for i in freed if i < n_pages]
+        if inside:
+            end = (max(inside) + 1) * ps
+            dst = row_index(dst_row, "share_prefix(dst_row)")
+            self._floor[dst] = max(self._floor.get(dst, (0, 0)), (end + reach, end))
+        return n
 
     def free_swa_out_of_window(self, row: int, window: int, *, next_position: Optional[int] = None,
                                keep_pages: frozenset = frozenset()) -> int:
@@ -288,6 +320,7 @@ class SWAPageAllocator:
             raise ValueError(f"window={window!r}; pass the largest sliding_window (≥ 1) of the "
                              "model's SWA layers.")
         row = row_index(row, "free_swa_out_of_window")
+        self._window = max(self._window, int(window))
         held = self.full.tokens_held(row)
         nxt = held if next_position is None else int(next_position)
         if not 0 <= nxt <= held:
