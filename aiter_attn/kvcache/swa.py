@@ -150,8 +150,7 @@ class SWAKVPool:
         idx = full_slots.reshape(-1).long()
         pad = idx < 0
         # gather at 0 for padding, then put -1 back (index_select would fail on -1)
-        gathered = self.full_to_swa_index_mapping.index_select(0, idx.clamp(min=0))
-        swa = torch.where(pad, torch.full_like(gathered, -1), gathered)
+        swa = self.full_to_swa_index_mapping.index_select(0, idx.clamp(min=0)).masked_fill_(pad, -1)
         if out is None:
             return swa.view(full_slots.shape)
         out.view(-1).copy_(swa)

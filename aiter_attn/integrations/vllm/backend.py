@@ -171,15 +171,12 @@ class AiterAttnImpl(AttentionImpl[core.AiterAttnMetadata]):
 
 def _kernel_name(spec, num_heads: Optional[int] = None) -> str:
     from ...plugins import kernel_registry
-    from ...kernels.registry import KernelRequest
 
     num_kv_heads = getattr(spec, "num_kv_heads", None)
-    # the head counts as ops.paged_attention passes them: they decide the GQA group limit
-    extra = (("q_heads", num_heads), ("kv_heads", num_kv_heads)) if num_heads and \
-        num_kv_heads else ()
-    req = KernelRequest(op="paged_attention", device=_device_type(), dtype=spec.dtype,
-                        kv_dtype=spec.dtype, head_dim=spec.head_size,
-                        v_head_dim=spec.head_size_v, page_size=spec.block_size, extra=extra)
+    req = core.layer_kernel_request(
+        device=_device_type(), dtype=spec.dtype, head_size=spec.head_size,
+        head_size_v=spec.head_size_v, page_size=spec.block_size,
+        num_heads=num_heads if num_kv_heads else None, num_kv_heads=num_kv_heads)
     try:
         return kernel_registry().select(req).impl.name
     except Exception as exc:  # only a log line; the layer itself raises with the reason

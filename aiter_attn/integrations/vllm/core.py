@@ -39,6 +39,7 @@ __all__ = [
     "layer_specs",
     "group_cudagraph_support",
     "layer_query_heads",
+    "layer_kernel_request",
 ]
 
 
@@ -294,6 +295,25 @@ def paged_attention_support(*, device: str, dtype: torch.dtype, head_size: int,
     """``(cg_support, reason)`` of the paged-attention kernel our registry would pick for a
     layer like this on ``device``: its :class:`~aiter_attn.types.CGSupport`, or
     ``(CGSupport.NEVER, why)`` when no kernel can serve it."""
+    req = layer_kernel_request(device=device, dtype=dtype, head_size=head_size,
+                               head_size_v=head_size_v, page_size=page_size, num_heads=num_heads,
+                               num_kv_heads=num_kv_heads, sliding_window=sliding_window,
+                               sinks=sinks, softcap=softcap)
+    try:
+        sel = kernel_registry().select(req)
+    except KernelSelectionError as exc:
+        return CGSupport.NEVER, str(exc)
+    return sel.impl.capabilities.cg_support, None
+
+
+def layer_kernel_request(*, device: str, dtype: torch.dtype, head_size: int,
+                         head_size_v: Optional[int] = None, page_size: Optional[int] = None,
+                         num_heads: Optional[int] = None, num_kv_heads: Optional[int] = None,
+                         sliding_window: bool = False, sinks: bool = False,
+                         softcap: bool = False):
+    """The ``paged_attention`` :class:`~aiter_attn.kernels.registry.KernelRequest` of a layer
+    like this, as ``ops.paged_attention`` makes it (the head counts decide the GQA group
+    limit; ``None``: not checked)."""
     head_size_v = head_size if head_size_v is None else head_size_v
     features = ops.attention_features(
         kv_dtype=dtype, head_dim=head_size, v_head_dim=head_size_v,
@@ -304,14 +324,9 @@ def paged_attention_support(*, device: str, dtype: torch.dtype, head_size: int,
         extra = (("q_heads", num_heads), ("kv_heads", num_kv_heads))
     from ...kernels.registry import KernelRequest
 
-    req = KernelRequest(op="paged_attention", device=device, dtype=dtype, kv_dtype=dtype,
-                        head_dim=head_size, v_head_dim=head_size_v, page_size=page_size,
-                        features=features, extra=extra)
-    try:
-        sel = kernel_registry().select(req)
-    except KernelSelectionError as exc:
-        return CGSupport.NEVER, str(exc)
-    return sel.impl.capabilities.cg_support, None
+    return KernelRequest(op="paged_attention", device=device, dtype=dtype, kv_dtype=dtype,
+                         head_dim=head_size, v_head_dim=head_size_v, page_size=page_size,
+                         features=features, extra=extra)
 
 
 def layer_specs(kv_cache_spec) -> tuple:
