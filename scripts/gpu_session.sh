@@ -111,6 +111,8 @@
 #   scripts/gpu_session.sh sixtyfourth   # the fused-merge and narrow gpu tests on the final code
 #   scripts/gpu_session.sh sixtyfifth    # the cooperative merge: its gpu tests, the 16-head rows
 #                                  # beside the default, the time split
+#   scripts/gpu_session.sh seventysecond # on an H200 seventyfirst first; the 64x4k wave's empty
+#                                  # program slots (60/64/66 requests); fp16 clamp gpu tests
 #   scripts/gpu_session.sh seventyfirst  # item 4 on the H200: the 16-head rows (16-bit
 #                                  # partials by default) beside float32 partials and narrow,
 #                                  # twice; the time split with the launch floor
@@ -647,6 +649,26 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       > "$OUT/ncu.log" 2>&1
     grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Dynamic Shared|smsp__inst|bank_conf|wavefronts" \
       "$OUT/ncu.log" | head -80
+    ;;
+  seventysecond)
+    # on an H200, issue 14 item 4 first (the seventyfirst call); on any card: whether the
+    # 64x4k step loses to the 8 empty program slots of its 256-program wave (two programs per
+    # SM over 132 SMs: 60, 64, 66 requests give 240, 256, 264 programs at four splits), then
+    # the fp16 clamps of the Gluon kernels, the merge and the cascade kernels (gpu tests)
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      bash "$0" seventyfirst
+    fi
+    timeout ${BA_S:-150} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --anchors "" --mla-kv bf16 --mla-rows 16x60x4096,16x64x4096,16x66x4096 \
+      --mla-variants narrow --out "$OUT/wave" > "$OUT/wave.log" 2>&1
+    grep -E "ours|==|Error|error|ceilings" "$OUT/wave.log" | head -12
+    timeout ${TS_S:-120} python3 benchmarks/mla_time_split.py --rows 16x60x4096,16x64x4096,16x66x4096 \
+      --splits 0 2>&1 | tee "$OUT/wave_time_split.log" | tail -4
+    timeout ${GT_S:-240} python3 -m pytest -q -p no:randomly -m gpu -n 4 \
+      tests/test_hunt_fp16_gluon.py tests/test_hunt_fp16_range.py tests/test_hunt_fp16_merge.py \
+      > "$OUT/fp16_gpu.log" 2>&1
+    tail -15 "$OUT/fp16_gpu.log"
+    rm -f "$OUT"/*/*.png
     ;;
   seventyfirst)
     # issue 14 item 4 on the H200 (3.9 TB/s at 64x4k): the default (16-bit partials since the
