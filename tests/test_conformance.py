@@ -184,8 +184,11 @@ def test_cli_verify_exit_code_on_failure(fresh_registry, capsys):
 
 def test_cli_verify_strict_counts_unsupported(fresh_registry):
     _register(fresh_registry, "nosinks", paged_attention_reference)
-    assert main(["verify", "--backend", "nosinks", "--case", "sinks-page16"]) == 0
-    assert main(["verify", "--backend", "nosinks", "--case", "sinks-page16", "--strict"]) == 1
+    cases = ["--case", "sinks-page16", "--case", "decode-page1-gqa4:1-d64"]
+    assert main(["verify", "--backend", "nosinks", *cases]) == 0
+    assert main(["verify", "--backend", "nosinks", *cases, "--strict"]) == 1
+    # nothing passing is a failure either way (tests/test_hunt_aiter_verify.py)
+    assert main(["verify", "--backend", "nosinks", "--case", "sinks-page16"]) == 1
 
 
 EXAMPLE_CASES = ("decode-page16-gqa5:1-d80", "mixed-page48-gqa5:1-d80", "custom-mask-page16",

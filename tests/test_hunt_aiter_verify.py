@@ -170,9 +170,25 @@ def test_verify_strict_text_names_the_unsupported_cases(fresh_registry, capsys):
     """With --strict, unsupported cases fail the run: the text report said "0 failed" and
     nothing else; it now names them on a FAILED line."""
     _register_paged_only(fresh_registry, "nosinks")
-    assert main(["verify", "--backend", "nosinks", "--case", "sinks-page16", "--strict"]) == 1
+    cases = ["--case", "sinks-page16", "--case", "decode-page1-gqa4:1-d64"]
+    assert main(["verify", "--backend", "nosinks", *cases, "--strict"]) == 1
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-1] == ("FAILED (--strict counts unsupported cases as failures): "
                          "sinks-page16")
-    assert main(["verify", "--backend", "nosinks", "--case", "sinks-page16"]) == 0
+    assert main(["verify", "--backend", "nosinks", *cases]) == 0
     assert "FAILED" not in capsys.readouterr().out
+
+
+def test_verify_with_no_case_passing_fails_without_strict(fresh_registry, capsys):
+    """Every selected case unsupported (the backend declines them all) exited 0 without
+    --strict: a report with nothing verified read as conformance. It is now exit 1 with a
+    line saying nothing was verified, in text and JSON, --strict or not."""
+    _register_paged_only(fresh_registry, "nosinks")
+    for extra in ([], ["--strict"]):
+        assert main(["verify", "--backend", "nosinks", "--case", "sinks-page16", *extra]) == 1
+        lines = capsys.readouterr().out.strip().splitlines()
+        assert lines[-1].startswith("FAILED: no case passed, so nothing was verified: "
+                                    "backend 'nosinks' declined every case (sinks-page16;")
+    assert main(["verify", "--backend", "nosinks", "--case", "sinks-page16", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is False and data["passed"] == 0

@@ -137,7 +137,10 @@ def run(args) -> int:
         return _usage_error(args, _no_case_matches(CASES, ops, args))
     report = run_conformance(args.backend, device=args.device, ops=ops, quick=args.quick,
                              names=args.case, dtype=dtype)
-    failed = not report.ok or (args.strict and report.count("unsupported"))
+    # no case passed (the backend declined every one): nothing was verified, so the run must
+    # not read as conformance, --strict or not
+    none_passed = report.count("pass") == 0
+    failed = not report.ok or none_passed or (args.strict and report.count("unsupported"))
     if args.json:
         data = report.to_dict()
         data["ok"] = not failed
@@ -146,7 +149,14 @@ def run(args) -> int:
         print(report.format_table())
         if report.ok and failed:  # the table says "0 failed": say why the exit code is 1
             names = [r.name for r in report.results if r.status == "unsupported"]
-            print(f"FAILED (--strict counts unsupported cases as failures): {', '.join(names)}")
+            if none_passed:
+                print(f"FAILED: no case passed, so nothing was verified: backend "
+                      f"{args.backend!r} declined every case ({', '.join(names)}; reasons "
+                      "above). Run cases its kernels serve (--op / --case / --dtype), or fix "
+                      "the capabilities that decline them.")
+            else:
+                print(f"FAILED (--strict counts unsupported cases as failures): "
+                      f"{', '.join(names)}")
     return 1 if failed else 0
 
 
