@@ -65,7 +65,9 @@ def _dst_offsets(page, off, h, d, s0, s1, s2, s3, s4, LAYOUT: tl.constexpr, X: t
 def _quantise(x, scale, FMAX: tl.constexpr, FP8: tl.constexpr, dst_ptr):
     if FP8:
         y = tl.math.div_rn(x.to(tl.float32), scale)  # IEEE division, as torch's (see below)
-        y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
+        # saturate, NaN kept as NaN (torch's clamp): tl.minimum/maximum lower to PTX
+        # min/max, which return the other operand, so a NaN was stored as -FMAX
+        y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
         return y.to(dst_ptr.dtype.element_ty)
     else:
         return x.to(dst_ptr.dtype.element_ty)
@@ -88,11 +90,15 @@ def _write_one(src_ptr, dst_ptr, sc_ptr, t, page, off, ok, scale, num_heads,
         # Divisions are div_rn: Triton's fp32 ``/`` is the approximate div.full.f32 on NVIDIA
         # (up to 2 ulp), so the stored scales differed from torch's in the last bits on the
         # H200 (test_gpu_token_head_write_bytes_equal_reference, 10:05 UTC run).
+        # A vector holding a NaN: torch's amax is NaN there, so the reference's scale is 1
+        # (NaN > 0 is false); PTX max skips NaN, so the flag is taken apart.
         xf = x.to(tl.float32)
+        nan_row = tl.max((xf != xf).to(tl.int32), axis=1) > 0
         s = tl.math.div_rn(tl.max(tl.abs(xf), axis=1), FMAX * scale)
-        s = tl.where(s > 0.0, s, 1.0)
+        s = tl.where((s > 0.0) & (~nan_row), s, 1.0)
         y = tl.math.div_rn(xf, (s * scale)[:, None])
-        y = tl.minimum(tl.maximum(y, -FMAX), FMAX).to(dst_ptr.dtype.element_ty)
+        y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+        y = y.to(dst_ptr.dtype.element_ty)
         tl.store(sc_ptr + page * c0 + off * c1 + offs_h.to(tl.int64) * c2, s, mask=h_ok)
     else:
         y = _quantise(x, scale, FMAX, FP8, dst_ptr)
