@@ -83,9 +83,10 @@ def _check_tokens(on, off):
     assert len(on["tokens"]) >= 8 and all(len(t) == 12 for t in on["tokens"])
 
 
-def _check_layers(model, on, off):
+def _check_layers(model, on, off, on_profile):
     """Every attention layer on every rank is our impl with the plugin, vLLM's without, and
-    sees the layer's window / sinks and this rank's heads."""
+    sees the layer's window / sinks and this rank's heads; ours answers a profiling run
+    (no metadata) with zeros."""
     tp = 2 if model.endswith("tp=2") else 1
     assert len(on) == len(off) == tp
     for rank_on, rank_off in zip(on, off):
@@ -94,6 +95,8 @@ def _check_layers(model, on, off):
         strip = [{k: v for k, v in layer.items() if k != "impl"} for layer in rank_on]
         assert strip == [{k: v for k, v in layer.items() if k != "impl"} for layer in rank_off]
     layers = on[0]
+    assert on_profile and all(rank and all(rank) for rank in on_profile), (
+        f"a profiling run (attn_metadata=None) left our output unwritten: {on_profile}")
     if model == "qwen2_swa":
         assert {layer["window"] for layer in layers} == {16}
     if model == "gpt_oss":
@@ -111,7 +114,8 @@ def test_served_token_identical_to_vllm_cpu_attention(vllm_python, tmp_path):
     for model in MODELS:
         for check, args in ((_check_tokens, (with_plugin[model], without[model])),
                             (_check_layers, (model, with_plugin[model]["layers"],
-                                             without[model]["layers"]))):
+                                             without[model]["layers"],
+                                             with_plugin[model]["profile_zeros"]))):
             try:
                 check(*args)
             except AssertionError as exc:

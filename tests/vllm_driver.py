@@ -97,6 +97,28 @@ def _layer_info(model):
     return out
 
 
+def _profile_outputs(model):
+    """Our impl's answer to a profiling run (``attn_metadata=None``): per layer, whether a
+    NaN-filled output came back all zeros (as vLLM's GPU backends give), or None for another
+    backend's impl."""
+    import torch
+
+    out = []
+    for module in model.modules():
+        impl = getattr(module, "impl", None)
+        if impl is None or not hasattr(impl, "num_kv_heads"):
+            continue
+        if type(impl).__name__ != "AiterAttnImpl":
+            out.append(None)
+            continue
+        q = torch.randn(3, impl.num_heads, impl.head_size)
+        kv = torch.randn(3, impl.num_kv_heads, impl.head_size)
+        res = torch.full((3, impl.num_heads, impl.head_size), float("nan"))
+        got = impl.forward(module, q, kv, kv, torch.empty(0), None, res)
+        out.append(bool(got is res and (res == 0).all()))
+    return out
+
+
 def _serve(folder: Path, out: Path, specs: list[str]) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -124,6 +146,7 @@ def _serve(folder: Path, out: Path, specs: list[str]) -> None:
             "tokens_cached": [list(o.outputs[0].token_ids) for o in second],
             "cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in second),
             "layers": llm.apply_model(_layer_info),
+            "profile_zeros": llm.apply_model(_profile_outputs),
         }
         if text:
             results[spec]["text"] = [o.outputs[0].text for o in first]

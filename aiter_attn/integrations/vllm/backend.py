@@ -163,8 +163,8 @@ class AiterAttnImpl(AttentionImpl[core.AiterAttnMetadata]):
             raise NotImplementedError(
                 "aiter_attn's vLLM backend has no fused output quantization; leave the "
                 "attention output-quant fusion off (-cc.pass_config.fuse_attn_quant=False).")
-        if attn_metadata is None:  # vLLM's profiling / warm-up run
-            return output
+        if attn_metadata is None:  # vLLM's profiling / warm-up run: zeros, as vLLM's GPU
+            return output.fill_(0)   # backends give (torch.empty would carry garbage, NaN too)
         return core.run_attention(self.params, attn_metadata, query, kv_cache, output,
                                   sinks=self._sinks())
 
