@@ -23,7 +23,9 @@ token's shared splits (none when its run shares nothing) combine exactly::
     out = (2^{lse·log2 e − M} · o + Σ 2^{m_i − M} acc_i) / (2^{lse·log2 e − M} + Σ 2^{m_i − M} l_i)
     lse = (M + log2 den) / log2 e
 
-with weight 0 (never a NaN) for parts that see nothing. ``out`` may be the own pass's output
+with weight 0 (never a NaN) for parts that see nothing; an fp16 ``out`` is clamped to
+±65504 at the store (a shared partial is ``Σ p16·v / Σ p``, up to 2^-11 past its values:
+:func:`._softmax.to_output`). ``out`` may be the own pass's output
 buffer (each program reads its elements before writing them). No atomics, no host reads:
 CUDA-graph safe.
 """
@@ -36,7 +38,7 @@ import triton.language as tl
 
 from ._kvutil import next_pow2
 from ._paging import load_chunk_pages, tile_pages_of
-from ._softmax import online_softmax_tile, tanh
+from ._softmax import online_softmax_tile, tanh, to_output
 
 __all__ = ["cascade_shared_triton", "cascade_merge_triton", "CASCADE_TUNING",
            "shared_config"]
@@ -208,7 +210,7 @@ def _cascade_merge_kernel(
         acc = acc * alpha[:, None] + tl.where(beta[:, None] > 0.0, a_s * beta[:, None], 0.0)
         m = m_new
     safe = tl.where(den > 0.0, den, 1.0)
-    tl.store(o_ptrs, (acc / safe[:, None]).to(O.dtype.element_ty), mask=m2)
+    tl.store(o_ptrs, to_output(acc / safe[:, None], O), mask=m2)
     if WRITE_LSE:
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         lse = tl.where(den > 0.0, (m_safe + tl.log2(safe)) / _LOG2E, float("-inf"))

@@ -135,6 +135,7 @@ if HAS_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    from .prefill_gluon import _to_output
 
     @gluon.jit
     def _tile_rows(bt_row, key0, last, PAGE: gl.constexpr, BOX: gl.constexpr,
@@ -322,7 +323,7 @@ if HAS_GLUON:
                 l_safe = gl.where(has, l_i, 1.0)
                 o = acc / l_safe[None, :]
                 gl.store(out + tok64 * s_ot + head[None, :] * s_oh + d_o[:, None],
-                         o.to(out.dtype.element_ty), mask=g_ok[None, :])
+                         _to_output(o, out.dtype.element_ty), mask=g_ok[None, :])
                 if WRITE_LSE:
                     lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453,
                                    float("-inf"))

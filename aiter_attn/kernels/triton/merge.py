@@ -8,7 +8,9 @@ Math (per token ``t`` and head ``h``; LSEs in natural log, the flash-attn conven
     lse = M + ln(w_a + w_b)                             (-inf when w_a + w_b = 0)
 
 A side of weight 0 is selected away, not multiplied by 0, so whatever its ``o`` holds (NaN from
-an unwritten buffer included) never reaches the result. One program per (token, block of
+an unwritten buffer included) never reaches the result. An fp16 ``out`` is clamped to ±65504
+at the store (float32 or bf16 parts past it would round to inf; :func:`._softmax.to_output`);
+NaN stays NaN. One program per (token, block of
 heads); no atomics, fixed order: bitwise reproducible. No host reads: CUDA-graph safe.
 """
 
@@ -19,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ._kvutil import next_pow2
+from ._softmax import to_output
 
 __all__ = ["merge_attention_states"]
 
@@ -54,8 +57,7 @@ def _merge_kernel(
     den = wa + wb
     safe = tl.where(den > 0.0, den, 1.0)
     o = (ta + tb) / safe[:, None]
-    tl.store(O + t * s_ot + h64[:, None] * s_oh + offs_d[None, :], o.to(O.dtype.element_ty),
-             mask=m2)
+    tl.store(O + t * s_ot + h64[:, None] * s_oh + offs_d[None, :], to_output(o, O), mask=m2)
     lse = tl.where(den > 0.0, m + tl.log2(safe) / _LOG2E, float("-inf"))
     tl.store(LO + t * s_lot + h64 * s_loh, lse, mask=h_mask)
 

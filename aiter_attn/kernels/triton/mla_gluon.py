@@ -99,6 +99,7 @@ if HAS_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    from .prefill_gluon import _to_output
 
     @gluon.jit
     def _token_split(cu_q, seqused, t, split, batch, SPLITS: gl.constexpr,
@@ -238,7 +239,7 @@ if HAS_GLUON:
             # both consumers finished reading (the other reads only its own columns of it
             # while it may still be on tile n - 2's p·v) and no tile refills
             o_s = kn_s.index(n % STAGES).slice(C * 256, 256, dim=1)
-            o_s.store(o.to(dtype))
+            o_s.store(_to_output(o, dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(out_d, [q_row, C * 256], o_s)
             tma.store_wait(0)

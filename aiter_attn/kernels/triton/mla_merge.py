@@ -4,7 +4,9 @@ queries' 16-bit dtype: read into float32, an fp16 ±inf as ±65504) and their fl
 LSEs ``[T, H, S]``
 combined into the rows (and the natural-log LSE): :func:`merge_splits` (a second launch over
 ``(tokens, heads)``) and :func:`merge_head_block` (the one-launch form: run by the last split
-program of a (token, head block) to finish, inside the attention kernel)."""
+program of a (token, head block) to finish, inside the attention kernel). An fp16 output
+is clamped to ±65504 at the store (float32 partials past it would round to inf;
+:func:`._softmax.to_output`)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import triton.language as tl
 from ._kvutil import next_pow2
 from ._pdl import wait_then_release
 from ._softmax import _FP16_MAX  # what an fp16 partial of ±inf is read as (_partial_f32)
+from ._softmax import to_output  # the rows' store: an fp16 output clamped to ±65504
 
 __all__ = ["merge_splits", "merge_head_block"]
 
@@ -82,7 +85,7 @@ def _mla_merge_kernel(
         den = tl.sum(w, axis=0)
         res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0, den, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_dv,
-             res.to(out_ptr.dtype.element_ty), mask=mask_dv)
+             to_output(res, out_ptr), mask=mask_dv)
     if WRITE_LSE:  # splits' log2 LSEs merged, in index order; natural log out
         lse_out = tl.where(den > 0, (m + tl.log2(tl.where(den > 0, den, 1.0))) / 1.4426950408889634,
                            float("-inf"))
@@ -120,7 +123,7 @@ def merge_head_block(out_ptr, part_o_ptr, part_lse_ptr, lse_ptr, t, offs_h, mask
     has = den > 0
     res = acc / tl.where(has, den, 1.0)[:, None]
     tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_dv[None, :],
-             res.to(out_ptr.dtype.element_ty), mask=o_mask)
+             to_output(res, out_ptr), mask=o_mask)
     if WRITE_LSE:  # natural log
         lse_out = tl.where(has, (m + tl.log2(tl.where(has, den, 1.0))) / 1.4426950408889634,
                            float("-inf"))

@@ -107,6 +107,7 @@ if HAS_GLUON:
 
     from .decode_gluon import _hand_over, _keys_softmax, _mask_tail, _pick, _tile_rows
     from .mla_gluon import _token_split
+    from .prefill_gluon import _to_output
 
     @gluon.jit
     def _issue(kn_d, kr_d, kn_s, kr_s, bar, slot, cur, offs, BOX: gl.constexpr,
@@ -201,11 +202,11 @@ if HAS_GLUON:
                 o = o_x.slice(c * 64, 64, dim=0).load(st)
                 d = (c * 64 + dd)[:, None]
                 if SPLITS == 1:
-                    gl.store(out + t64 * s_ot + hh64 * s_oh + d, o.to(out.dtype.element_ty),
-                             mask=ok)
+                    gl.store(out + t64 * s_ot + hh64 * s_oh + d,
+                             _to_output(o, out.dtype.element_ty), mask=ok)
                 else:
                     gl.store(part_o + t64 * s_pt + hh64 * s_ph + split.to(gl.int64) * s_ps
-                             + d, o.to(part_o.dtype.element_ty), mask=ok)
+                             + d, _to_output(o, part_o.dtype.element_ty), mask=ok)
             if SPLITS == 1:
                 if WRITE_LSE:
                     gl.store(lse_ptr + t64 * s_et + h64 * s_eh, lse2 * 0.6931471805599453,
@@ -260,7 +261,7 @@ if HAS_GLUON:
                             mask=ok, other=0.0, cache_modifier=".cg")
                 acc += o.to(gl.float32) * w[None, :]
             gl.store(out + t64 * s_ot + hh64[None, :] * s_oh + d,
-                     (acc * inv[None, :]).to(out.dtype.element_ty), mask=ok)
+                     _to_output(acc * inv[None, :], out.dtype.element_ty), mask=ok)
         if WRITE_LSE:
             lse = gl.where(has, (m + gl.log2(gl.where(has, den, 1.0))) * 0.6931471805599453,
                            float("-inf"))

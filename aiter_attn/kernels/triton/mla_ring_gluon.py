@@ -62,6 +62,7 @@ if HAS_GLUON:
 
     from .decode_gluon import _pick, _tile_rows, _zero_rows
     from .mla_gluon import _token_split
+    from .prefill_gluon import _to_output
 
     _RING = gl.constexpr(_RING_SLOTS)
     _BN = gl.constexpr(_BLOCK_N)
@@ -108,7 +109,7 @@ if HAS_GLUON:
         (``[HP]``) to ``dst`` (``[1, HP]`` per-head row pointers, latent dims contiguous)."""
         d = c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_lay))
         o = acc * inv[None, :]
-        gl.store(dst + d[:, None], o.to(dst.dtype.element_ty), mask=ok)
+        gl.store(dst + d[:, None], _to_output(o, dst.dtype.element_ty), mask=ok)
 
     @gluon.jit
     def _ring_mla_kernel(

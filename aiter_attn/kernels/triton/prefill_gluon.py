@@ -104,6 +104,17 @@ if HAS_GLUON:
     _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
     @gluon.jit
+    def _to_output(o, dtype: gl.constexpr):
+        """Finished float32 rows ``o`` cast to ``dtype`` (the Gluon kernels' output stores;
+        :func:`._softmax.to_output` of the Triton kernels): an fp16 output is clamped to
+        ±65504 first, since a row ``Σ p16·v / Σ p`` runs up to 2^-11 past the values it
+        averages and would round to inf. The comparisons are false for NaN, so NaN stays
+        NaN; bf16 takes the plain cast (a compile-time branch)."""
+        if dtype == gl.float16:
+            o = gl.where(o > 65504.0, 65504.0, gl.where(o < -65504.0, -65504.0, o))
+        return o.to(dtype)
+
+    @gluon.jit
     def _softmax_tile(s, m_i, l_i, qk2, start_n, pos_q, nk, masked,
                       BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
         """Online-softmax step of raw logits ``s`` ``[BLOCK_M, BLOCK_N]`` (log2 domain):
@@ -209,7 +220,7 @@ if HAS_GLUON:
         l_safe = gl.where(l_o > 0.0, l_o, 1.0)
         o = acc / l_safe[:, None]
         gl.store(O + q_rows[:, None] * s_ot + h * s_oh + offs_dv[None, :],
-                 o.to(O.dtype.element_ty), mask=row_ok[:, None])
+                 _to_output(o, O.dtype.element_ty), mask=row_ok[:, None])
         if WRITE_LSE:
             lse = gl.where(l_o > 0.0, (m_o + gl.log2(l_safe)) * 0.6931471805599453,
                            float("-inf"))
