@@ -666,6 +666,7 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       --splits 0 2>&1 | tee "$OUT/wave_time_split.log" | tail -4
     timeout ${GT_S:-240} python3 -m pytest -q -p no:randomly -m gpu -n 4 \
       tests/test_hunt_fp16_gluon.py tests/test_hunt_fp16_range.py tests/test_hunt_fp16_merge.py \
+      tests/test_hunt_fp8_nan_write.py tests/test_fp8_formats.py \
       > "$OUT/fp16_gpu.log" 2>&1
     tail -15 "$OUT/fp16_gpu.log"
     rm -f "$OUT"/*/*.png
