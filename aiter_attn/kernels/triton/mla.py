@@ -1,5 +1,8 @@
 """Triton absorbed-MLA paged attention (decode / verify / draft-extend over a latent cache):
-its launch configuration and plan/run object. The kernel and its math: :mod:`.mla_kernel`.
+its launch configuration and plan/run object. The kernel and its math: :mod:`.mla_kernel`;
+the plan value: :mod:`.mla_plan`; the split workspace, merge counters and cache descriptors
+the object keeps: :mod:`.mla_workspace`; the functional entry point
+:func:`mla_paged_attention`: :mod:`.mla_functional` (all re-exported here).
 
 Plan/run (:class:`TritonMLA`, the registered kernel object): ``plan(md, out=None)`` (once per
 step and layer group) chooses the launch configuration and split count from host integers,
@@ -14,48 +17,42 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-import attrs
 import torch
 import triton
 
-from ...types import FP8_DTYPES
-from ...validation import INDEX_DTYPES, unit_stride
-from ..base import (MEMO, KernelPlan, MLAKernel, _adhoc_metadata, mask_literal,
-                    mla_layer_params, mla_request, plan_hints, token_count_error)
+from ...validation import unit_stride
+from ..base import MLAKernel, mask_literal, mla_request, plan_hints, token_count_error
 from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
 from ._launch_config import (BATCH_INVARIANT_SPLIT_TOKENS, MLA_FP8_VALUE_PAIRS, MLA_FUSED_MERGE,
                              MLA_HALF_PARTIALS, MLA_KV_DESCRIPTORS, MLA_LAZY_RESCALE,
                              MLA_QK_SPLIT)
+from .mla_functional import mla_paged_attention
 from .mla_gluon import (GLUON_MLA_BLOCK_H, gluon_mla_reject_reason, gluon_mla_tensors_reason,
                         launch_gluon_mla)
 from .mla_kernel import _LOG2E, _mla_fwd_kernel
 from .mla_merge import merge_splits
-from .mla_narrow_gluon import (NARROW_MLA_MAX_HEADS, launch_narrow_mla, narrow_descriptors,
-                               narrow_mla_layout_reason, narrow_mla_reject_reason,
-                               narrow_mla_splits)
+from .mla_narrow_gluon import (NARROW_MLA_MAX_HEADS, launch_narrow_mla,
+                               narrow_mla_reject_reason, narrow_mla_splits)
+from .mla_plan import COOPERATIVE, LAST_SPLIT, TUNING_KEYS, TritonMLAPlan
 from .mla_ring_gluon import launch_ring_mla, ring_mla_splits
+from .mla_workspace import MLAWorkspace, _tma_device
 from ._pdl import pdl_kwargs, pdl_mode
-from .prefill import TensorDescriptor, _capability
+
+# names this module held before the split into mla_plan / mla_workspace / mla_functional,
+# importable from here still
+import attrs  # noqa: F401
+from ...types import FP8_DTYPES  # noqa: F401
+from ...validation import INDEX_DTYPES  # noqa: F401
+from ..base import MEMO, KernelPlan, _adhoc_metadata, mla_layer_params  # noqa: F401
+from .mla_narrow_gluon import narrow_descriptors, narrow_mla_layout_reason  # noqa: F401
+from .mla_plan import _T  # noqa: F401
+from .mla_workspace import _DESCS_KEEP, _EAGER_COUNTERS, _eager_counters  # noqa: F401
+from .prefill import TensorDescriptor, _capability  # noqa: F401
 
 __all__ = ["mla_paged_attention", "mla_launch_config", "TritonMLA", "TritonMLAPlan",
            "mla_request", "TUNING_KEYS"]
 
 log = logging.getLogger(__name__)
-
-def _tma_device(device: torch.device) -> bool:
-    """Tensor-descriptor reads of the cache: NVIDIA sm_90 or later, or Triton's interpreter
-    (which reads descriptors on the CPU)."""
-    if TensorDescriptor is None:
-        return False
-    if interpreting():
-        return True
-    if device.type != "cuda" or torch.version.hip is not None:
-        return False
-    return _capability(device)[0] >= 9
-
-
-#: cache tensors whose TMA descriptors one kernel keeps (then it starts over)
-_DESCS_KEEP = 64
 
 #: Launch defaults, from the H200 sweeps of ``benchmarks/bench_attention.py --mla-sweep``
 #: (bf16, kv_lora 512 + rope 64, page 64). 16 heads (2026-12-04, CUDA-graph replay): 32-key
@@ -134,83 +131,7 @@ def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: to
     return block_h, block_n, int(num_kv_splits), num_warps, num_stages
 
 
-_T = dict(eq=False, repr=False)
-
-#: ``FUSED_MERGE`` of the Triton kernel: the last split of a (token, head block) to finish
-#: merges it; or a cooperative launch whose splits all wait, then each merge a column slice
-LAST_SPLIT, COOPERATIVE = 1, 2
-
-#: the fused merge's counters of plans without a graph's static buffers, one zeroed buffer
-#: per (device, stream): every launch leaves its counters at zero, and launches on one stream
-#: are ordered (two streams never share counters)
-_EAGER_COUNTERS: dict = {}
-
-
-def _eager_counters(tiles: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32 counters for ``tiles`` (token, head block) pairs on ``device``'s current
-    stream (made, or grown, on first need). Under CUDA-graph capture without a cached
-    buffer: a fresh one, not cached (its zero fill is a captured node: it runs at replay
-    only, so the buffer is not zero before a first replay)."""
-    cuda = device.type == "cuda"
-    key = (device, torch.cuda.current_stream(device).cuda_stream if cuda else 0)
-    buf = _EAGER_COUNTERS.get(key)
-    if buf is None or buf.numel() < tiles:
-        if cuda and torch.cuda.is_current_stream_capturing():
-            return torch.zeros(tiles, dtype=torch.int32, device=device)
-        buf = _EAGER_COUNTERS[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32,
-                                                 device=device)
-    return buf[:tiles]
-
-
-@attrs.frozen(kw_only=True)
-class TritonMLAPlan(KernelPlan):
-    """One step's launch of the Triton MLA kernel for one layer group.
-
-    Attributes:
-        grid: ``(num_tokens · head_blocks, splits)``.
-        args: ``(cu_seqlens_q, seqused_k, block_table)`` tensors (unit stride).
-        mask: ``(mask_uint8, mask_indptr)`` or ``None``.
-        batch / head_blocks / splits: host integers of the launch.
-        use_parts: the split path runs (partials + merge).
-        part_o / part_lse: split partials ``[T, H, S, R]`` / ``[T, H, S]`` float32 (``None``
-            without the split path; ``part_o`` in q's 16-bit dtype with ``half_partials``).
-        cfg_kw: the launch configuration's constexprs; kw_cache: per-layer-flag dicts.
-    """
-
-    grid: tuple
-    args: tuple = attrs.field(**_T)
-    mask: Optional[tuple] = attrs.field(default=None, **_T)
-    batch: int
-    head_blocks: int
-    splits: int
-    use_parts: bool
-    part_o: Optional[torch.Tensor] = attrs.field(default=None, **_T)
-    part_lse: Optional[torch.Tensor] = attrs.field(default=None, **_T)
-    cfg_kw: dict = attrs.field(factory=dict, **_T)
-    kw_cache: dict = attrs.field(factory=dict, metadata=MEMO, **_T)
-    #: the warp-specialised Gluon kernel (:mod:`.mla_gluon`) serves the launch when its
-    #: tensors allow (checked per run); same grid, splits and partials
-    gluon: bool = False
-    #: the narrow Gluon kernels (:mod:`.mla_narrow_gluon`, or with ``ring``
-    #: :mod:`.mla_ring_gluon`; up to 16 heads) where they serve the step: ``(splits,
-    #: part_o, part_lse, ring, counters, one_query)`` of its own launch (partials ``None``
-    #: without splits; ``counters``: the narrow kernel merges its splits itself); a run
-    #: whose tensors they cannot read takes the Triton launch
-    narrow: Optional[tuple] = attrs.field(default=None, **_T)
-    #: the one-launch merge (``FUSED_MERGE``): int32 counters, one per (token, head block),
-    #: zero before and after every launch (``None``: the merge is a second launch)
-    counters: Optional[torch.Tensor] = attrs.field(default=None, **_T)
-
-
-#: the ``tuning`` keys :class:`TritonMLA` reads (a misspelt key would otherwise be ignored
-#: without a word, and a benchmark would time the default under the option's name)
-TUNING_KEYS = frozenset({
-    "num_kv_splits", "block_h", "block_n", "num_warps", "num_stages", "page_chunk",
-    "split_v_load", "v_pairs", "pdl", "fused_merge", "kv_desc", "lazy_rescale",
-    "half_partials", "qk_split", "ring", "one_query", "narrow", "gluon"})
-
-
-class TritonMLA(MLAKernel):
+class TritonMLA(MLAWorkspace, MLAKernel):
     """``mla_paged_attention`` (Triton) as plan/run, bound once per layer group.
 
     ``tuning`` (tests, benchmarks; keys in :data:`TUNING_KEYS`, others refused) overrides
@@ -228,6 +149,9 @@ class TritonMLA(MLAKernel):
     to 16 heads), ``gluon`` (``False``: never the Gluon kernels of :mod:`.mla_gluon`, which
     otherwise serves what :func:`.mla_gluon.gluon_mla_reject_reason` allows: 64-head blocks
     of bf16/fp16 latents 512 + 64 on NVIDIA sm_90).
+
+    The split workspace, merge counters and cache descriptors it keeps across steps come
+    from :class:`.mla_workspace.MLAWorkspace`.
     """
 
     def __init__(self, request=None, tuning: Optional[dict] = None):
@@ -284,19 +208,6 @@ class TritonMLA(MLAKernel):
             splits = next_pow2(max(1, -(-max(kv_bound, 1) // fixed_chunk)))
         return bh, bn, splits, warps, stages, fixed_chunk
 
-    def _workspace_rows(self, max_bs, q_len, max_k, device) -> int:
-        """Split-partial rows (``splits · tokens``) of any batch of up to ``max_bs`` requests
-        of ``q_len`` queries: the static workspace under CUDA graphs."""
-        rows = 0
-        for bs in range(1, max_bs + 1):
-            splits = self._config(bs * q_len, max_k, device)[2]
-            if splits > 1 or self.batch_invariant:
-                rows = max(rows, splits * bs * q_len)
-            nsplits = self._narrow_splits(bs * q_len, max_k, device, None, None)
-            if nsplits is not None and nsplits > 1:
-                rows = max(rows, nsplits * bs * q_len)
-        return rows
-
     def _narrow_splits(self, num_tokens, kv_bound, device, page_size, mask) -> Optional[int]:
         """The narrow Gluon kernel's split count (``None``: it does not serve the step:
         not asked for (``tuning["narrow"]``: an option, not the default: on the H200 it ran
@@ -320,72 +231,6 @@ class TritonMLA(MLAKernel):
             return int(forced)
         split_rule = ring_mla_splits if ring else narrow_mla_splits
         return split_rule(num_tokens, max(kv_bound, 1), num_sms(torch.device(device)))
-
-    def buffer_spec(self, limits):
-        """The split partials' static workspace for ``limits`` (a
-        :class:`~aiter_attn.graph.buffers.GraphLimits`): flat float32 buffers."""
-        from ...strategies.base import BufferSpec
-
-        if self.request is None:
-            return BufferSpec({})
-        rows = self._workspace_rows(limits.max_bs, limits.q_len, limits.max_seq_len,
-                                    torch.device(self.request.device))
-        if not rows:
-            return BufferSpec({})
-        return BufferSpec({self._ws + ".o": ((rows * self.heads * self.rank,), torch.float32),
-                           self._ws + ".lse": ((rows * self.heads,), torch.float32),
-                           # zero-filled by allocate(); the fused merge leaves them zero
-                           self._ws + ".cnt": ((limits.max_bs * limits.q_len * self.heads,),
-                                               torch.int32)})
-
-    def _counters(self, tiles, md, out, device):
-        """The fused merge's zeroed int32 counters, ``tiles`` of them: the graph's static
-        buffer (``out``), else this device and stream's own (:func:`_eager_counters`)."""
-        if out is None:
-            return _eager_counters(tiles, device)
-        buf = out.get(self._ws + ".cnt")
-        if buf is None:  # bound after the graph manager was built: sized once, here
-            cu = out.get("cu_seqlens_q")
-            max_bs = cu.shape[0] - 1 if cu is not None else md.batch_size
-            cap = max(tiles, max(max_bs, 1) * md.query.max_seqlen_q * self.heads)
-            buf = out.setdefault(self._ws + ".cnt",
-                                 torch.zeros(cap, dtype=torch.int32, device=device))
-        if buf.numel() < tiles:
-            raise RuntimeError(
-                f"{self.name}: the static MLA merge counters hold {buf.numel()} entries but "
-                f"this plan needs {tiles}; build CudaGraphManager after binding the layers so "
-                "the kernel's buffer_spec sizes them.")
-        return buf[:tiles]
-
-    def _partials(self, splits, num_tokens, md, out, device, dtype=torch.float32):
-        """Split partials ``o`` ``[T, H, S, R]`` of ``dtype`` (float32, or q's 16-bit dtype:
-        then a 16-bit view of the same float32 workspace, half of it used) and float32 LSEs
-        ``[T, H, S]``: fresh tensors, or views of the graph's static buffers in ``out``."""
-        shape_o = (num_tokens, self.heads, splits, self.rank)
-        shape_l = (num_tokens, self.heads, splits)
-        if out is None:
-            return (torch.empty(shape_o, dtype=dtype, device=device),
-                    torch.empty(shape_l, dtype=torch.float32, device=device))
-        rows = splits * num_tokens
-        buf = out.get(self._ws + ".o")
-        if buf is None:  # bound after the graph manager was built: sized once, here
-            cu = out.get("cu_seqlens_q")
-            max_bs = cu.shape[0] - 1 if cu is not None else md.batch_size
-            cap = max(rows, self._workspace_rows(max(max_bs, 1), md.query.max_seqlen_q,
-                                                 md.pages.max_seqlen_k, device))
-            buf = out.setdefault(self._ws + ".o", torch.empty(
-                cap * self.heads * self.rank, dtype=torch.float32, device=device))
-            out.setdefault(self._ws + ".lse", torch.empty(cap * self.heads,
-                                                          dtype=torch.float32, device=device))
-        lse = out[self._ws + ".lse"]
-        if buf.numel() < rows * self.heads * self.rank:
-            raise RuntimeError(
-                f"{self.name}: the static MLA split workspace holds "
-                f"{buf.numel() // (self.heads * self.rank)} rows but this plan needs {rows}; "
-                "build CudaGraphManager after binding the layers so the kernel's buffer_spec "
-                "sizes it.")
-        n_o, n_l = rows * self.heads * self.rank, rows * self.heads
-        return buf.view(dtype)[:n_o].view(shape_o), lse[:n_l].view(shape_l)
 
     # -- plan / run ----------------------------------------------------------------------
     def plan(self, md, out: Optional[dict] = None) -> TritonMLAPlan:
@@ -604,40 +449,6 @@ class TritonMLA(MLAKernel):
                          **pdl_kwargs(plan.cfg_kw["PDL"], reduction=True))
         return out
 
-    def tile_descs(self, kv_cache, plan: TritonMLAPlan):
-        """The Triton launch's latent-tile descriptors of ``kv_cache`` under ``plan``
-        (``None`` without ``KV_DESC``, or where TMA cannot read the rows)."""
-        kw = plan.cfg_kw
-        if not kw["KV_DESC"]:
-            return None
-        return self._cache_descs(kv_cache, kw["BLOCK_N"], self.rank // kw["QK_SPLIT"])
-
-    def _cache_descs(self, kv_cache, block_n: Optional[int] = None, cols: Optional[int] = None):
-        """The TMA descriptors of ``kv_cache`` (rows ``[slots, R + rope]``), built once per
-        cache tensor (data pointer, shape, strides, dtype) and then only looked up: the
-        narrow kernel's two (``block_n`` ``None``), or the Triton kernel's blocks
-        ``[block_n, cols]`` (``cols``: R, or R/QK_SPLIT) and ``[block_n, rope]``;
-        ``None`` where TMA cannot read the rows
-        (:func:`.mla_narrow_gluon.narrow_mla_layout_reason`)."""
-        cols = cols or self.rank
-        key = (block_n, cols, kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(),
-               kv_cache.dtype)
-        descs = self._descs.get(key, 0)
-        if descs == 0:
-            if len(self._descs) >= _DESCS_KEEP:
-                self._descs.clear()
-            descs = None
-            if narrow_mla_layout_reason(kv_cache) is None:
-                if block_n is None:
-                    descs = narrow_descriptors(kv_cache)
-                elif TensorDescriptor is not None:
-                    p, ps, _, d = kv_cache.shape
-                    rows = kv_cache.as_strided((p * ps, d), (kv_cache.stride(1), 1))
-                    descs = tuple(TensorDescriptor(rows, [p * ps, d], [kv_cache.stride(1), 1],
-                                                   [block_n, w]) for w in (cols, self.rope))
-            self._descs[key] = descs
-        return descs
-
     def _launch_triton(self, q, kv_cache, out, plan, params, kw, lse_t, ls, scale_t,
                        mask_arg, mask_ind, part_o, part_lse, ps_o, ps_l, descs):
         cu, seqused_k, block_table = plan.args
@@ -649,159 +460,3 @@ class TritonMLA(MLAKernel):
             self.heads, plan.batch, plan.head_blocks,
             qs[0], qs[1], kv_cache.stride(0), kv_cache.stride(1), os_[0], os_[1],
             block_table.stride(0), ps_o[0], ps_o[1], ps_o[2], ps_l[0], ps_l[1], *ls, **kw)
-
-
-def mla_paged_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    kv_lora_rank: int,
-    cu_seqlens_q: torch.Tensor,
-    seqused_k: torch.Tensor,
-    block_table: torch.Tensor,
-    softmax_scale: float,
-    causal: bool = True,
-    kv_scale=None,
-    custom_mask: Optional[torch.Tensor] = None,
-    mask_indptr: Optional[torch.Tensor] = None,
-    max_seqlen_q: Optional[int] = None,
-    max_seqlen_k: Optional[int] = None,
-    num_kv_splits: Optional[int] = None,
-    block_h: Optional[int] = None,
-    block_n: Optional[int] = None,
-    num_warps: Optional[int] = None,
-    num_stages: Optional[int] = None,
-    page_chunk: Optional[int] = None,
-    split_v_load: Optional[bool] = None,
-    lse: Optional[torch.Tensor] = None,
-    batch_invariant: bool = False,
-    gluon: Optional[bool] = None,
-    v_pairs: Optional[bool] = None,
-    pdl=None,
-    narrow: Optional[bool] = None,
-    fused_merge: Optional[bool] = None,
-    ring: Optional[bool] = None,
-    kv_desc: Optional[bool] = None,
-    lazy_rescale: Optional[bool] = None,
-    half_partials: Optional[bool] = None,
-    qk_split: Optional[int] = None,
-) -> torch.Tensor:
-    """Absorbed MLA over a paged latent cache (Triton). Same contract as
-    :func:`aiter_attn.kernels.reference.mla_paged_attention_reference`.
-
-    Args:
-        q: ``[T, H, R + rope]`` fp16/bf16/fp32 (absorbed ``q_nope`` then ``q_rope``).
-        kv_cache: ``[num_pages, page_size, 1, R + rope]`` in q's dtype or fp8 (then
-            ``kv_scale`` dequantises keys and values).
-        out: ``[T, H, R]`` in q's dtype, written in place and returned.
-        kv_lora_rank: ``R``; values are the first ``R`` dims of each latent vector.
-        cu_seqlens_q: int32 ``[B + 1]``; seqused_k: int32 ``[B]`` (this step's tokens included);
-        block_table: int32 ``[B, max_pages]``.
-        softmax_scale: multiplies q·k. causal: mask keys after each query's position.
-        kv_scale: scalar tensor (read on the device) or number; ``None`` = 1. Applies to an
-            fp8 cache only; ignored on any other cache dtype.
-        custom_mask, mask_indptr: flat bool tree mask and int64 ``[B + 1]`` offsets into it
-            (request b's mask is ``[q_len, L]`` row-major at ``mask_indptr[b]``).
-        max_seqlen_k: host bound on ``seqused_k`` used to size split-KV; defaults to the
-            block table's capacity (no device read).
-        num_kv_splits, block_h, block_n, num_warps, num_stages: override the launch
-            heuristics (tests, tuning).
-        split_v_load: load the value part of each latent tile a second time (an L2 hit)
-            instead of reusing the converted key tile, so that Triton pipelines both loads;
-            default: on when the cache dtype differs from q's (fp8 caches).
-        page_chunk: key tiles whose page ids are read in one load (0: one lookup per tile,
-            carried a tile ahead); used when the page size divides ``block_n`` or is a
-            multiple of it. Rounded up to a power of two. Default: 0 for head blocks of ≤ 16
-            (memory-bound; H200 16 heads 128x8k: 4.0 TB/s vs 2.7 chunked), else 16
-            (compute-bound; 128 heads 64x4k: 227 vs 168 TFLOP/s with 64-key tiles).
-        lse: optional float32 ``[T, H]``: also receives the natural-log LSE of each row's
-            scaled logits (``-inf`` with nothing visible), the flash-attn convention.
-        v_pairs: fp8 latents: read the values as 16-bit column pairs (no byte-wise shared
-            loads; see ``_launch_config.MLA_FP8_VALUE_PAIRS``, the default); used on head blocks
-            under 64 rows of caches whose rows start on 16-byte boundaries.
-        pdl: programmatic dependent launch (sm_90+): ``True`` the attention launch and the
-            split merge may each start while the kernel before finishes, ``"reduce"`` only
-            the merge; off by default (a tuning option, see ``_launch_config.LaunchConfig``).
-        gluon: ``False``: never the warp-specialised Gluon kernel (:mod:`.mla_gluon`); by
-            default it serves the launches it can (64-head blocks of bf16/fp16 latents
-            512 + 64, pages of a multiple of 64 keys, no mask, NVIDIA sm_90).
-        narrow: ``True``: the narrow Gluon kernel (:mod:`.mla_narrow_gluon`) for up to 16
-            heads where it serves (bf16/fp16 latents 512 + 64, ``gcd(page, 64) >= 16``, no
-            mask, NVIDIA sm_90); an option (level with the Triton kernel on the H200).
-        fused_merge: the split merge inside the Triton launch (``True``: the last split
-            program of a token's head block merges it; ``"cooperative"``: a cooperative
-            launch whose splits wait for each other and each merge a column slice, GPU only,
-            every program resident; head blocks of up to 16, up to 16 splits, not
-            batch-invariant); default :data:`._launch_config.MLA_FUSED_MERGE`.
-        ring: ``True``: the ring Gluon kernel (:mod:`.mla_ring_gluon`: 32-key tiles, q in
-            registers, two programs per SM) where the narrow kernel would serve.
-        kv_desc: the Triton kernel reads whole latent tiles through tensor descriptors (TMA
-            on sm_90) where the cache allows; default
-            :data:`._launch_config.MLA_KV_DESCRIPTORS`.
-        lazy_rescale: the Triton kernel moves its running maximum (and rescales the
-            accumulator) only when a head's maximum grows by more than 2^8, and keeps its
-            row sums per element (one cross-warp reduction a tile); default
-            :data:`._launch_config.MLA_LAZY_RESCALE`.
-        half_partials: the Triton and narrow kernels' split partials (``o / l`` per split)
-            in q's 16-bit dtype instead of float32, half the bytes written and merged (head blocks
-            of up to 16, bf16/fp16 queries, not batch-invariant; the LSEs stay float32);
-            default :data:`._launch_config.MLA_HALF_PARTIALS`.
-        qk_split: ``2`` / ``4``: the Triton kernel computes q·Kᵀ as two / four independent
-            mma chains over the latent halves / quarters and p·V into as many part
-            accumulators (latents of q's dtype, power-of-two widths, rank ≥ 32 / 64); default
-            :data:`._launch_config.MLA_QK_SPLIT`.
-        batch_invariant: each row's bits independent of the rest of the batch: keys split
-            every :data:`BATCH_INVARIANT_SPLIT_TOKENS` (rounded to ``block_n``) at absolute
-            positions, the split path and a fixed-order merge always (the split count, a
-            power of two covering ``max_seqlen_k``, only sets how many programs launch).
-    """
-    if kv_cache.dim() != 4 or kv_cache.shape[2] != 1:
-        raise ValueError(
-            f"kv_cache has shape {tuple(kv_cache.shape)}; expected [num_pages, page_size, 1, "
-            "kv_lora_rank + rope_dim] (one latent head)."
-        )
-    if kv_cache.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError(
-            "kv_cache and out must be contiguous in their last dim; pass .contiguous() tensors."
-        )
-    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seqused_k", seqused_k),
-                    ("block_table", block_table)):
-        if t.dtype not in INDEX_DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; allowed: int32, int64.")
-    total_dim = q.shape[2]
-    if not 0 < kv_lora_rank <= total_dim or kv_cache.shape[3] != total_dim:
-        raise ValueError(
-            f"kv_lora_rank={kv_lora_rank} with q dim {total_dim} and kv_cache dim "
-            f"{kv_cache.shape[3]}; need 0 < kv_lora_rank ≤ q dim == kv_cache dim."
-        )
-    if custom_mask is not None and mask_indptr is None:
-        raise ValueError("custom_mask needs mask_indptr (int64 [batch + 1]); pass both.")
-    # the launch writes out / lse by these shapes without a bound (a wider out kept garbage
-    # columns, an lse of another shape or dtype got the [T, H] float32 row layout)
-    num_tokens, num_heads = q.shape[0], q.shape[1]
-    if tuple(out.shape) != (num_tokens, num_heads, kv_lora_rank):
-        raise ValueError(f"out has shape {tuple(out.shape)}; expected [{num_tokens}, "
-                         f"{num_heads}, {kv_lora_rank}] (num_tokens, num_heads, kv_lora_rank).")
-    if lse is not None and (lse.dtype != torch.float32
-                            or tuple(lse.shape) != (num_tokens, num_heads)):
-        raise ValueError(f"lse is {lse.dtype} {tuple(lse.shape)}; expected float32 "
-                         f"[{num_tokens}, {num_heads}] (num_tokens, num_heads).")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    tuning = {k: v for k, v in dict(
-        num_kv_splits=num_kv_splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
-        num_stages=num_stages, page_chunk=page_chunk, split_v_load=split_v_load,
-        gluon=gluon, v_pairs=v_pairs, pdl=pdl, narrow=narrow,
-        fused_merge=fused_merge, ring=ring, kv_desc=kv_desc,
-        lazy_rescale=lazy_rescale, half_partials=half_partials,
-        qk_split=qk_split).items() if v is not None}
-    kernel = TritonMLA(mla_request(q, kv_cache, kv_lora_rank,
-                                   custom_mask=custom_mask is not None, lse=lse is not None,
-                                   batch_invariant=batch_invariant, causal=causal), tuning)
-    md = _adhoc_metadata(q, kv_cache, cu_seqlens_q, seqused_k, block_table, custom_mask,
-                         mask_indptr, max_seqlen_q, max_seqlen_k, "mla_paged_attention")
-    params = mla_layer_params(scale=softmax_scale, device=q.device, kv_lora_rank=kv_lora_rank,
-                              num_q_heads=q.shape[1], head_dim=total_dim, kv_scale=kv_scale,
-                              fp8=kv_cache.dtype in FP8_DTYPES, causal=causal)
-    return kernel.run(q, (kv_cache,), kernel.plan(md), params, out, lse=lse)
