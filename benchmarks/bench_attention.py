@@ -110,7 +110,10 @@ MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 "narrow-half": {"narrow": True, "half_partials": True},
                 # float32 split partials (the default before the twenty-fourth session)
                 "f32-partials": {"half_partials": False},
-                "narrow-f32": {"narrow": True, "half_partials": False}}
+                "narrow-f32": {"narrow": True, "half_partials": False},
+                # equal key tiles a program, as many programs as the SMs hold (mla_balanced)
+                "balanced": {"balanced": True},
+                "balanced-f32": {"balanced": True, "half_partials": False}}
 #: MLA launch configs timed by --mla-sweep: (block_h, block_n, num_warps, num_stages, splits).
 MLA_SWEEP = [(16, 32, 4, 2, None), (16, 32, 4, 4, None), (16, 64, 4, 3, None),
              (16, 32, 8, 3, None), (16, 32, 4, 3, "x2"), (32, 32, 8, 3, None),

@@ -111,6 +111,8 @@
 #   scripts/gpu_session.sh sixtyfourth   # the fused-merge and narrow gpu tests on the final code
 #   scripts/gpu_session.sh sixtyfifth    # the cooperative merge: its gpu tests, the 16-head rows
 #                                  # beside the default, the time split
+#   scripts/gpu_session.sh seventythird  # the balanced MLA launch: gpu tests (also as the
+#                                  # default), 16-head rows twice, uniform and skewed batches
 #   scripts/gpu_session.sh seventysecond # on an H200 seventyfirst first; the 64x4k wave's empty
 #                                  # program slots (60/64/66 requests); fp16 clamp gpu tests
 #   scripts/gpu_session.sh seventyfirst  # item 4 on the H200: the 16-head rows (16-bit
@@ -649,6 +651,30 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       > "$OUT/ncu.log" 2>&1
     grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Dynamic Shared|smsp__inst|bank_conf|wavefronts" \
       "$OUT/ncu.log" | head -80
+    ;;
+  seventythird)
+    # the balanced MLA launch (mla_balanced.py: equal key tiles a program, all the SMs'
+    # slots): its gpu tests and the MLA gpu tests with it as the default; the 16-head rows
+    # beside the default and narrow, twice; uniform and skewed batches
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      echo "== H200"
+    fi
+    timeout ${GT_S:-200} python3 -m pytest -q -p no:randomly -m gpu -n 8 tests/test_mla_balanced.py \
+      > "$OUT/balanced_gpu.log" 2>&1
+    tail -4 "$OUT/balanced_gpu.log"
+    AITER_ATTN_TEST_MLA_DEFAULTS='{"balanced": true}' timeout ${GT2_S:-200} python3 -m pytest \
+      -q -p no:randomly -m gpu -n 8 tests/test_triton_mla.py tests/test_hunt_mla_half_default.py \
+      > "$OUT/balanced_default_gpu.log" 2>&1
+    tail -4 "$OUT/balanced_default_gpu.log"
+    for i in 1 2; do
+      timeout ${BA_S:-150} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+        --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 \
+        --mla-variants balanced,balanced-f32,narrow --out "$OUT/mla$i" > "$OUT/mla$i.log" 2>&1
+      grep -E "ours|==|Error|error|ceilings" "$OUT/mla$i.log" | head -12
+    done
+    timeout ${MB_S:-150} python3 benchmarks/mla_balanced.py \
+      --tunings '[{}, {"balanced": true}, {"narrow": true}]' 2>&1 | tee "$OUT/mla_balanced.log"
+    rm -f "$OUT"/*/*.png
     ;;
   seventysecond)
     # on an H200, issue 14 item 4 first (the seventyfirst call); on any card: whether the

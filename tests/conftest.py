@@ -34,7 +34,7 @@ def pytest_runtest_logreport(report):
 #: ``AITER_ATTN_TEST_MLA_DEFAULTS``'s keys: the MLA options whose defaults a run may change
 _MLA_DEFAULT_NAMES = {"kv_desc": "MLA_KV_DESCRIPTORS", "lazy_rescale": "MLA_LAZY_RESCALE",
                       "half_partials": "MLA_HALF_PARTIALS", "qk_split": "MLA_QK_SPLIT",
-                      "fused_merge": "MLA_FUSED_MERGE"}
+                      "fused_merge": "MLA_FUSED_MERGE", "balanced": "MLA_BALANCED"}
 
 
 def mla_test_defaults(raw: str) -> dict:

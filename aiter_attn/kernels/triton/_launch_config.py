@@ -25,7 +25,8 @@ from ._pdl import pdl_mode
 __all__ = ["TUNING_OVERRIDES", "OVERRIDE_KEYS", "check_overrides", "LaunchConfig",
            "choose_config", "BATCH_INVARIANT_SPLIT_TOKENS",
            "FP8_VALUE_PAIRS", "MLA_FP8_VALUE_PAIRS", "MLA_FUSED_MERGE", "MLA_KV_DESCRIPTORS",
-           "MLA_LAZY_RESCALE", "MLA_HALF_PARTIALS", "MLA_QK_SPLIT", "PREFETCH_PAGES",
+           "MLA_LAZY_RESCALE", "MLA_HALF_PARTIALS", "MLA_QK_SPLIT", "MLA_BALANCED",
+           "PREFETCH_PAGES",
            "CARRIED_PAGE_LOOKUP"]
 
 #: Keys per split in batch-invariant mode (rounded up to a multiple of ``block_n``).
@@ -127,6 +128,14 @@ MLA_LAZY_RESCALE = False
 #: H100 replayed 64x4k 2.73 -> 2.79-2.80 TB/s, 128x8k 3.01-3.03 -> 3.04 (docs/benchmarks.md);
 #: every MLA gpu test passes with it (``scripts/gpu_session.sh sixtyninth``).
 MLA_HALF_PARTIALS = True
+
+#: The balanced launch of 16-head MLA decode (:mod:`.mla_balanced`: every program the same
+#: number of key tiles, as many programs as the SMs hold; ``mla_paged_attention(...,
+#: balanced=)``): off until timed. The split launch's ``tokens × splits`` programs leave
+#: slots empty (64×4k: 256 programs for 264 slots on 132 SMs; 66×4k took 114.1 µs where
+#: 64×4k took 112.3 on an H100, docs/benchmarks.md "Twenty-fifth session") and wait on a
+#: skewed batch's longest request.
+MLA_BALANCED = False
 
 #: The Triton MLA kernel's q·Kᵀ over the latent columns as two or four independent mma
 #: chains (2, 4) or one (1; ``mla_paged_attention(..., qk_split=)``). With 16 heads each

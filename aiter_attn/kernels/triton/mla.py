@@ -24,8 +24,9 @@ from ...validation import unit_stride
 from ..base import MLAKernel, mask_literal, mla_request, plan_hints, token_count_error
 from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
 from ._launch_config import (BATCH_INVARIANT_SPLIT_TOKENS, MLA_FP8_VALUE_PAIRS, MLA_FUSED_MERGE,
-                             MLA_HALF_PARTIALS, MLA_KV_DESCRIPTORS, MLA_LAZY_RESCALE,
-                             MLA_QK_SPLIT)
+                             MLA_BALANCED, MLA_HALF_PARTIALS, MLA_KV_DESCRIPTORS,
+                             MLA_LAZY_RESCALE, MLA_QK_SPLIT)
+from .mla_balanced import balanced_reject_reason, launch_balanced_mla
 from .mla_functional import mla_paged_attention
 from .mla_gluon import (GLUON_MLA_BLOCK_H, gluon_mla_reject_reason, gluon_mla_tensors_reason,
                         launch_gluon_mla)
@@ -232,6 +233,28 @@ class TritonMLA(MLAWorkspace, MLAKernel):
         split_rule = ring_mla_splits if ring else narrow_mla_splits
         return split_rule(num_tokens, max(kv_bound, 1), num_sms(torch.device(device)))
 
+    def _balanced_programs(self, device) -> Optional[int]:
+        """Programs of the balanced launch (``tuning["balanced"]``): ``True``, as many as
+        the SMs hold at once (two 16-head programs per SM where the latent ring fits twice,
+        as the split launch counts); a positive int, that many; ``False`` / absent:
+        ``None`` (the split launch)."""
+        option = self.tuning.get("balanced", MLA_BALANCED)
+        if option is False or option is None:
+            return None
+        if option is True:
+            _, bn, _, warps, stages, _ = self._config(1, 1, device)
+            budget = _smem_budget(device)
+            resident = 1
+            if budget is not None and warps <= 4:
+                need = ring_bytes(bn, stages, self.block_dv + self.block_dr,
+                                  self.elem_size, self.kv_size)
+                resident = max(1, min(_MAX_RESIDENT, budget // need))
+            return resident * num_sms(torch.device(device))
+        if isinstance(option, bool) or not isinstance(option, int) or option < 1:
+            raise ValueError(f"balanced={option!r}; allowed: False, True (as many programs "
+                             "as the SMs hold) or a positive int (that many programs).")
+        return option
+
     # -- plan / run ----------------------------------------------------------------------
     def plan(self, md, out: Optional[dict] = None) -> TritonMLAPlan:
         """The launch of one step (host integers only: no sync)."""
@@ -259,6 +282,19 @@ class TritonMLA(MLAWorkspace, MLAKernel):
         use_parts = splits > 1 or self.batch_invariant
         empty = num_tokens == 0 or batch == 0
         part_o = part_lse = None
+        balanced = None
+        programs = self._balanced_programs(device)
+        if programs is not None and not empty and self._narrow_splits(
+                num_tokens, kv_bound, device, page_size, md.mask) is None and (
+                balanced_reject_reason(
+                    heads=self.heads, q_dtype=self.dtype, kv_dtype=self.kv_dtype,
+                    one_query=one_query, masked=md.mask is not None,
+                    batch_invariant=self.batch_invariant, batch=batch) is None):
+            half16 = bool(t.get("half_partials", MLA_HALF_PARTIALS)
+                          and self.dtype in (torch.float16, torch.bfloat16))
+            balanced = (programs, *self._partials(
+                2, programs, md, out, device, self.dtype if half16 else torch.float32))
+            use_parts = False  # the balanced launch replaces the split launch and its merge
         # 16-bit partials: the Triton kernel's 16-head blocks and the narrow kernel (the Gluon
         # kernel of 64-head blocks writes float32), never batch-invariant (its fixed-order
         # merge stays float32)
@@ -332,7 +368,7 @@ class TritonMLA(MLAWorkspace, MLAKernel):
             grid=(num_tokens * head_blocks, splits), args=(cu, seqused_k, block_table),
             mask=mask_t, batch=batch, head_blocks=head_blocks, splits=splits,
             use_parts=use_parts, part_o=part_o, part_lse=part_lse, cfg_kw=cfg_kw,
-            gluon=gluon, counters=counters)
+            gluon=gluon, counters=counters, balanced=balanced)
 
     def _qk_split(self, option, even_d: bool, block_h: int) -> int:
         """``QK_SPLIT`` of the Triton kernel: 2 or 4 (q·Kᵀ as that many independent mma
@@ -430,6 +466,16 @@ class TritonMLA(MLAWorkspace, MLAKernel):
                                   one_query=one_q, descs=descs)
             if nsplits > 1 and ncount is None:
                 merge_splits(out, n_o, n_l, lse, self.rank, self.block_dv)
+            return out
+        if plan.balanced is not None:
+            programs, b_o, b_l = plan.balanced
+            launch_balanced_mla(
+                q, kv_cache, out, seqused_k, block_table, rank=self.rank,
+                qk_scale_log2=params.scale * _LOG2E,
+                scale_ptr=params.k_scale_t if from_ptr else None, lse=lse,
+                part_o=b_o.permute(0, 2, 1, 3), part_lse=b_l.permute(0, 2, 1),
+                programs=programs, block_n=kw["BLOCK_N"], num_warps=kw["num_warps"],
+                num_stages=kw["num_stages"], ieee=kw["IEEE"])
             return out
         merged = False  # by the launch itself (the fused merge)
         if plan.gluon and gluon_mla_tensors_reason(q, kv_cache, out) is None:

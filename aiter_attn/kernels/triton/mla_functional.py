@@ -50,6 +50,7 @@ def mla_paged_attention(
     lazy_rescale: Optional[bool] = None,
     half_partials: Optional[bool] = None,
     qk_split: Optional[int] = None,
+    balanced=None,
 ) -> torch.Tensor:
     """Absorbed MLA over a paged latent cache (Triton). Same contract as
     :func:`aiter_attn.kernels.reference.mla_paged_attention_reference`.
@@ -115,6 +116,11 @@ def mla_paged_attention(
             mma chains over the latent halves / quarters and p·V into as many part
             accumulators (latents of q's dtype, power-of-two widths, rank ≥ 32 / 64); default
             :data:`._launch_config.MLA_QK_SPLIT`.
+        balanced: ``True`` / a positive int: decode steps (one query per request, up to 16
+            heads, a cache of q's dtype, no mask) split the keys so that every program (as
+            many as the SMs hold, or that many) gets the same number of key tiles, requests
+            crossing programs merged by LSE (:mod:`.mla_balanced`); other steps keep the
+            split launch.
         batch_invariant: each row's bits independent of the rest of the batch: keys split
             every :data:`BATCH_INVARIANT_SPLIT_TOKENS` (rounded to ``block_n``) at absolute
             positions, the split path and a fixed-order merge always (the split count, a
@@ -159,7 +165,7 @@ def mla_paged_attention(
         gluon=gluon, v_pairs=v_pairs, pdl=pdl, narrow=narrow,
         fused_merge=fused_merge, ring=ring, kv_desc=kv_desc,
         lazy_rescale=lazy_rescale, half_partials=half_partials,
-        qk_split=qk_split).items() if v is not None}
+        qk_split=qk_split, balanced=balanced).items() if v is not None}
     from .mla import TritonMLA  # late: mla.py re-exports this function
     kernel = TritonMLA(mla_request(q, kv_cache, kv_lora_rank,
                                    custom_mask=custom_mask is not None, lse=lse is not None,

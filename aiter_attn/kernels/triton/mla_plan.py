@@ -59,6 +59,9 @@ class TritonMLAPlan(KernelPlan):
     #: the one-launch merge (``FUSED_MERGE``): int32 counters, one per (token, head block),
     #: zero before and after every launch (``None``: the merge is a second launch)
     counters: Optional[torch.Tensor] = attrs.field(default=None, **_T)
+    #: the balanced launch (:mod:`.mla_balanced`, ``tuning["balanced"]``) where it serves the
+    #: step: ``(programs, part_o [P, H, 2, R], part_lse [P, H, 2])``
+    balanced: Optional[tuple] = attrs.field(default=None, **_T)
 
 
 #: the ``tuning`` keys :class:`TritonMLA` reads (a misspelt key would otherwise be ignored
@@ -66,5 +69,5 @@ class TritonMLAPlan(KernelPlan):
 TUNING_KEYS = frozenset({
     "num_kv_splits", "block_h", "block_n", "num_warps", "num_stages", "page_chunk",
     "split_v_load", "v_pairs", "pdl", "fused_merge", "kv_desc", "lazy_rescale",
-    "half_partials", "qk_split", "ring", "one_query", "narrow", "gluon"})
+    "half_partials", "qk_split", "ring", "one_query", "narrow", "gluon", "balanced"})
 

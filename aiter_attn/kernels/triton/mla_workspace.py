@@ -74,6 +74,9 @@ class MLAWorkspace:
             nsplits = self._narrow_splits(bs * q_len, max_k, device, None, None)
             if nsplits is not None and nsplits > 1:
                 rows = max(rows, nsplits * bs * q_len)
+        programs = self._balanced_programs(device) if q_len == 1 else None
+        if programs is not None:  # two partial slots a program (:mod:`.mla_balanced`)
+            rows = max(rows, 2 * programs)
         return rows
 
     def buffer_spec(self, limits):

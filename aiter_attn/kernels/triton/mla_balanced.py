@@ -1,0 +1,274 @@
+"""Absorbed-MLA decode with balanced key splits (``tuning["balanced"]`` of :mod:`.mla`):
+every program gets the same number of key tiles, whatever the requests' lengths.
+
+The split launch (:mod:`.mla_kernel`) cuts each request into the same number of splits, so
+its programs are as long as the longest request's splits, and a grid of ``tokens × splits``
+programs leaves slots of the SMs empty when ``resident · SMs`` is not a multiple of the
+token count (16 heads 64×4k on 132 SMs, two programs each: 256 programs for 264 slots; a
+64×4k step timed 112.3 µs where 66×4k took 114.1: the two requests more nearly filled empty
+slots, docs/benchmarks.md "Twenty-fifth session"). Here (stream-K over the keys)::
+
+    tiles_b = ⌈L_b / BLOCK_N⌉,   total = Σ_b tiles_b,   TW = ⌈total / P⌉   (on the device)
+    program p owns the global tiles [p·TW, (p+1)·TW) of the requests laid end to end
+
+A request inside one program's range is finished there (its row and LSE written); one
+crossing a program boundary leaves a partial ``(o, lse)`` in each program it touches: the
+program's *head* slot (0) when the request began before the program's range, else its *tail*
+slot (1), so a program writes at most two partials whatever the batch. The merge launch
+(one program per (token, head)) finds a crossing request's programs ``⌊cs/TW⌋ .. ⌊(ce−1)/TW⌋``
+from the same lengths and combines their partials by LSE, in program order (deterministic);
+it also writes the zero rows (LSE -inf) of requests with no keys. No host reads: the grid is
+``P = resident · SMs`` programs (a host integer), so the launch is CUDA-graph safe.
+
+Serves (:func:`balanced_reject_reason`): one query per request (decode), up to 16 heads (one
+head block), a cache of q's dtype (16- or 32-bit), no custom mask, not batch-invariant.
+
+Shapes: q ``[T, H, R + rope]``; kv_cache ``[pages, page_size, 1, R + rope]``; out
+``[T, H, R]`` (q's dtype); lse ``[T, H]`` float32 (natural log); part_o
+``[P, 2, H, R]`` (float32 or q's 16-bit dtype); part_lse ``[P, 2, H]`` float32 (log2).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._kvutil import next_pow2
+from ._softmax import to_output
+from .mla_kernel import _mla_tile
+from .mla_merge import _partial_f32
+
+__all__ = ["balanced_reject_reason", "balanced_workspace_shapes", "launch_balanced_mla",
+           "BALANCED_MAX_HEADS"]
+
+BALANCED_MAX_HEADS = 16
+#: the most requests one launch takes (the lengths are read as one vector per program)
+BALANCED_MAX_BATCH = 4096
+_LOG2E = 1.4426950408889634
+
+
+def balanced_reject_reason(*, heads: int, q_dtype, kv_dtype, one_query: bool, masked: bool,
+                           batch_invariant: bool, batch: int) -> Optional[str]:
+    """Why the balanced launch cannot serve a plan (``None``: it can). Host values only."""
+    if not one_query:
+        return "more than one query per request (the balanced splits serve decode)"
+    if heads > BALANCED_MAX_HEADS:
+        return f"{heads} heads (at most {BALANCED_MAX_HEADS}: one head block)"
+    if kv_dtype != q_dtype:
+        return f"a {kv_dtype} cache under {q_dtype} queries (the cache must be q's dtype)"
+    if masked:
+        return "custom masks stay on the split launch"
+    if batch_invariant:
+        return "batch-invariant launches stay on the split launch"
+    if batch > BALANCED_MAX_BATCH:
+        return f"{batch} requests (at most {BALANCED_MAX_BATCH})"
+    return None
+
+
+def balanced_workspace_shapes(programs: int, heads: int, rank: int):
+    """``(part_o shape, part_lse shape)`` of a launch over ``programs`` programs."""
+    return (programs, 2, heads, rank), (programs, 2, heads)
+
+
+@triton.jit
+def _lengths(seqused_ptr, batch, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(tiles [BLOCK_B], ends [BLOCK_B], total)``: key tiles per request, their running
+    sum and the batch's total (requests past ``batch`` count zero)."""
+    offs_b = tl.arange(0, BLOCK_B)
+    lens = tl.load(seqused_ptr + offs_b, mask=offs_b < batch, other=0).to(tl.int32)
+    tiles = (lens + BLOCK_N - 1) // BLOCK_N
+    ends = tl.cumsum(tiles, axis=0)
+    return tiles, ends, tl.sum(tiles, axis=0)
+
+
+@triton.jit
+def _mla_balanced_kernel(
+    q_ptr, kv_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, seqused_ptr, bt_ptr, scale_ptr,
+    qk_scale_log2, kv_scale_val, num_heads, batch, num_programs,
+    stride_qt, stride_qh, stride_kvp, stride_kvs, stride_ot, stride_oh, stride_bt,
+    stride_pp, stride_pw, stride_ph, stride_lp, stride_lw, stride_lh, stride_ot_lse,
+    stride_oh_lse, PAGE_SIZE: tl.constexpr, KV_LORA: tl.constexpr, ROPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, SCALE_FROM_PTR: tl.constexpr,
+    IEEE: tl.constexpr, TILE_IN_PAGE: tl.constexpr, EVEN_D: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    p = tl.program_id(0)
+    offs_b = tl.arange(0, BLOCK_B)
+    tiles, ends, total = _lengths(seqused_ptr, batch, BLOCK_B, BLOCK_N)
+    tw = tl.maximum((total + num_programs - 1) // num_programs, 1)
+    g0 = p * tw
+    g1 = tl.minimum(g0 + tw, total)
+    # the first request ending past g0, and where its tiles begin
+    r = tl.sum((ends <= g0).to(tl.int32), axis=0)
+    cs = tl.sum(tl.where(offs_b < r, tiles, 0), axis=0)
+
+    kv_scale = kv_scale_val
+    if SCALE_FROM_PTR:
+        kv_scale = tl.load(scale_ptr).to(tl.float32)
+    qk_scale = qk_scale_log2 * kv_scale
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < num_heads
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < KV_LORA
+    offs_dr = tl.arange(0, BLOCK_DR)
+    mask_dr = offs_dr < ROPE
+    offs_t = tl.arange(0, BLOCK_N)
+    o_mask = mask_h[:, None] & mask_dv[None, :]
+    unused = tl.zeros([BLOCK_H, 16], dtype=tl.float32)
+
+    while (cs < g1) & (r < batch):
+        kv_len = tl.load(seqused_ptr + r)
+        ce = cs + (kv_len + BLOCK_N - 1) // BLOCK_N
+        if ce > cs:
+            lo = (tl.maximum(g0, cs) - cs) * BLOCK_N
+            hi = tl.minimum((tl.minimum(g1, ce) - cs) * BLOCK_N, kv_len)
+            q_row = q_ptr + r.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
+            q_nope = tl.load(q_row + offs_dv[None, :], mask=mask_h[:, None] & mask_dv[None, :],
+                             other=0.0)
+            q_rope = tl.load(q_row + KV_LORA + offs_dr[None, :],
+                             mask=mask_h[:, None] & mask_dr[None, :], other=0.0)
+            m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+            bt_row = bt_ptr + r.to(tl.int64) * stride_bt
+            if TILE_IN_PAGE:
+                page_next = tl.load(bt_row + lo // PAGE_SIZE)
+            else:
+                page_next = tl.load(bt_row + (lo + offs_t) // PAGE_SIZE, mask=lo + offs_t < hi,
+                                    other=0)
+            for start in range(lo, hi, BLOCK_N):
+                offs_n = start + offs_t
+                nxt = start + BLOCK_N
+                page = page_next.to(tl.int64)
+                if TILE_IN_PAGE:
+                    page_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < hi, other=0)
+                    row = (page * stride_kvp + (start % PAGE_SIZE) * stride_kvs
+                           + offs_t.to(tl.int64) * stride_kvs)
+                else:
+                    page_next = tl.load(bt_row + (nxt + offs_t) // PAGE_SIZE,
+                                        mask=nxt + offs_t < hi, other=0)
+                    row = page * stride_kvp + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kvs
+                acc, _a, _c, _d, m_i, l_i = _mla_tile(
+                    acc, unused, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, offs_n, hi,
+                    kv_ptr, offs_dv, offs_dr, mask_dv, mask_dr, KV_LORA, False, IEEE, EVEN_D,
+                    False, False, acc_c=unused, acc_d=unused)
+            has = l_i > 0
+            l_safe = tl.where(has, l_i, 1.0)
+            o = acc * tl.where(has, kv_scale / l_safe, 0.0)[:, None]
+            if (cs >= g0) & (ce <= g1):  # the whole request in this program: its row
+                tl.store(out_ptr + r.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
+                         + offs_dv[None, :], to_output(o, out_ptr), mask=o_mask)
+                if WRITE_LSE:
+                    lse = tl.where(has, (m_i + tl.log2(l_safe)) / _LOG2E, float("-inf"))
+                    tl.store(lse_ptr + r.to(tl.int64) * stride_ot_lse + offs_h * stride_oh_lse,
+                             lse, mask=mask_h)
+            else:  # a crossing request: the head slot if it began before g0, else the tail
+                slot = tl.where(cs < g0, 0, 1)
+                base = p.to(tl.int64) * stride_pp + slot * stride_pw
+                tl.store(part_o_ptr + base + offs_h[:, None] * stride_ph + offs_dv[None, :],
+                         o.to(part_o_ptr.dtype.element_ty), mask=o_mask)
+                lse2 = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
+                tl.store(part_lse_ptr + p.to(tl.int64) * stride_lp + slot * stride_lw
+                         + offs_h * stride_lh, lse2, mask=mask_h)
+        cs = ce
+        r += 1
+
+
+@triton.jit
+def _mla_balanced_merge_kernel(
+    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, seqused_ptr, batch, num_programs,
+    stride_ot, stride_oh, stride_pp, stride_pw, stride_ph, stride_lp, stride_lw, stride_lh,
+    stride_ot_lse, stride_oh_lse,
+    KV_LORA: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_b = tl.arange(0, BLOCK_B)
+    tiles, ends, total = _lengths(seqused_ptr, batch, BLOCK_B, BLOCK_N)
+    tw = tl.maximum((total + num_programs - 1) // num_programs, 1)
+    cs = tl.sum(tl.where(offs_b < r, tiles, 0), axis=0)
+    ce = cs + tl.sum(tl.where(offs_b == r, tiles, 0), axis=0)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < KV_LORA
+    o_ptrs = out_ptr + r.to(tl.int64) * stride_ot + h * stride_oh + offs_dv
+    if ce == cs:  # no keys: a zero row, LSE -inf (what the split launch writes)
+        tl.store(o_ptrs, tl.zeros([BLOCK_DV], dtype=tl.float32).to(out_ptr.dtype.element_ty),
+                 mask=mask_dv)
+        if WRITE_LSE:
+            tl.store(lse_ptr + r.to(tl.int64) * stride_ot_lse + h * stride_oh_lse,
+                     float("-inf"))
+    else:
+        p0 = cs // tw
+        p1 = (ce - 1) // tw
+        if p1 > p0:  # a crossing request (else its program wrote the row)
+            m = tl.full([1], float("-inf"), dtype=tl.float32)
+            den = tl.zeros([1], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+            for pp in range(p0, p1 + 1):
+                pp64 = pp + tl.zeros([1], dtype=tl.int64)
+                slot = tl.where(cs < pp64 * tw, 0, 1)
+                lse = tl.load(part_lse_ptr + pp64 * stride_lp + slot * stride_lw + h * stride_lh)
+                o = tl.load(part_o_ptr + pp64 * stride_pp + slot * stride_pw
+                            + h * stride_ph + offs_dv, mask=mask_dv, other=0.0)
+                o = _partial_f32(o, part_o_ptr)
+                m_new = tl.maximum(m, lse)
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m - m_ref)
+                beta = tl.exp2(lse - m_ref)
+                # a part of weight 0 (nothing visible) is selected away, never multiplied
+                acc = acc * alpha + tl.where(beta > 0.0, o * beta, 0.0)
+                den = den * alpha + beta
+                m = m_new
+            has = den > 0.0
+            safe = tl.where(has, den, 1.0)
+            tl.store(o_ptrs, to_output(acc / safe, out_ptr), mask=mask_dv)
+            if WRITE_LSE:
+                m_safe = tl.where(m == float("-inf"), 0.0, m)
+                lse_out = tl.where(has, (m_safe + tl.log2(safe)) / _LOG2E, float("-inf"))
+                tl.store(lse_ptr + r.to(tl.int64) * stride_ot_lse + h * stride_oh_lse
+                         + tl.zeros([1], dtype=tl.int32), lse_out)
+
+
+def launch_balanced_mla(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+                        seqused_k: torch.Tensor, block_table: torch.Tensor, *, rank: int,
+                        qk_scale_log2: float, kv_scale_val: float = 1.0,
+                        scale_ptr: Optional[torch.Tensor] = None,
+                        lse: Optional[torch.Tensor] = None, part_o: torch.Tensor,
+                        part_lse: torch.Tensor, programs: int, block_n: int = 32,
+                        num_warps: int = 4, num_stages: int = 3, ieee: bool = False) -> None:
+    """Both launches over ``batch = seqused_k.numel()`` one-query requests (row ``b`` of q
+    is request ``b``); checked and planned by the caller (:mod:`.mla`), which passes host
+    integers only. ``part_o`` / ``part_lse``: :func:`balanced_workspace_shapes` of
+    ``programs``, any contents (every slot the merge reads is written first)."""
+    batch, heads, dim = seqused_k.shape[0], q.shape[1], q.shape[2]
+    rope = dim - rank
+    block_dv, block_dr = next_pow2(rank), next_pow2(max(rope, 1))
+    block_b = max(16, next_pow2(batch))
+    page_size = kv_cache.shape[1]
+    lse_t = lse if lse is not None else part_lse
+    lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    _mla_balanced_kernel[(programs,)](
+        q, kv_cache, out, lse_t, part_o, part_lse, seqused_k, block_table,
+        scale_ptr if scale_ptr is not None else part_lse,
+        qk_scale_log2, kv_scale_val, heads, batch, programs,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        out.stride(0), out.stride(1), block_table.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), *lse_strides,
+        PAGE_SIZE=page_size, KV_LORA=rank, ROPE=rope, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
+        BLOCK_H=max(16, next_pow2(heads)), BLOCK_N=block_n, BLOCK_B=block_b,
+        SCALE_FROM_PTR=scale_ptr is not None, IEEE=ieee,
+        TILE_IN_PAGE=page_size % block_n == 0,
+        EVEN_D=block_dv == rank and block_dr == rope, WRITE_LSE=lse is not None,
+        num_warps=num_warps, num_stages=num_stages)
+    _mla_balanced_merge_kernel[(batch, heads)](
+        out, lse_t, part_o, part_lse, seqused_k, batch, programs,
+        out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), *lse_strides,
+        KV_LORA=rank, BLOCK_DV=block_dv, BLOCK_N=block_n, BLOCK_B=block_b,
+        WRITE_LSE=lse is not None, num_warps=4)

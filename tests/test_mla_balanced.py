@@ -1,0 +1,159 @@
+"""Balanced key splits for 16-head MLA decode (:mod:`aiter_attn.kernels.triton.mla_balanced`)
+against the float64 oracle: every program gets the same number of key tiles, requests that
+cross program boundaries are merged by LSE, requests inside one program finish there, empty
+requests come out as zero rows with LSE -inf.
+
+On the CPU the kernels run in the interpreter on small latents (rank 64 + rope 16); the
+``gpu`` tests add DeepSeek shapes (512 + 64) in bf16/fp16 with 16-bit and float32 partials.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ._triton_util import DEVICE, HAS_CUDA, INTERPRET, requires_triton
+from .test_triton_mla import RTOL, LSE_RTOL, MLACase
+
+pytestmark = requires_triton
+
+
+def _launch(case: MLACase, programs: int, *, part_dtype=torch.float32, block_n=16,
+            with_lse=True, device=None):
+    from aiter_attn.kernels.triton.mla_balanced import (balanced_workspace_shapes,
+                                                        launch_balanced_mla)
+
+    dev = device or case.device
+    q, kv = case.q.to(dev), case.kv_cache.to(dev)
+    n = q.shape[0]
+    out = torch.full((n, case.heads, case.rank), float("nan"), dtype=case.dtype, device=dev)
+    lse = torch.full((n, case.heads), float("nan"), device=dev) if with_lse else None
+    po_shape, pl_shape = balanced_workspace_shapes(programs, case.heads, case.rank)
+    # stale workspace: NaN everywhere (every slot the merge reads must be written first)
+    part_o = torch.full(po_shape, float("nan"), dtype=part_dtype, device=dev)
+    part_lse = torch.full(pl_shape, float("nan"), device=dev)
+    launch_balanced_mla(q, kv, out, case.seqused.to(dev), case.block_table.to(dev),
+                        rank=case.rank, qk_scale_log2=case.softmax_scale * math.log2(math.e),
+                        lse=lse, part_o=part_o, part_lse=part_lse, programs=programs,
+                        block_n=block_n, num_stages=1 if INTERPRET else 3)
+    return out, lse
+
+
+def _check(case: MLACase, out, lse, label):
+    assert torch.isfinite(out).all(), label
+    exp = case.expected()
+    assert_rows = (exp.abs().sum(dim=(1, 2)) > 0)
+    from aiter_attn.testing.compare import assert_close_rel
+
+    if assert_rows.any():
+        assert_close_rel(out.cpu()[assert_rows], exp[assert_rows], RTOL[case.dtype], label)
+    assert (out.cpu()[~assert_rows] == 0).all(), label + ": empty requests give zero rows"
+    if lse is not None:
+        exp_lse, lse = case.expected_lse(), lse.cpu()
+        dead = torch.isinf(exp_lse)
+        assert torch.equal(torch.isneginf(lse), dead), label + ": LSE -inf exactly where empty"
+        assert_close_rel(lse[~dead], exp_lse[~dead], LSE_RTOL[case.dtype], label + " LSE")
+
+
+LENGTHS = {
+    "uniform": [64, 64, 64, 64],
+    "skewed": [300, 3, 17, 1, 40],            # one long request and short ones
+    "empty": [0, 45, 0, 16, 0],               # empty requests between and at the ends
+    "tiles": [16, 32, 15, 33],                # exactly a tile, a tile and one
+}
+
+
+@pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
+@pytest.mark.parametrize("programs", [1, 3, 7, 40])
+def test_balanced_rows_and_lse_match_the_oracle(lengths, programs):
+    """Every split of the keys: one program (nothing crosses), a few (requests cross one or
+    more boundaries, programs hold several requests), more programs than tiles (empty
+    programs); page 16 over a block-permuted pool with a noisy null page 0."""
+    lens = LENGTHS[lengths]
+    case = MLACase([1] * len(lens), lens, heads=16, rank=64, rope=16, page=16, seed=3)
+    out, lse = _launch(case, programs)
+    _check(case, out, lse, f"{lengths} programs={programs}")
+
+
+@pytest.mark.parametrize("page", [1, 48])
+def test_balanced_pages_not_a_multiple_of_the_tile(page):
+    """Page 1 and 48 (tiles spanning pages: the per-key page lookup), 5 heads (a masked
+    head block), float16 with 16-bit partials, no LSE output."""
+    case = MLACase([1] * 4, [130, 7, 61, 200], heads=5, rank=64, rope=16, page=page,
+                   dtype=torch.float16, seed=11)
+    out, _ = _launch(case, 6, part_dtype=torch.float16, block_n=32, with_lse=False)
+    _check(case, out, None, f"page {page}")
+
+
+def test_balanced_programs_see_the_same_total_work():
+    """The schedule itself (host mirror of the device formula): with 64 requests of 4096 keys
+    and 264 programs each program owns at most ⌈total / P⌉ tiles, where the split launch's
+    4 splits per request leave programs of 32 tiles for 256 of the 264 slots."""
+    tiles = [4096 // 32] * 64
+    total, programs = sum(tiles), 264
+    tw = -(-total // programs)
+    assert tw == 32 and total / programs < 31.1  # balanced: 31.03 tiles of work a program
+    # a skewed batch: one 32k request among 63 of 1k (the split launch: splits of 8k keys)
+    tiles = [32768 // 32] + [1024 // 32] * 63
+    tw = -(-sum(tiles) // programs)
+    assert tw == 12  # 384 keys a program, against 8192 for the split launch's longest
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="compiled Triton on CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("part_dtype", ["half", "f32"])
+@pytest.mark.parametrize("programs", [132, 264])
+def test_gpu_balanced_deepseek_shapes(dtype, part_dtype, programs):
+    """DeepSeek latents (512 + 64), 16 heads, page 64: a long, a 1000-key, one tile, 5 and
+    129 keys, half a context, an empty request; 16-bit or float32 partials."""
+    lens = [4096, 1000, 64, 5, 129, 2049, 0]
+    case = MLACase([1] * len(lens), lens, rank=512, rope=64, page=64, heads=16, dtype=dtype,
+                   device="cuda", seed=7)
+    out, lse = _launch(case, programs, part_dtype=dtype if part_dtype == "half" else torch.float32,
+                       block_n=32, device="cuda")
+    _check(case, out, lse, f"{dtype} {part_dtype} P={programs}")
+
+
+# ------------------------------------------------------------- through the kernel object
+
+@pytest.mark.parametrize("option", [True, 5])
+def test_functional_call_with_balanced_tuning(option):
+    """``mla_paged_attention(..., balanced=...)``: decode rows and LSE match the oracle,
+    with an empty request and a long one (the plan takes the balanced launch)."""
+    case = MLACase([1] * 5, [0, 150, 3, 64, 31], heads=16, rank=64, rope=16, page=16,
+                   seed=21)
+    case.assert_rows_and_lse(f"balanced={option}", balanced=option)
+
+
+def test_plan_takes_the_balanced_launch_only_where_it_serves():
+    """Decode: the plan carries the balanced launch (and no split partials); a verify step
+    (two queries a request) and a masked one keep the split launch."""
+    from aiter_attn.kernels.triton.mla import TritonMLA
+    from aiter_attn.kernels.base import _adhoc_metadata, mla_request
+
+    def plan_of(q_lens, kv_lens, tuning, masked=False):
+        case = MLACase(q_lens, kv_lens, heads=16, rank=64, rope=16, page=16, seed=2,
+                       mask_p=0.7 if masked else None)
+        kw = case.kwargs()
+        k = TritonMLA(mla_request(case.q, case.kv_cache, 64, custom_mask=masked), tuning)
+        md = _adhoc_metadata(case.q, case.kv_cache, kw["cu_seqlens_q"], kw["seqused_k"],
+                             kw["block_table"], kw["custom_mask"], kw["mask_indptr"],
+                             max(q_lens), max(kv_lens), "test")
+        return k.plan(md)
+
+    p = plan_of([1, 1, 1], [40, 90, 7], {"balanced": 4})
+    assert p.balanced is not None and p.balanced[0] == 4 and not p.use_parts
+    assert tuple(p.balanced[1].shape) == (4, 16, 2, 64)
+    assert plan_of([2, 1], [40, 90], {"balanced": 4}).balanced is None
+    assert plan_of([1, 1], [40, 90], {"balanced": 4}, masked=True).balanced is None
+    assert plan_of([1, 1], [40, 90], {}).balanced is None
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, "yes"])
+def test_balanced_option_values_are_checked(bad):
+    case = MLACase([1, 1], [40, 9], heads=16, rank=64, rope=16, page=16, seed=2)
+    with pytest.raises(ValueError, match="balanced="):
+        case.run(balanced=bad)
