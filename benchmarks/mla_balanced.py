@@ -38,8 +38,11 @@ def parse_lengths(spec: str) -> list:
     return out
 
 
-def row(lengths, tuning, rep, *, heads=16, device="cuda", dtype=torch.bfloat16):
-    """``(µs, out)``: the step planned once (static workspace) and replayed."""
+def row(lengths, tuning, rep, *, heads=16, device="cuda", dtype=torch.bfloat16,
+        split=False):
+    """``(µs, out)``: the step planned once (static workspace) and replayed; ``split``: also
+    ``{"attention": µs, "merge": µs}`` of the balanced launch's two launches alone (``{}``
+    when the plan did not take it)."""
     from _inputs import make_mla
 
     from aiter_attn.kernels.base import _adhoc_metadata, mla_layer_params
@@ -61,11 +64,31 @@ def row(lengths, tuning, rep, *, heads=16, device="cuda", dtype=torch.bfloat16):
 
     step()
     if device != "cuda":
-        return 0.0, out
+        return (0.0, out, {}) if split else (0.0, out)
     import triton.testing as tt
 
-    torch.cuda.synchronize()
-    return 1000.0 * float(tt.do_bench_cudagraph(step, rep=rep, return_mode="median")), out
+    def timed(fn):
+        fn()
+        torch.cuda.synchronize()
+        return 1000.0 * float(tt.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+
+    us = timed(step)
+    if not split:
+        return us, out
+    parts = {}
+    if plan.balanced is not None:
+        from aiter_attn.kernels.triton.mla_balanced import launch_balanced_mla
+        from aiter_attn.kernels.triton.mla_kernel import _LOG2E
+
+        programs, b_o, b_l = plan.balanced
+        kw = plan.cfg_kw
+        for name in ("attention", "merge"):
+            parts[name] = timed(lambda name=name: launch_balanced_mla(
+                x.q, x.kv_cache, out, x.seqused_k, x.block_table, rank=x.rank,
+                qk_scale_log2=params.scale * _LOG2E, part_o=b_o.permute(0, 2, 1, 3),
+                part_lse=b_l.permute(0, 2, 1), programs=programs, block_n=kw["BLOCK_N"],
+                num_warps=kw["num_warps"], num_stages=kw["num_stages"], launches=(name,)))
+    return us, out, parts
 
 
 def main(argv=None) -> int:
@@ -73,6 +96,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default=ROWS)
     p.add_argument("--tunings", default='[{}, {"balanced": true}]')
     p.add_argument("--rep", type=int, default=30)
+    p.add_argument("--split", action="store_true",
+                   help="also time the balanced launch's attention and merge launches alone")
     args = p.parse_args(argv)
     tunings = json.loads(args.tunings)
     for spec in args.rows.split(","):
@@ -81,15 +106,16 @@ def main(argv=None) -> int:
         nbytes = sum(lengths) * 576 * 2
         base = None
         for tuning in tunings:
-            us, out = row(lengths, tuning, args.rep)
+            us, out, *parts = row(lengths, tuning, args.rep, split=args.split)
+            parts = parts[0] if parts else {}
             err = 0.0
             if base is None:
                 base = out.float().clone()
             else:
                 err = float((out.float() - base).norm() / base.norm())
             print(f"row={name} lengths={lens} tuning={json.dumps(tuning)} step={us:.2f} "
-                  f"TB/s={nbytes / max(us, 1e-3) / 1e6:.2f} rel_err_vs_first={err:.1e}",
-                  flush=True)
+                  f"TB/s={nbytes / max(us, 1e-3) / 1e6:.2f} rel_err_vs_first={err:.1e}"
+                  + "".join(f" {k}={v:.2f}" for k, v in parts.items()), flush=True)
     return 0
 
 

@@ -111,6 +111,8 @@
 #   scripts/gpu_session.sh sixtyfourth   # the fused-merge and narrow gpu tests on the final code
 #   scripts/gpu_session.sh sixtyfifth    # the cooperative merge: its gpu tests, the 16-head rows
 #                                  # beside the default, the time split
+#   scripts/gpu_session.sh seventyfourth # the balanced launch, merge unrolled: gpu tests, time
+#                                  # split of its two launches, rows
 #   scripts/gpu_session.sh seventythird  # the balanced MLA launch: gpu tests (also as the
 #                                  # default), 16-head rows twice, uniform and skewed batches
 #   scripts/gpu_session.sh seventysecond # on an H200 seventyfirst first; the 64x4k wave's empty
@@ -651,6 +653,24 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       > "$OUT/ncu.log" 2>&1
     grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Dynamic Shared|smsp__inst|bank_conf|wavefronts" \
       "$OUT/ncu.log" | head -80
+    ;;
+  seventyfourth)
+    # the balanced MLA launch after its merge was unrolled: gpu tests (LSE out included),
+    # the time split of both launches beside the split launch's, rows
+    timeout ${GT_S:-200} python3 -m pytest -q -p no:randomly -m gpu -n 8 tests/test_mla_balanced.py \
+      > "$OUT/balanced_gpu.log" 2>&1
+    tail -4 "$OUT/balanced_gpu.log"
+    timeout ${MB_S:-150} python3 benchmarks/mla_balanced.py --split \
+      --rows uniform64=64x4096,uniform128=128x8192,skew32k=1x32768+63x1024,mixed=16x8192+48x2048 \
+      --tunings '[{}, {"balanced": true}, {"balanced": true, "half_partials": false}]' 2>&1 \
+      | tee "$OUT/mla_balanced.log"
+    timeout ${TS_S:-100} python3 benchmarks/mla_time_split.py --rows 16x64x4096,16x128x8192 \
+      --splits 0 2>&1 | tee "$OUT/mla_time_split.log" | tail -3
+    timeout ${BA_S:-150} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 \
+      --mla-variants balanced --out "$OUT/mla1" > "$OUT/mla1.log" 2>&1
+    grep -E "ours|==|Error|error|ceilings" "$OUT/mla1.log" | head -12
+    rm -f "$OUT"/*/*.png
     ;;
   seventythird)
     # the balanced MLA launch (mla_balanced.py: equal key tiles a program, all the SMs'

@@ -11,7 +11,7 @@ import attrs
 import pytest
 import torch
 
-from aiter_attn import (AttentionBackend, BackendConfig, ForwardMode, LayerSpec,
+from aiter_attn import (AttentionBackend, BackendConfig, ForwardBatch, ForwardMode, LayerSpec,
                         SpecDecodeConfig, SpecInfo)
 from aiter_attn.strategies.spec import VerifyTreeMetadata
 from aiter_attn.testing import PagedScenario
@@ -60,3 +60,113 @@ def test_tree_verify_mask_exactly_filling_the_static_buffer_is_planned(layout):
     md = planner.plan(batch, out=out)
     check_verify_mask(md, batch, trees)
     assert md.mask.custom_mask.data_ptr() == out["custom_mask"].data_ptr()
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA expanded EXTEND: the dense [prefix ; new] table, hand-computed, 0 past each request
+# (mutant: mla.py dropping the ``j < seq_lens`` zeroing survived; the entries past a request's
+# keys then name rows past the dense K/V buffer, and a reused static buffer keeps them)
+# ---------------------------------------------------------------------------------------------
+
+def _mla_extend_plan(prefixes, new, *, out_fill=None):
+    from aiter_attn.strategies.mla import MLAExtendMetadata
+
+    from ._graph_helpers import Rig
+
+    rig = Rig.make("mla", page_size=4, max_context_len=64, num_layers=1)
+    rows = [rig.join(p) for p in prefixes]
+    locs = [rig.alloc.extend(rig.req_pool, r, n) for r, n in zip(rows, new)]
+    seq = [rig.alloc.tokens_held(r) for r in rows]
+    batch = ForwardBatch.from_lengths(
+        forward_mode="extend", req_pool_indices=rows, seq_lens=seq,
+        out_cache_loc=torch.cat(locs), extend_seq_lens=list(new))
+    planner = MLAExtendMetadata(rig.backend.ctx)
+    out = None
+    if out_fill is not None:
+        out = planner.buffer_spec(4, 32, 32).allocate("cpu")
+        for t in out.values():
+            t.fill_(out_fill)  # stale values of an earlier step
+    return rig, batch, planner.plan(batch, out=out), rows, seq
+
+
+@pytest.mark.parametrize("out_fill", [None, 77], ids=["eager", "static-stale"])
+def test_mla_extend_dense_table_is_hand_computed_and_zero_past_each_request(out_fill):
+    prefixes, new = [5, 0, 3], [2, 3, 1]
+    rig, batch, md, rows, seq = _mla_extend_plan(prefixes, new, out_fill=out_fill)
+    plan = md.extras["mla_prefix"]
+    total_prefix = sum(prefixes)
+    assert plan.num_prefix_tokens == total_prefix
+    assert plan.prefix_indptr[:4].tolist() == [0, 5, 5, 8]
+    r2t = rig.req_pool.req_to_token
+    want_slots = torch.cat([r2t[r, :p] for r, p in zip(rows, prefixes)])
+    assert plan.prefix_slots[:total_prefix].tolist() == want_slots.tolist()
+    dense = plan.dense_block_table
+    width = dense.shape[1]
+    assert width >= max(seq)
+    cu_new = [0, 2, 5]  # new tokens before each request
+    pre_off = [0, 5, 5]
+    for b, (p, n) in enumerate(zip(prefixes, new)):
+        want = ([pre_off[b] + j for j in range(p)]
+                + [total_prefix + cu_new[b] + j for j in range(n)]
+                + [0] * (width - p - n))
+        assert dense[b].tolist() == want, f"request {b}"
+    assert md.extras["mla_dense_pages"].block_table is dense
+
+
+# ---------------------------------------------------------------------------------------------
+# build_page_table into a reused table wider than req_to_token's pages: 0 past each request
+# (mutant: dropping ``out.zero_()`` in the reference builder survived; the stale columns past
+# req_to_token's width stayed in a static table)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("swa", [False, True], ids=["full", "swa"])
+def test_build_page_table_clears_stale_columns_past_req_to_token_width(swa):
+    from aiter_attn import ops
+
+    ps = 4
+    r2t = torch.zeros(3, 8, dtype=torch.int32)  # 8 columns: 2 pages per request at most
+    r2t[1] = torch.arange(8) + 5 * ps  # pages 5, 6
+    r2t[2] = torch.cat([torch.arange(4) + 9 * ps, torch.arange(4) + 3 * ps])  # pages 9, 3
+    rpi = torch.tensor([2, 1], dtype=torch.int64)
+    seq = torch.tensor([8, 3], dtype=torch.int32)
+    out = torch.full((2, 5), 55, dtype=torch.int32)  # a static table of an earlier, longer step
+    want = [[9, 3, 0, 0, 0], [5, 0, 0, 0, 0]]
+    if swa:
+        full_to_swa = torch.arange(12 * ps, dtype=torch.int64).flip(0)  # page p -> 11 - p
+        out_swa = torch.full_like(out, 55)
+        ops.build_page_tables_swa(r2t, rpi, seq, ps, full_to_swa, out, out_swa)
+        assert out_swa.tolist() == [[2, 8, 0, 0, 0], [6, 0, 0, 0, 0]]
+    else:
+        ops.build_page_table(r2t, rpi, seq, ps, out)
+    assert out.tolist() == want
+
+
+# ---------------------------------------------------------------------------------------------
+# Tree verify under out=: the mask a captured graph read (the first plan's tensor) holds the
+# next step's mask after the next plan (mutant: planning the full layout with the engine's own
+# mask tensor instead of copying it into the static buffer survived)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["full", "tree"])
+def test_tree_verify_static_plan_keeps_one_mask_address_across_steps(layout):
+    n = 3
+    cfg, layer, sc, be = _spec_setup(n=n, prefixes=(4, 9))
+    planner = VerifyTreeMetadata(be.ctx)
+    out = planner.buffer_spec(4, 4 * n, 64).allocate("cpu")
+    captured = None
+    for step in range(2):
+        trees = _trees(2, n, seed=10 + step)
+        seq = [sc.allocator.tokens_held(r) + n for r in sc.rows]
+        if layout == "tree":
+            mask = torch.stack(trees).reshape(-1)
+        else:
+            mask = torch.cat([full_verify_mask(t, L).reshape(-1) for t, L in zip(trees, seq)])
+        batch = sc.next_batch(VERIFY, [n, n], spec_info=SpecInfo(num_draft_tokens=n, topk=2,
+                                                                  custom_mask=mask))
+        md = planner.plan(batch, out=out)
+        if captured is None:
+            captured = md  # what a graph captured at step 0
+        # the captured tensors now hold this step's mask
+        view = attrs.evolve(captured, mask=attrs.evolve(captured.mask,
+                                                        mask_indptr=md.mask.mask_indptr))
+        check_verify_mask(view, batch, trees)
