@@ -170,3 +170,92 @@ def test_tree_verify_static_plan_keeps_one_mask_address_across_steps(layout):
         view = attrs.evolve(captured, mask=attrs.evolve(captured.mask,
                                                         mask_indptr=md.mask.mask_indptr))
         check_verify_mask(view, batch, trees)
+
+
+def test_mla_extend_prefix_plan_ignores_a_stale_prefix_mirror():
+    """MLA's expanded EXTEND counts the cached prefix from ``seq_lens_cpu −
+    extend_seq_lens_cpu`` (as MHA's ``max_prefix_len`` does), never from the unchecked
+    ``extend_prefix_lens_cpu`` mirror (mutant: ``_prefix_total`` from that mirror survived; a
+    stale all-zero mirror planned no prefix slots while the dense table pointed at them)."""
+    prefixes, new = [5, 0, 3], [2, 3, 1]
+    rig, batch, md_ok, rows, seq = _mla_extend_plan(prefixes, new)
+    from aiter_attn.strategies.mla import MLAExtendMetadata
+
+    stale = attrs.evolve(batch, extend_prefix_lens_cpu=torch.zeros(3, dtype=torch.int64))
+    md = MLAExtendMetadata(rig.backend.ctx).plan(stale)
+    plan = md.extras["mla_prefix"]
+    assert plan.num_prefix_tokens == 8
+    r2t = rig.req_pool.req_to_token
+    want_slots = torch.cat([r2t[r, :p] for r, p in zip(rows, prefixes)])
+    assert plan.prefix_slots[:8].tolist() == want_slots.tolist()
+    assert torch.equal(plan.dense_block_table, md_ok.extras["mla_prefix"].dense_block_table)
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-step draft decode into static buffers: a request whose draft steps need more pages than
+# the static draft tables hold is refused (mutant: the bound ``width·P − num_steps`` without
+# ``− num_steps`` survived; the last step's page was silently cut off)
+# ---------------------------------------------------------------------------------------------
+
+def test_multistep_static_tables_refuse_a_request_past_their_bound():
+    from aiter_attn.multistep import MultiStepDraftBackend, draft_columns_needed
+
+    from ._graph_helpers import Rig
+
+    ps, num_steps = 4, 3
+    rig = Rig.make("mha", page_size=ps, max_context_len=64, num_layers=1,
+                   spec=SpecDecodeConfig(topk=1, num_draft_tokens=num_steps, num_steps=num_steps))
+    ms = MultiStepDraftBackend(rig.config, rig.req_pool, rig.kv_pool)
+    bufs = ms.init_cuda_graph_state(max_bs=2, max_seq_len=8)
+    width = bufs["draft_block_table"].shape[2]  # ceil((8 + 3) / 4) = 3 pages a row
+    assert width == 3
+
+    def batch_of(committed):
+        row = rig.join(committed)
+        need = int(draft_columns_needed(torch.tensor([committed]), ps, 1, num_steps)[0])
+        rig.alloc.extend(rig.req_pool, row, need - committed)
+        return ForwardBatch.from_lengths(forward_mode="decode", req_pool_indices=[row],
+                                         seq_lens=[committed],
+                                         out_cache_loc=torch.zeros(1, dtype=torch.int64))
+
+    # 11 committed tokens: the last draft step attends over 11 + 2 = 13 keys, 4 pages > 3
+    with pytest.raises(ValueError, match="static draft page tables' bound"):
+        ms.init_forward_metadata(batch_of(11), out=bufs)
+    # the declared bound itself fits: 8 committed tokens, 10 keys in the last step, 3 pages
+    steps = ms.init_forward_metadata(batch_of(8), out=bufs)
+    last = steps[-1]
+    assert last.seq_lens.tolist() == [8 + num_steps - 1]
+    assert int((last.spec_info.block_table[0] != 0).sum()) == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Windowed tree verify: key positions are path positions (prefix + depth), not index order
+# (mutant: window_tree_mask with ``k_pos = j`` survived; the suite's trees were too shallow for
+# an ancestor listed late in the draft order to fall out of the window)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("window", [2, 3])
+def test_windowed_tree_verify_drops_a_late_listed_ancestor_outside_the_window(window):
+    from aiter_attn.testing.spec_cases import tree_depths, tree_verify_masks, windowed_tree_masks
+
+    # token 2 is a child of the root (depth 1) but listed third: token 4 (depth 3) must not see
+    # it with window 2, although index order would put it two places before token 4
+    parents = [-1, 0, 0, 2, 3]
+    n = len(parents)
+    depth = torch.tensor(tree_depths(parents))
+    prefixes = [6, 2]
+    cfg = BackendConfig(page_size=4, max_context_len=64, dtype=torch.float32,
+                        spec=SpecDecodeConfig(topk=2, num_draft_tokens=n))
+    layer = LayerSpec(layer_id=0, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                      sliding_window=window)
+    sc = PagedScenario.make(cfg, [layer], prefixes, seed=11)
+    be = AttentionBackend(cfg, sc.req_pool, sc.kv_pool)
+    masks = tree_verify_masks(prefixes, parents)
+    batch = sc.next_batch(VERIFY, [n] * 2, spec_info=SpecInfo(
+        num_draft_tokens=n, topk=2, custom_mask=torch.cat([m.reshape(-1) for m in masks])))
+    be.init_forward_metadata(batch)
+    q, k, v = sc.step_inputs(layer)
+    out = be.forward(q, k, v, layer, batch)
+    literal = windowed_tree_masks(prefixes, masks, depth, window)
+    exp = sc.expected(attrs.evolve(layer, sliding_window=None), q, masks=literal, causal=False)
+    assert_close_rel(out, exp, 1e-5, f"window {window}")

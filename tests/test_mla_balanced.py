@@ -77,6 +77,17 @@ def test_balanced_rows_and_lse_match_the_oracle(lengths, programs):
     _check(case, out, lse, f"{lengths} programs={programs}")
 
 
+@pytest.mark.parametrize("lengths,programs", [([256] * 8, 9), ([256] * 6 + [250, 3], 9)],
+                         ids=["aligned", "nearly"])
+def test_balanced_power_of_two_program_tiles(lengths, programs):
+    """128 tiles over 9 programs: ⌈128 / 9⌉ = 15 tiles rounds up to 16 (within 10 %), one
+    request a program and the ninth program empty; with ragged lengths the same rounding
+    puts requests across programs."""
+    case = MLACase([1] * len(lengths), lengths, heads=16, rank=64, rope=16, page=16, seed=8)
+    out, lse = _launch(case, programs)
+    _check(case, out, lse, f"programs={programs}")
+
+
 @pytest.mark.parametrize("page", [1, 48])
 def test_balanced_pages_not_a_multiple_of_the_tile(page):
     """Page 1 and 48 (tiles spanning pages: the per-key page lookup), 5 heads (a masked

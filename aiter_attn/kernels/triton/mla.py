@@ -475,7 +475,8 @@ class TritonMLA(MLAWorkspace, MLAKernel):
                 scale_ptr=params.k_scale_t if from_ptr else None, lse=lse,
                 part_o=b_o.permute(0, 2, 1, 3), part_lse=b_l.permute(0, 2, 1),
                 programs=programs, block_n=kw["BLOCK_N"], num_warps=kw["num_warps"],
-                num_stages=kw["num_stages"], ieee=kw["IEEE"])
+                num_stages=kw["num_stages"], ieee=kw["IEEE"],
+                pdl=pdl_mode(self.tuning.get("pdl"), q.device))
             return out
         merged = False  # by the launch itself (the fused merge)
         if plan.gluon and gluon_mla_tensors_reason(q, kv_cache, out) is None:

@@ -40,6 +40,7 @@ from ._kvutil import next_pow2
 from ._softmax import to_output
 from .mla_kernel import _mla_tile
 from .mla_merge import _partial_f32
+from ._pdl import gdc_wait, pdl_kwargs, wait_then_release
 
 __all__ = ["balanced_reject_reason", "balanced_workspace_shapes", "launch_balanced_mla",
            "BALANCED_MAX_HEADS"]
@@ -85,6 +86,18 @@ def _lengths(seqused_ptr, batch, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _program_tiles(total, num_programs):
+    """Key tiles a program owns: ``⌈total / P⌉``, or the power of two above it where that
+    is at most 10 % more (requests of a power-of-two tile count then start on program
+    boundaries: one segment a program, as the split launch; 128×8k: 125 -> 128 tiles)."""
+    tw = tl.maximum((total + num_programs - 1) // num_programs, 1)
+    t2 = tw * 0 + 1
+    while t2 < tw:
+        t2 = t2 * 2
+    return tl.where(t2 * 10 <= tw * 11, t2, tw)
+
+
+@triton.jit
 def _mla_balanced_kernel(
     q_ptr, kv_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, seqused_ptr, bt_ptr, scale_ptr,
     qk_scale_log2, kv_scale_val, num_heads, batch, num_programs,
@@ -94,12 +107,14 @@ def _mla_balanced_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, SCALE_FROM_PTR: tl.constexpr,
     IEEE: tl.constexpr, TILE_IN_PAGE: tl.constexpr, EVEN_D: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # the writes before this launch first; then the merge may start (its prologue)
+        wait_then_release()
     p = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
     lens, tiles, ends, total = _lengths(seqused_ptr, batch, BLOCK_B, BLOCK_N)
-    tw = tl.maximum((total + num_programs - 1) // num_programs, 1)
+    tw = _program_tiles(total, num_programs)
     g0 = p * tw
     g1 = tl.minimum(g0 + tw, total)
     # the first request ending past g0, and where its tiles begin
@@ -184,18 +199,20 @@ def _mla_balanced_merge_kernel(
     stride_ot, stride_oh, stride_pp, stride_pw, stride_ph, stride_lp, stride_lw, stride_lh,
     stride_ot_lse, stride_oh_lse,
     KV_LORA: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_B: tl.constexpr, WRITE_LSE: tl.constexpr,
+    BLOCK_B: tl.constexpr, WRITE_LSE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
     offs_b = tl.arange(0, BLOCK_B)
     lens, tiles, ends, total = _lengths(seqused_ptr, batch, BLOCK_B, BLOCK_N)
-    tw = tl.maximum((total + num_programs - 1) // num_programs, 1)
+    tw = _program_tiles(total, num_programs)
     cs = tl.sum(tl.where(offs_b < r, tiles, 0), axis=0)
     ce = cs + tl.sum(tl.where(offs_b == r, tiles, 0), axis=0)
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < KV_LORA
     o_ptrs = out_ptr + r.to(tl.int64) * stride_ot + h * stride_oh + offs_dv
+    if PDL:  # launched early (the lengths above overlap the attention's tail): its rows,
+        gdc_wait()  # partials and LSEs first
     if ce == cs:  # no keys: a zero row, LSE -inf (what the split launch writes)
         tl.store(o_ptrs, tl.zeros([BLOCK_DV], dtype=tl.float32).to(out_ptr.dtype.element_ty),
                  mask=mask_dv)
@@ -247,12 +264,13 @@ def launch_balanced_mla(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
                         lse: Optional[torch.Tensor] = None, part_o: torch.Tensor,
                         part_lse: torch.Tensor, programs: int, block_n: int = 32,
                         num_warps: int = 4, num_stages: int = 3, ieee: bool = False,
-                        launches: tuple = ("attention", "merge")) -> None:
+                        launches: tuple = ("attention", "merge"), pdl=False) -> None:
     """Both launches over ``batch = seqused_k.numel()`` one-query requests (row ``b`` of q
     is request ``b``); checked and planned by the caller (:mod:`.mla`), which passes host
     integers only. ``part_o`` / ``part_lse``: :func:`balanced_workspace_shapes` of
     ``programs``, any contents (every slot the merge reads is written first).
-    ``launches``: which of the two run (a benchmark's time split; both by default)."""
+    ``launches``: which of the two run (a benchmark's time split; both by default);
+    ``pdl``: :func:`._pdl.pdl_mode` (the merge starts while the attention ends)."""
     batch, heads, dim = seqused_k.shape[0], q.shape[1], q.shape[2]
     rope = dim - rank
     block_dv, block_dr = next_pow2(rank), next_pow2(max(rope, 1))
@@ -263,19 +281,19 @@ def launch_balanced_mla(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
         _attention(q, kv_cache, out, seqused_k, block_table, rank, rope, qk_scale_log2,
                    kv_scale_val, scale_ptr, lse, lse_t, lse_strides, part_o, part_lse,
                    programs, block_n, block_dv, block_dr, block_b, num_warps, num_stages,
-                   ieee)
+                   ieee, pdl)
     if "merge" in launches:
         _mla_balanced_merge_kernel[(batch, heads)](
             out, lse_t, part_o, part_lse, seqused_k, batch, programs,
             out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1),
             part_o.stride(2), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
             *lse_strides, KV_LORA=rank, BLOCK_DV=block_dv, BLOCK_N=block_n, BLOCK_B=block_b,
-            WRITE_LSE=lse is not None, num_warps=4)
+            WRITE_LSE=lse is not None, num_warps=4, **pdl_kwargs(pdl, reduction=True))
 
 
 def _attention(q, kv_cache, out, seqused_k, block_table, rank, rope, qk_scale_log2,
                kv_scale_val, scale_ptr, lse, lse_t, lse_strides, part_o, part_lse, programs,
-               block_n, block_dv, block_dr, block_b, num_warps, num_stages, ieee):
+               block_n, block_dv, block_dr, block_b, num_warps, num_stages, ieee, pdl):
     batch, heads = seqused_k.shape[0], q.shape[1]
     page_size = kv_cache.shape[1]
     _mla_balanced_kernel[(programs,)](
@@ -291,4 +309,4 @@ def _attention(q, kv_cache, out, seqused_k, block_table, rank, rope, qk_scale_lo
         SCALE_FROM_PTR=scale_ptr is not None, IEEE=ieee,
         TILE_IN_PAGE=page_size % block_n == 0,
         EVEN_D=block_dv == rank and block_dr == rope, WRITE_LSE=lse is not None,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(pdl, reduction=False))
