@@ -194,49 +194,6 @@ def _mla_balanced_kernel(
 
 
 @triton.jit
-def _merge_many(o_ptrs, lse_ptr, part_o_ptr, part_lse_ptr, r, h, cs, tw, p0, p1, offs_dv,
-                mask_dv, stride_pp, stride_pw, stride_ph, stride_lp, stride_lw, stride_lh,
-                stride_ot_lse, stride_oh_lse, WRITE_LSE: tl.constexpr, PARTS: tl.constexpr = 8):
-    """The merge of a request over programs ``p0 .. p1`` (five or more): the largest LSE
-    first (``PARTS`` a load), then the partials weighted by ``2^(lse - max)`` as
-    ``[PARTS, R]`` tiles, so that a request over 86 programs waits for memory 22 times,
-    not 86."""
-    offs_p = tl.arange(0, PARTS)
-    mv = tl.full([PARTS], float("-inf"), dtype=tl.float32)
-    for c in range(p0, p1 + 1, PARTS):
-        pp = (c + offs_p).to(tl.int64)
-        slot = tl.where(cs < pp * tw, 0, 1)
-        lv = tl.load(part_lse_ptr + pp * stride_lp + slot * stride_lw + h * stride_lh,
-                     mask=pp <= p1, other=float("-inf"))
-        mv = tl.maximum(mv, lv)
-    m = tl.max(mv, axis=0)
-    m_ref = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([offs_dv.shape[0]], dtype=tl.float32)
-    den = tl.zeros([PARTS], dtype=tl.float32)
-    for c in range(p0, p1 + 1, PARTS):
-        pp = (c + offs_p).to(tl.int64)
-        valid = pp <= p1
-        slot = tl.where(cs < pp * tw, 0, 1)
-        lv = tl.load(part_lse_ptr + pp * stride_lp + slot * stride_lw + h * stride_lh,
-                     mask=valid, other=float("-inf"))
-        w = tl.exp2(lv - m_ref)
-        o = tl.load(part_o_ptr + pp[:, None] * stride_pp + slot[:, None] * stride_pw
-                    + h * stride_ph + offs_dv[None, :], mask=valid[:, None] & mask_dv[None, :],
-                    other=0.0)
-        o = _partial_f32(o, part_o_ptr)
-        # parts of weight 0 (nothing visible, or past p1) are selected away
-        acc += tl.sum(tl.where(w[:, None] > 0.0, o * w[:, None], 0.0), axis=0)
-        den += w
-    d = tl.sum(den, axis=0)
-    has = d > 0.0
-    safe = tl.where(has, d, 1.0)
-    tl.store(o_ptrs, to_output(acc / safe, o_ptrs), mask=mask_dv)
-    if WRITE_LSE:
-        lse_out = tl.where(has, (m_ref + tl.log2(safe)) / _LOG2E, float("-inf"))
-        tl.store(lse_ptr + r.to(tl.int64) * stride_ot_lse + h * stride_oh_lse, lse_out)
-
-
-@triton.jit
 def _mla_balanced_merge_kernel(
     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, seqused_ptr, batch, num_programs,
     stride_ot, stride_oh, stride_pp, stride_pw, stride_ph, stride_lp, stride_lw, stride_lh,
@@ -265,11 +222,7 @@ def _mla_balanced_merge_kernel(
     else:
         p0 = cs // tw
         p1 = (ce - 1) // tw
-        if p1 - p0 >= 4:  # many parts (a long request among short ones): eight a load
-            _merge_many(o_ptrs, lse_ptr, part_o_ptr, part_lse_ptr, r, h, cs, tw, p0, p1,
-                        offs_dv, mask_dv, stride_pp, stride_pw, stride_ph, stride_lp,
-                        stride_lw, stride_lh, stride_ot_lse, stride_oh_lse, WRITE_LSE)
-        elif p1 > p0:  # a crossing request (else its program wrote the row)
+        if p1 > p0:  # a crossing request (else its program wrote the row)
             m = tl.full([1], float("-inf"), dtype=tl.float32)
             den = tl.zeros([1], dtype=tl.float32)
             acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
