@@ -111,6 +111,8 @@
 #   scripts/gpu_session.sh sixtyfourth   # the fused-merge and narrow gpu tests on the final code
 #   scripts/gpu_session.sh sixtyfifth    # the cooperative merge: its gpu tests, the 16-head rows
 #                                  # beside the default, the time split
+#   scripts/gpu_session.sh seventyseventh # the balanced launch's first segment outside the
+#                                  # while loop: tests, time split, rows, PDL
 #   scripts/gpu_session.sh seventysixth  # the balanced merge of many parts: tests, rows
 #   scripts/gpu_session.sh seventyfifth  # the balanced launch aligned + PDL: tests, time split
 #   scripts/gpu_session.sh seventyfourth # the balanced launch, merge unrolled: gpu tests, time
@@ -655,6 +657,17 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       > "$OUT/ncu.log" 2>&1
     grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Dynamic Shared|smsp__inst|bank_conf|wavefronts" \
       "$OUT/ncu.log" | head -80
+    ;;
+  seventyseventh)
+    # the balanced launch with its first request's tile loop outside the while loop (sm_90:
+    # 541 instructions a tile, the split kernel's 548): gpu tests, time split, rows, PDL
+    timeout ${GT_S:-200} python3 -m pytest -q -p no:randomly -m gpu -n 8 tests/test_mla_balanced.py \
+      > "$OUT/balanced_gpu.log" 2>&1
+    tail -3 "$OUT/balanced_gpu.log"
+    timeout ${MB_S:-200} python3 benchmarks/mla_balanced.py --split \
+      --rows uniform64=64x4096,uniform128=128x8192,skew32k=1x32768+63x1024,mixed=16x8192+48x2048,small=32x1024 \
+      --tunings '[{}, {"balanced": true}, {"balanced": true, "pdl": true}]' 2>&1 \
+      | tee "$OUT/mla_balanced.log"
     ;;
   seventysixth)
     # the balanced launch's merge of many parts as [8, R] tiles: gpu tests, time split, rows

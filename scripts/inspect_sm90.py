@@ -197,6 +197,22 @@ def compile_mla(kv="bf16", q="bf16", warps=4, stages=3, part="fp32", **const):
                     {"num_heads", "batch", "num_head_blocks"}, c, warps, stages)
 
 
+def compile_mla_balanced(kv="bf16", warps=4, stages=3, part="bf16", **const):
+    """The balanced MLA launch (``mla_balanced._mla_balanced_kernel``, q of the cache's
+    dtype), 16 heads, latents 512 + 64, 32-key tiles by default."""
+    from aiter_attn.kernels.triton import mla_balanced
+
+    c = dict(PAGE_SIZE=64, KV_LORA=512, ROPE=64, BLOCK_DV=512, BLOCK_DR=64, BLOCK_H=16,
+             BLOCK_N=32, BLOCK_B=64, SCALE_FROM_PTR=False, IEEE=False, EVEN_D=True,
+             WRITE_LSE=False, PDL=False)
+    c.update(const)
+    c["TILE_IN_PAGE"] = c["PAGE_SIZE"] % c["BLOCK_N"] == 0
+    ptrs = dict(q_ptr=kv, kv_ptr=kv, out_ptr=kv, lse_ptr="fp32", part_o_ptr=part,
+                part_lse_ptr="fp32", seqused_ptr="i32", bt_ptr="i32", scale_ptr="fp32")
+    return _compile(mla_balanced._mla_balanced_kernel, ptrs, {"qk_scale_log2", "kv_scale_val"},
+                    {"num_heads", "batch", "num_programs"}, c, warps, stages)
+
+
 def resource_usage(kernel) -> dict:
     """``{"REG": n, "STACK": bytes, "LOCAL": bytes, ...}`` of the compiled cubin, read with
     the ``cuobjdump -res-usage`` that Triton's wheel carries. ``STACK`` > 0 means ptxas
@@ -300,15 +316,15 @@ def report(kernel) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernel", choices=("paged", "mla", "reduce", "mla_merge"))
+    ap.add_argument("kernel", choices=("paged", "mla", "mla_balanced", "reduce", "mla_merge"))
     ap.add_argument("config", nargs="?", default="{}", help="JSON constexprs / options")
     ap.add_argument("--dump", help="write k.ttgir, k.ptx, k.cubin and k.sass into this folder "
                     "and print the SASS's innermost tensor-core loops")
     ap.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = ap.parse_args(argv)
     cfg = json.loads(args.config)
-    k = {"paged": compile_paged, "mla": compile_mla, "reduce": compile_reduce,
-         "mla_merge": compile_mla_merge}[args.kernel](**cfg)
+    k = {"paged": compile_paged, "mla": compile_mla, "mla_balanced": compile_mla_balanced,
+         "reduce": compile_reduce, "mla_merge": compile_mla_merge}[args.kernel](**cfg)
     rep = report(k)
     if args.json:
         print(json.dumps(rep))
