@@ -98,70 +98,6 @@ def _program_tiles(total, num_programs):
 
 
 @triton.jit
-def _segment(q_ptr, kv_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, bt_ptr, p, r, cs, ce,
-             g0, g1, kv_len, qk_scale, kv_scale, offs_h, mask_h, offs_dv, mask_dv, offs_dr,
-             mask_dr, offs_t, o_mask, unused,
-             stride_qt, stride_qh, stride_kvp, stride_kvs, stride_ot, stride_oh, stride_bt,
-             stride_pp, stride_pw, stride_ph, stride_lp, stride_lw, stride_lh, stride_ot_lse,
-             stride_oh_lse, PAGE_SIZE: tl.constexpr, KV_LORA: tl.constexpr,
-             BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-             IEEE: tl.constexpr, TILE_IN_PAGE: tl.constexpr, EVEN_D: tl.constexpr,
-             WRITE_LSE: tl.constexpr):
-    """Request ``r``'s tiles ``[cs, ce)`` within the program's ``[g0, g1)``: its row and LSE
-    when the request lies inside the range, else the program's head or tail partial."""
-    lo = (tl.maximum(g0, cs) - cs) * BLOCK_N
-    hi = tl.minimum((tl.minimum(g1, ce) - cs) * BLOCK_N, kv_len)
-    q_row = q_ptr + r.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
-    q_nope = tl.load(q_row + offs_dv[None, :], mask=mask_h[:, None] & mask_dv[None, :],
-                     other=0.0)
-    q_rope = tl.load(q_row + KV_LORA + offs_dr[None, :],
-                     mask=mask_h[:, None] & mask_dr[None, :], other=0.0)
-    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-    bt_row = bt_ptr + r.to(tl.int64) * stride_bt
-    if TILE_IN_PAGE:
-        page_next = tl.load(bt_row + lo // PAGE_SIZE)
-    else:
-        page_next = tl.load(bt_row + (lo + offs_t) // PAGE_SIZE, mask=lo + offs_t < hi,
-                            other=0)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + offs_t
-        nxt = start + BLOCK_N
-        page = page_next.to(tl.int64)
-        if TILE_IN_PAGE:
-            page_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < hi, other=0)
-            row = (page * stride_kvp + (start % PAGE_SIZE) * stride_kvs
-                   + offs_t.to(tl.int64) * stride_kvs)
-        else:
-            page_next = tl.load(bt_row + (nxt + offs_t) // PAGE_SIZE,
-                                mask=nxt + offs_t < hi, other=0)
-            row = page * stride_kvp + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kvs
-        acc, _a, _c, _d, m_i, l_i = _mla_tile(
-            acc, unused, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, offs_n, hi,
-            kv_ptr, offs_dv, offs_dr, mask_dv, mask_dr, KV_LORA, False, IEEE, EVEN_D,
-            False, False, acc_c=unused, acc_d=unused)
-    has = l_i > 0
-    l_safe = tl.where(has, l_i, 1.0)
-    o = acc * tl.where(has, kv_scale / l_safe, 0.0)[:, None]
-    if (cs >= g0) & (ce <= g1):  # the whole request in this program: its row
-        tl.store(out_ptr + r.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
-                 + offs_dv[None, :], to_output(o, out_ptr), mask=o_mask)
-        if WRITE_LSE:
-            lse = tl.where(has, (m_i + tl.log2(l_safe)) / _LOG2E, float("-inf"))
-            tl.store(lse_ptr + r.to(tl.int64) * stride_ot_lse + offs_h * stride_oh_lse,
-                     lse, mask=mask_h)
-    else:  # a crossing request: the head slot if it began before g0, else the tail
-        slot = tl.where(cs < g0, 0, 1)
-        base = p.to(tl.int64) * stride_pp + slot * stride_pw
-        tl.store(part_o_ptr + base + offs_h[:, None] * stride_ph + offs_dv[None, :],
-                 o.to(part_o_ptr.dtype.element_ty), mask=o_mask)
-        lse2 = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(part_lse_ptr + p.to(tl.int64) * stride_lp + slot * stride_lw
-                 + offs_h * stride_lh, lse2, mask=mask_h)
-
-
-@triton.jit
 def _mla_balanced_kernel(
     q_ptr, kv_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, seqused_ptr, bt_ptr, scale_ptr,
     qk_scale_log2, kv_scale_val, num_heads, batch, num_programs,
@@ -199,32 +135,60 @@ def _mla_balanced_kernel(
     o_mask = mask_h[:, None] & mask_dv[None, :]
     unused = tl.zeros([BLOCK_H, 16], dtype=tl.float32)
 
-    seg_args = (q_ptr, kv_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, bt_ptr, p)
-    # The first request of the range in an ``if`` (a program of a uniform batch has no
-    # other): its tile loop inside the ``while`` below compiled to 255 registers and 4 %
-    # more instructions a tile (sm_90: 571 against 548, scripts/inspect_sm90.py mla_balanced)
-    if (cs < g1) & (r < batch):
+    while (cs < g1) & (r < batch):
         kv_len = tl.sum(tl.where(offs_b == r, lens, 0), axis=0)  # no second read
         ce = cs + (kv_len + BLOCK_N - 1) // BLOCK_N
         if ce > cs:
-            _segment(*seg_args, r, cs, ce, g0, g1, kv_len, qk_scale, kv_scale, offs_h, mask_h,
-                     offs_dv, mask_dv, offs_dr, mask_dr, offs_t, o_mask, unused,
-                     stride_qt, stride_qh, stride_kvp, stride_kvs, stride_ot, stride_oh,
-                     stride_bt, stride_pp, stride_pw, stride_ph, stride_lp, stride_lw,
-                     stride_lh, stride_ot_lse, stride_oh_lse, PAGE_SIZE, KV_LORA, BLOCK_H,
-                     BLOCK_DV, BLOCK_N, IEEE, TILE_IN_PAGE, EVEN_D, WRITE_LSE)
-        cs = ce
-        r += 1
-    while (cs < g1) & (r < batch):  # the rest (programs over several short requests)
-        kv_len = tl.sum(tl.where(offs_b == r, lens, 0), axis=0)
-        ce = cs + (kv_len + BLOCK_N - 1) // BLOCK_N
-        if ce > cs:
-            _segment(*seg_args, r, cs, ce, g0, g1, kv_len, qk_scale, kv_scale, offs_h, mask_h,
-                     offs_dv, mask_dv, offs_dr, mask_dr, offs_t, o_mask, unused,
-                     stride_qt, stride_qh, stride_kvp, stride_kvs, stride_ot, stride_oh,
-                     stride_bt, stride_pp, stride_pw, stride_ph, stride_lp, stride_lw,
-                     stride_lh, stride_ot_lse, stride_oh_lse, PAGE_SIZE, KV_LORA, BLOCK_H,
-                     BLOCK_DV, BLOCK_N, IEEE, TILE_IN_PAGE, EVEN_D, WRITE_LSE)
+            lo = (tl.maximum(g0, cs) - cs) * BLOCK_N
+            hi = tl.minimum((tl.minimum(g1, ce) - cs) * BLOCK_N, kv_len)
+            q_row = q_ptr + r.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
+            q_nope = tl.load(q_row + offs_dv[None, :], mask=mask_h[:, None] & mask_dv[None, :],
+                             other=0.0)
+            q_rope = tl.load(q_row + KV_LORA + offs_dr[None, :],
+                             mask=mask_h[:, None] & mask_dr[None, :], other=0.0)
+            m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+            bt_row = bt_ptr + r.to(tl.int64) * stride_bt
+            if TILE_IN_PAGE:
+                page_next = tl.load(bt_row + lo // PAGE_SIZE)
+            else:
+                page_next = tl.load(bt_row + (lo + offs_t) // PAGE_SIZE, mask=lo + offs_t < hi,
+                                    other=0)
+            for start in range(lo, hi, BLOCK_N):
+                offs_n = start + offs_t
+                nxt = start + BLOCK_N
+                page = page_next.to(tl.int64)
+                if TILE_IN_PAGE:
+                    page_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < hi, other=0)
+                    row = (page * stride_kvp + (start % PAGE_SIZE) * stride_kvs
+                           + offs_t.to(tl.int64) * stride_kvs)
+                else:
+                    page_next = tl.load(bt_row + (nxt + offs_t) // PAGE_SIZE,
+                                        mask=nxt + offs_t < hi, other=0)
+                    row = page * stride_kvp + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kvs
+                acc, _a, _c, _d, m_i, l_i = _mla_tile(
+                    acc, unused, m_i, l_i, q_nope, q_rope, qk_scale, kv_ptr, row, offs_n, hi,
+                    kv_ptr, offs_dv, offs_dr, mask_dv, mask_dr, KV_LORA, False, IEEE, EVEN_D,
+                    False, False, acc_c=unused, acc_d=unused)
+            has = l_i > 0
+            l_safe = tl.where(has, l_i, 1.0)
+            o = acc * tl.where(has, kv_scale / l_safe, 0.0)[:, None]
+            if (cs >= g0) & (ce <= g1):  # the whole request in this program: its row
+                tl.store(out_ptr + r.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
+                         + offs_dv[None, :], to_output(o, out_ptr), mask=o_mask)
+                if WRITE_LSE:
+                    lse = tl.where(has, (m_i + tl.log2(l_safe)) / _LOG2E, float("-inf"))
+                    tl.store(lse_ptr + r.to(tl.int64) * stride_ot_lse + offs_h * stride_oh_lse,
+                             lse, mask=mask_h)
+            else:  # a crossing request: the head slot if it began before g0, else the tail
+                slot = tl.where(cs < g0, 0, 1)
+                base = p.to(tl.int64) * stride_pp + slot * stride_pw
+                tl.store(part_o_ptr + base + offs_h[:, None] * stride_ph + offs_dv[None, :],
+                         o.to(part_o_ptr.dtype.element_ty), mask=o_mask)
+                lse2 = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
+                tl.store(part_lse_ptr + p.to(tl.int64) * stride_lp + slot * stride_lw
+                         + offs_h * stride_lh, lse2, mask=mask_h)
         cs = ce
         r += 1
 
