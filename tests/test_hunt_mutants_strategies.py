@@ -96,6 +96,7 @@ def test_mla_extend_dense_table_is_hand_computed_and_zero_past_each_request(out_
     plan = md.extras["mla_prefix"]
     total_prefix = sum(prefixes)
     assert plan.num_prefix_tokens == total_prefix
+    assert md.query.cu_seqlens_q.tolist() == [0, 2, 5, 6]  # cu[0] too, over a stale buffer
     assert plan.prefix_indptr[:4].tolist() == [0, 5, 5, 8]
     r2t = rig.req_pool.req_to_token
     want_slots = torch.cat([r2t[r, :p] for r, p in zip(rows, prefixes)])
@@ -259,3 +260,128 @@ def test_windowed_tree_verify_drops_a_late_listed_ancestor_outside_the_window(wi
     literal = windowed_tree_masks(prefixes, masks, depth, window)
     exp = sc.expected(attrs.evolve(layer, sliding_window=None), q, masks=literal, causal=False)
     assert_close_rel(out, exp, 1e-5, f"window {window}")
+
+
+# ---------------------------------------------------------------------------------------------
+# MHA EXTEND planned into reused (stale) buffers: every value is rewritten (mutant: dropping
+# ``cu_seqlens_q[:1].zero_()`` in plan_query_layout survived, eager buffers being zero-filled)
+# ---------------------------------------------------------------------------------------------
+
+def test_extend_plan_into_stale_buffers_matches_hand_computed_and_oracle():
+    from aiter_attn.strategies.mha import ExtendMetadata
+
+    cfg = BackendConfig(page_size=4, max_context_len=64, dtype=torch.float32)
+    layer = LayerSpec(layer_id=0, num_q_heads=4, num_kv_heads=2, head_dim=16)
+    sc = PagedScenario.make(cfg, [layer], [5, 0, 9], seed=2)
+    be = AttentionBackend(cfg, sc.req_pool, sc.kv_pool)
+    batch = sc.next_batch(ForwardMode.EXTEND, [3, 2, 1])
+    planner = ExtendMetadata(be.ctx)
+    out = planner.buffer_spec(4, 16, 32).allocate("cpu")
+    for t in out.values():
+        t.fill_(9)  # values of an earlier, larger step
+    md = planner.plan(batch, out=out)
+    assert md.query.cu_seqlens_q.tolist() == [0, 3, 5, 6]
+    assert md.query.max_seqlen_q == 3 and md.query.num_tokens == 6
+    assert md.pages.seqused_k.tolist() == [8, 2, 10]
+    r2t = sc.req_pool.req_to_token
+    for b, (row, L) in enumerate(zip(sc.rows, [8, 2, 10])):
+        used = -(-L // 4)
+        want = (r2t[row, :L:4] // 4).tolist() + [0] * (md.pages.block_table.shape[1] - used)
+        assert md.pages.block_table[b].tolist() == want, f"request {b}"
+    # and the attention over that plan is the oracle's
+    from aiter_attn.strategies.mha import PagedExecution
+
+    ex = PagedExecution(be.ctx)
+    q, k, v = sc.step_inputs(layer)
+    ex.plan_kernels(md, batch)
+    got = ex.run(q, k, v, layer, batch, md)
+    assert_close_rel(got, sc.expected(layer, q), 1e-5, "extend over stale buffers")
+
+
+# ---------------------------------------------------------------------------------------------
+# BufferSpec.merge: a buffer declared twice gets the element-wise largest shape, whichever
+# order the specs merge in (mutant: keeping the later declaration's shape survived)
+# ---------------------------------------------------------------------------------------------
+
+def test_buffer_spec_merge_keeps_the_largest_bound_in_either_order():
+    from aiter_attn.strategies.base import BufferSpec
+
+    a = BufferSpec({"block_table": ((4, 9), torch.int32), "x": ((3,), torch.int64)})
+    b = BufferSpec({"block_table": ((8, 2), torch.int32), "y": ((1,), torch.bool)})
+    for merged in (a.merge(b), b.merge(a)):
+        assert dict(merged.buffers) == {"block_table": ((8, 9), torch.int32),
+                                        "x": ((3,), torch.int64), "y": ((1,), torch.bool)}
+    # planners merging their own spec: a tree verify planner's table is as wide as its
+    # plain page-table spec for the same bounds
+    cfg, layer, sc, be = _spec_setup()
+    spec = VerifyTreeMetadata(be.ctx).buffer_spec(3, 9, 21)
+    assert spec.buffers["block_table"][0] == (3, 6)
+    assert spec.buffers["custom_mask"][0] == (9 * 21,)
+
+
+# ---------------------------------------------------------------------------------------------
+# window_tree_mask over a static mask buffer longer than the step's blocks: the tail past the
+# last block is False, as documented (mutant: dropping ``valid &`` survived; the tail then
+# copied stale True entries whenever the last request had no cached prefix)
+# ---------------------------------------------------------------------------------------------
+
+def test_window_tree_mask_is_false_past_the_last_block():
+    from aiter_attn.metadata import CustomMask, QueryLayout
+    from aiter_attn.strategies.common import window_tree_mask
+
+    n = 3
+    tree = tree_mask_from_parents([-1, 0, 1])  # a chain: token i at depth i
+    seq = [5, 3]  # request 1 has no cached prefix
+    blocks = [full_verify_mask(tree, L).reshape(-1) for L in seq]
+    total = n * sum(seq)
+    flat = torch.ones(total + 7, dtype=torch.bool)  # a static buffer: stale True tail
+    flat[:total] = torch.cat(blocks)
+    indptr = torch.tensor([0, n * seq[0], total], dtype=torch.int64)
+    batch = ForwardBatch.from_lengths(
+        forward_mode="target_verify", req_pool_indices=[0, 1], seq_lens=seq,
+        out_cache_loc=torch.arange(2 * n), spec_info=SpecInfo(num_draft_tokens=n, topk=2))
+    query = QueryLayout(cu_seqlens_q=torch.tensor([0, n, 2 * n], dtype=torch.int32),
+                        max_seqlen_q=n, num_tokens=2 * n)
+    got = window_tree_mask(CustomMask(custom_mask=flat, mask_indptr=indptr), batch, query, 2)
+    got = got.custom_mask
+    assert not bool(got[total:].any())
+    # inside the blocks: each token sees itself and its parent (window 2 on a chain)
+    want0 = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]], dtype=torch.bool)
+    want1 = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 1, 1]], dtype=torch.bool)
+    assert torch.equal(got[:15].view(3, 5), want0)
+    assert torch.equal(got[15:total].view(3, 3), want1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Static page tables one page too narrow are refused (mutant: ``width < need - 1`` survived;
+# the existing check only met tables far too small, and the last page was silently dropped)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("planner", ["decode", "extend", "swa-decode"])
+def test_static_page_table_one_page_short_is_refused(planner):
+    from aiter_attn.strategies.mha import DecodeMetadata, ExtendMetadata
+
+    cfg = BackendConfig(page_size=4, max_context_len=64, dtype=torch.float32)
+    layer = LayerSpec(layer_id=0, num_q_heads=4, num_kv_heads=2, head_dim=16)
+    if planner == "swa-decode":
+        from aiter_attn.strategies.swa import SWADecodeMetadata
+
+        from ._graph_helpers import Rig
+
+        rig = Rig.make("swa", page_size=4, max_context_len=64, num_layers=2)
+        rows = [rig.join(3), rig.join(8)]
+        batch = rig.batch("decode", rows)  # seq_lens 4 and 9: 1 and 3 pages
+        strategy = SWADecodeMetadata(rig.backend.ctx)
+    else:
+        sc = PagedScenario.make(cfg, [layer], [3, 8], seed=4)
+        be = AttentionBackend(cfg, sc.req_pool, sc.kv_pool)
+        batch = sc.next_batch(ForwardMode.DECODE if planner == "decode" else ForwardMode.EXTEND,
+                              [1, 1])
+        strategy = (DecodeMetadata if planner == "decode" else ExtendMetadata)(be.ctx)
+    assert batch.seq_lens_cpu.tolist() == [4, 9]
+    short = strategy.buffer_spec(2, 2, 8).allocate("cpu")  # 2 pages a row; request 1 needs 3
+    with pytest.raises(ValueError, match="do not fit the static"):
+        strategy.plan(batch, out=short)
+    fits = strategy.buffer_spec(2, 2, 9).allocate("cpu")  # 3 pages: planned
+    md = strategy.plan(batch, out=fits)
+    assert int((md.pages.block_table[1] != 0).sum()) == 3
