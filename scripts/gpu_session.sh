@@ -717,7 +717,7 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
     timeout ${GT_S:-200} python3 -m pytest -q -p no:randomly -m gpu -n 8 tests/test_mla_balanced.py \
       > "$OUT/balanced_gpu.log" 2>&1
     tail -4 "$OUT/balanced_gpu.log"
-    AITER_ATTN_TEST_MLA_DEFAULTS='{"balanced": true}' timeout ${GT2_S:-200} python3 -m pytest \
+    AITER_ATTN_TEST_MLA_DEFAULTS="{\"balanced\": true}" timeout ${GT2_S:-200} python3 -m pytest \
       -q -p no:randomly -m gpu -n 8 tests/test_triton_mla.py tests/test_hunt_mla_half_default.py \
       > "$OUT/balanced_default_gpu.log" 2>&1
     tail -4 "$OUT/balanced_default_gpu.log"
