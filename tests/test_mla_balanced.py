@@ -160,7 +160,7 @@ def test_plan_takes_the_balanced_launch_only_where_it_serves():
     assert tuple(p.balanced[1].shape) == (4, 16, 2, 64)
     assert plan_of([2, 1], [40, 90], {"balanced": 4}).balanced is None
     assert plan_of([1, 1], [40, 90], {"balanced": 4}, masked=True).balanced is None
-    assert plan_of([1, 1], [40, 90], {}).balanced is None
+    assert plan_of([1, 1], [40, 90], {"balanced": False}).balanced is None
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, "yes"])
@@ -168,3 +168,46 @@ def test_balanced_option_values_are_checked(bad):
     case = MLACase([1, 1], [40, 9], heads=16, rank=64, rope=16, page=16, seed=2)
     with pytest.raises(ValueError, match="balanced="):
         case.run(balanced=bad)
+
+
+def test_balanced_through_the_graph_manager(monkeypatch):
+    """MLA decode with the balanced launch as the default (``MLA_BALANCED``) through the graph
+    manager on the CPU: batches padded to the captured sizes replay close to eager steps (the
+    padding rows' one key each joins the partition, so a padded replay may round differently
+    in the last bits: the relative bound, not bit equality), no foreign KV writes, and the
+    balanced workspace is a view of the static buffers."""
+    from aiter_attn import ForwardMode
+    from aiter_attn.kernels.triton import mla as triton_mla
+    from aiter_attn.testing.compare import assert_close_rel
+
+    from ._graph_helpers import Rig
+
+    if DEVICE != "cpu":
+        pytest.skip("CPU variant")
+    monkeypatch.setenv("AITER_ATTN_BACKEND", "triton")
+    monkeypatch.setattr(triton_mla, "MLA_BALANCED", True)
+    rig = Rig.make("mla", page_size=16, hq=16, head_dim=32, seed=11, max_context_len=1024)
+    mgr = rig.manager()
+    mgr.capture(rig.step_fn())
+    for want in (3, 5, 1):
+        while len(rig.rows) < want:
+            rig.join(int(torch.randint(0, 200, (1,), generator=rig.gen)))
+        while len(rig.rows) > want:
+            rig.leave(rig.rows[0])
+        batch = rig.batch("decode")
+        inputs = rig.random_inputs(batch)
+        before = rig.snapshot()
+        out = mgr.replay(batch, **inputs)
+        assert rig.foreign_writes(before, batch) == [], "graph step wrote a slot it does not own"
+        eager = rig.eager(batch, inputs, save_kv_cache=False)
+        for i, (g, e) in enumerate(zip(out, eager)):
+            assert g.shape == e.shape and torch.isfinite(g).all()
+            assert_close_rel(g, e, 1e-5, f"decode bs={batch.batch_size} layer {i}")
+    batch = rig.batch("decode")  # a last replay: its plan is the backend's current one
+    mgr.replay(batch, **rig.random_inputs(batch))
+    (plan,) = rig.backend.forward_metadata.kernel_plans.plans.values()
+    assert plan.balanced is not None  # the balanced launch ran
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+             for t in mgr._modes[ForwardMode.DECODE].buffers.values()]
+    for t in plan.balanced[1:]:
+        assert any(lo <= t.data_ptr() < hi for lo, hi in spans)

@@ -18,7 +18,9 @@ slot (1), so a program writes at most two partials whatever the batch. The merge
 (one program per (token, head)) finds a crossing request's programs ``⌊cs/TW⌋ .. ⌊(ce−1)/TW⌋``
 from the same lengths and combines their partials by LSE, in program order (deterministic);
 it also writes the zero rows (LSE -inf) of requests with no keys. No host reads: the grid is
-``P = resident · SMs`` programs (a host integer), so the launch is CUDA-graph safe.
+``P = resident · SMs`` programs (a host integer), so the launch is CUDA-graph safe. The
+partition follows every row's keys, a graph's padding rows (one key each) included, so a
+padded replay may round differently from the eager step in the last bits.
 
 Serves (:func:`balanced_reject_reason`): one query per request (decode), up to 16 heads (one
 head block), a cache of q's dtype (16- or 32-bit), no custom mask, not batch-invariant.
