@@ -80,14 +80,10 @@ def row(lengths, tuning, rep, *, heads=16, device="cuda", dtype=torch.bfloat16,
         from aiter_attn.kernels.triton.mla_balanced import launch_balanced_mla
         from aiter_attn.kernels.triton.mla_kernel import _LOG2E
 
-        programs, b_o, b_l = plan.balanced
-        kw = plan.cfg_kw
         for name in ("attention", "merge"):
             parts[name] = timed(lambda name=name: launch_balanced_mla(
                 x.q, x.kv_cache, out, x.seqused_k, x.block_table, rank=x.rank,
-                qk_scale_log2=params.scale * _LOG2E, part_o=b_o.permute(0, 2, 1, 3),
-                part_lse=b_l.permute(0, 2, 1), programs=programs, block_n=kw["BLOCK_N"],
-                num_warps=kw["num_warps"], num_stages=kw["num_stages"], launches=(name,)))
+                qk_scale_log2=params.scale * _LOG2E, launches=(name,), **plan.balanced[3]))
     return us, out, parts
 
 

@@ -363,6 +363,11 @@ class TritonMLA(MLAWorkspace, MLAKernel):
                       if nsplits > 1 and not ring and t.get("fused_merge", MLA_FUSED_MERGE)
                       else None)
             narrow = (nsplits, *nparts, ring, ncount, one_query)
+        if balanced is not None:  # the launch's keywords, once per step (run only launches)
+            balanced = (*balanced, dict(
+                part_o=balanced[1].permute(0, 2, 1, 3), part_lse=balanced[2].permute(0, 2, 1),
+                programs=balanced[0], block_n=bn, num_warps=warps, num_stages=stages,
+                ieee=self.dtype == torch.float32, pdl=pdl_mode(t.get("pdl"), device)))
         return TritonMLAPlan(
             num_tokens=0 if empty else num_tokens, mask_literal=mask_literal(md), narrow=narrow,
             grid=(num_tokens * head_blocks, splits), args=(cu, seqused_k, block_table),
@@ -468,15 +473,10 @@ class TritonMLA(MLAWorkspace, MLAKernel):
                 merge_splits(out, n_o, n_l, lse, self.rank, self.block_dv)
             return out
         if plan.balanced is not None:
-            programs, b_o, b_l = plan.balanced
-            launch_balanced_mla(
-                q, kv_cache, out, seqused_k, block_table, rank=self.rank,
-                qk_scale_log2=params.scale * _LOG2E,
-                scale_ptr=params.k_scale_t if from_ptr else None, lse=lse,
-                part_o=b_o.permute(0, 2, 1, 3), part_lse=b_l.permute(0, 2, 1),
-                programs=programs, block_n=kw["BLOCK_N"], num_warps=kw["num_warps"],
-                num_stages=kw["num_stages"], ieee=kw["IEEE"],
-                pdl=pdl_mode(self.tuning.get("pdl"), q.device))
+            launch_balanced_mla(q, kv_cache, out, seqused_k, block_table, rank=self.rank,
+                                qk_scale_log2=params.scale * _LOG2E,
+                                scale_ptr=params.k_scale_t if from_ptr else None, lse=lse,
+                                **plan.balanced[3])
             return out
         merged = False  # by the launch itself (the fused merge)
         if plan.gluon and gluon_mla_tensors_reason(q, kv_cache, out) is None:

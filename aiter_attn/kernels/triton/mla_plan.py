@@ -60,7 +60,7 @@ class TritonMLAPlan(KernelPlan):
     #: zero before and after every launch (``None``: the merge is a second launch)
     counters: Optional[torch.Tensor] = attrs.field(default=None, **_T)
     #: the balanced launch (:mod:`.mla_balanced`, ``tuning["balanced"]``) where it serves the
-    #: step: ``(programs, part_o [P, H, 2, R], part_lse [P, H, 2])``
+    #: step: ``(programs, part_o [P, H, 2, R], part_lse [P, H, 2], launch keywords)``
     balanced: Optional[tuple] = attrs.field(default=None, **_T)
 
 
