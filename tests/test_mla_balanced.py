@@ -133,10 +133,25 @@ def test_gpu_balanced_deepseek_shapes(dtype, part_dtype, programs):
 @pytest.mark.parametrize("option", [True, 5])
 def test_functional_call_with_balanced_tuning(option):
     """``mla_paged_attention(..., balanced=...)``: decode rows and LSE match the oracle,
-    with an empty request and a long one (the plan takes the balanced launch)."""
+    with an empty request and a long one; the balanced launch ran (without the
+    ``max_seqlen_q`` hint the plan cannot tell a decode step and keeps the split launch)."""
     case = MLACase([1] * 5, [0, 150, 3, 64, 31], heads=16, rank=64, rope=16, page=16,
                    seed=21)
-    case.assert_rows_and_lse(f"balanced={option}", balanced=option)
+    from aiter_attn.kernels.triton import mla as triton_mla
+
+    launched = []
+    real = triton_mla.launch_balanced_mla
+
+    def spy(*args, **kwargs):
+        launched.append(kwargs["programs"])
+        return real(*args, **kwargs)
+
+    triton_mla.launch_balanced_mla = spy
+    try:  # max_seqlen_q=1: the host hint that makes the call a decode step (one query each)
+        case.assert_rows_and_lse(f"balanced={option}", balanced=option, max_seqlen_q=1)
+    finally:
+        triton_mla.launch_balanced_mla = real
+    assert launched, "the balanced launch did not run"
 
 
 def test_plan_takes_the_balanced_launch_only_where_it_serves():

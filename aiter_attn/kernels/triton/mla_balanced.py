@@ -275,7 +275,9 @@ def launch_balanced_mla(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
     ``pdl``: :func:`._pdl.pdl_mode` (the merge starts while the attention ends)."""
     batch, heads, dim = seqused_k.shape[0], q.shape[1], q.shape[2]
     rope = dim - rank
-    block_dv, block_dr = next_pow2(rank), next_pow2(max(rope, 1))
+    # at least 16 wide, as the split launch pads them (mla.TritonMLA._bind): q·Kᵀ takes
+    # them as its dots' K, which NVIDIA's Triton wants >= 16 (rope 8 did not compile)
+    block_dv, block_dr = max(16, next_pow2(rank)), max(16, next_pow2(max(rope, 1)))
     block_b = max(16, next_pow2(batch))
     lse_t = lse if lse is not None else part_lse
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
