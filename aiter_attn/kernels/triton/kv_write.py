@@ -62,13 +62,19 @@ def _dst_offsets(page, off, h, d, s0, s1, s2, s3, s4, LAYOUT: tl.constexpr, X: t
 
 
 @triton.jit
+def _saturate(y, FMAX: tl.constexpr, dst_ptr):
+    """float32 ``y`` saturated to ±FMAX, NaN kept as NaN (torch's clamp: tl.minimum/maximum
+    lower to PTX min/max, which return the other operand, so a NaN was stored as -FMAX),
+    cast to ``dst_ptr``'s fp8 type."""
+    y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+    return y.to(dst_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _quantise(x, scale, FMAX: tl.constexpr, FP8: tl.constexpr, dst_ptr):
     if FP8:
-        y = tl.math.div_rn(x.to(tl.float32), scale)  # IEEE division, as torch's (see below)
-        # saturate, NaN kept as NaN (torch's clamp): tl.minimum/maximum lower to PTX
-        # min/max, which return the other operand, so a NaN was stored as -FMAX
-        y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
-        return y.to(dst_ptr.dtype.element_ty)
+        # IEEE division, as torch's (see below)
+        return _saturate(tl.math.div_rn(x.to(tl.float32), scale), FMAX, dst_ptr)
     else:
         return x.to(dst_ptr.dtype.element_ty)
 
@@ -96,9 +102,7 @@ def _write_one(src_ptr, dst_ptr, sc_ptr, t, page, off, ok, scale, num_heads,
         nan_row = tl.max((xf != xf).to(tl.int32), axis=1) > 0
         s = tl.math.div_rn(tl.max(tl.abs(xf), axis=1), FMAX * scale)
         s = tl.where((s > 0.0) & (~nan_row), s, 1.0)
-        y = tl.math.div_rn(xf, (s * scale)[:, None])
-        y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
-        y = y.to(dst_ptr.dtype.element_ty)
+        y = _saturate(tl.math.div_rn(xf, (s * scale)[:, None]), FMAX, dst_ptr)
         tl.store(sc_ptr + page * c0 + off * c1 + offs_h.to(tl.int64) * c2, s, mask=h_ok)
     else:
         y = _quantise(x, scale, FMAX, FP8, dst_ptr)

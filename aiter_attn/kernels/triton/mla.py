@@ -84,6 +84,15 @@ def ring_bytes(block_n: int, stages: int, dim: int, elem_size: int, kv_elem_size
     return stages * block_n * dim * kv_elem_size + convert
 
 
+def programs_per_sm(budget: Optional[int], num_warps: int, ring: int) -> int:
+    """How many programs of ``num_warps`` warps with a latent ring of ``ring`` bytes one SM
+    holds at once: two where the ring fits twice in ``budget`` (4-warp programs only: their
+    registers), else one; one without a GPU (``budget`` None)."""
+    if budget is None or num_warps > 4:
+        return 1
+    return max(1, min(_MAX_RESIDENT, budget // max(ring, 1)))
+
+
 def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: torch.device,
                       *, num_kv_splits: Optional[int] = None, block_h: Optional[int] = None,
                       block_n: Optional[int] = None, dim: int = 576, elem_size: int = 2,
@@ -124,9 +133,7 @@ def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: to
         # ring fills shared memory, two where it fits twice (H200, 16 heads 64x4k with
         # 64-key tiles: 2 splits 3.17 TB/s, 4 splits 2.95; with 32-key tiles, two per SM:
         # 4 splits 3.73)
-        resident = 1
-        if budget is not None and num_warps <= 4:
-            resident = max(1, min(_MAX_RESIDENT, budget // need(block_n, num_stages)))
+        resident = programs_per_sm(budget, num_warps, need(block_n, num_stages))
         by_len = max(1, triton.cdiv(max(kv_bound, 1), 4 * block_n))
         num_kv_splits = max(1, min(64, resident * num_sms(device) // programs, by_len))
     return block_h, block_n, int(num_kv_splits), num_warps, num_stages
@@ -243,13 +250,10 @@ class TritonMLA(MLAWorkspace, MLAKernel):
             return None
         if option is True:
             _, bn, _, warps, stages, _ = self._config(1, 1, device)
-            budget = _smem_budget(device)
-            resident = 1
-            if budget is not None and warps <= 4:
-                need = ring_bytes(bn, stages, self.block_dv + self.block_dr,
-                                  self.elem_size, self.kv_size)
-                resident = max(1, min(_MAX_RESIDENT, budget // need))
-            return resident * num_sms(torch.device(device))
+            ring = ring_bytes(bn, stages, self.block_dv + self.block_dr, self.elem_size,
+                              self.kv_size)
+            return (programs_per_sm(_smem_budget(device), warps, ring)
+                    * num_sms(torch.device(device)))
         if isinstance(option, bool) or not isinstance(option, int) or option < 1:
             raise ValueError(f"balanced={option!r}; allowed: False, True (as many programs "
                              "as the SMs hold) or a positive int (that many programs).")
@@ -282,30 +286,27 @@ class TritonMLA(MLAWorkspace, MLAKernel):
         use_parts = splits > 1 or self.batch_invariant
         empty = num_tokens == 0 or batch == 0
         part_o = part_lse = None
-        balanced = None
-        programs = self._balanced_programs(device)
-        if programs is not None and not empty and self._narrow_splits(
-                num_tokens, kv_bound, device, page_size, md.mask) is None and (
-                balanced_reject_reason(
-                    heads=self.heads, q_dtype=self.dtype, kv_dtype=self.kv_dtype,
-                    one_query=one_query, masked=md.mask is not None,
-                    batch_invariant=self.batch_invariant, batch=batch) is None):
-            half16 = bool(t.get("half_partials", MLA_HALF_PARTIALS)
-                          and self.dtype in (torch.float16, torch.bfloat16))
-            balanced = (programs, *self._partials(
-                2, programs, md, out, device, self.dtype if half16 else torch.float32))
-            use_parts = False  # the balanced launch replaces the split launch and its merge
-        # 16-bit partials: the Triton kernel's 16-head blocks and the narrow kernel (the Gluon
-        # kernel of 64-head blocks writes float32), never batch-invariant (its fixed-order
-        # merge stays float32)
+        # 16-bit partials: the Triton kernel's 16-head blocks, the narrow kernel and the
+        # balanced launch (the Gluon kernel of 64-head blocks writes float32), never
+        # batch-invariant (its fixed-order merge stays float32)
         half_ok = bool(t.get("half_partials", MLA_HALF_PARTIALS)
                        and self.dtype in (torch.float16, torch.bfloat16)
                        and not self.batch_invariant)
         half = half_ok and bh <= 16
+        mask = md.mask
+        nsplits = self._narrow_splits(num_tokens, kv_bound, device, page_size, mask)
+        balanced = None
+        programs = self._balanced_programs(device)
+        if programs is not None and not empty and nsplits is None and balanced_reject_reason(
+                heads=self.heads, q_dtype=self.dtype, kv_dtype=self.kv_dtype,
+                one_query=one_query, masked=mask is not None,
+                batch_invariant=self.batch_invariant, batch=batch) is None:
+            balanced = (programs, *self._partials(
+                2, programs, md, out, device, self.dtype if half_ok else torch.float32))
+            use_parts = False  # the balanced launch replaces the split launch and its merge
         if use_parts and not empty:
             part_o, part_lse = self._partials(splits, num_tokens, md, out, device,
                                               self.dtype if half else torch.float32)
-        mask = md.mask
         mask_t = None
         if mask is not None:
             m = unit_stride(mask.custom_mask)
@@ -352,7 +353,6 @@ class TritonMLA(MLAWorkspace, MLAKernel):
             kv_dtype=self.kv_dtype, page_size=page_size, device=device,
             masked=mask is not None, batch_invariant=self.batch_invariant) is None
         narrow = None
-        nsplits = self._narrow_splits(num_tokens, kv_bound, device, page_size, mask)
         if nsplits is not None and not empty:
             nparts = (self._partials(nsplits, num_tokens, md, out, device,
                                      self.dtype if half_ok else torch.float32)
