@@ -111,6 +111,13 @@ MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 # float32 split partials (the default before the twenty-fourth session)
                 "f32-partials": {"half_partials": False},
                 "narrow-f32": {"narrow": True, "half_partials": False},
+                # the narrow kernel's split merge launched early (PDL): it waits on the
+                # device; "-all": the attention launch too
+                "narrow-pdl": {"narrow": True, "pdl": "reduce"},
+                "narrow-pdl-all": {"narrow": True, "pdl": True},
+                "narrow-no-pdl": {"narrow": True, "pdl": False},
+                # the Triton kernel, where the narrow kernel is the default
+                "triton": {"narrow": False},
                 # equal key tiles a program, as many programs as the SMs hold (mla_balanced)
                 "balanced": {"balanced": True},
                 "balanced-f32": {"balanced": True, "half_partials": False}}

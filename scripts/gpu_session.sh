@@ -115,6 +115,13 @@
 #                                  # while loop: tests, time split, rows, PDL
 #   scripts/gpu_session.sh seventysixth  # the balanced merge of many parts: tests, rows
 #   scripts/gpu_session.sh seventyfifth  # the balanced launch aligned + PDL: tests, time split
+#   scripts/gpu_session.sh seventyeighth # the narrow MLA kernel issuing its first tiles before
+#                                  # q, its merge by PDL: gpu tests, A/B against OLD (a
+#                                  # snapshot of the previous kernel), time split
+#   scripts/gpu_session.sh seventyninth  # every MLA gpu test with the narrow kernel the default
+#   scripts/gpu_session.sh eightieth     # the Triton-option gpu tests on the Triton kernel
+#                                  # (narrow the default), the graph replays; on an H200
+#                                  # the 16-head rows: default, Triton, OLD's narrow
 #   scripts/gpu_session.sh seventyfourth # the balanced launch, merge unrolled: gpu tests, time
 #                                  # split of its two launches, rows
 #   scripts/gpu_session.sh seventythird  # the balanced MLA launch: gpu tests (also as the
@@ -688,6 +695,56 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       --rows uniform64=64x4096,uniform128=128x8192,skew32k=1x32768+63x1024,mixed=16x8192+48x2048,small=32x1024 \
       --tunings '[{}, {"balanced": true}, {"balanced": true, "pdl": true}, {"pdl": true}]' 2>&1 \
       | tee "$OUT/mla_balanced.log"
+    ;;
+  seventyeighth|seventyeighth-rows)
+    # the narrow kernel with its first two tiles issued before q is staged, and its split
+    # merge launched early (PDL): its gpu tests; then the 16-head rows against OLD (the
+    # previous kernel: a snapshot directory), alternating; the time split of both
+    # (seventyeighth-rows: the rows and time split only)
+    if [ "$1" = seventyeighth ]; then
+      gpu_tests narrow_tests.log ${GT_S:-200} 120 tests/test_triton_mla.py -k "narrow or ring"
+      gpu_tests narrow_more.log ${GU_S:-150} 120 tests/test_hunt_fp16_gluon.py \
+        tests/test_mla_half_partials.py
+    fi
+    for i in ${ROUNDS:-1 2}; do
+      if [ -n "${OLD:-}" ]; then
+        (cd "$OLD" && timeout ${BA_S:-100} python3 benchmarks/bench_attention.py --only mla \
+          --rep 30 --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 \
+          --mla-variants narrow --out "$OUT/old$i" > "$OUT/old$i.log" 2>&1)
+        grep -E "ours|==|Error|error|ceilings" "$OUT/old$i.log" | head -8
+      fi
+      timeout ${BB_S:-150} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+        --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 \
+        --mla-variants ${NEW_VARIANTS:-narrow,narrow-pdl,narrow-pdl-all} --out "$OUT/new$i" \
+        > "$OUT/new$i.log" 2>&1
+      grep -E "ours|==|Error|error|ceilings" "$OUT/new$i.log" | head -12
+      if [ "$i" = 1 ]; then
+        timeout ${TS_S:-100} python3 benchmarks/mla_time_split.py --rows 16x64x4096 \
+          --splits 0 --floor --tunings '[{}, {"narrow": true, "pdl": false}, {"narrow": false}]' \
+          2>&1 | tee "$OUT/time_split_new.log" | tail -5
+        if [ -n "${OLD:-}" ]; then
+          (cd "$OLD" && timeout ${TS_S:-100} python3 benchmarks/mla_time_split.py \
+            --rows 16x64x4096 --splits 0 --floor --tunings '[{"narrow": true}]' 2>&1 \
+            | tee "$OUT/time_split_old.log" | tail -4)
+        fi
+      fi
+    done
+    rm -f "$OUT"/*/*.png
+    ;;
+  eightieth)
+    # with the narrow kernel the 16-head default: the Triton-option gpu tests (they pin the
+    # Triton kernel), both graph replays; on an H200 the rows beside OLD's narrow kernel
+    gpu_tests triton_option_tests.log ${GT_S:-300} 150 tests/test_mla_qk_split.py \
+      tests/test_mla_kv_desc.py tests/test_mla_half_partials.py tests/test_mla_lazy_rescale.py \
+      tests/test_mla_fused_merge.py tests/test_triton_mla.py
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      NEW_VARIANTS=triton,narrow-no-pdl,narrow-pdl-all ROUNDS="1 2" bash "$0" seventyeighth-rows
+    fi
+    ;;
+  seventyninth)
+    # every MLA gpu test with the narrow kernel as the 16-head default (before the flip)
+    AITER_ATTN_TEST_MLA_DEFAULTS="{\"narrow\": true}" \
+      gpu_tests mla_narrow_default_tests.log ${GT_S:-420} 150 tests -k "mla or MLA"
     ;;
   seventyfourth)
     # the balanced MLA launch after its merge was unrolled: gpu tests (LSE out included),

@@ -34,7 +34,8 @@ def pytest_runtest_logreport(report):
 #: ``AITER_ATTN_TEST_MLA_DEFAULTS``'s keys: the MLA options whose defaults a run may change
 _MLA_DEFAULT_NAMES = {"kv_desc": "MLA_KV_DESCRIPTORS", "lazy_rescale": "MLA_LAZY_RESCALE",
                       "half_partials": "MLA_HALF_PARTIALS", "qk_split": "MLA_QK_SPLIT",
-                      "fused_merge": "MLA_FUSED_MERGE", "balanced": "MLA_BALANCED"}
+                      "fused_merge": "MLA_FUSED_MERGE", "balanced": "MLA_BALANCED",
+                      "narrow": "MLA_NARROW", "narrow_pdl": "MLA_NARROW_PDL"}
 
 
 def mla_test_defaults(raw: str) -> dict:
@@ -61,3 +62,15 @@ def pytest_configure(config):
 
     for name, value in mla_test_defaults(raw).items():
         setattr(mla, name, value)
+
+
+@pytest.fixture
+def triton_mla_kernel(monkeypatch):
+    """The Triton MLA kernel for 16-head steps where the narrow Gluon kernel is the default
+    (sm_90): the test files of the Triton kernel's own options (``qk_split``, ``kv_desc``,
+    ``half_partials``, ``lazy_rescale``, ``fused_merge``) take this, so that on an H100/H200
+    their options are not silently ignored by the narrow kernel. A test that passes
+    ``narrow=True`` still gets the narrow kernel."""
+    from aiter_attn.kernels.triton import mla
+
+    monkeypatch.setattr(mla, "MLA_NARROW", False)

@@ -20,7 +20,7 @@ from ._triton_util import requires_triton
 from .test_triton_mla import (RTOL, MLACase, assert_graph_replay_matches_eager,
                               deepseek_decode, spy_mla_launches)
 
-pytestmark = requires_triton
+pytestmark = [requires_triton, pytest.mark.usefixtures("triton_mla_kernel")]
 
 
 def _spy_kv_desc(monkeypatch) -> list:

@@ -21,7 +21,7 @@ from aiter_attn.testing.compare import assert_close_rel
 from ._triton_util import requires_triton
 from .test_triton_mla import MLACase, deepseek_decode
 
-pytestmark = requires_triton
+pytestmark = [requires_triton, pytest.mark.usefixtures("triton_mla_kernel")]
 
 
 def _shape_logits(case: MLACase, profile: str) -> None:

@@ -352,9 +352,12 @@ def assert_graph_replay_matches_eager(new_lens, replays=1, **launch):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replay_matches_eager():
-    """Capture once, change lengths and tables in place, replay: equals a fresh eager call."""
-    assert_graph_replay_matches_eager([5 + i for i in range(8)])
+@pytest.mark.parametrize("launch", [{}, {"narrow": False}], ids=["default", "triton"])
+def test_gpu_cuda_graph_replay_matches_eager(launch):
+    """Capture once, change lengths and tables in place, replay: equals a fresh eager call
+    (the default: the narrow kernel on sm_90, its merge launched early; and the Triton
+    kernel)."""
+    assert_graph_replay_matches_eager([5 + i for i in range(8)], **launch)
 
 
 # ------------------------------------------------ the warp-specialised Gluon kernel (sm_90)
@@ -449,7 +452,8 @@ NARROW_SHAPES = [
                  {"num_kv_splits": 3}, id="H8-p48-split3"),
     pytest.param(dict(q_lens=[1, 1], kv_lens=[3000, 17], page=64, heads=1),
                  {}, id="H1-p64"),
-    # 2, 2, 4 and 5 tiles: the three-slot ring's wrap, the hand-over slot of each count
+    # 2, 2, 4 and 5 tiles: the ring's wrap after the two tiles the program issues itself,
+    # the hand-over slot of each count
     pytest.param(dict(q_lens=[1] * 4, kv_lens=[128, 100, 200, 257], page=64, heads=16),
                  {}, id="H16-p64-ring-wrap"),
 ]
@@ -465,8 +469,26 @@ def test_gpu_narrow_gluon_mla(shape, extra, dtype, monkeypatch):
     (equal to the Triton kernel's)."""
     from aiter_attn.kernels.triton import mla_narrow_gluon as mn
 
-    _check_gluon_kernel(monkeypatch, mn._NARROW, shape, extra, dtype, {"narrow": True}, {},
-                        "narrow gluon")
+    _check_gluon_kernel(monkeypatch, mn._NARROW, shape, extra, dtype, {"narrow": True},
+                        {"narrow": False}, "narrow gluon")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", ["reduce", True], ids=["merge-early", "both-early"])
+@pytest.mark.parametrize("shape,extra", [NARROW_SHAPES[0], NARROW_SHAPES[2]])
+def test_gpu_narrow_gluon_pdl(shape, extra, pdl, monkeypatch):
+    """The narrow kernel letting its split merge start early (``pdl``; the merge waits on
+    the device for the kernel's end): the same oracle, NaN tails and LSE checks, and the
+    merge launched with ``launch_pdl``."""
+    from aiter_attn.kernels.triton import mla
+    from aiter_attn.kernels.triton import mla_narrow_gluon as mn
+
+    merges, real_merge = [], mla.merge_splits
+    monkeypatch.setattr(mla, "merge_splits",
+                        lambda *a, **k: (merges.append(k), real_merge(*a, **k))[1])
+    _check_gluon_kernel(monkeypatch, mn._NARROW, shape, {**extra, "pdl": pdl},
+                        torch.bfloat16, {"narrow": True}, {"narrow": False}, "narrow pdl")
+    assert merges and merges[0].get("launch_pdl") is True, merges
 
 
 @pytest.mark.gpu
@@ -515,7 +537,7 @@ def test_gpu_narrow_gluon_fused_merge(splits, one_query, monkeypatch):
     assert_close_rel(outs[0], case.expected(), RTOL[torch.bfloat16], "narrow fused merge")
     lse_t = torch.empty_like(lse)
     monkeypatch.undo()
-    case.run(lse=lse_t, num_kv_splits=splits)
+    case.run(lse=lse_t, num_kv_splits=splits, narrow=False)
     assert_close_rel(lse, lse_t, 1e-3, "fused-merge lse against the Triton kernel's")
 
 

@@ -25,7 +25,8 @@ from ._pdl import pdl_mode
 __all__ = ["TUNING_OVERRIDES", "OVERRIDE_KEYS", "check_overrides", "LaunchConfig",
            "choose_config", "BATCH_INVARIANT_SPLIT_TOKENS",
            "FP8_VALUE_PAIRS", "MLA_FP8_VALUE_PAIRS", "MLA_FUSED_MERGE", "MLA_KV_DESCRIPTORS",
-           "MLA_LAZY_RESCALE", "MLA_HALF_PARTIALS", "MLA_QK_SPLIT", "MLA_BALANCED",
+           "MLA_LAZY_RESCALE", "MLA_HALF_PARTIALS", "MLA_QK_SPLIT", "MLA_BALANCED", "MLA_NARROW",
+           "MLA_NARROW_PDL",
            "PREFETCH_PAGES",
            "CARRIED_PAGE_LOOKUP"]
 
@@ -136,6 +137,25 @@ MLA_HALF_PARTIALS = True
 #: 64×4k took 112.3 on an H100, docs/benchmarks.md "Twenty-fifth session") and wait on a
 #: skewed batch's longest request.
 MLA_BALANCED = False
+
+#: The narrow Gluon kernel (:mod:`.mla_narrow_gluon`) for MLA of up to 16 heads where it
+#: serves (sm_90, bf16/fp16 q and cache of one dtype, latents 512 + 64, pages whose gcd with
+#: 64 is at least 16, no custom mask, not batch-invariant); other steps keep the Triton
+#: kernel, and an explicit ``balanced`` option keeps the balanced launch
+#: (``mla_paged_attention(..., narrow=False)`` opts out). The default since the twenty-sixth
+#: session: on the H200 it ran 16 heads 64×4k at 3.87–3.88 TB/s and 128×8k at 4.43–4.44
+#: replayed, against 3.81–3.82 / 4.16–4.18 for the Triton kernel (docs/benchmarks.md,
+#: "Twenty-fifth session"), and every MLA gpu test passes with it
+#: (``scripts/gpu_session.sh seventyninth``).
+MLA_NARROW = True
+
+#: The narrow kernel's split merge launched early (programmatic dependent launch, the
+#: ``pdl`` option's ``"reduce"``): the kernel lets it start at once and the merge waits on
+#: the device for the kernel's end (``griddepcontrol.wait``), so the merge's launch gap
+#: overlaps the attention. ``pdl=False`` turns it off, ``True`` also starts the attention
+#: launch early. H100, 16 heads replayed: 64×4k 2.76 -> 2.79 TB/s together with the early
+#: tiles (``scripts/gpu_session.sh seventyeighth``, docs/benchmarks.md).
+MLA_NARROW_PDL = "reduce"
 
 #: The Triton MLA kernel's q·Kᵀ over the latent columns as two or four independent mma
 #: chains (2, 4) or one (1; ``mla_paged_attention(..., qk_split=)``). With 16 heads each

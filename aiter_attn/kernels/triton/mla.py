@@ -25,7 +25,8 @@ from ..base import MLAKernel, mask_literal, mla_request, plan_hints, token_count
 from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
 from ._launch_config import (BATCH_INVARIANT_SPLIT_TOKENS, MLA_FP8_VALUE_PAIRS, MLA_FUSED_MERGE,
                              MLA_BALANCED, MLA_HALF_PARTIALS, MLA_KV_DESCRIPTORS,
-                             MLA_LAZY_RESCALE, MLA_QK_SPLIT)
+                             MLA_LAZY_RESCALE, MLA_NARROW, MLA_NARROW_PDL,
+                             MLA_QK_SPLIT)
 from .mla_balanced import balanced_reject_reason, launch_balanced_mla
 from .mla_functional import mla_paged_attention
 from .mla_gluon import (GLUON_MLA_BLOCK_H, gluon_mla_reject_reason, gluon_mla_tensors_reason,
@@ -153,8 +154,9 @@ class TritonMLA(MLAWorkspace, MLAKernel):
     / quarters), ``ring``
     (``True``: the ring Gluon kernel of :mod:`.mla_ring_gluon` for up to 16 heads),
     ``one_query`` (``False``: decode steps search ``cu_seqlens_q`` for their request like any
-    other), ``narrow`` (``True``: the narrow Gluon kernel of :mod:`.mla_narrow_gluon` for up
-    to 16 heads), ``gluon`` (``False``: never the Gluon kernels of :mod:`.mla_gluon`, which
+    other), ``narrow`` (the narrow Gluon kernel of :mod:`.mla_narrow_gluon` for up to 16
+    heads where it serves: the default on sm_90, :data:`MLA_NARROW`; ``False``: the Triton
+    kernel; its split merge starts early unless ``pdl=False``), ``gluon`` (``False``: never the Gluon kernels of :mod:`.mla_gluon`, which
     otherwise serves what :func:`.mla_gluon.gluon_mla_reject_reason` allows: 64-head blocks
     of bf16/fp16 latents 512 + 64 on NVIDIA sm_90).
 
@@ -218,13 +220,14 @@ class TritonMLA(MLAWorkspace, MLAKernel):
 
     def _narrow_splits(self, num_tokens, kv_bound, device, page_size, mask) -> Optional[int]:
         """The narrow Gluon kernel's split count (``None``: it does not serve the step:
-        not asked for (``tuning["narrow"]``: an option, not the default: on the H200 it ran
-        16 heads 64×4k at 3.74 TB/s replayed, level with the Triton kernel's 3.72, and its
-        functional calls cost more host time: docs/benchmarks.md, "Fifteenth session"),
-        more than 16 heads, a custom mask, not sm_90 / bf16 / fp16 / 512 + 64, or
-        ``tuning["gluon"] is False``; ``page_size=None`` skips the page check)."""
+        not asked for (``tuning["narrow"]``, default :data:`MLA_NARROW` unless the
+        ``balanced`` option asks for the balanced launch), more than 16 heads, a custom
+        mask, not sm_90 / bf16 / fp16 / 512 + 64, or ``tuning["gluon"] is False``;
+        ``page_size=None`` skips the page check)."""
         ring = self.tuning.get("ring", False)
-        if (not (self.tuning.get("narrow", False) or ring) or not self.tuning.get("gluon", True)
+        balanced = self.tuning.get("balanced", MLA_BALANCED)
+        wanted = self.tuning.get("narrow", MLA_NARROW and (balanced is False or balanced is None))
+        if (not (wanted or ring) or not self.tuning.get("gluon", True)
                 or self.heads > NARROW_MLA_MAX_HEADS):
             return None
         why = narrow_mla_reject_reason(
@@ -362,7 +365,9 @@ class TritonMLA(MLAWorkspace, MLAKernel):
             ncount = (self._counters(num_tokens, md, out, device)
                       if nsplits > 1 and not ring and t.get("fused_merge", MLA_FUSED_MERGE)
                       else None)
-            narrow = (nsplits, *nparts, ring, ncount, one_query)
+            narrow = (nsplits, *nparts, ring, ncount, one_query,
+                      pdl_mode(t.get("pdl", MLA_NARROW_PDL), device)
+                      if nsplits > 1 and ncount is None and not ring else False)
         if balanced is not None:  # the launch's keywords, once per step (run only launches)
             balanced = (*balanced, dict(
                 part_o=balanced[1].permute(0, 2, 1, 3), part_lse=balanced[2].permute(0, 2, 1),
@@ -458,7 +463,7 @@ class TritonMLA(MLAWorkspace, MLAKernel):
         descs = (self._cache_descs(kv_cache) if plan.narrow is not None and not from_ptr
                  else None)
         if descs is not None and q.stride(2) == 1 and out.stride(2) == 1:
-            nsplits, n_o, n_l, ring, ncount, one_q = plan.narrow
+            nsplits, n_o, n_l, ring, ncount, one_q, pdl = plan.narrow
             if ring:
                 launch_ring_mla(q, kv_cache, out, cu, seqused_k, block_table, params.scale,
                                 splits=nsplits, batch=plan.batch, causal=kw["CAUSAL"],
@@ -468,9 +473,10 @@ class TritonMLA(MLAWorkspace, MLAKernel):
                                   splits=nsplits, batch=plan.batch, causal=kw["CAUSAL"],
                                   lse=lse if nsplits == 1 or ncount is not None else None,
                                   part_o=n_o, part_lse=n_l, counters=ncount,
-                                  one_query=one_q, descs=descs)
+                                  one_query=one_q, descs=descs, pdl=pdl)
             if nsplits > 1 and ncount is None:
-                merge_splits(out, n_o, n_l, lse, self.rank, self.block_dv)
+                merge_splits(out, n_o, n_l, lse, self.rank, self.block_dv,
+                             **(pdl_kwargs(pdl, reduction=True) if pdl else {}))
             return out
         if plan.balanced is not None:
             launch_balanced_mla(q, kv_cache, out, seqused_k, block_table, rank=self.rank,

@@ -87,13 +87,17 @@ def mla_paged_attention(
             under 64 rows of caches whose rows start on 16-byte boundaries.
         pdl: programmatic dependent launch (sm_90+): ``True`` the attention launch and the
             split merge may each start while the kernel before finishes, ``"reduce"`` only
-            the merge; off by default (a tuning option, see ``_launch_config.LaunchConfig``).
+            the merge; off by default for the Triton kernel (see
+            ``_launch_config.LaunchConfig``), ``"reduce"`` for the narrow kernel's merge
+            (``_launch_config.MLA_NARROW_PDL``; ``pdl=False`` turns it off).
         gluon: ``False``: never the warp-specialised Gluon kernel (:mod:`.mla_gluon`); by
             default it serves the launches it can (64-head blocks of bf16/fp16 latents
             512 + 64, pages of a multiple of 64 keys, no mask, NVIDIA sm_90).
-        narrow: ``True``: the narrow Gluon kernel (:mod:`.mla_narrow_gluon`) for up to 16
-            heads where it serves (bf16/fp16 latents 512 + 64, ``gcd(page, 64) >= 16``, no
-            mask, NVIDIA sm_90); an option (level with the Triton kernel on the H200).
+        narrow: the narrow Gluon kernel (:mod:`.mla_narrow_gluon`) for up to 16 heads
+            where it serves (bf16/fp16 latents 512 + 64, ``gcd(page, 64) >= 16``, no mask,
+            not batch-invariant, NVIDIA sm_90); the default there
+            (``_launch_config.MLA_NARROW``) unless ``balanced`` asks for the balanced
+            launch; ``False``: the Triton kernel.
         fused_merge: the split merge inside the Triton launch (``True``: the last split
             program of a token's head block merges it; ``"cooperative"``: a cooperative
             launch whose splits wait for each other and each merge a column slice, GPU only,

@@ -9,7 +9,8 @@ heads, one key split) runs::
 
     loader (1 warp)        page ids of a tile a tile ahead; TMA of each page piece's latent
                            rows (c_nope [.., 512] and c_rope [.., 64]) into a ring of
-                           ``STAGES`` slots of 64 keys
+                           ``STAGES`` slots of 64 keys (from the third tile: the program
+                           issued the first two)
     consumer c (4 warps,   tiles j ≡ c (mod 2), each with its own running state:
     two of them)             Sᵀ [64, HP] = c_nope · q_nopeᵀ + c_rope · q_ropeᵀ   (wgmma, m64n16)
                              Pᵀ = exp2(Sᵀ · qk2 - m)       (one cross-warp maximum a tile)
@@ -23,10 +24,14 @@ the split partials of :mod:`.mla` (``o / l`` and the log2 LSE) for its merge ker
 The last tile of a split masks keys past the token's last visible key (the request's end,
 or the causal bound of a verify token) and zeroes those latent rows before ``P · V``.
 
-An option of :class:`.mla.TritonMLA` (``tuning["narrow"] = True``, ``mla_paged_attention(...,
-narrow=True)``), not its default: on the H200 it ran 16 heads 64×4k at 3.74 TB/s and 128×8k
-at 4.34 replayed, level with the Triton kernel (3.72 / 4.33), while its functional call
-builds two TMA descriptors per call (docs/benchmarks.md, "Fifteenth session").
+The default of :class:`.mla.TritonMLA` for up to 16 heads where it serves
+(``_launch_config.MLA_NARROW``; ``mla_paged_attention(..., narrow=False)`` opts out): on the
+H200 it ran 16 heads 64×4k at 3.87–3.88 TB/s and 128×8k at 4.43–4.44 replayed, against
+3.81–3.82 / 4.16–4.18 for the Triton kernel (docs/benchmarks.md, "Twenty-fifth session").
+The program issues the split's first two tiles itself, before staging q, so that their
+page lookups and TMA do not wait for q; the loader takes the rest. With splits it lets its
+merge launch start at once (PDL, ``_launch_config.MLA_NARROW_PDL``): the merge waits on the
+device for this kernel's end.
 
 Serves (:func:`narrow_mla_reject_reason`): NVIDIA sm_90, fp16/bf16 q and cache of the
 same dtype, ``kv_lora_rank`` 512 + rope 64, up to 16 heads, ``gcd(page_size, 64) >= 16``,
@@ -109,6 +114,10 @@ if HAS_GLUON:
     from .mla_gluon import _token_split
     from .prefill_gluon import _to_output
 
+    #: tiles the program issues itself before staging q (the whole ring: the loader starts
+    #: at the third tile), so the first tiles' page lookups and TMA do not wait for q
+    _EARLY = gl.constexpr(_STAGES)
+
     @gluon.jit
     def _issue(kn_d, kr_d, kn_s, kr_s, bar, slot, cur, offs, BOX: gl.constexpr,
                BOXES: gl.constexpr):
@@ -121,10 +130,29 @@ if HAS_GLUON:
                                             kr_s.index(slot).slice(i * BOX, BOX, dim=0))
 
     @gluon.jit
+    def _issue_early(kn_d, kr_d, kn_s, kr_s, ready, bt_row, lo, n, last, PAGE: gl.constexpr,
+                     BOX: gl.constexpr):
+        """The split's first ``_EARLY`` tiles into the empty ring, issued by the program
+        as soon as its key count is in, while q is still on its way to shared memory (the
+        page ids read as scalars, one per ``BOX``-row piece)."""
+        for j in gl.static_range(_EARLY):
+            if j < n:
+                bar = ready.index(j)
+                mbarrier.expect(bar, 64 * 576 * kn_d.dtype.primitive_bitwidth // 8)
+                for i in gl.static_range(64 // BOX):
+                    key = lo + j * 64 + i * BOX
+                    r = gl.load(bt_row + gl.minimum(key // PAGE, last)) * PAGE + key % PAGE
+                    tma.async_copy_global_to_shared(kn_d, [r, 0], bar,
+                                                    kn_s.index(j).slice(i * BOX, BOX, dim=0))
+                    tma.async_copy_global_to_shared(kr_d, [r, 512], bar,
+                                                    kr_s.index(j).slice(i * BOX, BOX, dim=0))
+
+    @gluon.jit
     def _load(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
               BOX: gl.constexpr, SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr,
               FUSED: gl.constexpr):
-        """Loader (1 warp): every tile of the split, page ids a tile ahead."""
+        """Loader (1 warp): every tile of the split after the first ``_EARLY`` (the
+        program issued those), page ids a tile ahead."""
         kn_d, kr_d = ops[0][0], ops[0][1]
         kn_s, kr_s = smem[2], smem[3]
         ready, empty = bars[0], bars[1]
@@ -132,8 +160,9 @@ if HAS_GLUON:
         BOXES: gl.constexpr = 64 // BOX
         lay: gl.constexpr = gl.BlockedLayout([BOXES], [32], [1], [0])
         offs = gl.arange(0, BOXES, layout=lay)
-        nxt = _tile_rows(bt_row, lo, last, PAGE, BOX, BOXES, lay)
-        for j in range(n):
+        # tiles 0 and 1 were issued by the program before q was staged (_issue_early)
+        nxt = _tile_rows(bt_row, lo + _EARLY * 64, last, PAGE, BOX, BOXES, lay)
+        for j in range(_EARLY, n):
             cur = nxt
             nxt = _tile_rows(bt_row, lo + (j + 1) * 64, last, PAGE, BOX, BOXES, lay)
             slot = j % 2
@@ -288,14 +317,19 @@ if HAS_GLUON:
         SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr, BLOCK_B: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
         FUSED: gl.constexpr = False, ONE_QUERY: gl.constexpr = False,
+        PDL: gl.constexpr = False,
     ):
+        if PDL:  # the kernel before first (a no-op unless launched early), then let the
+            # split merge's programs start: they wait for this kernel's end on the device
+            gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r",
+                                      [], dtype=gl.int32, is_pure=False, pack=1)
         t = gl.program_id(0)
         split = gl.program_id(1)
-        b, kv_len, lo, n, valid = _token_split(cu_q, seqused, t, split, batch, SPLITS, CAUSAL,
-                                               BLOCK_B, num_warps, ONE_QUERY)
-
         dtype: gl.constexpr = kn_d.dtype
-        # q [HP, 576] staged once: heads past ``heads`` read zeros
+        # q [HP, 576]: its loads go out first (heads past ``heads`` read zeros); it reaches
+        # shared memory after the first tiles are issued
         lq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         hq = gl.arange(0, HP, layout=gl.SliceLayout(1, lq))
         q_row = q_ptr + t.to(gl.int64) * s_qt + hq.to(gl.int64)[:, None] * s_qh
@@ -303,10 +337,13 @@ if HAS_GLUON:
         dr = gl.arange(0, 64, layout=gl.SliceLayout(0, lq))
         qn = gl.load(q_row + dn[None, :], mask=(hq < heads)[:, None], other=0.0)
         qr = gl.load(q_row + 512 + dr[None, :], mask=(hq < heads)[:, None], other=0.0)
+        b, kv_len, lo, n, valid = _token_split(cu_q, seqused, t, split, batch, SPLITS, CAUSAL,
+                                               BLOCK_B, num_warps, ONE_QUERY)
+
         qn_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 512], dtype)
         qr_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 64], dtype)
-        qn_s = gl.allocate_shared_memory(dtype, [HP, 512], qn_l, qn)
-        qr_s = gl.allocate_shared_memory(dtype, [HP, 64], qr_l, qr)
+        qn_s = gl.allocate_shared_memory(dtype, [HP, 512], qn_l)
+        qr_s = gl.allocate_shared_memory(dtype, [HP, 64], qr_l)
         kn_s = gl.allocate_shared_memory(dtype, [2, 64, 512], kn_d.layout)
         kr_s = gl.allocate_shared_memory(dtype, [2, 64, 64], kr_d.layout)
         p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 64], dtype)
@@ -324,14 +361,19 @@ if HAS_GLUON:
             mbarrier.init(empty.index(i), count=1)
         mbarrier.init(done, count=1)
         fence_async_shared()
-        gl.thread_barrier()
 
         last = gl.maximum(gl.cdiv(kv_len, PAGE) - 1, 0)
+        bt_row = bt + b.to(gl.int64) * s_bt
+        _issue_early(kn_d, kr_d, kn_s, kr_s, ready, bt_row, lo, n, last, PAGE, BOX)
+        qn_s.store(qn)
+        qr_s.store(qr)
+        fence_async_shared()
+        gl.thread_barrier()
         ops = ((kn_d, kr_d), (out, part_o, part_l, lse_ptr, qk2, heads, count),
                (s_ot, s_oh, s_pt, s_ph, s_ps, s_lt, s_lh, s_et, s_eh))
         smem = (qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x)
         bars = (ready, empty, done)
-        rows = (t, split, bt + b.to(gl.int64) * s_bt, lo, n, valid, last)
+        rows = (t, split, bt_row, lo, n, valid, last)
         gl.warp_specialize([
             (_consume_0, (ops, smem, bars, rows, HP, PAGE, BOX, SPLITS, WRITE_LSE, FUSED)),
             (_consume_1, (ops, smem, bars, rows, HP, PAGE, BOX, SPLITS, WRITE_LSE, FUSED)),
@@ -354,12 +396,14 @@ def narrow_descriptors(kv_cache):
 
 def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, splits: int,
                       batch: int, causal: bool, lse=None, part_o=None, part_lse=None,
-                      descs=None, counters=None, one_query: bool = False):
+                      descs=None, counters=None, one_query: bool = False, pdl=False):
     """One launch over ``(tokens, splits)`` programs; with ``splits > 1`` it writes
     ``part_o`` ``[T, H, S, R]`` / ``part_lse`` ``[T, H, S]`` (:mod:`.mla`'s partials) for
     its merge kernel, or, given ``counters`` (zeroed int32 ``[T]``, left zero), merges
     them itself (the last split of each token). ``one_query``: every request has one
-    query. The caller checked :func:`narrow_mla_reject_reason`,
+    query. ``pdl`` (:func:`._pdl.pdl_mode`): truthy, the kernel lets the next launch (its
+    split merge, launched with ``launch_pdl``) start at once; ``True``, it also starts
+    early itself and waits for the kernel before it. The caller checked :func:`narrow_mla_reject_reason`,
     :func:`narrow_mla_layout_reason` and unit last-dim strides of q and out."""
     t, h, _ = q.shape
     kn_d, kr_d = descs if descs is not None else narrow_descriptors(kv_cache)
@@ -377,7 +421,8 @@ def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, 
               CAUSAL=bool(causal), SPLITS=int(splits), WRITE_LSE=lse is not None,
               BLOCK_B=max(2, 1 << max(0, (batch - 1).bit_length())),
               CONSUMER_REGS=_MAXNREG, LOADER_REGS=_LOADER_REGS, num_warps=4,
-              maxnreg=_MAXNREG, FUSED=fused, ONE_QUERY=bool(one_query))
+              maxnreg=_MAXNREG, FUSED=fused, ONE_QUERY=bool(one_query), PDL=bool(pdl),
+              **({"launch_pdl": True} if pdl is True else {}))
     key = (tuple(tensor_key(a) if hasattr(a, "data_ptr") else None for a in args[2:11]),
            args[12:], tuple(sorted(kw.items())), kv_cache.dtype, tuple(kn_d.block_shape))
     _NARROW.launch((t, int(splits)), args, kw, key)
