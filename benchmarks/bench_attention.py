@@ -116,6 +116,8 @@ MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 "narrow-pdl": {"narrow": True, "pdl": "reduce"},
                 "narrow-pdl-all": {"narrow": True, "pdl": True},
                 "narrow-no-pdl": {"narrow": True, "pdl": False},
+                # one program a token (64x4k: 64 programs on 132 SMs, no merge launch)
+                "narrow-split1": {"narrow": True, "num_kv_splits": 1},
                 # the Triton kernel, where the narrow kernel is the default
                 "triton": {"narrow": False},
                 # equal key tiles a program, as many programs as the SMs hold (mla_balanced)
