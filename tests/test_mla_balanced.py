@@ -226,3 +226,20 @@ def test_balanced_through_the_graph_manager(monkeypatch):
              for t in mgr._modes[ForwardMode.DECODE].buffers.values()]
     for t in plan.balanced[1:3]:
         assert any(lo <= t.data_ptr() < hi for lo, hi in spans)
+
+
+@pytest.mark.parametrize("tuning,per_sm", [
+    ({}, 2), ({"num_warps": 8}, 1), ({"num_stages": 6}, 1), ({"num_warps": 4}, 2)])
+def test_balanced_program_count_follows_the_launch_overrides(tuning, per_sm, monkeypatch):
+    """``balanced=True`` counts the programs the SMs hold with the launch's own warps and
+    stages: an 8-warp override or a ring too deep to fit twice gives one program per SM
+    (the count ignored both overrides before)."""
+    from aiter_attn.kernels.base import mla_request
+    from aiter_attn.kernels.triton import mla
+
+    monkeypatch.setattr(mla, "_smem_budget", lambda device: 227 * 1024)
+    monkeypatch.setattr(mla, "num_sms", lambda device: 132)
+    q = torch.zeros(4, 16, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(8, 64, 1, 576, dtype=torch.bfloat16)
+    k = mla.TritonMLA(mla_request(q, kv, 512), {"balanced": True, **tuning})
+    assert k._balanced_programs("cpu") == per_sm * 132

@@ -253,6 +253,9 @@ class TritonMLA(MLAWorkspace, MLAKernel):
             return None
         if option is True:
             _, bn, _, warps, stages, _ = self._config(1, 1, device)
+            # the launch's own warps and stages (the tuning's overrides, as plan() takes them)
+            warps = self.tuning.get("num_warps") or warps
+            stages = self.tuning.get("num_stages") or stages
             ring = ring_bytes(bn, stages, self.block_dv + self.block_dr, self.elem_size,
                               self.kv_size)
             return (programs_per_sm(_smem_budget(device), warps, ring)
