@@ -9,7 +9,7 @@ import torch
 from ..batch import ForwardBatch
 from ..kernels.registry import KernelRequest
 from ..kv_scales import TOKEN_SCALE_FEATURE
-from ..metadata import AttnMetadata, CustomMask, PageTable, QueryLayout
+from ..metadata import AttnMetadata, CustomMask, QueryLayout
 from ..types import FP8_DTYPES, LayerSpec
 from .base import ExecutionStrategy
 
@@ -66,8 +66,8 @@ def window_tree_mask(mask: CustomMask, batch: ForwardBatch, query: QueryLayout,
 
 
 def attend_layer(executor: ExecutionStrategy, request_fn, q, k_cache, v_cache, layer: LayerSpec,
-                 batch: ForwardBatch, md: AttnMetadata, pages: PageTable = None, sinks=None, *,
-                 pages_key=None, kv_scales=None):
+                 batch: ForwardBatch, md: AttnMetadata, sinks=None, *, pages_key=None,
+                 kv_scales=None):
     """One attention call of ``layer`` through its group's kernel object: bound once per
     layer group (``request_fn`` builds the group's request on first use: the op's
     ``*_request(q, k_cache, v_cache, window_size=, softcap=, sinks=, causal=,

@@ -229,7 +229,7 @@ class PagedExecution(CascadeExecutionMixin, ExecutionStrategy):
                              v=v.view(num_tokens, layer.num_kv_heads, layer.v_head_dim))
                 return out.view(num_tokens, layer.num_q_heads * layer.v_head_dim)
         return attend_layer(self, ops.paged_attention_request, q, k_cache, v_cache, layer,
-                            batch, metadata, metadata.pages, sinks, kv_scales=kv_scales)
+                            batch, metadata, sinks, kv_scales=kv_scales)
 
     def _dense_step(self, md: AttnMetadata) -> bool:
         """Whether this step's layers take the two-pass extend (where a kernel serves the

@@ -193,7 +193,6 @@ class SWAExecution(CascadeExecutionMixin, ExecutionStrategy):
         kv_scales = self.pool.scale_buffers(layer.layer_id) if self.token_scales else None
         num_tokens = q.shape[0]
         q = q.view(num_tokens, layer.num_q_heads, layer.head_dim)
-        pages = metadata.extras["swa_pages"] if on_swa else metadata.pages
         if save_kv_cache and (k is None) != (v is None):
             raise kv_pair_error(layer, k, v)
         if save_kv_cache and k is not None:
@@ -209,8 +208,8 @@ class SWAExecution(CascadeExecutionMixin, ExecutionStrategy):
                 v.view(num_tokens, layer.num_kv_heads, layer.v_head_dim),
                 **write_kwargs(layer, kv_scales), **kw)
         return attend_layer(self, paged_attention_request, q, k_cache, v_cache, layer, batch,
-                            metadata, pages, sinks,
-                            pages_key="swa_pages" if on_swa else None, kv_scales=kv_scales)
+                            metadata, sinks, pages_key="swa_pages" if on_swa else None,
+                            kv_scales=kv_scales)
 
 
 def chain_verify_only(config):

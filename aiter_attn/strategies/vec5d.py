@@ -229,7 +229,7 @@ class Vec5DExecution(ExecutionStrategy):
                      v.view(num_tokens, layer.num_kv_heads, layer.v_head_dim),
                      k_scale=layer.k_scale, v_scale=layer.v_scale)
         return attend_layer(self, paged_attention_5d_request, q, k_cache, v_cache, layer, batch,
-                            metadata, metadata.pages, sinks)
+                            metadata, sinks)
 
 
 #: The VEC5D family's cells.
