@@ -61,3 +61,61 @@ def test_the_real_checks_decline_on_this_host(monkeypatch):
     """Without the forced device check (a CPU host): never the narrow kernel."""
     monkeypatch.setattr(mla, "MLA_NARROW", True)
     assert _splits(_kernel({})) is None
+
+
+# ------------------------------------------------ the narrow kernel's merge by PDL: wiring
+
+def _step(tuning, monkeypatch, *, pdl_device=True):
+    """Plan and run one 4-request decode step (16 heads, 1000 keys each) with the narrow
+    kernel forced to serve on this host: its launch and the merge are recorded, not run;
+    ``pdl_device``: the device takes programmatic dependent launches (sm_90)."""
+    from aiter_attn.kernels.base import _adhoc_metadata, mla_layer_params
+    from aiter_attn.kernels.triton import _pdl
+
+    monkeypatch.setattr(mla, "narrow_mla_reject_reason", lambda **kw: None)
+    monkeypatch.setattr(mla, "num_sms", lambda device: 132)
+    monkeypatch.setattr(_pdl, "pdl_supported", lambda device: pdl_device)
+    monkeypatch.setattr(TritonMLA, "_cache_descs", lambda self, kv, *a, **k: ("kn", "kr"))
+    launched, merged = [], []
+    monkeypatch.setattr(mla, "launch_narrow_mla", lambda *a, **k: launched.append(k))
+    monkeypatch.setattr(mla, "merge_splits", lambda *a, **k: merged.append(k))
+    q = torch.randn(4, 16, 576, dtype=torch.bfloat16)
+    kv = torch.randn(70, 64, 1, 576, dtype=torch.bfloat16)
+    cu = torch.arange(5, dtype=torch.int32)
+    seqused = torch.full((4,), 1000, dtype=torch.int32)
+    bt = torch.arange(1, 65, dtype=torch.int32).view(4, 16)
+    kernel = TritonMLA(mla_request(q, kv, 512), tuning)
+    md = _adhoc_metadata(q, kv, cu, seqused, bt, None, None, 1, 1000, "test")
+    plan = kernel.plan(md)
+    params = mla_layer_params(scale=0.1, device=q.device, kv_lora_rank=512, num_q_heads=16,
+                              head_dim=576, kv_scale=None, fp8=False, causal=True)
+    kernel.run(q, (kv,), plan, params, torch.empty(4, 16, 512, dtype=torch.bfloat16))
+    return plan, launched, merged
+
+
+def test_narrow_merge_starts_early_by_default(monkeypatch):
+    monkeypatch.setattr(mla, "MLA_NARROW", True)
+    plan, launched, merged = _step({}, monkeypatch)
+    assert plan.narrow[0] == 4 and plan.narrow[-1] == "reduce"  # 4 splits a token
+    assert launched and launched[0]["pdl"] == "reduce" and launched[0]["splits"] == 4
+    assert merged == [{"PDL": True, "launch_pdl": True}]
+
+
+@pytest.mark.parametrize("tuning,attention,merge", [
+    ({"pdl": False}, False, {}),
+    ({"pdl": True}, True, {"PDL": True, "launch_pdl": True}),
+    ({"pdl": "reduce"}, "reduce", {"PDL": True, "launch_pdl": True})])
+def test_narrow_pdl_option(tuning, attention, merge, monkeypatch):
+    monkeypatch.setattr(mla, "MLA_NARROW", True)
+    _, launched, merged = _step(tuning, monkeypatch)
+    assert launched[0]["pdl"] == attention and merged == [merge]
+
+
+def test_no_pdl_without_device_support_or_with_the_fused_merge(monkeypatch):
+    monkeypatch.setattr(mla, "MLA_NARROW", True)
+    _, launched, merged = _step({}, monkeypatch, pdl_device=False)
+    assert launched[0]["pdl"] is False and merged == [{}]
+    # the narrow kernel merging its own splits: no merge launch to start early
+    _, launched, merged = _step({"fused_merge": True}, monkeypatch)
+    assert launched[0]["pdl"] is False and launched[0]["counters"] is not None
+    assert merged == []
