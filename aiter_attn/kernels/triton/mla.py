@@ -140,6 +140,35 @@ def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: to
     return block_h, block_n, int(num_kv_splits), num_warps, num_stages
 
 
+#: the values of the launch-choice options (``tuning`` keys) a truthiness test would
+#: otherwise read: ``pdl="off"`` or ``narrow="no"`` would turn the option on without a word
+_OPTION_VALUES = {
+    "pdl": (False, True, "reduce"),
+    "narrow": (False, True),
+    "ring": (False, True),
+    "fused_merge": (False, True, "cooperative"),
+}
+
+
+def _check_option_values(tuning: dict) -> None:
+    """Refuse a value of a launch-choice option it does not take (when the kernel object is
+    built: a bad value would otherwise fail only on the steps that read it, or never):
+    :data:`_OPTION_VALUES`, and ``balanced`` (``False``, ``True`` or a positive int)."""
+    for key, allowed in _OPTION_VALUES.items():
+        value = tuning.get(key)
+        if value is None:
+            continue
+        if not (isinstance(value, (bool, str)) and value in allowed):
+            raise ValueError(f"TritonMLA: {key}={value!r}; allowed: "
+                             f"{', '.join(map(repr, allowed))} (or leave it out for the "
+                             "default).")
+    option = tuning.get("balanced")
+    if option is not None and not isinstance(option, bool) and not (
+            isinstance(option, int) and option >= 1):
+        raise ValueError(f"balanced={option!r}; allowed: False, True (as many programs as "
+                         "the SMs hold) or a positive int (that many programs).")
+
+
 class TritonMLA(MLAWorkspace, MLAKernel):
     """``mla_paged_attention`` (Triton) as plan/run, bound once per layer group.
 
@@ -158,7 +187,9 @@ class TritonMLA(MLAWorkspace, MLAKernel):
     heads where it serves: the default on sm_90, :data:`MLA_NARROW`; ``False``: the Triton
     kernel; its split merge starts early unless ``pdl=False``), ``gluon`` (``False``: never the Gluon kernels of :mod:`.mla_gluon`, which
     otherwise serves what :func:`.mla_gluon.gluon_mla_reject_reason` allows: 64-head blocks
-    of bf16/fp16 latents 512 + 64 on NVIDIA sm_90).
+    of bf16/fp16 latents 512 + 64 on NVIDIA sm_90). A key given ``None`` takes its default
+    (as :func:`mla_paged_attention`'s keywords); ``pdl``, ``narrow``, ``ring``,
+    ``fused_merge`` and ``balanced`` values are checked when the object is built.
 
     The split workspace, merge counters and cache descriptors it keeps across steps come
     from :class:`.mla_workspace.MLAWorkspace`.
@@ -166,11 +197,15 @@ class TritonMLA(MLAWorkspace, MLAKernel):
 
     def __init__(self, request=None, tuning: Optional[dict] = None):
         super().__init__(request)
-        self.tuning = dict(tuning or {})
+        # a None value is the default, as in mla_paged_attention(...) (read with
+        # tuning.get(key, default), None would otherwise turn the narrow kernel, its PDL
+        # merge, the Gluon kernels, 16-bit partials and one_query off)
+        self.tuning = {k: v for k, v in dict(tuning or {}).items() if v is not None}
         unknown = sorted(set(self.tuning) - TUNING_KEYS)
         if unknown:
             raise ValueError(f"TritonMLA: unknown tuning key(s) {unknown}; allowed: "
                              f"{sorted(TUNING_KEYS)}. Check the spelling.")
+        _check_option_values(self.tuning)
         self._descs: dict = {}  # (kernel, cache key) -> its TMA descriptors (or None)
         if request is not None:
             self._bind(request)
