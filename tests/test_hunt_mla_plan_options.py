@@ -19,14 +19,7 @@ from aiter_attn.kernels.triton import mla
 from aiter_attn.kernels.triton.mla import TritonMLA
 from aiter_attn.types import ForwardMode
 
-from .test_mla_narrow_default import _step
-
-
-@pytest.fixture
-def sm90(monkeypatch):
-    """The narrow kernel's device and dtype checks pass; 132 SMs."""
-    monkeypatch.setattr(mla, "narrow_mla_reject_reason", lambda **kw: None)
-    monkeypatch.setattr(mla, "num_sms", lambda device: 132)
+from .test_mla_narrow_default import _step, sm90  # noqa: F401 (a fixture)
 
 
 def _kernel(tuning, *, page=64, heads=16, batch_invariant=False, kv_dtype=torch.bfloat16):

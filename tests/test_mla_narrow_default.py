@@ -20,11 +20,16 @@ def _kernel(tuning, heads=16, dtype=torch.bfloat16):
     return TritonMLA(mla_request(q, kv, 512), tuning)
 
 
-@pytest.fixture
-def sm90(monkeypatch):
+def _force_narrow(monkeypatch):
     """The narrow kernel's device and dtype checks pass; 132 SMs."""
     monkeypatch.setattr(mla, "narrow_mla_reject_reason", lambda **kw: None)
     monkeypatch.setattr(mla, "num_sms", lambda device: 132)
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """The narrow kernel's device and dtype checks pass; 132 SMs."""
+    _force_narrow(monkeypatch)
 
 
 def _splits(kernel, tokens=64, kv=4096):
@@ -72,8 +77,7 @@ def _step(tuning, monkeypatch, *, pdl_device=True):
     from aiter_attn.kernels.base import _adhoc_metadata, mla_layer_params
     from aiter_attn.kernels.triton import _pdl
 
-    monkeypatch.setattr(mla, "narrow_mla_reject_reason", lambda **kw: None)
-    monkeypatch.setattr(mla, "num_sms", lambda device: 132)
+    _force_narrow(monkeypatch)
     monkeypatch.setattr(_pdl, "pdl_supported", lambda device: pdl_device)
     monkeypatch.setattr(TritonMLA, "_cache_descs", lambda self, kv, *a, **k: ("kn", "kr"))
     launched, merged = [], []
@@ -96,7 +100,8 @@ def _step(tuning, monkeypatch, *, pdl_device=True):
 def test_narrow_merge_starts_early_by_default(monkeypatch):
     monkeypatch.setattr(mla, "MLA_NARROW", True)
     plan, launched, merged = _step({}, monkeypatch)
-    assert plan.narrow[0] == 4 and plan.narrow[-1] == "reduce"  # 4 splits a token
+    assert plan.narrow[0] == 4 and plan.narrow[6] == "reduce"  # 4 splits a token
+    assert plan.narrow[7] == {"PDL": True, "launch_pdl": True}  # the merge's, planned
     assert launched and launched[0]["pdl"] == "reduce" and launched[0]["splits"] == 4
     assert merged == [{"PDL": True, "launch_pdl": True}]
 

@@ -68,7 +68,8 @@ class GraphLimits:
         max_num_tokens: ``max_bs · q_len``: query tokens in the largest batch.
         max_seq_len: KV tokens one request may hold in this mode: ``max_context_len`` plus
             the draft slack of speculative modes (``num_draft_tokens``). Page rounding is
-            applied by each strategy's ``buffer_spec`` (``ceil(max_seq_len / page_size)``).
+            applied by each strategy's ``buffer_spec`` (``ceil(max_seq_len / page_size)``);
+            :meth:`table_pages` is that width for the kernels' workspaces.
         mask_numel: elements of the flat tree mask (``max_num_tokens · max_seq_len``) when the
             mode takes a custom mask (tree verify, ``topk > 1``), else 0.
     """
@@ -79,6 +80,11 @@ class GraphLimits:
     max_num_tokens: int
     max_seq_len: int
     mask_numel: int = 0
+
+    def table_pages(self, page_size: int) -> int:
+        """The static block table's width in pages (at least one): a captured step's key
+        bound is this times ``page_size``, and the kernels' split counts follow it."""
+        return max(-(-self.max_seq_len // max(page_size, 1)), 1)
 
     @classmethod
     def from_config(cls, config: BackendConfig, mode: ForwardMode, max_bs: int,

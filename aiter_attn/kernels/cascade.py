@@ -219,8 +219,7 @@ class CascadeKernel(AttentionKernel):
         spec = self.inner.buffer_spec(limits)
         if self.request is None or self.impl != "triton":
             return spec
-        page = self.request.page_size
-        width = max(-(-limits.max_seq_len // page), 1)
+        width = limits.table_pages(self.request.page_size)
         shapes = self._workspace_shapes(limits.max_bs, limits.max_num_tokens, width,
                                         limits.max_seq_len, torch.device(self.request.device))
         return spec.merge(BufferSpec(shapes))

@@ -198,11 +198,10 @@ class TritonPagedAttention(AttentionKernel):
         if self.request is None or limits.q_len > 64:
             return BufferSpec({})
         device = torch.device(self.request.device)
-        # a captured step's key bound is its static table's width in keys (whole pages),
-        # which the split counts follow (as mla_workspace.buffer_spec sizes it)
-        page = max(int(self.request.page_size or 1), 1)
-        max_k = -(-limits.max_seq_len // page) * page
-        rows = self._workspace_rows(limits.max_bs, limits.q_len, max_k, device)
+        # a captured step's key bound: its static table's width in keys (whole pages)
+        page = self.request.page_size or 1
+        rows = self._workspace_rows(limits.max_bs, limits.q_len,
+                                    limits.table_pages(page) * page, device)
         if not rows:
             return BufferSpec({})
         return BufferSpec({

@@ -162,7 +162,12 @@ def _check_option_values(tuning: dict) -> None:
             raise ValueError(f"TritonMLA: {key}={value!r}; allowed: "
                              f"{', '.join(map(repr, allowed))} (or leave it out for the "
                              "default).")
-    option = tuning.get("balanced")
+    _check_balanced(tuning.get("balanced"))
+
+
+def _check_balanced(option) -> None:
+    """Refuse a ``balanced`` value (option or :data:`MLA_BALANCED`) other than ``None``,
+    ``False``, ``True`` or a positive int."""
     if option is not None and not isinstance(option, bool) and not (
             isinstance(option, int) and option >= 1):
         raise ValueError(f"balanced={option!r}; allowed: False, True (as many programs as "
@@ -260,8 +265,8 @@ class TritonMLA(MLAWorkspace, MLAKernel):
         mask, not sm_90 / bf16 / fp16 / 512 + 64, or ``tuning["gluon"] is False``;
         ``page_size=None`` skips the page check)."""
         ring = self.tuning.get("ring", False)
-        balanced = self.tuning.get("balanced", MLA_BALANCED)
-        wanted = self.tuning.get("narrow", MLA_NARROW and (balanced is False or balanced is None))
+        wanted = self.tuning.get("narrow", MLA_NARROW
+                                 and not self.tuning.get("balanced", MLA_BALANCED))
         if (not (wanted or ring) or not self.tuning.get("gluon", True)
                 or self.heads > NARROW_MLA_MAX_HEADS):
             return None
@@ -284,7 +289,8 @@ class TritonMLA(MLAWorkspace, MLAKernel):
         as the split launch counts); a positive int, that many; ``False`` / absent:
         ``None`` (the split launch)."""
         option = self.tuning.get("balanced", MLA_BALANCED)
-        if option is False or option is None:
+        _check_balanced(option)  # the module default is read here, not at __init__
+        if not option:
             return None
         if option is True:
             _, bn, _, warps, stages, _ = self._config(1, 1, device)
@@ -295,9 +301,6 @@ class TritonMLA(MLAWorkspace, MLAKernel):
                               self.kv_size)
             return (programs_per_sm(_smem_budget(device), warps, ring)
                     * num_sms(torch.device(device)))
-        if isinstance(option, bool) or not isinstance(option, int) or option < 1:
-            raise ValueError(f"balanced={option!r}; allowed: False, True (as many programs "
-                             "as the SMs hold) or a positive int (that many programs).")
         return option
 
     # -- plan / run ----------------------------------------------------------------------
@@ -403,9 +406,10 @@ class TritonMLA(MLAWorkspace, MLAKernel):
             ncount = (self._counters(num_tokens, md, out, device)
                       if nsplits > 1 and not ring and t.get("fused_merge", MLA_FUSED_MERGE)
                       else None)
-            narrow = (nsplits, *nparts, ring, ncount, one_query,
-                      pdl_mode(t.get("pdl", MLA_NARROW_PDL), device)
-                      if nsplits > 1 and ncount is None and not ring else False)
+            pdl = (pdl_mode(t.get("pdl", MLA_NARROW_PDL), device)
+                   if nsplits > 1 and ncount is None and not ring else False)
+            narrow = (nsplits, *nparts, ring, ncount, one_query, pdl,
+                      pdl_kwargs(pdl, reduction=True) if pdl else {})
         if balanced is not None:  # the launch's keywords, once per step (run only launches)
             balanced = (*balanced, dict(
                 part_o=balanced[1].permute(0, 2, 1, 3), part_lse=balanced[2].permute(0, 2, 1),
@@ -501,7 +505,7 @@ class TritonMLA(MLAWorkspace, MLAKernel):
         descs = (self._cache_descs(kv_cache) if plan.narrow is not None and not from_ptr
                  else None)
         if descs is not None and q.stride(2) == 1 and out.stride(2) == 1:
-            nsplits, n_o, n_l, ring, ncount, one_q, pdl = plan.narrow
+            nsplits, n_o, n_l, ring, ncount, one_q, pdl, merge_kw = plan.narrow
             if ring:
                 launch_ring_mla(q, kv_cache, out, cu, seqused_k, block_table, params.scale,
                                 splits=nsplits, batch=plan.batch, causal=kw["CAUSAL"],
@@ -513,8 +517,7 @@ class TritonMLA(MLAWorkspace, MLAKernel):
                                   part_o=n_o, part_lse=n_l, counters=ncount,
                                   one_query=one_q, descs=descs, pdl=pdl)
             if nsplits > 1 and ncount is None:
-                merge_splits(out, n_o, n_l, lse, self.rank, self.block_dv,
-                             **(pdl_kwargs(pdl, reduction=True) if pdl else {}))
+                merge_splits(out, n_o, n_l, lse, self.rank, self.block_dv, **merge_kw)
             return out
         if plan.balanced is not None:
             launch_balanced_mla(q, kv_cache, out, seqused_k, block_table, rank=self.rank,

@@ -131,21 +131,16 @@ if HAS_GLUON:
 
     @gluon.jit
     def _issue_early(kn_d, kr_d, kn_s, kr_s, ready, bt_row, lo, n, last, PAGE: gl.constexpr,
-                     BOX: gl.constexpr):
+                     BOX: gl.constexpr, num_warps: gl.constexpr):
         """The split's first ``_EARLY`` tiles into the empty ring, issued by the program
-        as soon as its key count is in, while q is still on its way to shared memory (the
-        page ids read as scalars, one per ``BOX``-row piece)."""
+        as soon as its key count is in, while q is still on its way to shared memory."""
+        BOXES: gl.constexpr = 64 // BOX
+        lay: gl.constexpr = gl.BlockedLayout([BOXES], [32], [num_warps], [0])
+        offs = gl.arange(0, BOXES, layout=lay)
         for j in gl.static_range(_EARLY):
             if j < n:
-                bar = ready.index(j)
-                mbarrier.expect(bar, 64 * 576 * kn_d.dtype.primitive_bitwidth // 8)
-                for i in gl.static_range(64 // BOX):
-                    key = lo + j * 64 + i * BOX
-                    r = gl.load(bt_row + gl.minimum(key // PAGE, last)) * PAGE + key % PAGE
-                    tma.async_copy_global_to_shared(kn_d, [r, 0], bar,
-                                                    kn_s.index(j).slice(i * BOX, BOX, dim=0))
-                    tma.async_copy_global_to_shared(kr_d, [r, 512], bar,
-                                                    kr_s.index(j).slice(i * BOX, BOX, dim=0))
+                cur = _tile_rows(bt_row, lo + j * 64, last, PAGE, BOX, BOXES, lay)
+                _issue(kn_d, kr_d, kn_s, kr_s, ready.index(j), j, cur, offs, BOX, BOXES)
 
     @gluon.jit
     def _load(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
@@ -364,7 +359,8 @@ if HAS_GLUON:
 
         last = gl.maximum(gl.cdiv(kv_len, PAGE) - 1, 0)
         bt_row = bt + b.to(gl.int64) * s_bt
-        _issue_early(kn_d, kr_d, kn_s, kr_s, ready, bt_row, lo, n, last, PAGE, BOX)
+        _issue_early(kn_d, kr_d, kn_s, kr_s, ready, bt_row, lo, n, last, PAGE, BOX,
+                     num_warps)
         qn_s.store(qn)
         qr_s.store(qr)
         fence_async_shared()

@@ -52,9 +52,10 @@ class TritonMLAPlan(KernelPlan):
     gluon: bool = False
     #: the narrow Gluon kernels (:mod:`.mla_narrow_gluon`, or with ``ring``
     #: :mod:`.mla_ring_gluon`; up to 16 heads) where they serve the step: ``(splits,
-    #: part_o, part_lse, ring, counters, one_query, pdl)`` of its own launch (partials
-    #: ``None`` without splits; ``counters``: the narrow kernel merges its splits itself;
-    #: ``pdl``: :func:`._pdl.pdl_mode` of its split merge launch, ``False`` without one); a
+    #: part_o, part_lse, ring, counters, one_query, pdl, merge_kw)`` of its own launch
+    #: (partials ``None`` without splits; ``counters``: the narrow kernel merges its splits
+    #: itself; ``pdl``: :func:`._pdl.pdl_mode` of its split merge launch, ``False`` without
+    #: one; ``merge_kw``: that launch's PDL keywords, planned once); a
     #: run whose tensors they cannot read takes the Triton launch (its partials view the
     #: same static workspace: one of the two launches runs a step)
     narrow: Optional[tuple] = attrs.field(default=None, **_T)

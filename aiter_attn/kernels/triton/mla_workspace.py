@@ -86,11 +86,10 @@ class MLAWorkspace:
 
         if self.request is None:
             return BufferSpec({})
-        # a step's key bound is its block table's width in keys (whole pages: a static
-        # table holds ceil(max_seq_len / page_size) pages), which the split counts follow
-        page = max(int(self.request.page_size or 1), 1)
-        max_k = -(-limits.max_seq_len // page) * page
-        rows = self._workspace_rows(limits.max_bs, limits.q_len, max_k,
+        # a captured step's key bound: its static table's width in keys (whole pages)
+        page = self.request.page_size or 1
+        rows = self._workspace_rows(limits.max_bs, limits.q_len,
+                                    limits.table_pages(page) * page,
                                     torch.device(self.request.device))
         if not rows:
             return BufferSpec({})
