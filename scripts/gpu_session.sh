@@ -122,6 +122,8 @@
 #   scripts/gpu_session.sh eightieth     # the Triton-option gpu tests on the Triton kernel
 #                                  # (narrow the default), the graph replays; on an H200
 #                                  # the 16-head rows: default, Triton, OLD's narrow
+#   scripts/gpu_session.sh eightythird   # MLA gpu tests, then the 16-head rows of OLD, MID
+#                                  # (snapshot dirs) and this tree, alternating
 #   scripts/gpu_session.sh seventyfourth # the balanced launch, merge unrolled: gpu tests, time
 #                                  # split of its two launches, rows
 #   scripts/gpu_session.sh seventythird  # the balanced MLA launch: gpu tests (also as the
@@ -740,6 +742,32 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
       NEW_VARIANTS=triton,narrow-no-pdl,narrow-pdl-all ROUNDS="1 2" bash "$0" seventyeighth-rows
     fi
+    ;;
+  eightythird)
+    # every gpu test of the MLA kernel files; then the 16-head rows of OLD and MID (snapshot
+    # directories: on 2026-12-06 main and the interleaved splits, with this tree the
+    # two-halves epilogue of branch wip/narrow-interleaved) and this tree, alternating
+    gpu_tests mla_tests.log ${GT_S:-240} 120 tests/test_triton_mla.py tests/test_mla_balanced.py \
+      tests/test_hunt_mla_half_default.py tests/test_mla_fused_merge.py \
+      tests/test_hunt_fp16_gluon.py tests/test_mla_narrow_default.py
+    for i in ${ROUNDS:-1 2}; do
+      for d in ${OLD:-} ${MID:-}; do
+        n=$(basename "$d")
+        (cd "$d" && timeout ${BA_S:-100} python3 benchmarks/bench_attention.py --only mla \
+          --rep 30 --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 \
+          --out "$OUT/$n$i" > "$OUT/$n$i.log" 2>&1)
+        echo "== $n round $i"
+        grep -E "ours|Error|error|ceilings" "$OUT/$n$i.log" | head -6
+      done
+      timeout ${BB_S:-120} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+        --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 \
+        --mla-variants ${NEW_VARIANTS:-triton} --out "$OUT/new$i" > "$OUT/new$i.log" 2>&1
+      echo "== new round $i"
+      grep -E "ours|Error|error|ceilings" "$OUT/new$i.log" | head -8
+    done
+    timeout ${TS_S:-80} python3 benchmarks/mla_time_split.py --rows 16x64x4096 --splits 0 \
+      --floor --tunings '[{}]' 2>&1 | tee "$OUT/time_split_new.log" | tail -3
+    rm -f "$OUT"/*/*.png
     ;;
   seventyninth)
     # every MLA gpu test with the narrow kernel as the 16-head default (before the flip)

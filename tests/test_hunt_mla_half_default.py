@@ -84,7 +84,8 @@ def test_default_merge_form_by_partial_width(dtype, monkeypatch):
                 return kernel[grid](*args, **kw)
             return launch
 
-    monkeypatch.setattr(mla_merge, "_mla_merge_kernel", Spy())
+    monkeypatch.setattr(mla_merge._MERGE, "fn", Spy())  # the regular path: the spy sees it
+    monkeypatch.setattr(mla_merge._MERGE, "direct", False)
     parts = spy_mla_launches(monkeypatch, lambda args, kw: args[5].dtype)
     case = MLACase([1, 2, 1], [150, 77, 3], page=16, dtype=dtype, seed=11)
     case.assert_rows_and_lse("default partials", num_kv_splits=4)

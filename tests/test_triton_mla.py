@@ -324,7 +324,9 @@ def spy_mla_launches(monkeypatch, pick) -> list:
                 return kernel[grid](*args, **kw)
             return launch
 
-    monkeypatch.setattr(mla, "_mla_fwd_kernel", Spy())
+    # the launcher's regular path, so that a compiled key's direct launch cannot skip the spy
+    monkeypatch.setattr(mla._MLA_FWD, "fn", Spy())
+    monkeypatch.setattr(mla._MLA_FWD, "direct", False)
     return seen
 
 

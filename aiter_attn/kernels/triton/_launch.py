@@ -12,6 +12,9 @@ key goes through ``jit_fn[grid]`` (compiling if needed), which returns the
 ``CompiledKernel``; later calls hand the same argument list to its C launcher directly,
 exactly as ``JITFunction.run`` does after its cache hit (Triton 3.6: ``kernel.run(gx, gy, gz,
 stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *bound_args)``).
+Launch options passed as keywords (``launch_pdl``, ``launch_cooperative_grid``) are compile
+options: the compiled kernel's metadata carries them and its C launcher reads them there
+(``CudaLauncher.__init__``), so a direct launch keeps them; they are part of the key.
 
 The direct path is taken only where it was checked to be equivalent: a plain ``JITFunction``
 or Gluon's subclass, which only binds differently (not the interpreter, not an autotuner),

@@ -23,6 +23,7 @@ import triton
 from ...validation import unit_stride
 from ..base import MLAKernel, mask_literal, mla_request, plan_hints, token_count_error
 from ._kvutil import interpreting, is_fp8, max_shared_mem, next_pow2, num_sms
+from ._launch import Launcher, launch_key
 from ._launch_config import (BATCH_INVARIANT_SPLIT_TOKENS, MLA_FP8_VALUE_PAIRS, MLA_FUSED_MERGE,
                              MLA_BALANCED, MLA_HALF_PARTIALS, MLA_KV_DESCRIPTORS,
                              MLA_LAZY_RESCALE, MLA_NARROW, MLA_NARROW_PDL,
@@ -65,6 +66,8 @@ _DEFAULTS = {16: (32, 4, 3), 32: (32, 8, 3), 64: (64, 8, 2)}  # block_h -> (bloc
 #: programs of 4-warp tiles that share an SM: the 16-head default holds 180 registers × 128
 #: threads, so a third would exceed the SM's 65,536 registers
 _MAX_RESIDENT = 2
+#: the Triton kernel's launches (direct once compiled: :mod:`._launch`)
+_MLA_FWD = Launcher(_mla_fwd_kernel)
 
 
 def _smem_budget(device: torch.device) -> Optional[int]:
@@ -547,10 +550,10 @@ class TritonMLA(MLAWorkspace, MLAKernel):
                        mask_arg, mask_ind, part_o, part_lse, ps_o, ps_l, descs):
         cu, seqused_k, block_table = plan.args
         qs, os_ = q.stride(), out.stride()
-        _mla_fwd_kernel[plan.grid](
-            q, kv_cache, descs[0], descs[1], out, part_o, part_lse, lse_t,
-            cu, seqused_k, block_table, mask_arg, mask_ind, scale_t,
-            plan.counters if plan.counters is not None else cu, params.scale * _LOG2E, 1.0,
-            self.heads, plan.batch, plan.head_blocks,
-            qs[0], qs[1], kv_cache.stride(0), kv_cache.stride(1), os_[0], os_[1],
-            block_table.stride(0), ps_o[0], ps_o[1], ps_o[2], ps_l[0], ps_l[1], *ls, **kw)
+        args = (q, kv_cache, descs[0], descs[1], out, part_o, part_lse, lse_t,
+                cu, seqused_k, block_table, mask_arg, mask_ind, scale_t,
+                plan.counters if plan.counters is not None else cu, params.scale * _LOG2E,
+                1.0, self.heads, plan.batch, plan.head_blocks,
+                qs[0], qs[1], kv_cache.stride(0), kv_cache.stride(1), os_[0], os_[1],
+                block_table.stride(0), ps_o[0], ps_o[1], ps_o[2], ps_l[0], ps_l[1], *ls)
+        _MLA_FWD.launch(plan.grid, args, kw, launch_key(args, kw))

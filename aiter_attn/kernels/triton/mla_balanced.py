@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from ._kvutil import next_pow2
+from ._launch import Launcher, launch_key
 from ._softmax import to_output
 from .mla_kernel import _mla_tile
 from .mla_merge import _partial_f32
@@ -287,12 +288,13 @@ def launch_balanced_mla(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
                    programs, block_n, block_dv, block_dr, block_b, num_warps, num_stages,
                    ieee, pdl)
     if "merge" in launches:
-        _mla_balanced_merge_kernel[(batch, heads)](
-            out, lse_t, part_o, part_lse, seqused_k, batch, programs,
-            out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1),
-            part_o.stride(2), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-            *lse_strides, KV_LORA=rank, BLOCK_DV=block_dv, BLOCK_N=block_n, BLOCK_B=block_b,
-            WRITE_LSE=lse is not None, num_warps=4, **pdl_kwargs(pdl, reduction=True))
+        args = (out, lse_t, part_o, part_lse, seqused_k, batch, programs,
+                out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1),
+                part_o.stride(2), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+                *lse_strides)
+        kw = dict(KV_LORA=rank, BLOCK_DV=block_dv, BLOCK_N=block_n, BLOCK_B=block_b,
+                  WRITE_LSE=lse is not None, num_warps=4, **pdl_kwargs(pdl, reduction=True))
+        _BALANCED_MERGE.launch((batch, heads), args, kw, launch_key(args, kw))
 
 
 def _attention(q, kv_cache, out, seqused_k, block_table, rank, rope, qk_scale_log2,
@@ -300,17 +302,23 @@ def _attention(q, kv_cache, out, seqused_k, block_table, rank, rope, qk_scale_lo
                block_n, block_dv, block_dr, block_b, num_warps, num_stages, ieee, pdl):
     batch, heads = seqused_k.shape[0], q.shape[1]
     page_size = kv_cache.shape[1]
-    _mla_balanced_kernel[(programs,)](
-        q, kv_cache, out, lse_t, part_o, part_lse, seqused_k, block_table,
-        scale_ptr if scale_ptr is not None else part_lse,
-        qk_scale_log2, kv_scale_val, heads, batch, programs,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-        out.stride(0), out.stride(1), block_table.stride(0),
-        part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), *lse_strides,
+    args = (q, kv_cache, out, lse_t, part_o, part_lse, seqused_k, block_table,
+            scale_ptr if scale_ptr is not None else part_lse,
+            qk_scale_log2, kv_scale_val, heads, batch, programs,
+            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+            out.stride(0), out.stride(1), block_table.stride(0),
+            part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), *lse_strides)
+    kw = dict(
         PAGE_SIZE=page_size, KV_LORA=rank, ROPE=rope, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
         BLOCK_H=max(16, next_pow2(heads)), BLOCK_N=block_n, BLOCK_B=block_b,
         SCALE_FROM_PTR=scale_ptr is not None, IEEE=ieee,
         TILE_IN_PAGE=page_size % block_n == 0,
         EVEN_D=block_dv == rank and block_dr == rope, WRITE_LSE=lse is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(pdl, reduction=False))
+    _BALANCED.launch((programs,), args, kw, launch_key(args, kw))
+
+
+#: both launches, direct once compiled (:mod:`._launch`)
+_BALANCED = Launcher(_mla_balanced_kernel)
+_BALANCED_MERGE = Launcher(_mla_balanced_merge_kernel)

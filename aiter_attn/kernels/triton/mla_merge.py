@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ._kvutil import next_pow2
+from ._launch import Launcher, launch_key
 from ._pdl import wait_then_release
 from ._softmax import _FP16_MAX  # what an fp16 partial of ±inf is read as (_partial_f32)
 from ._softmax import to_output  # the rows' store: an fp16 output clamped to ±65504
@@ -146,9 +147,14 @@ def merge_splits(out, part_o, part_lse, lse, rank: int, block_dv: int, *,
     fixed_order = fixed_order or part_o.element_size() < 4
     os_, po, pl = out.stride(), part_o.stride(), part_lse.stride()
     ls = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-    _mla_merge_kernel[(t, h)](
-        out, part_o, part_lse, lse if lse is not None else part_lse, os_[0], os_[1],
-        po[0], po[1], po[2], pl[0], pl[1], *ls,
-        KV_LORA=rank, BLOCK_DV=block_dv, NUM_SPLITS=splits,
-        BLOCK_S=max(2, next_pow2(splits)), WRITE_LSE=lse is not None,
-        FIXED_ORDER=fixed_order, num_warps=4, **pdl)
+    args = (out, part_o, part_lse, lse if lse is not None else part_lse, os_[0], os_[1],
+            po[0], po[1], po[2], pl[0], pl[1], *ls)
+    kw = dict(KV_LORA=rank, BLOCK_DV=block_dv, NUM_SPLITS=splits,
+              BLOCK_S=max(2, next_pow2(splits)), WRITE_LSE=lse is not None,
+              FIXED_ORDER=fixed_order, num_warps=4, **pdl)
+    _MERGE.launch((t, h), args, kw, launch_key(args, kw))
+
+
+#: the merge's launches (direct once compiled, ``launch_pdl`` included: it is part of the
+#: compiled kernel's metadata; :mod:`._launch`)
+_MERGE = Launcher(_mla_merge_kernel)
