@@ -122,6 +122,8 @@
 #   scripts/gpu_session.sh eightieth     # the Triton-option gpu tests on the Triton kernel
 #                                  # (narrow the default), the graph replays; on an H200
 #                                  # the 16-head rows: default, Triton, OLD's narrow
+#   scripts/gpu_session.sh eightyfourth  # the narrow kernel's per-program timeline (stamps):
+#                                  # its gpu tests, narrow_timeline.py, the 16-head rows
 #   scripts/gpu_session.sh eightythird   # MLA gpu tests, then the 16-head rows of OLD, MID
 #                                  # (snapshot dirs) and this tree, alternating
 #   scripts/gpu_session.sh seventyfourth # the balanced launch, merge unrolled: gpu tests, time
@@ -742,6 +744,20 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
       NEW_VARIANTS=triton,narrow-no-pdl,narrow-pdl-all ROUNDS="1 2" bash "$0" seventyeighth-rows
     fi
+    ;;
+  eightyfourth)
+    # where the narrow kernel's step goes, program by program (global-timer stamps): its
+    # gpu tests with the stamps argument in the signature, then the timeline of the two
+    # 16-head rows (narrow_timeline.py) and the rows themselves
+    gpu_tests narrow_tests.log ${GT_S:-150} 120 tests/test_triton_mla.py tests/test_narrow_timeline.py \
+      tests/test_mla_narrow_default.py -k "narrow or Narrow or graph or timeline"
+    timeout ${NT_S:-120} python3 benchmarks/narrow_timeline.py --rows 16x64x4096,16x128x8192 \
+      2>&1 | tee "$OUT/narrow_timeline.log"
+    timeout ${BB_S:-100} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 --out "$OUT/rows" \
+      > "$OUT/rows.log" 2>&1
+    grep -E "ours|Error|error|ceilings" "$OUT/rows.log" | head -6
+    rm -f "$OUT"/*/*.png
     ;;
   eightythird)
     # every gpu test of the MLA kernel files; then the 16-head rows of OLD and MID (snapshot

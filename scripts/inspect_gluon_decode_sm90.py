@@ -78,12 +78,13 @@ def compile_narrow_mla(q="bf16", part="fp32", **const):
 
     c = dict(HP=16, PAGE=64, BOX=64, CAUSAL=True, SPLITS=1, WRITE_LSE=False, BLOCK_B=64,
              CONSUMER_REGS=mn._MAXNREG, LOADER_REGS=mn._LOADER_REGS, num_warps=4,
-             FUSED=False, ONE_QUERY=False)
+             FUSED=False, ONE_QUERY=False, PDL=False, STAMPS=False)
     c.update(const)
     c["BOX"] = min(c["BOX"], 64)
     return _compile_sm90(mn._narrow_mla_kernel, c, q,
                          {"kn_d": (c["BOX"], 512), "kr_d": (c["BOX"], 64)},
-                         ("part_l", "lse_ptr"), mn._MAXNREG, ptrs={"part_o": part})
+                         ("part_l", "lse_ptr"), mn._MAXNREG,
+                         ptrs={"part_o": part, "stamps": "i64"})
 
 
 def compile_ring_mla(q="bf16", **const):

@@ -288,7 +288,9 @@ def _inspect_mla(const: dict, kernel: str = "--mla") -> dict:
     {"HP": 8, "PAGE": 48, "BOX": 16, "SPLITS": 3, "WRITE_LSE": True},
     {"PAGE": 16, "BOX": 16, "WRITE_LSE": True, "q": "fp16"},
     {"SPLITS": 4, "part": "bf16"},
-], ids=["h16-p64", "h8-p48-splits-lse", "h16-p16-fp16", "h16-splits-bf16-partials"])
+    {"SPLITS": 2, "part": "bf16", "STAMPS": True, "PDL": True, "ONE_QUERY": True},
+], ids=["h16-p64", "h8-p48-splits-lse", "h16-p16-fp16", "h16-splits-bf16-partials",
+        "timeline"])
 def test_narrow_mla_compiles_for_sm90(const):
     """The narrow MLA kernel (``mla_narrow_gluon.py``): 12 warps within the SM's registers
     and the H200's shared memory (two 72 KB latent slots, q, P, the hand-over buffer); 68

@@ -48,9 +48,13 @@ from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout, sm90_gluon_reason
 
 __all__ = ["narrow_mla_reject_reason", "narrow_mla_layout_reason", "narrow_mla_splits",
            "narrow_descriptors",
-           "launch_narrow_mla", "NARROW_MLA_MAX_HEADS"]
+           "launch_narrow_mla", "NARROW_MLA_MAX_HEADS", "STAMP_FIELDS"]
 
 NARROW_MLA_MAX_HEADS = 16
+#: what a program's row of the timeline buffer holds (``launch_narrow_mla(stamps=...)``):
+#: global-timer ns at each point, and the SM it ran on
+STAMP_FIELDS = ("entry", "sm", "q_staged", "first_tile", "c0_tiles_done", "c1_tiles_done",
+                "rows_stored", "last_issue")
 _RANK, _ROPE, _BLOCK_N, _STAGES = 512, 64, 64, 2
 _MAXNREG, _LOADER_REGS = 128, 48
 
@@ -119,6 +123,20 @@ if HAS_GLUON:
     _EARLY = gl.constexpr(_STAGES)
 
     @gluon.jit
+    def _stamp(stamps, t, split, i: gl.constexpr, SPLITS: gl.constexpr, STAMPS: gl.constexpr):
+        """``STAMPS``: entry ``i`` of program ``(t, split)``'s row of the timeline buffer
+        (int64 ``[T * SPLITS, 8]``, :data:`STAMP_FIELDS`) set to the global timer (ns),
+        or, for ``i == 1``, to the SM's id. Nothing when ``STAMPS`` is off."""
+        if STAMPS:
+            if i == 1:
+                v = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
+                                              is_pure=False, pack=1).to(gl.int64)
+            else:
+                v = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [],
+                                              dtype=gl.int64, is_pure=False, pack=1)
+            gl.store(stamps + (t.to(gl.int64) * SPLITS + split) * 8 + i, v)
+
+    @gluon.jit
     def _issue(kn_d, kr_d, kn_s, kr_s, bar, slot, cur, offs, BOX: gl.constexpr,
                BOXES: gl.constexpr):
         mbarrier.expect(bar, 64 * 576 * kn_d.dtype.primitive_bitwidth // 8)
@@ -145,7 +163,7 @@ if HAS_GLUON:
     @gluon.jit
     def _load(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
               BOX: gl.constexpr, SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr,
-              FUSED: gl.constexpr):
+              FUSED: gl.constexpr, STAMPS: gl.constexpr):
         """Loader (1 warp): every tile of the split after the first ``_EARLY`` (the
         program issued those), page ids a tile ahead."""
         kn_d, kr_d = ops[0][0], ops[0][1]
@@ -163,11 +181,13 @@ if HAS_GLUON:
             slot = j % 2
             mbarrier.wait(empty.index(slot), ((j // 2) & 1) ^ 1)
             _issue(kn_d, kr_d, kn_s, kr_s, ready.index(slot), slot, cur, offs, BOX, BOXES)
+        _stamp(ops[1][7], rows[0], rows[1], 7, SPLITS, STAMPS)
 
     @gluon.jit
     def _consume(ops, smem, bars, rows, C: gl.constexpr, HP: gl.constexpr,
-                 SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr, FUSED: gl.constexpr):
-        out, part_o, part_l, lse_ptr, qk2, heads, count = ops[1]
+                 SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr, FUSED: gl.constexpr,
+                 STAMPS: gl.constexpr):
+        out, part_o, part_l, lse_ptr, qk2, heads, count, _ = ops[1]
         s_ot, s_oh, s_pt, s_ph, s_ps, s_lt, s_lh, s_et, s_eh = ops[2]
         qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x = smem
         ready, empty, done = bars
@@ -188,6 +208,9 @@ if HAS_GLUON:
         for j in range(C, n, 2):
             slot = j % 2
             mbarrier.wait(ready.index(slot), (j // 2) & 1)
+            if C == 0:
+                if j == 0:
+                    _stamp(ops[1][7], t, split, 3, SPLITS, STAMPS)  # the first tile is in
             kn = kn_s.index(slot)
             s_tok = warpgroup_mma(kn, qn_t, s_zero, use_acc=False, is_async=True)
             s_tok = warpgroup_mma(kr_s.index(slot), qr_t, s_tok, is_async=True)
@@ -202,6 +225,7 @@ if HAS_GLUON:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
             mbarrier.arrive(empty.index(slot), count=1)
         l_i = gl.sum(l_acc, 0)
+        _stamp(ops[1][7], t, split, 4 + C, SPLITS, STAMPS)  # this consumer's last tile done
 
         m_i, l_i, acc = _hand_over(C, m_i, l_i, acc, m_x, l_x, o_x, done, col, s_lay)
         if C == 0:
@@ -249,6 +273,7 @@ if HAS_GLUON:
                                      s_pt, s_ph, s_ps, s_lt, s_lh, s_et, s_eh, HP, SPLITS,
                                      WRITE_LSE)
                         gl.atomic_xchg(count + t, 0, sem="relaxed")
+            _stamp(ops[1][7], t, split, 6, SPLITS, STAMPS)  # the rows are stored
 
     @gluon.jit
     def _merge_token(out, part_o, part_l, lse_ptr, t64, heads, s_ot, s_oh, s_pt, s_ph, s_ps,
@@ -294,25 +319,25 @@ if HAS_GLUON:
     @gluon.jit
     def _consume_0(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
                    BOX: gl.constexpr, SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr,
-                   FUSED: gl.constexpr):
-        _consume(ops, smem, bars, rows, 0, HP, SPLITS, WRITE_LSE, FUSED)
+                   FUSED: gl.constexpr, STAMPS: gl.constexpr):
+        _consume(ops, smem, bars, rows, 0, HP, SPLITS, WRITE_LSE, FUSED, STAMPS)
 
     @gluon.jit
     def _consume_1(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
                    BOX: gl.constexpr, SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr,
-                   FUSED: gl.constexpr):
-        _consume(ops, smem, bars, rows, 1, HP, SPLITS, WRITE_LSE, FUSED)
+                   FUSED: gl.constexpr, STAMPS: gl.constexpr):
+        _consume(ops, smem, bars, rows, 1, HP, SPLITS, WRITE_LSE, FUSED, STAMPS)
 
     @gluon.jit
     def _narrow_mla_kernel(
-        kn_d, kr_d, q_ptr, out, part_o, part_l, lse_ptr, cu_q, seqused, bt, count,
+        kn_d, kr_d, q_ptr, out, part_o, part_l, lse_ptr, cu_q, seqused, bt, count, stamps,
         qk2, heads, batch, s_bt, s_qt, s_qh,
         s_ot, s_oh, s_pt, s_ph, s_ps, s_lt, s_lh, s_et, s_eh,
         HP: gl.constexpr, PAGE: gl.constexpr, BOX: gl.constexpr, CAUSAL: gl.constexpr,
         SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr, BLOCK_B: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
         FUSED: gl.constexpr = False, ONE_QUERY: gl.constexpr = False,
-        PDL: gl.constexpr = False,
+        PDL: gl.constexpr = False, STAMPS: gl.constexpr = False,
     ):
         if PDL:  # the kernel before first (a no-op unless launched early), then let the
             # split merge's programs start: they wait for this kernel's end on the device
@@ -322,6 +347,8 @@ if HAS_GLUON:
                                       [], dtype=gl.int32, is_pure=False, pack=1)
         t = gl.program_id(0)
         split = gl.program_id(1)
+        _stamp(stamps, t, split, 0, SPLITS, STAMPS)  # entry (after the PDL wait)
+        _stamp(stamps, t, split, 1, SPLITS, STAMPS)  # the SM
         dtype: gl.constexpr = kn_d.dtype
         # q [HP, 576]: its loads go out first (heads past ``heads`` read zeros); it reaches
         # shared memory after the first tiles are issued
@@ -365,15 +392,18 @@ if HAS_GLUON:
         qr_s.store(qr)
         fence_async_shared()
         gl.thread_barrier()
-        ops = ((kn_d, kr_d), (out, part_o, part_l, lse_ptr, qk2, heads, count),
+        _stamp(stamps, t, split, 2, SPLITS, STAMPS)  # q staged, the first tiles issued
+        ops = ((kn_d, kr_d), (out, part_o, part_l, lse_ptr, qk2, heads, count, stamps),
                (s_ot, s_oh, s_pt, s_ph, s_ps, s_lt, s_lh, s_et, s_eh))
         smem = (qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x)
         bars = (ready, empty, done)
         rows = (t, split, bt_row, lo, n, valid, last)
         gl.warp_specialize([
-            (_consume_0, (ops, smem, bars, rows, HP, PAGE, BOX, SPLITS, WRITE_LSE, FUSED)),
-            (_consume_1, (ops, smem, bars, rows, HP, PAGE, BOX, SPLITS, WRITE_LSE, FUSED)),
-            (_load, (ops, smem, bars, rows, HP, PAGE, BOX, SPLITS, WRITE_LSE, FUSED)),
+            (_consume_0, (ops, smem, bars, rows, HP, PAGE, BOX, SPLITS, WRITE_LSE, FUSED,
+                          STAMPS)),
+            (_consume_1, (ops, smem, bars, rows, HP, PAGE, BOX, SPLITS, WRITE_LSE, FUSED,
+                          STAMPS)),
+            (_load, (ops, smem, bars, rows, HP, PAGE, BOX, SPLITS, WRITE_LSE, FUSED, STAMPS)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -392,15 +422,20 @@ def narrow_descriptors(kv_cache):
 
 def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, splits: int,
                       batch: int, causal: bool, lse=None, part_o=None, part_lse=None,
-                      descs=None, counters=None, one_query: bool = False, pdl=False):
+                      descs=None, counters=None, one_query: bool = False, pdl=False,
+                      stamps=None):
     """One launch over ``(tokens, splits)`` programs; with ``splits > 1`` it writes
     ``part_o`` ``[T, H, S, R]`` / ``part_lse`` ``[T, H, S]`` (:mod:`.mla`'s partials) for
     its merge kernel, or, given ``counters`` (zeroed int32 ``[T]``, left zero), merges
     them itself (the last split of each token). ``one_query``: every request has one
     query. ``pdl`` (:func:`._pdl.pdl_mode`): truthy, the kernel lets the next launch (its
     split merge, launched with ``launch_pdl``) start at once; ``True``, it also starts
-    early itself and waits for the kernel before it. The caller checked :func:`narrow_mla_reject_reason`,
-    :func:`narrow_mla_layout_reason` and unit last-dim strides of q and out."""
+    early itself and waits for the kernel before it. ``stamps``: an int64 CUDA tensor
+    ``[tokens * splits, 8]`` that each program ``(t, s)`` fills at row ``t * splits + s``
+    with its timeline (:data:`STAMP_FIELDS`: global-timer ns and its SM), for
+    ``benchmarks/narrow_timeline.py``; off (``None``) it is compiled out. The caller
+    checked :func:`narrow_mla_reject_reason`, :func:`narrow_mla_layout_reason` and unit
+    last-dim strides of q and out."""
     t, h, _ = q.shape
     kn_d, kr_d = descs if descs is not None else narrow_descriptors(kv_cache)
     po = part_o if part_o is not None else out
@@ -410,7 +445,8 @@ def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, 
     ls = lse.stride() if lse is not None else (0, 0)
     fused = counters is not None and splits > 1
     args = (kn_d, kr_d, q, out, po, pl, lse if lse is not None else out, cu_q, seqused_k,
-            block_table, counters if fused else cu_q, float(scale) * _LOG2E, h, batch,
+            block_table, counters if fused else cu_q, stamps if stamps is not None else cu_q,
+            float(scale) * _LOG2E, h, batch,
             block_table.stride(0),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *ps_o, *ps_l, *ls)
     kw = dict(HP=8 if h <= 8 else 16, PAGE=kv_cache.shape[1], BOX=_box_rows(kv_cache.shape[1]),
@@ -418,9 +454,10 @@ def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, 
               BLOCK_B=max(2, 1 << max(0, (batch - 1).bit_length())),
               CONSUMER_REGS=_MAXNREG, LOADER_REGS=_LOADER_REGS, num_warps=4,
               maxnreg=_MAXNREG, FUSED=fused, ONE_QUERY=bool(one_query), PDL=bool(pdl),
+              STAMPS=stamps is not None,
               **({"launch_pdl": True} if pdl is True else {}))
-    key = (tuple(tensor_key(a) if hasattr(a, "data_ptr") else None for a in args[2:11]),
-           args[12:], tuple(sorted(kw.items())), kv_cache.dtype, tuple(kn_d.block_shape))
+    key = (tuple(tensor_key(a) if hasattr(a, "data_ptr") else None for a in args[2:12]),
+           args[13:], tuple(sorted(kw.items())), kv_cache.dtype, tuple(kn_d.block_shape))
     _NARROW.launch((t, int(splits)), args, kw, key)
     return out
 

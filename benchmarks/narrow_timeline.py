@@ -1,0 +1,138 @@
+"""Where a replayed 16-head MLA step's time goes inside the narrow Gluon kernel: each program
+stamps the global timer at fixed points (``launch_narrow_mla(stamps=...)``, fields
+:data:`~aiter_attn.kernels.triton.mla_narrow_gluon.STAMP_FIELDS`) and its SM id.
+
+The row is planned as the default plans it (:class:`~aiter_attn.kernels.triton.mla.TritonMLA`,
+static workspace: the narrow kernel's splits and the merge by PDL), then ``--steps`` steps
+are captured back to back in one CUDA graph, each with its own rows of the timeline buffer,
+and the graph is replayed ``--reps`` times. For each step after the first (µs, medians over
+the replays)::
+
+    period      first entry to the next step's first entry
+    entry skew  last program's entry after the first's
+    q staged    entry -> q in shared memory (the first two tiles issued before it)
+    first tile  entry -> consumer 0's first tile in shared memory
+    stream      first tile -> the later consumer's last tile (median program; min, max)
+    epilogue    the later consumer's last tile -> rows stored (median program)
+    end spread  the last program's end after the median program's (the tail)
+    gap         the last program's end -> the next step's first entry (the merge, launches)
+
+On the GPU::
+
+    python3 benchmarks/narrow_timeline.py --rows 16x64x4096,16x128x8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from statistics import median
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def summarize(stamps: torch.Tensor) -> dict:
+    """The timeline of consecutive steps: ``stamps`` int64 ``[steps, programs, 8]`` in the
+    order of ``STAMP_FIELDS`` (ns; field 1 the SM). Returns µs figures of the steps after
+    the first (each measured against the step before or after it), medians over steps."""
+    s = stamps.to(torch.int64).cpu()
+    entry, q_staged, first = s[..., 0], s[..., 2], s[..., 3]
+    done = torch.maximum(s[..., 4], s[..., 5])
+    end = s[..., 6]
+    us = 1e-3
+    per = {k: [] for k in ("period", "entry skew", "q staged", "first tile", "stream",
+                           "stream min", "stream max", "epilogue", "end spread", "gap")}
+    steps = s.shape[0]
+    for r in range(1, steps - 1):
+        e0, e1 = entry[r].min(), entry[r + 1].min()
+        stream = (done[r] - first[r]).float()
+        per["period"].append(float(e1 - e0) * us)
+        per["entry skew"].append(float(entry[r].max() - e0) * us)
+        per["q staged"].append(float((q_staged[r] - entry[r]).float().median()) * us)
+        per["first tile"].append(float((first[r] - entry[r]).float().median()) * us)
+        per["stream"].append(float(stream.median()) * us)
+        per["stream min"].append(float(stream.min()) * us)
+        per["stream max"].append(float(stream.max()) * us)
+        per["epilogue"].append(float((end[r] - done[r]).float().median()) * us)
+        per["end spread"].append(float(end[r].max() - end[r].float().median()) * us)
+        per["gap"].append(float(e1 - end[r].max()) * us)
+    out = {k: round(median(v), 3) for k, v in per.items() if v}
+    sms = s[..., 1]
+    out["programs"] = int(s.shape[1])
+    out["most programs on one SM"] = int(torch.bincount(sms[1].flatten()).max())
+    return out
+
+
+def timeline(heads: int, bs: int, ctx: int, *, steps: int = 8, reps: int = 5,
+             device="cuda") -> dict:
+    """The row's :func:`summarize` from ``reps`` replays of ``steps`` captured steps."""
+    from _inputs import make_mla
+
+    from aiter_attn.kernels.base import _adhoc_metadata, mla_layer_params
+    from aiter_attn.kernels.triton.mla import TritonMLA, mla_request
+    from aiter_attn.kernels.triton.mla_merge import merge_splits
+    from aiter_attn.kernels.triton.mla_narrow_gluon import STAMP_FIELDS, launch_narrow_mla
+
+    x = make_mla(bs, ctx, heads=heads, device=device)
+    out = torch.empty(bs, heads, x.rank, dtype=x.q.dtype, device=device)
+    kernel = TritonMLA(mla_request(x.q, x.kv_cache, x.rank), {})
+    md = _adhoc_metadata(x.q, x.kv_cache, x.cu_seqlens_q, x.seqused_k, x.block_table, None,
+                         None, 1, ctx, "narrow_timeline")
+    params = mla_layer_params(scale=x.scale, device=x.q.device, kv_lora_rank=x.rank,
+                              num_q_heads=heads, head_dim=x.q.shape[2])
+    plan = kernel.plan(md, {})
+    if plan.narrow is None:
+        raise SystemExit(f"{heads}x{bs}x{ctx}: the default plan does not take the narrow "
+                         "kernel here (it needs sm_90 and bf16/fp16)")
+    nsplits, part_o, part_lse, _, _, one_q, pdl, merge_kw = plan.narrow
+    cu, seqused, table = plan.args
+    descs = kernel._cache_descs(x.kv_cache)
+    stamps = torch.zeros(steps, bs * nsplits, len(STAMP_FIELDS), dtype=torch.int64,
+                         device=device)
+
+    def step(r):
+        launch_narrow_mla(x.q, x.kv_cache, out, cu, seqused, table, params.scale,
+                          splits=nsplits, batch=plan.batch, causal=params.causal,
+                          part_o=part_o if nsplits > 1 else None,
+                          part_lse=part_lse if nsplits > 1 else None,
+                          one_query=one_q, descs=descs, pdl=pdl, stamps=stamps[r])
+        if nsplits > 1:
+            merge_splits(out, part_o, part_lse, None, x.rank, kernel.block_dv, **merge_kw)
+
+    for r in range(steps):  # compile, warm
+        step(r)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for r in range(steps):
+            step(r)
+    runs = []
+    for _ in range(reps):
+        graph.replay()
+        torch.cuda.synchronize()
+        runs.append(summarize(stamps))
+    rec = {"row": f"{heads}x{bs}x{ctx}", "splits": nsplits}
+    rec.update({k: round(median(run[k] for run in runs), 3) for k in runs[0]})
+    return rec
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", default="16x64x4096,16x128x8192",
+                   help="heads x batch x context, comma-separated")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--reps", type=int, default=5)
+    a = p.parse_args()
+    for row in a.rows.split(","):
+        h, b, c = (int(v) for v in row.split("x"))
+        print(json.dumps(timeline(h, b, c, steps=a.steps, reps=a.reps)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""``benchmarks/narrow_timeline.py``'s summary of the narrow kernel's per-program timeline
+(the kernel's stamps need an sm_90 GPU; the arithmetic is checked here on a hand-built
+timeline of three steps of four programs)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+
+
+def _step(t0: int, ends: list[int]) -> list[list[int]]:
+    """Four programs entering at ``t0 + 0/100/200/300`` ns on SMs 0..3: q staged 500 ns
+    after entry, first tile 1500, consumer 0 done at ``end - 800``, consumer 1 at
+    ``end - 1000``, rows stored at ``end``."""
+    rows = []
+    for i, end in enumerate(ends):
+        e = t0 + 100 * i
+        rows.append([e, i, e + 500, e + 1500, end - 800, end - 1000, end, end - 2000])
+    return rows
+
+
+def test_summary_of_a_hand_built_timeline():
+    from narrow_timeline import summarize
+
+    stamps = torch.tensor([_step(0, [50_000, 50_000, 50_000, 50_000]),
+                           _step(80_000, [150_000, 151_000, 152_000, 160_000]),
+                           _step(170_000, [240_000, 240_000, 240_000, 240_000])])
+    s = summarize(stamps)
+    assert s["period"] == 90.0  # 80 µs -> 170 µs
+    assert s["entry skew"] == 0.3
+    assert s["q staged"] == 0.5 and s["first tile"] == 1.5
+    # stream: (end - 800) - (entry + 1500) per program: 67.7, 68.6, 69.5, 77.4 µs
+    assert s["stream min"] == 67.7 and s["stream max"] == 77.4
+    assert s["stream"] == 68.6  # torch's median: the lower middle value
+    assert s["epilogue"] == 0.8
+    assert s["end spread"] == 9.0  # 160 µs against the lower median 151
+    assert s["gap"] == 10.0  # 160 µs -> 170 µs
+    assert s["programs"] == 4 and s["most programs on one SM"] == 1
+
+
+@pytest.mark.gpu
+def test_gpu_timeline_of_a_small_row():
+    """On sm_90, a replayed row of 16 requests: one program per SM, and the summary's parts
+    positive and in order (the first tile's latency under the stream, the stream under the
+    step's period)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the narrow Gluon MLA kernel is sm_90 only")
+    from narrow_timeline import timeline
+
+    rec = timeline(16, 16, 2048, steps=4, reps=2)
+    assert rec["splits"] >= 1 and rec["programs"] == 16 * rec["splits"], rec
+    assert rec["most programs on one SM"] == 1, rec
+    for k in ("period", "q staged", "first tile", "stream", "epilogue"):
+        assert rec[k] > 0, (k, rec)
+    assert rec["first tile"] < rec["stream"] < rec["period"], rec
