@@ -121,11 +121,13 @@ if HAS_GLUON:
     #: tiles the program issues itself before staging q (the whole ring: the loader starts
     #: at the third tile), so the first tiles' page lookups and TMA do not wait for q
     _EARLY = gl.constexpr(_STAGES)
+    #: a program's row of the timeline buffer (:data:`STAMP_FIELDS`)
+    _STAMP_ROW = gl.constexpr(len(STAMP_FIELDS))
 
     @gluon.jit
     def _stamp(stamps, t, split, i: gl.constexpr, SPLITS: gl.constexpr, STAMPS: gl.constexpr):
         """``STAMPS``: entry ``i`` of program ``(t, split)``'s row of the timeline buffer
-        (int64 ``[T * SPLITS, 8]``, :data:`STAMP_FIELDS`) set to the global timer (ns),
+        (int64 ``[T * SPLITS, len(STAMP_FIELDS)]``) set to the global timer (ns),
         or, for ``i == 1``, to the SM's id. Nothing when ``STAMPS`` is off."""
         if STAMPS:
             if i == 1:
@@ -134,7 +136,7 @@ if HAS_GLUON:
             else:
                 v = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [],
                                               dtype=gl.int64, is_pure=False, pack=1)
-            gl.store(stamps + (t.to(gl.int64) * SPLITS + split) * 8 + i, v)
+            gl.store(stamps + (t.to(gl.int64) * SPLITS + split) * _STAMP_ROW + i, v)
 
     @gluon.jit
     def _issue(kn_d, kr_d, kn_s, kr_s, bar, slot, cur, offs, BOX: gl.constexpr,
