@@ -32,6 +32,7 @@ __all__ = [
     "check_attention_scalars",
     "check_paged_index_values",
     "check_slot_values",
+    "NULL_SLOT",
     "debug_checks_enabled",
     "env_value",
     "checked_kernel",
@@ -356,9 +357,17 @@ def check_paged_index_values(
                     f"{custom_mask.numel()} elements.")
 
 
+#: slot 0 of the null page 0: written by padding tokens (any number of them), read by no one
+NULL_SLOT = 0
+
+
 def check_slot_values(slots: torch.Tensor, num_slots: int, *, name: str = "slots",
                       op: str = "write_kv") -> None:
-    """Every KV-write slot is ``< num_slots`` (negative slots are skipped by contract).
+    """Every KV-write slot is ``< num_slots`` and no two tokens write the same slot. Two
+    writes of one slot in a batch race on the GPU: which token's K/V the cache keeps is left
+    to chance. Exempt: negative slots (skipped by contract) and :data:`NULL_SLOT`, slot 0 of
+    the null page 0, where every CUDA-graph padding token writes
+    (:data:`aiter_attn.graph.buffers.DUMMY_SLOT`) and no request reads.
     Reads ``slots`` to the host; skipped during CUDA-graph capture."""
     if slots.numel() == 0 or _capturing(slots):
         return
@@ -367,6 +376,19 @@ def check_slot_values(slots: torch.Tensor, num_slots: int, *, name: str = "slots
         t = int((slots >= num_slots).nonzero()[0, 0])
         raise ValueError(f"{op}: {name}[{t}]={int(slots[t])} is past the cache's {num_slots} "
                          "slots (pages · page_size); slots come from the pool's allocator.")
+    tokens = (slots > NULL_SLOT).nonzero().flatten()  # the live rows, in token order
+    if tokens.numel() < 2:
+        return
+    ordered, order = slots.index_select(0, tokens).sort(stable=True)
+    same = (ordered[1:] == ordered[:-1]).nonzero()
+    if same.numel():
+        i = int(same[0, 0])
+        a, b = int(tokens[order[i]]), int(tokens[order[i + 1]])
+        raise ValueError(
+            f"{op}: {name}[{a}] and {name}[{b}] both write slot {int(ordered[i])}; two tokens "
+            "of one batch cannot share a KV slot (on the GPU either write may land last). "
+            "Give each token its own slot from the pool's allocator, or a negative slot to "
+            "skip that token's write (padding tokens may share the null slot 0).")
 
 
 # --------------------------------------------------------------------------------------------

@@ -179,6 +179,43 @@ def test_write_checked_mode_refuses_slots_past_the_cache(monkeypatch):
         ops.write_kv(k_cache, k_cache.clone(), slots, k, k.clone(), backend="triton")
 
 
+@requires_triton
+@pytest.mark.parametrize("slots,pair", [([5, 7, 5], (0, 2)), ([-1, 9, -1, 3, 9], (1, 4)),
+                                        ([0, 4, 0, 11, 4], (1, 4))])
+def test_write_checked_mode_refuses_two_tokens_on_one_slot(monkeypatch, slots, pair):
+    """Two live tokens on one slot race on the GPU; negative (skipped) slots and the null
+    slot 0 (padding) may repeat."""
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    k_cache = torch.randn(3, 4, 2, 16, device=DEVICE)
+    k = torch.randn(len(slots), 2, 16, device=DEVICE)
+    slot_t = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    a, b = pair
+    with pytest.raises(ValueError, match=rf"slots\[{a}\] and slots\[{b}\] both write slot "
+                       rf"{slots[a]}; two tokens"):
+        ops.write_kv(k_cache, k_cache.clone(), slot_t, k, k.clone(), backend="triton")
+
+
+@requires_triton
+def test_write_checked_mode_lets_skipped_and_null_slots_repeat(monkeypatch):
+    """Negative slots are skipped; the null slot 0 takes the padding tokens' writes (what it
+    holds after is not checked: no request reads it)."""
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    k_cache = torch.randn(3, 4, 2, 16, device=DEVICE)
+    v_cache = torch.randn(3, 4, 2, 16, device=DEVICE)
+    k, v = torch.randn(6, 2, 16, device=DEVICE), torch.randn(6, 2, 16, device=DEVICE)
+    slots = torch.tensor([-1, 6, -1, 1, 0, 0], dtype=torch.int64, device=DEVICE)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k.view(12, 2, 16)[[6, 1]] = k[[1, 3]]
+    want_v.view(12, 2, 16)[[6, 1]] = v[[1, 3]]
+    k_cache.view(12, 2, 16)[0] = want_k.view(12, 2, 16)[0] = 0
+    v_cache.view(12, 2, 16)[0] = want_v.view(12, 2, 16)[0] = 0
+    ops.write_kv(k_cache, v_cache, slots, k, v, backend="triton")
+    k_cache.view(12, 2, 16)[0] = 0
+    v_cache.view(12, 2, 16)[0] = 0
+    torch.testing.assert_close(k_cache, want_k, rtol=0, atol=0)
+    torch.testing.assert_close(v_cache, want_v, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------- the checked mode
 
 

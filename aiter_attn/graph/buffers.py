@@ -24,6 +24,7 @@ import torch
 from ..batch import ForwardBatch, SpecInfo
 from ..contract import MODE_CONTRACTS, ModeContract, capturable_modes, contract_of
 from ..types import BackendConfig, ForwardMode
+from ..validation import NULL_SLOT
 
 __all__ = [
     "NULL_REQ_ROW",
@@ -37,8 +38,9 @@ __all__ = [
 #: ``req_to_token`` row that padding requests use: never handed out, all zeros, so every
 #: token of a padding row maps to the null slot 0 (``ReqToTokenPool`` reserves it).
 NULL_REQ_ROW = 0
-#: KV slot padding tokens write to: slot 0 of the null page 0, never a live request's slot.
-DUMMY_SLOT = 0
+#: KV slot padding tokens write to: slot 0 of the null page 0, never a live request's slot
+#: (the checked mode lets any number of tokens write it: :data:`~aiter_attn.validation.NULL_SLOT`).
+DUMMY_SLOT = NULL_SLOT
 
 #: Modes a graph can be captured for (IDLE replays the DECODE graphs): from the mode contracts.
 CAPTURABLE_MODES = capturable_modes()
