@@ -123,7 +123,8 @@
 #                                  # (narrow the default), the graph replays; on an H200
 #                                  # the 16-head rows: default, Triton, OLD's narrow
 #   scripts/gpu_session.sh eightyfourth  # the narrow kernel's per-program timeline (stamps):
-#                                  # its gpu tests, narrow_timeline.py, the 16-head rows
+#                                  # its gpu tests, narrow_timeline.py, the 16-head rows of
+#                                  # the default and the fused merge twice, time splits
 #   scripts/gpu_session.sh eightythird   # MLA gpu tests, then the 16-head rows of OLD, MID
 #                                  # (snapshot dirs) and this tree, alternating
 #   scripts/gpu_session.sh seventyfourth # the balanced launch, merge unrolled: gpu tests, time
@@ -753,10 +754,17 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       tests/test_mla_narrow_default.py -k "narrow or Narrow or graph or timeline"
     timeout ${NT_S:-120} python3 benchmarks/narrow_timeline.py --rows 16x64x4096,16x128x8192 \
       2>&1 | tee "$OUT/narrow_timeline.log"
-    timeout ${BB_S:-100} python3 benchmarks/bench_attention.py --only mla --rep 30 \
-      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 --out "$OUT/rows" \
-      > "$OUT/rows.log" 2>&1
-    grep -E "ours|Error|error|ceilings" "$OUT/rows.log" | head -6
+    # the fused merge (its reads of the partials now all before its stores) beside the
+    # default's merge launch, alternating, and both time splits
+    for r in 1 2; do
+      timeout ${BB_S:-100} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+        --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 \
+        --mla-variants narrow,narrow-fused --out "$OUT/rows$r" > "$OUT/rows$r.log" 2>&1
+      grep -E "ours|Error|error|ceilings" "$OUT/rows$r.log" | head -8
+    done
+    timeout ${TS_S:-90} python3 benchmarks/mla_time_split.py --rows 16x64x4096 --splits 0 \
+      --floor --tunings '[{}, {"fused_merge": true}]' > "$OUT/time_split.log" 2>&1
+    tail -12 "$OUT/time_split.log"
     rm -f "$OUT"/*/*.png
     ;;
   eightythird)

@@ -20,11 +20,13 @@ from triton.backends.compiler import GPUTarget
 
 
 def _compile_sm90(fn, c: dict, q: str, descs: dict, fp32_ptrs: tuple, maxnreg: int,
-                  ptrs: dict = None):
+                  ptrs: dict = None, aligned: tuple = None):
     """Compile Gluon kernel ``fn`` for sm_90: constexprs ``c``, q / out of dtype ``q``, host
     tensor descriptors ``descs`` (name -> block shape), float32 pointers ``fp32_ptrs``,
     pointers of other element types ``ptrs`` (name -> Triton type name), int32 index
-    pointers ``cu_q`` / ``seqused`` / ``bt``, ``qk2`` float, other ints."""
+    pointers ``cu_q`` / ``seqused`` / ``bt``, ``qk2`` float, other ints. ``aligned``: the
+    ints to compile as multiples of 16, with every pointer 16-byte aligned, as Triton's
+    launch specialises them (its vectorised loads and stores); ``None``: nothing marked."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -49,7 +51,12 @@ def _compile_sm90(fn, c: dict, q: str, descs: dict, fp32_ptrs: tuple, maxnreg: i
             sig[n] = "fp32"
         else:
             sig[n] = "i32"
-    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in c.items()})
+    attrs = {}
+    if aligned is not None:
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                 if sig[n].startswith("*") or n in aligned}
+    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in c.items()},
+                         attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, num_stages=1, maxnreg=maxnreg))
 
@@ -71,9 +78,15 @@ def compile_decode(q="bf16", maxnreg=None, **const):
                          ("part_acc", "part_ml", "lse_ptr"), maxnreg)
 
 
+#: the narrow MLA kernel's strides that are multiples of 16 at 16 heads (q, out, partial
+#: rows of 512 + 64 / 512 columns, block-table rows of 16·k pages)
+NARROW_ALIGNED = ("s_bt", "s_qt", "s_qh", "s_ot", "s_oh", "s_pt", "s_ph", "s_ps")
+
+
 def compile_narrow_mla(q="bf16", part="fp32", **const):
     """The narrow MLA kernel (:mod:`aiter_attn.kernels.triton.mla_narrow_gluon`); ``part``:
-    its split partials' dtype (``"bf16"``: ``half_partials``)."""
+    its split partials' dtype (``"bf16"``: ``half_partials``). Pointers and
+    :data:`NARROW_ALIGNED` compile as 16-aligned, as a 16-head launch specialises them."""
     from aiter_attn.kernels.triton import mla_narrow_gluon as mn
 
     c = dict(HP=16, PAGE=64, BOX=64, CAUSAL=True, SPLITS=1, WRITE_LSE=False, BLOCK_B=64,
@@ -84,7 +97,7 @@ def compile_narrow_mla(q="bf16", part="fp32", **const):
     return _compile_sm90(mn._narrow_mla_kernel, c, q,
                          {"kn_d": (c["BOX"], 512), "kr_d": (c["BOX"], 64)},
                          ("part_l", "lse_ptr"), mn._MAXNREG,
-                         ptrs={"part_o": part, "stamps": "i64"})
+                         ptrs={"part_o": part, "stamps": "i64"}, aligned=NARROW_ALIGNED)
 
 
 def compile_ring_mla(q="bf16", **const):

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import subprocess
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -96,14 +97,25 @@ def print_report(report: dict, as_json: bool) -> None:
 
 
 def report_and_dump(k, as_json: bool, dump) -> None:
-    """Print compiled kernel ``k``'s report; with ``dump`` (a folder) also write its TTGIR
-    and PTX there (``k.ttgir``, ``k.ptx``)."""
+    """Print compiled kernel ``k``'s report; with ``dump`` (a folder) also write its TTGIR,
+    PTX and cubin there (``k.ttgir``, ``k.ptx``, ``k.cubin``) and, where Triton's wheel
+    carries ``nvdisasm``, its SASS (``k.sass``: the order of the loads and stores ptxas
+    scheduled)."""
     print_report(gluon_report(k), as_json)
     if dump:
         os.makedirs(dump, exist_ok=True)
         for key in ("ttgir", "ptx"):
             with open(os.path.join(dump, f"k.{key}"), "w") as f:
                 f.write(k.asm[key])
+        cubin = os.path.join(dump, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(k.asm["cubin"])
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                            "nvdisasm")
+        if os.path.exists(tool):
+            sass = subprocess.run([tool, "-c", cubin], capture_output=True, text=True)
+            with open(os.path.join(dump, "k.sass"), "w") as f:
+                f.write(sass.stdout or sass.stderr)
 
 
 def main():

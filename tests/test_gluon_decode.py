@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -273,11 +274,11 @@ def test_gpu_gluon_decode_under_graph_replay(monkeypatch, bs):
     assert calls and (calls[0] > 1) == (bs == 1), calls
 
 
-def _inspect_mla(const: dict, kernel: str = "--mla") -> dict:
+def _inspect_mla(const: dict, kernel: str = "--mla", dump=None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, str(ROOT / "scripts" / "inspect_gluon_decode_sm90.py"),
-           json.dumps(const), "--json", kernel]
+           json.dumps(const), "--json", kernel, *(["--dump", str(dump)] if dump else [])]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -386,6 +387,37 @@ def test_narrow_mla_fused_merge_compiles_for_sm90(const):
     r = _inspect_mla(const)
     assert r["stack"] <= 16, r
     assert r["shared"] <= H200_SMEM_OPTIN, r
+
+
+_MEMORY_OPS = re.compile(r"\b(LDG|STG|ATOMG|LDL|STL)(\.[A-Z0-9]+)*")
+
+
+@pytest.mark.parametrize("const,vec", [
+    ({"FUSED": True, "ONE_QUERY": True, "SPLITS": 2, "part": "bf16"}, "128"),
+    ({"FUSED": True, "SPLITS": 3, "part": "fp32", "WRITE_LSE": True}, "128"),
+    ({"FUSED": True, "SPLITS": 4, "HP": 8, "part": "fp16", "q": "fp16"}, "64"),
+], ids=["bf16-partials-2", "fp32-partials-3-lse", "h8-fp16-partials-4"])
+def test_narrow_fused_merge_reads_every_partial_before_its_first_store(tmp_path, const, vec):
+    """The last split's merge (sm_90 SASS from ptxas, between the arrival count and the
+    counter's reset): every read of the partials is issued before the first store to the
+    output (a store between two chunks' reads kept each chunk's reads a whole L2 round trip
+    behind the last: eight in a row), 16 bytes of a head's row per read (8 bytes at 8
+    heads), and nothing spills to local memory."""
+    r = _inspect_mla(const, dump=tmp_path)
+    assert r["stack"] <= 16, r
+    sass = (tmp_path / "k.sass").read_text()
+    ops = [m.group(0) for m in _MEMORY_OPS.finditer(sass)]
+    start = next(i for i, op in enumerate(ops) if op.startswith("ATOMG.E.ADD"))
+    end = next(i for i, op in enumerate(ops) if op.startswith("ATOMG.E.EXCH"))
+    merge = ops[start + 1:end]
+    first_store = next(i for i, op in enumerate(merge) if op.startswith("STG"))
+    reads, stores = merge[:first_store], merge[first_store:]
+    splits = const["SPLITS"]
+    chunk_reads = [op for op in reads if op.startswith(f"LDG.E.{vec}")]
+    per_chunk = 2 if const["part"] == "fp32" else 1  # 8 float32 columns: two 16-byte reads
+    assert len(chunk_reads) == 8 * splits * per_chunk, merge
+    assert all(op.startswith("STG") for op in stores) and len(stores) in (8, 9), merge
+    assert not any(op.startswith(("LDL", "STL")) for op in merge), merge
 
 
 @pytest.mark.parametrize("const", [

@@ -278,41 +278,80 @@ if HAS_GLUON:
             _stamp(ops[1][7], t, split, 6, SPLITS, STAMPS)  # the rows are stored
 
     @gluon.jit
+    def _part_chunk(row, c: gl.constexpr, dd, ok):
+        """Columns ``64c .. 64c + 63`` of one split's partial rows (``row``: ``[1, HP]``
+        pointers to each head's row), float32 ``[64, HP]``, read through L2."""
+        return gl.load(row + (c * 64 + dd)[:, None], mask=ok, other=0.0,
+                       cache_modifier=".cg").to(gl.float32)
+
+    @gluon.jit
+    def _store_chunk(row, a, inv, c: gl.constexpr, dd, ok):
+        """Merged columns ``64c .. 64c + 63`` (``a · inv``) to the output rows ``row``."""
+        gl.store(row + (c * 64 + dd)[:, None], _to_output(a * inv, row.dtype.element_ty),
+                 mask=ok)
+
+    @gluon.jit
     def _merge_token(out, part_o, part_l, lse_ptr, t64, heads, s_ot, s_oh, s_pt, s_ph, s_ps,
                      s_lt, s_lh, s_et, s_eh, HP: gl.constexpr, SPLITS: gl.constexpr,
                      WRITE_LSE: gl.constexpr):
         """Token ``t64``'s rows from its ``SPLITS`` partials, in split order (the fused
-        merge, run by the last split to finish; partials read through L2)."""
-        st: gl.constexpr = gl.BlockedLayout([1, HP // 4], [32, 1], [1, 4], [0, 1])
-        hcol: gl.constexpr = gl.SliceLayout(0, st)
+        merge, run by the last split to finish; partials read through L2).
+
+        Every read of the partials comes before the first store to ``out`` (which may alias
+        them as far as ptxas knows: a store between two chunks' reads would hold the second
+        chunk's reads back a whole L2 round trip, eight in a row), with the eight 64-column
+        accumulators in registers, and each thread reads and writes 16 bytes of one head's
+        row at a time."""
+        VEC: gl.constexpr = 8 if HP == 16 else 4
+        vl: gl.constexpr = gl.BlockedLayout([VEC, 1], [64 // VEC, VEC * 4 // 8], [1, 4],
+                                            [0, 1])
+        hcol: gl.constexpr = gl.SliceLayout(0, vl)
         hh = gl.arange(0, HP, layout=hcol)
         h_ok = hh < heads
         hh64 = hh.to(gl.int64)
+        ok = h_ok[None, :]
+        dd = gl.arange(0, 64, layout=gl.SliceLayout(1, vl))
         lse_row = part_l + t64 * s_lt + hh64 * s_lh
+        o_row = (part_o + t64 * s_pt + hh64 * s_ph)[None, :]
         m = gl.full([HP], float("-inf"), gl.float32, layout=hcol)
         for s in gl.static_range(SPLITS):
             m = gl.maximum(m, gl.load(lse_row + s, mask=h_ok, other=float("-inf"),
                                       cache_modifier=".cg"))
         m = gl.where(m == float("-inf"), 0.0, m)
         den = gl.zeros([HP], gl.float32, layout=hcol)
+        a0 = gl.zeros([64, HP], gl.float32, layout=vl)
+        a1 = a0
+        a2 = a0
+        a3 = a0
+        a4 = a0
+        a5 = a0
+        a6 = a0
+        a7 = a0
         for s in gl.static_range(SPLITS):
-            den += gl.exp2(gl.load(lse_row + s, mask=h_ok, other=float("-inf"),
-                                   cache_modifier=".cg") - m)
+            w1 = gl.exp2(gl.load(lse_row + s, mask=h_ok, other=float("-inf"),
+                                 cache_modifier=".cg") - m)
+            den += w1
+            w = w1[None, :]
+            row = o_row + s * s_ps
+            a0 += _part_chunk(row, 0, dd, ok) * w
+            a1 += _part_chunk(row, 1, dd, ok) * w
+            a2 += _part_chunk(row, 2, dd, ok) * w
+            a3 += _part_chunk(row, 3, dd, ok) * w
+            a4 += _part_chunk(row, 4, dd, ok) * w
+            a5 += _part_chunk(row, 5, dd, ok) * w
+            a6 += _part_chunk(row, 6, dd, ok) * w
+            a7 += _part_chunk(row, 7, dd, ok) * w
         has = den > 0.0
-        inv = gl.where(has, 1.0 / gl.where(has, den, 1.0), 0.0)
-        dd = gl.arange(0, 64, layout=gl.SliceLayout(1, st))
-        ok = h_ok[None, :]
-        for c in gl.static_range(8):
-            d = (c * 64 + dd)[:, None]
-            acc = gl.zeros([64, HP], gl.float32, layout=st)
-            for s in gl.static_range(SPLITS):
-                w = gl.exp2(gl.load(lse_row + s, mask=h_ok, other=float("-inf"),
-                                    cache_modifier=".cg") - m)
-                o = gl.load(part_o + t64 * s_pt + hh64[None, :] * s_ph + s * s_ps + d,
-                            mask=ok, other=0.0, cache_modifier=".cg")
-                acc += o.to(gl.float32) * w[None, :]
-            gl.store(out + t64 * s_ot + hh64[None, :] * s_oh + d,
-                     _to_output(acc * inv[None, :], out.dtype.element_ty), mask=ok)
+        inv = gl.where(has, 1.0 / gl.where(has, den, 1.0), 0.0)[None, :]
+        out_row = (out + t64 * s_ot + hh64 * s_oh)[None, :]
+        _store_chunk(out_row, a0, inv, 0, dd, ok)
+        _store_chunk(out_row, a1, inv, 1, dd, ok)
+        _store_chunk(out_row, a2, inv, 2, dd, ok)
+        _store_chunk(out_row, a3, inv, 3, dd, ok)
+        _store_chunk(out_row, a4, inv, 4, dd, ok)
+        _store_chunk(out_row, a5, inv, 5, dd, ok)
+        _store_chunk(out_row, a6, inv, 6, dd, ok)
+        _store_chunk(out_row, a7, inv, 7, dd, ok)
         if WRITE_LSE:
             lse = gl.where(has, (m + gl.log2(gl.where(has, den, 1.0))) * 0.6931471805599453,
                            float("-inf"))
