@@ -92,6 +92,8 @@ MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 "ring": {"ring": True},  # the ring Gluon kernel (sm_90)
                 # the narrow kernel merging its own splits
                 "narrow-fused": {"narrow": True, "fused_merge": True},
+                # ... and the attention launch itself started early (PDL): no merge launch
+                "narrow-fused-pdl": {"narrow": True, "fused_merge": True, "pdl": True},
                 # q·Kᵀ as two independent mma chains (latent halves)
                 "split2": {"qk_split": 2},
                 "half-split2": {"half_partials": True, "qk_split": 2},

@@ -124,3 +124,16 @@ def test_no_pdl_without_device_support_or_with_the_fused_merge(monkeypatch):
     _, launched, merged = _step({"fused_merge": True}, monkeypatch)
     assert launched[0]["pdl"] is False and launched[0]["counters"] is not None
     assert merged == []
+    _, launched, merged = _step({"fused_merge": True, "pdl": "reduce"}, monkeypatch)
+    assert launched[0]["pdl"] is False and merged == []
+
+
+def test_fused_merge_kernel_itself_starts_early_with_pdl_true(monkeypatch):
+    """``pdl=True`` with the fused merge: the attention launch waits on the device for the
+    kernel before it (``launch_pdl``); there is no merge launch."""
+    monkeypatch.setattr(mla, "MLA_NARROW", True)
+    plan, launched, merged = _step({"fused_merge": True, "pdl": True}, monkeypatch)
+    assert launched[0]["pdl"] is True and launched[0]["counters"] is not None
+    assert merged == [] and plan.narrow[7] == {"PDL": True, "launch_pdl": True}
+    _, launched, _ = _step({"fused_merge": True, "pdl": True}, monkeypatch, pdl_device=False)
+    assert launched[0]["pdl"] is False

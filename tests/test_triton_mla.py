@@ -508,10 +508,16 @@ def test_gpu_ring_gluon_mla(shape, extra, dtype, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [2, 3, 5])
 @pytest.mark.parametrize("one_query", [False, True], ids=["searched", "one-query"])
-def test_gpu_narrow_gluon_fused_merge(splits, one_query, monkeypatch):
+@pytest.mark.parametrize("heads,dtype,tuning", [
+    (16, torch.bfloat16, {}),
+    (5, torch.float16, {"pdl": True}),
+], ids=["h16-bf16", "h5-fp16-pdl"])
+def test_gpu_narrow_gluon_fused_merge(splits, one_query, heads, dtype, tuning, monkeypatch):
     """The narrow Gluon kernel merging its own splits (``fused_merge``): the last split of
     each token merges (no merge launch), NaN tails, the LSE, counters left at zero (three
-    calls give the same bits); ``max_seqlen_q=1`` takes token t as request t."""
+    calls give the same bits); ``max_seqlen_q=1`` takes token t as request t. Five heads
+    (padded to 8: the merge's 8-byte reads, masked heads) in fp16 with the launch itself
+    started early (``pdl=True``)."""
     from aiter_attn.kernels.triton import mla
     from aiter_attn.kernels.triton import mla_narrow_gluon as mn
 
@@ -522,21 +528,21 @@ def test_gpu_narrow_gluon_fused_merge(splits, one_query, monkeypatch):
     calls = []
     real = mn._NARROW.launch
     monkeypatch.setattr(mn._NARROW, "launch", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    case = MLACase([1] * 5, [4096, 1000, 64, 5, 700], rank=512, rope=64, page=64, heads=16,
-                   dtype=torch.bfloat16, device="cuda", seed=13)
+    case = MLACase([1] * 5, [4096, 1000, 64, 5, 700], rank=512, rope=64, page=64,
+                   heads=heads, dtype=dtype, device="cuda", seed=13)
     case.kv_cache[0] = float("nan")
     for b, L in enumerate(case.kv_lens):
         if L % 64:
             case.kv_cache[int(case.block_table[b, (L - 1) // 64]), L % 64:] = float("nan")
-    extra = dict(narrow=True, fused_merge=True, num_kv_splits=splits)
+    extra = dict(narrow=True, fused_merge=True, num_kv_splits=splits, **tuning)
     if one_query:
         extra["max_seqlen_q"] = 1
-    lse = torch.full((5, 16), float("nan"), device="cuda")
+    lse = torch.full((5, heads), float("nan"), device="cuda")
     outs = [case.run(lse=lse, **extra) for _ in range(3)]
     assert calls
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     assert not outs[0].isnan().any() and not lse.isnan().any()
-    assert_close_rel(outs[0], case.expected(), RTOL[torch.bfloat16], "narrow fused merge")
+    assert_close_rel(outs[0], case.expected(), RTOL[dtype], "narrow fused merge")
     lse_t = torch.empty_like(lse)
     monkeypatch.undo()
     case.run(lse=lse_t, num_kv_splits=splits, narrow=False)

@@ -410,7 +410,12 @@ class TritonMLA(MLAWorkspace, MLAKernel):
                       if nsplits > 1 and not ring and t.get("fused_merge", MLA_FUSED_MERGE)
                       else None)
             pdl = (pdl_mode(t.get("pdl", MLA_NARROW_PDL), device)
-                   if nsplits > 1 and ncount is None and not ring else False)
+                   if nsplits > 1 and not ring else False)
+            if ncount is not None and pdl != True:  # noqa: E712 (True, not "reduce")
+                # merging its own splits there is no merge launch to start early; only
+                # ``pdl=True`` (the kernel itself starts early, waiting on the device for
+                # the kernel before) is left
+                pdl = False
             narrow = (nsplits, *nparts, ring, ncount, one_query, pdl,
                       pdl_kwargs(pdl, reduction=True) if pdl else {})
         if balanced is not None:  # the launch's keywords, once per step (run only launches)
