@@ -759,11 +759,13 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
     for r in 1 2; do
       timeout ${BB_S:-100} python3 benchmarks/bench_attention.py --only mla --rep 30 \
         --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 \
-        --mla-variants narrow,narrow-fused --out "$OUT/rows$r" > "$OUT/rows$r.log" 2>&1
+        --mla-variants narrow,narrow-fused,narrow-fused-pdl --out "$OUT/rows$r" \
+        > "$OUT/rows$r.log" 2>&1
       grep -E "ours|Error|error|ceilings" "$OUT/rows$r.log" | head -8
     done
     timeout ${TS_S:-90} python3 benchmarks/mla_time_split.py --rows 16x64x4096 --splits 0 \
-      --floor --tunings '[{}, {"fused_merge": true}]' > "$OUT/time_split.log" 2>&1
+      --floor --tunings '[{}, {"fused_merge": true}, {"fused_merge": true, "pdl": true}]' \
+      > "$OUT/time_split.log" 2>&1
     tail -12 "$OUT/time_split.log"
     rm -f "$OUT"/*/*.png
     ;;
