@@ -114,6 +114,9 @@ class LoadReport:
     loaded: list = attrs.Factory(list)
     skipped: dict = attrs.Factory(dict)
     requested: frozenset = frozenset()
+    #: entry points not loaded because their name was taken: ``{"name = target (distribution
+    #: d)": why}`` (the name's plugin that loads instead is in ``loaded``)
+    shadowed: dict = attrs.Factory(dict)
 
 
 def allow_list(value: Optional[str] = None) -> Optional[frozenset]:
@@ -137,8 +140,12 @@ def _import_target(target: str):
     return obj
 
 
-def discover_plugins(*, builtins: bool = True, entry_points: bool = True) -> list[PluginSource]:
-    """Every known plugin source in load order (built-ins first, then entry points by name)."""
+def discover_plugins(*, builtins: bool = True, entry_points: bool = True,
+                     shadowed: Optional[dict] = None) -> list[PluginSource]:
+    """Every known plugin source in load order (built-ins first, then entry points by name).
+    An entry point whose name is taken (by a built-in or another distribution's entry point)
+    is left out with a warning, and recorded in ``shadowed`` (a dict, when given) as
+    ``{"name = target (distribution d)": why}``."""
     sources: list[PluginSource] = []
     if builtins:
         sources += [PluginSource(n, m, "core") for n, m in CORE_PLUGINS.items()]
@@ -155,6 +162,9 @@ def discover_plugins(*, builtins: bool = True, entry_points: bool = True) -> lis
                 log.warning("entry point %s = %s%s ignored: the name %r is taken by %s; "
                             "rename one of them (the entry point's name is the plugin's name)",
                             ep.name, ep.value, _dist_of(ep), ep.name, by)
+                if shadowed is not None:
+                    shadowed[f"{ep.name} = {ep.value}{_dist_of(ep)}"] = (
+                        f"the name {ep.name!r} is taken by {by}")
                 continue
             seen[ep.name] = source = PluginSource(ep.name, ep.value, "entry_point")
             sources.append(source)
@@ -267,7 +277,15 @@ def load_plugins(
         allow = frozenset(allow)
     report = LoadReport(requested=frozenset(allow or ()))
     if sources is None:
-        sources = discover_plugins(builtins=builtins, entry_points=entry_points)
+        sources = discover_plugins(builtins=builtins, entry_points=entry_points,
+                                   shadowed=report.shadowed)
+        clash = sorted(k for k in report.shadowed if k.partition(" = ")[0] in report.requested)
+        if clash:
+            raise PluginLoadError(
+                f"{ENV_ALLOW} requests a plugin whose name more than one plugin has: "
+                f"{clash} left out ({'; '.join(report.shadowed[k] for k in clash)}). Which "
+                "one would load is an accident of install order: uninstall one of them or "
+                "rename its entry point.")
     sources = list(sources)
     for source in sources:
         if allow is not None and source.kind != "core" and source.name not in allow:
@@ -480,6 +498,12 @@ def loaded_plugins() -> list[str]:
 def skipped_plugins() -> dict:
     """``{name: reason}`` for plugins that were found but skipped (import/validation/hook)."""
     return dict(_ensure()["report"].skipped)
+
+
+def shadowed_plugins() -> dict:
+    """``{"name = target (distribution d)": reason}`` for entry points left out because
+    their name was taken (:attr:`LoadReport.shadowed`)."""
+    return dict(_ensure()["report"].shadowed)
 
 
 def reset_plugins() -> None:

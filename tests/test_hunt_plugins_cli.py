@@ -110,6 +110,28 @@ def test_entry_point_name_taken_by_another_distribution_is_named(site, caplog):
                for r in caplog.records)
 
 
+def test_entry_point_left_out_for_its_name_is_in_the_report(site):
+    """The left-out entry point was only logged: ``LoadReport.shadowed`` (and ``aiter-attn
+    info``) name it, and asking for that name in ``AITER_ATTN_PLUGINS`` is refused, since
+    which of the two loads is an accident of install order."""
+    site("hunt-twin-a", "hunt_twin_a", {"hunt_twin": "hunt_twin_a"})
+    site("hunt-twin-b", "hunt_twin_b", {"hunt_twin": "hunt_twin_b"})
+    report = load_plugins(new_plugin_manager(), allow=None)
+    (entry,) = [k for k in report.shadowed if k.startswith("hunt_twin = ")]
+    assert "(distribution hunt-twin-" in entry
+    assert "another distribution" in report.shadowed[entry]
+    assert "hunt_twin" in report.loaded
+    with pytest.raises(PluginLoadError, match=r"hunt_twin = .*uninstall one of them or rename"):
+        load_plugins(new_plugin_manager(), allow={"hunt_twin"})
+    plugins.reset_plugins()
+    try:
+        from aiter_attn.commands.info import collect_info
+
+        assert entry in collect_info()["shadowed_plugins"]
+    finally:
+        plugins.reset_plugins()
+
+
 def _source_module(monkeypatch, name, body):
     """A plugin module ``name`` made from ``body``, importable for this test only."""
     import types

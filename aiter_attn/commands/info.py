@@ -176,7 +176,7 @@ def kv_formats_markdown(rows: list[dict]) -> str:
 def collect_info(device: str | None = None) -> dict:
     """Everything ``aiter-attn info`` reports; ``device``: the device type the table's
     kernels are selected for (default: ``cuda`` where available, else ``cpu``)."""
-    from ..plugins import kernel_registry, loaded_plugins, skipped_plugins
+    from ..plugins import kernel_registry, loaded_plugins, shadowed_plugins, skipped_plugins
 
     try:
         import triton
@@ -209,6 +209,7 @@ def collect_info(device: str | None = None) -> dict:
         "cuda_devices": devices,
         "plugins": loaded_plugins(),
         "skipped_plugins": skipped_plugins(),
+        "shadowed_plugins": shadowed_plugins(),
         "kernels": kernels,
         "table": mode_arch_table(device=device),
         "engine_steps": ENGINE_STEPS_NOTE,
@@ -272,6 +273,8 @@ def _print_text(info: dict) -> None:
     print(f"plugins: {', '.join(info['plugins'])}")
     for name, reason in info["skipped_plugins"].items():
         print(f"  skipped {name}: {reason}")
+    for entry, reason in info["shadowed_plugins"].items():
+        print(f"  left out {entry}: {reason}")
     print("\nkernels:")
     for k in info["kernels"]:
         print(f"  {k['op']:<24} {k['name']:<12} prio={k['priority']:<4} devices={k['devices']} "
