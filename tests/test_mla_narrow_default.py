@@ -82,7 +82,8 @@ def _step(tuning, monkeypatch, *, pdl_device=True):
     monkeypatch.setattr(TritonMLA, "_cache_descs", lambda self, kv, *a, **k: ("kn", "kr"))
     launched, merged = [], []
     monkeypatch.setattr(mla, "launch_narrow_mla", lambda *a, **k: launched.append(k))
-    monkeypatch.setattr(mla, "merge_splits", lambda *a, **k: merged.append(k))
+    # the merge's keywords but its planned spec id (test_planned_specs_once_per_plan)
+    monkeypatch.setattr(mla, "merge_splits", lambda *a, planned=None, **k: merged.append(k))
     q = torch.randn(4, 16, 576, dtype=torch.bfloat16)
     kv = torch.randn(70, 64, 1, 576, dtype=torch.bfloat16)
     cu = torch.arange(5, dtype=torch.int32)
@@ -137,3 +138,26 @@ def test_fused_merge_kernel_itself_starts_early_with_pdl_true(monkeypatch):
     assert merged == [] and plan.narrow[7] == {"PDL": True, "launch_pdl": True}
     _, launched, _ = _step({"fused_merge": True, "pdl": True}, monkeypatch, pdl_device=False)
     assert launched[0]["pdl"] is False
+
+
+def test_planned_specs_once_per_plan(monkeypatch):
+    """The launch keys' plan share is interned once per plan (``kw_cache``) and passed to
+    both launches: the same id on every layer call of a plan, and for a new plan of the
+    same step shape (the id stands for what Triton specialises on, not for the plan)."""
+    monkeypatch.setattr(mla, "MLA_NARROW", True)
+    seen = []
+    real_specs = TritonMLA._narrow_specs
+    monkeypatch.setattr(TritonMLA, "_narrow_specs",
+                        lambda self, plan: seen.append(1) or real_specs(self, plan))
+    plan, launched, _ = _step({}, monkeypatch)
+    assert len(seen) == 1 and isinstance(launched[0]["planned"], int)
+    narrow_id, merge_id = plan.kw_cache[mla._NARROW_SPECS]
+    assert launched[0]["planned"] == narrow_id and isinstance(merge_id, int)
+    plan2, launched2, _ = _step({}, monkeypatch)
+    assert plan2.kw_cache[mla._NARROW_SPECS] == (narrow_id, merge_id)
+    # another split count is another specialisation: another id
+    plan3, launched3, _ = _step({"num_kv_splits": 2}, monkeypatch)
+    assert plan3.narrow[0] == 2 and launched3[0]["planned"] != narrow_id
+    # the fused merge: no merge launch, no merge spec
+    plan4, _, merged4 = _step({"fused_merge": True}, monkeypatch)
+    assert plan4.kw_cache[mla._NARROW_SPECS][1] is None and merged4 == []

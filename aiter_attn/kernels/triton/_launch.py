@@ -32,9 +32,11 @@ rule against Triton's own ``native_specialize_impl``).
 
 from __future__ import annotations
 
+import itertools
 import os
 
-__all__ = ["Launcher", "DIRECT_VERSIONS", "DIRECT_ENV", "tensor_key", "arg_key", "launch_key"]
+__all__ = ["Launcher", "DIRECT_VERSIONS", "DIRECT_ENV", "tensor_key", "arg_key", "launch_key",
+           "intern_spec"]
 
 #: Triton versions whose launch path was read and the direct launch checked against.
 DIRECT_VERSIONS = ((3, 6),)
@@ -75,6 +77,25 @@ def launch_key(args, kw: dict) -> tuple:
     """:meth:`Launcher.launch`'s key of a launch whose every argument changes per call:
     :func:`arg_key` of ``args`` and the keywords (constexprs, launch options)."""
     return arg_key(args), tuple(sorted(kw.items()))
+
+
+def intern_spec(spec) -> int:
+    """A small int standing for ``spec`` (hashable; equal specs, equal ints) for cheap launch
+    keys: a plan's or a layer's share of what Triton specialises on, made once where it
+    stops changing. Ids are never reused (a full table is cleared and counting goes on), so
+    a key made with an old id can only miss."""
+    sid = _SPECS.get(spec)
+    if sid is None:
+        if len(_SPECS) >= _SPECS_KEEP:
+            _SPECS.clear()
+        sid = _SPECS[spec] = next(_SPEC_IDS)
+    return sid
+
+
+#: launch-relevant specs -> small ints (:func:`intern_spec`)
+_SPECS: dict = {}
+_SPECS_KEEP = 4096
+_SPEC_IDS = itertools.count()
 
 
 def _direct_supported(fn) -> bool:

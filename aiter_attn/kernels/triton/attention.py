@@ -11,7 +11,6 @@ synchronisation anywhere; ``run`` allocates nothing.
 
 from __future__ import annotations
 
-import itertools
 from typing import Optional
 
 import attrs
@@ -22,7 +21,7 @@ from ...types import FP8_DTYPES
 from ...validation import unit_stride
 from ..base import MEMO, AttentionKernel, KernelPlan, mask_literal, plan_hints, token_count_error
 from ._kvutil import next_pow2
-from ._launch import Launcher, tensor_key
+from ._launch import Launcher, intern_spec, tensor_key
 from ._launch_config import (CARRIED_PAGE_LOOKUP, FP8_VALUE_PAIRS, PREFETCH_PAGES,
                              TUNING_OVERRIDES, _cdiv, choose_config)
 from ._pdl import pdl_kwargs
@@ -670,10 +669,8 @@ _OVERRIDES = "overrides"
 #: layers' launch parts a kernel object keeps (id(LayerParams) -> part, holding the params
 #: so the id stays theirs; cleared when full)
 _PARAMS_KEEP = 1024
-#: launch-relevant specs -> small ints (plan, layer and layout parts of a launch key)
-_SPECS: dict = {}
-_SPECS_KEEP = 4096
-_SPEC_IDS = itertools.count()
+#: plan, layer and layout parts of a launch key -> small ints
+_intern = intern_spec
 _ATTN = Launcher(_paged_attn_kernel)
 _REDUCE = Launcher(_reduce_splits_kernel)
 
@@ -687,16 +684,6 @@ def _split_chunk(splits: int, block_m: int, dv_pad: int) -> int:
     return chunk
 
 
-def _intern(spec) -> int:
-    """A small int standing for ``spec`` (equal specs, equal ints) for cheap launch keys.
-    Ids are never reused (a full table is cleared and counting goes on), so a key made
-    with an old id can only miss."""
-    sid = _SPECS.get(spec)
-    if sid is None:
-        if len(_SPECS) >= _SPECS_KEEP:
-            _SPECS.clear()
-        sid = _SPECS[spec] = next(_SPEC_IDS)
-    return sid
 
 
 class TritonPagedAttention5D(TritonPagedAttention):

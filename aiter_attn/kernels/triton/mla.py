@@ -33,9 +33,9 @@ from .mla_functional import mla_paged_attention
 from .mla_gluon import (GLUON_MLA_BLOCK_H, gluon_mla_reject_reason, gluon_mla_tensors_reason,
                         launch_gluon_mla)
 from .mla_kernel import _LOG2E, _mla_fwd_kernel
-from .mla_merge import merge_splits
+from .mla_merge import merge_plan_spec, merge_splits
 from .mla_narrow_gluon import (NARROW_MLA_MAX_HEADS, launch_narrow_mla,
-                               narrow_mla_reject_reason, narrow_mla_splits)
+                               narrow_mla_reject_reason, narrow_mla_splits, narrow_plan_spec)
 from .mla_plan import COOPERATIVE, LAST_SPLIT, TUNING_KEYS, TritonMLAPlan
 from .mla_ring_gluon import launch_ring_mla, ring_mla_splits
 from .mla_workspace import MLAWorkspace, _tma_device
@@ -68,6 +68,8 @@ _DEFAULTS = {16: (32, 4, 3), 32: (32, 8, 3), 64: (64, 8, 2)}  # block_h -> (bloc
 _MAX_RESIDENT = 2
 #: the Triton kernel's launches (direct once compiled: :mod:`._launch`)
 _MLA_FWD = Launcher(_mla_fwd_kernel)
+#: ``TritonMLAPlan.kw_cache`` entry of the plan's narrow launch and merge specs
+_NARROW_SPECS = "narrow-specs"
 
 
 def _smem_budget(device: torch.device) -> Optional[int]:
@@ -470,6 +472,20 @@ class TritonMLA(MLAWorkspace, MLAKernel):
         raise ValueError(f"fused_merge={option!r}; allowed: False, True (the last split "
                          "merges) or 'cooperative' (every split merges a slice).")
 
+    def _narrow_specs(self, plan: TritonMLAPlan) -> tuple:
+        """``(narrow, merge)``: the interned specs of the plan's narrow launch and of its
+        split merge (``None`` without one), once per plan: each call's launch key is then
+        the spec's id and the call's own few values (:func:`.mla_narrow_gluon
+        .narrow_plan_spec`, :func:`.mla_merge.merge_plan_spec`)."""
+        nsplits, n_o, n_l, _, ncount, one_q, pdl, merge_kw = plan.narrow
+        cu, seqused_k, block_table = plan.args
+        narrow = narrow_plan_spec(splits=nsplits, batch=plan.batch, cu_q=cu,
+                                  seqused_k=seqused_k, block_table=block_table, part_o=n_o,
+                                  part_lse=n_l, counters=ncount, one_query=one_q, pdl=pdl)
+        merge = (merge_plan_spec(n_o, n_l, self.rank, self.block_dv, **merge_kw)
+                 if nsplits > 1 and ncount is None else None)
+        return narrow, merge
+
     @staticmethod
     def _kw(plan: TritonMLAPlan, key):
         causal, from_ptr, write_lse, pairs, descs = key
@@ -518,14 +534,20 @@ class TritonMLA(MLAWorkspace, MLAKernel):
                 launch_ring_mla(q, kv_cache, out, cu, seqused_k, block_table, params.scale,
                                 splits=nsplits, batch=plan.batch, causal=kw["CAUSAL"],
                                 lse=lse if nsplits == 1 else None, part_o=n_o, part_lse=n_l)
-            else:
-                launch_narrow_mla(q, kv_cache, out, cu, seqused_k, block_table, params.scale,
-                                  splits=nsplits, batch=plan.batch, causal=kw["CAUSAL"],
-                                  lse=lse if nsplits == 1 or ncount is not None else None,
-                                  part_o=n_o, part_lse=n_l, counters=ncount,
-                                  one_query=one_q, descs=descs, pdl=pdl)
+                if nsplits > 1:
+                    merge_splits(out, n_o, n_l, lse, self.rank, self.block_dv, **merge_kw)
+                return out
+            specs = plan.kw_cache.get(_NARROW_SPECS)
+            if specs is None:
+                specs = plan.kw_cache[_NARROW_SPECS] = self._narrow_specs(plan)
+            launch_narrow_mla(q, kv_cache, out, cu, seqused_k, block_table, params.scale,
+                              splits=nsplits, batch=plan.batch, causal=kw["CAUSAL"],
+                              lse=lse if nsplits == 1 or ncount is not None else None,
+                              part_o=n_o, part_lse=n_l, counters=ncount,
+                              one_query=one_q, descs=descs, pdl=pdl, planned=specs[0])
             if nsplits > 1 and ncount is None:
-                merge_splits(out, n_o, n_l, lse, self.rank, self.block_dv, **merge_kw)
+                merge_splits(out, n_o, n_l, lse, self.rank, self.block_dv,
+                             planned=specs[1], **merge_kw)
             return out
         if plan.balanced is not None:
             launch_balanced_mla(q, kv_cache, out, seqused_k, block_table, rank=self.rank,

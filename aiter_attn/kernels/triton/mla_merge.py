@@ -10,16 +10,18 @@ is clamped to ±65504 at the store (float32 partials past it would round to inf;
 
 from __future__ import annotations
 
+from typing import Optional
+
 import triton
 import triton.language as tl
 
 from ._kvutil import next_pow2
-from ._launch import Launcher, launch_key
+from ._launch import Launcher, intern_spec, launch_key, tensor_key
 from ._pdl import wait_then_release
 from ._softmax import _FP16_MAX  # what an fp16 partial of ±inf is read as (_partial_f32)
 from ._softmax import to_output  # the rows' store: an fp16 output clamped to ±65504
 
-__all__ = ["merge_splits", "merge_head_block"]
+__all__ = ["merge_splits", "merge_plan_spec", "merge_head_block"]
 
 
 
@@ -132,27 +134,46 @@ def merge_head_block(out_ptr, part_o_ptr, part_lse_ptr, lse_ptr, t, offs_h, mask
                  mask=mask_h & lse_owner)
 
 
+def merge_plan_spec(part_o, part_lse, rank: int, block_dv: int, *, fixed_order: bool = False,
+                    **pdl) -> int:
+    """The interned id (:func:`._launch.intern_spec`) of what a plan fixes of
+    :func:`merge_splits`' specialisation (the partials, their strides, the sizes, the order
+    and the PDL keywords): made once per plan, passed as ``planned=``."""
+    return intern_spec(("mla-merge", tensor_key(part_o), part_o.stride()[:3],
+                        tensor_key(part_lse), part_lse.stride()[:2], tuple(part_lse.shape),
+                        int(rank), int(block_dv), bool(fixed_order),
+                        tuple(sorted(pdl.items()))))
+
+
 def merge_splits(out, part_o, part_lse, lse, rank: int, block_dv: int, *,
-                 fixed_order: bool = False, **pdl) -> None:
+                 fixed_order: bool = False, planned: Optional[int] = None, **pdl) -> None:
     """Launch the merge over ``(tokens, heads)`` programs: ``out`` ``[T, H, R]`` from
     ``part_o`` / ``part_lse`` (``lse``: optional float32 ``[T, H]`` output);
     ``fixed_order``: batch-invariant (split by split, in index order); ``pdl``: the
-    launch's programmatic-dependent-launch keywords (``_pdl.pdl_kwargs``).
+    launch's programmatic-dependent-launch keywords (``_pdl.pdl_kwargs``); ``planned``:
+    :func:`merge_plan_spec` of the same partials, sizes, order and keywords, so that the
+    launch key is the output's few values and a launched key skips the constexprs.
 
     16-bit partials always merge split by split: their ``[splits, R]`` tile puts the splits
     across warps, so the tiled form's sum over splits goes through shared memory (H100,
     16 heads 64x4k, 4 splits: 6.5 µs against 2.0 split by split; float32 partials 2.5 either
     way; ``benchmarks/mla_time_split.py --merge-fixed``, docs/benchmarks.md)."""
     t, h, splits = part_lse.shape
-    fixed_order = fixed_order or part_o.element_size() < 4
     os_, po, pl = out.stride(), part_o.stride(), part_lse.stride()
     ls = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     args = (out, part_o, part_lse, lse if lse is not None else part_lse, os_[0], os_[1],
             po[0], po[1], po[2], pl[0], pl[1], *ls)
+    key = None
+    if planned is not None:
+        key = (planned, tensor_key(out), os_[0], os_[1],
+               None if lse is None else (tensor_key(lse), *ls))
+        if _MERGE.launch_cached((t, h), args, key):
+            return
+    fixed_order = fixed_order or part_o.element_size() < 4
     kw = dict(KV_LORA=rank, BLOCK_DV=block_dv, NUM_SPLITS=splits,
               BLOCK_S=max(2, next_pow2(splits)), WRITE_LSE=lse is not None,
               FIXED_ORDER=fixed_order, num_warps=4, **pdl)
-    _MERGE.launch((t, h), args, kw, launch_key(args, kw))
+    _MERGE.launch((t, h), args, kw, key if key is not None else launch_key(args, kw))
 
 
 #: the merge's launches (direct once compiled, ``launch_pdl`` included: it is part of the

@@ -43,11 +43,11 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from ._launch import Launcher, tensor_key
+from ._launch import Launcher, intern_spec, tensor_key
 from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout, sm90_gluon_reason
 
 __all__ = ["narrow_mla_reject_reason", "narrow_mla_layout_reason", "narrow_mla_splits",
-           "narrow_descriptors",
+           "narrow_descriptors", "narrow_plan_spec",
            "launch_narrow_mla", "NARROW_MLA_MAX_HEADS", "STAMP_FIELDS"]
 
 NARROW_MLA_MAX_HEADS = 16
@@ -461,10 +461,27 @@ def narrow_descriptors(kv_cache):
     return kn, kr
 
 
+def narrow_plan_spec(*, splits: int, batch: int, cu_q, seqused_k, block_table, part_o=None,
+                     part_lse=None, counters=None, one_query: bool = False,
+                     pdl=False) -> int:
+    """The interned id (:func:`._launch.intern_spec`) of what a plan fixes of
+    :func:`launch_narrow_mla`'s specialisation: its index tensors, split partials and
+    counters (dtype, alignment), their strides, the splits, batch, ``one_query`` and
+    ``pdl``. Made once per plan; passed as ``planned=`` it stands for those in each call's
+    launch key, which then only adds the call's own tensors (q, out, the cache's dtype and
+    page size, the LSE) and flags."""
+    tensors = (cu_q, seqused_k, block_table, part_o, part_lse, counters)
+    return intern_spec((
+        "narrow-mla", int(splits), int(batch), block_table.stride(0),
+        part_o.stride()[:3] if part_o is not None else None,
+        part_lse.stride()[:2] if part_lse is not None else None, bool(one_query), pdl,
+        tuple(tensor_key(t) if t is not None else None for t in tensors)))
+
+
 def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, splits: int,
                       batch: int, causal: bool, lse=None, part_o=None, part_lse=None,
                       descs=None, counters=None, one_query: bool = False, pdl=False,
-                      stamps=None):
+                      stamps=None, planned: Optional[int] = None):
     """One launch over ``(tokens, splits)`` programs; with ``splits > 1`` it writes
     ``part_o`` ``[T, H, S, R]`` / ``part_lse`` ``[T, H, S]`` (:mod:`.mla`'s partials) for
     its merge kernel, or, given ``counters`` (zeroed int32 ``[T]``, left zero), merges
@@ -474,9 +491,11 @@ def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, 
     early itself and waits for the kernel before it. ``stamps``: an int64 CUDA tensor
     ``[tokens * splits, 8]`` that each program ``(t, s)`` fills at row ``t * splits + s``
     with its timeline (:data:`STAMP_FIELDS`: global-timer ns and its SM), for
-    ``benchmarks/narrow_timeline.py``; off (``None``) it is compiled out. The caller
-    checked :func:`narrow_mla_reject_reason`, :func:`narrow_mla_layout_reason` and unit
-    last-dim strides of q and out."""
+    ``benchmarks/narrow_timeline.py``; off (``None``) it is compiled out. ``planned``:
+    :func:`narrow_plan_spec` of this call's plan arguments (``splits`` through ``pdl``),
+    so that the launch key is a few per-call values and a launched key skips building the
+    constexprs. The caller checked :func:`narrow_mla_reject_reason`,
+    :func:`narrow_mla_layout_reason` and unit last-dim strides of q and out."""
     t, h, _ = q.shape
     kn_d, kr_d = descs if descs is not None else narrow_descriptors(kv_cache)
     po = part_o if part_o is not None else out
@@ -490,6 +509,15 @@ def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, 
             float(scale) * _LOG2E, h, batch,
             block_table.stride(0),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *ps_o, *ps_l, *ls)
+    grid = (t, int(splits))
+    key = None
+    if planned is not None:  # the plan's id, then what only this call fixes
+        key = (planned, h, tensor_key(q), q.stride(0), q.stride(1), tensor_key(out),
+               out.stride(0), out.stride(1), kv_cache.dtype, kv_cache.shape[1], bool(causal),
+               None if lse is None else (tensor_key(lse), *ls),
+               None if stamps is None else tensor_key(stamps))
+        if _NARROW.launch_cached(grid, args, key):
+            return out
     kw = dict(HP=8 if h <= 8 else 16, PAGE=kv_cache.shape[1], BOX=_box_rows(kv_cache.shape[1]),
               CAUSAL=bool(causal), SPLITS=int(splits), WRITE_LSE=lse is not None,
               BLOCK_B=max(2, 1 << max(0, (batch - 1).bit_length())),
@@ -497,9 +525,10 @@ def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, 
               maxnreg=_MAXNREG, FUSED=fused, ONE_QUERY=bool(one_query), PDL=bool(pdl),
               STAMPS=stamps is not None,
               **({"launch_pdl": True} if pdl is True else {}))
-    key = (tuple(tensor_key(a) if hasattr(a, "data_ptr") else None for a in args[2:12]),
-           args[13:], tuple(sorted(kw.items())), kv_cache.dtype, tuple(kn_d.block_shape))
-    _NARROW.launch((t, int(splits)), args, kw, key)
+    if key is None:
+        key = (tuple(tensor_key(a) if hasattr(a, "data_ptr") else None for a in args[2:12]),
+               args[13:], tuple(sorted(kw.items())), kv_cache.dtype, tuple(kn_d.block_shape))
+    _NARROW.launch(grid, args, kw, key)
     return out
 
 
