@@ -13,6 +13,8 @@ reported. Rows:
   (``aiter_attn.kernels.triton._launch``, ``direct_launch_us``; ``direct_launch`` records
   whether it was on); ``forward+write`` with the K/V write, against both bare launches.
   Target: ≤ 15 µs beyond the bare launch.
+* ``mla.run``: a planned 16-head MLA decode layer call (:func:`host_mla`) with the plan's
+  interned launch-key specs and with keys built per call.
 * ``ops``: ``ops.paged_attention`` eager against ``torch.nn.functional.scaled_dot_product_attention``
   of the same shape (dense K/V). Target: ≤ 2× SDPA.
 * ``engine``: the engine side by side with transformers ``generate`` (sdpa) on a random-weight
@@ -168,6 +170,39 @@ def host_ops(device, dtype, n, rounds, smoke) -> list[dict]:
              "ratio": ours / sdpa, "target_ratio": HOST_TARGETS["ops_over_sdpa"]}]
 
 
+def host_mla(device, dtype, n, rounds, smoke) -> list[dict]:
+    """``TritonMLA.run`` per layer call of a planned 16-head decode step (4 requests of 100
+    keys, page 64, latent 512 + 64: the narrow Gluon kernel and its split merge where it
+    serves, ``narrow``), with the plan's interned launch-key specs (the default) and without
+    them (each call's key built from every argument, as before 2026-12-06)."""
+    from aiter_attn.kernels.base import _adhoc_metadata, mla_layer_params, mla_request
+    from aiter_attn.kernels.triton import mla
+    from aiter_attn.kernels.triton.mla import TritonMLA
+
+    t, heads, keys, page, rank, rope = ((2, 4, 20, 16, 64, 16) if smoke
+                                        else (4, 16, 100, 64, 512, 64))
+    pages = -(-keys // page)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(t, heads, rank + rope, generator=g).to(device, dtype)
+    kv = torch.randn(t * pages + 1, page, 1, rank + rope, generator=g).to(device, dtype)
+    bt = torch.arange(1, t * pages + 1, dtype=torch.int32, device=device).view(t, pages)
+    cu = torch.arange(t + 1, dtype=torch.int32, device=device)
+    seq = torch.full((t,), keys, dtype=torch.int32, device=device)
+    out = torch.empty(t, heads, rank, dtype=dtype, device=device)
+    kernel = TritonMLA(mla_request(q, kv, rank), {})
+    plan = kernel.plan(_adhoc_metadata(q, kv, cu, seq, bt, None, None, 1, keys, "host"))
+    params = mla_layer_params(scale=(rank + rope) ** -0.5, device=device, kv_lora_rank=rank,
+                              num_q_heads=heads, head_dim=rank + rope, kv_scale=None,
+                              fp8=False, causal=True)
+    call = lambda: kernel.run(q, (kv,), plan, params, out)  # noqa: E731
+    planned = time_calls(call, n, rounds, device)
+    kernel._narrow_specs = lambda plan: (None, None)  # every call's key from its arguments
+    plan.kw_cache.pop(mla._NARROW_SPECS, None)
+    unplanned = time_calls(call, n, rounds, device)
+    return [{"row": f"mla.run {heads} heads", "us_per_call": planned,
+             "unplanned_keys_us": unplanned, "narrow": plan.narrow is not None}]
+
+
 def _engine_model(device, dtype, smoke):
     from aiter_attn.engine.random_models import build_random_model
 
@@ -257,6 +292,7 @@ def run_host(device=None, dtype=None, *, n: int = 2000, rounds: int = 5, smoke: 
         n, rounds = min(n, 20), min(rounds, 2)
     rows = host_forward(device, dtype, n, rounds, smoke, kernel_backend)
     rows += host_ops(device, dtype, n, rounds, smoke)
+    rows += host_mla(device, dtype, n, rounds, smoke)
     if engine:
         rows += host_engine(device, dtype, smoke, batches=batches)
     return rows
@@ -275,6 +311,11 @@ def host_table(rows: list[dict]) -> str:
             lines.append(f"| {r['row']} | {f(r['us_per_call'], ' µs')} | SDPA "
                          f"{f(r['sdpa_us'], ' µs')} | {r['ratio']:.2f}× | ≤ "
                          f"{r['target_ratio']:.1f}× |")
+        elif "unplanned_keys_us" in r:
+            lines.append(f"| {r['row']} ({'narrow' if r['narrow'] else 'Triton'} kernel) | "
+                         f"{f(r['us_per_call'], ' µs')} | per-call keys "
+                         f"{f(r['unplanned_keys_us'], ' µs')} | "
+                         f"{f(r['us_per_call'] - r['unplanned_keys_us'], ' µs')} | |")
         elif "us_per_call" in r:
             direct = ""
             if r.get("direct_launch_us") is not None:

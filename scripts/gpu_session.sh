@@ -124,7 +124,8 @@
 #                                  # the 16-head rows: default, Triton, OLD's narrow
 #   scripts/gpu_session.sh eightyfourth  # the narrow kernel's per-program timeline (stamps):
 #                                  # its gpu tests, narrow_timeline.py, the 16-head rows of
-#                                  # the default and the fused merge twice, time splits
+#                                  # the default and the fused merge twice, time splits,
+#                                  # host µs of an MLA layer call (planned keys or not)
 #   scripts/gpu_session.sh eightythird   # MLA gpu tests, then the 16-head rows of OLD, MID
 #                                  # (snapshot dirs) and this tree, alternating
 #   scripts/gpu_session.sh seventyfourth # the balanced launch, merge unrolled: gpu tests, time
@@ -767,6 +768,11 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       --floor --tunings '[{}, {"fused_merge": true}, {"fused_merge": true, "pdl": true}]' \
       > "$OUT/time_split.log" 2>&1
     tail -12 "$OUT/time_split.log"
+    # host µs per 16-head MLA layer call, with the plan's interned launch-key specs and
+    # with every call's key built from its arguments
+    (cd benchmarks && timeout ${HM_S:-90} python3 -c "import _host, torch; print(_host.host_table(
+      _host.host_mla(torch.device('cuda'), torch.bfloat16, 2000, 5, False)))") 2>&1 \
+      | tee "$OUT/host_mla.log"
     rm -f "$OUT"/*/*.png
     ;;
   eightythird)
