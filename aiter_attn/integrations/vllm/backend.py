@@ -8,7 +8,8 @@
   support level is the one our kernel registry reports for the kernel it would pick.
 * :class:`AiterAttnImpl`: per layer, normalises window / soft-cap once, reads the sinks
   parameter as float32 on every forward (:func:`.core.refresh_sinks`), writes K/V into
-  vLLM's cache (``do_kv_cache_update``) and runs :func:`aiter_attn.ops.paged_attention`.
+  vLLM's cache (``do_kv_cache_update``; an fp8 cache quantised with the layer's
+  ``_k_scale`` / ``_v_scale``) and runs :func:`aiter_attn.ops.paged_attention`.
 
 This module imports vLLM; :mod:`aiter_attn.integrations.vllm` registers it by class path only.
 """
@@ -40,8 +41,9 @@ __all__ = ["AiterAttnBackend", "AiterAttnMetadataBuilder", "AiterAttnImpl"]
 # under "vllm" so it shows in vLLM's log (our own package logger has no handler there)
 log = init_logger("vllm.plugins.aiter_attn.backend")
 
-#: kv_cache_dtype strings served: the cache holds the model's own dtype.
-_KV_CACHE_DTYPES = ["auto", "float16", "bfloat16"]
+#: kv_cache_dtype strings served: the model's own dtype, or fp8 with each layer's scales
+#: (:data:`.core.FP8_KV_CACHE_DTYPES`).
+_KV_CACHE_DTYPES = ["auto", "float16", "bfloat16", *core.FP8_KV_CACHE_DTYPES]
 
 
 def _device_type() -> str:
@@ -68,7 +70,7 @@ class AiterAttnMetadataBuilder(AttentionMetadataBuilder[core.AiterAttnMetadata])
                 f"aiter_attn's vLLM backend cannot serve this model: {why}. Otherwise serve "
                 "it with vLLM's own attention (on the CPU: disable the plugin with "
                 "AITER_ATTN_VLLM=0 or VLLM_PLUGINS set to a list without 'aiter_attn').")
-        kernel = _kernel_name(kv_cache_spec, core.layer_query_heads(vllm_config))
+        kernel = _kernel_name(kv_cache_spec, core.layer_query_heads(vllm_config), vllm_config)
         log.info_once("aiter_attn: serving vLLM attention as %s (%s kernels, %s pages of %d)",
                       registered_name(), kernel, type(kv_cache_spec).__name__,
                       kv_cache_spec.block_size)
@@ -124,11 +126,14 @@ class AiterAttnImpl(AttentionImpl[core.AiterAttnMetadata]):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.sliding_window = sliding_window
+        fp8 = core.FP8_KV_CACHE_DTYPES.get(kv_cache_dtype)
+        if fp8 is not None and current_platform.is_rocm():
+            fp8 = current_platform.fp8_dtype() if kv_cache_dtype != "fp8_e5m2" else fp8
         self.params = core.AttnLayerParams(
             num_heads=num_heads, num_kv_heads=self.num_kv_heads, head_size=head_size,
             head_size_v=self.head_size_v, scale=self.scale,
             window_size=core.window_from_vllm(sliding_window),
-            softcap=float(logits_soft_cap or 0.0))
+            softcap=float(logits_soft_cap or 0.0), kv_dtype=fp8)
         # vLLM's layer parameter (this rank's heads); loaded after construction.
         self.sinks = sinks
         self._sinks_f32: Optional[torch.Tensor] = None
@@ -147,7 +152,8 @@ class AiterAttnImpl(AttentionImpl[core.AiterAttnMetadata]):
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write this step's K/V into vLLM's cache (vLLM calls this before :meth:`forward`,
         as ``forward_includes_kv_cache_update`` is False)."""
-        core.write_kv_cache(self.params, kv_cache, key, value, slot_mapping)
+        core.write_kv_cache(self.params, kv_cache, key, value, slot_mapping,
+                            *_scales(layer, self.params))
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Optional[core.AiterAttnMetadata],
@@ -166,15 +172,27 @@ class AiterAttnImpl(AttentionImpl[core.AiterAttnMetadata]):
         if attn_metadata is None:  # vLLM's profiling / warm-up run: zeros, as vLLM's GPU
             return output.fill_(0)   # backends give (torch.empty would carry garbage, NaN too)
         return core.run_attention(self.params, attn_metadata, query, kv_cache, output,
-                                  sinks=self._sinks())
+                                  sinks=self._sinks(), **dict(zip(
+                                      ("k_scale", "v_scale"), _scales(layer, self.params))))
 
 
-def _kernel_name(spec, num_heads: Optional[int] = None) -> str:
+def _scales(layer, params: core.AttnLayerParams) -> tuple:
+    """``(k_scale, v_scale)`` of an fp8 layer: vLLM's float32 0-d ``_k_scale`` /
+    ``_v_scale`` buffers of the attention layer (on the device, so a captured graph reads
+    what they hold; a quantised checkpoint loads them, 1.0 otherwise); ``(None, None)`` for a
+    cache of the model's dtype."""
+    if params.kv_dtype is None:
+        return None, None
+    return layer._k_scale, layer._v_scale
+
+
+def _kernel_name(spec, num_heads: Optional[int] = None, vllm_config=None) -> str:
     from ...plugins import kernel_registry
 
     num_kv_heads = getattr(spec, "num_kv_heads", None)
+    dtype, kv_dtype = core.spec_dtypes(spec, vllm_config)
     req = core.layer_kernel_request(
-        device=_device_type(), dtype=spec.dtype, head_size=spec.head_size,
+        device=_device_type(), dtype=dtype, kv_dtype=kv_dtype, head_size=spec.head_size,
         head_size_v=spec.head_size_v, page_size=spec.block_size,
         num_heads=num_heads if num_kv_heads else None, num_kv_heads=num_kv_heads)
     try:
@@ -187,8 +205,8 @@ def _unsupported_layer(alibi_slopes, kv_cache_dtype, attn_type, unsupported) -> 
     if alibi_slopes is not None:
         return "ALiBi slopes are not supported"
     if kv_cache_dtype not in _KV_CACHE_DTYPES:
-        return (f"kv_cache_dtype={kv_cache_dtype!r} (served: {_KV_CACHE_DTYPES}; fp8 caches "
-                "are not wired through vLLM yet)")
+        return (f"kv_cache_dtype={kv_cache_dtype!r} (served: {_KV_CACHE_DTYPES}; "
+                "per-token-head and other packed formats are not)")
     if attn_type != AttentionType.DECODER:
         return f"attn_type={attn_type!r} (only decoder self-attention is served)"
     if unsupported:
@@ -247,5 +265,5 @@ class AiterAttnBackend(AttentionBackend):
             return None  # reported by vLLM itself as "MLA not supported"
         _, reason = core.paged_attention_support(
             device=_device_type(), dtype=dtype, head_size=head_size, page_size=block_size,
-            sinks=has_sink)
+            sinks=has_sink, kv_dtype=core.FP8_KV_CACHE_DTYPES.get(kv_cache_dtype or "auto"))
         return None if reason is None else f"aiter_attn: {reason}"

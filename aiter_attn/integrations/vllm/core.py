@@ -25,6 +25,8 @@ from ...plugins import kernel_registry
 from ...types import CGSupport
 
 __all__ = [
+    "FP8_KV_CACHE_DTYPES",
+    "cache_dtype",
     "AiterAttnMetadata",
     "AttnLayerParams",
     "kv_cache_views",
@@ -40,7 +42,21 @@ __all__ = [
     "group_cudagraph_support",
     "layer_query_heads",
     "layer_kernel_request",
+    "spec_dtypes",
 ]
+
+
+#: vLLM's fp8 ``kv_cache_dtype`` strings -> the element type of the cache (vLLM allocates
+#: it as uint8 and quantises K/V with each layer's ``_k_scale`` / ``_v_scale``; ``"fp8"`` is
+#: e4m3, as vLLM's ``fp8_e4m3`` on CUDA and the CPU). Any other string: the model's dtype.
+FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                       "fp8_e5m2": torch.float8_e5m2}
+
+
+def cache_dtype(kv_cache_dtype: Optional[str], model_dtype: torch.dtype) -> torch.dtype:
+    """The element type our kernels read a vLLM KV cache as: the fp8 type of an fp8
+    ``kv_cache_dtype`` (:data:`FP8_KV_CACHE_DTYPES`), else ``model_dtype``."""
+    return FP8_KV_CACHE_DTYPES.get(kv_cache_dtype or "auto", model_dtype)
 
 
 def window_from_vllm(sliding_window: Optional[int]) -> tuple[int, int]:
@@ -65,13 +81,17 @@ def batch_window(window_size: tuple[int, int], causal: bool) -> tuple[int, int]:
 
 
 def kv_cache_views(kv_cache: torch.Tensor, head_size: int,
-                   head_size_v: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   head_size_v: Optional[int] = None,
+                   kv_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V views of one layer's vLLM KV cache, in our page layout, sharing its memory.
 
     Args:
         kv_cache: vLLM's per-layer cache, logical ``[num_blocks, num_kv_heads, block_size,
-            head_size + head_size_v]`` (any float or fp8 dtype, any physical layout).
+            head_size + head_size_v]`` (any float or fp8 dtype, any physical layout; an fp8
+            cache as vLLM allocates it: uint8).
         head_size, head_size_v: K and V head dims (``head_size_v`` defaults to ``head_size``).
+        kv_dtype: the element type to read a one-byte cache as (an fp8 type:
+            :func:`cache_dtype`); ``None``: the tensor's own.
 
     Returns:
         ``(k_cache, v_cache)``: ``[num_blocks, block_size, num_kv_heads, head_size(_v)]`` views
@@ -82,6 +102,12 @@ def kv_cache_views(kv_cache: torch.Tensor, head_size: int,
         raise ValueError(
             f"kv_cache has shape {tuple(getattr(kv_cache, 'shape', ()))}; expected vLLM's "
             "per-layer [num_blocks, num_kv_heads, block_size, head_size + head_size_v].")
+    if kv_dtype is not None and kv_cache.dtype != kv_dtype:
+        if kv_cache.element_size() != torch.empty((), dtype=kv_dtype).element_size():
+            raise ValueError(
+                f"kv_cache is {kv_cache.dtype} but the layer's cache dtype is {kv_dtype}; "
+                "vLLM allocated this cache for another kv_cache_dtype.")
+        kv_cache = kv_cache.view(kv_dtype)  # vLLM's uint8 bytes, read as fp8
     if kv_cache.shape[3] != head_size + head_size_v:
         raise ValueError(
             f"kv_cache last dim is {kv_cache.shape[3]} but head_size={head_size} + "
@@ -214,6 +240,8 @@ class AttnLayerParams:
         scale: softmax scale.
         window_size: flash-attn ``(left, right)`` (see :func:`window_from_vllm`).
         softcap: logit soft-cap (0 = off).
+        kv_dtype: an fp8 cache's element type (:func:`cache_dtype`), whose K/V are written
+            and read with the layer's scales; ``None``: the cache holds the model's dtype.
     """
 
     num_heads: int
@@ -223,13 +251,18 @@ class AttnLayerParams:
     scale: float
     window_size: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
+    kv_dtype: Optional[torch.dtype] = None
 
 
 def write_kv_cache(params: AttnLayerParams, kv_cache: torch.Tensor, key: torch.Tensor,
-                   value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                   value: torch.Tensor, slot_mapping: torch.Tensor, k_scale=None,
+                   v_scale=None) -> None:
     """Write this step's K/V (``[num_tokens, num_kv_heads, head_size(_v)]``) into vLLM's cache
-    at ``slot_mapping`` (int64 ``[>= num_tokens]``, ``-1`` = padding row, not written)."""
-    k_cache, v_cache = kv_cache_views(kv_cache, params.head_size, params.head_size_v)
+    at ``slot_mapping`` (int64 ``[>= num_tokens]``, ``-1`` = padding row, not written); an fp8
+    cache (``params.kv_dtype``) takes ``K / k_scale`` and ``V / v_scale`` (the layer's float32
+    0-d scale tensors, read on the device)."""
+    k_cache, v_cache = kv_cache_views(kv_cache, params.head_size, params.head_size_v,
+                                      params.kv_dtype)
     n = min(key.shape[0], slot_mapping.shape[0])
     key, value, slots = key[:n], value[:n], slot_mapping[:n]
     if slots.device.type == "cpu":
@@ -238,7 +271,10 @@ def write_kv_cache(params: AttnLayerParams, kv_cache: torch.Tensor, key: torch.T
         keep = slots >= 0
         if not bool(keep.all()):
             key, value, slots = key[keep], value[keep], slots[keep]
-    ops.write_kv(k_cache, v_cache, slots, key, value)
+    if params.kv_dtype is None:
+        ops.write_kv(k_cache, v_cache, slots, key, value)
+    else:
+        ops.write_kv(k_cache, v_cache, slots, key, value, k_scale=k_scale, v_scale=v_scale)
 
 
 def refresh_sinks(sinks: Optional[torch.Tensor],
@@ -270,11 +306,15 @@ def refresh_sinks(sinks: Optional[torch.Tensor],
 
 def run_attention(params: AttnLayerParams, md: AiterAttnMetadata, query: torch.Tensor,
                   kv_cache: torch.Tensor, output: torch.Tensor,
-                  sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  sinks: Optional[torch.Tensor] = None, k_scale=None,
+                  v_scale=None) -> torch.Tensor:
     """Attention of ``query`` (``[num_tokens, num_heads, head_size]``) over vLLM's cache into
     ``output`` (``[num_tokens, num_heads, head_size_v]``, rows past ``num_actual_tokens``
-    untouched). ``sinks``: float32 ``[num_heads]`` or None."""
-    k_cache, v_cache = kv_cache_views(kv_cache, params.head_size, params.head_size_v)
+    untouched). ``sinks``: float32 ``[num_heads]`` or None; ``k_scale`` / ``v_scale``: an fp8
+    cache's dequantisation scales (the layer's, as it was written with)."""
+    k_cache, v_cache = kv_cache_views(kv_cache, params.head_size, params.head_size_v,
+                                      params.kv_dtype)
+    scales = {} if params.kv_dtype is None else {"k_scale": k_scale, "v_scale": v_scale}
     n = md.num_actual_tokens
     ops.paged_attention(
         query[:n], k_cache, v_cache,
@@ -282,7 +322,7 @@ def run_attention(params: AttnLayerParams, md: AiterAttnMetadata, query: torch.T
         softmax_scale=params.scale, causal=md.causal,
         window_size=batch_window(params.window_size, md.causal),
         softcap=params.softcap, sinks=sinks, out=output[:n],
-        max_seqlen_q=md.max_seqlen_q, max_seqlen_k=md.max_seqlen_k,
+        max_seqlen_q=md.max_seqlen_q, max_seqlen_k=md.max_seqlen_k, **scales,
     )
     return output
 
@@ -291,14 +331,16 @@ def paged_attention_support(*, device: str, dtype: torch.dtype, head_size: int,
                             head_size_v: Optional[int] = None, page_size: Optional[int] = None,
                             num_heads: Optional[int] = None,
                             num_kv_heads: Optional[int] = None, sliding_window: bool = False,
-                            sinks: bool = False, softcap: bool = False) -> tuple:
+                            sinks: bool = False, softcap: bool = False,
+                            kv_dtype: Optional[torch.dtype] = None) -> tuple:
     """``(cg_support, reason)`` of the paged-attention kernel our registry would pick for a
     layer like this on ``device``: its :class:`~aiter_attn.types.CGSupport`, or
-    ``(CGSupport.NEVER, why)`` when no kernel can serve it."""
+    ``(CGSupport.NEVER, why)`` when no kernel can serve it. ``kv_dtype``: an fp8 cache's
+    type (:func:`cache_dtype`; ``None``: the model's ``dtype``)."""
     req = layer_kernel_request(device=device, dtype=dtype, head_size=head_size,
                                head_size_v=head_size_v, page_size=page_size, num_heads=num_heads,
                                num_kv_heads=num_kv_heads, sliding_window=sliding_window,
-                               sinks=sinks, softcap=softcap)
+                               sinks=sinks, softcap=softcap, kv_dtype=kv_dtype)
     try:
         sel = kernel_registry().select(req)
     except KernelSelectionError as exc:
@@ -310,13 +352,15 @@ def layer_kernel_request(*, device: str, dtype: torch.dtype, head_size: int,
                          head_size_v: Optional[int] = None, page_size: Optional[int] = None,
                          num_heads: Optional[int] = None, num_kv_heads: Optional[int] = None,
                          sliding_window: bool = False, sinks: bool = False,
-                         softcap: bool = False):
+                         softcap: bool = False, kv_dtype: Optional[torch.dtype] = None):
     """The ``paged_attention`` :class:`~aiter_attn.kernels.registry.KernelRequest` of a layer
     like this, as ``ops.paged_attention`` makes it (the head counts decide the GQA group
-    limit; ``None``: not checked)."""
+    limit; ``None``: not checked). ``dtype``: the queries'; ``kv_dtype``: the cache's
+    (``None``: ``dtype``)."""
     head_size_v = head_size if head_size_v is None else head_size_v
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     features = ops.attention_features(
-        kv_dtype=dtype, head_dim=head_size, v_head_dim=head_size_v,
+        kv_dtype=kv_dtype, head_dim=head_size, v_head_dim=head_size_v,
         window_size=(0, 0) if sliding_window else (-1, -1), softcap=1.0 if softcap else 0.0,
         sinks=True if sinks else None)
     extra = ()
@@ -324,7 +368,7 @@ def layer_kernel_request(*, device: str, dtype: torch.dtype, head_size: int,
         extra = (("q_heads", num_heads), ("kv_heads", num_kv_heads))
     from ...kernels.registry import KernelRequest
 
-    return KernelRequest(op="paged_attention", device=device, dtype=dtype, kv_dtype=dtype,
+    return KernelRequest(op="paged_attention", device=device, dtype=dtype, kv_dtype=kv_dtype,
                          head_dim=head_size, v_head_dim=head_size_v, page_size=page_size,
                          features=features, extra=extra)
 
@@ -360,12 +404,26 @@ def layer_query_heads(vllm_config, layer_name: Optional[str] = None) -> Optional
     return None if get_heads is None else int(get_heads(parallel_config))
 
 
+def spec_dtypes(spec, vllm_config=None) -> tuple:
+    """``(dtype, kv_dtype)`` of a layer's KV-cache spec: the queries' and the cache's element
+    type (``None``: the same). vLLM's spec of an fp8 cache says uint8; the fp8 type is the
+    server's ``cache_config.cache_dtype`` (:func:`cache_dtype`) and the queries are in
+    ``model_config.dtype``."""
+    kv_str = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)
+    fp8 = FP8_KV_CACHE_DTYPES.get(kv_str or "auto")
+    model_dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", None)
+    if fp8 is None or not isinstance(model_dtype, torch.dtype):
+        return spec.dtype, None
+    return model_dtype, fp8
+
+
 def group_cudagraph_support(kv_cache_spec, *, device: str, vllm_config=None) -> CGSupport:
     """The CUDA-graph level of a KV-cache group (the builder's ``get_cudagraph_support``):
     the weakest over its layers' specs (:func:`layer_specs`; vLLM's V1 runner passes the
     group's spec, the V2 runner a layer's) of :func:`paged_attention_support`, each read
     from the spec's ``dtype``, ``head_size``, ``head_size_v``, ``block_size``,
-    ``num_kv_heads`` and ``sliding_window`` (absent = none), with the layer's query heads
+    ``num_kv_heads`` and ``sliding_window`` (absent = none; an fp8 cache's types from
+    ``vllm_config``: :func:`spec_dtypes`), with the layer's query heads
     from ``vllm_config`` (:func:`layer_query_heads`): the registry then picks the kernel
     ``ops.paged_attention`` will run, which for a GQA group over the Triton kernel's limit is
     the reference (``NEVER``). ``NEVER`` for a group with no layer spec. Called once at
@@ -376,8 +434,9 @@ def group_cudagraph_support(kv_cache_spec, *, device: str, vllm_config=None) -> 
     for name, spec in named:
         num_kv_heads = getattr(spec, "num_kv_heads", None)
         num_heads = layer_query_heads(vllm_config, name) if num_kv_heads else None
+        dtype, kv_dtype = spec_dtypes(spec, vllm_config)
         levels.append(paged_attention_support(
-            device=device, dtype=spec.dtype, head_size=spec.head_size,
+            device=device, dtype=dtype, kv_dtype=kv_dtype, head_size=spec.head_size,
             head_size_v=getattr(spec, "head_size_v", None), page_size=spec.block_size,
             num_heads=num_heads, num_kv_heads=num_kv_heads if num_heads else None,
             sliding_window=getattr(spec, "sliding_window", None) is not None)[0])
