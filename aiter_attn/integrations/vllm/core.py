@@ -37,6 +37,7 @@ __all__ = [
     "write_kv_cache",
     "refresh_sinks",
     "run_attention",
+    "run_encoder_attention",
     "paged_attention_support",
     "layer_specs",
     "group_cudagraph_support",
@@ -324,6 +325,37 @@ def run_attention(params: AttnLayerParams, md: AiterAttnMetadata, query: torch.T
         softcap=params.softcap, sinks=sinks, out=output[:n],
         max_seqlen_q=md.max_seqlen_q, max_seqlen_k=md.max_seqlen_k, **scales,
     )
+    return output
+
+
+def run_encoder_attention(params: AttnLayerParams, md: AiterAttnMetadata,
+                          query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          output: torch.Tensor,
+                          sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """vLLM's encoder-only layers (``AttentionType.ENCODER_ONLY``: BERT-style embedding and
+    classification models): each request's queries attend, bidirectionally, over its own
+    tokens' K/V of this step; there is no KV cache. The step's ``key`` / ``value``
+    (``[num_tokens, num_kv_heads, head_size(_v)]``) serve as pages of one token (page ``t``
+    is token ``t``; request ``b``'s table row counts up from ``query_start_loc[b]``), so the
+    paged kernels run them in place. Window (made symmetric), soft-cap and sinks apply as
+    in :func:`run_attention`. No device→host sync (the table is built on the device from
+    ``query_start_loc`` and the host hint ``max_seqlen_q``)."""
+    n = md.num_actual_tokens
+    if n == 0:
+        return output
+    cu = md.cu_seqlens_q
+    lens = (cu[1:] - cu[:-1]).to(torch.int32)  # padding requests: 0
+    width = md.max_seqlen_q if md.max_seqlen_q is not None else n
+    table = (cu[:-1, None].to(torch.int32)
+             + torch.arange(width, dtype=torch.int32, device=cu.device)).clamp_(max=n - 1)
+    k_pages = key[:n].reshape(n, 1, params.num_kv_heads, params.head_size)
+    v_pages = value[:n].reshape(n, 1, params.num_kv_heads, params.head_size_v)
+    ops.paged_attention(
+        query[:n], k_pages, v_pages, cu_seqlens_q=cu, seqused_k=lens, block_table=table,
+        softmax_scale=params.scale, causal=False,
+        window_size=batch_window(params.window_size, False), softcap=params.softcap,
+        sinks=sinks, out=output[:n], max_seqlen_q=md.max_seqlen_q,
+        max_seqlen_k=md.max_seqlen_q)
     return output
 
 
