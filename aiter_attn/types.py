@@ -201,6 +201,10 @@ class LayerSpec:
             they are ignored (K/V are stored and read as given), on every architecture and
             kernel (:func:`kv_dequant_scales`).
         is_cross_attention: encoder-decoder cross attention (keys from the encoder cache).
+        causal: each query sees the keys up to its own position (decoders); ``False``: every
+            key of its request (encoder-only layers, e.g. BERT-style embedding models), a
+            sliding window then reaching ``w - 1`` keys to either side. See
+            :attr:`is_causal`.
         kv_lora_rank / qk_rope_head_dim: MLA dimensions (0 for non-MLA layers); every MLA
             layer sets them (the MLA strategies refuse a spec whose dimensions differ from
             the latent pool's).
@@ -219,6 +223,7 @@ class LayerSpec:
     k_scale: float = attrs.field(default=1.0, validator=_scalar_scale)
     v_scale: float = attrs.field(default=1.0, validator=_scalar_scale)
     is_cross_attention: bool = attrs.field(default=False, validator=_bool)
+    causal: bool = attrs.field(default=True, validator=_bool)
     kv_lora_rank: int = attrs.field(default=0, validator=_non_negative)
     qk_rope_head_dim: int = attrs.field(default=0, validator=_non_negative)
 
@@ -258,11 +263,19 @@ class LayerSpec:
     def gqa_group(self) -> int:
         return self.num_q_heads // self.num_kv_heads
 
+    @property
+    def is_causal(self) -> bool:
+        """Whether the layer's attention is causal: a decoder's self-attention (neither
+        cross-attention nor ``causal=False``)."""
+        return self.causal and not self.is_cross_attention
+
     def window_size(self) -> tuple[int, int]:
-        """Flash-attn ``(left, right)`` window: HF ``sliding_window=w`` ⇒ ``(w - 1, 0)``."""
+        """Flash-attn ``(left, right)`` window: HF ``sliding_window=w`` ⇒ ``(w - 1, 0)``, or
+        ``(w - 1, w - 1)`` on a bidirectional (``causal=False``) layer."""
         if self.sliding_window is None:
             return (-1, -1)
-        return (self.sliding_window - 1, 0)
+        w = self.sliding_window - 1
+        return (w, 0) if self.causal else (w, w)
 
 
 @attrs.frozen(kw_only=True)

@@ -107,3 +107,27 @@ def test_extend_of_zero_tokens_then_decode():
     be = AttentionBackend(cfg, sc.req_pool, sc.kv_pool)
     _run_step(sc, be, ForwardMode.EXTEND, [0, 0], torch.float32)
     _run_step(sc, be, ForwardMode.DECODE, [1, 1], torch.float32)
+
+
+@pytest.mark.parametrize("kernel_backend", ["reference", "triton"])
+@pytest.mark.parametrize("window", [None, 4], ids=["full", "window-4"])
+def test_encoder_only_layers_attend_both_ways(kernel_backend, window):
+    """``LayerSpec(causal=False)`` (encoder-only layers: BERT-style embedding models): a
+    fresh request's tokens each see all of its tokens, a sliding window ``w`` reaching
+    ``w - 1`` keys to either side; the dense oracle runs non-causal too, and a causal
+    run of the same batch gives other rows (page 48, GQA 5:1, head dim 80, block-permuted
+    pool with a null page)."""
+    cfg = BackendConfig(page_size=48, max_batch_size=4, max_context_len=256,
+                        dtype=torch.float32, kernel_backend=kernel_backend)
+    layers = _layers(10, 2, 80, sliding_window=window, causal=False)
+    assert not layers[0].is_causal
+    assert layers[0].window_size() == ((3, 3) if window else (-1, -1))
+    sc = PagedScenario.make(cfg, layers, [0, 0, 0], seed=7)
+    be = AttentionBackend(cfg, sc.req_pool, sc.kv_pool)
+    batch = sc.next_batch(ForwardMode.EXTEND, [9, 1, 60])
+    be.init_forward_metadata(batch)
+    q, k, v = sc.step_inputs(layers[0])
+    out = be.forward(q, k, v, layers[0], batch)
+    assert_close_rel(out, sc.expected(layers[0], q), RTOL[torch.float32], "encoder-only")
+    causal = sc.expected(layers[0], q, causal=True)
+    assert not torch.allclose(out[0].double(), causal[0], rtol=1e-3, atol=1e-3)

@@ -197,6 +197,65 @@ def test_extend(sgl, mode, mirrors_as_lists):
     _check(w, fb, q, k, v, rows, totals, ext)
 
 
+def test_encoder_only_layers_attend_both_ways(sgl):
+    """SGLang's encoder-only layers (``AttentionType.ENCODER_ONLY``: BERT-style embedding
+    models, run as EXTEND over fresh requests): every token attends over all of its
+    request's tokens (K/V written to SGLang's pool first), a window reaching ``sws`` keys to
+    either side; the first token sees the later ones (a causal run gives other rows)."""
+    w = World(sgl)
+    enc = sgl.AttentionType.ENCODER_ONLY
+    w.layers = [types.SimpleNamespace(**{**vars(w._layer(0, sws=-1, cap=0.0)), "attn_type": enc}),
+                types.SimpleNamespace(**{**vars(w._layer(1, sws=3, cap=4.0)), "attn_type": enc})]
+    rows, ext = [2, 5, 6], [9, 1, 14]
+    loc = torch.cat([w.grow(r, e) for r, e in zip(rows, ext)])
+    q, k, v = w.qkv(sum(ext))
+    fb = sgl.FB(
+        forward_mode=sgl.FM["EXTEND"], batch_size=3,
+        req_pool_indices=torch.tensor(rows, dtype=torch.int64),
+        seq_lens=torch.tensor(ext, dtype=torch.int64), seq_lens_sum=sum(ext),
+        seq_lens_cpu=torch.tensor(ext, dtype=torch.int64), out_cache_loc=loc,
+        extend_seq_lens=torch.tensor(ext, dtype=torch.int32),
+        extend_prefix_lens=torch.zeros(3, dtype=torch.int32),
+        extend_seq_lens_cpu=list(ext), extend_prefix_lens_cpu=[0, 0, 0],
+        extend_num_tokens=sum(ext),
+        positions=torch.cat([torch.arange(e) for e in ext]))
+    w.backend.init_forward_metadata(fb)
+    outs = w.run(fb, q, k, v)
+    for layer, out in zip(w.layers, outs):
+        torch.testing.assert_close(w.pool.k_buffer[layer.layer_id][loc], k)
+        sws = layer.sliding_window_size
+        window = (sws, sws) if sws >= 0 else (-1, -1)
+        sinks = w.sinks.float() if layer.layer_id == 1 else None
+        start = 0
+        for i, (row, n) in enumerate(zip(rows, ext)):
+            slots = w.slots(row, 0, n)
+            kr, vr = w.pool.k_buffer[layer.layer_id][slots], w.pool.v_buffer[layer.layer_id][slots]
+            qr = q[start: start + n].view(-1, HQ, D)
+            want = dense_attention(qr, kr, vr, scale=layer.scaling, causal=False, window=window,
+                                   softcap=layer.logit_cap, sinks=sinks)
+            _assert_close(out[start: start + n], want, f"layer {layer.layer_id} request {i}")
+            if n > 1 and layer.layer_id == 0:
+                causal = dense_attention(qr, kr, vr, scale=layer.scaling, causal=True)
+                assert (causal[0].double() - want[0]).norm() > 1e-3 * want[0].norm()
+            start += n
+
+
+def test_bidirectional_decoder_layers_are_refused(sgl):
+    """``DECODER_BIDIRECTIONAL`` (bidirectional only under some server settings and the
+    diffusion modes) is refused with the fix; an encoder-only layer maps to causal=False."""
+    w = World(sgl)
+    layer = types.SimpleNamespace(**{**vars(w._layer(0, sws=-1, cap=0.0)),
+                                     "attn_type": sgl.AttentionType.DECODER_BIDIRECTIONAL})
+    from aiter_attn.integrations.sglang.translate import layer_spec
+
+    with pytest.raises(ValueError, match="encoder-only layers; serve this model with another"):
+        layer_spec(layer)
+    assert layer_spec(w.layers[0]).causal
+    enc = types.SimpleNamespace(**{**vars(w._layer(0, sws=-1, cap=0.0)),
+                                   "attn_type": sgl.AttentionType.ENCODER_ONLY})
+    assert not layer_spec(enc).causal and not layer_spec(enc).is_causal
+
+
 def _decode_batch(sgl, w, rows, totals, as_list=False):
     loc = torch.cat([w.grow(r, t) for r, t in zip(rows, totals)])
     return sgl.FB(forward_mode=sgl.FM.DECODE, batch_size=len(rows),

@@ -158,7 +158,7 @@ class LayerParams:
             scale=layer.scaling, device=device,
             window=layer.window_size() if window is None else window,
             softcap=layer.logit_cap,
-            causal=(not layer.is_cross_attention) if causal is None else causal,
+            causal=layer.is_causal if causal is None else causal,
             sinks=layer.sinks if sinks is None else sinks,
             k_scale=layer.k_scale, v_scale=layer.v_scale, fp8=fp8,
             num_q_heads=layer.num_q_heads, num_kv_heads=layer.num_kv_heads,

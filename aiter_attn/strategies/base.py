@@ -203,7 +203,7 @@ class ExecutionStrategy(abc.ABC):
 
         fold = has_mask and layer.sliding_window is not None
         window = (-1, -1) if fold else layer.window_size()
-        causal = not layer.is_cross_attention and not has_mask
+        causal = layer.is_causal and not has_mask
         sinks_t = sinks if sinks is not None else layer.sinks
         gkey = (request_fn, q.dtype, q.device, q.shape[1], q.shape[2], k_cache.dtype,
                 tuple(k_cache.shape[1:]), tuple(v_cache.shape[1:]), window, layer.logit_cap > 0,

@@ -141,10 +141,11 @@ def require_pool(ctx, pool_cls: type, arch: str, hint: str = ""):
 
 
 def effective_causal(layer: LayerSpec, md: AttnMetadata) -> bool:
-    """Causal unless cross-attention or a tree mask is planned: a mask is applied literally
+    """Causal unless the layer is not (cross-attention, ``causal=False``) or a tree mask is
+    planned: a mask is applied literally
     (the kernel runs non-causal and the mask alone says what each query sees), the project's
     convention for MHA, MLA and the seed."""
-    return not layer.is_cross_attention and md.mask is None
+    return layer.is_causal and md.mask is None
 
 
 def effective_window(layer: LayerSpec, md: AttnMetadata) -> tuple[int, int]:

@@ -258,7 +258,7 @@ class PagedExecution(CascadeExecutionMixin, ExecutionStrategy):
         sinks_t = sinks if sinks is not None else layer.sinks
         req = attrs.evolve(ops.paged_attention_request(
             q, k_cache, v_cache, window_size=layer.window_size(), softcap=layer.logit_cap,
-            sinks=sinks_t, causal=not layer.is_cross_attention), op="extend_attention")
+            sinks=sinks_t, causal=layer.is_causal), op="extend_attention")
         if kv_scales is not None:
             req = attrs.evolve(req, features=req.features | {TOKEN_SCALE_FEATURE})
         gkey = ("extend_attention", req)

@@ -166,7 +166,7 @@ class PagedScenario:
             v = torch.cat([self.dense_v[(layer.layer_id, i)], vn])
             outs.append(dense_attention(
                 qv[t:t + n], k, v, scale=layer.scaling,
-                causal=(not layer.is_cross_attention) if causal is None else causal,
+                causal=layer.is_causal if causal is None else causal,
                 window=layer.window_size(), softcap=layer.logit_cap, sinks=layer.sinks,
                 mask=None if masks is None else masks[i],
             ))

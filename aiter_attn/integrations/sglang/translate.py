@@ -227,14 +227,17 @@ def to_forward_batch(fb, *, out_cache_loc: Optional[torch.Tensor] = None,
 
 
 def layer_spec(layer) -> LayerSpec:
-    """Our :class:`~aiter_attn.LayerSpec` of an SGLang ``RadixAttention`` (its TP-local heads)."""
+    """Our :class:`~aiter_attn.LayerSpec` of an SGLang ``RadixAttention`` (its TP-local heads):
+    a decoder layer, or an encoder-only one (``AttentionType.ENCODER_ONLY``: BERT-style
+    embedding models), which attends over its request's keys both ways (``causal=False``)."""
     if getattr(layer, "is_cross_attention", False):
         raise ValueError(f"layer {layer.layer_id} is cross attention; the aiter_attn SGLang "
                          "backend serves decoder self-attention only.")
     attn_type = getattr(getattr(layer, "attn_type", None), "name", "DECODER")
-    if attn_type != "DECODER":
+    if attn_type not in ("DECODER", "ENCODER_ONLY"):
         raise ValueError(f"layer {layer.layer_id} has attn_type={attn_type}; the aiter_attn "
-                         "SGLang backend serves causal decoder layers only.")
+                         "SGLang backend serves decoder self-attention and encoder-only "
+                         "layers; serve this model with another --attention-backend.")
     cap = float(getattr(layer, "logit_cap", 0.0) or 0.0)
     method = getattr(layer, "logit_capping_method", "tanh")
     if cap > 0 and method != "tanh":
@@ -252,7 +255,7 @@ def layer_spec(layer) -> LayerSpec:
         layer_id=int(layer.layer_id), num_q_heads=int(layer.tp_q_head_num),
         num_kv_heads=int(layer.tp_k_head_num), head_dim=int(layer.qk_head_dim),
         v_head_dim=int(layer.v_head_dim), scaling=float(layer.scaling), logit_cap=cap,
-        sliding_window=window,
+        sliding_window=window, causal=attn_type == "DECODER",
         k_scale=float(getattr(layer, "k_scale_float", None) or 1.0),
         v_scale=float(getattr(layer, "v_scale_float", None) or 1.0))
 
