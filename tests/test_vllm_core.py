@@ -457,3 +457,14 @@ def test_encoder_attention_is_bidirectional_over_each_request(window):
                         block_table=torch.zeros(1, 1, dtype=torch.int32),
                         softmax_scale=d ** -0.5, out=causal[4:5])
     assert not torch.allclose(out[4], causal[4], rtol=1e-3, atol=1e-3)
+
+
+def test_encoder_only_groups_are_never_captured():
+    """An encoder-only layer's group (vLLM's ``EncoderOnlyAttentionSpec``) reports NEVER:
+    its page table of one-token pages is built per step from the host's length hint."""
+    EncoderOnlyAttentionSpec = type("EncoderOnlyAttentionSpec", (SimpleNamespace,), {})
+    spec = EncoderOnlyAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
+                                    head_size_v=64, dtype=torch.float16)
+    assert core.group_cudagraph_support(spec, device="cuda") == CGSupport.NEVER
+    uniform = SimpleNamespace(kv_cache_specs={"a": spec, "b": _attn_spec(64)})
+    assert core.group_cudagraph_support(uniform, device="cuda") == CGSupport.NEVER

@@ -458,12 +458,18 @@ def group_cudagraph_support(kv_cache_spec, *, device: str, vllm_config=None) -> 
     ``vllm_config``: :func:`spec_dtypes`), with the layer's query heads
     from ``vllm_config`` (:func:`layer_query_heads`): the registry then picks the kernel
     ``ops.paged_attention`` will run, which for a GQA group over the Triton kernel's limit is
-    the reference (``NEVER``). ``NEVER`` for a group with no layer spec. Called once at
-    start-up, never per step."""
+    the reference (``NEVER``). ``NEVER`` for a group with no layer spec, and for encoder-only
+    layers (``EncoderOnlyAttentionSpec``: prefill-only models, whose one-token page tables
+    are built per step). Called once at start-up, never per step."""
     specs = getattr(kv_cache_spec, "kv_cache_specs", None)
     named = [(None, kv_cache_spec)] if specs is None else list(specs.items())
     levels = []
     for name, spec in named:
+        if type(spec).__name__ == "EncoderOnlyAttentionSpec":
+            # no cache: :func:`run_encoder_attention` builds its one-token page table from
+            # each step's lengths on the host's hint, which a captured graph would freeze
+            levels.append(CGSupport.NEVER)
+            continue
         num_kv_heads = getattr(spec, "num_kv_heads", None)
         num_heads = layer_query_heads(vllm_config, name) if num_kv_heads else None
         dtype, kv_dtype = spec_dtypes(spec, vllm_config)
