@@ -71,6 +71,29 @@ def test_duplicate_needs_replace_and_selection_cached():
     assert r.select(req).fn() == "new"  # registration invalidates the cache
 
 
+def test_replacing_another_sources_kernel_says_who_replaced_whom(caplog):
+    """Two plugins overriding one name: the later in load order wins, and the log names
+    both sources (re-registering one's own kernel, or overriding a built-in, says
+    nothing)."""
+    import logging
+
+    r = KernelRegistry()
+    never = Capabilities(cg_support=CGSupport.NEVER)
+    r.register("write_kv", "fast", lambda: 1, never, source="plugin_a")
+    with caplog.at_level(logging.WARNING, logger="aiter_attn.kernels.registry"):
+        r.register("write_kv", "fast", lambda: 2, never, source="plugin_a", replace=True)
+        assert not caplog.records
+        r.register("write_kv", "fast", lambda: 3, never, source="plugin_b", replace=True)
+    (msg,) = [rec.getMessage() for rec in caplog.records]
+    assert "'fast' of op 'write_kv' registered by plugin_a is replaced by plugin_b's" in msg
+    assert r.implementations("write_kv")[0].source == "plugin_b"
+    caplog.clear()
+    r.register("write_kv", "reference", lambda: 4, never, source="reference")
+    with caplog.at_level(logging.WARNING, logger="aiter_attn.kernels.registry"):
+        r.register("write_kv", "reference", lambda: 5, never, source="plugin_c", replace=True)
+    assert not caplog.records  # overriding a built-in is what replace=True is for
+
+
 def test_unknown_feature_rejected():
     with pytest.raises(ValueError, match="unknown features"):
         Capabilities(features={"time-travel"}, cg_support=CGSupport.NEVER)

@@ -307,6 +307,13 @@ class KernelSelectionError(ValueError):
     """No implementation can serve a request; the message lists every candidate's reason."""
 
 
+def _builtin(source: str) -> bool:
+    """Whether ``source`` is one of the package's own plugins (or a direct registration)."""
+    from ..plugins import CORE_PLUGINS, OPTIONAL_PLUGINS
+
+    return source == "builtin" or source in CORE_PLUGINS or source in OPTIONAL_PLUGINS
+
+
 class KernelRegistry:
     """Op → implementations. Thread-safe registration; cached selection."""
 
@@ -387,6 +394,14 @@ class KernelRegistry:
                     f"kernel {name!r} is already registered for op {op!r} "
                     f"(by {table[name].source}); pass replace=True to override it."
                 )
+            if name in table and table[name].source != source and not _builtin(
+                    table[name].source):
+                # two plugins overriding one name: the later in load order wins (built-ins,
+                # then entry points by name), so say which (a built-in's override is the
+                # deliberate case replace=True is for)
+                log.warning("kernel %r of op %r registered by %s is replaced by %s's "
+                            "(replace=True); plugins load built-ins first, then entry points "
+                            "in name order", name, op, table[name].source, source)
             table[name] = impl
             self._cache.clear()
             self._bound.clear()
