@@ -12,6 +12,7 @@ import torch
 
 from aiter_attn import ops
 from aiter_attn.integrations.vllm import core
+from aiter_attn.testing.compare import assert_close_rel
 from aiter_attn.types import CGSupport
 
 
@@ -468,3 +469,82 @@ def test_encoder_only_groups_are_never_captured():
     assert core.group_cudagraph_support(spec, device="cuda") == CGSupport.NEVER
     uniform = SimpleNamespace(kv_cache_specs={"a": spec, "b": _attn_spec(64)})
     assert core.group_cudagraph_support(uniform, device="cuda") == CGSupport.NEVER
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_triton_kernels_on_vllm_fp8_cache_in_place(monkeypatch, fp8):
+    """The Triton write and attention kernels (the GPU path; the interpreter here) on
+    vLLM's uint8 fp8 cache through the strided fp8 views, with 0-d scale tensors (k ≠ v):
+    the same bytes as the reference write, and rows matching the reference read of those
+    bytes to float16's relative error (float16 queries; GQA 3:1, page 16, a padding slot).
+    K/V are fp8 grid values
+    times power-of-two scales, whose quantisation is exact: the interpreter's float → fp8
+    cast loses the carry into the exponent (31.93 → 16 in e4m3), so it must have nothing to
+    round; a dropped, doubled or swapped scale still shows (tests/test_fp8_formats.py)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d, page = 3, 1, 32, 16
+    kv = torch.zeros(5 * page * hkv * 2 * d, dtype=torch.uint8, device=dev).view(
+        5, page, hkv, 2 * d).permute(0, 2, 1, 3)
+    params = core.AttnLayerParams(num_heads=hq, num_kv_heads=hkv, head_size=d, head_size_v=d,
+                                  scale=d ** -0.5, kv_dtype=fp8)
+    k_s, v_s = 2.0 ** -4, 2.0 ** 2
+    ks, vs = torch.tensor(k_s, device=dev), torch.tensor(v_s, device=dev)
+    fmax = torch.finfo(fp8).max
+
+    def grid(n, scale):  # fp8 grid values times the scale: quantised exactly
+        x = (torch.randn(n, hkv, d, generator=g) * fmax / 16).to(fp8).float() * scale
+        return x.half().to(dev)
+
+    table = torch.tensor([[3, 1], [4, 0]], dtype=torch.int32, device=dev)
+    q_lens, kv_lens = [4, 1], [20, 9]
+    slots = torch.tensor([1 * page + 0, 1 * page + 1, 1 * page + 2, 1 * page + 3, 4 * page + 8,
+                          -1], device=dev)
+    # every cell first holds a reference write of other K/V, then this step's
+    monkeypatch.setenv("AITER_ATTN_BACKEND", "reference")
+    core.write_kv_cache(params, kv, grid(5 * page, k_s), grid(5 * page, v_s),
+                        torch.arange(5 * page, device=dev), ks, vs)
+    key, value = grid(6, k_s), grid(6, v_s)
+    expected_kv = kv.clone()
+    core.write_kv_cache(params, expected_kv, key, value, slots, ks, vs)
+    monkeypatch.setenv("AITER_ATTN_BACKEND", "triton")
+    core.write_kv_cache(params, kv, key, value, slots, ks, vs)
+    assert torch.equal(kv, expected_kv)
+    common = _common(q_lens, kv_lens, block_table=table, slot_mapping=slots)
+    common.query_start_loc, common.seq_lens = (common.query_start_loc.to(dev),
+                                               common.seq_lens.to(dev))
+    md = core.metadata_from_common(common)
+    query = torch.randn(5, hq, d, generator=g).half().to(dev)
+    out = torch.zeros(5, hq, d, device=dev, dtype=torch.float16)
+    core.run_attention(params, md, query, kv, out, k_scale=ks, v_scale=vs)
+    k8, v8 = core.kv_cache_views(kv, d, d, fp8)
+    ref = ops.paged_attention(query.float(), (k8.float() * k_s).contiguous(),
+                              (v8.float() * v_s).contiguous(), cu_seqlens_q=md.cu_seqlens_q,
+                              seqused_k=md.seqused_k, block_table=table,
+                              softmax_scale=d ** -0.5, backend="reference")
+    assert_close_rel(out, ref, 2e-3, f"Triton attention over vLLM's {fp8} cache")
+
+
+def test_triton_kernel_runs_encoder_layers_on_one_token_pages(monkeypatch):
+    """The encoder-only path on the Triton kernel (the interpreter here): the step's K/V
+    as pages of one token, non-causal, equals the reference (float32, GQA 3:1)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(4)
+    hq, hkv, d = 3, 1, 32
+    q_lens = [5, 12]
+    n = sum(q_lens)
+    common = _common(q_lens, q_lens, block_table=torch.zeros(2, 1, dtype=torch.int32),
+                     slot_mapping=torch.zeros(n, dtype=torch.int64), causal=False)
+    common.query_start_loc, common.seq_lens = (common.query_start_loc.to(dev),
+                                               common.seq_lens.to(dev))
+    md = core.metadata_from_common(common)
+    params = core.AttnLayerParams(num_heads=hq, num_kv_heads=hkv, head_size=d, head_size_v=d,
+                                  scale=d ** -0.5)
+    query = torch.randn(n, hq, d, device=dev)
+    key, value = torch.randn(n, hkv, d, device=dev), torch.randn(n, hkv, d, device=dev)
+    outs = {}
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("AITER_ATTN_BACKEND", backend)
+        outs[backend] = torch.zeros(n, hq, d, device=dev)
+        core.run_encoder_attention(params, md, query, key, value, outs[backend])
+    torch.testing.assert_close(outs["triton"], outs["reference"], rtol=1e-4, atol=1e-4)
