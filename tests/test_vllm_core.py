@@ -344,7 +344,7 @@ def test_fp8_kv_cache_written_and_read_with_the_layer_scales(kv_cache_dtype, fp8
     plain float32 cache (GQA 5:1, head dim 80, page 48, block-permuted tables, null block
     0). Scales of 1 would give other bytes and other rows."""
     torch.manual_seed(1)
-    assert core.cache_dtype(kv_cache_dtype, torch.bfloat16) is fp8
+    assert core.fp8_cache_dtype(kv_cache_dtype) is fp8
     hq, hkv, d, page, nblocks = 10, 2, 80, 48, 8
     kv = torch.zeros(nblocks * page * hkv * 2 * d, dtype=torch.uint8).view(
         nblocks, page, hkv, 2 * d).permute(0, 2, 1, 3)
@@ -429,7 +429,7 @@ def test_encoder_attention_is_bidirectional_over_each_request(window):
     n = sum(q_lens)
     common = _common(q_lens, q_lens, block_table=torch.zeros(4, 1, dtype=torch.int32),
                      slot_mapping=torch.zeros(n, dtype=torch.int64), causal=False, pad_reqs=1)
-    md = core.metadata_from_common(common)
+    md = core.metadata_from_common(common, encoder=True)
     params = core.AttnLayerParams(num_heads=hq, num_kv_heads=hkv, head_size=d, head_size_v=d,
                                   scale=d ** -0.5, window_size=window)
     query, key, value = torch.randn(n + 2, hq, d), torch.randn(n + 2, hkv, d), torch.randn(
@@ -537,7 +537,7 @@ def test_triton_kernel_runs_encoder_layers_on_one_token_pages(monkeypatch):
                      slot_mapping=torch.zeros(n, dtype=torch.int64), causal=False)
     common.query_start_loc, common.seq_lens = (common.query_start_loc.to(dev),
                                                common.seq_lens.to(dev))
-    md = core.metadata_from_common(common)
+    md = core.metadata_from_common(common, encoder=True)
     params = core.AttnLayerParams(num_heads=hq, num_kv_heads=hkv, head_size=d, head_size_v=d,
                                   scale=d ** -0.5)
     query = torch.randn(n, hq, d, device=dev)

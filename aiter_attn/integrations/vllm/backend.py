@@ -77,6 +77,7 @@ class AiterAttnMetadataBuilder(AttentionMetadataBuilder[core.AiterAttnMetadata])
                 f"aiter_attn's vLLM backend cannot serve this model: {why}. Otherwise serve "
                 "it with vLLM's own attention (on the CPU: disable the plugin with "
                 "AITER_ATTN_VLLM=0 or VLLM_PLUGINS set to a list without 'aiter_attn').")
+        self._encoder = core.is_encoder_only(kv_cache_spec)
         kernel = _kernel_name(kv_cache_spec, core.layer_query_heads(vllm_config), vllm_config)
         log.info_once("aiter_attn: serving vLLM attention as %s (%s kernels, %s pages of %d)",
                       registered_name(), kernel, type(kv_cache_spec).__name__,
@@ -97,11 +98,12 @@ class AiterAttnMetadataBuilder(AttentionMetadataBuilder[core.AiterAttnMetadata])
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> core.AiterAttnMetadata:
-        return core.metadata_from_common(common_attn_metadata)
+        return core.metadata_from_common(common_attn_metadata, encoder=self._encoder)
 
     def build_for_cudagraph_capture(
             self, common_attn_metadata: CommonAttentionMetadata) -> core.AiterAttnMetadata:
-        return core.metadata_from_common(common_attn_metadata, capturing=True)
+        return core.metadata_from_common(common_attn_metadata, capturing=True,
+                                         encoder=self._encoder)
 
     def update_block_table(self, metadata: core.AiterAttnMetadata, blk_table: torch.Tensor,
                            slot_mapping: torch.Tensor) -> core.AiterAttnMetadata:
@@ -133,7 +135,7 @@ class AiterAttnImpl(AttentionImpl[core.AiterAttnMetadata]):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.sliding_window = sliding_window
-        fp8 = core.FP8_KV_CACHE_DTYPES.get(kv_cache_dtype)
+        fp8 = core.fp8_cache_dtype(kv_cache_dtype)
         if fp8 is not None and current_platform.is_rocm():
             fp8 = current_platform.fp8_dtype() if kv_cache_dtype != "fp8_e5m2" else fp8
         self.params = core.AttnLayerParams(
@@ -183,9 +185,9 @@ class AiterAttnImpl(AttentionImpl[core.AiterAttnMetadata]):
         if self.attn_type == AttentionType.ENCODER_ONLY:
             return core.run_encoder_attention(self.params, attn_metadata, query, key, value,
                                               output, sinks=self._sinks())
+        k_scale, v_scale = _scales(layer, self.params)
         return core.run_attention(self.params, attn_metadata, query, kv_cache, output,
-                                  sinks=self._sinks(), **dict(zip(
-                                      ("k_scale", "v_scale"), _scales(layer, self.params))))
+                                  sinks=self._sinks(), k_scale=k_scale, v_scale=v_scale)
 
 
 def _scales(layer, params: core.AttnLayerParams) -> tuple:
@@ -278,5 +280,5 @@ class AiterAttnBackend(AttentionBackend):
             return None  # reported by vLLM itself as "MLA not supported"
         _, reason = core.paged_attention_support(
             device=_device_type(), dtype=dtype, head_size=head_size, page_size=block_size,
-            sinks=has_sink, kv_dtype=core.FP8_KV_CACHE_DTYPES.get(kv_cache_dtype or "auto"))
+            sinks=has_sink, kv_dtype=core.fp8_cache_dtype(kv_cache_dtype))
         return None if reason is None else f"aiter_attn: {reason}"

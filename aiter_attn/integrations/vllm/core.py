@@ -26,7 +26,8 @@ from ...types import CGSupport
 
 __all__ = [
     "FP8_KV_CACHE_DTYPES",
-    "cache_dtype",
+    "fp8_cache_dtype",
+    "is_encoder_only",
     "AiterAttnMetadata",
     "AttnLayerParams",
     "kv_cache_views",
@@ -54,10 +55,16 @@ FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3
                        "fp8_e5m2": torch.float8_e5m2}
 
 
-def cache_dtype(kv_cache_dtype: Optional[str], model_dtype: torch.dtype) -> torch.dtype:
-    """The element type our kernels read a vLLM KV cache as: the fp8 type of an fp8
-    ``kv_cache_dtype`` (:data:`FP8_KV_CACHE_DTYPES`), else ``model_dtype``."""
-    return FP8_KV_CACHE_DTYPES.get(kv_cache_dtype or "auto", model_dtype)
+def fp8_cache_dtype(kv_cache_dtype: Optional[str]) -> Optional[torch.dtype]:
+    """The fp8 element type our kernels read a vLLM cache of ``kv_cache_dtype`` as
+    (:data:`FP8_KV_CACHE_DTYPES`); ``None`` (also for ``None``): the model's dtype."""
+    return FP8_KV_CACHE_DTYPES.get(kv_cache_dtype or "auto")
+
+
+def is_encoder_only(spec) -> bool:
+    """Whether a KV-cache spec is vLLM's ``EncoderOnlyAttentionSpec`` (encoder-only layers:
+    no cache; their pages are the step's own tokens, :func:`metadata_from_common`)."""
+    return type(spec).__name__ == "EncoderOnlyAttentionSpec"
 
 
 def window_from_vllm(sliding_window: Optional[int]) -> tuple[int, int]:
@@ -92,7 +99,7 @@ def kv_cache_views(kv_cache: torch.Tensor, head_size: int,
             cache as vLLM allocates it: uint8).
         head_size, head_size_v: K and V head dims (``head_size_v`` defaults to ``head_size``).
         kv_dtype: the element type to read a one-byte cache as (an fp8 type:
-            :func:`cache_dtype`); ``None``: the tensor's own.
+            :func:`fp8_cache_dtype`); ``None``: the tensor's own.
 
     Returns:
         ``(k_cache, v_cache)``: ``[num_blocks, block_size, num_kv_heads, head_size(_v)]`` views
@@ -104,7 +111,7 @@ def kv_cache_views(kv_cache: torch.Tensor, head_size: int,
             f"kv_cache has shape {tuple(getattr(kv_cache, 'shape', ()))}; expected vLLM's "
             "per-layer [num_blocks, num_kv_heads, block_size, head_size + head_size_v].")
     if kv_dtype is not None and kv_cache.dtype != kv_dtype:
-        if kv_cache.element_size() != torch.empty((), dtype=kv_dtype).element_size():
+        if kv_cache.element_size() != kv_dtype.itemsize:
             raise ValueError(
                 f"kv_cache is {kv_cache.dtype} but the layer's cache dtype is {kv_dtype}; "
                 "vLLM allocated this cache for another kv_cache_dtype.")
@@ -154,11 +161,17 @@ class AiterAttnMetadata:
         return replace(self, block_table=block_table, slot_mapping=slot_mapping)
 
 
-def metadata_from_common(common, *, capturing: bool = False) -> AiterAttnMetadata:
+def metadata_from_common(common, *, capturing: bool = False,
+                         encoder: bool = False) -> AiterAttnMetadata:
     """Map vLLM's ``CommonAttentionMetadata`` onto :class:`AiterAttnMetadata`.
 
     Args:
         common: the ``CommonAttentionMetadata`` of this step (read by attribute name only).
+        encoder: the group's layers are encoder-only (:func:`is_encoder_only`): no cache, so
+            the pages are the step's own tokens, one a page (page ``t`` is token ``t``;
+            request ``b``'s row counts up from ``query_start_loc[b]``, its length the
+            request's query count), built here once for every layer of the step, on the
+            device from ``query_start_loc`` and the host hint ``max_query_len`` (no sync).
         capturing: the metadata is for a CUDA-graph capture. The grid hints are then kept
             only where every replay of that graph shares them: ``max_seqlen_q`` for a uniform
             batch (vLLM replays such graphs only for batches of that query length), never
@@ -182,7 +195,7 @@ def metadata_from_common(common, *, capturing: bool = False) -> AiterAttnMetadat
     else:
         max_seqlen_q, max_seqlen_k = max_q, int(common.max_seq_len)
         num_tokens = _request_tokens(common, num_tokens)
-    return AiterAttnMetadata(
+    md = AiterAttnMetadata(
         num_actual_tokens=num_tokens,
         cu_seqlens_q=common.query_start_loc,
         seqused_k=common.seq_lens,
@@ -192,6 +205,20 @@ def metadata_from_common(common, *, capturing: bool = False) -> AiterAttnMetadat
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
     )
+    return _one_token_pages(md) if encoder else md
+
+
+def _one_token_pages(md: AiterAttnMetadata) -> AiterAttnMetadata:
+    """``md`` with an encoder-only step's own tokens as its pages (:func:`metadata_from_common`,
+    ``encoder``): ``seqused_k`` the requests' query counts (0 for padding requests) and a
+    block table of one-token page ids."""
+    n, cu = md.num_actual_tokens, md.cu_seqlens_q
+    width = md.max_seqlen_q if md.max_seqlen_q is not None else n
+    table = (cu[:-1, None].to(torch.int32)
+             + torch.arange(width, dtype=torch.int32, device=cu.device)).clamp_(
+                 max=max(n - 1, 0))
+    return replace(md, seqused_k=(cu[1:] - cu[:-1]).to(torch.int32), block_table=table,
+                   max_seqlen_k=md.max_seqlen_q)
 
 
 def _request_tokens(common, num_tokens: int) -> int:
@@ -241,7 +268,7 @@ class AttnLayerParams:
         scale: softmax scale.
         window_size: flash-attn ``(left, right)`` (see :func:`window_from_vllm`).
         softcap: logit soft-cap (0 = off).
-        kv_dtype: an fp8 cache's element type (:func:`cache_dtype`), whose K/V are written
+        kv_dtype: an fp8 cache's element type (:func:`fp8_cache_dtype`), whose K/V are written
             and read with the layer's scales; ``None``: the cache holds the model's dtype.
     """
 
@@ -272,10 +299,7 @@ def write_kv_cache(params: AttnLayerParams, kv_cache: torch.Tensor, key: torch.T
         keep = slots >= 0
         if not bool(keep.all()):
             key, value, slots = key[keep], value[keep], slots[keep]
-    if params.kv_dtype is None:
-        ops.write_kv(k_cache, v_cache, slots, key, value)
-    else:
-        ops.write_kv(k_cache, v_cache, slots, key, value, k_scale=k_scale, v_scale=v_scale)
+    ops.write_kv(k_cache, v_cache, slots, key, value, k_scale=k_scale, v_scale=v_scale)
 
 
 def refresh_sinks(sinks: Optional[torch.Tensor],
@@ -315,7 +339,6 @@ def run_attention(params: AttnLayerParams, md: AiterAttnMetadata, query: torch.T
     cache's dequantisation scales (the layer's, as it was written with)."""
     k_cache, v_cache = kv_cache_views(kv_cache, params.head_size, params.head_size_v,
                                       params.kv_dtype)
-    scales = {} if params.kv_dtype is None else {"k_scale": k_scale, "v_scale": v_scale}
     n = md.num_actual_tokens
     ops.paged_attention(
         query[:n], k_cache, v_cache,
@@ -323,7 +346,8 @@ def run_attention(params: AttnLayerParams, md: AiterAttnMetadata, query: torch.T
         softmax_scale=params.scale, causal=md.causal,
         window_size=batch_window(params.window_size, md.causal),
         softcap=params.softcap, sinks=sinks, out=output[:n],
-        max_seqlen_q=md.max_seqlen_q, max_seqlen_k=md.max_seqlen_k, **scales,
+        max_seqlen_q=md.max_seqlen_q, max_seqlen_k=md.max_seqlen_k, k_scale=k_scale,
+        v_scale=v_scale,
     )
     return output
 
@@ -335,27 +359,20 @@ def run_encoder_attention(params: AttnLayerParams, md: AiterAttnMetadata,
     """vLLM's encoder-only layers (``AttentionType.ENCODER_ONLY``: BERT-style embedding and
     classification models): each request's queries attend, bidirectionally, over its own
     tokens' K/V of this step; there is no KV cache. The step's ``key`` / ``value``
-    (``[num_tokens, num_kv_heads, head_size(_v)]``) serve as pages of one token (page ``t``
-    is token ``t``; request ``b``'s table row counts up from ``query_start_loc[b]``), so the
-    paged kernels run them in place. Window (made symmetric), soft-cap and sinks apply as
-    in :func:`run_attention`. No device→host sync (the table is built on the device from
-    ``query_start_loc`` and the host hint ``max_seqlen_q``)."""
+    (``[num_tokens, num_kv_heads, head_size(_v)]``) serve in place as pages of one token,
+    whose table ``md`` holds (``metadata_from_common(..., encoder=True)``). Window (made
+    symmetric), soft-cap and sinks apply as in :func:`run_attention`."""
     n = md.num_actual_tokens
     if n == 0:
         return output
-    cu = md.cu_seqlens_q
-    lens = (cu[1:] - cu[:-1]).to(torch.int32)  # padding requests: 0
-    width = md.max_seqlen_q if md.max_seqlen_q is not None else n
-    table = (cu[:-1, None].to(torch.int32)
-             + torch.arange(width, dtype=torch.int32, device=cu.device)).clamp_(max=n - 1)
     k_pages = key[:n].reshape(n, 1, params.num_kv_heads, params.head_size)
     v_pages = value[:n].reshape(n, 1, params.num_kv_heads, params.head_size_v)
     ops.paged_attention(
-        query[:n], k_pages, v_pages, cu_seqlens_q=cu, seqused_k=lens, block_table=table,
-        softmax_scale=params.scale, causal=False,
+        query[:n], k_pages, v_pages, cu_seqlens_q=md.cu_seqlens_q, seqused_k=md.seqused_k,
+        block_table=md.block_table, softmax_scale=params.scale, causal=False,
         window_size=batch_window(params.window_size, False), softcap=params.softcap,
         sinks=sinks, out=output[:n], max_seqlen_q=md.max_seqlen_q,
-        max_seqlen_k=md.max_seqlen_q)
+        max_seqlen_k=md.max_seqlen_k)
     return output
 
 
@@ -368,7 +385,7 @@ def paged_attention_support(*, device: str, dtype: torch.dtype, head_size: int,
     """``(cg_support, reason)`` of the paged-attention kernel our registry would pick for a
     layer like this on ``device``: its :class:`~aiter_attn.types.CGSupport`, or
     ``(CGSupport.NEVER, why)`` when no kernel can serve it. ``kv_dtype``: an fp8 cache's
-    type (:func:`cache_dtype`; ``None``: the model's ``dtype``)."""
+    type (:func:`fp8_cache_dtype`; ``None``: the model's ``dtype``)."""
     req = layer_kernel_request(device=device, dtype=dtype, head_size=head_size,
                                head_size_v=head_size_v, page_size=page_size, num_heads=num_heads,
                                num_kv_heads=num_kv_heads, sliding_window=sliding_window,
@@ -439,10 +456,10 @@ def layer_query_heads(vllm_config, layer_name: Optional[str] = None) -> Optional
 def spec_dtypes(spec, vllm_config=None) -> tuple:
     """``(dtype, kv_dtype)`` of a layer's KV-cache spec: the queries' and the cache's element
     type (``None``: the same). vLLM's spec of an fp8 cache says uint8; the fp8 type is the
-    server's ``cache_config.cache_dtype`` (:func:`cache_dtype`) and the queries are in
+    server's ``cache_config.cache_dtype`` (:func:`fp8_cache_dtype`) and the queries are in
     ``model_config.dtype``."""
-    kv_str = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)
-    fp8 = FP8_KV_CACHE_DTYPES.get(kv_str or "auto")
+    fp8 = fp8_cache_dtype(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype",
+                                  None))
     model_dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", None)
     if fp8 is None or not isinstance(model_dtype, torch.dtype):
         return spec.dtype, None
@@ -465,9 +482,9 @@ def group_cudagraph_support(kv_cache_spec, *, device: str, vllm_config=None) -> 
     named = [(None, kv_cache_spec)] if specs is None else list(specs.items())
     levels = []
     for name, spec in named:
-        if type(spec).__name__ == "EncoderOnlyAttentionSpec":
-            # no cache: :func:`run_encoder_attention` builds its one-token page table from
-            # each step's lengths on the host's hint, which a captured graph would freeze
+        if is_encoder_only(spec):
+            # no cache: the one-token page table is built per step from the lengths on the
+            # host's hint (:func:`metadata_from_common`), which a captured graph would freeze
             levels.append(CGSupport.NEVER)
             continue
         num_kv_heads = getattr(spec, "num_kv_heads", None)

@@ -415,9 +415,9 @@ class TritonPagedAttention(AttentionKernel):
     # stops changing: the plan's (index tensors, workspace, ints: once per step, memoised in
     # ``plan.kw_cache``), the layer's (:class:`LayerParams`: once per layer, ``_pmemo``) and
     # the cache layout's (strides: once per cache shape, ``self._layouts``). Each group has an
-    # interned id of everything Triton specialises on (:func:`_intern`), so the call's key
-    # for the direct launch (:mod:`._launch`) is those ids plus the per-call tensors' dtype,
-    # alignment and strides. A new kernel argument goes into the part where it stops
+    # interned id of everything Triton specialises on (:func:`._launch.intern_spec`), so the
+    # call's key for the direct launch (:mod:`._launch`) is those ids plus the per-call
+    # tensors' dtype, alignment and strides. A new kernel argument goes into the part where it stops
     # changing AND into that part's spec (tensors by ``tensor_key``, ints by value), or into
     # the call key if it changes per call: a key that misses an argument Triton specialises
     # on would launch a kernel compiled for other values (tests/test_direct_launch.py).
@@ -439,7 +439,7 @@ class TritonPagedAttention(AttentionKernel):
                 tuple(plan.cfg_kw.items()), tuple(tensor_key(t) for t in tensors))
         p1, p2 = (counters, *plan.args), (mask_t, mask_ip)
         p4 = (plan.bt_stride, *plan.part_strides)
-        pl = (_intern(spec), p1, p2, plan.ints[:4], p4, parts,
+        pl = (intern_spec(spec), p1, p2, plan.ints[:4], p4, parts,
               (*p1, cu, cu, cu, cu, cu, *p2),  # [6]: p1, the scale stand-ins, p2
               (*p4, 0, 0, plan.ints[4]),  # [7]: p4, the strides of an absent lse, bt_width
               plan.ints[4])  # [8]: bt_width (the kernel's last argument)
@@ -471,8 +471,8 @@ class TritonPagedAttention(AttentionKernel):
                  params.has_scales, token_scales)
         values = (float(params.scale), float(params.softcap), left, right)
         sstr = tuple(ksc.stride()) if token_scales else (0, 0, 0)
-        sid = _intern(("params", flags, left, right, sstr,
-                       None if scales is None else tuple(tensor_key(t) for t in scales)))
+        sid = intern_spec(("params", flags, left, right, sstr,
+                           None if scales is None else tuple(tensor_key(t) for t in scales)))
         memo = self._pmemo
         if len(memo) >= _PARAMS_KEEP:
             memo.clear()
@@ -495,7 +495,7 @@ class TritonPagedAttention(AttentionKernel):
         flat = (self.nhd_pages and k_strides[0] == page * k_strides[1]
                 and v_strides[0] == page * v_strides[1]
                 and max(k_cache.shape[0], v_cache.shape[0]) * page < 2 ** 31)
-        return (_intern(("layout", strides, kx, vx, flat)), strides, kx, vx, pairs, flat)
+        return (intern_spec(("layout", strides, kx, vx, flat)), strides, kx, vx, pairs, flat)
 
     def _launch_args(self, q, cache, plan: TritonPlan, params, out, lse):
         """``(args, key, pe, layout)`` of the attention kernel's launch: O(1) checks, no
@@ -622,8 +622,8 @@ class TritonPagedAttention(AttentionKernel):
             if ok:
                 k_d, v_d = cache_descriptors(k_cache, v_cache)
                 # the descriptors' specialisation: dtype, block shape and layout of each
-                dsid = _intern(("gluon-descs", k_cache.dtype, tuple(k_d.block_shape),
-                                repr(k_d.layout), k_cache.shape[1]))
+                dsid = intern_spec(("gluon-descs", k_cache.dtype, tuple(k_d.block_shape),
+                                    repr(k_d.layout), k_cache.shape[1]))
                 descs = (dsid, k_d, v_d, k_cache.shape[1])
             self._gdescs[ck] = descs
         if descs is None or q.stride(2) != 1 or out.stride(2) != 1:
@@ -634,7 +634,7 @@ class TritonPagedAttention(AttentionKernel):
             cu, seqused_k, block_table = plan.args
             gp = plan_part(splits, pa, pm, cu, seqused_k, block_table, plan.ints[0],
                            self.kv_heads)
-            part = plan.kw_cache[_GLUON_LAUNCH] = (_intern(gp[0]), gp)
+            part = plan.kw_cache[_GLUON_LAUNCH] = (intern_spec(gp[0]), gp)
         run_planned(part[1], part[0], descs, q, out, values[0], lse)
         return True
 
@@ -669,8 +669,6 @@ _OVERRIDES = "overrides"
 #: layers' launch parts a kernel object keeps (id(LayerParams) -> part, holding the params
 #: so the id stays theirs; cleared when full)
 _PARAMS_KEEP = 1024
-#: plan, layer and layout parts of a launch key -> small ints
-_intern = intern_spec
 _ATTN = Launcher(_paged_attn_kernel)
 _REDUCE = Launcher(_reduce_splits_kernel)
 
@@ -682,8 +680,6 @@ def _split_chunk(splits: int, block_m: int, dv_pad: int) -> int:
     while chunk * 2 <= next_pow2(splits) and chunk * 2 * block_m * dv_pad <= 8192:
         chunk *= 2
     return chunk
-
-
 
 
 class TritonPagedAttention5D(TritonPagedAttention):

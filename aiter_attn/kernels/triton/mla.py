@@ -413,7 +413,7 @@ class TritonMLA(MLAWorkspace, MLAKernel):
                       else None)
             pdl = (pdl_mode(t.get("pdl", MLA_NARROW_PDL), device)
                    if nsplits > 1 and not ring else False)
-            if ncount is not None and pdl != True:  # noqa: E712 (True, not "reduce")
+            if ncount is not None and pdl == "reduce":
                 # merging its own splits there is no merge launch to start early; only
                 # ``pdl=True`` (the kernel itself starts early, waiting on the device for
                 # the kernel before) is left
