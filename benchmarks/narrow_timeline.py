@@ -60,7 +60,9 @@ def summarize(stamps: torch.Tensor) -> dict:
         per["stream min"].append(float(stream.min()) * us)
         per["stream max"].append(float(stream.max()) * us)
         per["epilogue"].append(float((end[r] - done[r]).float().median()) * us)
-        per["end spread"].append(float(end[r].max() - end[r].float().median()) * us)
+        # medians of differences: the int64 ns themselves are beyond float32's precision
+        rel_end = (end[r] - e0).float()
+        per["end spread"].append(float(rel_end.max() - rel_end.median()) * us)
         per["gap"].append(float(e1 - end[r].max()) * us)
     out = {k: round(median(v), 3) for k, v in per.items() if v}
     sms = s[..., 1]
@@ -69,9 +71,27 @@ def summarize(stamps: torch.Tensor) -> dict:
     return out
 
 
+def program_rows(stamps: torch.Tensor, rep: int) -> list:
+    """One dict per (step after the first, program) of a replay's ``stamps`` (as in
+    :func:`summarize`): the program's SM and its entry, first tile, last tile and end in ns
+    after the step's first entry (to find whether the slow streams sit on given SMs or
+    given requests)."""
+    s = stamps.to(torch.int64).cpu()
+    rows = []
+    for r in range(1, s.shape[0] - 1):
+        e0 = s[r, :, 0].min()
+        done = torch.maximum(s[r, :, 4], s[r, :, 5])
+        for p in range(s.shape[1]):
+            rows.append({"rep": rep, "step": r, "program": p, "sm": int(s[r, p, 1]),
+                         "entry": int(s[r, p, 0] - e0), "first": int(s[r, p, 3] - e0),
+                         "done": int(done[p] - e0), "end": int(s[r, p, 6] - e0)})
+    return rows
+
+
 def timeline(heads: int, bs: int, ctx: int, *, steps: int = 8, reps: int = 5,
-             device="cuda") -> dict:
-    """The row's :func:`summarize` from ``reps`` replays of ``steps`` captured steps."""
+             device="cuda", programs: list | None = None) -> dict:
+    """The row's :func:`summarize` from ``reps`` replays of ``steps`` captured steps;
+    ``programs``, if given, gets every replay's :func:`program_rows`."""
     from _inputs import make_mla
 
     from aiter_attn.kernels.base import _adhoc_metadata, mla_layer_params
@@ -117,6 +137,8 @@ def timeline(heads: int, bs: int, ctx: int, *, steps: int = 8, reps: int = 5,
         graph.replay()
         torch.cuda.synchronize()
         runs.append(summarize(stamps))
+        if programs is not None:
+            programs.extend(program_rows(stamps, len(runs) - 1))
     rec = {"row": f"{heads}x{bs}x{ctx}", "splits": nsplits}
     rec.update({k: round(median(run[k] for run in runs), 3) for k in runs[0]})
     return rec
@@ -128,10 +150,18 @@ def main():
                    help="heads x batch x context, comma-separated")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--programs", default="",
+                   help="write every program's stamps (program_rows) here, JSON lines")
     a = p.parse_args()
     for row in a.rows.split(","):
         h, b, c = (int(v) for v in row.split("x"))
-        print(json.dumps(timeline(h, b, c, steps=a.steps, reps=a.reps)), flush=True)
+        progs = [] if a.programs else None
+        print(json.dumps(timeline(h, b, c, steps=a.steps, reps=a.reps, programs=progs)),
+              flush=True)
+        if progs:
+            with open(a.programs, "a") as f:
+                for rec in progs:
+                    f.write(json.dumps({"row": row, **rec}) + "\n")
 
 
 if __name__ == "__main__":

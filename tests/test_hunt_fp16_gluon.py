@@ -20,7 +20,7 @@ import torch
 from aiter_attn.kernels.triton.prefill_gluon import HAS_GLUON
 from aiter_attn.testing.compare import assert_close_rel
 
-from ._triton_util import HAS_CUDA, INTERPRET
+from ._triton_util import HAS_CUDA, INTERPRET, spy_launches
 from .test_hunt_fp16_range import _edge_keys
 from .test_triton_mla import RTOL as MLA_RTOL
 from .test_triton_mla import MLACase
@@ -54,10 +54,7 @@ def _edge_qk(n: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _served(monkeypatch, launcher) -> list:
     """Counts ``launcher``'s launches (the kernel under test must serve the call)."""
-    calls = []
-    real = launcher.launch
-    monkeypatch.setattr(launcher, "launch", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    return calls
+    return spy_launches(monkeypatch, launcher)
 
 
 def _check(out: torch.Tensor, sign: float, rtol: float, what: str) -> None:

@@ -8,21 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from ._triton_util import requires_triton
+from ._triton_util import requires_triton, spy_launches
 from .test_triton_mla import MLACase
 
 pytestmark = requires_triton
 
 
 def _record(monkeypatch, launcher) -> list:
-    seen, real = [], launcher.launch
-
-    def launch(grid, args, kw, key):
-        seen.append((tuple(grid), dict(kw)))
-        return real(grid, args, kw, key)
-
-    monkeypatch.setattr(launcher, "launch", launch)
-    return seen
+    return spy_launches(monkeypatch, launcher,
+                        lambda grid, args, kw, key: (tuple(grid), dict(kw)))
 
 
 def test_split_kernel_and_merge_launch_through_their_launchers(monkeypatch, triton_mla_kernel):

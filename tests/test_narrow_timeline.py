@@ -24,13 +24,21 @@ def _step(t0: int, ends: list[int]) -> list[list[int]]:
     return rows
 
 
-def test_summary_of_a_hand_built_timeline():
-    from narrow_timeline import summarize
+@pytest.mark.parametrize("t0", [0, 1_764_000_000_000_000_000], ids=["zero", "global-timer"])
+def test_summary_of_a_hand_built_timeline(t0):
+    """The same figures at the global timer's real magnitude (ns since 1970, beyond float32's
+    precision: a median taken of the raw stamps read 0 for the end spread)."""
+    from narrow_timeline import program_rows, summarize
 
     stamps = torch.tensor([_step(0, [50_000, 50_000, 50_000, 50_000]),
                            _step(80_000, [150_000, 151_000, 152_000, 160_000]),
                            _step(170_000, [240_000, 240_000, 240_000, 240_000])])
+    stamps[..., [0, 2, 3, 4, 5, 6, 7]] += t0
     s = summarize(stamps)
+    rows = program_rows(stamps, 0)
+    assert len(rows) == 4 and rows[3] == {"rep": 0, "step": 1, "program": 3, "sm": 3,
+                                          "entry": 300, "first": 1800, "done": 79_200,
+                                          "end": 80_000}
     assert s["period"] == 90.0  # 80 µs -> 170 µs
     assert s["entry skew"] == 0.3
     assert s["q staged"] == 0.5 and s["first tile"] == 1.5

@@ -23,7 +23,7 @@ from aiter_attn.testing.compare import assert_close_rel
 from aiter_attn.testing.oracle import dense_attention
 from aiter_attn.types import FP8_DTYPES
 
-from ._triton_util import DEVICE, requires_triton
+from ._triton_util import DEVICE, requires_triton, spy_launches
 
 pytestmark = requires_triton
 
@@ -397,10 +397,7 @@ def _check_gluon_kernel(monkeypatch, launcher, shape, extra, dtype, on: dict, of
     kernel's (the call with ``off``, asserted not to launch it)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon MLA kernels are sm_90 only")
-    calls = []
-    real = launcher.launch
-    monkeypatch.setattr(launcher, "launch",
-                        lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    calls = spy_launches(monkeypatch, launcher)
     case = MLACase(**shape, rank=512, rope=64, dtype=dtype, device="cuda")
     page = shape["page"]
     case.kv_cache[0] = float("nan")  # the null page
@@ -525,9 +522,7 @@ def test_gpu_narrow_gluon_fused_merge(splits, one_query, heads, dtype, tuning, m
         pytest.skip("the Gluon MLA kernels are sm_90 only")
     monkeypatch.setattr(mla, "merge_splits",
                         lambda *a, **k: (_ for _ in ()).throw(AssertionError("merge launch")))
-    calls = []
-    real = mn._NARROW.launch
-    monkeypatch.setattr(mn._NARROW, "launch", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    calls = spy_launches(monkeypatch, mn._NARROW)
     case = MLACase([1] * 5, [4096, 1000, 64, 5, 700], rank=512, rope=64, page=64,
                    heads=heads, dtype=dtype, device="cuda", seed=13)
     case.kv_cache[0] = float("nan")

@@ -15,7 +15,7 @@ from aiter_attn.kernels.triton.prefill import PrefillConfig, dense_prefill
 from aiter_attn.testing.compare import assert_close_rel
 from aiter_attn.testing.oracle import dense_attention
 
-from ._triton_util import DEVICE, HAS_CUDA, requires_triton
+from ._triton_util import DEVICE, HAS_CUDA, requires_triton, spy_launches
 
 pytestmark = requires_triton
 
@@ -254,14 +254,8 @@ def test_gluon_dense_gpu(dtype, cfg, monkeypatch):
         pytest.skip("the Gluon kernel is sm_90 only")
     served = []
     for mod, name in ((prefill_gluon, "_GLUON"), (prefill_gluon_ws, "_GLUON_WS")):
-        launcher = getattr(mod, name)
-        real = launcher.launch
-
-        def counted(*a, _real=real, _name=name, **kw):
-            served.append(_name)
-            return _real(*a, **kw)
-
-        monkeypatch.setattr(launcher, "launch", counted)
+        spy_launches(monkeypatch, getattr(mod, name),
+                     lambda *a, _name=name: served.append(_name))
     g = torch.Generator().manual_seed(4)
     cases = [(([300, 257, 200], [300, 257, 200]), 128), (([100, 64, 1], [300, 64, 40]), 128)]
     if cfg.warp_specialize:  # the chooser picks it at head dim 64 too
