@@ -19,7 +19,12 @@ the replays)::
 
 On the GPU::
 
-    python3 benchmarks/narrow_timeline.py --rows 16x64x4096,16x128x8192
+    python3 benchmarks/narrow_timeline.py --rows 16x64x4096,16x128x8192 --programs P.jsonl
+
+Then, anywhere, whether a program's stream time is set by the SM it ran on (the figures of
+:func:`by_sm`)::
+
+    python3 benchmarks/narrow_timeline.py --by-sm P.jsonl
 """
 
 from __future__ import annotations
@@ -88,6 +93,29 @@ def program_rows(stamps: torch.Tensor, rep: int) -> list:
     return rows
 
 
+def by_sm(rows: list) -> dict:
+    """Whether the stream time (``done - first`` of :func:`program_rows`, µs) is a property
+    of the SM: programs move between SMs from step to step, so a spread of the SMs' mean
+    streams well above the spread within one SM means the SM (its GPC's share of the memory
+    system) sets the pace. Also: the step's stream if the same tiles ran at the SMs' summed
+    rate (perfect balancing over the SMs used), against the slowest SM's mean."""
+    from statistics import mean, pstdev
+
+    per = {}
+    for r in rows:
+        per.setdefault(r["sm"], []).append((r["done"] - r["first"]) * 1e-3)
+    means = {sm: mean(v) for sm, v in per.items()}
+    order = sorted(means, key=means.get)
+    # each program streams the same tiles, so an SM's rate is 1 / its mean stream
+    balanced = len(means) / sum(1.0 / t for t in means.values())
+    return {"sms": len(means), "sd of SM means": round(pstdev(means.values()), 3),
+            "sd within an SM": round(mean(pstdev(v) for v in per.values()), 3),
+            "fastest SM": [order[0], round(means[order[0]], 3)],
+            "slowest SM": [order[-1], round(means[order[-1]], 3)],
+            "balanced stream": round(balanced, 3),
+            "fastest eighth": sorted(order[:max(1, len(order) // 8)])}
+
+
 def timeline(heads: int, bs: int, ctx: int, *, steps: int = 8, reps: int = 5,
              device="cuda", programs: list | None = None) -> dict:
     """The row's :func:`summarize` from ``reps`` replays of ``steps`` captured steps;
@@ -152,7 +180,21 @@ def main():
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--programs", default="",
                    help="write every program's stamps (program_rows) here, JSON lines")
+    p.add_argument("--by-sm", default="",
+                   help="summarise a --programs file by SM (by_sm, per row) and exit")
     a = p.parse_args()
+    if a.by_sm:
+        rows = {}
+        import gzip
+
+        opener = gzip.open if a.by_sm.endswith(".gz") else open
+        with opener(a.by_sm, "rt") as f:
+            for line in f:
+                rec = json.loads(line)
+                rows.setdefault(rec["row"], []).append(rec)
+        for row, recs in rows.items():
+            print(json.dumps({"row": row, **by_sm(recs)}))
+        return
     for row in a.rows.split(","):
         h, b, c = (int(v) for v in row.split("x"))
         progs = [] if a.programs else None

@@ -66,3 +66,22 @@ def test_gpu_timeline_of_a_small_row():
     for k in ("period", "q staged", "first tile", "stream", "epilogue"):
         assert rec[k] > 0, (k, rec)
     assert rec["first tile"] < rec["stream"] < rec["period"], rec
+
+
+def test_by_sm_separates_the_sm_from_the_program():
+    """Two SMs, one streaming 10 µs and one 20 µs, the two programs swapping SMs each step:
+    the SMs' means differ by the whole spread while each SM is steady, and perfect
+    balancing over their summed rate takes 2 / (1/10 + 1/20) µs."""
+    from narrow_timeline import by_sm
+
+    rows = []
+    for step in range(4):
+        for prog in range(2):
+            sm = (prog + step) % 2
+            rows.append({"rep": 0, "step": step, "program": prog, "sm": sm, "entry": 0,
+                         "first": 1000, "done": 1000 + (10_000 if sm == 0 else 20_000),
+                         "end": 0})
+    s = by_sm(rows)
+    assert s["sms"] == 2 and s["sd of SM means"] == 5.0 and s["sd within an SM"] == 0.0
+    assert s["fastest SM"] == [0, 10.0] and s["slowest SM"] == [1, 20.0]
+    assert s["balanced stream"] == 13.333 and s["fastest eighth"] == [0]
