@@ -82,6 +82,9 @@
 #   scripts/gpu_session.sh fortyeighth   # each variant of fortyseventh alone, under a cap
 #   scripts/gpu_session.sh fortyninth    # the Gluon decode as the library's default on sm_90:
 #                                  # gpu tests, the decode table against cuDNN, variants
+#   scripts/gpu_session.sh suite K N     # part K of N of the whole gpu suite (files balanced
+#                                  # by test count; junit in $OUT/suite_K.xml): 2 parts fit
+#                                  # two 10-minute calls (the whole ran ~760 s at -n 8)
 #   scripts/gpu_session.sh fiftieth      # the whole gpu suite on the Gluon decode default
 #   scripts/gpu_session.sh fiftyfirst    # the files of its 3 failures (Triton-kernel tests
 #                                  # now pin gluon_decode off) and the other spying files
@@ -1080,6 +1083,16 @@ PY
     gpu_tests spy_tests.log ${GT_S:-240} 150 tests/test_direct_launch.py \
       tests/test_page_ahead.py tests/test_flat_slots.py tests/test_fp8_value_pairs.py \
       tests/test_mla_value_pairs.py tests/test_gluon_decode.py
+    ;;
+  suite)
+    # part K of N of the whole gpu suite (scripts/gpu_suite_part.py: files balanced by test
+    # count), one report per test in $OUT/suite_K.xml: `suite 1 2` then `suite 2 2` cover it
+    k=${2:-1} n=${3:-2}
+    files=$(python3 scripts/gpu_suite_part.py "$k" "$n")
+    timeout ${GT_S:-540} python3 -m pytest -m gpu -q -n 8 --timeout ${PER_S:-300} $files \
+      -p no:cacheprovider -p no:warnings --tb=short -rfE --junitxml="$OUT/suite_$k.xml" \
+      > "$OUT/suite_$k.log" 2>&1
+    echo "suite part $k of $n rc=$?"; tail -12 "$OUT/suite_$k.log"
     ;;
   fiftieth)
     gpu_tests gpu_suite.log ${GT_S:-420} 200 tests
