@@ -93,6 +93,23 @@ def program_rows(stamps: torch.Tensor, rep: int) -> list:
     return rows
 
 
+def steal_bound(means: dict, overhead: float) -> float:
+    """When the last program would end if programs that finish early took tiles off the
+    slower ones, each thief paying ``overhead`` µs once (its own epilogue, the claim, q
+    restaged, the first stolen tile's latency), tiles divisible at will: the end ``E`` where
+    the work past ``E`` on the SMs slower than ``E`` equals what the SMs faster than
+    ``E - overhead`` can take in their time left. ``means``: ``{sm: mean stream µs}`` of
+    equal work; an SM's rate is 1 / its mean. A fluid bound: real steals come in whole
+    tiles and one thief seldom serves many victims."""
+    lo, hi = min(means.values()), max(means.values())
+    for _ in range(60):  # bisection on E
+        e = (lo + hi) / 2
+        need = sum((t - e) / t for t in means.values() if t > e)
+        give = sum((e - overhead - t) / t for t in means.values() if t < e - overhead)
+        lo, hi = (lo, e) if give >= need else (e, hi)
+    return hi
+
+
 def by_sm(rows: list) -> dict:
     """Whether the stream time (``done - first`` of :func:`program_rows`, µs) is a property
     of the SM: programs move between SMs from step to step, so a spread of the SMs' mean
@@ -113,6 +130,8 @@ def by_sm(rows: list) -> dict:
             "fastest SM": [order[0], round(means[order[0]], 3)],
             "slowest SM": [order[-1], round(means[order[-1]], 3)],
             "balanced stream": round(balanced, 3),
+            "stealing with 2/4/6 us a thief": [round(steal_bound(means, o), 3)
+                                               for o in (2.0, 4.0, 6.0)],
             "fastest eighth": sorted(order[:max(1, len(order) // 8)])}
 
 

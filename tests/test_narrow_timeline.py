@@ -85,3 +85,16 @@ def test_by_sm_separates_the_sm_from_the_program():
     assert s["sms"] == 2 and s["sd of SM means"] == 5.0 and s["sd within an SM"] == 0.0
     assert s["fastest SM"] == [0, 10.0] and s["slowest SM"] == [1, 20.0]
     assert s["balanced stream"] == 13.333 and s["fastest eighth"] == [0]
+    # at o µs a thief, the fast SM gives (E - o - 10)/10 of its work's worth and the slow
+    # one needs (20 - E)/20 taken: E = (40 + 2o)/3
+    assert s["stealing with 2/4/6 us a thief"] == [14.667, 16.0, 17.333]
+
+
+def test_steal_bound_without_overhead_is_the_balanced_stream():
+    from narrow_timeline import steal_bound
+
+    means = {0: 85.0, 1: 92.0, 2: 97.0, 3: 97.5}
+    balanced = len(means) / sum(1 / t for t in means.values())
+    assert abs(steal_bound(means, 0.0) - balanced) < 1e-6
+    assert steal_bound(means, 0.0) < steal_bound(means, 3.0) < steal_bound(means, 20.0)
+    assert steal_bound(means, 20.0) == 97.5  # no SM finishes 20 µs early enough to help
