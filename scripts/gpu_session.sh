@@ -129,6 +129,8 @@
 #                                  # its gpu tests, narrow_timeline.py, the 16-head rows of
 #                                  # the default and the fused merge twice, time splits,
 #                                  # host µs of an MLA layer call (planned keys or not)
+#   scripts/gpu_session.sh eightyfifth   # the 64x4k step by SM (narrow_timeline --programs,
+#                                  # --by-sm) on this card, the 16-head rows
 #   scripts/gpu_session.sh eightythird   # MLA gpu tests, then the 16-head rows of OLD, MID
 #                                  # (snapshot dirs) and this tree, alternating
 #   scripts/gpu_session.sh seventyfourth # the balanced launch, merge unrolled: gpu tests, time
@@ -749,6 +751,21 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
       NEW_VARIANTS=triton,narrow-no-pdl,narrow-pdl-all ROUNDS="1 2" bash "$0" seventyeighth-rows
     fi
+    ;;
+  eightyfifth)
+    # the 64x4k step's SM structure on this card: every program's stamps, summarised by SM
+    # (by_sm: the SMs' spread against one SM's, the balanced stream, the stealing bound),
+    # then the 16-head rows beside it (the H200's 3.87 came with copy 4.25)
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    timeout ${NT_S:-90} python3 benchmarks/narrow_timeline.py --rows 16x64x4096,16x128x8192 \
+      --programs "$OUT/programs.jsonl" 2>&1 | tee "$OUT/narrow_timeline.log"
+    python3 benchmarks/narrow_timeline.py --by-sm "$OUT/programs.jsonl" | tee "$OUT/by_sm.log"
+    gzip -9 "$OUT/programs.jsonl"
+    timeout ${BB_S:-100} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 --out "$OUT/rows" \
+      > "$OUT/rows.log" 2>&1
+    grep -E "ours|Error|error|ceilings" "$OUT/rows.log" | head -8
+    rm -f "$OUT"/*/*.png
     ;;
   eightyfourth)
     # where the narrow kernel's step goes, program by program (global-timer stamps): its
