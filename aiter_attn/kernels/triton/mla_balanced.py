@@ -22,6 +22,15 @@ it also writes the zero rows (LSE -inf) of requests with no keys. No host reads:
 partition follows every row's keys, a graph's padding rows (one key each) included, so a
 padded replay may round differently from the eager step in the last bits.
 
+**Weighted shares** (``shares``): program ``s`` owns the global tiles
+``[bound(s), bound(s+1))`` with ``bound(s) = ⌊total · w_s⌋`` for a float32 cumulative weight
+vector ``w`` ``[P + 1]`` (``w_0 = 0``, ``w_P = 1``; :func:`share_weights`), instead of equal
+``TW``-tile ranges; a slot may be empty. With ``claim`` each program first claims the slot
+meant for the SM it runs on (``%smid``; SMs stream at different rates, set by their GPC: a
+slot's weight is its SM's measured rate, docs/benchmarks.md "Twenty-ninth session"), and
+any free slot if that one is taken (:func:`_claim_slot`), so any placement stays correct.
+The merge finds a request's slots from the same bounds.
+
 Serves (:func:`balanced_reject_reason`): one query per request (decode), up to 16 heads (one
 head block), a cache of q's dtype (16- or 32-bit), no custom mask, not batch-invariant.
 
@@ -32,13 +41,14 @@ Shapes: q ``[T, H, R + rope]``; kv_cache ``[pages, page_size, 1, R + rope]``; ou
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ._kvutil import next_pow2
+from ._kvutil import next_pow2, num_sms
 from ._launch import Launcher, launch_key
 from ._softmax import to_output
 from .mla_kernel import _mla_tile
@@ -46,7 +56,12 @@ from .mla_merge import _partial_f32
 from ._pdl import gdc_wait, pdl_kwargs, wait_then_release
 
 __all__ = ["balanced_reject_reason", "balanced_workspace_shapes", "launch_balanced_mla",
-           "BALANCED_MAX_HEADS"]
+           "BALANCED_MAX_HEADS", "share_weights", "claim_state", "CLAIM_SM", "CLAIM_SCATTER"]
+
+#: how a claiming program picks the slot it tries first (``claim_hint``): the one meant for
+#: its SM (``%smid``, CUDA only), or a scatter of its program id (the interpreter, tests:
+#: hints that collide, so the fallback scan runs)
+CLAIM_SM, CLAIM_SCATTER = 1, 2
 
 BALANCED_MAX_HEADS = 16
 #: the most requests one launch takes (the lengths are read as one vector per program)
@@ -70,6 +85,38 @@ def balanced_reject_reason(*, heads: int, q_dtype, kv_dtype, one_query: bool, ma
     if batch > BALANCED_MAX_BATCH:
         return f"{batch} requests (at most {BALANCED_MAX_BATCH})"
     return None
+
+
+def share_weights(rates, programs: int, device=None) -> torch.Tensor:
+    """Cumulative float32 weights ``[programs + 1]`` of the slots (``shares``): slot ``s``
+    belongs to SM ``s // (programs // len(rates))`` and weighs that SM's ``rates`` entry
+    (any positive unit: keys per µs, 1 / a measured stream time). ``w[0] = 0``,
+    ``w[-1] = 1`` exactly, non-decreasing. ``programs`` must be a multiple of the SM count
+    (the resident programs of every SM)."""
+    rates = [float(r) for r in rates]
+    if not rates or any(not (r > 0.0 and math.isfinite(r)) for r in rates):
+        raise ValueError(f"rates={rates[:8]!r}: one positive, finite rate per SM, e.g. "
+                         "1 / each SM's mean stream time (benchmarks/narrow_timeline.py "
+                         "--by-sm).")
+    if programs < len(rates) or programs % len(rates):
+        raise ValueError(f"programs={programs} must be a positive multiple of the "
+                         f"{len(rates)} SMs the rates describe (each SM's resident programs).")
+    per_sm = programs // len(rates)
+    w = torch.tensor([rates[i // per_sm] for i in range(programs)], dtype=torch.float64)
+    cum = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(w, 0) / w.sum()])
+    cum = cum.to(torch.float32)
+    cum[-1] = 1.0
+    return torch.cummax(cum, 0).values.to(device) if device is not None else \
+        torch.cummax(cum, 0).values
+
+
+def claim_state(programs: int, device) -> tuple:
+    """Zeroed ``(ticket int64 [1], claims int64 [programs])`` for claiming launches: kept
+    across launches (each launch's programs draw tickets ``k·P .. k·P + P - 1``, so launch
+    ``k`` claims slots for epoch ``k + 1``; no reset needed). One state per stream: two
+    launches sharing it must not overlap."""
+    return (torch.zeros(1, dtype=torch.int64, device=device),
+            torch.zeros(programs, dtype=torch.int64, device=device))
 
 
 def balanced_workspace_shapes(programs: int, heads: int, rank: int):
@@ -101,25 +148,62 @@ def _program_tiles(total, num_programs):
 
 
 @triton.jit
+def _share_bound(shares_ptr, s, total, num_programs):
+    """Slot ``s``'s first global tile, ``⌊total · w_s⌋`` (``total`` past the last slot);
+    the kernel and the merge compute it alike, so they agree on every boundary."""
+    w = tl.load(shares_ptr + tl.minimum(s, num_programs))
+    b = tl.minimum((w * total.to(tl.float32)).to(tl.int32), total)
+    return tl.where(s >= num_programs, total, b)
+
+
+@triton.jit
+def _claim_slot(ticket_ptr, claims_ptr, p, num_programs, per_sm, HINT: tl.constexpr):
+    """The slot this program works on: its launch's epoch from a ticket (one per program,
+    ``P`` a launch), then the first slot from its hint whose claim (the epoch it was last
+    taken in) it raises, scanning on where another program of the epoch was first."""
+    epoch = tl.atomic_add(ticket_ptr, 1) // num_programs + 1
+    if HINT == 1:  # the slot meant for this SM
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
+                                       is_pure=False, pack=1)
+        s = (sm * per_sm) % num_programs
+    else:  # a scatter of the program id whose pairs collide (tests)
+        s = ((p // 2) * 7) % num_programs
+    found = 0
+    while found == 0:
+        old = tl.atomic_max(claims_ptr + s, epoch)
+        found = (old < epoch).to(tl.int32)
+        s = tl.where(found != 0, s, (s + 1) % num_programs)
+    return s
+
+
+@triton.jit
 def _mla_balanced_kernel(
     q_ptr, kv_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, seqused_ptr, bt_ptr, scale_ptr,
     qk_scale_log2, kv_scale_val, num_heads, batch, num_programs,
     stride_qt, stride_qh, stride_kvp, stride_kvs, stride_ot, stride_oh, stride_bt,
     stride_pp, stride_pw, stride_ph, stride_lp, stride_lw, stride_lh, stride_ot_lse,
-    stride_oh_lse, PAGE_SIZE: tl.constexpr, KV_LORA: tl.constexpr, ROPE: tl.constexpr,
+    stride_oh_lse, shares_ptr, ticket_ptr, claims_ptr, per_sm,
+    PAGE_SIZE: tl.constexpr, KV_LORA: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, SCALE_FROM_PTR: tl.constexpr,
     IEEE: tl.constexpr, TILE_IN_PAGE: tl.constexpr, EVEN_D: tl.constexpr,
-    WRITE_LSE: tl.constexpr, PDL: tl.constexpr = False,
+    WRITE_LSE: tl.constexpr, PDL: tl.constexpr = False, SHARES: tl.constexpr = False,
+    CLAIM: tl.constexpr = 0,
 ):
     if PDL:  # the writes before this launch first; then the merge may start (its prologue)
         wait_then_release()
     p = tl.program_id(0)
+    if CLAIM > 0:  # the slot (its share and its partials) this program takes
+        p = _claim_slot(ticket_ptr, claims_ptr, p, num_programs, per_sm, CLAIM)
     offs_b = tl.arange(0, BLOCK_B)
     lens, tiles, ends, total = _lengths(seqused_ptr, batch, BLOCK_B, BLOCK_N)
-    tw = _program_tiles(total, num_programs)
-    g0 = p * tw
-    g1 = tl.minimum(g0 + tw, total)
+    if SHARES:
+        g0 = _share_bound(shares_ptr, p, total, num_programs)
+        g1 = _share_bound(shares_ptr, p + 1, total, num_programs)
+    else:
+        tw = _program_tiles(total, num_programs)
+        g0 = p * tw
+        g1 = tl.minimum(g0 + tw, total)
     # the first request ending past g0, and where its tiles begin
     r = tl.sum((ends <= g0).to(tl.int32), axis=0)
     cs = tl.sum(tl.where(offs_b < r, tiles, 0), axis=0)
@@ -200,9 +284,10 @@ def _mla_balanced_kernel(
 def _mla_balanced_merge_kernel(
     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, seqused_ptr, batch, num_programs,
     stride_ot, stride_oh, stride_pp, stride_pw, stride_ph, stride_lp, stride_lw, stride_lh,
-    stride_ot_lse, stride_oh_lse,
+    stride_ot_lse, stride_oh_lse, shares_ptr,
     KV_LORA: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr, WRITE_LSE: tl.constexpr, PDL: tl.constexpr = False,
+    SHARES: tl.constexpr = False, BLOCK_P: tl.constexpr = 16,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -223,8 +308,16 @@ def _mla_balanced_merge_kernel(
             tl.store(lse_ptr + r.to(tl.int64) * stride_ot_lse + h * stride_oh_lse,
                      float("-inf"))
     else:
-        p0 = cs // tw
-        p1 = (ce - 1) // tw
+        if SHARES:  # the slots holding its first and last tile (never an empty slot:
+            # the last slot whose bound is at most the tile)
+            offs_p = tl.arange(0, BLOCK_P)
+            inner = (offs_p >= 1) & (offs_p < num_programs)
+            bnd = _share_bound(shares_ptr, offs_p, total, num_programs)
+            p0 = tl.sum((inner & (bnd <= cs)).to(tl.int32), axis=0)
+            p1 = tl.sum((inner & (bnd <= ce - 1)).to(tl.int32), axis=0)
+        else:
+            p0 = cs // tw
+            p1 = (ce - 1) // tw
         if p1 > p0:  # a crossing request (else its program wrote the row)
             m = tl.full([1], float("-inf"), dtype=tl.float32)
             den = tl.zeros([1], dtype=tl.float32)
@@ -235,7 +328,12 @@ def _mla_balanced_merge_kernel(
                 for j in tl.static_range(4):
                     pp64 = (c + j) + tl.zeros([1], dtype=tl.int64)
                     valid = pp64 <= p1
-                    slot = tl.where(cs < pp64 * tw, 0, 1)
+                    if SHARES:  # (an empty slot inside the request wrote an empty
+                        # partial, LSE -inf: weight 0)
+                        first = _share_bound(shares_ptr, pp64, total, num_programs)
+                    else:
+                        first = pp64 * tw
+                    slot = tl.where(cs < first, 0, 1)
                     lse = tl.load(part_lse_ptr + pp64 * stride_lp + slot * stride_lw
                                   + h * stride_lh, mask=valid, other=float("-inf"))
                     o = tl.load(part_o_ptr + pp64 * stride_pp + slot * stride_pw
@@ -267,13 +365,26 @@ def launch_balanced_mla(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
                         lse: Optional[torch.Tensor] = None, part_o: torch.Tensor,
                         part_lse: torch.Tensor, programs: int, block_n: int = 32,
                         num_warps: int = 4, num_stages: int = 3, ieee: bool = False,
-                        launches: tuple = ("attention", "merge"), pdl=False) -> None:
+                        launches: tuple = ("attention", "merge"), pdl=False,
+                        shares: Optional[torch.Tensor] = None, claim: Optional[tuple] = None,
+                        claim_hint: int = CLAIM_SM) -> None:
     """Both launches over ``batch = seqused_k.numel()`` one-query requests (row ``b`` of q
     is request ``b``); checked and planned by the caller (:mod:`.mla`), which passes host
     integers only. ``part_o`` / ``part_lse``: :func:`balanced_workspace_shapes` of
     ``programs``, any contents (every slot the merge reads is written first).
     ``launches``: which of the two run (a benchmark's time split; both by default);
-    ``pdl``: :func:`._pdl.pdl_mode` (the merge starts while the attention ends)."""
+    ``pdl``: :func:`._pdl.pdl_mode` (the merge starts while the attention ends).
+    ``shares``: float32 ``[programs + 1]`` cumulative slot weights (:func:`share_weights`)
+    instead of equal tile counts. ``claim``: :func:`claim_state` of this stream (needs
+    ``shares``): programs claim the slot of their SM (``claim_hint`` :data:`CLAIM_SM`,
+    CUDA) or of a scatter of their id (:data:`CLAIM_SCATTER`), any free one if taken."""
+    if claim is not None and shares is None:
+        raise ValueError("claim needs shares: the slots' weights (share_weights)")
+    if shares is not None and (shares.dtype != torch.float32 or shares.dim() != 1
+                               or shares.numel() != programs + 1):
+        raise ValueError(f"shares: float32 [programs + 1 = {programs + 1}] cumulative "
+                         f"weights, got {shares.dtype} {tuple(shares.shape)}; make them with "
+                         "share_weights(rates, programs).")
     batch, heads, dim = seqused_k.shape[0], q.shape[1], q.shape[2]
     rope = dim - rank
     # at least 16 wide, as the split launch pads them (mla.TritonMLA._bind): q·Kᵀ takes
@@ -286,36 +397,44 @@ def launch_balanced_mla(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
         _attention(q, kv_cache, out, seqused_k, block_table, rank, rope, qk_scale_log2,
                    kv_scale_val, scale_ptr, lse, lse_t, lse_strides, part_o, part_lse,
                    programs, block_n, block_dv, block_dr, block_b, num_warps, num_stages,
-                   ieee, pdl)
+                   ieee, pdl, shares, claim, claim_hint)
     if "merge" in launches:
         args = (out, lse_t, part_o, part_lse, seqused_k, batch, programs,
                 out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1),
                 part_o.stride(2), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-                *lse_strides)
+                *lse_strides, shares if shares is not None else part_lse)
         kw = dict(KV_LORA=rank, BLOCK_DV=block_dv, BLOCK_N=block_n, BLOCK_B=block_b,
-                  WRITE_LSE=lse is not None, num_warps=4, **pdl_kwargs(pdl, reduction=True))
+                  WRITE_LSE=lse is not None, num_warps=4, SHARES=shares is not None,
+                  BLOCK_P=max(16, next_pow2(programs + 1)),
+                  **pdl_kwargs(pdl, reduction=True))
         _BALANCED_MERGE.launch((batch, heads), args, kw, launch_key(args, kw))
 
 
 def _attention(q, kv_cache, out, seqused_k, block_table, rank, rope, qk_scale_log2,
                kv_scale_val, scale_ptr, lse, lse_t, lse_strides, part_o, part_lse, programs,
-               block_n, block_dv, block_dr, block_b, num_warps, num_stages, ieee, pdl):
+               block_n, block_dv, block_dr, block_b, num_warps, num_stages, ieee, pdl,
+               shares, claim, claim_hint):
     batch, heads = seqused_k.shape[0], q.shape[1]
     page_size = kv_cache.shape[1]
+    ticket, claims = claim if claim is not None else (part_lse, part_lse)
     args = (q, kv_cache, out, lse_t, part_o, part_lse, seqused_k, block_table,
             scale_ptr if scale_ptr is not None else part_lse,
             qk_scale_log2, kv_scale_val, heads, batch, programs,
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
             out.stride(0), out.stride(1), block_table.stride(0),
             part_o.stride(0), part_o.stride(1), part_o.stride(2),
-            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), *lse_strides)
+            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), *lse_strides,
+            shares if shares is not None else part_lse, ticket, claims,
+            max(1, programs // num_sms(q.device)) if claim is not None else 1)
     kw = dict(
         PAGE_SIZE=page_size, KV_LORA=rank, ROPE=rope, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
         BLOCK_H=max(16, next_pow2(heads)), BLOCK_N=block_n, BLOCK_B=block_b,
         SCALE_FROM_PTR=scale_ptr is not None, IEEE=ieee,
         TILE_IN_PAGE=page_size % block_n == 0,
         EVEN_D=block_dv == rank and block_dr == rope, WRITE_LSE=lse is not None,
-        num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(pdl, reduction=False))
+        num_warps=num_warps, num_stages=num_stages, SHARES=shares is not None,
+        CLAIM=int(claim_hint) if claim is not None else 0,
+        **pdl_kwargs(pdl, reduction=False))
     _BALANCED.launch((programs,), args, kw, launch_key(args, kw))
 
 

@@ -1,0 +1,113 @@
+"""The balanced MLA launch with weighted slot shares and slot claims
+(:mod:`aiter_attn.kernels.triton.mla_balanced`: ``shares``, ``claim``): every row against the
+float64 oracle (relative error), with skewed weights, empty slots, requests across many slots,
+and claims whose first choices collide; the slot weights from per-SM rates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ._triton_util import INTERPRET, requires_triton
+from .test_hunt_mla_balanced import LOG2E, _check, _ws
+from .test_triton_mla import MLACase
+
+pytestmark = requires_triton
+
+
+def _launch(case, programs, shares, *, claim=None, hint=None, part_dtype=torch.float32,
+            block_n=16):
+    from aiter_attn.kernels.triton.mla_balanced import CLAIM_SCATTER, launch_balanced_mla
+
+    dev = case.device
+    n = case.q.shape[0]
+    out = torch.full((n, case.heads, case.rank), float("nan"), dtype=case.dtype, device=dev)
+    lse = torch.full((n, case.heads), float("nan"), device=dev)
+    part_o, part_lse = _ws(programs, case.heads, case.rank, part_dtype, dev)
+    launch_balanced_mla(case.q.to(dev), case.kv_cache.to(dev), out, case.seqused.to(dev),
+                        case.block_table.to(dev), rank=case.rank,
+                        qk_scale_log2=case.softmax_scale * LOG2E, lse=lse, part_o=part_o,
+                        part_lse=part_lse, programs=programs, block_n=block_n,
+                        num_stages=1 if INTERPRET else 3, ieee=case.dtype == torch.float32,
+                        shares=shares.to(dev), claim=claim,
+                        claim_hint=CLAIM_SCATTER if hint is None else hint)
+    return out, lse
+
+
+def test_share_weights_follow_the_rates():
+    from aiter_attn.kernels.triton.mla_balanced import share_weights
+
+    w = share_weights([1.0, 3.0], 4)  # two slots an SM: 1, 1, 3, 3 of 8
+    assert w.dtype == torch.float32 and w.tolist() == [0.0, 0.125, 0.25, 0.625, 1.0]
+    w = share_weights([0.3, 0.7, 0.11], 3)
+    assert w[0] == 0.0 and w[-1] == 1.0 and bool((w[1:] >= w[:-1]).all())
+    with pytest.raises(ValueError, match="multiple of the 2 SMs"):
+        share_weights([1.0, 2.0], 3)
+    with pytest.raises(ValueError, match="positive, finite"):
+        share_weights([1.0, 0.0], 2)
+    with pytest.raises(ValueError, match="positive, finite"):
+        share_weights([], 2)
+
+
+def _cum(weights) -> torch.Tensor:
+    w = torch.tensor(weights, dtype=torch.float64)
+    c = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(w, 0) / w.sum()])
+    c = c.to(torch.float32)
+    c[-1] = 1.0
+    return c
+
+
+SHARES = {
+    # equal weights: ⌊total · s / P⌋, the slots 31 or 32 tiles where TW would give 32 / 0
+    "equal": [1.0] * 6,
+    # skewed: the heavy slot spans several requests, light ones fall inside one
+    "skewed": [1.0, 5.0, 0.3, 0.3, 2.0, 1.0],
+    # empty slots (zero weight) between live ones and at both ends: the merge skips them
+    "empty-slots": [0.0, 1.0, 0.0, 0.0, 2.0, 0.0],
+}
+
+
+@pytest.mark.parametrize("name", list(SHARES))
+@pytest.mark.parametrize("lens", [[100, 0, 37, 1, 64], [3, 1000, 5], [16, 16, 16]],
+                         ids=["mixed", "one-long", "tile-multiples"])
+def test_weighted_shares_match_oracle(name, lens):
+    """Weighted slot shares over mixed, one long and tile-multiple batches: rows and LSEs
+    against the oracle (the partials' NaN fill shows any slot the merge reads unwritten)."""
+    case = MLACase([1] * len(lens), lens, heads=16, rank=64, rope=16, page=16, seed=9)
+    out, lse = _launch(case, len(SHARES[name]), _cum(SHARES[name]))
+    _check(case, out, lse, f"{name} {lens}")
+
+
+@pytest.mark.parametrize("dtype,part", [(torch.float16, torch.float16),
+                                        (torch.float32, torch.float32)], ids=["fp16", "fp32"])
+def test_claimed_slots_over_several_launches(dtype, part):
+    """Claims whose first choices collide in pairs (the scatter hint), three launches on one
+    claim state (epochs 1..3: no reset between them), skewed shares: every launch's rows
+    match the oracle, and each launch claims every slot exactly once (the claims hold the
+    last epoch everywhere; the ticket counts every program)."""
+    from aiter_attn.kernels.triton.mla_balanced import claim_state
+
+    lens = [100, 0, 37, 1, 64, 300, 5]
+    case = MLACase([1] * len(lens), lens, heads=5, rank=64, rope=16, page=16, dtype=dtype,
+                   seed=3)
+    programs = 6
+    state = claim_state(programs, case.device)
+    for launch in range(1, 4):
+        out, lse = _launch(case, programs, _cum(SHARES["skewed"]), claim=state,
+                           part_dtype=part)
+        _check(case, out, lse, f"launch {launch}")
+        assert int(state[0]) == programs * launch
+        assert state[1].tolist() == [launch] * programs
+
+
+def test_claim_needs_shares_and_shares_their_shape():
+    from aiter_attn.kernels.triton.mla_balanced import claim_state
+
+    case = MLACase([1, 1], [10, 20], heads=4, rank=64, rope=16, page=16, seed=1)
+    with pytest.raises(ValueError, match="float32 \\[programs \\+ 1 = 5\\]"):
+        _launch(case, 4, torch.zeros(4))
+    from aiter_attn.kernels.triton.mla_balanced import launch_balanced_mla
+    with pytest.raises(ValueError, match="claim needs shares"):
+        launch_balanced_mla(case.q, case.kv_cache, torch.empty(2, 4, 64), case.seqused,
+                            case.block_table, rank=64, qk_scale_log2=1.0, part_o=None,
+                            part_lse=None, programs=4, claim=claim_state(4, "cpu"))
