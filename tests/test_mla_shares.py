@@ -111,3 +111,100 @@ def test_claim_needs_shares_and_shares_their_shape():
         launch_balanced_mla(case.q, case.kv_cache, torch.empty(2, 4, 64), case.seqused,
                             case.block_table, rank=64, qk_scale_log2=1.0, part_o=None,
                             part_lse=None, programs=4, claim=claim_state(4, "cpu"))
+
+
+def test_triton_mla_weighs_its_slots_by_the_rates(monkeypatch):
+    """``TritonMLA(tuning={"balanced": True, "balanced_rates": ...})``: the plan passes the
+    slot weights of the rates (one per SM: 8 on the CPU) and one claim state kept across
+    steps; two steps match the oracle, the second claiming in the next epoch."""
+    from aiter_attn.kernels.triton import mla as triton_mla
+    from aiter_attn.kernels.triton.mla_balanced import share_weights
+
+    from .test_hunt_mla_balanced import _kernel_obj, _md, _params
+
+    seen = []
+    real = triton_mla.launch_balanced_mla
+
+    def spy(*a, **k):
+        seen.append(k)
+        return real(*a, **k)
+
+    monkeypatch.setattr(triton_mla, "launch_balanced_mla", spy)
+    lens = [100, 0, 37, 1, 64, 300, 5]
+    case = MLACase([1] * len(lens), lens, heads=16, rank=64, rope=16, page=16, seed=8)
+    rates = (1.0, 1.0, 1.3, 1.3, 0.9, 0.9, 1.1, 1.1)
+    kernel = _kernel_obj(case, {"balanced": 16, "balanced_rates": list(rates)})
+    assert kernel.tuning["balanced_rates"] == rates  # kept as a tuple
+    for step in (1, 2):
+        plan = kernel.plan(_md(case))
+        out = torch.full((len(lens), 16, 64), float("nan"))
+        lse = torch.full((len(lens), 16), float("nan"))
+        kernel.run(case.q, (case.kv_cache,), plan, _params(case), out, lse=lse)
+        _check(case, out, lse, f"step {step}")
+        k = seen[-1]
+        assert torch.equal(k["shares"], share_weights(rates, 16))
+        assert k["claim"][1].tolist() == [step] * 16  # every slot claimed, epoch `step`
+
+
+@pytest.mark.parametrize("tuning,match", [
+    ({"balanced": True, "balanced_rates": (1.0, 0.0)}, "positive rates"),
+    ({"balanced": True, "balanced_rates": ()}, "positive rates"),
+    ({"balanced": True, "balanced_rates": "fast"}, "positive rates"),
+    ({"balanced_rates": (1.0,) * 8}, "set balanced=True"),
+])
+def test_balanced_rates_refused_with_the_fix(tuning, match):
+    from aiter_attn.kernels.triton.mla import TritonMLA
+
+    with pytest.raises(ValueError, match=match):
+        TritonMLA(None, tuning)
+
+
+def test_balanced_rates_need_one_rate_per_sm():
+    from .test_hunt_mla_balanced import _kernel_obj, _md
+
+    case = MLACase([1, 1], [10, 20], heads=16, rank=64, rope=16, page=16, seed=2)
+    kernel = _kernel_obj(case, {"balanced": 16, "balanced_rates": (1.0,) * 7})
+    with pytest.raises(ValueError, match="7 rates but cpu has 8 SMs"):
+        kernel.plan(_md(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_claims_by_sm_over_replays(dtype):
+    """On CUDA: the programs claim their SM's slot (``%smid``), weighted by made-up rates
+    (every third SM twice as fast), as many programs as the SMs hold, 16 heads, latents
+    512 + 64; eager then three CUDA-graph replays, rows against the oracle each time and
+    every slot claimed once a launch."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from aiter_attn.kernels.triton._kvutil import num_sms
+
+    from .test_hunt_mla_balanced import _kernel_obj, _md, _params
+
+    lens = [4096, 77, 1, 2000, 0, 3000, 64, 513] * 4
+    case = MLACase([1] * len(lens), lens, heads=16, rank=512, rope=64, page=64,
+                   dtype=dtype, device="cuda", seed=21)
+    sms = num_sms(torch.device("cuda"))
+    rates = tuple(2.0 if i % 3 == 0 else 1.0 for i in range(sms))
+    kernel = _kernel_obj(case, {"balanced": True, "balanced_rates": rates})
+    plan = kernel.plan(_md(case))
+    n = len(lens)
+    out = torch.full((n, 16, 512), float("nan"), dtype=dtype, device="cuda")
+    lse = torch.full((n, 16), float("nan"), device="cuda")
+    params = _params(case)
+    kernel.run(case.q, (case.kv_cache,), plan, params, out, lse=lse)
+    torch.cuda.synchronize()
+    _check(case, out, lse, "eager")
+    claims = kernel._balanced_shares(plan.balanced[0], case.q.device)["claim"][1]
+    assert claims.tolist() == [1] * claims.numel()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        kernel.run(case.q, (case.kv_cache,), plan, params, out, lse=lse)
+    for rep in range(3):
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        _check(case, out, lse, f"replay {rep}")
+    assert claims.tolist() == [4] * claims.numel()  # eager, then three replays (a capture
+    # records the launch without running it)

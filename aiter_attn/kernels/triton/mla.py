@@ -15,6 +15,7 @@ graphs: ``buffer_spec(limits)`` / ``out.setdefault``) and keeps the index tensor
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional
 
 import torch
@@ -28,7 +29,8 @@ from ._launch_config import (BATCH_INVARIANT_SPLIT_TOKENS, MLA_FP8_VALUE_PAIRS, 
                              MLA_BALANCED, MLA_HALF_PARTIALS, MLA_KV_DESCRIPTORS,
                              MLA_LAZY_RESCALE, MLA_NARROW, MLA_NARROW_PDL,
                              MLA_QK_SPLIT)
-from .mla_balanced import balanced_reject_reason, launch_balanced_mla
+from .mla_balanced import (CLAIM_SCATTER, CLAIM_SM, balanced_reject_reason, claim_state,
+                           launch_balanced_mla, share_weights)
 from .mla_functional import mla_paged_attention
 from .mla_gluon import (GLUON_MLA_BLOCK_H, gluon_mla_reject_reason, gluon_mla_tensors_reason,
                         launch_gluon_mla)
@@ -168,6 +170,18 @@ def _check_option_values(tuning: dict) -> None:
                              f"{', '.join(map(repr, allowed))} (or leave it out for the "
                              "default).")
     _check_balanced(tuning.get("balanced"))
+    rates = tuning.get("balanced_rates")
+    if rates is not None:
+        ok = isinstance(rates, (tuple, list)) and rates and all(
+            isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r)
+            and r > 0 for r in rates)
+        if not ok:
+            raise ValueError(f"TritonMLA: balanced_rates={rates!r:.80}; allowed: a tuple of "
+                             "positive rates, one per SM (1 / each SM's mean stream time, "
+                             "benchmarks/narrow_timeline.py --by-sm), with balanced=True.")
+        if not tuning.get("balanced"):
+            raise ValueError("TritonMLA: balanced_rates weighs the balanced launch's slots; "
+                             "set balanced=True (or a program count) with it.")
 
 
 def _check_balanced(option) -> None:
@@ -216,7 +230,11 @@ class TritonMLA(MLAWorkspace, MLAKernel):
             raise ValueError(f"TritonMLA: unknown tuning key(s) {unknown}; allowed: "
                              f"{sorted(TUNING_KEYS)}. Check the spelling.")
         _check_option_values(self.tuning)
+        if "balanced_rates" in self.tuning:  # hashable, as every tuning value
+            self.tuning["balanced_rates"] = tuple(float(r) for r in
+                                                  self.tuning["balanced_rates"])
         self._descs: dict = {}  # (kernel, cache key) -> its TMA descriptors (or None)
+        self._shares: dict = {}  # (device, programs) -> the balanced launch's slot weights
         if request is not None:
             self._bind(request)
 
@@ -307,6 +325,29 @@ class TritonMLA(MLAWorkspace, MLAKernel):
             return (programs_per_sm(_smem_budget(device), warps, ring)
                     * num_sms(torch.device(device)))
         return option
+
+    def _balanced_shares(self, programs: int, device) -> dict:
+        """The balanced launch's slot weights and claim state where ``balanced_rates``
+        weighs its slots (one rate per SM of ``device``), else nothing. Made once per
+        (device, programs) and kept: the claim state's tickets run on across launches
+        (:func:`.mla_balanced.claim_state`); on CUDA the programs claim their SM's slot,
+        elsewhere (the interpreter) a scatter of their id."""
+        rates = self.tuning.get("balanced_rates")
+        if rates is None:
+            return {}
+        key = (str(device), programs)
+        got = self._shares.get(key)
+        if got is None:
+            sms = num_sms(torch.device(device))
+            if len(rates) != sms:
+                raise ValueError(f"{self.name}: balanced_rates has {len(rates)} rates but "
+                                 f"{device} has {sms} SMs; measure one rate per SM on it.")
+            on_gpu = torch.device(device).type == "cuda"
+            got = self._shares[key] = dict(
+                shares=share_weights(rates, programs, device), claim=claim_state(programs,
+                                                                                 device),
+                claim_hint=CLAIM_SM if on_gpu else CLAIM_SCATTER)
+        return got
 
     # -- plan / run ----------------------------------------------------------------------
     def plan(self, md, out: Optional[dict] = None) -> TritonMLAPlan:
@@ -424,7 +465,8 @@ class TritonMLA(MLAWorkspace, MLAKernel):
             balanced = (*balanced, dict(
                 part_o=balanced[1].permute(0, 2, 1, 3), part_lse=balanced[2].permute(0, 2, 1),
                 programs=balanced[0], block_n=bn, num_warps=warps, num_stages=stages,
-                ieee=self.dtype == torch.float32, pdl=pdl_mode(t.get("pdl"), device)))
+                ieee=self.dtype == torch.float32, pdl=pdl_mode(t.get("pdl"), device),
+                **self._balanced_shares(balanced[0], device)))
         return TritonMLAPlan(
             num_tokens=0 if empty else num_tokens, mask_literal=mask_literal(md), narrow=narrow,
             grid=(num_tokens * head_blocks, splits), args=(cu, seqused_k, block_table),

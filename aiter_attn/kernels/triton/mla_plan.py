@@ -72,5 +72,6 @@ class TritonMLAPlan(KernelPlan):
 TUNING_KEYS = frozenset({
     "num_kv_splits", "block_h", "block_n", "num_warps", "num_stages", "page_chunk",
     "split_v_load", "v_pairs", "pdl", "fused_merge", "kv_desc", "lazy_rescale",
-    "half_partials", "qk_split", "ring", "one_query", "narrow", "gluon", "balanced"})
+    "half_partials", "qk_split", "ring", "one_query", "narrow", "gluon", "balanced",
+    "balanced_rates"})
 
