@@ -219,6 +219,29 @@ def make_ours_mla(x, **launch):
     return fn, lambda: out
 
 
+def make_ours_mla_planned(x, **tuning):
+    """Our MLA as an engine runs it: a ``TritonMLA`` built with ``tuning``, its plan made
+    once, each call only ``run`` (what a graph captures). For tunings whose plan keeps
+    state across steps (``balanced_rates``: the slot weights and claims, made at plan
+    time, outside a capture)."""
+    from aiter_attn.kernels.base import _adhoc_metadata, mla_layer_params
+    from aiter_attn.kernels.triton.mla import TritonMLA, mla_request
+
+    out = torch.empty(x.bs, x.heads, x.rank, dtype=x.q.dtype, device=x.q.device)
+    kernel = TritonMLA(mla_request(x.q, x.kv_cache, x.rank), tuning)
+    md = _adhoc_metadata(x.q, x.kv_cache, x.cu_seqlens_q, x.seqused_k, x.block_table, None,
+                         None, 1, x.ctx, "bench")
+    params = mla_layer_params(scale=x.scale, device=x.q.device, kv_lora_rank=x.rank,
+                              num_q_heads=x.heads, head_dim=x.q.shape[2],
+                              kv_scale=x.kv_scale, fp8=x.kv_cache.dtype != x.q.dtype)
+    plan = kernel.plan(md)
+
+    def fn():
+        kernel.run(x.q, (x.kv_cache,), plan, params, out)
+    fn()
+    return fn, lambda: out
+
+
 def make_ours_batch_invariant(x):
     """:func:`make_ours` in batch-invariant mode (``--anchors ours-bi,...``: its cost)."""
     return make_ours(x, batch_invariant=True)

@@ -58,7 +58,8 @@ from _host import host_table, run_host  # noqa: E402
 from _mixed import mixed_table, run_mixed  # noqa: E402
 from _cascade import cascade_table, run_cascade, run_cascade_engine  # noqa: E402
 from _inputs import make_mha, make_mla  # noqa: E402
-from _runners import RUNNERS, Unavailable, configure_aiter, make_ours_mla  # noqa: E402
+from _runners import (RUNNERS, Unavailable, configure_aiter, make_ours_mla,  # noqa: E402
+                      make_ours_mla_planned)
 
 DECODE_ROWS = [(1, 4096), (16, 4096), (64, 4096), (256, 4096), (64, 16384), (8, 65536),
                (1, 32768)]
@@ -124,7 +125,12 @@ MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 "triton": {"narrow": False},
                 # equal key tiles a program, as many programs as the SMs hold (mla_balanced)
                 "balanced": {"balanced": True},
-                "balanced-f32": {"balanced": True, "half_partials": False}}
+                "balanced-f32": {"balanced": True, "half_partials": False},
+                # the balanced launch's slots weighed by each SM's rate, measured first on
+                # this GPU (narrow_timeline.measure_sm_rates), programs claiming their SM's
+                # slot; "balanced-planned": the same runner without the weights
+                "balanced-sm": {"balanced": True, "balanced_rates": "measure"},
+                "balanced-planned": {"balanced": True, "balanced_rates": None}}
 #: MLA launch configs timed by --mla-sweep: (block_h, block_n, num_warps, num_stages, splits).
 MLA_SWEEP = [(16, 32, 4, 2, None), (16, 32, 4, 4, None), (16, 64, 4, 3, None),
              (16, 32, 8, 3, None), (16, 32, 4, 3, "x2"), (32, 32, 8, 3, None),
@@ -138,6 +144,33 @@ MLA_SWEEP = [(16, 32, 4, 2, None), (16, 32, 4, 4, None), (16, 64, 4, 3, None),
              # around the new 16-head default (32-key tiles, two programs per SM, 2x the
              # one-per-SM split count): 6 and 8 splits (64x4k: 4 by default)
              (16, 32, 4, 3, 6), (16, 32, 4, 3, 8)]
+
+
+_RATES: dict = {}
+
+
+def _sm_rates(device) -> tuple:
+    """Each SM's streaming rate on this GPU (``narrow_timeline.measure_sm_rates``, measured
+    once a run), for the ``balanced-sm`` variant."""
+    if device.type != "cuda":
+        raise Unavailable("per-SM rates need the narrow kernel's stamps (sm_90)")
+    key = str(device)
+    if key not in _RATES:
+        from narrow_timeline import measure_sm_rates
+
+        _RATES[key] = measure_sm_rates(device)
+        r = _RATES[key]
+        print(f"    per-SM rates: {len(r)} SMs, {min(r):.4g}..{max(r):.4g} per µs", flush=True)
+    return _RATES[key]
+
+
+def _resolve(launch: dict, x) -> dict:
+    """A variant's keywords with ``balanced_rates="measure"`` replaced by this GPU's
+    per-SM rates (:func:`_sm_rates`; inside the runner, so a failure reads as the row's
+    ``missing``)."""
+    if launch.get("balanced_rates") == "measure":
+        return {**launch, "balanced_rates": _sm_rates(x.q.device)}
+    return launch
 
 
 def mla_configs(text: str) -> list:
@@ -336,9 +369,11 @@ def run_mla_rows(rows, args, results):
             for name in (v for v in args.mla_variants.split(",") if v):
                 if kv != "bf16" or heads > 16:
                     continue
+                lk = MLA_VARIANTS[name]
+                runner = make_ours_mla_planned if "balanced_rates" in lk else make_ours_mla
                 r = bench_impl(f"ours-{name}",
-                               lambda inp, lk=MLA_VARIANTS[name]: make_ours_mla(inp, **lk), x,
-                               expected, lambda o: o[:rows_b], RTOL_BF16, args.rep,
+                               lambda inp, lk=lk, run=runner: run(inp, **_resolve(lk, inp)),
+                               x, expected, lambda o: o[:rows_b], RTOL_BF16, args.rep,
                                args.graphs)
                 add_rates(r, x.bytes_moved, x.flops)
                 case["impls"].append(r)

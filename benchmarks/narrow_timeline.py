@@ -135,6 +135,32 @@ def by_sm(rows: list) -> dict:
             "fastest eighth": sorted(order[:max(1, len(order) // 8)])}
 
 
+def sm_rates(rows: list, sms: int) -> tuple:
+    """One rate per SM ``0 .. sms - 1`` (1 / its mean stream time of
+    :func:`program_rows`, µs⁻¹: programs of equal work), for ``TritonMLA``'s
+    ``balanced_rates``; an SM no program ran on gets the median rate."""
+    from statistics import mean, median as med
+
+    per = {}
+    for r in rows:
+        per.setdefault(r["sm"], []).append((r["done"] - r["first"]) * 1e-3)
+    rates = {sm: 1.0 / mean(v) for sm, v in per.items() if sm < sms}
+    if not rates:
+        raise ValueError("no program rows: run timeline(..., programs=rows) first")
+    fill = med(rates.values())
+    return tuple(rates.get(sm, fill) for sm in range(sms))
+
+
+def measure_sm_rates(device="cuda", heads: int = 16, bs: int = 64, ctx: int = 4096) -> tuple:
+    """Each SM's streaming rate on this GPU, from the narrow kernel's stamps over a replayed
+    ``heads x bs x ctx`` row (:func:`timeline`, :func:`sm_rates`)."""
+    from aiter_attn.kernels.triton._kvutil import num_sms
+
+    rows = []
+    timeline(heads, bs, ctx, steps=6, reps=3, device=device, programs=rows)
+    return sm_rates(rows, num_sms(torch.device(device)))
+
+
 def timeline(heads: int, bs: int, ctx: int, *, steps: int = 8, reps: int = 5,
              device="cuda", programs: list | None = None) -> dict:
     """The row's :func:`summarize` from ``reps`` replays of ``steps`` captured steps;

@@ -130,7 +130,8 @@
 #                                  # the default and the fused merge twice, time splits,
 #                                  # host µs of an MLA layer call (planned keys or not)
 #   scripts/gpu_session.sh eightyfifth   # the 64x4k step by SM (narrow_timeline --programs,
-#                                  # --by-sm) on this card, the 16-head rows
+#                                  # --by-sm) on this card; the balanced launch weighed by
+#                                  # the SMs' rates (gpu tests, rows beside the default)
 #   scripts/gpu_session.sh eightythird   # MLA gpu tests, then the 16-head rows of OLD, MID
 #                                  # (snapshot dirs) and this tree, alternating
 #   scripts/gpu_session.sh seventyfourth # the balanced launch, merge unrolled: gpu tests, time
@@ -761,10 +762,14 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       --programs "$OUT/programs.jsonl" 2>&1 | tee "$OUT/narrow_timeline.log"
     python3 benchmarks/narrow_timeline.py --by-sm "$OUT/programs.jsonl" | tee "$OUT/by_sm.log"
     gzip -9 "$OUT/programs.jsonl"
-    timeout ${BB_S:-100} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+    # the balanced launch with its slots weighed by those rates (programs claiming their
+    # SM's slot): its gpu tests, then its rows beside the plain balanced launch and the
+    # default (does weighing by SM recover the tail the timeline shows?)
+    gpu_tests shares_tests.log ${GT_S:-120} 100 tests/test_mla_shares.py
+    timeout ${BB_S:-150} python3 benchmarks/bench_attention.py --only mla --rep 30 \
       --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 --out "$OUT/rows" \
-      > "$OUT/rows.log" 2>&1
-    grep -E "ours|Error|error|ceilings" "$OUT/rows.log" | head -8
+      --mla-variants balanced,balanced-planned,balanced-sm > "$OUT/rows.log" 2>&1
+    grep -E "ours|rates|Error|error|ceilings" "$OUT/rows.log" | head -12
     rm -f "$OUT"/*/*.png
     ;;
   eightyfourth)

@@ -208,3 +208,38 @@ def test_gpu_claims_by_sm_over_replays(dtype):
         _check(case, out, lse, f"replay {rep}")
     assert claims.tolist() == [4] * claims.numel()  # eager, then three replays (a capture
     # records the launch without running it)
+
+
+def test_bench_runner_for_rate_weighted_variants(monkeypatch):
+    """``bench_attention.py``'s ``balanced-sm`` / ``balanced-planned`` variants run through
+    ``make_ours_mla_planned`` (plan once, run per call): on the interpreter both give the
+    oracle's rows; ``balanced-sm`` asks this GPU's per-SM rates inside the runner (a CPU
+    row reads as missing, not a crash)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import bench_attention as ba
+    from _inputs import make_mla
+    from _runners import Unavailable, make_ours_mla_planned
+
+    from aiter_attn.kernels.reference import mla_paged_attention_reference
+    from aiter_attn.testing.compare import assert_close_rel
+
+    x = make_mla(5, 128, heads=4, rank=64, rope=16, page=16, dtype=torch.float32,
+                 device="cpu", seed=1)
+    exp = torch.empty(5, 4, 64)
+    mla_paged_attention_reference(
+        x.q, x.kv_cache, exp, kv_lora_rank=x.rank, cu_seqlens_q=x.cu_seqlens_q,
+        seqused_k=x.seqused_k, block_table=x.block_table, softmax_scale=x.scale)
+    for name, rates in (("balanced-planned", None), ("balanced-sm", (1.0, 2.0) * 4)):
+        lk = ba.MLA_VARIANTS[name]
+        monkeypatch.setattr(ba, "_sm_rates", lambda dev, r=rates: r)
+        kw = ba._resolve(lk, x)
+        assert kw["balanced_rates"] == rates
+        fn, result = make_ours_mla_planned(x, **{**kw, "balanced": 16})
+        fn()
+        assert_close_rel(result(), exp, 1e-4, name)
+    monkeypatch.undo()
+    with pytest.raises(Unavailable, match="sm_90"):
+        ba._resolve(ba.MLA_VARIANTS["balanced-sm"], x)

@@ -98,3 +98,13 @@ def test_steal_bound_without_overhead_is_the_balanced_stream():
     assert abs(steal_bound(means, 0.0) - balanced) < 1e-6
     assert steal_bound(means, 0.0) < steal_bound(means, 3.0) < steal_bound(means, 20.0)
     assert steal_bound(means, 20.0) == 97.5  # no SM finishes 20 µs early enough to help
+
+
+def test_sm_rates_one_per_sm_with_the_median_for_idle_ones():
+    from narrow_timeline import sm_rates
+
+    rows = [{"sm": sm, "first": 0, "done": t * 1000} for sm, t in
+            ((0, 10), (0, 10), (1, 20), (3, 40))]
+    assert sm_rates(rows, 4) == (0.1, 0.05, 0.05, 0.025)  # SM 2 idle: the median rate
+    with pytest.raises(ValueError, match="no program rows"):
+        sm_rates([], 4)
