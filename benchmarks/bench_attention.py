@@ -158,7 +158,10 @@ def _sm_rates(device) -> tuple:
     if key not in _RATES:
         from narrow_timeline import measure_sm_rates
 
-        _RATES[key] = measure_sm_rates(device)
+        try:
+            _RATES[key] = measure_sm_rates(device)
+        except RuntimeError as exc:  # no narrow kernel (not sm_90): the row is missing
+            raise Unavailable(str(exc)) from exc
         r = _RATES[key]
         print(f"    per-SM rates: {len(r)} SMs, {min(r):.4g}..{max(r):.4g} per µs", flush=True)
     return _RATES[key]

@@ -181,7 +181,7 @@ def timeline(heads: int, bs: int, ctx: int, *, steps: int = 8, reps: int = 5,
                               num_q_heads=heads, head_dim=x.q.shape[2])
     plan = kernel.plan(md, {})
     if plan.narrow is None:
-        raise SystemExit(f"{heads}x{bs}x{ctx}: the default plan does not take the narrow "
+        raise RuntimeError(f"{heads}x{bs}x{ctx}: the default plan does not take the narrow "
                          "kernel here (it needs sm_90 and bf16/fp16)")
     nsplits, part_o, part_lse, _, _, one_q, pdl, merge_kw = plan.narrow
     cu, seqused, table = plan.args
@@ -243,8 +243,11 @@ def main():
     for row in a.rows.split(","):
         h, b, c = (int(v) for v in row.split("x"))
         progs = [] if a.programs else None
-        print(json.dumps(timeline(h, b, c, steps=a.steps, reps=a.reps, programs=progs)),
-              flush=True)
+        try:
+            rec = timeline(h, b, c, steps=a.steps, reps=a.reps, programs=progs)
+        except RuntimeError as exc:  # no narrow kernel here: say so, no traceback
+            raise SystemExit(str(exc)) from None
+        print(json.dumps(rec), flush=True)
         if progs:
             with open(a.programs, "a") as f:
                 for rec in progs:
