@@ -110,6 +110,15 @@ def steal_bound(means: dict, overhead: float) -> float:
     return hi
 
 
+def sm_streams(rows: list) -> dict:
+    """``{sm: [stream µs of each program that ran there]}`` of :func:`program_rows` (the
+    stream: first tile in -> last tile done)."""
+    per = {}
+    for r in rows:
+        per.setdefault(r["sm"], []).append((r["done"] - r["first"]) * 1e-3)
+    return per
+
+
 def by_sm(rows: list) -> dict:
     """Whether the stream time (``done - first`` of :func:`program_rows`, µs) is a property
     of the SM: programs move between SMs from step to step, so a spread of the SMs' mean
@@ -118,9 +127,7 @@ def by_sm(rows: list) -> dict:
     rate (perfect balancing over the SMs used), against the slowest SM's mean."""
     from statistics import mean, pstdev
 
-    per = {}
-    for r in rows:
-        per.setdefault(r["sm"], []).append((r["done"] - r["first"]) * 1e-3)
+    per = sm_streams(rows)
     means = {sm: mean(v) for sm, v in per.items()}
     order = sorted(means, key=means.get)
     # each program streams the same tiles, so an SM's rate is 1 / its mean stream
@@ -141,10 +148,7 @@ def sm_rates(rows: list, sms: int) -> tuple:
     ``balanced_rates``; an SM no program ran on gets the median rate."""
     from statistics import mean, median as med
 
-    per = {}
-    for r in rows:
-        per.setdefault(r["sm"], []).append((r["done"] - r["first"]) * 1e-3)
-    rates = {sm: 1.0 / mean(v) for sm, v in per.items() if sm < sms}
+    rates = {sm: 1.0 / mean(v) for sm, v in sm_streams(rows).items() if sm < sms}
     if not rates:
         raise ValueError("no program rows: run timeline(..., programs=rows) first")
     fill = med(rates.values())

@@ -15,7 +15,6 @@ graphs: ``buffer_spec(limits)`` / ``out.setdefault``) and keeps the index tensor
 from __future__ import annotations
 
 import logging
-import math
 from typing import Optional
 
 import torch
@@ -29,8 +28,8 @@ from ._launch_config import (BATCH_INVARIANT_SPLIT_TOKENS, MLA_FP8_VALUE_PAIRS, 
                              MLA_BALANCED, MLA_HALF_PARTIALS, MLA_KV_DESCRIPTORS,
                              MLA_LAZY_RESCALE, MLA_NARROW, MLA_NARROW_PDL,
                              MLA_QK_SPLIT)
-from .mla_balanced import (CLAIM_SCATTER, CLAIM_SM, balanced_reject_reason, claim_state,
-                           launch_balanced_mla, share_weights)
+from .mla_balanced import (CLAIM_SCATTER, CLAIM_SM, balanced_reject_reason, check_rates,
+                           claim_state, launch_balanced_mla, share_weights)
 from .mla_functional import mla_paged_attention
 from .mla_gluon import (GLUON_MLA_BLOCK_H, gluon_mla_reject_reason, gluon_mla_tensors_reason,
                         launch_gluon_mla)
@@ -170,15 +169,8 @@ def _check_option_values(tuning: dict) -> None:
                              f"{', '.join(map(repr, allowed))} (or leave it out for the "
                              "default).")
     _check_balanced(tuning.get("balanced"))
-    rates = tuning.get("balanced_rates")
-    if rates is not None:
-        ok = isinstance(rates, (tuple, list)) and rates and all(
-            isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r)
-            and r > 0 for r in rates)
-        if not ok:
-            raise ValueError(f"TritonMLA: balanced_rates={rates!r:.80}; allowed: a tuple of "
-                             "positive rates, one per SM (1 / each SM's mean stream time, "
-                             "benchmarks/narrow_timeline.py --by-sm), with balanced=True.")
+    if tuning.get("balanced_rates") is not None:
+        check_rates(tuning["balanced_rates"], "TritonMLA: balanced_rates")
         if not tuning.get("balanced"):
             raise ValueError("TritonMLA: balanced_rates weighs the balanced launch's slots; "
                              "set balanced=True (or a program count) with it.")
@@ -231,8 +223,7 @@ class TritonMLA(MLAWorkspace, MLAKernel):
                              f"{sorted(TUNING_KEYS)}. Check the spelling.")
         _check_option_values(self.tuning)
         if "balanced_rates" in self.tuning:  # hashable, as every tuning value
-            self.tuning["balanced_rates"] = tuple(float(r) for r in
-                                                  self.tuning["balanced_rates"])
+            self.tuning["balanced_rates"] = check_rates(self.tuning["balanced_rates"])
         self._descs: dict = {}  # (kernel, cache key) -> its TMA descriptors (or None)
         self._shares: dict = {}  # (device, programs) -> the balanced launch's slot weights
         if request is not None:
@@ -346,7 +337,7 @@ class TritonMLA(MLAWorkspace, MLAKernel):
             got = self._shares[key] = dict(
                 shares=share_weights(rates, programs, device), claim=claim_state(programs,
                                                                                  device),
-                claim_hint=CLAIM_SM if on_gpu else CLAIM_SCATTER)
+                claim_hint=CLAIM_SM if on_gpu else CLAIM_SCATTER, per_sm=programs // sms)
         return got
 
     # -- plan / run ----------------------------------------------------------------------

@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._kvutil import next_pow2, num_sms
+from ._kvutil import next_pow2
 from ._launch import Launcher, launch_key
 from ._softmax import to_output
 from .mla_kernel import _mla_tile
@@ -56,7 +56,8 @@ from .mla_merge import _partial_f32
 from ._pdl import gdc_wait, pdl_kwargs, wait_then_release
 
 __all__ = ["balanced_reject_reason", "balanced_workspace_shapes", "launch_balanced_mla",
-           "BALANCED_MAX_HEADS", "share_weights", "claim_state", "CLAIM_SM", "CLAIM_SCATTER"]
+           "BALANCED_MAX_HEADS", "check_rates", "share_weights", "claim_state", "CLAIM_SM",
+           "CLAIM_SCATTER"]
 
 #: how a claiming program picks the slot it tries first (``claim_hint``): the one meant for
 #: its SM (``%smid``, CUDA only), or a scatter of its program id (the interpreter, tests:
@@ -87,27 +88,34 @@ def balanced_reject_reason(*, heads: int, q_dtype, kv_dtype, one_query: bool, ma
     return None
 
 
+def check_rates(rates, what: str = "rates") -> tuple:
+    """``rates`` as a tuple of floats, or ``ValueError`` unless it is a non-empty sequence
+    of positive, finite numbers (one per SM)."""
+    ok = isinstance(rates, (tuple, list)) and len(rates) > 0 and all(
+        isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0
+        for r in rates)
+    if not ok:
+        raise ValueError(f"{what}={rates!r:.80}: one positive, finite rate per SM, e.g. 1 / "
+                         "each SM's mean stream time (benchmarks/narrow_timeline.py --by-sm).")
+    return tuple(float(r) for r in rates)
+
+
 def share_weights(rates, programs: int, device=None) -> torch.Tensor:
     """Cumulative float32 weights ``[programs + 1]`` of the slots (``shares``): slot ``s``
     belongs to SM ``s // (programs // len(rates))`` and weighs that SM's ``rates`` entry
     (any positive unit: keys per µs, 1 / a measured stream time). ``w[0] = 0``,
     ``w[-1] = 1`` exactly, non-decreasing. ``programs`` must be a multiple of the SM count
     (the resident programs of every SM)."""
-    rates = [float(r) for r in rates]
-    if not rates or any(not (r > 0.0 and math.isfinite(r)) for r in rates):
-        raise ValueError(f"rates={rates[:8]!r}: one positive, finite rate per SM, e.g. "
-                         "1 / each SM's mean stream time (benchmarks/narrow_timeline.py "
-                         "--by-sm).")
+    rates = check_rates(rates)
     if programs < len(rates) or programs % len(rates):
         raise ValueError(f"programs={programs} must be a positive multiple of the "
                          f"{len(rates)} SMs the rates describe (each SM's resident programs).")
     per_sm = programs // len(rates)
-    w = torch.tensor([rates[i // per_sm] for i in range(programs)], dtype=torch.float64)
-    cum = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(w, 0) / w.sum()])
-    cum = cum.to(torch.float32)
-    cum[-1] = 1.0
-    return torch.cummax(cum, 0).values.to(device) if device is not None else \
-        torch.cummax(cum, 0).values
+    cum = torch.cumsum(torch.tensor([rates[i // per_sm] for i in range(programs)],
+                                    dtype=torch.float64), 0)
+    # over its own last sum: ends at exactly 1 (rounding to float32 keeps the order)
+    cum = torch.cat([torch.zeros(1, dtype=torch.float64), cum / cum[-1]]).to(torch.float32)
+    return cum if device is None else cum.to(device)
 
 
 def claim_state(programs: int, device) -> tuple:
@@ -367,7 +375,7 @@ def launch_balanced_mla(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
                         num_warps: int = 4, num_stages: int = 3, ieee: bool = False,
                         launches: tuple = ("attention", "merge"), pdl=False,
                         shares: Optional[torch.Tensor] = None, claim: Optional[tuple] = None,
-                        claim_hint: int = CLAIM_SM) -> None:
+                        claim_hint: int = CLAIM_SM, per_sm: int = 1) -> None:
     """Both launches over ``batch = seqused_k.numel()`` one-query requests (row ``b`` of q
     is request ``b``); checked and planned by the caller (:mod:`.mla`), which passes host
     integers only. ``part_o`` / ``part_lse``: :func:`balanced_workspace_shapes` of
@@ -377,7 +385,8 @@ def launch_balanced_mla(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
     ``shares``: float32 ``[programs + 1]`` cumulative slot weights (:func:`share_weights`)
     instead of equal tile counts. ``claim``: :func:`claim_state` of this stream (needs
     ``shares``): programs claim the slot of their SM (``claim_hint`` :data:`CLAIM_SM`,
-    CUDA) or of a scatter of their id (:data:`CLAIM_SCATTER`), any free one if taken."""
+    CUDA: slot ``smid · per_sm``, ``per_sm`` each SM's slots as :func:`share_weights` laid
+    them out) or of a scatter of their id (:data:`CLAIM_SCATTER`), any free one if taken."""
     if claim is not None and shares is None:
         raise ValueError("claim needs shares: the slots' weights (share_weights)")
     if shares is not None and (shares.dtype != torch.float32 or shares.dim() != 1
@@ -397,7 +406,7 @@ def launch_balanced_mla(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
         _attention(q, kv_cache, out, seqused_k, block_table, rank, rope, qk_scale_log2,
                    kv_scale_val, scale_ptr, lse, lse_t, lse_strides, part_o, part_lse,
                    programs, block_n, block_dv, block_dr, block_b, num_warps, num_stages,
-                   ieee, pdl, shares, claim, claim_hint)
+                   ieee, pdl, shares, claim, claim_hint, per_sm)
     if "merge" in launches:
         args = (out, lse_t, part_o, part_lse, seqused_k, batch, programs,
                 out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1),
@@ -413,7 +422,7 @@ def launch_balanced_mla(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
 def _attention(q, kv_cache, out, seqused_k, block_table, rank, rope, qk_scale_log2,
                kv_scale_val, scale_ptr, lse, lse_t, lse_strides, part_o, part_lse, programs,
                block_n, block_dv, block_dr, block_b, num_warps, num_stages, ieee, pdl,
-               shares, claim, claim_hint):
+               shares, claim, claim_hint, per_sm):
     batch, heads = seqused_k.shape[0], q.shape[1]
     page_size = kv_cache.shape[1]
     ticket, claims = claim if claim is not None else (part_lse, part_lse)
@@ -424,8 +433,7 @@ def _attention(q, kv_cache, out, seqused_k, block_table, rank, rope, qk_scale_lo
             out.stride(0), out.stride(1), block_table.stride(0),
             part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), *lse_strides,
-            shares if shares is not None else part_lse, ticket, claims,
-            max(1, programs // num_sms(q.device)) if claim is not None else 1)
+            shares if shares is not None else part_lse, ticket, claims, per_sm)
     kw = dict(
         PAGE_SIZE=page_size, KV_LORA=rank, ROPE=rope, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
         BLOCK_H=max(16, next_pow2(heads)), BLOCK_N=block_n, BLOCK_B=block_b,
