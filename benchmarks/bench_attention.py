@@ -130,7 +130,12 @@ MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 # this GPU (narrow_timeline.measure_sm_rates), programs claiming their SM's
                 # slot; "balanced-planned": the same runner without the weights
                 "balanced-sm": {"balanced": True, "balanced_rates": "measure"},
-                "balanced-planned": {"balanced": True, "balanced_rates": None}}
+                "balanced-planned": {"balanced": True, "balanced_rates": None},
+                # the persistent stream kernel (mla_stream_gluon: one program per SM over
+                # shares of the batch's keys crossing requests), plan once / run per call;
+                # "-sm": its shares weighed by each SM's measured rate
+                "stream": {"stream": True, "balanced_rates": None},
+                "stream-sm": {"stream": True, "balanced_rates": "measure"}}
 #: MLA launch configs timed by --mla-sweep: (block_h, block_n, num_warps, num_stages, splits).
 MLA_SWEEP = [(16, 32, 4, 2, None), (16, 32, 4, 4, None), (16, 64, 4, 3, None),
              (16, 32, 8, 3, None), (16, 32, 4, 3, "x2"), (32, 32, 8, 3, None),

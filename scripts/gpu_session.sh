@@ -129,6 +129,9 @@
 #                                  # its gpu tests, narrow_timeline.py, the 16-head rows of
 #                                  # the default and the fused merge twice, time splits,
 #                                  # host µs of an MLA layer call (planned keys or not)
+#   scripts/gpu_session.sh eightysixth   # the stream kernel (mla_stream_gluon): its gpu tests
+#                                  # and the SM claims', then the 16-head rows of the
+#                                  # default, stream and stream-sm
 #   scripts/gpu_session.sh eightyfifth   # the 64x4k step by SM (narrow_timeline --programs,
 #                                  # --by-sm) on this card; the balanced launch weighed by
 #                                  # the SMs' rates (gpu tests, rows beside the default)
@@ -752,6 +755,18 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
       NEW_VARIANTS=triton,narrow-no-pdl,narrow-pdl-all ROUNDS="1 2" bash "$0" seventyeighth-rows
     fi
+    ;;
+  eightysixth)
+    # the persistent stream kernel: one program per SM over shares of the batch's keys
+    # crossing requests (equal, or weighed by each SM's measured rate): its gpu tests and
+    # the balanced launch's SM claims, then the rows beside the default (narrow kernel)
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    gpu_tests stream_tests.log ${GT_S:-240} 150 tests/test_mla_stream.py tests/test_mla_shares.py
+    timeout ${BB_S:-150} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 --out "$OUT/rows" \
+      --mla-variants stream,stream-sm > "$OUT/rows.log" 2>&1
+    grep -E "ours|rates|Error|error|ceilings" "$OUT/rows.log" | head -12
+    rm -f "$OUT"/*/*.png
     ;;
   eightyfifth)
     # the 64x4k step's SM structure on this card: every program's stamps, summarised by SM

@@ -5,6 +5,8 @@ and claims whose first choices collide; the slot weights from per-SM rates."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -187,20 +189,23 @@ def test_gpu_claims_by_sm_over_replays(dtype):
                    dtype=dtype, device="cuda", seed=21)
     sms = num_sms(torch.device("cuda"))
     rates = tuple(2.0 if i % 3 == 0 else 1.0 for i in range(sms))
-    kernel = _kernel_obj(case, {"balanced": True, "balanced_rates": rates})
-    plan = kernel.plan(_md(case))
+    # the case keeps its tensors on the CPU for the oracle; the kernel gets CUDA copies
+    on_gpu = copy.copy(case)
+    on_gpu.q, on_gpu.kv_cache = case.q.cuda(), case.kv_cache.cuda()
+    kernel = _kernel_obj(on_gpu, {"balanced": True, "balanced_rates": rates})
+    plan = kernel.plan(_md(on_gpu))
     n = len(lens)
     out = torch.full((n, 16, 512), float("nan"), dtype=dtype, device="cuda")
     lse = torch.full((n, 16), float("nan"), device="cuda")
-    params = _params(case)
-    kernel.run(case.q, (case.kv_cache,), plan, params, out, lse=lse)
+    params = _params(on_gpu)
+    kernel.run(on_gpu.q, (on_gpu.kv_cache,), plan, params, out, lse=lse)
     torch.cuda.synchronize()
     _check(case, out, lse, "eager")
-    claims = kernel._balanced_shares(plan.balanced[0], case.q.device)["claim"][1]
+    claims = kernel._balanced_shares(plan.balanced[0], on_gpu.q.device)["claim"][1]
     assert claims.tolist() == [1] * claims.numel()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        kernel.run(case.q, (case.kv_cache,), plan, params, out, lse=lse)
+        kernel.run(on_gpu.q, (on_gpu.kv_cache,), plan, params, out, lse=lse)
     for rep in range(3):
         out.fill_(float("nan"))
         lse.fill_(float("nan"))

@@ -26,7 +26,7 @@ __all__ = ["TUNING_OVERRIDES", "OVERRIDE_KEYS", "check_overrides", "LaunchConfig
            "choose_config", "BATCH_INVARIANT_SPLIT_TOKENS",
            "FP8_VALUE_PAIRS", "MLA_FP8_VALUE_PAIRS", "MLA_FUSED_MERGE", "MLA_KV_DESCRIPTORS",
            "MLA_LAZY_RESCALE", "MLA_HALF_PARTIALS", "MLA_QK_SPLIT", "MLA_BALANCED", "MLA_NARROW",
-           "MLA_NARROW_PDL",
+           "MLA_NARROW_PDL", "MLA_STREAM",
            "PREFETCH_PAGES",
            "CARRIED_PAGE_LOOKUP"]
 
@@ -148,6 +148,11 @@ MLA_BALANCED = False
 #: "Twenty-fifth session"), and every MLA gpu test passes with it
 #: (``scripts/gpu_session.sh seventyninth``).
 MLA_NARROW = True
+
+#: The stream kernel (:mod:`.mla_stream_gluon`) for 16-head MLA decode: one program per SM
+#: over shares of the batch's keys that cross requests (``mla_paged_attention(...,
+#: stream=True)``, weighed by ``balanced_rates``): off until timed.
+MLA_STREAM = False
 
 #: The narrow kernel's split merge launched early (programmatic dependent launch, the
 #: ``pdl`` option's ``"reduce"``): the kernel lets it start at once and the merge waits on

@@ -27,7 +27,7 @@ from ._launch import Launcher, launch_key
 from ._launch_config import (BATCH_INVARIANT_SPLIT_TOKENS, MLA_FP8_VALUE_PAIRS, MLA_FUSED_MERGE,
                              MLA_BALANCED, MLA_HALF_PARTIALS, MLA_KV_DESCRIPTORS,
                              MLA_LAZY_RESCALE, MLA_NARROW, MLA_NARROW_PDL,
-                             MLA_QK_SPLIT)
+                             MLA_QK_SPLIT, MLA_STREAM)
 from .mla_balanced import (CLAIM_SCATTER, CLAIM_SM, balanced_reject_reason, check_rates,
                            claim_state, launch_balanced_mla, share_weights)
 from .mla_functional import mla_paged_attention
@@ -39,6 +39,7 @@ from .mla_narrow_gluon import (NARROW_MLA_MAX_HEADS, launch_narrow_mla,
                                narrow_mla_reject_reason, narrow_mla_splits, narrow_plan_spec)
 from .mla_plan import COOPERATIVE, LAST_SPLIT, TUNING_KEYS, TritonMLAPlan
 from .mla_ring_gluon import launch_ring_mla, ring_mla_splits
+from .mla_stream_gluon import STREAM_UNIT, launch_stream_mla, stream_mla_reject_reason
 from .mla_workspace import MLAWorkspace, _tma_device
 from ._pdl import pdl_kwargs, pdl_mode
 
@@ -153,6 +154,7 @@ _OPTION_VALUES = {
     "narrow": (False, True),
     "ring": (False, True),
     "fused_merge": (False, True, "cooperative"),
+    "stream": (False, True),
 }
 
 
@@ -171,9 +173,10 @@ def _check_option_values(tuning: dict) -> None:
     _check_balanced(tuning.get("balanced"))
     if tuning.get("balanced_rates") is not None:
         check_rates(tuning["balanced_rates"], "TritonMLA: balanced_rates")
-        if not tuning.get("balanced"):
-            raise ValueError("TritonMLA: balanced_rates weighs the balanced launch's slots; "
-                             "set balanced=True (or a program count) with it.")
+        if not (tuning.get("balanced") or tuning.get("stream")):
+            raise ValueError("TritonMLA: balanced_rates weighs the balanced launch's or the "
+                             "stream kernel's slots; set balanced=True (or a program count) "
+                             "or stream=True with it.")
 
 
 def _check_balanced(option) -> None:
@@ -201,7 +204,10 @@ class TritonMLA(MLAWorkspace, MLAKernel):
     ``one_query`` (``False``: decode steps search ``cu_seqlens_q`` for their request like any
     other), ``narrow`` (the narrow Gluon kernel of :mod:`.mla_narrow_gluon` for up to 16
     heads where it serves: the default on sm_90, :data:`MLA_NARROW`; ``False``: the Triton
-    kernel; its split merge starts early unless ``pdl=False``), ``gluon`` (``False``: never the Gluon kernels of :mod:`.mla_gluon`, which
+    kernel; its split merge starts early unless ``pdl=False``), ``stream`` (``True``: the
+    persistent stream kernel of :mod:`.mla_stream_gluon` for 16-head decode where it serves,
+    one program per SM over shares of the batch's keys, weighed by ``balanced_rates`` when
+    given), ``gluon`` (``False``: never the Gluon kernels of :mod:`.mla_gluon`, which
     otherwise serves what :func:`.mla_gluon.gluon_mla_reject_reason` allows: 64-head blocks
     of bf16/fp16 latents 512 + 64 on NVIDIA sm_90). A key given ``None`` takes its default
     (as :func:`mla_paged_attention`'s keywords); ``pdl``, ``narrow``, ``ring``,
@@ -340,6 +346,38 @@ class TritonMLA(MLAWorkspace, MLAKernel):
                 claim_hint=CLAIM_SM if on_gpu else CLAIM_SCATTER, per_sm=programs // sms)
         return got
 
+    def _stream_wanted(self) -> bool:
+        """``tuning["stream"]`` (default :data:`MLA_STREAM`) and the Gluon kernels allowed."""
+        return bool(self.tuning.get("stream", MLA_STREAM) and self.tuning.get("gluon", True))
+
+    def _stream_programs(self, batch, one_query, page_size, mask, device) -> Optional[int]:
+        """Programs of the stream kernel (one per SM) where it is asked for and serves the
+        step (:func:`.mla_stream_gluon.stream_mla_reject_reason`), else ``None``."""
+        if not self._stream_wanted():
+            return None
+        dev = torch.device(device)
+        why = stream_mla_reject_reason(
+            heads=self.heads, rank=self.rank, rope=self.rope, dtype=self.dtype,
+            kv_dtype=self.kv_dtype, page_size=page_size, device=dev, masked=mask is not None,
+            batch_invariant=self.batch_invariant, one_query=one_query, batch=batch)
+        return None if why is not None else num_sms(dev)
+
+    def _stream_shares(self, programs: int, device) -> dict:
+        """The stream kernel's cumulative slot weights (equal, or ``balanced_rates``: one
+        rate per SM) and, with rates, its claim state; made once per (device, programs)."""
+        key = ("stream", str(device), programs)
+        got = self._shares.get(key)
+        if got is None:
+            rates = self.tuning.get("balanced_rates")
+            if rates is not None and len(rates) != programs:
+                raise ValueError(f"{self.name}: balanced_rates has {len(rates)} rates but "
+                                 f"{device} has {programs} SMs; measure one rate per SM on "
+                                 "it.")
+            got = self._shares[key] = dict(
+                shares=share_weights(rates or (1.0,) * programs, programs, device),
+                claim=claim_state(programs, device) if rates is not None else None)
+        return got
+
     # -- plan / run ----------------------------------------------------------------------
     def plan(self, md, out: Optional[dict] = None) -> TritonMLAPlan:
         """The launch of one step (host integers only: no sync)."""
@@ -375,7 +413,11 @@ class TritonMLA(MLAWorkspace, MLAKernel):
                        and not self.batch_invariant)
         half = half_ok and bh <= 16
         mask = md.mask
-        nsplits = self._narrow_splits(num_tokens, kv_bound, device, page_size, mask)
+        stream_p = (self._stream_programs(batch, one_query, page_size, mask, device)
+                    if not empty else None)
+        # the stream kernel replaces the narrow kernel where both would serve
+        nsplits = (self._narrow_splits(num_tokens, kv_bound, device, page_size, mask)
+                   if stream_p is None else None)
         balanced = None
         programs = self._balanced_programs(device)
         if programs is not None and not empty and nsplits is None and balanced_reject_reason(
@@ -452,6 +494,17 @@ class TritonMLA(MLAWorkspace, MLAKernel):
                 pdl = False
             narrow = (nsplits, *nparts, ring, ncount, one_query, pdl,
                       pdl_kwargs(pdl, reduction=True) if pdl else {})
+        stream = None
+        if stream_p is not None:  # both launches' keywords, once per step
+            s_o, s_l = self._partials(2, stream_p, md, out, device,
+                                      self.dtype if half_ok else torch.float32)
+            s_o, s_l = s_o.permute(0, 2, 1, 3), s_l.permute(0, 2, 1)
+            sh = self._stream_shares(stream_p, device)
+            pdl = pdl_mode(t.get("pdl", MLA_NARROW_PDL), device)
+            stream = (dict(part_o=s_o, part_lse=s_l, shares=sh["shares"], claim=sh["claim"],
+                           pdl=pdl),
+                      dict(part_o=s_o, part_lse=s_l, programs=stream_p, block_n=STREAM_UNIT,
+                           launches=("merge",), pdl=pdl, shares=sh["shares"]))
         if balanced is not None:  # the launch's keywords, once per step (run only launches)
             balanced = (*balanced, dict(
                 part_o=balanced[1].permute(0, 2, 1, 3), part_lse=balanced[2].permute(0, 2, 1),
@@ -463,7 +516,7 @@ class TritonMLA(MLAWorkspace, MLAKernel):
             grid=(num_tokens * head_blocks, splits), args=(cu, seqused_k, block_table),
             mask=mask_t, batch=batch, head_blocks=head_blocks, splits=splits,
             use_parts=use_parts, part_o=part_o, part_lse=part_lse, cfg_kw=cfg_kw,
-            gluon=gluon, counters=counters, balanced=balanced)
+            gluon=gluon, counters=counters, balanced=balanced, stream=stream)
 
     def _qk_split(self, option, even_d: bool, block_h: int) -> int:
         """``QK_SPLIT`` of the Triton kernel: 2 or 4 (q·Kᵀ as that many independent mma
@@ -559,6 +612,15 @@ class TritonMLA(MLAWorkspace, MLAKernel):
         ps_l = part_lse.stride() if plan.use_parts else (0, 0)
         lse_t = lse if write_lse else part_lse
         ls = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
+        if plan.stream is not None and q.stride(2) == 1 and out.stride(2) == 1:
+            sdescs = self._stream_descs(kv_cache)
+            if sdescs is not None:
+                launch_kw, merge_kw = plan.stream
+                launch_stream_mla(q, kv_cache, out, seqused_k, block_table, params.scale,
+                                  lse=lse, descs=sdescs, **launch_kw)
+                launch_balanced_mla(q, kv_cache, out, seqused_k, block_table, rank=self.rank,
+                                    qk_scale_log2=params.scale * _LOG2E, lse=lse, **merge_kw)
+                return out
         descs = (self._cache_descs(kv_cache) if plan.narrow is not None and not from_ptr
                  else None)
         if descs is not None and q.stride(2) == 1 and out.stride(2) == 1:

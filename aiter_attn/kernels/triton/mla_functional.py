@@ -51,6 +51,7 @@ def mla_paged_attention(
     half_partials: Optional[bool] = None,
     qk_split: Optional[int] = None,
     balanced=None,
+    stream: Optional[bool] = None,
 ) -> torch.Tensor:
     """Absorbed MLA over a paged latent cache (Triton). Same contract as
     :func:`aiter_attn.kernels.reference.mla_paged_attention_reference`.
@@ -125,6 +126,10 @@ def mla_paged_attention(
             many as the SMs hold, or that many) gets the same number of key tiles, requests
             crossing programs merged by LSE (:mod:`.mla_balanced`); other steps keep the
             split launch.
+        stream: ``True``: 16-head decode steps the narrow kernel would serve run the
+            persistent stream kernel instead (:mod:`.mla_stream_gluon`: one program per SM
+            over equal shares of the batch's keys, crossing requests, merged by LSE); default
+            :data:`._launch_config.MLA_STREAM`.
         batch_invariant: each row's bits independent of the rest of the batch: keys split
             every :data:`BATCH_INVARIANT_SPLIT_TOKENS` (rounded to ``block_n``) at absolute
             positions, the split path and a fixed-order merge always (the split count, a
@@ -169,7 +174,7 @@ def mla_paged_attention(
         gluon=gluon, v_pairs=v_pairs, pdl=pdl, narrow=narrow,
         fused_merge=fused_merge, ring=ring, kv_desc=kv_desc,
         lazy_rescale=lazy_rescale, half_partials=half_partials,
-        qk_split=qk_split, balanced=balanced).items() if v is not None}
+        qk_split=qk_split, balanced=balanced, stream=stream).items() if v is not None}
     from .mla import TritonMLA  # late: mla.py re-exports this function
     kernel = TritonMLA(mla_request(q, kv_cache, kv_lora_rank,
                                    custom_mask=custom_mask is not None, lse=lse is not None,

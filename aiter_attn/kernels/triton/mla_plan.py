@@ -65,6 +65,11 @@ class TritonMLAPlan(KernelPlan):
     #: the balanced launch (:mod:`.mla_balanced`, ``tuning["balanced"]``) where it serves the
     #: step: ``(programs, part_o [P, H, 2, R], part_lse [P, H, 2], launch keywords)``
     balanced: Optional[tuple] = attrs.field(default=None, **_T)
+    #: the stream kernel (:mod:`.mla_stream_gluon`, ``tuning["stream"]``) where it serves
+    #: the step: ``(launch keywords, merge keywords)`` of its launch and of the balanced
+    #: merge launch; a run whose tensors it cannot read takes the split path (whose
+    #: partials this plan also holds)
+    stream: Optional[tuple] = attrs.field(default=None, **_T)
 
 
 #: the ``tuning`` keys :class:`TritonMLA` reads (a misspelt key would otherwise be ignored
@@ -73,5 +78,5 @@ TUNING_KEYS = frozenset({
     "num_kv_splits", "block_h", "block_n", "num_warps", "num_stages", "page_chunk",
     "split_v_load", "v_pairs", "pdl", "fused_merge", "kv_desc", "lazy_rescale",
     "half_partials", "qk_split", "ring", "one_query", "narrow", "gluon", "balanced",
-    "balanced_rates"})
+    "balanced_rates", "stream"})
 

@@ -14,9 +14,10 @@ from typing import Optional
 
 import torch
 
-from ._kvutil import interpreting
+from ._kvutil import interpreting, num_sms
 from .mla_narrow_gluon import narrow_descriptors, narrow_mla_layout_reason
 from .mla_plan import TritonMLAPlan
+from .mla_stream_gluon import stream_descriptors
 from .prefill import TensorDescriptor, _capability
 
 __all__ = ["MLAWorkspace"]
@@ -77,6 +78,8 @@ class MLAWorkspace:
         programs = self._balanced_programs(device) if q_len == 1 else None
         if programs is not None:  # two partial slots a program (:mod:`.mla_balanced`)
             rows = max(rows, 2 * programs)
+        if q_len == 1 and self._stream_wanted():  # two a program, one program per SM
+            rows = max(rows, 2 * num_sms(torch.device(device)))
         return rows
 
     def buffer_spec(self, limits):
@@ -155,6 +158,21 @@ class MLAWorkspace:
         if not kw["KV_DESC"]:
             return None
         return self._cache_descs(kv_cache, kw["BLOCK_N"], self.rank // kw["QK_SPLIT"])
+
+    def _stream_descs(self, kv_cache):
+        """The stream kernel's two descriptors of ``kv_cache`` (:func:`.mla_stream_gluon
+        .stream_descriptors`), kept as :meth:`_cache_descs` keeps its own; ``None`` where
+        TMA cannot read the rows."""
+        key = ("stream", kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(),
+               kv_cache.dtype)
+        descs = self._descs.get(key, 0)
+        if descs == 0:
+            if len(self._descs) >= _DESCS_KEEP:
+                self._descs.clear()
+            descs = self._descs[key] = (stream_descriptors(kv_cache)
+                                        if narrow_mla_layout_reason(kv_cache) is None
+                                        else None)
+        return descs
 
     def _cache_descs(self, kv_cache, block_n: Optional[int] = None, cols: Optional[int] = None):
         """The TMA descriptors of ``kv_cache`` (rows ``[slots, R + rope]``), built once per

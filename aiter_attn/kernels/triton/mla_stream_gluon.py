@@ -1,0 +1,431 @@
+"""Absorbed-MLA decode for few heads (up to 16) on sm_90 as one persistent stream over the
+batch's keys (``tuning["stream"]`` of :mod:`.mla`): the narrow Gluon kernel's tile loop
+(:mod:`.mla_narrow_gluon`) with stream-K shares that cross request boundaries.
+
+The narrow kernel's ``tokens × splits`` grid gives every program the same keys, so 64×4k
+runs 128 programs of 2,048 keys on 132 SMs, and its step waits for the slowest SM's group
+(an SM's stream rate is set by its GPC: 85–98 µs for the same keys on an H100,
+docs/benchmarks.md "Twenty-ninth session"). Here one program runs per SM (``P`` programs)::
+
+    units_b = ⌈L_b / 16⌉,  total = Σ_b units_b        (16-key units, on the device)
+    program p owns the global units [⌊total·w_p⌋, ⌊total·w_{p+1}⌋)
+
+with ``w`` the cumulative slot weights (:func:`.mla_balanced.share_weights`: equal, or each
+SM's measured rate, where the program first claims the slot of the SM it runs on). A
+program walks the requests its range touches, one *segment* each: the loader warp streams
+every segment's 64-key tiles through the two-slot ring without a break (page pieces of 16
+rows by TMA, so a segment may start at any unit); each consumer warpgroup stages the
+segment's q in its own buffer, takes the tiles whose global index has its parity (ring
+slot ``C`` is consumer ``C``'s), and at the segment's end consumer 1 hands ``(m, l, O)``
+to consumer 0, which writes the request's row (a request inside the range) or a partial
+in the program's head slot (0: the request began before the range) or tail slot (1), as
+the balanced launch lays them out, so :mod:`.mla_balanced`'s merge launch (``BLOCK_N``
+16) combines them and writes the rows of requests with no keys.
+
+Serves (:func:`stream_mla_reject_reason`): what the narrow kernel serves, one query per
+request (decode), at most :data:`STREAM_MAX_BATCH` requests, pages of a multiple of 16
+rows, no LSE past the narrow kernel's, and q rows TMA-free (q is read by the consumers).
+
+Shapes: q ``[B, H, 576]`` (row ``b`` is request ``b``); kv_cache ``[pages, page, 1, 576]``;
+out ``[B, H, 512]``; lse ``[B, H]`` float32 (natural log); part_o ``[P, 2, H, 512]``
+(float32 or q's dtype); part_lse ``[P, 2, H]`` float32 (log2); shares float32 ``[P + 1]``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from ._launch import Launcher, launch_key
+from .mla_narrow_gluon import narrow_mla_reject_reason
+from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout
+
+__all__ = ["stream_mla_reject_reason", "stream_descriptors", "launch_stream_mla",
+           "STREAM_UNIT", "STREAM_MAX_BATCH"]
+
+#: keys per share unit: a program's range starts and ends on these (the TMA boxes' rows)
+STREAM_UNIT = 16
+#: the most requests a launch takes (each program reads the lengths as one vector)
+STREAM_MAX_BATCH = 4096
+_RANK, _ROPE = 512, 64
+_MAXNREG, _LOADER_REGS = 128, 48
+
+
+def stream_mla_reject_reason(*, heads: int, rank: int, rope: int, dtype, kv_dtype,
+                             page_size: int, device, masked: bool, batch_invariant: bool,
+                             one_query: bool, batch: int) -> Optional[str]:
+    """Why the stream kernel cannot serve a plan (``None``: it can). Host values only."""
+    why = narrow_mla_reject_reason(heads=heads, rank=rank, rope=rope, dtype=dtype,
+                                   kv_dtype=kv_dtype, page_size=page_size, device=device,
+                                   masked=masked, batch_invariant=batch_invariant)
+    if why is not None:
+        return why
+    if not one_query:
+        return "more than one query per request (the stream kernel serves decode)"
+    if page_size % STREAM_UNIT:
+        return f"page size {page_size} (a multiple of {STREAM_UNIT})"
+    if batch > STREAM_MAX_BATCH:
+        return f"{batch} requests (at most {STREAM_MAX_BATCH})"
+    return None
+
+
+if HAS_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    from .decode_gluon import _keys_softmax, _mask_tail, _tile_rows
+    from .mla_narrow_gluon import _issue
+    from .prefill_gluon import _to_output
+
+    _UNIT = gl.constexpr(STREAM_UNIT)
+    _BOXES = gl.constexpr(64 // STREAM_UNIT)
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _bound(shares, s, total, num_programs):
+        """Slot ``s``'s first unit, ``⌊total · w_s⌋`` (``total`` past the last slot): the
+        same float32 arithmetic as :func:`.mla_balanced._share_bound`, so the merge launch
+        finds the same boundaries."""
+        w = gl.load(shares + gl.minimum(s, num_programs))
+        b = gl.minimum((w * total.to(gl.float32)).to(gl.int32), total)
+        return gl.where(s >= num_programs, total, b)
+
+    @gluon.jit
+    def _segment(seqused, r, cs, g0, g1):
+        """Request ``r`` (its units from ``cs``) within the range ``[g0, g1)``:
+        ``(kv_len, ce, lo, n, valid)``: its key count, its units' end, the segment's first
+        key, its 64-key tiles and the keys of the last one."""
+        kv_len = gl.load(seqused + r)
+        ce = cs + gl.cdiv(kv_len, _UNIT)
+        lo = (gl.maximum(g0, cs) - cs) * _UNIT
+        hi = gl.minimum((gl.minimum(g1, ce) - cs) * _UNIT, kv_len)
+        n = gl.maximum(gl.cdiv(hi - lo, 64), 0)
+        valid = hi - lo - (n - 1) * 64
+        return kv_len, ce, lo, n, valid
+
+    @gluon.jit
+    def _claim(ticket, claims, num_programs):
+        """The slot this program takes: its launch's epoch from a ticket (``P`` a launch),
+        then the slot of its SM, or the next free one (as :func:`.mla_balanced
+        ._claim_slot`)."""
+        epoch = gl.atomic_add(ticket, 1) // num_programs + 1
+        sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
+                                       is_pure=False, pack=1)
+        s = sm % num_programs
+        found = 0
+        while found == 0:
+            old = gl.atomic_max(claims + s, epoch)
+            found = (old < epoch).to(gl.int32)
+            s = gl.where(found != 0, s, (s + 1) % num_programs)
+        return s
+
+    @gluon.jit
+    def _load(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
+              WRITE_LSE: gl.constexpr):
+        """Loader (1 warp): every segment's tiles through the ring, in order (the program
+        issued segment 0's first ``early`` tiles)."""
+        kn_d, kr_d = ops[0][0], ops[0][1]
+        seqused, bt, s_bt = ops[1][6], ops[1][8], ops[1][9]
+        kn_s, kr_s = smem[2], smem[3]
+        ready, empty = bars[0], bars[1]
+        p, r, cs, g0, g1, batch, early = rows
+        lay: gl.constexpr = gl.BlockedLayout([_BOXES], [32], [1], [0])
+        offs = gl.arange(0, _BOXES, layout=lay)
+        j = early  # global tile index
+        skip = early
+        while (cs < g1) & (r < batch):
+            kv_len, ce, lo, n, valid = _segment(seqused, r, cs, g0, g1)
+            last = gl.maximum(gl.cdiv(kv_len, PAGE) - 1, 0)
+            bt_row = bt + r.to(gl.int64) * s_bt
+            for i in range(skip, n):
+                cur = _tile_rows(bt_row, lo + i * 64, last, PAGE, _UNIT, _BOXES, lay)
+                slot = j % 2
+                mbarrier.wait(empty.index(slot), ((j // 2) & 1) ^ 1)
+                _issue(kn_d, kr_d, kn_s, kr_s, ready.index(slot), slot, cur, offs, _UNIT,
+                       _BOXES)
+                j += 1
+            skip = 0
+            cs = ce
+            r += 1
+
+    @gluon.jit
+    def _consume(ops, smem, bars, rows, C: gl.constexpr, HP: gl.constexpr,
+                 WRITE_LSE: gl.constexpr):
+        out, part_o, part_l, lse_ptr = ops[1][0], ops[1][1], ops[1][2], ops[1][3]
+        qk2, heads, seqused, q_ptr = ops[1][4], ops[1][5], ops[1][6], ops[1][7]
+        s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh, s_qt, s_qh = ops[2]
+        qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x = smem
+        ready, empty, done, taken = bars[0], bars[1], bars[2], bars[3]
+        p, r, cs, g0, g1, batch, early = rows
+        dtype: gl.constexpr = qn_s.dtype
+        s_lay: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HP, 16])
+        col: gl.constexpr = gl.SliceLayout(0, s_lay)
+        row: gl.constexpr = gl.SliceLayout(1, s_lay)
+        qn_c = qn_s.index(C)
+        qr_c = qr_s.index(C)
+        qn_t = qn_c.permute((1, 0))  # [512, HP]
+        qr_t = qr_c.permute((1, 0))  # [64, HP]
+        p_t = p_s.index(C).permute((1, 0))  # [64, HP]
+        kn = kn_s.index(C)  # two slots, two consumers: slot C is consumer C's
+        kr = kr_s.index(C)
+        s_zero = gl.zeros([64, HP], gl.float32, layout=s_lay)
+        lq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        hq = gl.arange(0, HP, layout=gl.SliceLayout(1, lq))
+        dn = gl.arange(0, 512, layout=gl.SliceLayout(0, lq))
+        dr = gl.arange(0, 64, layout=gl.SliceLayout(0, lq))
+        q_ok = (hq < heads)[:, None]
+        j = 0  # the segment's first global tile
+        k = 0  # segments done
+        while (cs < g1) & (r < batch):
+            kv_len, ce, lo, n, valid = _segment(seqused, r, cs, g0, g1)
+            if n > 0:
+                # this segment's q into this consumer's buffer (its last wgmma over the
+                # previous segment's q was waited for)
+                q_row = q_ptr + r.to(gl.int64) * s_qt + hq.to(gl.int64)[:, None] * s_qh
+                qn_c.store(gl.load(q_row + dn[None, :], mask=q_ok, other=0.0))
+                qr_c.store(gl.load(q_row + 512 + dr[None, :], mask=q_ok, other=0.0))
+                fence_async_shared()
+                gl.thread_barrier()
+                acc = gl.zeros([512, HP], gl.float32, layout=s_lay)
+                l_acc = gl.zeros([64, HP], gl.float32, layout=s_lay)
+                m_i = gl.full([HP], float("-inf"), gl.float32, layout=col)
+                for i in range((C + j) % 2, n, 2):
+                    g = j + i
+                    mbarrier.wait(ready.index(C), (g // 2) & 1)
+                    s_tok = warpgroup_mma(kn, qn_t, s_zero, use_acc=False, is_async=True)
+                    s_tok = warpgroup_mma(kr, qr_t, s_tok, is_async=True)
+                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+                    if i == n - 1:
+                        if valid < 64:  # past the segment's last key: no logit, zero rows
+                            s = _mask_tail(s, kn, valid, 64, 512, row)
+                    pr, m_i, l_acc, acc = _keys_softmax(s, m_i, l_acc, acc, qk2)
+                    p_t.store(pr.to(dtype))
+                    fence_async_shared()
+                    o_tok = warpgroup_mma(kn.permute((1, 0)), p_t, acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
+                    mbarrier.arrive(empty.index(C), count=1)
+                l_i = gl.sum(l_acc, 0)
+                if C == 1:  # hand (m, l, O) over once consumer 0 has read the last ones
+                    if k > 0:
+                        mbarrier.wait(taken, (k - 1) & 1)
+                    m_x.store(m_i)
+                    l_x.store(l_i)
+                    o_x.store(acc)
+                    gl.thread_barrier()
+                    mbarrier.arrive(done, count=1)
+                else:
+                    mbarrier.wait(done, k & 1)
+                    m_1 = m_x.load(col)
+                    l_1 = l_x.load(col)
+                    m_n = gl.maximum(m_i, m_1)
+                    m_safe = gl.where(m_n == float("-inf"), 0.0, m_n)
+                    a_0 = gl.exp2(m_i - m_safe)
+                    a_1 = gl.exp2(m_1 - m_safe)
+                    acc = acc * a_0[None, :] + o_x.load(s_lay) * a_1[None, :]
+                    l_i = l_i * a_0 + l_1 * a_1
+                    _write(out, part_o, part_l, lse_ptr, o_x, acc, m_n, l_i, heads, p, r,
+                           cs, ce, g0, g1, s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh,
+                           s_et, s_eh, HP, WRITE_LSE, col)
+                    mbarrier.arrive(taken, count=1)
+                j += n
+                k += 1
+            elif C == 0:
+                if ce > cs:  # an empty range inside a request (more slots than units):
+                    # a partial of weight 0 for the merge, which reads every slot it spans
+                    h = gl.arange(0, HP, layout=col)
+                    slot = gl.where(cs < g0, 0, 1).to(gl.int64)
+                    gl.store(part_l + p.to(gl.int64) * s_lp + slot * s_lw
+                             + h.to(gl.int64) * s_lh,
+                             gl.full([HP], float("-inf"), gl.float32, layout=col),
+                             mask=h < heads)
+            cs = ce
+            r += 1
+
+    @gluon.jit
+    def _write(out, part_o, part_l, lse_ptr, o_x, acc, m_i, l_i, heads, p, r, cs, ce, g0,
+               g1, s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh,
+               HP: gl.constexpr, WRITE_LSE: gl.constexpr, col: gl.constexpr):
+        """Consumer 0's end of a segment: request ``r``'s row and LSE where the whole
+        request lies in this program's range, else its partial (``o / l``, log2 LSE) in
+        slot 0 (head: it began before the range) or 1 (tail) of program ``p``; the rows go
+        through ``o_x`` 64 latent columns at a time."""
+        h = gl.arange(0, HP, layout=col)
+        h_ok = h < heads
+        has = l_i > 0.0
+        l_safe = gl.where(has, l_i, 1.0)
+        lse2 = gl.where(has, m_i + gl.log2(l_safe), float("-inf"))
+        h64 = h.to(gl.int64)
+        gl.thread_barrier()  # every thread has read consumer 1's O from o_x
+        o_x.store(acc / l_safe[None, :])
+        gl.thread_barrier()
+        st: gl.constexpr = gl.BlockedLayout([1, HP // 4], [32, 1], [1, 4], [0, 1])
+        dd = gl.arange(0, 64, layout=gl.SliceLayout(1, st))
+        hh = gl.arange(0, HP, layout=gl.SliceLayout(0, st))
+        ok = (hh < heads)[None, :]
+        hh64 = hh.to(gl.int64)[None, :]
+        whole = (cs >= g0) & (ce <= g1)
+        if whole:
+            row = out + r.to(gl.int64) * s_ot + hh64 * s_oh
+            for c in gl.static_range(8):
+                o = o_x.slice(c * 64, 64, dim=0).load(st)
+                gl.store(row + (c * 64 + dd)[:, None], _to_output(o, out.dtype.element_ty),
+                         mask=ok)
+            if WRITE_LSE:
+                gl.store(lse_ptr + r.to(gl.int64) * s_et + h64 * s_eh,
+                         lse2 * 0.6931471805599453, mask=h_ok)
+        else:
+            slot = gl.where(cs < g0, 0, 1).to(gl.int64)
+            row = part_o + p.to(gl.int64) * s_pp + slot * s_pw + hh64 * s_ph
+            for c in gl.static_range(8):
+                o = o_x.slice(c * 64, 64, dim=0).load(st)
+                gl.store(row + (c * 64 + dd)[:, None],
+                         _to_output(o, part_o.dtype.element_ty), mask=ok)
+            gl.store(part_l + p.to(gl.int64) * s_lp + slot * s_lw + h64 * s_lh, lse2,
+                     mask=h_ok)
+        gl.thread_barrier()  # every thread has read o_x: consumer 1 may write it again
+
+    @gluon.jit
+    def _consume_0(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
+                   WRITE_LSE: gl.constexpr):
+        _consume(ops, smem, bars, rows, 0, HP, WRITE_LSE)
+
+    @gluon.jit
+    def _consume_1(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
+                   WRITE_LSE: gl.constexpr):
+        _consume(ops, smem, bars, rows, 1, HP, WRITE_LSE)
+
+    @gluon.jit
+    def _stream_mla_kernel(
+        kn_d, kr_d, q_ptr, out, part_o, part_l, lse_ptr, seqused, bt, shares, ticket,
+        claims, qk2, heads, batch, num_programs, s_bt, s_qt, s_qh, s_ot, s_oh,
+        s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh,
+        HP: gl.constexpr, PAGE: gl.constexpr, WRITE_LSE: gl.constexpr, BLOCK_B: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        CLAIM: gl.constexpr = False, PDL: gl.constexpr = False,
+    ):
+        if PDL:  # the kernel before first (a no-op unless launched early), then let the
+            # merge launch's programs start: they wait for this kernel's end on the device
+            gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r",
+                                      [], dtype=gl.int32, is_pure=False, pack=1)
+        p = gl.program_id(0)
+        if CLAIM:
+            p = _claim(ticket, claims, num_programs)
+        # the batch's units, this program's range and the first request it touches
+        lay_b: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        offs_b = gl.arange(0, BLOCK_B, layout=lay_b)
+        lens = gl.load(seqused + offs_b, mask=offs_b < batch, other=0)
+        units = gl.cdiv(lens, _UNIT)
+        total = gl.sum(units, axis=0)
+        g0 = _bound(shares, p, total, num_programs)
+        g1 = _bound(shares, p + 1, total, num_programs)
+        ends = gl.associative_scan(units, 0, _add)
+        r0 = gl.sum((ends <= g0).to(gl.int32), axis=0)
+        cs0 = gl.sum(gl.where(offs_b < r0, units, 0), axis=0)
+
+        dtype: gl.constexpr = kn_d.dtype
+        qn_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 512], dtype)
+        qr_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 64], dtype)
+        qn_s = gl.allocate_shared_memory(dtype, [2, HP, 512], qn_l)
+        qr_s = gl.allocate_shared_memory(dtype, [2, HP, 64], qr_l)
+        kn_s = gl.allocate_shared_memory(dtype, [2, 64, 512], kn_d.layout)
+        kr_s = gl.allocate_shared_memory(dtype, [2, 64, 64], kr_d.layout)
+        p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 64], dtype)
+        p_s = gl.allocate_shared_memory(dtype, [2, HP, 64], p_l)
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        m_x = gl.allocate_shared_memory(gl.float32, [HP], flat)
+        l_x = gl.allocate_shared_memory(gl.float32, [HP], flat)
+        o_x = gl.allocate_shared_memory(gl.float32, [512, HP], flat2)
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        taken = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(2):
+            mbarrier.init(ready.index(b), count=1)
+            mbarrier.init(empty.index(b), count=1)
+        mbarrier.init(done, count=1)
+        mbarrier.init(taken, count=1)
+        fence_async_shared()
+
+        # segment 0's first tiles (up to the ring's two) go out now: the loader takes the
+        # rest, so their page lookups and TMA do not wait for the partitions to start
+        early = r0 * 0
+        if r0 < batch:
+            if cs0 < g1:
+                kv_len, ce, lo, n, valid = _segment(seqused, r0, cs0, g0, g1)
+                early = gl.minimum(n, 2)
+                last = gl.maximum(gl.cdiv(kv_len, PAGE) - 1, 0)
+                bt_row = bt + r0.to(gl.int64) * s_bt
+                lay_t: gl.constexpr = gl.BlockedLayout([_BOXES], [32], [num_warps], [0])
+                offs_t = gl.arange(0, _BOXES, layout=lay_t)
+                for i in range(0, early):
+                    cur = _tile_rows(bt_row, lo + i * 64, last, PAGE, _UNIT, _BOXES, lay_t)
+                    _issue(kn_d, kr_d, kn_s, kr_s, ready.index(i), i, cur, offs_t, _UNIT,
+                           _BOXES)
+        ops = ((kn_d, kr_d),
+               (out, part_o, part_l, lse_ptr, qk2, heads, seqused, q_ptr, bt, s_bt),
+               (s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh, s_qt, s_qh))
+        smem = (qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x)
+        bars = (ready, empty, done, taken)
+        rows = (p, r0, cs0, g0, g1, batch, early)
+        gl.warp_specialize([
+            (_consume_0, (ops, smem, bars, rows, HP, PAGE, WRITE_LSE)),
+            (_consume_1, (ops, smem, bars, rows, HP, PAGE, WRITE_LSE)),
+            (_load, (ops, smem, bars, rows, HP, PAGE, WRITE_LSE)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+def stream_descriptors(kv_cache):
+    """The two TMA descriptors (latent and rope columns) of ``kv_cache`` viewed as rows
+    ``[slots, R + rope]``, in boxes of :data:`STREAM_UNIT` rows (a segment may start at
+    any unit, so a tile's pieces are units)."""
+    p, ps, _, d = kv_cache.shape
+    rows = kv_cache.as_strided((p * ps, d), (kv_cache.stride(1), 1))
+    box = math.gcd(ps, STREAM_UNIT)
+    kn = GluonDescriptor(rows, [p * ps, d], [kv_cache.stride(1), 1], [box, _RANK],
+                         _smem_layout(box, _RANK, kv_cache.dtype))
+    kr = GluonDescriptor(rows, [p * ps, d], [kv_cache.stride(1), 1], [box, _ROPE],
+                         _smem_layout(box, _ROPE, kv_cache.dtype))
+    return kn, kr
+
+
+def launch_stream_mla(q, kv_cache, out, seqused_k, block_table, scale, *, part_o, part_lse,
+                      shares, lse=None, descs=None, claim=None, pdl=False) -> None:
+    """One launch of ``P = shares.numel() - 1`` programs (one per SM) over the
+    ``seqused_k.numel()`` one-query requests; the caller runs the merge launch
+    (:func:`.mla_balanced.launch_balanced_mla` with ``launches=("merge",)``,
+    ``block_n=STREAM_UNIT``, the same ``shares``). ``claim``: :func:`.mla_balanced
+    .claim_state` of ``P`` slots (the programs take their SM's slot). ``pdl``
+    (:func:`._pdl.pdl_mode`): truthy, the merge may start at once; ``True``, this kernel
+    also starts early, waiting on the device for the kernel before. Checked by the caller
+    (:func:`stream_mla_reject_reason`, :func:`.mla_narrow_gluon.narrow_mla_layout_reason`,
+    unit last-dim strides)."""
+    batch, h, _ = q.shape[0], q.shape[1], q.shape[2]
+    programs = shares.numel() - 1
+    kn_d, kr_d = descs if descs is not None else stream_descriptors(kv_cache)
+    ls = lse.stride() if lse is not None else (0, 0)
+    ticket, claims = claim if claim is not None else (seqused_k, seqused_k)
+    args = (kn_d, kr_d, q, out, part_o, part_lse, lse if lse is not None else part_lse,
+            seqused_k, block_table, shares, ticket, claims, float(scale) * _LOG2E, h,
+            seqused_k.shape[0], programs, block_table.stride(0), q.stride(0), q.stride(1),
+            out.stride(0), out.stride(1), *part_o.stride()[:3], *part_lse.stride()[:3], *ls)
+    kw = dict(HP=8 if h <= 8 else 16, PAGE=kv_cache.shape[1], WRITE_LSE=lse is not None,
+              BLOCK_B=max(32 * 4, 1 << max(0, (batch - 1).bit_length())),
+              CONSUMER_REGS=_MAXNREG, LOADER_REGS=_LOADER_REGS, num_warps=4,
+              maxnreg=_MAXNREG, CLAIM=claim is not None, PDL=bool(pdl),
+              **({"launch_pdl": True} if pdl is True else {}))
+    _STREAM.launch((programs,), args, kw, (launch_key(args[2:], kw), kv_cache.dtype,
+                                          tuple(kn_d.block_shape)))
+
+
+#: direct launches (:mod:`._launch`)
+_STREAM = Launcher(_stream_mla_kernel) if HAS_GLUON else None

@@ -1,0 +1,222 @@
+"""The persistent stream MLA kernel (:mod:`aiter_attn.kernels.triton.mla_stream_gluon`,
+``tuning["stream"]``): one program per SM over shares of the batch's 16-key units that cross
+requests, partials merged by the balanced launch's merge. Gluon: its rows run on sm_90 only
+(``gpu``), against the float64 oracle (relative error) over block-permuted tables with a
+null page 0; on the CPU, its reject reasons and the option's checks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ._triton_util import requires_triton
+from .test_hunt_mla_balanced import _check
+from .test_triton_mla import MLACase
+
+pytestmark = requires_triton
+
+
+def _serving(monkeypatch):
+    """``stream_mla_reject_reason`` with the narrow kernel's checks passing (the CPU has no
+    sm_90), so the stream kernel's own reasons show."""
+    from aiter_attn.kernels.triton import mla_stream_gluon as ms
+
+    monkeypatch.setattr(ms, "narrow_mla_reject_reason", lambda **kw: None)
+    return ms
+
+
+BASE = dict(heads=16, rank=512, rope=64, dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+            page_size=64, device=torch.device("cpu"), masked=False, batch_invariant=False,
+            one_query=True, batch=64)
+
+
+@pytest.mark.parametrize("change,reason", [
+    ({"one_query": False}, "more than one query per request (the stream kernel serves decode)"),
+    ({"page_size": 40}, "page size 40 (a multiple of 16)"),
+    ({"batch": 4097}, "4097 requests (at most 4096)"),
+])
+def test_stream_declines_with_a_reason(monkeypatch, change, reason):
+    ms = _serving(monkeypatch)
+    assert ms.stream_mla_reject_reason(**BASE) is None
+    assert ms.stream_mla_reject_reason(**{**BASE, **change}) == reason
+
+
+def test_stream_declines_where_the_narrow_kernel_does():
+    from aiter_attn.kernels.triton.mla_stream_gluon import stream_mla_reject_reason
+
+    from aiter_attn.kernels.triton.mla_narrow_gluon import narrow_mla_reject_reason
+
+    kw = {k: v for k, v in BASE.items() if k not in ("one_query", "batch")}
+    why = stream_mla_reject_reason(**BASE)  # the CPU: no sm_90
+    assert why is not None and why == narrow_mla_reject_reason(**kw)
+
+
+@pytest.mark.parametrize("tuning,match", [
+    ({"stream": "yes"}, "stream='yes'; allowed: False, True"),
+    ({"balanced_rates": (1.0,) * 4}, "set balanced=True .* or stream=True"),
+])
+def test_stream_option_checked(tuning, match):
+    from aiter_attn.kernels.triton.mla import TritonMLA
+
+    with pytest.raises(ValueError, match=match):
+        TritonMLA(None, tuning)
+
+
+def test_stream_takes_rates():
+    from aiter_attn.kernels.triton.mla import TritonMLA
+
+    k = TritonMLA(None, {"stream": True, "balanced_rates": [1, 2.5]})
+    assert k.tuning["balanced_rates"] == (1.0, 2.5)
+
+
+def test_stream_off_the_gpu_keeps_the_split_launch():
+    """On the CPU the stream kernel does not serve: ``stream=True`` gives the oracle's rows
+    through the Triton launch (interpreter)."""
+    case = MLACase([1, 1, 1], [40, 130, 7], heads=4, rank=64, rope=16, page=16, seed=3)
+    case.assert_rows_and_lse("stream off the gpu", stream=True)
+
+
+# ------------------------------------------------------------------------------ on sm_90
+
+def _gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from aiter_attn.kernels.triton.mla_stream_gluon import stream_mla_reject_reason
+
+    why = stream_mla_reject_reason(**{**BASE, "device": torch.device("cuda")})
+    if why is not None:
+        pytest.skip(f"the stream kernel does not serve here: {why}")
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the stream kernel's launches (a test whose step fell back cannot pass)."""
+    from aiter_attn.kernels.triton import mla as triton_mla
+
+    calls = []
+    real = triton_mla.launch_stream_mla
+
+    def wrapped(*a, **kw):
+        calls.append(kw.get("claim") is not None)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(triton_mla, "launch_stream_mla", wrapped)
+    return calls
+
+
+def _on_gpu(case):
+    g = copy.copy(case)
+    g.q, g.kv_cache = case.q.cuda(), case.kv_cache.cuda()
+    return g
+
+
+def _run_object(case, tuning, lse=True, graph_replays=0, relens=None):
+    """``TritonMLA`` with ``tuning``: plan once, run (eager), then ``graph_replays`` replays
+    of a captured run, each against the oracle; ``relens``: lengths written into the
+    plan's ``seqused_k`` before the replays (the device-side partition follows them)."""
+    from .test_hunt_mla_balanced import _kernel_obj, _md, _params
+
+    g = _on_gpu(case)
+    kernel = _kernel_obj(g, tuning, lse=lse)
+    md = _md(g)
+    plan = kernel.plan(md)
+    n = len(case.kv_lens)
+    out = torch.full((n, case.heads, case.rank), float("nan"), dtype=case.dtype,
+                     device="cuda")
+    lse_t = torch.full((n, case.heads), float("nan"), device="cuda") if lse else None
+    params = _params(g)
+    kernel.run(g.q, (g.kv_cache,), plan, params, out, lse=lse_t)
+    torch.cuda.synchronize()
+    _check(case, out, lse_t, "eager")
+    if graph_replays:
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gr):
+            kernel.run(g.q, (g.kv_cache,), plan, params, out, lse=lse_t)
+        if relens is not None:  # fewer keys per request: the same pages, a shorter view
+            plan.args[1].copy_(torch.tensor(relens, dtype=plan.args[1].dtype))
+            case = copy.copy(case)
+            case.kv_lens = list(relens)
+            case.dense = [d[:L] for d, L in zip(case.dense, relens)]
+        for rep in range(graph_replays):
+            out.fill_(float("nan"))
+            if lse_t is not None:
+                lse_t.fill_(float("nan"))
+            gr.replay()
+            torch.cuda.synchronize()
+            _check(case, out, lse_t, f"replay {rep}")
+    return kernel, plan
+
+
+MIXED = [4096, 77, 1, 2000, 0, 3000, 64, 513] * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,page", [(16, 64), (5, 16), (8, 48)])
+def test_gpu_stream_rows_and_lse(dtype, heads, page, spy):
+    """Mixed lengths (empty, one key, a tile exactly, 4k) over pages of 64, 16 and 48
+    rows, 16 / 5 / 8 heads: rows and LSEs against the oracle."""
+    _gpu()
+    case = MLACase([1] * len(MIXED), MIXED, heads=heads, rank=512, rope=64, page=page,
+                   dtype=dtype, device="cuda", seed=31)
+    _run_object(case, {"stream": True})
+    assert spy == [False]
+
+
+@pytest.mark.gpu
+def test_gpu_stream_without_lse_and_functional(spy):
+    """No LSE asked (the rows alone), and ``mla_paged_attention(stream=True)``."""
+    _gpu()
+    case = MLACase([1] * 6, [4096, 1000, 64, 5, 129, 2049], heads=16, rank=512, rope=64,
+                   page=64, dtype=torch.bfloat16, device="cuda", seed=7)
+    _run_object(case, {"stream": True}, lse=False)
+    case.assert_rows_and_lse("functional", stream=True)
+    assert spy == [False, False]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [
+    [32768],  # one request over every program: a merge of ~132 parts
+    [5, 17, 1, 40, 33, 16, 64, 2] * 64,  # 512 short requests: many segments a program
+    [1] * 3 + [0] * 5,  # fewer units than programs: empty slots
+    [17, 1, 33, 0],  # empty slots inside a request's units: partials of weight 0
+], ids=["one-long", "many-short", "tiny", "empty-inside"])
+def test_gpu_stream_partitions(lens, spy):
+    _gpu()
+    case = MLACase([1] * len(lens), lens, heads=16, rank=512, rope=64, page=16,
+                   dtype=torch.bfloat16, device="cuda", seed=5)
+    _run_object(case, {"stream": True})
+    assert spy == [False]
+
+
+@pytest.mark.gpu
+def test_gpu_stream_replays_follow_new_lengths(spy):
+    """Captured once, replayed after the lengths changed on the device: the partition is
+    computed on the device each launch (no host read), rows against the oracle."""
+    _gpu()
+    lens = [4096, 1000, 2048, 300, 64, 4000, 17, 2500] * 8
+    case = MLACase([1] * len(lens), lens, heads=16, rank=512, rope=64, page=64,
+                   dtype=torch.bfloat16, device="cuda", seed=9)
+    relens = [max(0, L - 37 * (i % 5)) for i, L in enumerate(lens)]
+    _run_object(case, {"stream": True}, graph_replays=2, relens=relens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_stream_weighed_claims_over_replays(dtype, spy):
+    """Rates (every third SM twice as fast) weigh the slots; programs claim their SM's
+    slot: eager then three replays against the oracle, every slot claimed once a launch."""
+    _gpu()
+    from aiter_attn.kernels.triton._kvutil import num_sms
+
+    sms = num_sms(torch.device("cuda"))
+    rates = tuple(2.0 if i % 3 == 0 else 1.0 for i in range(sms))
+    case = MLACase([1] * len(MIXED), MIXED, heads=16, rank=512, rope=64, page=64,
+                   dtype=dtype, device="cuda", seed=21)
+    kernel, plan = _run_object(case, {"stream": True, "balanced_rates": rates},
+                               graph_replays=3)
+    claims = kernel._stream_shares(sms, plan.args[0].device)["claim"][1]
+    assert claims.tolist() == [4] * sms  # eager, then three replays
+    assert spy == [True, True]  # eager and the capture
