@@ -112,15 +112,19 @@ def _on_gpu(case):
     return g
 
 
-def _run_object(case, tuning, lse=True, graph_replays=0, relens=None):
+def _run_object(case, tuning, lse=True, graph_replays=0, relens=None, index_dtype=None):
     """``TritonMLA`` with ``tuning``: plan once, run (eager), then ``graph_replays`` replays
     of a captured run, each against the oracle; ``relens``: lengths written into the
-    plan's ``seqused_k`` before the replays (the device-side partition follows them)."""
+    plan's ``seqused_k`` before the replays (the device-side partition follows them);
+    ``index_dtype``: ``seqused_k`` and the block table in that dtype."""
     from .test_hunt_mla_balanced import _kernel_obj, _md, _params
 
     g = _on_gpu(case)
     kernel = _kernel_obj(g, tuning, lse=lse)
-    md = _md(g)
+    kw = g.kwargs()
+    md = (_md(g) if index_dtype is None else
+          _md(g, seqused=kw["seqused_k"].to(index_dtype),
+              block_table=kw["block_table"].to(index_dtype)))
     plan = kernel.plan(md)
     n = len(case.kv_lens)
     out = torch.full((n, case.heads, case.rank), float("nan"), dtype=case.dtype,
@@ -188,6 +192,16 @@ def test_gpu_stream_partitions(lens, spy):
     case = MLACase([1] * len(lens), lens, heads=16, rank=512, rope=64, page=16,
                    dtype=torch.bfloat16, device="cuda", seed=5)
     _run_object(case, {"stream": True})
+    assert spy == [False]
+
+
+@pytest.mark.gpu
+def test_gpu_stream_int64_indices(spy):
+    """``seqused_k`` and the block table as int64."""
+    _gpu()
+    case = MLACase([1] * len(MIXED), MIXED, heads=16, rank=512, rope=64, page=64,
+                   dtype=torch.bfloat16, device="cuda", seed=13)
+    _run_object(case, {"stream": True}, index_dtype=torch.int64)
     assert spy == [False]
 
 

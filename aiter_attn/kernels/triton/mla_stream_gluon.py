@@ -101,7 +101,7 @@ if HAS_GLUON:
         """Request ``r`` (its units from ``cs``) within the range ``[g0, g1)``:
         ``(kv_len, ce, lo, n, valid)``: its key count, its units' end, the segment's first
         key, its 64-key tiles and the keys of the last one."""
-        kv_len = gl.load(seqused + r)
+        kv_len = gl.load(seqused + r).to(gl.int32)
         ce = cs + gl.cdiv(kv_len, _UNIT)
         lo = (gl.maximum(g0, cs) - cs) * _UNIT
         hi = gl.minimum((gl.minimum(g1, ce) - cs) * _UNIT, kv_len)
@@ -144,7 +144,8 @@ if HAS_GLUON:
             last = gl.maximum(gl.cdiv(kv_len, PAGE) - 1, 0)
             bt_row = bt + r.to(gl.int64) * s_bt
             for i in range(skip, n):
-                cur = _tile_rows(bt_row, lo + i * 64, last, PAGE, _UNIT, _BOXES, lay)
+                cur = _tile_rows(bt_row, lo + i * 64, last, PAGE, _UNIT, _BOXES,
+                                 lay).to(gl.int32)
                 slot = j % 2
                 mbarrier.wait(empty.index(slot), ((j // 2) & 1) ^ 1)
                 _issue(kn_d, kr_d, kn_s, kr_s, ready.index(slot), slot, cur, offs, _UNIT,
@@ -322,7 +323,7 @@ if HAS_GLUON:
         # the batch's units, this program's range and the first request it touches
         lay_b: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
         offs_b = gl.arange(0, BLOCK_B, layout=lay_b)
-        lens = gl.load(seqused + offs_b, mask=offs_b < batch, other=0)
+        lens = gl.load(seqused + offs_b, mask=offs_b < batch, other=0).to(gl.int32)
         units = gl.cdiv(lens, _UNIT)
         total = gl.sum(units, axis=0)
         g0 = _bound(shares, p, total, num_programs)
@@ -368,7 +369,8 @@ if HAS_GLUON:
                 lay_t: gl.constexpr = gl.BlockedLayout([_BOXES], [32], [num_warps], [0])
                 offs_t = gl.arange(0, _BOXES, layout=lay_t)
                 for i in range(0, early):
-                    cur = _tile_rows(bt_row, lo + i * 64, last, PAGE, _UNIT, _BOXES, lay_t)
+                    cur = _tile_rows(bt_row, lo + i * 64, last, PAGE, _UNIT, _BOXES,
+                                     lay_t).to(gl.int32)
                     _issue(kn_d, kr_d, kn_s, kr_s, ready.index(i), i, cur, offs_t, _UNIT,
                            _BOXES)
         ops = ((kn_d, kr_d),
