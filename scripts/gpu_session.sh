@@ -129,6 +129,8 @@
 #                                  # its gpu tests, narrow_timeline.py, the 16-head rows of
 #                                  # the default and the fused merge twice, time splits,
 #                                  # host µs of an MLA layer call (planned keys or not)
+#   scripts/gpu_session.sh eightyseventh # the stream kernel's step by program count
+#                                  # (stream_probe.py: stamps per slot), its gpu tests
 #   scripts/gpu_session.sh eightysixth   # the stream kernel (mla_stream_gluon): its gpu tests
 #                                  # and the SM claims', then the 16-head rows of the
 #                                  # default, stream and stream-sm
@@ -755,6 +757,15 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
       NEW_VARIANTS=triton,narrow-no-pdl,narrow-pdl-all ROUNDS="1 2" bash "$0" seventyeighth-rows
     fi
+    ;;
+  eightyseventh)
+    # why the stream kernel's step took twice the narrow kernel's (sixtieth call: 64x4k
+    # 0.233 ms against 0.110 on an H100): its slots' stamps by program count (a second
+    # wave shows as late entries), then its gpu tests again (stamps in the signature)
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    timeout ${SP_S:-150} python3 benchmarks/stream_probe.py --rows 16x64x4096 \
+      --programs ${SP_P:-132,128,124,100,66} 2>&1 | tee "$OUT/stream_probe.log"
+    gpu_tests stream_tests.log ${GT_S:-200} 150 tests/test_mla_stream.py
     ;;
   eightysixth)
     # the persistent stream kernel: one program per SM over shares of the batch's keys

@@ -55,6 +55,7 @@ def test_stream_declines_where_the_narrow_kernel_does():
 
 @pytest.mark.parametrize("tuning,match", [
     ({"stream": "yes"}, "stream='yes'; allowed: False, True"),
+    ({"stream": 0}, "stream=0; allowed: False, True"),
     ({"balanced_rates": (1.0,) * 4}, "set balanced=True .* or stream=True"),
 ])
 def test_stream_option_checked(tuning, match):

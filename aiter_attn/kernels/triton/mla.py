@@ -154,7 +154,6 @@ _OPTION_VALUES = {
     "narrow": (False, True),
     "ring": (False, True),
     "fused_merge": (False, True, "cooperative"),
-    "stream": (False, True),
 }
 
 
@@ -171,6 +170,7 @@ def _check_option_values(tuning: dict) -> None:
                              f"{', '.join(map(repr, allowed))} (or leave it out for the "
                              "default).")
     _check_balanced(tuning.get("balanced"))
+    _check_balanced(tuning.get("stream"), "stream")
     if tuning.get("balanced_rates") is not None:
         check_rates(tuning["balanced_rates"], "TritonMLA: balanced_rates")
         if not (tuning.get("balanced") or tuning.get("stream")):
@@ -179,12 +179,12 @@ def _check_option_values(tuning: dict) -> None:
                              "or stream=True with it.")
 
 
-def _check_balanced(option) -> None:
-    """Refuse a ``balanced`` value (option or :data:`MLA_BALANCED`) other than ``None``,
-    ``False``, ``True`` or a positive int."""
+def _check_balanced(option, name: str = "balanced") -> None:
+    """Refuse a ``balanced`` / ``stream`` value (option or :data:`MLA_BALANCED`) other than
+    ``None``, ``False``, ``True`` or a positive int."""
     if option is not None and not isinstance(option, bool) and not (
             isinstance(option, int) and option >= 1):
-        raise ValueError(f"balanced={option!r}; allowed: False, True (as many programs as "
+        raise ValueError(f"{name}={option!r}; allowed: False, True (as many programs as "
                          "the SMs hold) or a positive int (that many programs).")
 
 
@@ -360,11 +360,15 @@ class TritonMLA(MLAWorkspace, MLAKernel):
             heads=self.heads, rank=self.rank, rope=self.rope, dtype=self.dtype,
             kv_dtype=self.kv_dtype, page_size=page_size, device=dev, masked=mask is not None,
             batch_invariant=self.batch_invariant, one_query=one_query, batch=batch)
-        return None if why is not None else num_sms(dev)
+        if why is not None:
+            return None
+        option = self.tuning.get("stream", MLA_STREAM)
+        return num_sms(dev) if option is True else int(option)
 
     def _stream_shares(self, programs: int, device) -> dict:
         """The stream kernel's cumulative slot weights (equal, or ``balanced_rates``: one
-        rate per SM) and, with rates, its claim state; made once per (device, programs)."""
+        rate per SM, then one program per SM) and, with rates, its claim state; made once
+        per (device, programs)."""
         key = ("stream", str(device), programs)
         got = self._shares.get(key)
         if got is None:

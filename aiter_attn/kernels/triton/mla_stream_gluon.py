@@ -41,12 +41,15 @@ from .mla_narrow_gluon import narrow_mla_reject_reason
 from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout
 
 __all__ = ["stream_mla_reject_reason", "stream_descriptors", "launch_stream_mla",
-           "STREAM_UNIT", "STREAM_MAX_BATCH"]
+           "STREAM_UNIT", "STREAM_MAX_BATCH", "STREAM_STAMP_FIELDS"]
 
 #: keys per share unit: a program's range starts and ends on these (the TMA boxes' rows)
 STREAM_UNIT = 16
 #: the most requests a launch takes (each program reads the lengths as one vector)
 STREAM_MAX_BATCH = 4096
+#: a slot's row of the timeline buffer (``launch_stream_mla(stamps=...)``): global-timer ns
+#: at each point, and the SM it ran on
+STREAM_STAMP_FIELDS = ("entry", "sm", "first_tile", "end")
 _RANK, _ROPE = 512, 64
 _MAXNREG, _LOADER_REGS = 128, 48
 
@@ -126,8 +129,22 @@ if HAS_GLUON:
         return s
 
     @gluon.jit
+    def _stamp(stamps, p, i: gl.constexpr, STAMPS: gl.constexpr):
+        """``STAMPS``: entry ``i`` of slot ``p``'s row of the timeline buffer (int64
+        ``[P, 4]``: :data:`STREAM_STAMP_FIELDS`) set to the global timer (ns), or for
+        ``i == 1`` the SM's id; nothing when ``STAMPS`` is off."""
+        if STAMPS:
+            if i == 1:
+                v = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
+                                              is_pure=False, pack=1).to(gl.int64)
+            else:
+                v = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [],
+                                              dtype=gl.int64, is_pure=False, pack=1)
+            gl.store(stamps + p.to(gl.int64) * 4 + i, v)
+
+    @gluon.jit
     def _load(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
-              WRITE_LSE: gl.constexpr):
+              WRITE_LSE: gl.constexpr, STAMPS: gl.constexpr):
         """Loader (1 warp): every segment's tiles through the ring, in order (the program
         issued segment 0's first ``early`` tiles)."""
         kn_d, kr_d = ops[0][0], ops[0][1]
@@ -157,7 +174,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consume(ops, smem, bars, rows, C: gl.constexpr, HP: gl.constexpr,
-                 WRITE_LSE: gl.constexpr):
+                 WRITE_LSE: gl.constexpr, STAMPS: gl.constexpr):
         out, part_o, part_l, lse_ptr = ops[1][0], ops[1][1], ops[1][2], ops[1][3]
         qk2, heads, seqused, q_ptr = ops[1][4], ops[1][5], ops[1][6], ops[1][7]
         s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh, s_qt, s_qh = ops[2]
@@ -200,6 +217,9 @@ if HAS_GLUON:
                 for i in range((C + j) % 2, n, 2):
                     g = j + i
                     mbarrier.wait(ready.index(C), (g // 2) & 1)
+                    if C == 0:
+                        if g == 0:
+                            _stamp(ops[1][10], p, 2, STAMPS)  # the first tile is in
                     s_tok = warpgroup_mma(kn, qn_t, s_zero, use_acc=False, is_async=True)
                     s_tok = warpgroup_mma(kr, qr_t, s_tok, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
@@ -248,6 +268,8 @@ if HAS_GLUON:
                              mask=h < heads)
             cs = ce
             r += 1
+        if C == 0:
+            _stamp(ops[1][10], p, 3, STAMPS)  # every row and partial stored
 
     @gluon.jit
     def _write(out, part_o, part_l, lse_ptr, o_x, acc, m_i, l_i, heads, p, r, cs, ce, g0,
@@ -294,22 +316,22 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consume_0(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
-                   WRITE_LSE: gl.constexpr):
-        _consume(ops, smem, bars, rows, 0, HP, WRITE_LSE)
+                   WRITE_LSE: gl.constexpr, STAMPS: gl.constexpr):
+        _consume(ops, smem, bars, rows, 0, HP, WRITE_LSE, STAMPS)
 
     @gluon.jit
     def _consume_1(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
-                   WRITE_LSE: gl.constexpr):
-        _consume(ops, smem, bars, rows, 1, HP, WRITE_LSE)
+                   WRITE_LSE: gl.constexpr, STAMPS: gl.constexpr):
+        _consume(ops, smem, bars, rows, 1, HP, WRITE_LSE, STAMPS)
 
     @gluon.jit
     def _stream_mla_kernel(
         kn_d, kr_d, q_ptr, out, part_o, part_l, lse_ptr, seqused, bt, shares, ticket,
-        claims, qk2, heads, batch, num_programs, s_bt, s_qt, s_qh, s_ot, s_oh,
+        claims, stamps, qk2, heads, batch, num_programs, s_bt, s_qt, s_qh, s_ot, s_oh,
         s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh,
         HP: gl.constexpr, PAGE: gl.constexpr, WRITE_LSE: gl.constexpr, BLOCK_B: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
-        CLAIM: gl.constexpr = False, PDL: gl.constexpr = False,
+        CLAIM: gl.constexpr = False, PDL: gl.constexpr = False, STAMPS: gl.constexpr = False,
     ):
         if PDL:  # the kernel before first (a no-op unless launched early), then let the
             # merge launch's programs start: they wait for this kernel's end on the device
@@ -320,6 +342,8 @@ if HAS_GLUON:
         p = gl.program_id(0)
         if CLAIM:
             p = _claim(ticket, claims, num_programs)
+        _stamp(stamps, p, 0, STAMPS)  # entry
+        _stamp(stamps, p, 1, STAMPS)  # the SM
         # the batch's units, this program's range and the first request it touches
         lay_b: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
         offs_b = gl.arange(0, BLOCK_B, layout=lay_b)
@@ -374,15 +398,15 @@ if HAS_GLUON:
                     _issue(kn_d, kr_d, kn_s, kr_s, ready.index(i), i, cur, offs_t, _UNIT,
                            _BOXES)
         ops = ((kn_d, kr_d),
-               (out, part_o, part_l, lse_ptr, qk2, heads, seqused, q_ptr, bt, s_bt),
+               (out, part_o, part_l, lse_ptr, qk2, heads, seqused, q_ptr, bt, s_bt, stamps),
                (s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh, s_qt, s_qh))
         smem = (qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x)
         bars = (ready, empty, done, taken)
         rows = (p, r0, cs0, g0, g1, batch, early)
         gl.warp_specialize([
-            (_consume_0, (ops, smem, bars, rows, HP, PAGE, WRITE_LSE)),
-            (_consume_1, (ops, smem, bars, rows, HP, PAGE, WRITE_LSE)),
-            (_load, (ops, smem, bars, rows, HP, PAGE, WRITE_LSE)),
+            (_consume_0, (ops, smem, bars, rows, HP, PAGE, WRITE_LSE, STAMPS)),
+            (_consume_1, (ops, smem, bars, rows, HP, PAGE, WRITE_LSE, STAMPS)),
+            (_load, (ops, smem, bars, rows, HP, PAGE, WRITE_LSE, STAMPS)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -401,14 +425,17 @@ def stream_descriptors(kv_cache):
 
 
 def launch_stream_mla(q, kv_cache, out, seqused_k, block_table, scale, *, part_o, part_lse,
-                      shares, lse=None, descs=None, claim=None, pdl=False) -> None:
+                      shares, lse=None, descs=None, claim=None, pdl=False,
+                      stamps=None) -> None:
     """One launch of ``P = shares.numel() - 1`` programs (one per SM) over the
     ``seqused_k.numel()`` one-query requests; the caller runs the merge launch
     (:func:`.mla_balanced.launch_balanced_mla` with ``launches=("merge",)``,
     ``block_n=STREAM_UNIT``, the same ``shares``). ``claim``: :func:`.mla_balanced
     .claim_state` of ``P`` slots (the programs take their SM's slot). ``pdl``
     (:func:`._pdl.pdl_mode`): truthy, the merge may start at once; ``True``, this kernel
-    also starts early, waiting on the device for the kernel before. Checked by the caller
+    also starts early, waiting on the device for the kernel before. ``stamps``: an int64
+    CUDA tensor ``[P, 4]`` each slot fills with its timeline (:data:`STREAM_STAMP_FIELDS`,
+    ``benchmarks/stream_probe.py``); off (``None``) it is compiled out. Checked by the caller
     (:func:`stream_mla_reject_reason`, :func:`.mla_narrow_gluon.narrow_mla_layout_reason`,
     unit last-dim strides)."""
     batch, h, _ = q.shape[0], q.shape[1], q.shape[2]
@@ -417,14 +444,15 @@ def launch_stream_mla(q, kv_cache, out, seqused_k, block_table, scale, *, part_o
     ls = lse.stride() if lse is not None else (0, 0)
     ticket, claims = claim if claim is not None else (seqused_k, seqused_k)
     args = (kn_d, kr_d, q, out, part_o, part_lse, lse if lse is not None else part_lse,
-            seqused_k, block_table, shares, ticket, claims, float(scale) * _LOG2E, h,
+            seqused_k, block_table, shares, ticket, claims,
+            stamps if stamps is not None else seqused_k, float(scale) * _LOG2E, h,
             seqused_k.shape[0], programs, block_table.stride(0), q.stride(0), q.stride(1),
             out.stride(0), out.stride(1), *part_o.stride()[:3], *part_lse.stride()[:3], *ls)
     kw = dict(HP=8 if h <= 8 else 16, PAGE=kv_cache.shape[1], WRITE_LSE=lse is not None,
               BLOCK_B=max(32 * 4, 1 << max(0, (batch - 1).bit_length())),
               CONSUMER_REGS=_MAXNREG, LOADER_REGS=_LOADER_REGS, num_warps=4,
               maxnreg=_MAXNREG, CLAIM=claim is not None, PDL=bool(pdl),
-              **({"launch_pdl": True} if pdl is True else {}))
+              STAMPS=stamps is not None, **({"launch_pdl": True} if pdl is True else {}))
     _STREAM.launch((programs,), args, kw, (launch_key(args[2:], kw), kv_cache.dtype,
                                           tuple(kn_d.block_shape)))
 

@@ -1,0 +1,125 @@
+"""Where the stream MLA kernel's step goes (:mod:`aiter_attn.kernels.triton.mla_stream_gluon`),
+program count by program count: each slot's global-timer stamps (entry, SM, first tile in,
+rows stored) over replays of captured steps, and the step's time (CUDA events).
+
+    python benchmarks/stream_probe.py --rows 16x64x4096 --programs 132,128,120
+
+One JSON line per (row, programs): the step (µs a step, the merge launch included), the
+entry spread (last slot's entry after the first's: a second wave shows as a spread near a
+whole program's time), slots that entered after another had ended, the SMs used, and the
+slots' first-tile latency and stream (first tile in -> rows stored) as min / median / max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from statistics import median
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def summarize(stamps: torch.Tensor) -> dict:
+    """One replay's stamps ``[steps, P, 4]`` (int64 ns) as medians over the steps of: the
+    entry spread, late entries (after some slot had ended), first-tile latency and stream
+    (µs, min / median / max over the slots), and the distinct SMs."""
+    s = stamps.cpu().double()
+    rows = {"entry spread": [], "late": [], "first": [], "stream": [], "sms": []}
+    for st in s:
+        entry, sm, first, end = st[:, 0], st[:, 1], st[:, 2], st[:, 3]
+        e0 = entry.min()
+        rows["entry spread"].append(float(entry.max() - e0) * 1e-3)
+        rows["late"].append(int((entry > end.min()).sum()))
+        worked = first > 0  # slots with tiles (an empty slot stamps no first tile)
+        lat = ((first - entry)[worked] * 1e-3).tolist() or [0.0]
+        stream = ((end - first)[worked] * 1e-3).tolist() or [0.0]
+        rows["first"].append((min(lat), median(lat), max(lat)))
+        rows["stream"].append((min(stream), median(stream), max(stream)))
+        rows["sms"].append(len(set(sm.long().tolist())))
+    out = {k: round(median(v), 3) for k, v in rows.items() if k in ("entry spread",)}
+    out["late"] = int(median(rows["late"]))
+    out["sms"] = int(median(rows["sms"]))
+    for k in ("first", "stream"):
+        out[k] = [round(median(x[i] for x in rows[k]), 3) for i in range(3)]
+    return out
+
+
+def probe(heads: int, bs: int, ctx: int, programs: int, *, steps: int = 8, reps: int = 5,
+          device="cuda") -> dict:
+    from _inputs import make_mla
+
+    from aiter_attn.kernels.base import _adhoc_metadata, mla_layer_params
+    from aiter_attn.kernels.triton.mla import TritonMLA, mla_request
+    from aiter_attn.kernels.triton.mla_balanced import launch_balanced_mla
+    from aiter_attn.kernels.triton.mla_kernel import _LOG2E
+    from aiter_attn.kernels.triton.mla_stream_gluon import (STREAM_STAMP_FIELDS,
+                                                            launch_stream_mla)
+
+    x = make_mla(bs, ctx, heads=heads, device=device)
+    out = torch.empty(bs, heads, x.rank, dtype=x.q.dtype, device=device)
+    kernel = TritonMLA(mla_request(x.q, x.kv_cache, x.rank), {"stream": programs})
+    md = _adhoc_metadata(x.q, x.kv_cache, x.cu_seqlens_q, x.seqused_k, x.block_table, None,
+                         None, 1, ctx, "stream_probe")
+    params = mla_layer_params(scale=x.scale, device=x.q.device, kv_lora_rank=x.rank,
+                              num_q_heads=heads, head_dim=x.q.shape[2])
+    plan = kernel.plan(md, {})
+    if plan.stream is None:
+        raise RuntimeError("the stream kernel does not serve here (sm_90, bf16/fp16)")
+    launch_kw, merge_kw = plan.stream
+    _, seqused, table = plan.args
+    descs = kernel._stream_descs(x.kv_cache)
+    stamps = torch.zeros(steps, programs, len(STREAM_STAMP_FIELDS), dtype=torch.int64,
+                         device=device)
+
+    def step(r):
+        launch_stream_mla(x.q, x.kv_cache, out, seqused, table, params.scale, descs=descs,
+                          stamps=stamps[r], **launch_kw)
+        launch_balanced_mla(x.q, x.kv_cache, out, seqused, table, rank=x.rank,
+                            qk_scale_log2=params.scale * _LOG2E, **merge_kw)
+
+    for r in range(steps):
+        step(r)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for r in range(steps):
+            step(r)
+    times, runs = [], []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / steps)
+        runs.append(summarize(stamps))
+    rec = {"row": f"{heads}x{bs}x{ctx}", "programs": programs,
+           "step us (stamped)": round(median(times), 2)}
+    mid = runs[len(runs) // 2]
+    rec.update(mid)
+    return rec
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", default="16x64x4096")
+    p.add_argument("--programs", default="", help="comma-separated program counts "
+                   "(default: the SM count, then 4 and 8 fewer)")
+    args = p.parse_args()
+    from aiter_attn.kernels.triton._kvutil import num_sms
+
+    sms = num_sms(torch.device("cuda"))
+    counts = [int(c) for c in args.programs.split(",") if c] or [sms, sms - 4, sms - 8]
+    for row in args.rows.split(","):
+        heads, bs, ctx = (int(v) for v in row.lower().split("x"))
+        for n in counts:
+            print(json.dumps(probe(heads, bs, ctx, n)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
