@@ -105,11 +105,40 @@ def probe(heads: int, bs: int, ctx: int, programs: int, *, steps: int = 8, reps:
     return rec
 
 
+def step_us(heads: int, bs: int, ctx: int, tuning: dict, *, page: int = 64, steps: int = 8,
+            reps: int = 5, device="cuda") -> float:
+    """Median µs a step of ``TritonMLA(tuning)`` (plan once, run per call) over replays of
+    ``steps`` captured calls, on a cache of ``page``-row pages: the default (narrow) kernel
+    and stream options side by side."""
+    from _inputs import make_mla
+    from _runners import make_ours_mla_planned
+
+    x = make_mla(bs, ctx, heads=heads, page=page, device=device)
+    fn, _ = make_ours_mla_planned(x, **tuning)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(steps):
+            fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / steps)
+    return round(median(times), 2)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="16x64x4096")
     p.add_argument("--programs", default="", help="comma-separated program counts "
                    "(default: the SM count, then 4 and 8 fewer)")
+    p.add_argument("--compare", action="store_true", help="also the step of the default "
+                   "(narrow) kernel on pages of 64 and 16 rows, and of the stream kernel "
+                   "without PDL and on 16-row pages (no stamps)")
     args = p.parse_args()
     from aiter_attn.kernels.triton._kvutil import num_sms
 
@@ -119,6 +148,15 @@ def main():
         heads, bs, ctx = (int(v) for v in row.lower().split("x"))
         for n in counts:
             print(json.dumps(probe(heads, bs, ctx, n)), flush=True)
+        if args.compare:
+            for name, tuning, page in (
+                    ("default", {}, 64), ("default, page 16", {}, 16),
+                    ("stream", {"stream": True}, 64),
+                    ("stream, page 16", {"stream": True}, 16),
+                    ("stream, no pdl", {"stream": True, "pdl": False}, 64)):
+                print(json.dumps({"row": row, "variant": name,
+                                  "step us": step_us(heads, bs, ctx, tuning, page=page)}),
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -764,7 +764,7 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
     # wave shows as late entries), then its gpu tests again (stamps in the signature)
     nvidia-smi --query-gpu=name --format=csv,noheader
     timeout ${SP_S:-150} python3 benchmarks/stream_probe.py --rows 16x64x4096 \
-      --programs ${SP_P:-132,128,124,100,66} 2>&1 | tee "$OUT/stream_probe.log"
+      --programs ${SP_P:-132,128,124,100,66} ${SP_ARGS:-} 2>&1 | tee "$OUT/stream_probe.log"
     gpu_tests stream_tests.log ${GT_S:-200} 150 tests/test_mla_stream.py
     ;;
   eightysixth)
