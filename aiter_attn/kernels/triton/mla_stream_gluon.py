@@ -151,7 +151,7 @@ if HAS_GLUON:
         seqused, bt, s_bt = ops[1][6], ops[1][8], ops[1][9]
         kn_s, kr_s = smem[2], smem[3]
         ready, empty = bars[0], bars[1]
-        p, r, cs, g0, g1, batch, early = rows
+        p, r, cs, g0, g1, batch, early, nt = rows
         lay: gl.constexpr = gl.BlockedLayout([_BOXES], [32], [1], [0])
         offs = gl.arange(0, _BOXES, layout=lay)
         j = early  # global tile index
@@ -175,12 +175,17 @@ if HAS_GLUON:
     @gluon.jit
     def _consume(ops, smem, bars, rows, C: gl.constexpr, HP: gl.constexpr,
                  WRITE_LSE: gl.constexpr, STAMPS: gl.constexpr):
+        """Consumer ``C``: one flat loop over the program's ``nt`` tiles (a loop around the
+        tile loop kept more than the accumulator live and spilled it: 1.7 KB of spills, the
+        step at half speed), computing the tiles of its parity (ring slot ``C``); at a
+        segment's first tile it stages that request's q, at its last the two consumers
+        merge and consumer 0 writes (:func:`_write`)."""
         out, part_o, part_l, lse_ptr = ops[1][0], ops[1][1], ops[1][2], ops[1][3]
         qk2, heads, seqused, q_ptr = ops[1][4], ops[1][5], ops[1][6], ops[1][7]
         s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh, s_qt, s_qh = ops[2]
         qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x = smem
         ready, empty, done, taken = bars[0], bars[1], bars[2], bars[3]
-        p, r, cs, g0, g1, batch, early = rows
+        p, r, cs, g0, g1, batch, early, nt = rows
         dtype: gl.constexpr = qn_s.dtype
         s_lay: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HP, 16])
@@ -194,45 +199,58 @@ if HAS_GLUON:
         kn = kn_s.index(C)  # two slots, two consumers: slot C is consumer C's
         kr = kr_s.index(C)
         s_zero = gl.zeros([64, HP], gl.float32, layout=s_lay)
+        # q is staged 64 columns at a time (8 offsets a thread)
         lq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         hq = gl.arange(0, HP, layout=gl.SliceLayout(1, lq))
-        dn = gl.arange(0, 512, layout=gl.SliceLayout(0, lq))
-        dr = gl.arange(0, 64, layout=gl.SliceLayout(0, lq))
+        dq = gl.arange(0, 64, layout=gl.SliceLayout(0, lq))
         q_ok = (hq < heads)[:, None]
-        j = 0  # the segment's first global tile
+        if C == 0:
+            if (g0 == g1) & (cs < g0) & (r < batch):
+                # an empty range inside a request (more slots than units): a partial of
+                # weight 0 for the merge, which reads every slot the request spans
+                h = gl.arange(0, HP, layout=col)
+                gl.store(part_l + p.to(gl.int64) * s_lp + h.to(gl.int64) * s_lh,
+                         gl.full([HP], float("-inf"), gl.float32, layout=col),
+                         mask=h < heads)
+        # the running state: reset by a segment's first tile (m = -inf: alpha = 0 on
+        # finite values), never re-made (a zero tensor a segment is a hoisted constant)
+        acc = gl.zeros([512, HP], gl.float32, layout=s_lay)
+        l_acc = gl.zeros([64, HP], gl.float32, layout=s_lay)
+        m_i = gl.full([HP], float("-inf"), gl.float32, layout=col)
+        kv_len, ce, lo, n, valid = _segment(seqused, r, cs, g0, g1)
+        s0 = 0  # the segment's first tile
         k = 0  # segments done
-        while (cs < g1) & (r < batch):
-            kv_len, ce, lo, n, valid = _segment(seqused, r, cs, g0, g1)
-            if n > 0:
-                # this segment's q into this consumer's buffer (its last wgmma over the
-                # previous segment's q was waited for)
+        for g in range(0, nt):
+            i = g - s0
+            if i == 0:  # this segment's q into this consumer's buffer
                 q_row = q_ptr + r.to(gl.int64) * s_qt + hq.to(gl.int64)[:, None] * s_qh
-                qn_c.store(gl.load(q_row + dn[None, :], mask=q_ok, other=0.0))
-                qr_c.store(gl.load(q_row + 512 + dr[None, :], mask=q_ok, other=0.0))
+                for c in gl.static_range(8):
+                    qn_c.slice(c * 64, 64, dim=1).store(
+                        gl.load(q_row + (c * 64 + dq)[None, :], mask=q_ok, other=0.0))
+                qr_c.store(gl.load(q_row + 512 + dq[None, :], mask=q_ok, other=0.0))
                 fence_async_shared()
                 gl.thread_barrier()
-                acc = gl.zeros([512, HP], gl.float32, layout=s_lay)
-                l_acc = gl.zeros([64, HP], gl.float32, layout=s_lay)
                 m_i = gl.full([HP], float("-inf"), gl.float32, layout=col)
-                for i in range((C + j) % 2, n, 2):
-                    g = j + i
-                    mbarrier.wait(ready.index(C), (g // 2) & 1)
-                    if C == 0:
-                        if g == 0:
-                            _stamp(ops[1][10], p, 2, STAMPS)  # the first tile is in
-                    s_tok = warpgroup_mma(kn, qn_t, s_zero, use_acc=False, is_async=True)
-                    s_tok = warpgroup_mma(kr, qr_t, s_tok, is_async=True)
-                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-                    if i == n - 1:
-                        if valid < 64:  # past the segment's last key: no logit, zero rows
-                            s = _mask_tail(s, kn, valid, 64, 512, row)
-                    pr, m_i, l_acc, acc = _keys_softmax(s, m_i, l_acc, acc, qk2)
-                    p_t.store(pr.to(dtype))
-                    fence_async_shared()
-                    o_tok = warpgroup_mma(kn.permute((1, 0)), p_t, acc, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
-                    mbarrier.arrive(empty.index(C), count=1)
-                l_i = gl.sum(l_acc, 0)
+            if g % 2 == C:
+                mbarrier.wait(ready.index(C), (g // 2) & 1)
+                if C == 0:
+                    if g == 0:
+                        _stamp(ops[1][10], p, 2, STAMPS)  # the first tile is in
+                s_tok = warpgroup_mma(kn, qn_t, s_zero, use_acc=False, is_async=True)
+                s_tok = warpgroup_mma(kr, qr_t, s_tok, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+                if i == n - 1:
+                    if valid < 64:  # past the segment's last key: no logit, zero rows
+                        s = _mask_tail(s, kn, valid, 64, 512, row)
+                pr, m_i, l_acc, acc = _keys_softmax(s, m_i, l_acc, acc, qk2)
+                p_t.store(pr.to(dtype))
+                fence_async_shared()
+                o_tok = warpgroup_mma(kn.permute((1, 0)), p_t, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
+                mbarrier.arrive(empty.index(C), count=1)
+            if i == n - 1:  # the segment's last tile: merge the two consumers, write
+                # no tile of this segment here: nothing summed (l_acc holds older sums)
+                l_i = gl.where(m_i == float("-inf"), 0.0, gl.sum(l_acc, 0))
                 if C == 1:  # hand (m, l, O) over once consumer 0 has read the last ones
                     if k > 0:
                         mbarrier.wait(taken, (k - 1) & 1)
@@ -249,36 +267,37 @@ if HAS_GLUON:
                     m_safe = gl.where(m_n == float("-inf"), 0.0, m_n)
                     a_0 = gl.exp2(m_i - m_safe)
                     a_1 = gl.exp2(m_1 - m_safe)
+                    # (a side without tiles has weight 0 and finite stale rows); merged
+                    # and normalised in place: a second [512, HP] beside the loop's
+                    # accumulator spilled (the next segment's first tile resets it)
                     acc = acc * a_0[None, :] + o_x.load(s_lay) * a_1[None, :]
                     l_i = l_i * a_0 + l_1 * a_1
+                    acc = acc / gl.where(l_i > 0.0, l_i, 1.0)[None, :]
                     _write(out, part_o, part_l, lse_ptr, o_x, acc, m_n, l_i, heads, p, r,
                            cs, ce, g0, g1, s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh,
                            s_et, s_eh, HP, WRITE_LSE, col)
                     mbarrier.arrive(taken, count=1)
-                j += n
                 k += 1
-            elif C == 0:
-                if ce > cs:  # an empty range inside a request (more slots than units):
-                    # a partial of weight 0 for the merge, which reads every slot it spans
-                    h = gl.arange(0, HP, layout=col)
-                    slot = gl.where(cs < g0, 0, 1).to(gl.int64)
-                    gl.store(part_l + p.to(gl.int64) * s_lp + slot * s_lw
-                             + h.to(gl.int64) * s_lh,
-                             gl.full([HP], float("-inf"), gl.float32, layout=col),
-                             mask=h < heads)
-            cs = ce
-            r += 1
+                s0 = g + 1
+                if g + 1 < nt:  # the next request with keys in the range
+                    cs = ce
+                    r += 1
+                    kv_len, ce, lo, n, valid = _segment(seqused, r, cs, g0, g1)
+                    while n == 0:
+                        cs = ce
+                        r += 1
+                        kv_len, ce, lo, n, valid = _segment(seqused, r, cs, g0, g1)
         if C == 0:
             _stamp(ops[1][10], p, 3, STAMPS)  # every row and partial stored
 
     @gluon.jit
-    def _write(out, part_o, part_l, lse_ptr, o_x, acc, m_i, l_i, heads, p, r, cs, ce, g0,
+    def _write(out, part_o, part_l, lse_ptr, o_x, o, m_i, l_i, heads, p, r, cs, ce, g0,
                g1, s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh,
                HP: gl.constexpr, WRITE_LSE: gl.constexpr, col: gl.constexpr):
-        """Consumer 0's end of a segment: request ``r``'s row and LSE where the whole
-        request lies in this program's range, else its partial (``o / l``, log2 LSE) in
-        slot 0 (head: it began before the range) or 1 (tail) of program ``p``; the rows go
-        through ``o_x`` 64 latent columns at a time."""
+        """Consumer 0's end of a segment: request ``r``'s row (``o``, normalised) and LSE
+        where the whole request lies in this program's range, else its partial (``o``,
+        log2 LSE) in slot 0 (head: it began before the range) or 1 (tail) of program
+        ``p``; the rows go through ``o_x`` 64 latent columns at a time."""
         h = gl.arange(0, HP, layout=col)
         h_ok = h < heads
         has = l_i > 0.0
@@ -286,7 +305,7 @@ if HAS_GLUON:
         lse2 = gl.where(has, m_i + gl.log2(l_safe), float("-inf"))
         h64 = h.to(gl.int64)
         gl.thread_barrier()  # every thread has read consumer 1's O from o_x
-        o_x.store(acc / l_safe[None, :])
+        o_x.store(o)
         gl.thread_barrier()
         st: gl.constexpr = gl.BlockedLayout([1, HP // 4], [32, 1], [1, 4], [0, 1])
         dd = gl.arange(0, 64, layout=gl.SliceLayout(1, st))
@@ -384,10 +403,19 @@ if HAS_GLUON:
         # segment 0's first tiles (up to the ring's two) go out now: the loader takes the
         # rest, so their page lookups and TMA do not wait for the partitions to start
         early = r0 * 0
+        nt = r0 * 0  # the program's tiles, over all its segments
         if r0 < batch:
             if cs0 < g1:
                 kv_len, ce, lo, n, valid = _segment(seqused, r0, cs0, g0, g1)
                 early = gl.minimum(n, 2)
+                nt = n
+                r1 = r0 + 1
+                c1 = ce
+                while (c1 < g1) & (r1 < batch):
+                    kv1, ce1, lo1, n1, valid1 = _segment(seqused, r1, c1, g0, g1)
+                    nt += n1
+                    c1 = ce1
+                    r1 += 1
                 last = gl.maximum(gl.cdiv(kv_len, PAGE) - 1, 0)
                 bt_row = bt + r0.to(gl.int64) * s_bt
                 lay_t: gl.constexpr = gl.BlockedLayout([_BOXES], [32], [num_warps], [0])
@@ -402,7 +430,7 @@ if HAS_GLUON:
                (s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh, s_qt, s_qh))
         smem = (qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x)
         bars = (ready, empty, done, taken)
-        rows = (p, r0, cs0, g0, g1, batch, early)
+        rows = (p, r0, cs0, g0, g1, batch, early, nt)
         gl.warp_specialize([
             (_consume_0, (ops, smem, bars, rows, HP, PAGE, WRITE_LSE, STAMPS)),
             (_consume_1, (ops, smem, bars, rows, HP, PAGE, WRITE_LSE, STAMPS)),
