@@ -223,11 +223,12 @@ if HAS_GLUON:
         for g in range(0, nt):
             i = g - s0
             if i == 0:  # this segment's q into this consumer's buffer
-                q_row = q_ptr + r.to(gl.int64) * s_qt + hq.to(gl.int64)[:, None] * s_qh
+                q_row = q_ptr + r.to(gl.int64) * s_qt
+                q_off = hq[:, None] * s_qh + dq[None, :]  # int32: a row < 2^31 elements
                 for c in gl.static_range(8):
                     qn_c.slice(c * 64, 64, dim=1).store(
-                        gl.load(q_row + (c * 64 + dq)[None, :], mask=q_ok, other=0.0))
-                qr_c.store(gl.load(q_row + 512 + dq[None, :], mask=q_ok, other=0.0))
+                        gl.load(q_row + c * 64 + q_off, mask=q_ok, other=0.0))
+                qr_c.store(gl.load(q_row + 512 + q_off, mask=q_ok, other=0.0))
                 fence_async_shared()
                 gl.thread_barrier()
                 m_i = gl.full([HP], float("-inf"), gl.float32, layout=col)
@@ -276,6 +277,10 @@ if HAS_GLUON:
                     _write(out, part_o, part_l, lse_ptr, o_x, acc, m_n, l_i, heads, p, r,
                            cs, ce, g0, g1, s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh,
                            s_et, s_eh, HP, WRITE_LSE, col)
+                    # the loop's accumulator back from o_x (any finite rows do): kept in
+                    # registers through the stores, it spilled (0.9 KB)
+                    acc = o_x.load(s_lay)
+                    gl.thread_barrier()
                     mbarrier.arrive(taken, count=1)
                 k += 1
                 s0 = g + 1
@@ -307,28 +312,27 @@ if HAS_GLUON:
         gl.thread_barrier()  # every thread has read consumer 1's O from o_x
         o_x.store(o)
         gl.thread_barrier()
-        st: gl.constexpr = gl.BlockedLayout([1, HP // 4], [32, 1], [1, 4], [0, 1])
-        dd = gl.arange(0, 64, layout=gl.SliceLayout(1, st))
-        hh = gl.arange(0, HP, layout=gl.SliceLayout(0, st))
-        ok = (hh < heads)[None, :]
-        hh64 = hh.to(gl.int64)[None, :]
+        # one head's row at a time (512 columns, 4 a thread): a [64, HP] pointer tile per
+        # chunk was hoisted out of the tile loop, eight of them, and spilled
+        lr: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [4, 1], [0, 1])
+        d = gl.arange(0, 512, layout=gl.SliceLayout(1, lr))[:, None]  # [512, 1]
         whole = (cs >= g0) & (ce <= g1)
         if whole:
-            row = out + r.to(gl.int64) * s_ot + hh64 * s_oh
-            for c in gl.static_range(8):
-                o = o_x.slice(c * 64, 64, dim=0).load(st)
-                gl.store(row + (c * 64 + dd)[:, None], _to_output(o, out.dtype.element_ty),
-                         mask=ok)
+            row = out + r.to(gl.int64) * s_ot
+            for hd in gl.static_range(HP):
+                oc = o_x.slice(hd, 1, dim=1).load(lr)
+                gl.store(row + hd * s_oh + d, _to_output(oc, out.dtype.element_ty),
+                         mask=(d < 512) & (hd < heads))
             if WRITE_LSE:
                 gl.store(lse_ptr + r.to(gl.int64) * s_et + h64 * s_eh,
                          lse2 * 0.6931471805599453, mask=h_ok)
         else:
             slot = gl.where(cs < g0, 0, 1).to(gl.int64)
-            row = part_o + p.to(gl.int64) * s_pp + slot * s_pw + hh64 * s_ph
-            for c in gl.static_range(8):
-                o = o_x.slice(c * 64, 64, dim=0).load(st)
-                gl.store(row + (c * 64 + dd)[:, None],
-                         _to_output(o, part_o.dtype.element_ty), mask=ok)
+            row = part_o + p.to(gl.int64) * s_pp + slot * s_pw
+            for hd in gl.static_range(HP):
+                oc = o_x.slice(hd, 1, dim=1).load(lr)
+                gl.store(row + hd * s_ph + d, _to_output(oc, part_o.dtype.element_ty),
+                         mask=(d < 512) & (hd < heads))
             gl.store(part_l + p.to(gl.int64) * s_lp + slot * s_lw + h64 * s_lh, lse2,
                      mask=h_ok)
         gl.thread_barrier()  # every thread has read o_x: consumer 1 may write it again
