@@ -51,7 +51,7 @@ STREAM_MAX_BATCH = 4096
 #: at each point, and the SM it ran on
 STREAM_STAMP_FIELDS = ("entry", "sm", "first_tile", "end")
 _RANK, _ROPE = 512, 64
-_MAXNREG, _LOADER_REGS = 128, 48
+_MAXNREG, _LOADER_REGS, _WRITER_REGS = 128, 48, 80
 
 
 def stream_mla_reject_reason(*, heads: int, rank: int, rope: int, dtype, kv_dtype,
@@ -184,7 +184,7 @@ if HAS_GLUON:
         qk2, heads, seqused, q_ptr = ops[1][4], ops[1][5], ops[1][6], ops[1][7]
         s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh, s_qt, s_qh = ops[2]
         qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x = smem
-        ready, empty, done, taken = bars[0], bars[1], bars[2], bars[3]
+        ready, empty, done, taken, staged = bars[0], bars[1], bars[2], bars[3], bars[4]
         p, r, cs, g0, g1, batch, early, nt = rows
         dtype: gl.constexpr = qn_s.dtype
         s_lay: gl.constexpr = gl.NVMMADistributedLayout(
@@ -269,19 +269,19 @@ if HAS_GLUON:
                     a_0 = gl.exp2(m_i - m_safe)
                     a_1 = gl.exp2(m_1 - m_safe)
                     # (a side without tiles has weight 0 and finite stale rows); merged
-                    # and normalised in place: a second [512, HP] beside the loop's
-                    # accumulator spilled (the next segment's first tile resets it)
+                    # and normalised in place, then staged in o_x for the writer warp:
+                    # the global stores in this loop kept their addresses live and spilled
                     acc = acc * a_0[None, :] + o_x.load(s_lay) * a_1[None, :]
                     l_i = l_i * a_0 + l_1 * a_1
-                    acc = acc / gl.where(l_i > 0.0, l_i, 1.0)[None, :]
-                    _write(out, part_o, part_l, lse_ptr, o_x, acc, m_n, l_i, heads, p, r,
-                           cs, ce, g0, g1, s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh,
-                           s_et, s_eh, HP, WRITE_LSE, col)
-                    # the loop's accumulator back from o_x (any finite rows do): kept in
-                    # registers through the stores, it spilled (0.9 KB)
-                    acc = o_x.load(s_lay)
+                    has = l_i > 0.0
+                    acc = acc / gl.where(has, l_i, 1.0)[None, :]
+                    lse2 = gl.where(has, m_n + gl.log2(gl.where(has, l_i, 1.0)),
+                                    float("-inf"))
+                    gl.thread_barrier()  # every thread has read consumer 1's O and m
+                    o_x.store(acc)
+                    m_x.store(lse2)
                     gl.thread_barrier()
-                    mbarrier.arrive(taken, count=1)
+                    mbarrier.arrive(staged, count=1)
                 k += 1
                 s0 = g + 1
                 if g + 1 < nt:  # the next request with keys in the range
@@ -292,50 +292,58 @@ if HAS_GLUON:
                         cs = ce
                         r += 1
                         kv_len, ce, lo, n, valid = _segment(seqused, r, cs, g0, g1)
-        if C == 0:
-            _stamp(ops[1][10], p, 3, STAMPS)  # every row and partial stored
 
     @gluon.jit
-    def _write(out, part_o, part_l, lse_ptr, o_x, o, m_i, l_i, heads, p, r, cs, ce, g0,
-               g1, s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh,
-               HP: gl.constexpr, WRITE_LSE: gl.constexpr, col: gl.constexpr):
-        """Consumer 0's end of a segment: request ``r``'s row (``o``, normalised) and LSE
-        where the whole request lies in this program's range, else its partial (``o``,
-        log2 LSE) in slot 0 (head: it began before the range) or 1 (tail) of program
-        ``p``; the rows go through ``o_x`` 64 latent columns at a time."""
-        h = gl.arange(0, HP, layout=col)
-        h_ok = h < heads
-        has = l_i > 0.0
-        l_safe = gl.where(has, l_i, 1.0)
-        lse2 = gl.where(has, m_i + gl.log2(l_safe), float("-inf"))
-        h64 = h.to(gl.int64)
-        gl.thread_barrier()  # every thread has read consumer 1's O from o_x
-        o_x.store(o)
-        gl.thread_barrier()
-        # one head's row at a time (512 columns, 4 a thread): a [64, HP] pointer tile per
-        # chunk was hoisted out of the tile loop, eight of them, and spilled
-        lr: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [4, 1], [0, 1])
+    def _writer(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
+                WRITE_LSE: gl.constexpr, STAMPS: gl.constexpr):
+        """Writer (1 warp): each segment's merged rows, once consumer 0 staged them in
+        ``o_x`` (normalised) and their log2 LSE in ``m_x``: request ``r``'s row and LSE
+        where the whole request lies in this program's range, else its partial in slot 0
+        (head: it began before the range) or 1 (tail) of program ``p``; then ``o_x`` is
+        free for consumer 1's next hand-over (``taken``)."""
+        out, part_o, part_l, lse_ptr = ops[1][0], ops[1][1], ops[1][2], ops[1][3]
+        heads, seqused = ops[1][5], ops[1][6]
+        s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh = ops[2][:10]
+        m_x, o_x = smem[5], smem[7]
+        taken, staged = bars[3], bars[4]
+        p, r, cs, g0, g1, batch, early, nt = rows
+        lr: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 1], [0, 1])
         d = gl.arange(0, 512, layout=gl.SliceLayout(1, lr))[:, None]  # [512, 1]
-        whole = (cs >= g0) & (ce <= g1)
-        if whole:
-            row = out + r.to(gl.int64) * s_ot
-            for hd in gl.static_range(HP):
-                oc = o_x.slice(hd, 1, dim=1).load(lr)
-                gl.store(row + hd * s_oh + d, _to_output(oc, out.dtype.element_ty),
-                         mask=(d < 512) & (hd < heads))
-            if WRITE_LSE:
-                gl.store(lse_ptr + r.to(gl.int64) * s_et + h64 * s_eh,
-                         lse2 * 0.6931471805599453, mask=h_ok)
-        else:
-            slot = gl.where(cs < g0, 0, 1).to(gl.int64)
-            row = part_o + p.to(gl.int64) * s_pp + slot * s_pw
-            for hd in gl.static_range(HP):
-                oc = o_x.slice(hd, 1, dim=1).load(lr)
-                gl.store(row + hd * s_ph + d, _to_output(oc, part_o.dtype.element_ty),
-                         mask=(d < 512) & (hd < heads))
-            gl.store(part_l + p.to(gl.int64) * s_lp + slot * s_lw + h64 * s_lh, lse2,
-                     mask=h_ok)
-        gl.thread_barrier()  # every thread has read o_x: consumer 1 may write it again
+        lh: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        h = gl.arange(0, HP, layout=lh)
+        h_ok = h < heads
+        h64 = h.to(gl.int64)
+        k = 0
+        while (cs < g1) & (r < batch):
+            kv_len, ce, lo, n, valid = _segment(seqused, r, cs, g0, g1)
+            if n > 0:
+                mbarrier.wait(staged, k & 1)
+                lse2 = m_x.load(lh)
+                if (cs >= g0) & (ce <= g1):  # the whole request here: its row
+                    row = out + r.to(gl.int64) * s_ot
+                    for hd in gl.static_range(HP):
+                        oc = o_x.slice(hd, 1, dim=1).load(lr)
+                        gl.store(row + hd * s_oh + d, _to_output(oc, out.dtype.element_ty),
+                                 mask=(d < 512) & (hd < heads))
+                    if WRITE_LSE:
+                        gl.store(lse_ptr + r.to(gl.int64) * s_et + h64 * s_eh,
+                                 lse2 * 0.6931471805599453, mask=h_ok)
+                else:
+                    slot = gl.where(cs < g0, 0, 1).to(gl.int64)
+                    row = part_o + p.to(gl.int64) * s_pp + slot * s_pw
+                    for hd in gl.static_range(HP):
+                        oc = o_x.slice(hd, 1, dim=1).load(lr)
+                        gl.store(row + hd * s_ph + d,
+                                 _to_output(oc, part_o.dtype.element_ty),
+                                 mask=(d < 512) & (hd < heads))
+                    gl.store(part_l + p.to(gl.int64) * s_lp + slot * s_lw + h64 * s_lh,
+                             lse2, mask=h_ok)
+                gl.thread_barrier()
+                mbarrier.arrive(taken, count=1)
+                k += 1
+            cs = ce
+            r += 1
+        _stamp(ops[1][10], p, 3, STAMPS)  # every row and partial stored
 
     @gluon.jit
     def _consume_0(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
@@ -353,7 +361,8 @@ if HAS_GLUON:
         claims, stamps, qk2, heads, batch, num_programs, s_bt, s_qt, s_qh, s_ot, s_oh,
         s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh,
         HP: gl.constexpr, PAGE: gl.constexpr, WRITE_LSE: gl.constexpr, BLOCK_B: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
         CLAIM: gl.constexpr = False, PDL: gl.constexpr = False, STAMPS: gl.constexpr = False,
     ):
         if PDL:  # the kernel before first (a no-op unless launched early), then let the
@@ -397,11 +406,13 @@ if HAS_GLUON:
         empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         taken = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        staged = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for b in gl.static_range(2):
             mbarrier.init(ready.index(b), count=1)
             mbarrier.init(empty.index(b), count=1)
         mbarrier.init(done, count=1)
         mbarrier.init(taken, count=1)
+        mbarrier.init(staged, count=1)
         fence_async_shared()
 
         # segment 0's first tiles (up to the ring's two) go out now: the loader takes the
@@ -433,13 +444,14 @@ if HAS_GLUON:
                (out, part_o, part_l, lse_ptr, qk2, heads, seqused, q_ptr, bt, s_bt, stamps),
                (s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh, s_qt, s_qh))
         smem = (qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x)
-        bars = (ready, empty, done, taken)
+        bars = (ready, empty, done, taken, staged)
         rows = (p, r0, cs0, g0, g1, batch, early, nt)
         gl.warp_specialize([
             (_consume_0, (ops, smem, bars, rows, HP, PAGE, WRITE_LSE, STAMPS)),
             (_consume_1, (ops, smem, bars, rows, HP, PAGE, WRITE_LSE, STAMPS)),
             (_load, (ops, smem, bars, rows, HP, PAGE, WRITE_LSE, STAMPS)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+            (_writer, (ops, smem, bars, rows, HP, PAGE, WRITE_LSE, STAMPS)),
+        ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, WRITER_REGS])
 
 
 def stream_descriptors(kv_cache):
@@ -482,7 +494,8 @@ def launch_stream_mla(q, kv_cache, out, seqused_k, block_table, scale, *, part_o
             out.stride(0), out.stride(1), *part_o.stride()[:3], *part_lse.stride()[:3], *ls)
     kw = dict(HP=8 if h <= 8 else 16, PAGE=kv_cache.shape[1], WRITE_LSE=lse is not None,
               BLOCK_B=max(32 * 4, 1 << max(0, (batch - 1).bit_length())),
-              CONSUMER_REGS=_MAXNREG, LOADER_REGS=_LOADER_REGS, num_warps=4,
+              CONSUMER_REGS=_MAXNREG, LOADER_REGS=_LOADER_REGS,
+              WRITER_REGS=_WRITER_REGS, num_warps=4,
               maxnreg=_MAXNREG, CLAIM=claim is not None, PDL=bool(pdl),
               STAMPS=stamps is not None, **({"launch_pdl": True} if pdl is True else {}))
     _STREAM.launch((programs,), args, kw, (launch_key(args[2:], kw), kv_cache.dtype,
