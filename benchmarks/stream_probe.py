@@ -25,9 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def summarize(stamps: torch.Tensor) -> dict:
-    """One replay's stamps ``[steps, P, 4]`` (int64 ns) as medians over the steps of: the
-    entry spread, late entries (after some slot had ended), first-tile latency and stream
-    (µs, min / median / max over the slots), and the distinct SMs."""
+    """One replay's stamps ``[steps, P, 4]`` (int64 ns) as medians over the steps of the
+    entry spread and of the slots' first-tile latency and stream (µs, min / median / max
+    over the slots with tiles); the most late entries (after some slot had ended) and the
+    fewest distinct SMs of any step."""
     s = stamps.cpu().double()
     rows = {"entry spread": [], "late": [], "first": [], "stream": [], "sms": []}
     for st in s:
@@ -42,8 +43,8 @@ def summarize(stamps: torch.Tensor) -> dict:
         rows["stream"].append((min(stream), median(stream), max(stream)))
         rows["sms"].append(len(set(sm.long().tolist())))
     out = {k: round(median(v), 3) for k, v in rows.items() if k in ("entry spread",)}
-    out["late"] = int(median(rows["late"]))
-    out["sms"] = int(median(rows["sms"]))
+    out["late"] = max(rows["late"])  # a second wave in any step shows
+    out["sms"] = min(rows["sms"])
     for k in ("first", "stream"):
         out[k] = [round(median(x[i] for x in rows[k]), 3) for i in range(3)]
     return out

@@ -235,3 +235,32 @@ def test_gpu_stream_weighed_claims_over_replays(dtype, spy):
     claims = kernel._stream_shares(sms, plan.args[0].device)["claim"][1]
     assert claims.tolist() == [4] * sms  # eager, then three replays
     assert spy == [True, True]  # eager and the capture
+
+
+def test_stream_probe_summary_by_hand():
+    """``benchmarks/stream_probe.py``'s summary of hand-made stamps (ns): two steps of three
+    slots; slot 2 of step 0 enters after slot 0 ended (a second wave), slot 1 of step 1 is
+    empty (no first tile)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    from stream_probe import summarize
+
+    base = 10 ** 12  # global-timer values: large, as on the GPU
+    # rows: entry, sm, first tile, end
+    step0 = [[0, 3, 2000, 50000], [1000, 7, 4000, 60000], [55000, 3, 58000, 90000]]
+    step1 = [[0, 1, 3000, 40000], [500, 2, 0, 1500], [200, 5, 2200, 30200]]
+    st = torch.tensor([step0, step1], dtype=torch.int64)
+    st[:, :, [0, 3]] += base
+    st[:, :, 2] = torch.where(st[:, :, 2] > 0, st[:, :, 2] + base, st[:, :, 2])
+    got = summarize(st)
+    assert got["late"] == 1  # step 0's third slot; the most of any step
+    assert got["sms"] == 2  # step 0 ran on SMs 3 and 7: the fewest of any step
+    # entry spread: step 0 55 µs, step 1 0.5 µs: median 27.75
+    assert got["entry spread"] == pytest.approx(27.75)
+    # first-tile latency: step 0 (2, 3, 3) µs; step 1 (3, 2) µs (the empty slot left out):
+    # min median(2, 2) = 2, median median(3, 2.5) = 2.75, max median(3, 3) = 3
+    assert got["first"] == pytest.approx([2.0, 2.75, 3.0])
+    # stream: step 0 (48, 56, 32) -> (32, 48, 56); step 1 (37, 28) -> (28, 32.5, 37)
+    assert got["stream"] == pytest.approx([30.0, 40.25, 46.5])

@@ -151,7 +151,9 @@ MLA_NARROW = True
 
 #: The stream kernel (:mod:`.mla_stream_gluon`) for 16-head MLA decode: one program per SM
 #: over shares of the batch's keys that cross requests (``mla_paged_attention(...,
-#: stream=True)``, weighed by ``balanced_rates``): off until timed.
+#: stream=True)``, weighed by ``balanced_rates``): off. Correct, but its sm_90 build spills
+#: (0.9–1.7 KB a thread) and its 64×4k step took twice the narrow kernel's on an H100,
+#: whatever the program count (docs/benchmarks.md, "Thirtieth session").
 MLA_STREAM = False
 
 #: The narrow kernel's split merge launched early (programmatic dependent launch, the
