@@ -17,14 +17,22 @@ every segment's 64-key tiles through the two-slot ring without a break (page pie
 rows by TMA, so a segment may start at any unit); each consumer warpgroup stages the
 segment's q in its own buffer, takes the tiles whose global index has its parity (ring
 slot ``C`` is consumer ``C``'s), and at the segment's end consumer 1 hands ``(m, l, O)``
-to consumer 0, which writes the request's row (a request inside the range) or a partial
-in the program's head slot (0: the request began before the range) or tail slot (1), as
-the balanced launch lays them out, so :mod:`.mla_balanced`'s merge launch (``BLOCK_N``
-16) combines them and writes the rows of requests with no keys.
+to consumer 0, which merges and normalises them in shared memory for a writer warp: the
+request's row (a request inside the range) or a partial in the program's head slot (0: the
+request began before the range) or tail slot (1), as the balanced launch lays them out, so
+:mod:`.mla_balanced`'s merge launch (``BLOCK_N`` 16) combines them and writes the rows of
+requests with no keys.
+
+The sm_90 build must not spill (``tests/test_stream_sm90.py``,
+``scripts/inspect_stream_mla_sm90.py``): its first builds spilled 0.9–1.7 KB a thread and
+ran at half the narrow kernel's speed (docs/benchmarks.md, "Thirtieth session"). What
+spilled: every wgmma's shared-memory descriptor made constant by a consumer's fixed slot
+(hoisted out of the tile loop: the slot is read through an opaque move), a loop or the
+global stores inside the tile loop (one flat loop a consumer; the writer warp stores).
 
 Serves (:func:`stream_mla_reject_reason`): what the narrow kernel serves, one query per
 request (decode), at most :data:`STREAM_MAX_BATCH` requests, pages of a multiple of 16
-rows, no LSE past the narrow kernel's, and q rows TMA-free (q is read by the consumers).
+rows (q is read by the consumers: any strides with a unit last one).
 
 Shapes: q ``[B, H, 576]`` (row ``b`` is request ``b``); kv_cache ``[pages, page, 1, 576]``;
 out ``[B, H, 512]``; lse ``[B, H]`` float32 (natural log); part_o ``[P, 2, H, 512]``
@@ -51,7 +59,7 @@ STREAM_MAX_BATCH = 4096
 #: at each point, and the SM it ran on
 STREAM_STAMP_FIELDS = ("entry", "sm", "first_tile", "end")
 _RANK, _ROPE = 512, 64
-_MAXNREG, _LOADER_REGS, _WRITER_REGS = 128, 48, 80
+_MAXNREG, _LOADER_REGS, _WRITER_REGS = 128, 48, 120
 
 
 def stream_mla_reject_reason(*, heads: int, rank: int, rope: int, dtype, kv_dtype,
@@ -151,7 +159,7 @@ if HAS_GLUON:
         seqused, bt, s_bt = ops[1][6], ops[1][8], ops[1][9]
         kn_s, kr_s = smem[2], smem[3]
         ready, empty = bars[0], bars[1]
-        p, r, cs, g0, g1, batch, early, nt = rows
+        p, r, cs, g0, g1, batch, early, nt, nit = rows
         lay: gl.constexpr = gl.BlockedLayout([_BOXES], [32], [1], [0])
         offs = gl.arange(0, _BOXES, layout=lay)
         j = early  # global tile index
@@ -179,13 +187,13 @@ if HAS_GLUON:
         tile loop kept more than the accumulator live and spilled it: 1.7 KB of spills, the
         step at half speed), computing the tiles of its parity (ring slot ``C``); at a
         segment's first tile it stages that request's q, at its last the two consumers
-        merge and consumer 0 writes (:func:`_write`)."""
+        merge and consumer 0 stages the rows for the writer warp (:func:`_writer`)."""
         out, part_o, part_l, lse_ptr = ops[1][0], ops[1][1], ops[1][2], ops[1][3]
         qk2, heads, seqused, q_ptr = ops[1][4], ops[1][5], ops[1][6], ops[1][7]
         s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh, s_qt, s_qh = ops[2]
         qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x = smem
         ready, empty, done, taken, staged = bars[0], bars[1], bars[2], bars[3], bars[4]
-        p, r, cs, g0, g1, batch, early, nt = rows
+        p, r, cs, g0, g1, batch, early, nt, nit = rows
         dtype: gl.constexpr = qn_s.dtype
         s_lay: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HP, 16])
@@ -193,11 +201,6 @@ if HAS_GLUON:
         row: gl.constexpr = gl.SliceLayout(1, s_lay)
         qn_c = qn_s.index(C)
         qr_c = qr_s.index(C)
-        qn_t = qn_c.permute((1, 0))  # [512, HP]
-        qr_t = qr_c.permute((1, 0))  # [64, HP]
-        p_t = p_s.index(C).permute((1, 0))  # [64, HP]
-        kn = kn_s.index(C)  # two slots, two consumers: slot C is consumer C's
-        kr = kr_s.index(C)
         s_zero = gl.zeros([64, HP], gl.float32, layout=s_lay)
         # q is staged 64 columns at a time (8 offsets a thread)
         lq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -220,78 +223,93 @@ if HAS_GLUON:
         kv_len, ce, lo, n, valid = _segment(seqused, r, cs, g0, g1)
         s0 = 0  # the segment's first tile
         k = 0  # segments done
-        for g in range(0, nt):
-            i = g - s0
-            if i == 0:  # this segment's q into this consumer's buffer
-                q_row = q_ptr + r.to(gl.int64) * s_qt
-                q_off = hq[:, None] * s_qh + dq[None, :]  # int32: a row < 2^31 elements
-                for c in gl.static_range(8):
-                    qn_c.slice(c * 64, 64, dim=1).store(
-                        gl.load(q_row + c * 64 + q_off, mask=q_ok, other=0.0))
-                qr_c.store(gl.load(q_row + 512 + q_off, mask=q_ok, other=0.0))
-                fence_async_shared()
-                gl.thread_barrier()
-                m_i = gl.full([HP], float("-inf"), gl.float32, layout=col)
-            if g % 2 == C:
-                mbarrier.wait(ready.index(C), (g // 2) & 1)
-                if C == 0:
-                    if g == 0:
-                        _stamp(ops[1][10], p, 2, STAMPS)  # the first tile is in
-                s_tok = warpgroup_mma(kn, qn_t, s_zero, use_acc=False, is_async=True)
-                s_tok = warpgroup_mma(kr, qr_t, s_tok, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-                if i == n - 1:
-                    if valid < 64:  # past the segment's last key: no logit, zero rows
-                        s = _mask_tail(s, kn, valid, 64, 512, row)
-                pr, m_i, l_acc, acc = _keys_softmax(s, m_i, l_acc, acc, qk2)
-                p_t.store(pr.to(dtype))
-                fence_async_shared()
-                o_tok = warpgroup_mma(kn.permute((1, 0)), p_t, acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
-                mbarrier.arrive(empty.index(C), count=1)
-            if i == n - 1:  # the segment's last tile: merge the two consumers, write
-                # no tile of this segment here: nothing summed (l_acc holds older sums)
-                l_i = gl.where(m_i == float("-inf"), 0.0, gl.sum(l_acc, 0))
-                if C == 1:  # hand (m, l, O) over once consumer 0 has read the last ones
-                    if k > 0:
-                        mbarrier.wait(taken, (k - 1) & 1)
-                    m_x.store(m_i)
-                    l_x.store(l_i)
-                    o_x.store(acc)
+        g = 0  # the next tile
+        # one iteration a tile, or a request without keys between two segments (skipped
+        # one an iteration: a loop inside this one spilled the accumulator)
+        for it in range(0, nit):
+            if n == 0:
+                cs = ce
+                r += 1
+                kv_len, ce, lo, n, valid = _segment(seqused, r, cs, g0, g1)
+            else:
+                i = g - s0
+                if i == 0:  # this segment's q into this consumer's buffer
+                    q_row = q_ptr + r.to(gl.int64) * s_qt
+                    q_off = hq[:, None] * s_qh + dq[None, :]  # int32: a row < 2^31 elements
+                    for c in gl.static_range(8):
+                        qn_c.slice(c * 64, 64, dim=1).store(
+                            gl.load(q_row + c * 64 + q_off, mask=q_ok, other=0.0))
+                    qr_c.store(gl.load(q_row + 512 + q_off, mask=q_ok, other=0.0))
+                    fence_async_shared()
                     gl.thread_barrier()
-                    mbarrier.arrive(done, count=1)
-                else:
-                    mbarrier.wait(done, k & 1)
-                    m_1 = m_x.load(col)
-                    l_1 = l_x.load(col)
-                    m_n = gl.maximum(m_i, m_1)
-                    m_safe = gl.where(m_n == float("-inf"), 0.0, m_n)
-                    a_0 = gl.exp2(m_i - m_safe)
-                    a_1 = gl.exp2(m_1 - m_safe)
-                    # (a side without tiles has weight 0 and finite stale rows); merged
-                    # and normalised in place, then staged in o_x for the writer warp:
-                    # the global stores in this loop kept their addresses live and spilled
-                    acc = acc * a_0[None, :] + o_x.load(s_lay) * a_1[None, :]
-                    l_i = l_i * a_0 + l_1 * a_1
-                    has = l_i > 0.0
-                    acc = acc / gl.where(has, l_i, 1.0)[None, :]
-                    lse2 = gl.where(has, m_n + gl.log2(gl.where(has, l_i, 1.0)),
-                                    float("-inf"))
-                    gl.thread_barrier()  # every thread has read consumer 1's O and m
-                    o_x.store(acc)
-                    m_x.store(lse2)
-                    gl.thread_barrier()
-                    mbarrier.arrive(staged, count=1)
-                k += 1
-                s0 = g + 1
-                if g + 1 < nt:  # the next request with keys in the range
-                    cs = ce
-                    r += 1
-                    kv_len, ce, lo, n, valid = _segment(seqused, r, cs, g0, g1)
-                    while n == 0:
+                    m_i = gl.full([HP], float("-inf"), gl.float32, layout=col)
+                if g % 2 == C:
+                    # slot C is consumer C's (two slots, two consumers), read through an
+                    # opaque move: as a constant, its buffers' wgmma descriptors were
+                    # hoisted out of the loop and spilled (1 KB a thread)
+                    sl = gl.inline_asm_elementwise("mov.u32 $0, $1;", "=r,r", [g % 2],
+                                                   dtype=gl.int32, is_pure=True, pack=1)
+                    kn = kn_s.index(sl)
+                    kr = kr_s.index(sl)
+                    qn_t = qn_s.index(sl).permute((1, 0))  # [512, HP]
+                    qr_t = qr_s.index(sl).permute((1, 0))  # [64, HP]
+                    p_t = p_s.index(sl).permute((1, 0))  # [64, HP]
+                    mbarrier.wait(ready.index(C), (g // 2) & 1)
+                    if C == 0:
+                        if g == 0:
+                            _stamp(ops[1][10], p, 2, STAMPS)  # the first tile is in
+                    s_tok = warpgroup_mma(kn, qn_t, s_zero, use_acc=False, is_async=True)
+                    s_tok = warpgroup_mma(kr, qr_t, s_tok, is_async=True)
+                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+                    if i == n - 1:
+                        if valid < 64:  # past the segment's last key: no logit, zero rows
+                            s = _mask_tail(s, kn, valid, 64, 512, row)
+                    pr, m_i, l_acc, acc = _keys_softmax(s, m_i, l_acc, acc, qk2)
+                    p_t.store(pr.to(dtype))
+                    fence_async_shared()
+                    o_tok = warpgroup_mma(kn.permute((1, 0)), p_t, acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
+                    mbarrier.arrive(empty.index(C), count=1)
+                if i == n - 1:  # the segment's last tile: merge the two consumers, write
+                    # no tile of this segment here: nothing summed (l_acc holds older sums)
+                    l_i = gl.where(m_i == float("-inf"), 0.0, gl.sum(l_acc, 0))
+                    if C == 1:  # hand (m, l, O) over once consumer 0 has read the last ones
+                        if k > 0:
+                            mbarrier.wait(taken, (k - 1) & 1)
+                        m_x.store(m_i)
+                        l_x.store(l_i)
+                        o_x.store(acc)
+                        gl.thread_barrier()
+                        mbarrier.arrive(done, count=1)
+                    else:
+                        mbarrier.wait(done, k & 1)
+                        m_1 = m_x.load(col)
+                        l_1 = l_x.load(col)
+                        m_n = gl.maximum(m_i, m_1)
+                        m_safe = gl.where(m_n == float("-inf"), 0.0, m_n)
+                        a_0 = gl.exp2(m_i - m_safe)
+                        a_1 = gl.exp2(m_1 - m_safe)
+                        # (a side without tiles has weight 0 and finite stale rows); merged
+                        # and normalised in place, then staged in o_x for the writer warp:
+                        # the global stores in this loop kept their addresses live and spilled
+                        acc = acc * a_0[None, :] + o_x.load(s_lay) * a_1[None, :]
+                        l_i = l_i * a_0 + l_1 * a_1
+                        has = l_i > 0.0
+                        acc = acc / gl.where(has, l_i, 1.0)[None, :]
+                        lse2 = gl.where(has, m_n + gl.log2(gl.where(has, l_i, 1.0)),
+                                        float("-inf"))
+                        gl.thread_barrier()  # every thread has read consumer 1's O and m
+                        o_x.store(acc)
+                        m_x.store(lse2)
+                        gl.thread_barrier()
+                        mbarrier.arrive(staged, count=1)
+                    k += 1
+                    s0 = g + 1
+                    if g + 1 < nt:  # the next request (without keys: skipped above)
                         cs = ce
                         r += 1
                         kv_len, ce, lo, n, valid = _segment(seqused, r, cs, g0, g1)
+                g += 1
 
     @gluon.jit
     def _writer(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
@@ -306,9 +324,10 @@ if HAS_GLUON:
         s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh = ops[2][:10]
         m_x, o_x = smem[5], smem[7]
         taken, staged = bars[3], bars[4]
-        p, r, cs, g0, g1, batch, early, nt = rows
+        p, r, cs, g0, g1, batch, early, nt, nit = rows
+        # a head's row 128 columns at a time (4 a thread: few registers live)
         lr: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 1], [0, 1])
-        d = gl.arange(0, 512, layout=gl.SliceLayout(1, lr))[:, None]  # [512, 1]
+        d0 = gl.arange(0, 128, layout=gl.SliceLayout(1, lr))[:, None]  # [128, 1]
         lh: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         h = gl.arange(0, HP, layout=lh)
         h_ok = h < heads
@@ -319,12 +338,18 @@ if HAS_GLUON:
             if n > 0:
                 mbarrier.wait(staged, k & 1)
                 lse2 = m_x.load(lh)
+                # the columns' offsets made here, not hoisted: 64 address sets (16 heads,
+                # 4 chunks) kept live across the segments spilled
+                d = d0 + gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [],
+                                                   dtype=gl.int32, is_pure=False, pack=1)
                 if (cs >= g0) & (ce <= g1):  # the whole request here: its row
                     row = out + r.to(gl.int64) * s_ot
                     for hd in gl.static_range(HP):
-                        oc = o_x.slice(hd, 1, dim=1).load(lr)
-                        gl.store(row + hd * s_oh + d, _to_output(oc, out.dtype.element_ty),
-                                 mask=(d < 512) & (hd < heads))
+                        for c in gl.static_range(4):
+                            oc = o_x.slice(c * 128, 128, dim=0).slice(hd, 1, dim=1).load(lr)
+                            gl.store(row + hd * s_oh + c * 128 + d,
+                                     _to_output(oc, out.dtype.element_ty),
+                                     mask=(d < 128) & (hd < heads))
                     if WRITE_LSE:
                         gl.store(lse_ptr + r.to(gl.int64) * s_et + h64 * s_eh,
                                  lse2 * 0.6931471805599453, mask=h_ok)
@@ -332,10 +357,11 @@ if HAS_GLUON:
                     slot = gl.where(cs < g0, 0, 1).to(gl.int64)
                     row = part_o + p.to(gl.int64) * s_pp + slot * s_pw
                     for hd in gl.static_range(HP):
-                        oc = o_x.slice(hd, 1, dim=1).load(lr)
-                        gl.store(row + hd * s_ph + d,
-                                 _to_output(oc, part_o.dtype.element_ty),
-                                 mask=(d < 512) & (hd < heads))
+                        for c in gl.static_range(4):
+                            oc = o_x.slice(c * 128, 128, dim=0).slice(hd, 1, dim=1).load(lr)
+                            gl.store(row + hd * s_ph + c * 128 + d,
+                                     _to_output(oc, part_o.dtype.element_ty),
+                                     mask=(d < 128) & (hd < heads))
                     gl.store(part_l + p.to(gl.int64) * s_lp + slot * s_lw + h64 * s_lh,
                              lse2, mask=h_ok)
                 gl.thread_barrier()
@@ -419,16 +445,24 @@ if HAS_GLUON:
         # rest, so their page lookups and TMA do not wait for the partitions to start
         early = r0 * 0
         nt = r0 * 0  # the program's tiles, over all its segments
+        nit = r0 * 0  # the consumers' iterations: tiles and requests without keys between
         if r0 < batch:
             if cs0 < g1:
                 kv_len, ce, lo, n, valid = _segment(seqused, r0, cs0, g0, g1)
                 early = gl.minimum(n, 2)
                 nt = n
+                nit = n
+                gap = r0 * 0  # requests without keys since the last segment
                 r1 = r0 + 1
                 c1 = ce
                 while (c1 < g1) & (r1 < batch):
                     kv1, ce1, lo1, n1, valid1 = _segment(seqused, r1, c1, g0, g1)
                     nt += n1
+                    if n1 > 0:  # the requests without keys before it are iterations
+                        nit += n1 + gap
+                        gap = 0
+                    else:
+                        gap += 1
                     c1 = ce1
                     r1 += 1
                 last = gl.maximum(gl.cdiv(kv_len, PAGE) - 1, 0)
@@ -445,7 +479,7 @@ if HAS_GLUON:
                (s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh, s_qt, s_qh))
         smem = (qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x)
         bars = (ready, empty, done, taken, staged)
-        rows = (p, r0, cs0, g0, g1, batch, early, nt)
+        rows = (p, r0, cs0, g0, g1, batch, early, nt, nit)
         gl.warp_specialize([
             (_consume_0, (ops, smem, bars, rows, HP, PAGE, WRITE_LSE, STAMPS)),
             (_consume_1, (ops, smem, bars, rows, HP, PAGE, WRITE_LSE, STAMPS)),
