@@ -264,3 +264,70 @@ def test_stream_probe_summary_by_hand():
     assert got["first"] == pytest.approx([2.0, 2.75, 3.0])
     # stream: step 0 (48, 56, 32) -> (32, 48, 56); step 1 (37, 28) -> (28, 32.5, 37)
     assert got["stream"] == pytest.approx([30.0, 40.25, 46.5])
+
+
+# ------------------------------------------------- the partition, on the host (invariants)
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=150, deadline=None)
+@given(lens=st.lists(st.one_of(st.just(0), st.integers(1, 40), st.integers(1, 3000)),
+                     min_size=1, max_size=30),
+       rates=st.lists(st.floats(0.5, 2.0), min_size=1, max_size=24))
+def test_stream_partition_invariants(lens, rates):
+    """``stream_segments`` (the kernel's arithmetic on the host; it also checks that the
+    prologue's vector count of the consumers' iterations equals their walk) over random
+    batches and slot weights: every request's keys are covered once, in order; a request
+    in one slot is a row, a crossing one a tail then heads; a slot has at most one head
+    (its first segment) and one tail (its last); and every slot the balanced merge reads
+    for a crossing request holds that request's partial in the slot kind it reads (an
+    empty range inside the request: the head slot, written with LSE -inf)."""
+    from aiter_attn.kernels.triton.mla_balanced import share_weights
+    from aiter_attn.kernels.triton.mla_stream_gluon import STREAM_UNIT, stream_segments
+
+    programs = len(rates)
+    w = share_weights(tuple(rates), programs)
+    parts = stream_segments(lens, w)
+    per_req = {}
+    for p, slot in enumerate(parts):
+        segs = slot["segments"]
+        kinds = [s[4] for s in segs]
+        assert kinds.count("head") <= 1 and kinds.count("tail") <= 1, (p, segs)
+        if "head" in kinds:
+            assert kinds[0] == "head", (p, segs)
+        if "tail" in kinds:
+            assert kinds[-1] == "tail", (p, segs)
+        assert slot["iterations"] >= sum(s[3] for s in segs)
+        for r, lo, hi, n, kind in segs:
+            assert n == -(-(hi - lo) // 64) and lo < hi, (p, segs)
+            per_req.setdefault(r, []).append((p, lo, hi, kind))
+    units = [-(-L // STREAM_UNIT) for L in lens]
+    starts = [sum(units[:b]) for b in range(len(lens))]
+    total = sum(units)
+    bounds = [slot["range"][0] for slot in parts] + [total]
+    for r, L in enumerate(lens):
+        got = per_req.get(r, [])
+        if L == 0:
+            assert not got, (r, got)
+            continue
+        assert [g[1] for g in got] == [0] + [g[2] for g in got[:-1]], (r, got)
+        assert got[-1][2] == L, (r, got)
+        if len(got) == 1:
+            assert got[0][3] == "row", (r, got)
+            continue
+        assert [g[3] for g in got] == ["tail"] + ["head"] * (len(got) - 1), (r, got)
+        # the merge: slots p0..p1 from the inner bounds, the kind it reads from each
+        cs, ce = starts[r], starts[r] + units[r]
+        inner = bounds[1:programs]
+        p0 = sum(b <= cs for b in inner)
+        p1 = sum(b <= ce - 1 for b in inner)
+        written = {g[0]: g[3] for g in got}
+        for p in range(p0, p1 + 1):
+            reads = "head" if cs < bounds[p] else "tail"
+            if p in written:
+                assert written[p] == reads, (r, p, got)
+            else:  # an empty range inside the request: the kernel writes its head slot
+                g0, g1 = parts[p]["range"]
+                assert g0 == g1 and cs < g0 < ce and reads == "head", (r, p, got)

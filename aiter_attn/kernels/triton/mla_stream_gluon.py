@@ -49,7 +49,7 @@ from .mla_narrow_gluon import narrow_mla_reject_reason
 from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout
 
 __all__ = ["stream_mla_reject_reason", "stream_descriptors", "launch_stream_mla",
-           "STREAM_UNIT", "STREAM_MAX_BATCH", "STREAM_STAMP_FIELDS"]
+           "stream_segments", "STREAM_UNIT", "STREAM_MAX_BATCH", "STREAM_STAMP_FIELDS"]
 
 #: keys per share unit: a program's range starts and ends on these (the TMA boxes' rows)
 STREAM_UNIT = 16
@@ -78,6 +78,70 @@ def stream_mla_reject_reason(*, heads: int, rank: int, rope: int, dtype, kv_dtyp
     if batch > STREAM_MAX_BATCH:
         return f"{batch} requests (at most {STREAM_MAX_BATCH})"
     return None
+
+
+def stream_segments(lens, shares) -> list:
+    """The device partition on the host (tests, the design's invariants): for each slot
+    ``p`` of the cumulative float32 weights ``shares`` ``[P + 1]`` over requests of
+    ``lens`` keys, ``{"range": (g0, g1), "segments": [(r, lo, hi, n, kind), ...],
+    "iterations": nit}`` with the kernel's arithmetic: keys ``[lo, hi)`` of request ``r`` in
+    ``n`` 64-key tiles, ``kind`` ``"row"`` (the whole request here), ``"head"`` (it began
+    before the range: partial slot 0) or ``"tail"`` (slot 1); ``nit`` the consumers'
+    iterations as the prologue counts them (tiles, and requests without keys between the
+    first and the last segment), checked against the consumers' walk."""
+    import torch
+
+    lens = [int(x) for x in lens]
+    units = [-(-L // STREAM_UNIT) for L in lens]
+    ends, acc = [], 0
+    for u in units:
+        acc += u
+        ends.append(acc)
+    total = acc
+    w = torch.as_tensor(shares, dtype=torch.float32)
+    programs = w.numel() - 1
+
+    def bound(s):
+        if s >= programs:
+            return total
+        return min(int((w[s] * torch.tensor(float(total), dtype=torch.float32)).item()),
+                   total)
+
+    out = []
+    for p in range(programs):
+        g0, g1 = bound(p), bound(p + 1)
+        r = sum(e <= g0 for e in ends)
+        cs = ends[r - 1] if r > 0 else 0
+        segs, walk, gap = [], 0, 0
+        while cs < g1 and r < len(lens):
+            ce = ends[r]
+            lo = (max(g0, cs) - cs) * STREAM_UNIT
+            hi = min((min(g1, ce) - cs) * STREAM_UNIT, lens[r])
+            n = max(-(-(hi - lo) // 64), 0)
+            if n > 0:
+                kind = "row" if cs >= g0 and ce <= g1 else ("head" if cs < g0 else "tail")
+                segs.append((r, lo, hi, n, kind))
+                walk += n + (gap if len(segs) > 1 else 0)
+                gap = 0
+            elif segs:
+                gap += 1
+            cs, r = ce, r + 1
+        # the prologue's count, from the lengths as vectors
+        starts = [e - u for e, u in zip(ends, units)]
+        n_b = []
+        for b, L in enumerate(lens):
+            lo = (max(g0, starts[b]) - starts[b]) * STREAM_UNIT
+            hi = min((min(g1, ends[b]) - starts[b]) * STREAM_UNIT, L)
+            touch = ends[b] > g0 and starts[b] < g1
+            n_b.append(max(-(-(hi - lo) // 64), 0) if touch else 0)
+        r0 = sum(e <= g0 for e in ends)
+        last = max([b for b, n in enumerate(n_b) if n > 0], default=-1)
+        nit = sum(n_b) + sum(1 for b, n in enumerate(n_b) if n == 0 and r0 < b < last)
+        if nit != walk:
+            raise AssertionError(f"slot {p}: the prologue counts {nit} iterations, the "
+                                 f"consumers walk {walk}")
+        out.append({"range": (g0, g1), "segments": segs, "iterations": nit})
+    return out
 
 
 if HAS_GLUON:
@@ -443,37 +507,34 @@ if HAS_GLUON:
 
         # segment 0's first tiles (up to the ring's two) go out now: the loader takes the
         # rest, so their page lookups and TMA do not wait for the partitions to start
-        early = r0 * 0
-        nt = r0 * 0  # the program's tiles, over all its segments
-        nit = r0 * 0  # the consumers' iterations: tiles and requests without keys between
-        if r0 < batch:
-            if cs0 < g1:
-                kv_len, ce, lo, n, valid = _segment(seqused, r0, cs0, g0, g1)
-                early = gl.minimum(n, 2)
-                nt = n
-                nit = n
-                gap = r0 * 0  # requests without keys since the last segment
-                r1 = r0 + 1
-                c1 = ce
-                while (c1 < g1) & (r1 < batch):
-                    kv1, ce1, lo1, n1, valid1 = _segment(seqused, r1, c1, g0, g1)
-                    nt += n1
-                    if n1 > 0:  # the requests without keys before it are iterations
-                        nit += n1 + gap
-                        gap = 0
-                    else:
-                        gap += 1
-                    c1 = ce1
-                    r1 += 1
-                last = gl.maximum(gl.cdiv(kv_len, PAGE) - 1, 0)
-                bt_row = bt + r0.to(gl.int64) * s_bt
-                lay_t: gl.constexpr = gl.BlockedLayout([_BOXES], [32], [num_warps], [0])
-                offs_t = gl.arange(0, _BOXES, layout=lay_t)
-                for i in range(0, early):
-                    cur = _tile_rows(bt_row, lo + i * 64, last, PAGE, _UNIT, _BOXES,
-                                     lay_t).to(gl.int32)
-                    _issue(kn_d, kr_d, kn_s, kr_s, ready.index(i), i, cur, offs_t, _UNIT,
-                           _BOXES)
+        # every request's tiles in this range, from the lengths already in registers (no
+        # walk of dependent loads): the consumers' iterations are these tiles and the
+        # requests without keys between the first and the last segment
+        starts = ends - units
+        lo_b = (gl.maximum(g0, starts) - starts) * _UNIT
+        hi_b = gl.minimum((gl.minimum(g1, ends) - starts) * _UNIT, lens)
+        touch = (ends > g0) & (starts < g1) & (offs_b < batch)
+        n_b = gl.where(touch, gl.maximum(gl.cdiv(hi_b - lo_b, 64), 0), 0)
+        nt = gl.sum(n_b, axis=0)
+        r_last = gl.max(gl.where(n_b > 0, offs_b, -1), axis=0)
+        nit = nt + gl.sum(((n_b == 0) & (offs_b > r0) & (offs_b < r_last)).to(gl.int32),
+                          axis=0)
+        # segment 0's first tiles (up to the ring's two) go out now: the loader takes the
+        # rest, so their page lookups and TMA do not wait for the partitions to start
+        n0 = gl.sum(gl.where(offs_b == r0, n_b, 0), axis=0)
+        early = gl.minimum(n0, 2)
+        if early > 0:
+            lo0 = gl.sum(gl.where(offs_b == r0, lo_b, 0), axis=0)
+            len0 = gl.sum(gl.where(offs_b == r0, lens, 0), axis=0)
+            last = gl.maximum(gl.cdiv(len0, PAGE) - 1, 0)
+            bt_row = bt + r0.to(gl.int64) * s_bt
+            lay_t: gl.constexpr = gl.BlockedLayout([_BOXES], [32], [num_warps], [0])
+            offs_t = gl.arange(0, _BOXES, layout=lay_t)
+            for i in range(0, early):
+                cur = _tile_rows(bt_row, lo0 + i * 64, last, PAGE, _UNIT, _BOXES,
+                                 lay_t).to(gl.int32)
+                _issue(kn_d, kr_d, kn_s, kr_s, ready.index(i), i, cur, offs_t, _UNIT,
+                       _BOXES)
         ops = ((kn_d, kr_d),
                (out, part_o, part_l, lse_ptr, qk2, heads, seqused, q_ptr, bt, s_bt, stamps),
                (s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh, s_qt, s_qh))
