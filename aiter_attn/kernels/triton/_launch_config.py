@@ -151,9 +151,10 @@ MLA_NARROW = True
 
 #: The stream kernel (:mod:`.mla_stream_gluon`) for 16-head MLA decode: one program per SM
 #: over shares of the batch's keys that cross requests (``mla_paged_attention(...,
-#: stream=True)``, weighed by ``balanced_rates``): off. Correct, but its sm_90 build spills
-#: (0.9–1.7 KB a thread) and its 64×4k step took twice the narrow kernel's on an H100,
-#: whatever the program count (docs/benchmarks.md, "Thirtieth session").
+#: stream=True)``, weighed by ``balanced_rates``): off. Correct, but its first sm_90 builds
+#: spilled (0.9–1.7 KB a thread) and took twice the narrow kernel's 64×4k step on an H100,
+#: whatever the program count (docs/benchmarks.md, "Thirtieth session"); the spill-free
+#: build (40 bytes of ptxas stack) is not yet timed.
 MLA_STREAM = False
 
 #: The narrow kernel's split merge launched early (programmatic dependent launch, the
