@@ -40,6 +40,9 @@ def compile_stream(q="bf16", index="i32", **const):
     box = ms.STREAM_UNIT
     ln = gl.NVMMASharedLayout.get_default_for([box, 512], gdt)
     lr = gl.NVMMASharedLayout.get_default_for([box, 64], gdt)
+    hp = c["HP"]
+    qln = gl.NVMMASharedLayout.get_default_for([hp, 512], gdt)
+    qlr = gl.NVMMASharedLayout.get_default_for([hp, 64], gdt)
     fn = ms._stream_mla_kernel
     names = fn.arg_names
     sig = {}
@@ -50,7 +53,11 @@ def compile_stream(q="bf16", index="i32", **const):
             sig[n] = f"tensordesc<{q}[{box}, 512],{ln!r}>"
         elif n == "kr_d":
             sig[n] = f"tensordesc<{q}[{box}, 64],{lr!r}>"
-        elif n in ("q_ptr", "out", "part_o"):
+        elif n == "qn_d":
+            sig[n] = f"tensordesc<{q}[{hp}, 512],{qln!r}>"
+        elif n == "qr_d":
+            sig[n] = f"tensordesc<{q}[{hp}, 64],{qlr!r}>"
+        elif n in ("out", "part_o"):
             sig[n] = f"*{q}"
         elif n in ("part_l", "lse_ptr", "shares"):
             sig[n] = "*fp32"

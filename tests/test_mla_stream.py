@@ -72,6 +72,19 @@ def test_stream_takes_rates():
     assert k.tuning["balanced_rates"] == (1.0, 2.5)
 
 
+def test_stream_q_reason():
+    """The loader reads q by TMA as rows ``[T·H, 576]``: a contiguous q passes; heads of a
+    wider buffer (tokens not ``H`` rows apart), or rows off 16 bytes, are named."""
+    from aiter_attn.kernels.triton.mla_stream_gluon import stream_q_reason
+
+    q = torch.randn(4, 16, 576, dtype=torch.bfloat16)
+    assert stream_q_reason(q) is None
+    wide = torch.randn(4, 20, 576, dtype=torch.bfloat16)[:, :16]
+    assert stream_q_reason(wide) == "q is not rows [T·H, 576] of 16-byte aligned heads"
+    odd = torch.randn(4, 16, 580, dtype=torch.bfloat16)[:, :, 1:577]
+    assert stream_q_reason(odd) == "q is not rows [T·H, 576] of 16-byte aligned heads"
+
+
 def test_stream_off_the_gpu_keeps_the_split_launch():
     """On the CPU the stream kernel does not serve: ``stream=True`` gives the oracle's rows
     through the Triton launch (interpreter)."""
@@ -194,6 +207,30 @@ def test_gpu_stream_partitions(lens, spy):
                    dtype=torch.bfloat16, device="cuda", seed=5)
     _run_object(case, {"stream": True})
     assert spy == [False]
+
+
+@pytest.mark.gpu
+def test_gpu_stream_q_not_rows_takes_the_split_path(spy):
+    """A q its loader cannot read as rows (heads of a wider buffer): the step runs, on the
+    split path, with the oracle's rows; the stream kernel is not launched."""
+    _gpu()
+    from .test_hunt_mla_balanced import _kernel_obj, _md, _params
+
+    case = MLACase([1] * 8, [4096, 77, 1, 2000, 0, 3000, 64, 513], heads=16, rank=512,
+                   rope=64, page=64, dtype=torch.bfloat16, device="cuda", seed=17)
+    g = _on_gpu(case)
+    wide = torch.zeros(8, 20, 576, dtype=torch.bfloat16, device="cuda")
+    wide[:, :16] = g.q
+    g.q = wide[:, :16]
+    kernel = _kernel_obj(g, {"stream": True})
+    plan = kernel.plan(_md(g))
+    assert plan.stream is not None
+    out = torch.full((8, 16, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((8, 16), float("nan"), device="cuda")
+    kernel.run(g.q, (g.kv_cache,), plan, _params(g), out, lse=lse)
+    torch.cuda.synchronize()
+    _check(case, out, lse, "split path")
+    assert spy == []
 
 
 @pytest.mark.gpu

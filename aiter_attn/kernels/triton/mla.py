@@ -616,12 +616,13 @@ class TritonMLA(MLAWorkspace, MLAKernel):
         ps_l = part_lse.stride() if plan.use_parts else (0, 0)
         lse_t = lse if write_lse else part_lse
         ls = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
-        if plan.stream is not None and q.stride(2) == 1 and out.stride(2) == 1:
+        if plan.stream is not None and out.stride(2) == 1:
             sdescs = self._stream_descs(kv_cache)
-            if sdescs is not None:
+            qdescs = self._stream_q_descs(q) if sdescs is not None else None
+            if qdescs is not None:  # else the split path (its partials are planned too)
                 launch_kw, merge_kw = plan.stream
                 launch_stream_mla(q, kv_cache, out, seqused_k, block_table, params.scale,
-                                  lse=lse, descs=sdescs, **launch_kw)
+                                  lse=lse, descs=sdescs, q_descs=qdescs, **launch_kw)
                 launch_balanced_mla(q, kv_cache, out, seqused_k, block_table, rank=self.rank,
                                     qk_scale_log2=params.scale * _LOG2E, lse=lse, **merge_kw)
                 return out

@@ -14,8 +14,8 @@ with ``w`` the cumulative slot weights (:func:`.mla_balanced.share_weights`: equ
 SM's measured rate, where the program first claims the slot of the SM it runs on). A
 program walks the requests its range touches, one *segment* each: the loader warp streams
 every segment's 64-key tiles through the two-slot ring without a break (page pieces of 16
-rows by TMA, so a segment may start at any unit); each consumer warpgroup stages the
-segment's q in its own buffer, takes the tiles whose global index has its parity (ring
+rows by TMA, so a segment may start at any unit), and each segment's q ahead into one of
+two q buffers; each consumer warpgroup takes the tiles whose global index has its parity (ring
 slot ``C`` is consumer ``C``'s), and at the segment's end consumer 1 hands ``(m, l, O)``
 to consumer 0, which merges and normalises them in shared memory for a writer warp: the
 request's row (a request inside the range) or a partial in the program's head slot (0: the
@@ -32,7 +32,9 @@ global stores inside the tile loop (one flat loop a consumer; the writer warp st
 
 Serves (:func:`stream_mla_reject_reason`): what the narrow kernel serves, one query per
 request (decode), at most :data:`STREAM_MAX_BATCH` requests, pages of a multiple of 16
-rows (q is read by the consumers: any strides with a unit last one).
+rows; and, checked per call (:func:`stream_q_reason`), a q the loader reads by TMA as rows
+``[T·H, 576]`` into two buffers (a segment's q is in shared memory before its first tile:
+the consumers do not wait on a load at each request).
 
 Shapes: q ``[B, H, 576]`` (row ``b`` is request ``b``); kv_cache ``[pages, page, 1, 576]``;
 out ``[B, H, 512]``; lse ``[B, H]`` float32 (natural log); part_o ``[P, 2, H, 512]``
@@ -48,7 +50,8 @@ from ._launch import Launcher, launch_key
 from .mla_narrow_gluon import narrow_mla_reject_reason
 from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout
 
-__all__ = ["stream_mla_reject_reason", "stream_descriptors", "launch_stream_mla",
+__all__ = ["stream_mla_reject_reason", "stream_descriptors", "stream_q_reason",
+           "stream_q_descriptors", "launch_stream_mla",
            "stream_segments", "STREAM_UNIT", "STREAM_MAX_BATCH", "STREAM_STAMP_FIELDS"]
 
 #: keys per share unit: a program's range starts and ends on these (the TMA boxes' rows)
@@ -148,7 +151,7 @@ if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     from .decode_gluon import _keys_softmax, _mask_tail, _tile_rows
@@ -185,6 +188,16 @@ if HAS_GLUON:
         return kv_len, ce, lo, n, valid
 
     @gluon.jit
+    def _issue_q(qn_d, qr_d, qn_s, qr_s, bar, buf, r, heads):
+        """TMA of request ``r``'s q (rows ``r·H .. r·H + HP - 1`` of q viewed as rows
+        ``[T·H, 576]``: heads past ``H`` read the next request's rows, or zeros past the
+        end, their columns masked at the stores) into q buffer ``buf``."""
+        mbarrier.expect(bar, qn_d.block_type.nbytes + qr_d.block_type.nbytes)
+        row = r * heads
+        tma.async_copy_global_to_shared(qn_d, [row, 0], bar, qn_s.index(buf))
+        tma.async_copy_global_to_shared(qr_d, [row, 512], bar, qr_s.index(buf))
+
+    @gluon.jit
     def _claim(ticket, claims, num_programs):
         """The slot this program takes: its launch's epoch from a ticket (``P`` a launch),
         then the slot of its SM, or the next free one (as :func:`.mla_balanced
@@ -219,19 +232,26 @@ if HAS_GLUON:
               WRITE_LSE: gl.constexpr, STAMPS: gl.constexpr):
         """Loader (1 warp): every segment's tiles through the ring, in order (the program
         issued segment 0's first ``early`` tiles)."""
-        kn_d, kr_d = ops[0][0], ops[0][1]
-        seqused, bt, s_bt = ops[1][6], ops[1][8], ops[1][9]
-        kn_s, kr_s = smem[2], smem[3]
-        ready, empty = bars[0], bars[1]
+        kn_d, kr_d, qn_d, qr_d = ops[0][0], ops[0][1], ops[0][2], ops[0][3]
+        seqused, bt, s_bt, heads = ops[1][6], ops[1][8], ops[1][9], ops[1][5]
+        qn_s, qr_s, kn_s, kr_s = smem[0], smem[1], smem[2], smem[3]
+        ready, empty, q_ready, q_free = bars[0], bars[1], bars[5], bars[6]
         p, r, cs, g0, g1, batch, early, nt, nit = rows
         lay: gl.constexpr = gl.BlockedLayout([_BOXES], [32], [1], [0])
         offs = gl.arange(0, _BOXES, layout=lay)
         j = early  # global tile index
         skip = early
+        kq = 0  # segments with keys so far (the program issued segment 0's q)
         while (cs < g1) & (r < batch):
             kv_len, ce, lo, n, valid = _segment(seqused, r, cs, g0, g1)
             last = gl.maximum(gl.cdiv(kv_len, PAGE) - 1, 0)
             bt_row = bt + r.to(gl.int64) * s_bt
+            if n > 0:
+                if kq > 0:  # this segment's q into buffer kq % 2 once its last user is done
+                    if kq >= 2:
+                        mbarrier.wait(q_free.index(kq % 2), ((kq // 2) - 1) & 1)
+                    _issue_q(qn_d, qr_d, qn_s, qr_s, q_ready.index(kq % 2), kq % 2, r, heads)
+                kq += 1
             for i in range(skip, n):
                 cur = _tile_rows(bt_row, lo + i * 64, last, PAGE, _UNIT, _BOXES,
                                  lay).to(gl.int32)
@@ -253,24 +273,18 @@ if HAS_GLUON:
         segment's first tile it stages that request's q, at its last the two consumers
         merge and consumer 0 stages the rows for the writer warp (:func:`_writer`)."""
         out, part_o, part_l, lse_ptr = ops[1][0], ops[1][1], ops[1][2], ops[1][3]
-        qk2, heads, seqused, q_ptr = ops[1][4], ops[1][5], ops[1][6], ops[1][7]
-        s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh, s_qt, s_qh = ops[2]
+        qk2, heads, seqused = ops[1][4], ops[1][5], ops[1][6]
+        s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh = ops[2]
         qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x = smem
         ready, empty, done, taken, staged = bars[0], bars[1], bars[2], bars[3], bars[4]
+        q_ready, q_free = bars[5], bars[6]
         p, r, cs, g0, g1, batch, early, nt, nit = rows
         dtype: gl.constexpr = qn_s.dtype
         s_lay: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HP, 16])
         col: gl.constexpr = gl.SliceLayout(0, s_lay)
         row: gl.constexpr = gl.SliceLayout(1, s_lay)
-        qn_c = qn_s.index(C)
-        qr_c = qr_s.index(C)
         s_zero = gl.zeros([64, HP], gl.float32, layout=s_lay)
-        # q is staged 64 columns at a time (8 offsets a thread)
-        lq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        hq = gl.arange(0, HP, layout=gl.SliceLayout(1, lq))
-        dq = gl.arange(0, 64, layout=gl.SliceLayout(0, lq))
-        q_ok = (hq < heads)[:, None]
         if C == 0:
             if (g0 == g1) & (cs < g0) & (r < batch):
                 # an empty range inside a request (more slots than units): a partial of
@@ -297,15 +311,8 @@ if HAS_GLUON:
                 kv_len, ce, lo, n, valid = _segment(seqused, r, cs, g0, g1)
             else:
                 i = g - s0
-                if i == 0:  # this segment's q into this consumer's buffer
-                    q_row = q_ptr + r.to(gl.int64) * s_qt
-                    q_off = hq[:, None] * s_qh + dq[None, :]  # int32: a row < 2^31 elements
-                    for c in gl.static_range(8):
-                        qn_c.slice(c * 64, 64, dim=1).store(
-                            gl.load(q_row + c * 64 + q_off, mask=q_ok, other=0.0))
-                    qr_c.store(gl.load(q_row + 512 + q_off, mask=q_ok, other=0.0))
-                    fence_async_shared()
-                    gl.thread_barrier()
+                if i == 0:  # this segment's q (the loader's TMA into buffer k % 2)
+                    mbarrier.wait(q_ready.index(k % 2), (k // 2) & 1)
                     m_i = gl.full([HP], float("-inf"), gl.float32, layout=col)
                 if g % 2 == C:
                     # slot C is consumer C's (two slots, two consumers), read through an
@@ -315,8 +322,8 @@ if HAS_GLUON:
                                                    dtype=gl.int32, is_pure=True, pack=1)
                     kn = kn_s.index(sl)
                     kr = kr_s.index(sl)
-                    qn_t = qn_s.index(sl).permute((1, 0))  # [512, HP]
-                    qr_t = qr_s.index(sl).permute((1, 0))  # [64, HP]
+                    qn_t = qn_s.index(k % 2).permute((1, 0))  # [512, HP]
+                    qr_t = qr_s.index(k % 2).permute((1, 0))  # [64, HP]
                     p_t = p_s.index(sl).permute((1, 0))  # [64, HP]
                     mbarrier.wait(ready.index(C), (g // 2) & 1)
                     if C == 0:
@@ -335,6 +342,7 @@ if HAS_GLUON:
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
                     mbarrier.arrive(empty.index(C), count=1)
                 if i == n - 1:  # the segment's last tile: merge the two consumers, write
+                    mbarrier.arrive(q_free.index(k % 2), count=1)  # its q is read
                     # no tile of this segment here: nothing summed (l_acc holds older sums)
                     l_i = gl.where(m_i == float("-inf"), 0.0, gl.sum(l_acc, 0))
                     if C == 1:  # hand (m, l, O) over once consumer 0 has read the last ones
@@ -447,8 +455,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _stream_mla_kernel(
-        kn_d, kr_d, q_ptr, out, part_o, part_l, lse_ptr, seqused, bt, shares, ticket,
-        claims, stamps, qk2, heads, batch, num_programs, s_bt, s_qt, s_qh, s_ot, s_oh,
+        kn_d, kr_d, qn_d, qr_d, out, part_o, part_l, lse_ptr, seqused, bt, shares, ticket,
+        claims, stamps, qk2, heads, batch, num_programs, s_bt, s_ot, s_oh,
         s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh,
         HP: gl.constexpr, PAGE: gl.constexpr, WRITE_LSE: gl.constexpr, BLOCK_B: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
@@ -479,10 +487,8 @@ if HAS_GLUON:
         cs0 = gl.sum(gl.where(offs_b < r0, units, 0), axis=0)
 
         dtype: gl.constexpr = kn_d.dtype
-        qn_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 512], dtype)
-        qr_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 64], dtype)
-        qn_s = gl.allocate_shared_memory(dtype, [2, HP, 512], qn_l)
-        qr_s = gl.allocate_shared_memory(dtype, [2, HP, 64], qr_l)
+        qn_s = gl.allocate_shared_memory(dtype, [2, HP, 512], qn_d.layout)
+        qr_s = gl.allocate_shared_memory(dtype, [2, HP, 64], qr_d.layout)
         kn_s = gl.allocate_shared_memory(dtype, [2, 64, 512], kn_d.layout)
         kr_s = gl.allocate_shared_memory(dtype, [2, 64, 64], kr_d.layout)
         p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 64], dtype)
@@ -496,10 +502,14 @@ if HAS_GLUON:
         empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         taken = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         staged = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for b in gl.static_range(2):
             mbarrier.init(ready.index(b), count=1)
             mbarrier.init(empty.index(b), count=1)
+            mbarrier.init(q_ready.index(b), count=1)
+            mbarrier.init(q_free.index(b), count=2)  # both consumers
         mbarrier.init(done, count=1)
         mbarrier.init(taken, count=1)
         mbarrier.init(staged, count=1)
@@ -524,6 +534,7 @@ if HAS_GLUON:
         n0 = gl.sum(gl.where(offs_b == r0, n_b, 0), axis=0)
         early = gl.minimum(n0, 2)
         if early > 0:
+            _issue_q(qn_d, qr_d, qn_s, qr_s, q_ready.index(0), 0, r0, heads)
             lo0 = gl.sum(gl.where(offs_b == r0, lo_b, 0), axis=0)
             len0 = gl.sum(gl.where(offs_b == r0, lens, 0), axis=0)
             last = gl.maximum(gl.cdiv(len0, PAGE) - 1, 0)
@@ -535,11 +546,11 @@ if HAS_GLUON:
                                  lay_t).to(gl.int32)
                 _issue(kn_d, kr_d, kn_s, kr_s, ready.index(i), i, cur, offs_t, _UNIT,
                        _BOXES)
-        ops = ((kn_d, kr_d),
-               (out, part_o, part_l, lse_ptr, qk2, heads, seqused, q_ptr, bt, s_bt, stamps),
-               (s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh, s_qt, s_qh))
+        ops = ((kn_d, kr_d, qn_d, qr_d),
+               (out, part_o, part_l, lse_ptr, qk2, heads, seqused, out, bt, s_bt, stamps),
+               (s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh))
         smem = (qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x)
-        bars = (ready, empty, done, taken, staged)
+        bars = (ready, empty, done, taken, staged, q_ready, q_free)
         rows = (p, r0, cs0, g0, g1, batch, early, nt, nit)
         gl.warp_specialize([
             (_consume_0, (ops, smem, bars, rows, HP, PAGE, WRITE_LSE, STAMPS)),
@@ -563,8 +574,31 @@ def stream_descriptors(kv_cache):
     return kn, kr
 
 
+def stream_q_reason(q) -> Optional[str]:
+    """Why the stream kernel's loader cannot read ``q`` ``[T, H, 576]`` by TMA as rows
+    ``[T·H, 576]`` (``None``: it can): heads ``stride(1)`` apart and tokens ``H`` rows apart,
+    16-byte aligned rows, unit last stride."""
+    t, h, d = q.shape
+    s = q.stride()
+    if s[2] != 1 or s[0] != h * s[1] or (s[1] * q.element_size()) % 16 or q.data_ptr() % 16:
+        return "q is not rows [T·H, 576] of 16-byte aligned heads"
+    if t * h * s[1] >= 2 ** 31:
+        return "q holds 2^31 elements or more"
+    return None
+
+
+def stream_q_descriptors(q):
+    """The loader's two TMA descriptors of ``q`` (:func:`stream_q_reason` passed): boxes of
+    ``HP`` rows (the head count padded to 8 or 16) of the latent and rope columns."""
+    t, h, d = q.shape
+    hp = 8 if h <= 8 else 16
+    rows = q.as_strided((t * h, d), (q.stride(1), 1))
+    return tuple(GluonDescriptor(rows, [t * h, d], [q.stride(1), 1], [hp, w],
+                                 _smem_layout(hp, w, q.dtype)) for w in (_RANK, _ROPE))
+
+
 def launch_stream_mla(q, kv_cache, out, seqused_k, block_table, scale, *, part_o, part_lse,
-                      shares, lse=None, descs=None, claim=None, pdl=False,
+                      shares, lse=None, descs=None, q_descs=None, claim=None, pdl=False,
                       stamps=None) -> None:
     """One launch of ``P = shares.numel() - 1`` programs (one per SM) over the
     ``seqused_k.numel()`` one-query requests; the caller runs the merge launch
@@ -574,27 +608,31 @@ def launch_stream_mla(q, kv_cache, out, seqused_k, block_table, scale, *, part_o
     (:func:`._pdl.pdl_mode`): truthy, the merge may start at once; ``True``, this kernel
     also starts early, waiting on the device for the kernel before. ``stamps``: an int64
     CUDA tensor ``[P, 4]`` each slot fills with its timeline (:data:`STREAM_STAMP_FIELDS`,
-    ``benchmarks/stream_probe.py``); off (``None``) it is compiled out. Checked by the caller
+    ``benchmarks/stream_probe.py``); off (``None``) it is compiled out. ``q_descs``:
+    :func:`stream_q_descriptors` of ``q`` (made here when ``None``). Checked by the caller
     (:func:`stream_mla_reject_reason`, :func:`.mla_narrow_gluon.narrow_mla_layout_reason`,
-    unit last-dim strides)."""
+    :func:`stream_q_reason`, a unit last-dim stride of out)."""
     batch, h, _ = q.shape[0], q.shape[1], q.shape[2]
     programs = shares.numel() - 1
     kn_d, kr_d = descs if descs is not None else stream_descriptors(kv_cache)
+    qn_d, qr_d = q_descs if q_descs is not None else stream_q_descriptors(q)
     ls = lse.stride() if lse is not None else (0, 0)
     ticket, claims = claim if claim is not None else (seqused_k, seqused_k)
-    args = (kn_d, kr_d, q, out, part_o, part_lse, lse if lse is not None else part_lse,
+    args = (kn_d, kr_d, qn_d, qr_d, out, part_o, part_lse,
+            lse if lse is not None else part_lse,
             seqused_k, block_table, shares, ticket, claims,
             stamps if stamps is not None else seqused_k, float(scale) * _LOG2E, h,
-            seqused_k.shape[0], programs, block_table.stride(0), q.stride(0), q.stride(1),
-            out.stride(0), out.stride(1), *part_o.stride()[:3], *part_lse.stride()[:3], *ls)
+            seqused_k.shape[0], programs, block_table.stride(0), out.stride(0), out.stride(1),
+            *part_o.stride()[:3], *part_lse.stride()[:3], *ls)
     kw = dict(HP=8 if h <= 8 else 16, PAGE=kv_cache.shape[1], WRITE_LSE=lse is not None,
               BLOCK_B=max(32 * 4, 1 << max(0, (batch - 1).bit_length())),
               CONSUMER_REGS=_MAXNREG, LOADER_REGS=_LOADER_REGS,
               WRITER_REGS=_WRITER_REGS, num_warps=4,
               maxnreg=_MAXNREG, CLAIM=claim is not None, PDL=bool(pdl),
               STAMPS=stamps is not None, **({"launch_pdl": True} if pdl is True else {}))
-    _STREAM.launch((programs,), args, kw, (launch_key(args[2:], kw), kv_cache.dtype,
-                                          tuple(kn_d.block_shape)))
+    _STREAM.launch((programs,), args, kw, (launch_key(args[4:], kw), kv_cache.dtype,
+                                          tuple(kn_d.block_shape), q.dtype,
+                                          tuple(qn_d.block_shape)))
 
 
 #: direct launches (:mod:`._launch`)

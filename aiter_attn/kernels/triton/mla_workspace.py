@@ -17,7 +17,7 @@ import torch
 from ._kvutil import interpreting, num_sms
 from .mla_narrow_gluon import narrow_descriptors, narrow_mla_layout_reason
 from .mla_plan import TritonMLAPlan
-from .mla_stream_gluon import stream_descriptors
+from .mla_stream_gluon import stream_descriptors, stream_q_descriptors, stream_q_reason
 from .prefill import TensorDescriptor, _capability
 
 __all__ = ["MLAWorkspace"]
@@ -171,6 +171,19 @@ class MLAWorkspace:
                 self._descs.clear()
             descs = self._descs[key] = (stream_descriptors(kv_cache)
                                         if narrow_mla_layout_reason(kv_cache) is None
+                                        else None)
+        return descs
+
+    def _stream_q_descs(self, q):
+        """The stream kernel's q descriptors (:func:`.mla_stream_gluon.stream_q_descriptors`),
+        kept per q buffer (data pointer, shape, strides, dtype: a graph's static q, or an
+        engine's reused one); ``None`` where its loader cannot read q by TMA."""
+        key = ("stream-q", q.data_ptr(), q.shape, q.stride(), q.dtype)
+        descs = self._descs.get(key, 0)
+        if descs == 0:
+            if len(self._descs) >= _DESCS_KEEP:
+                self._descs.clear()
+            descs = self._descs[key] = (stream_q_descriptors(q) if stream_q_reason(q) is None
                                         else None)
         return descs
 
