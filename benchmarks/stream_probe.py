@@ -50,6 +50,16 @@ def summarize(stamps: torch.Tensor) -> dict:
     return out
 
 
+def _replay_us(graph, steps: int) -> float:
+    """µs a step of one replay of ``graph`` (``steps`` captured steps), by CUDA events."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    graph.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / steps
+
+
 def probe(heads: int, bs: int, ctx: int, programs: int, *, steps: int = 8, reps: int = 5,
           device="cuda") -> dict:
     from _inputs import make_mla
@@ -92,12 +102,7 @@ def probe(heads: int, bs: int, ctx: int, programs: int, *, steps: int = 8, reps:
             step(r)
     times, runs = [], []
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / steps)
+        times.append(_replay_us(graph, steps))
         runs.append(summarize(stamps))
     rec = {"row": f"{heads}x{bs}x{ctx}", "programs": programs,
            "step us (stamped)": round(median(times), 2)}
@@ -121,15 +126,7 @@ def step_us(heads: int, bs: int, ctx: int, tuning: dict, *, page: int = 64, step
     with torch.cuda.graph(graph):
         for _ in range(steps):
             fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / steps)
-    return round(median(times), 2)
+    return round(median(_replay_us(graph, steps) for _ in range(reps)), 2)
 
 
 def main():

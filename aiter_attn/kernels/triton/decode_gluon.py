@@ -232,10 +232,11 @@ if HAS_GLUON:
 
     @gluon.jit
     def _hand_over(C: gl.constexpr, m_i, l_i, acc, m_x, l_x, o_x, done, col: gl.constexpr,
-                   lay: gl.constexpr):
+                   lay: gl.constexpr, phase=0):
         """Two consumers' states merged: consumer 1 stores ``(m, l, O)`` in ``m_x`` /
-        ``l_x`` / ``o_x`` and signals ``done``; consumer 0 waits and returns the merged
-        ``(m, l, O)`` (consumer 1 returns its own, unused)."""
+        ``l_x`` / ``o_x`` and signals ``done``; consumer 0 waits (``done``'s ``phase``: the
+        hand-over's count, mod 2, for a kernel that hands over more than once) and returns
+        the merged ``(m, l, O)`` (consumer 1 returns its own, unused)."""
         if C == 1:
             m_x.store(m_i)
             l_x.store(l_i)
@@ -243,7 +244,7 @@ if HAS_GLUON:
             gl.thread_barrier()
             mbarrier.arrive(done, count=1)
         else:
-            mbarrier.wait(done, 0)
+            mbarrier.wait(done, phase)
             m_1 = m_x.load(col)
             l_1 = l_x.load(col)
             o_1 = o_x.load(lay)

@@ -154,7 +154,7 @@ if HAS_GLUON:
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    from .decode_gluon import _keys_softmax, _mask_tail, _tile_rows
+    from .decode_gluon import _hand_over, _keys_softmax, _mask_tail, _tile_rows
     from .mla_narrow_gluon import _issue
     from .prefill_gluon import _to_output
 
@@ -345,30 +345,17 @@ if HAS_GLUON:
                     mbarrier.arrive(q_free.index(k % 2), count=1)  # its q is read
                     # no tile of this segment here: nothing summed (l_acc holds older sums)
                     l_i = gl.where(m_i == float("-inf"), 0.0, gl.sum(l_acc, 0))
-                    if C == 1:  # hand (m, l, O) over once consumer 0 has read the last ones
+                    if C == 1:  # o_x free again: the writer has stored the last rows
                         if k > 0:
                             mbarrier.wait(taken, (k - 1) & 1)
-                        m_x.store(m_i)
-                        l_x.store(l_i)
-                        o_x.store(acc)
-                        gl.thread_barrier()
-                        mbarrier.arrive(done, count=1)
-                    else:
-                        mbarrier.wait(done, k & 1)
-                        m_1 = m_x.load(col)
-                        l_1 = l_x.load(col)
-                        m_n = gl.maximum(m_i, m_1)
-                        m_safe = gl.where(m_n == float("-inf"), 0.0, m_n)
-                        a_0 = gl.exp2(m_i - m_safe)
-                        a_1 = gl.exp2(m_1 - m_safe)
-                        # (a side without tiles has weight 0 and finite stale rows); merged
-                        # and normalised in place, then staged in o_x for the writer warp:
-                        # the global stores in this loop kept their addresses live and spilled
-                        acc = acc * a_0[None, :] + o_x.load(s_lay) * a_1[None, :]
-                        l_i = l_i * a_0 + l_1 * a_1
+                    # (a side without tiles has weight 0 and finite stale rows)
+                    m_i, l_i, acc = _hand_over(C, m_i, l_i, acc, m_x, l_x, o_x, done, col,
+                                               s_lay, k & 1)
+                    if C == 0:  # normalised in place (a second [512, HP] spilled) and
+                        # staged in o_x for the writer warp
                         has = l_i > 0.0
                         acc = acc / gl.where(has, l_i, 1.0)[None, :]
-                        lse2 = gl.where(has, m_n + gl.log2(gl.where(has, l_i, 1.0)),
+                        lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)),
                                         float("-inf"))
                         gl.thread_barrier()  # every thread has read consumer 1's O and m
                         o_x.store(acc)
@@ -382,6 +369,17 @@ if HAS_GLUON:
                         r += 1
                         kv_len, ce, lo, n, valid = _segment(seqused, r, cs, g0, g1)
                 g += 1
+
+    @gluon.jit
+    def _store_rows(row, s_h, o_x, d, heads, HP: gl.constexpr, lr: gl.constexpr):
+        """The ``heads`` rows staged in ``o_x`` (``[512, HP]`` float32) to ``row + h·s_h``
+        in ``row``'s dtype, one head's row 128 columns at a time (``d``: ``[128, 1]``
+        column offsets, 4 a thread)."""
+        for hd in gl.static_range(HP):
+            for c in gl.static_range(4):
+                oc = o_x.slice(c * 128, 128, dim=0).slice(hd, 1, dim=1).load(lr)
+                gl.store(row + hd * s_h + c * 128 + d, _to_output(oc, row.dtype.element_ty),
+                         mask=(d < 128) & (hd < heads))
 
     @gluon.jit
     def _writer(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
@@ -415,25 +413,14 @@ if HAS_GLUON:
                 d = d0 + gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [],
                                                    dtype=gl.int32, is_pure=False, pack=1)
                 if (cs >= g0) & (ce <= g1):  # the whole request here: its row
-                    row = out + r.to(gl.int64) * s_ot
-                    for hd in gl.static_range(HP):
-                        for c in gl.static_range(4):
-                            oc = o_x.slice(c * 128, 128, dim=0).slice(hd, 1, dim=1).load(lr)
-                            gl.store(row + hd * s_oh + c * 128 + d,
-                                     _to_output(oc, out.dtype.element_ty),
-                                     mask=(d < 128) & (hd < heads))
+                    _store_rows(out + r.to(gl.int64) * s_ot, s_oh, o_x, d, heads, HP, lr)
                     if WRITE_LSE:
                         gl.store(lse_ptr + r.to(gl.int64) * s_et + h64 * s_eh,
                                  lse2 * 0.6931471805599453, mask=h_ok)
                 else:
                     slot = gl.where(cs < g0, 0, 1).to(gl.int64)
-                    row = part_o + p.to(gl.int64) * s_pp + slot * s_pw
-                    for hd in gl.static_range(HP):
-                        for c in gl.static_range(4):
-                            oc = o_x.slice(c * 128, 128, dim=0).slice(hd, 1, dim=1).load(lr)
-                            gl.store(row + hd * s_ph + c * 128 + d,
-                                     _to_output(oc, part_o.dtype.element_ty),
-                                     mask=(d < 128) & (hd < heads))
+                    _store_rows(part_o + p.to(gl.int64) * s_pp + slot * s_pw, s_ph, o_x, d,
+                                heads, HP, lr)
                     gl.store(part_l + p.to(gl.int64) * s_lp + slot * s_lw + h64 * s_lh,
                              lse2, mask=h_ok)
                 gl.thread_barrier()
