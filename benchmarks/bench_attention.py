@@ -135,7 +135,9 @@ MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 # shares of the batch's keys crossing requests), plan once / run per call;
                 # "-sm": its shares weighed by each SM's measured rate
                 "stream": {"stream": True, "balanced_rates": None},
-                "stream-sm": {"stream": True, "balanced_rates": "measure"}}
+                "stream-sm": {"stream": True, "balanced_rates": "measure"},
+                # weighed by the SMs' rates under the stream kernel itself (all SMs busy)
+                "stream-own-sm": {"stream": True, "balanced_rates": "measure-stream"}}
 #: MLA launch configs timed by --mla-sweep: (block_h, block_n, num_warps, num_stages, splits).
 MLA_SWEEP = [(16, 32, 4, 2, None), (16, 32, 4, 4, None), (16, 64, 4, 3, None),
              (16, 32, 8, 3, None), (16, 32, 4, 3, "x2"), (32, 32, 8, 3, None),
@@ -154,30 +156,36 @@ MLA_SWEEP = [(16, 32, 4, 2, None), (16, 32, 4, 4, None), (16, 64, 4, 3, None),
 _RATES: dict = {}
 
 
-def _sm_rates(device) -> tuple:
-    """Each SM's streaming rate on this GPU (``narrow_timeline.measure_sm_rates``, measured
-    once a run), for the ``balanced-sm`` variant."""
+def _sm_rates(device, own: bool = False) -> tuple:
+    """Each SM's streaming rate on this GPU, measured once a run: under the narrow kernel
+    (``narrow_timeline.measure_sm_rates``, the ``-sm`` variants), or with ``own`` under the
+    stream kernel with every SM busy (``stream_probe.stream_sm_rates``, ``stream-own-sm``)."""
     if device.type != "cuda":
-        raise Unavailable("per-SM rates need the narrow kernel's stamps (sm_90)")
-    key = str(device)
+        raise Unavailable("per-SM rates need a kernel's stamps (sm_90)")
+    key = (str(device), own)
     if key not in _RATES:
-        from narrow_timeline import measure_sm_rates
-
+        if own:
+            from stream_probe import stream_sm_rates as measure
+        else:
+            from narrow_timeline import measure_sm_rates as measure
         try:
-            _RATES[key] = measure_sm_rates(device)
-        except RuntimeError as exc:  # no narrow kernel (not sm_90): the row is missing
+            _RATES[key] = measure(device)
+        except RuntimeError as exc:  # no Gluon kernel (not sm_90): the row is missing
             raise Unavailable(str(exc)) from exc
         r = _RATES[key]
-        print(f"    per-SM rates: {len(r)} SMs, {min(r):.4g}..{max(r):.4g} per µs", flush=True)
+        print(f"    per-SM rates{' (stream)' if own else ''}: {len(r)} SMs, "
+              f"{min(r):.4g}..{max(r):.4g} per µs", flush=True)
     return _RATES[key]
 
 
 def _resolve(launch: dict, x) -> dict:
-    """A variant's keywords with ``balanced_rates="measure"`` replaced by this GPU's
-    per-SM rates (:func:`_sm_rates`; inside the runner, so a failure reads as the row's
-    ``missing``)."""
+    """A variant's keywords with ``balanced_rates="measure"`` / ``"measure-stream"``
+    replaced by this GPU's per-SM rates (:func:`_sm_rates`; inside the runner, so a failure
+    reads as the row's ``missing``)."""
     if launch.get("balanced_rates") == "measure":
         return {**launch, "balanced_rates": _sm_rates(x.q.device)}
+    if launch.get("balanced_rates") == "measure-stream":
+        return {**launch, "balanced_rates": _sm_rates(x.q.device, own=True)}
     return launch
 
 

@@ -60,8 +60,42 @@ def _replay_us(graph, steps: int) -> float:
     return a.elapsed_time(b) * 1e3 / steps
 
 
+def rates_from_records(records: list, sms: int) -> tuple:
+    """One rate per SM ``0 .. sms - 1`` (units streamed per µs: a slot's units over its
+    stream time, summed over the records of that SM) from :func:`probe`'s ``records``
+    (``{"sm", "units", "stream_us"}``), for ``balanced_rates``; an SM without records gets
+    the median rate."""
+    from statistics import median as med
+
+    units, time = {}, {}
+    for rec in records:
+        if rec["stream_us"] > 0 and rec["units"] > 0:
+            units[rec["sm"]] = units.get(rec["sm"], 0) + rec["units"]
+            time[rec["sm"]] = time.get(rec["sm"], 0.0) + rec["stream_us"]
+    rates = {sm: units[sm] / time[sm] for sm in units if sm < sms}
+    if not rates:
+        raise ValueError("no slot streamed: no records to take rates from")
+    fill = med(rates.values())
+    return tuple(rates.get(sm, fill) for sm in range(sms))
+
+
+def stream_sm_rates(device="cuda", heads: int = 16, bs: int = 64, ctx: int = 4096) -> tuple:
+    """Each SM's rate under the stream kernel itself (equal shares over one program per SM,
+    :func:`probe`'s records, :func:`rates_from_records`): the SMs' rates with all of them
+    streaming, where ``narrow_timeline.measure_sm_rates`` leaves four idle."""
+    from aiter_attn.kernels.triton._kvutil import num_sms
+
+    sms = num_sms(torch.device(device))
+    records: list = []
+    probe(heads, bs, ctx, sms, device=device, records=records)
+    return rates_from_records(records, sms)
+
+
 def probe(heads: int, bs: int, ctx: int, programs: int, *, steps: int = 8, reps: int = 5,
-          device="cuda") -> dict:
+          device="cuda", records: list | None = None) -> dict:
+    """The stamped steps of ``programs`` slots (equal shares) at ``heads x bs x ctx``: a
+    JSON-able summary (module docstring); ``records``, if given, gets each stamped slot's
+    ``{"sm", "units", "stream_us"}``."""
     from _inputs import make_mla
 
     from aiter_attn.kernels.base import _adhoc_metadata, mla_layer_params
@@ -101,9 +135,22 @@ def probe(heads: int, bs: int, ctx: int, programs: int, *, steps: int = 8, reps:
         for r in range(steps):
             step(r)
     times, runs = [], []
+    units = None
+    if records is not None:  # each slot's units, from the partition on the host
+        from aiter_attn.kernels.triton.mla_stream_gluon import stream_segments
+
+        parts = stream_segments(x.seqused_k.tolist(), launch_kw["shares"].cpu())
+        units = [g1 - g0 for g0, g1 in (part["range"] for part in parts)]
     for _ in range(reps):
         times.append(_replay_us(graph, steps))
         runs.append(summarize(stamps))
+        if records is not None:
+            st = stamps.cpu()
+            for step_st in st:
+                for p, (_, sm, first, end) in enumerate(step_st.tolist()):
+                    if first > 0:
+                        records.append({"sm": int(sm), "units": units[p],
+                                        "stream_us": (end - first) * 1e-3})
     rec = {"row": f"{heads}x{bs}x{ctx}", "programs": programs,
            "step us (stamped)": round(median(times), 2)}
     mid = runs[len(runs) // 2]

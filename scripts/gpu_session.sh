@@ -131,6 +131,7 @@
 #                                  # host µs of an MLA layer call (planned keys or not)
 #   scripts/gpu_session.sh eightyninth   # the spill-free stream kernel: gpu tests, step by
 #                                  # program count and beside the default, 16-head rows
+#                                  # (equal shares, and weighed by narrow / own SM rates)
 #   scripts/gpu_session.sh eightyeighth  # the stream kernel without its spills: gpu tests,
 #                                  # probe beside the default, 16-head rows
 #   scripts/gpu_session.sh eightyseventh # the stream kernel's step by program count
@@ -773,7 +774,7 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       --programs ${SP_P:-132,128,66} --compare 2>&1 | tee "$OUT/stream_probe.log"
     timeout ${BB_S:-150} python3 benchmarks/bench_attention.py --only mla --rep 30 \
       --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 --out "$OUT/rows" \
-      --mla-variants stream,stream-sm > "$OUT/rows.log" 2>&1
+      --mla-variants stream,stream-sm,stream-own-sm > "$OUT/rows.log" 2>&1
     grep -E "ours|rates|Error|error|ceilings" "$OUT/rows.log" | head -12
     rm -f "$OUT"/*/*.png
     ;;

@@ -368,3 +368,28 @@ def test_stream_partition_invariants(lens, rates):
             else:  # an empty range inside the request: the kernel writes its head slot
                 g0, g1 = parts[p]["range"]
                 assert g0 == g1 and cs < g0 < ce and reads == "head", (r, p, got)
+
+
+def test_stream_rates_from_records_by_hand(monkeypatch):
+    """``stream_probe.rates_from_records``: an SM's units over its stream time, summed over
+    its records; an SM without records gets the median; and ``bench_attention``'s
+    ``stream-own-sm`` variant asks for them (``_sm_rates(..., own=True)``)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import bench_attention as ba
+    from stream_probe import rates_from_records
+
+    recs = [{"sm": 0, "units": 100, "stream_us": 50.0}, {"sm": 0, "units": 20, "stream_us": 10.0},
+            {"sm": 2, "units": 30, "stream_us": 30.0}, {"sm": 3, "units": 0, "stream_us": 5.0},
+            {"sm": 9, "units": 10, "stream_us": 1.0}]
+    assert rates_from_records(recs, 4) == pytest.approx((2.0, 1.5, 1.0, 1.5))
+    with pytest.raises(ValueError, match="no slot streamed"):
+        rates_from_records([{"sm": 1, "units": 5, "stream_us": 0.0}], 4)
+    asked = []
+    monkeypatch.setattr(ba, "_sm_rates", lambda dev, own=False: asked.append(own) or (1.0,))
+    x = type("X", (), {"q": torch.empty(1)})()
+    assert ba._resolve(ba.MLA_VARIANTS["stream-own-sm"], x)["balanced_rates"] == (1.0,)
+    assert ba._resolve(ba.MLA_VARIANTS["stream-sm"], x)["balanced_rates"] == (1.0,)
+    assert asked == [True, False]
