@@ -219,22 +219,29 @@ def make_ours_mla(x, **launch):
     return fn, lambda: out
 
 
+def planned_mla(x, tuning: dict, buffers=None, name: str = "bench"):
+    """``(kernel, params, plan)``: a ``TritonMLA`` built with ``tuning`` over ``x``
+    (:func:`_inputs.make_mla`'s decode rows), its layer parameters, and one step's plan
+    (``buffers``: the static-buffer dict a graph manager passes ``plan``, or ``None``)."""
+    from aiter_attn.kernels.base import _adhoc_metadata, mla_layer_params
+    from aiter_attn.kernels.triton.mla import TritonMLA, mla_request
+
+    kernel = TritonMLA(mla_request(x.q, x.kv_cache, x.rank), tuning)
+    md = _adhoc_metadata(x.q, x.kv_cache, x.cu_seqlens_q, x.seqused_k, x.block_table, None,
+                         None, 1, x.ctx, name)
+    params = mla_layer_params(scale=x.scale, device=x.q.device, kv_lora_rank=x.rank,
+                              num_q_heads=x.heads, head_dim=x.q.shape[2],
+                              kv_scale=x.kv_scale, fp8=x.kv_cache.dtype != x.q.dtype)
+    return kernel, params, kernel.plan(md, buffers)
+
+
 def make_ours_mla_planned(x, **tuning):
     """Our MLA as an engine runs it: a ``TritonMLA`` built with ``tuning``, its plan made
     once, each call only ``run`` (what a graph captures). For tunings whose plan keeps
     state across steps (``balanced_rates``: the slot weights and claims, made at plan
     time, outside a capture)."""
-    from aiter_attn.kernels.base import _adhoc_metadata, mla_layer_params
-    from aiter_attn.kernels.triton.mla import TritonMLA, mla_request
-
     out = torch.empty(x.bs, x.heads, x.rank, dtype=x.q.dtype, device=x.q.device)
-    kernel = TritonMLA(mla_request(x.q, x.kv_cache, x.rank), tuning)
-    md = _adhoc_metadata(x.q, x.kv_cache, x.cu_seqlens_q, x.seqused_k, x.block_table, None,
-                         None, 1, x.ctx, "bench")
-    params = mla_layer_params(scale=x.scale, device=x.q.device, kv_lora_rank=x.rank,
-                              num_q_heads=x.heads, head_dim=x.q.shape[2],
-                              kv_scale=x.kv_scale, fp8=x.kv_cache.dtype != x.q.dtype)
-    plan = kernel.plan(md)
+    kernel, params, plan = planned_mla(x, tuning)
 
     def fn():
         kernel.run(x.q, (x.kv_cache,), plan, params, out)

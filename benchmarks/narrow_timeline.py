@@ -171,19 +171,14 @@ def timeline(heads: int, bs: int, ctx: int, *, steps: int = 8, reps: int = 5,
     ``programs``, if given, gets every replay's :func:`program_rows`."""
     from _inputs import make_mla
 
-    from aiter_attn.kernels.base import _adhoc_metadata, mla_layer_params
-    from aiter_attn.kernels.triton.mla import TritonMLA, mla_request
+    from _runners import planned_mla
+
     from aiter_attn.kernels.triton.mla_merge import merge_splits
     from aiter_attn.kernels.triton.mla_narrow_gluon import STAMP_FIELDS, launch_narrow_mla
 
     x = make_mla(bs, ctx, heads=heads, device=device)
     out = torch.empty(bs, heads, x.rank, dtype=x.q.dtype, device=device)
-    kernel = TritonMLA(mla_request(x.q, x.kv_cache, x.rank), {})
-    md = _adhoc_metadata(x.q, x.kv_cache, x.cu_seqlens_q, x.seqused_k, x.block_table, None,
-                         None, 1, ctx, "narrow_timeline")
-    params = mla_layer_params(scale=x.scale, device=x.q.device, kv_lora_rank=x.rank,
-                              num_q_heads=heads, head_dim=x.q.shape[2])
-    plan = kernel.plan(md, {})
+    kernel, params, plan = planned_mla(x, {}, {}, "narrow_timeline")
     if plan.narrow is None:
         raise RuntimeError(f"{heads}x{bs}x{ctx}: the default plan does not take the narrow "
                          "kernel here (it needs sm_90 and bf16/fp16)")

@@ -98,8 +98,8 @@ def probe(heads: int, bs: int, ctx: int, programs: int, *, steps: int = 8, reps:
     ``{"sm", "units", "stream_us"}``."""
     from _inputs import make_mla
 
-    from aiter_attn.kernels.base import _adhoc_metadata, mla_layer_params
-    from aiter_attn.kernels.triton.mla import TritonMLA, mla_request
+    from _runners import planned_mla
+
     from aiter_attn.kernels.triton.mla_balanced import launch_balanced_mla
     from aiter_attn.kernels.triton.mla_kernel import _LOG2E
     from aiter_attn.kernels.triton.mla_stream_gluon import (STREAM_STAMP_FIELDS,
@@ -107,12 +107,7 @@ def probe(heads: int, bs: int, ctx: int, programs: int, *, steps: int = 8, reps:
 
     x = make_mla(bs, ctx, heads=heads, device=device)
     out = torch.empty(bs, heads, x.rank, dtype=x.q.dtype, device=device)
-    kernel = TritonMLA(mla_request(x.q, x.kv_cache, x.rank), {"stream": programs})
-    md = _adhoc_metadata(x.q, x.kv_cache, x.cu_seqlens_q, x.seqused_k, x.block_table, None,
-                         None, 1, ctx, "stream_probe")
-    params = mla_layer_params(scale=x.scale, device=x.q.device, kv_lora_rank=x.rank,
-                              num_q_heads=heads, head_dim=x.q.shape[2])
-    plan = kernel.plan(md, {})
+    kernel, params, plan = planned_mla(x, {"stream": programs}, {}, "stream_probe")
     if plan.stream is None:
         raise RuntimeError("the stream kernel does not serve here (sm_90, bf16/fp16)")
     launch_kw, merge_kw = plan.stream

@@ -329,22 +329,28 @@ class TritonMLA(MLAWorkspace, MLAKernel):
         (device, programs) and kept: the claim state's tickets run on across launches
         (:func:`.mla_balanced.claim_state`); on CUDA the programs claim their SM's slot,
         elsewhere (the interpreter) a scatter of their id."""
-        rates = self.tuning.get("balanced_rates")
-        if rates is None:
+        if self.tuning.get("balanced_rates") is None:
             return {}
         key = (str(device), programs)
         got = self._shares.get(key)
         if got is None:
             sms = num_sms(torch.device(device))
-            if len(rates) != sms:
-                raise ValueError(f"{self.name}: balanced_rates has {len(rates)} rates but "
-                                 f"{device} has {sms} SMs; measure one rate per SM on it.")
+            rates = self._rates_per_sm(sms, device)
             on_gpu = torch.device(device).type == "cuda"
             got = self._shares[key] = dict(
                 shares=share_weights(rates, programs, device), claim=claim_state(programs,
                                                                                  device),
                 claim_hint=CLAIM_SM if on_gpu else CLAIM_SCATTER, per_sm=programs // sms)
         return got
+
+    def _rates_per_sm(self, sms: int, device) -> Optional[tuple]:
+        """``tuning["balanced_rates"]`` (``None`` without), refused unless it has one rate
+        for each of ``device``'s ``sms`` SMs."""
+        rates = self.tuning.get("balanced_rates")
+        if rates is not None and len(rates) != sms:
+            raise ValueError(f"{self.name}: balanced_rates has {len(rates)} rates but "
+                             f"{device} has {sms} SMs; measure one rate per SM on it.")
+        return rates
 
     def _stream_wanted(self) -> bool:
         """``tuning["stream"]`` (default :data:`MLA_STREAM`) and the Gluon kernels allowed."""
@@ -372,11 +378,7 @@ class TritonMLA(MLAWorkspace, MLAKernel):
         key = ("stream", str(device), programs)
         got = self._shares.get(key)
         if got is None:
-            rates = self.tuning.get("balanced_rates")
-            if rates is not None and len(rates) != programs:
-                raise ValueError(f"{self.name}: balanced_rates has {len(rates)} rates but "
-                                 f"{device} has {programs} SMs; measure one rate per SM on "
-                                 "it.")
+            rates = self._rates_per_sm(programs, device)
             got = self._shares[key] = dict(
                 shares=share_weights(rates or (1.0,) * programs, programs, device),
                 claim=claim_state(programs, device) if rates is not None else None)

@@ -233,7 +233,7 @@ if HAS_GLUON:
         """Loader (1 warp): every segment's tiles through the ring, in order (the program
         issued segment 0's first ``early`` tiles)."""
         kn_d, kr_d, qn_d, qr_d = ops[0][0], ops[0][1], ops[0][2], ops[0][3]
-        seqused, bt, s_bt, heads = ops[1][6], ops[1][8], ops[1][9], ops[1][5]
+        seqused, bt, s_bt, heads = ops[1][6], ops[1][7], ops[1][8], ops[1][5]
         qn_s, qr_s, kn_s, kr_s = smem[0], smem[1], smem[2], smem[3]
         ready, empty, q_ready, q_free = bars[0], bars[1], bars[5], bars[6]
         p, r, cs, g0, g1, batch, early, nt, nit = rows
@@ -270,11 +270,11 @@ if HAS_GLUON:
         """Consumer ``C``: one flat loop over the program's ``nt`` tiles (a loop around the
         tile loop kept more than the accumulator live and spilled it: 1.7 KB of spills, the
         step at half speed), computing the tiles of its parity (ring slot ``C``); at a
-        segment's first tile it stages that request's q, at its last the two consumers
-        merge and consumer 0 stages the rows for the writer warp (:func:`_writer`)."""
-        out, part_o, part_l, lse_ptr = ops[1][0], ops[1][1], ops[1][2], ops[1][3]
-        qk2, heads, seqused = ops[1][4], ops[1][5], ops[1][6]
-        s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh = ops[2]
+        segment's first tile it waits for that request's q (the loader's TMA), at its last
+        the two consumers merge and consumer 0 stages the rows for the writer warp
+        (:func:`_writer`)."""
+        part_l, qk2, heads, seqused = ops[1][2], ops[1][4], ops[1][5], ops[1][6]
+        s_lp, s_lh = ops[2][5], ops[2][7]
         qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x = smem
         ready, empty, done, taken, staged = bars[0], bars[1], bars[2], bars[3], bars[4]
         q_ready, q_free = bars[5], bars[6]
@@ -328,7 +328,7 @@ if HAS_GLUON:
                     mbarrier.wait(ready.index(C), (g // 2) & 1)
                     if C == 0:
                         if g == 0:
-                            _stamp(ops[1][10], p, 2, STAMPS)  # the first tile is in
+                            _stamp(ops[1][9], p, 2, STAMPS)  # the first tile is in
                     s_tok = warpgroup_mma(kn, qn_t, s_zero, use_acc=False, is_async=True)
                     s_tok = warpgroup_mma(kr, qr_t, s_tok, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
@@ -391,7 +391,7 @@ if HAS_GLUON:
         free for consumer 1's next hand-over (``taken``)."""
         out, part_o, part_l, lse_ptr = ops[1][0], ops[1][1], ops[1][2], ops[1][3]
         heads, seqused = ops[1][5], ops[1][6]
-        s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh = ops[2][:10]
+        s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh = ops[2]
         m_x, o_x = smem[5], smem[7]
         taken, staged = bars[3], bars[4]
         p, r, cs, g0, g1, batch, early, nt, nit = rows
@@ -428,7 +428,7 @@ if HAS_GLUON:
                 k += 1
             cs = ce
             r += 1
-        _stamp(ops[1][10], p, 3, STAMPS)  # every row and partial stored
+        _stamp(ops[1][9], p, 3, STAMPS)  # every row and partial stored
 
     @gluon.jit
     def _consume_0(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
@@ -534,7 +534,7 @@ if HAS_GLUON:
                 _issue(kn_d, kr_d, kn_s, kr_s, ready.index(i), i, cur, offs_t, _UNIT,
                        _BOXES)
         ops = ((kn_d, kr_d, qn_d, qr_d),
-               (out, part_o, part_l, lse_ptr, qk2, heads, seqused, out, bt, s_bt, stamps),
+               (out, part_o, part_l, lse_ptr, qk2, heads, seqused, bt, s_bt, stamps),
                (s_ot, s_oh, s_pp, s_pw, s_ph, s_lp, s_lw, s_lh, s_et, s_eh))
         smem = (qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x)
         bars = (ready, empty, done, taken, staged, q_ready, q_free)

@@ -159,33 +159,28 @@ class MLAWorkspace:
             return None
         return self._cache_descs(kv_cache, kw["BLOCK_N"], self.rank // kw["QK_SPLIT"])
 
-    def _stream_descs(self, kv_cache):
-        """The stream kernel's two descriptors of ``kv_cache`` (:func:`.mla_stream_gluon
-        .stream_descriptors`), kept as :meth:`_cache_descs` keeps its own; ``None`` where
-        TMA cannot read the rows."""
-        key = ("stream", kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(),
-               kv_cache.dtype)
+    def _kept_descs(self, kind, t, make, *args):
+        """``make(t, *args)`` (TMA descriptors of tensor ``t``, or ``None``) once per
+        ``kind`` and tensor (data pointer, shape, strides, dtype), then only looked up; the
+        table is cleared when it holds :data:`_DESCS_KEEP`."""
+        key = (kind, t.data_ptr(), t.shape, t.stride(), t.dtype)
         descs = self._descs.get(key, 0)
         if descs == 0:
             if len(self._descs) >= _DESCS_KEEP:
                 self._descs.clear()
-            descs = self._descs[key] = (stream_descriptors(kv_cache)
-                                        if narrow_mla_layout_reason(kv_cache) is None
-                                        else None)
+            descs = self._descs[key] = make(t, *args)
         return descs
+
+    def _stream_descs(self, kv_cache):
+        """The stream kernel's two descriptors of ``kv_cache`` (:func:`.mla_stream_gluon
+        .stream_descriptors`); ``None`` where TMA cannot read the rows."""
+        return self._kept_descs("stream", kv_cache, _stream_kv_descs)
 
     def _stream_q_descs(self, q):
         """The stream kernel's q descriptors (:func:`.mla_stream_gluon.stream_q_descriptors`),
-        kept per q buffer (data pointer, shape, strides, dtype: a graph's static q, or an
-        engine's reused one); ``None`` where its loader cannot read q by TMA."""
-        key = ("stream-q", q.data_ptr(), q.shape, q.stride(), q.dtype)
-        descs = self._descs.get(key, 0)
-        if descs == 0:
-            if len(self._descs) >= _DESCS_KEEP:
-                self._descs.clear()
-            descs = self._descs[key] = (stream_q_descriptors(q) if stream_q_reason(q) is None
-                                        else None)
-        return descs
+        kept per q buffer (a graph's static q, or an engine's reused one); ``None`` where its
+        loader cannot read q by TMA."""
+        return self._kept_descs("stream-q", q, _stream_q_descs)
 
     def _cache_descs(self, kv_cache, block_n: Optional[int] = None, cols: Optional[int] = None):
         """The TMA descriptors of ``kv_cache`` (rows ``[slots, R + rope]``), built once per
@@ -195,20 +190,31 @@ class MLAWorkspace:
         ``None`` where TMA cannot read the rows
         (:func:`.mla_narrow_gluon.narrow_mla_layout_reason`)."""
         cols = cols or self.rank
-        key = (block_n, cols, kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(),
-               kv_cache.dtype)
-        descs = self._descs.get(key, 0)
-        if descs == 0:
-            if len(self._descs) >= _DESCS_KEEP:
-                self._descs.clear()
-            descs = None
-            if narrow_mla_layout_reason(kv_cache) is None:
-                if block_n is None:
-                    descs = narrow_descriptors(kv_cache)
-                elif TensorDescriptor is not None:
-                    p, ps, _, d = kv_cache.shape
-                    rows = kv_cache.as_strided((p * ps, d), (kv_cache.stride(1), 1))
-                    descs = tuple(TensorDescriptor(rows, [p * ps, d], [kv_cache.stride(1), 1],
-                                                   [block_n, w]) for w in (cols, self.rope))
-            self._descs[key] = descs
-        return descs
+        return self._kept_descs((block_n, cols), kv_cache, _cache_tile_descs, block_n, cols,
+                                self.rope)
+
+
+def _cache_tile_descs(kv_cache, block_n, cols, rope):
+    """:meth:`MLAWorkspace._cache_descs`'s descriptors, made (``None``: TMA cannot read the
+    rows, or this Triton has no tensor descriptors)."""
+    if narrow_mla_layout_reason(kv_cache) is not None:
+        return None
+    if block_n is None:
+        return narrow_descriptors(kv_cache)
+    if TensorDescriptor is None:
+        return None
+    p, ps, _, d = kv_cache.shape
+    rows = kv_cache.as_strided((p * ps, d), (kv_cache.stride(1), 1))
+    return tuple(TensorDescriptor(rows, [p * ps, d], [kv_cache.stride(1), 1], [block_n, w])
+                 for w in (cols, rope))
+
+
+def _stream_kv_descs(kv_cache):
+    """The stream kernel's cache descriptors, made (``None``: TMA cannot read the rows)."""
+    return (stream_descriptors(kv_cache) if narrow_mla_layout_reason(kv_cache) is None
+            else None)
+
+
+def _stream_q_descs(q):
+    """The stream kernel's q descriptors, made (``None``: its loader cannot read q)."""
+    return stream_q_descriptors(q) if stream_q_reason(q) is None else None
