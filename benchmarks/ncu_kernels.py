@@ -12,7 +12,8 @@ Cases (``--cases``, comma-separated; default all), bf16, GQA 32/8, d128, page 16
 * ``mla16`` (16 heads, 64×4k), ``mla16-desc`` (its latent tiles through tensor descriptors),
   ``mla16-desc-lazy`` (and the lazy rescale), ``mla16-split2`` (q·Kᵀ as two mma chains),
   ``mla16-all`` (descriptors, lazy rescale, 16-bit partials, two chains),
-  ``mla16-narrow`` (the same on the narrow Gluon kernel) and
+  ``mla16-narrow`` (the same on the narrow Gluon kernel), ``mla16-stream`` (the persistent
+  stream kernel, :mod:`aiter_attn.kernels.triton.mla_stream_gluon`) and
   ``mla128`` (128 heads, 64×4k): MLA decode, rank 512 + 64;
 * ``fp8-64x16k`` / ``bf16-64x16k``: decode over an fp8 e4m3 cache and the same in bf16.
 
@@ -75,6 +76,7 @@ CASES = {
     "mla16": lambda: _mla(16),
     "mla16-narrow": lambda: _mla(16, narrow=True),  # the narrow Gluon kernel (sm_90)
     "mla16-ring": lambda: _mla(16, ring=True),  # the ring Gluon kernel (sm_90)
+    "mla16-stream": lambda: _mla(16, stream=True),  # the persistent stream kernel (sm_90)
     "mla16-desc": lambda: _mla(16, kv_desc=True),  # latent tiles through tensor descriptors
     "mla16-desc-lazy": lambda: _mla(16, kv_desc=True, lazy_rescale=True),  # and lazy rescale
     # and 16-bit partials, q·Kᵀ as two mma chains

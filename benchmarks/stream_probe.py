@@ -179,6 +179,9 @@ def main():
     p.add_argument("--compare", action="store_true", help="also the step of the default "
                    "(narrow) kernel on pages of 64 and 16 rows, and of the stream kernel "
                    "without PDL and on 16-row pages (no stamps)")
+    p.add_argument("--variants", default="", help="more steps to time beside --compare: "
+                   "';'-separated NAME=TUNING_JSON@PAGE (e.g. 'stream 128={\"stream\": 128}@64')")
+    p.add_argument("--no-probe", action="store_true", help="time the steps only (no stamps)")
     args = p.parse_args()
     from aiter_attn.kernels.triton._kvutil import num_sms
 
@@ -186,14 +189,18 @@ def main():
     counts = [int(c) for c in args.programs.split(",") if c] or [sms, sms - 4, sms - 8]
     for row in args.rows.split(","):
         heads, bs, ctx = (int(v) for v in row.lower().split("x"))
-        for n in counts:
+        for n in counts if not args.no_probe else ():
             print(json.dumps(probe(heads, bs, ctx, n)), flush=True)
+        steps = [(name, json.loads(tuning), int(page)) for name, tuning, page in (
+            (v.split("=", 1)[0], *v.split("=", 1)[1].rsplit("@", 1))
+            for v in args.variants.split(";") if v)]
         if args.compare:
-            for name, tuning, page in (
-                    ("default", {}, 64), ("default, page 16", {}, 16),
-                    ("stream", {"stream": True}, 64),
-                    ("stream, page 16", {"stream": True}, 16),
-                    ("stream, no pdl", {"stream": True, "pdl": False}, 64)):
+            steps = [("default", {}, 64), ("default, page 16", {}, 16),
+                     ("stream", {"stream": True}, 64),
+                     ("stream, page 16", {"stream": True}, 16),
+                     ("stream, no pdl", {"stream": True, "pdl": False}, 64)] + steps
+        if steps:
+            for name, tuning, page in steps:
                 print(json.dumps({"row": row, "variant": name,
                                   "step us": step_us(heads, bs, ctx, tuning, page=page)}),
                       flush=True)

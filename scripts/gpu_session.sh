@@ -129,6 +129,9 @@
 #                                  # its gpu tests, narrow_timeline.py, the 16-head rows of
 #                                  # the default and the fused merge twice, time splits,
 #                                  # host µs of an MLA layer call (planned keys or not)
+#   scripts/gpu_session.sh ninetyfirst   # one request a program: stream beside narrow
+#   scripts/gpu_session.sh ninetieth     # Nsight Compute of the narrow and stream kernels
+#                                  # at 64x4k (stalls by SASS line, memory tables)
 #   scripts/gpu_session.sh eightyninth   # the spill-free stream kernel: gpu tests, step by
 #                                  # program count and beside the default, 16-head rows
 #                                  # (equal shares, and weighed by narrow / own SM rates)
@@ -762,6 +765,65 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
       NEW_VARIANTS=triton,narrow-no-pdl,narrow-pdl-all ROUNDS="1 2" bash "$0" seventyeighth-rows
     fi
+    ;;
+  ninetyfirst)
+    # one request a program: the stream kernel (128 / 132 programs, one segment each, no
+    # partials) beside the narrow kernel (one split a request) on the same keys a program,
+    # to tell its per-tile stream from its request crossings
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    V='default={}@64;stream 128={"stream": 128}@64;stream 132={"stream": 132}@64'
+    V="$V"';default p16={}@16;stream 128 p16={"stream": 128}@16'
+    timeout ${SP_S:-150} python3 benchmarks/stream_probe.py --rows 16x128x4096 \
+      --programs 128 --variants "$V" 2>&1 | tee "$OUT/stream_probe.log"
+    timeout ${SP2_S:-90} python3 benchmarks/stream_probe.py --rows 16x132x4096 \
+      --programs 132 --variants 'default={}@64;stream 132={"stream": 132}@64' 2>&1 \
+      | tee -a "$OUT/stream_probe.log"
+    timeout ${NT_S:-90} python3 benchmarks/narrow_timeline.py --rows 16x128x4096,16x132x4096 \
+      2>&1 | tee "$OUT/narrow_timeline.log"
+    ;;
+  ninetieth)
+    # why the stream kernel streams slower than the narrow kernel (eightyninth, H100: step
+    # 124 against 107 us; 66 programs stream nearly as fast as 132, so a chip-wide limit):
+    # Nsight Compute of both 64x4k launches, stalls by SASS line, memory tables
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    for c in mla16 mla16-stream; do
+      timeout ${NCU_S:-150} ncu --clock-control none --profile-from-start off --nvtx \
+        --target-processes all -k regex:mla_kernel --section SpeedOfLight \
+        --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
+        --section SchedulerStats --section InstructionStats --section SourceCounters \
+        -f -o "$OUT/$c" python3 benchmarks/ncu_kernels.py --cases $c > "$OUT/ncu_$c.log" 2>&1
+      tail -2 "$OUT/ncu_$c.log"
+      ncu --import "$OUT/$c.ncu-rep" --print-summary none > "$OUT/details_$c.txt" 2>&1
+      grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Memory Throughput|L2 Hit|L1/TEX Hit|Warp Cycles Per Issued|Issue Slots|Executed Ipc|Registers Per|Stall|Local" \
+        "$OUT/details_$c.txt" | head -24
+      ncu --import "$OUT/$c.ncu-rep" --page source --csv --print-source sass \
+        > "$OUT/sass_$c.csv" 2>/dev/null
+      python3 - "$OUT/sass_$c.csv" <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+head = rows[1] if len(rows) > 1 else []
+data = [r for r in rows[2:] if len(r) == len(head)]
+def f(x):
+    try:
+        return float(x.replace(",", ""))
+    except ValueError:
+        return 0.0
+if "Warp Stall Sampling (All Samples)" in head:
+    samp = head.index("Warp Stall Sampling (All Samples)")
+    tot = sum(f(r[samp]) for r in data) or 1.0
+    stalls = [h for h in head if h.startswith("stall_") and "Not Issued" not in h]
+    agg = sorted(((sum(f(r[head.index(h)]) for r in data), h) for h in stalls), reverse=True)
+    print("samples", tot, "; top stalls:", [(h, round(100 * v / tot, 1)) for v, h in agg[:8]])
+    src = head.index("Source")
+    top = sorted(data, key=lambda r: -f(r[samp]))[:12]
+    for r in top:
+        print(round(100 * f(r[samp]) / tot, 1), r[src][:90])
+else:
+    print("no source counters", head[:8])
+PY
+      rm -f "$OUT/$c.ncu-rep"
+    done
     ;;
   eightyninth)
     # the stream kernel's spill-free build (48 bytes of ptxas stack against 1.7 KB: its

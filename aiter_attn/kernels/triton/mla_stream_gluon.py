@@ -23,6 +23,12 @@ request began before the range) or tail slot (1), as the balanced launch lays th
 :mod:`.mla_balanced`'s merge launch (``BLOCK_N`` 16) combines them and writes the rows of
 requests with no keys.
 
+Measured (docs/benchmarks.md, "Thirty-first session", H100): correct on CUDA, but slower than
+the narrow kernel at every program count (64×4k 2.45 against 2.86 TB/s): 3.6 % slower a tile
+on the same keys, more again when programs cross requests, and the narrow kernel's rows are
+already at the copy ceiling on 128 SMs (3.02 TB/s; 3.03 on 132), so more SMs and weighted
+shares have no bandwidth to win. Hence off by default (``MLA_STREAM``).
+
 The sm_90 build must not spill (``tests/test_stream_sm90.py``,
 ``scripts/inspect_stream_mla_sm90.py``): its first builds spilled 0.9–1.7 KB a thread and
 ran at half the narrow kernel's speed (docs/benchmarks.md, "Thirtieth session"). What
