@@ -154,7 +154,8 @@ MLA_NARROW = True
 #: stream=True)``, weighed by ``balanced_rates``): off. Correct, but its first sm_90 builds
 #: spilled (0.9–1.7 KB a thread) and took twice the narrow kernel's 64×4k step on an H100,
 #: whatever the program count (docs/benchmarks.md, "Thirtieth session"); the spill-free
-#: build (40 bytes of ptxas stack) is not yet timed.
+#: build runs 64×4k at 86 % of the narrow kernel's speed on an H100 ("Thirty-first
+#: session"), whose stream is already at the copy ceiling.
 MLA_STREAM = False
 
 #: The narrow kernel's split merge launched early (programmatic dependent launch, the
