@@ -799,29 +799,7 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
         "$OUT/details_$c.txt" | head -24
       ncu --import "$OUT/$c.ncu-rep" --page source --csv --print-source sass \
         > "$OUT/sass_$c.csv" 2>/dev/null
-      python3 - "$OUT/sass_$c.csv" <<'PY'
-import csv, sys
-rows = list(csv.reader(open(sys.argv[1])))
-head = rows[1] if len(rows) > 1 else []
-data = [r for r in rows[2:] if len(r) == len(head)]
-def f(x):
-    try:
-        return float(x.replace(",", ""))
-    except ValueError:
-        return 0.0
-if "Warp Stall Sampling (All Samples)" in head:
-    samp = head.index("Warp Stall Sampling (All Samples)")
-    tot = sum(f(r[samp]) for r in data) or 1.0
-    stalls = [h for h in head if h.startswith("stall_") and "Not Issued" not in h]
-    agg = sorted(((sum(f(r[head.index(h)]) for r in data), h) for h in stalls), reverse=True)
-    print("samples", tot, "; top stalls:", [(h, round(100 * v / tot, 1)) for v, h in agg[:8]])
-    src = head.index("Source")
-    top = sorted(data, key=lambda r: -f(r[samp]))[:12]
-    for r in top:
-        print(round(100 * f(r[samp]) / tot, 1), r[src][:90])
-else:
-    print("no source counters", head[:8])
-PY
+      python3 benchmarks/ncu_source_summary.py "$OUT/sass_$c.csv"
       rm -f "$OUT/$c.ncu-rep"
     done
     ;;
@@ -1132,27 +1110,7 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       "$OUT/ncu_ring.txt" | head -40
     ncu --import "$OUT/ring.ncu-rep" --page source --csv --print-source sass \
       > "$OUT/ring_sass.csv" 2>/dev/null
-    python3 - "$OUT/ring_sass.csv" <<'PY'
-import csv, sys
-rows = list(csv.reader(open(sys.argv[1])))
-head = rows[0]
-def col(name):
-    return next((i for i, h in enumerate(head) if h.startswith(name)), None)
-head = rows[1]
-data = [r for r in rows[2:] if len(r) == len(head)]
-def f(x):
-    try:
-        return float(x.replace(",", ""))
-    except ValueError:
-        return 0.0
-samp = head.index("Warp Stall Sampling (All Samples)")
-tot = sum(f(r[samp]) for r in data)
-stalls = [h for h in head if h.startswith("stall_") and "Not Issued" not in h]
-agg = sorted(((sum(f(r[head.index(h)]) for r in data), h) for h in stalls), reverse=True)
-print("samples", tot, "; top stalls:", [(h, round(100 * v / tot, 1)) for v, h in agg[:6]])
-w, wi = head.index("L1 Wavefronts Shared"), head.index("L1 Wavefronts Shared Ideal")
-print("shared wavefronts", sum(f(r[w]) for r in data), "ideal", sum(f(r[wi]) for r in data))
-PY
+    python3 benchmarks/ncu_source_summary.py "$OUT/ring_sass.csv" --lines 0
     rm -f "$OUT"/*.ncu-rep
     ;;
   fiftyninth)
