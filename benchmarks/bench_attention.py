@@ -118,8 +118,6 @@ MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 # device; "-all": the attention launch too
                 "narrow-pdl": {"narrow": True, "pdl": "reduce"},
                 "narrow-pdl-all": {"narrow": True, "pdl": True},
-                # and the lengths and first block-table rows read before its wait
-                "pdl-meta": {"pdl": "meta"},
                 "narrow-no-pdl": {"narrow": True, "pdl": False},
                 # one program a token (64x4k: 64 programs on 132 SMs, no merge launch)
                 "narrow-split1": {"narrow": True, "num_kv_splits": 1},

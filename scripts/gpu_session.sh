@@ -129,7 +129,6 @@
 #                                  # its gpu tests, narrow_timeline.py, the 16-head rows of
 #                                  # the default and the fused merge twice, time splits,
 #                                  # host µs of an MLA layer call (planned keys or not)
-#   scripts/gpu_session.sh ninetysecond  # pdl="meta": lengths read before the wait
 #   scripts/gpu_session.sh ninetyfirst   # one request a program: stream beside narrow
 #   scripts/gpu_session.sh ninetieth     # Nsight Compute of the narrow and stream kernels
 #                                  # at 64x4k (stalls by SASS line, memory tables)
@@ -766,22 +765,6 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
       NEW_VARIANTS=triton,narrow-no-pdl,narrow-pdl-all ROUNDS="1 2" bash "$0" seventyeighth-rows
     fi
-    ;;
-  ninetysecond)
-    # the narrow kernel launched early with its lengths and first block-table rows read
-    # before its PDL wait (pdl="meta"): the dependent loads that start each step leave the
-    # critical path (the stream is at the copy ceiling: only the fixed part can shrink);
-    # its gpu tests, then the 16-head rows beside the default and pdl=True, two rounds
-    nvidia-smi --query-gpu=name --format=csv,noheader
-    gpu_tests pdl_tests.log ${GT_S:-200} 150 tests/test_triton_mla.py -k "narrow_gluon_pdl" \
-      tests/test_pdl.py
-    for r in 1 2; do
-      timeout ${BB_S:-120} python3 benchmarks/bench_attention.py --only mla --rep 30 \
-        --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 --out "$OUT/rows$r" \
-        --mla-variants pdl-meta,narrow-pdl-all > "$OUT/rows$r.log" 2>&1
-      grep -E "ours|Error|error|ceilings" "$OUT/rows$r.log" | head -8
-    done
-    rm -f "$OUT"/*/*.png
     ;;
   ninetyfirst)
     # one request a program: the stream kernel (128 / 132 programs, one segment each, no

@@ -56,23 +56,6 @@ def test_plan_asks_for_pdl_only_when_tuned_on_and_supported(monkeypatch):
     assert kw["PDL"] is False and "launch_pdl" not in kw
 
 
-def test_meta_mode_starts_the_attention_launch_early(monkeypatch):
-    """``"meta"`` (the narrow MLA kernel reads its lengths before it waits) is ``True`` for
-    every launch's keywords: the attention launch and its reduction both start early."""
-    from aiter_attn.kernels.triton import _pdl
-
-    monkeypatch.setattr(_pdl, "pdl_supported", lambda device: True)
-    assert _pdl.pdl_mode("meta", torch.device("cuda", 0)) == "meta"
-    assert _pdl.pdl_mode("reduce", torch.device("cuda", 0)) == "reduce"
-    assert _pdl.pdl_mode(1, torch.device("cuda", 0)) is True
-    for reduction in (False, True):
-        assert _pdl.pdl_kwargs("meta", reduction=reduction) == {"PDL": True,
-                                                                "launch_pdl": True}
-    assert _pdl.pdl_kwargs("reduce", reduction=False) == {"PDL": True}
-    monkeypatch.setattr(_pdl, "pdl_supported", lambda device: False)
-    assert _pdl.pdl_mode("meta", torch.device("cuda", 0)) is False
-
-
 def test_pdl_is_never_supported_off_cuda_or_in_the_interpreter(monkeypatch):
     from aiter_attn.kernels.triton import _pdl
 

@@ -473,14 +473,12 @@ def test_gpu_narrow_gluon_mla(shape, extra, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl", ["reduce", True, "meta"],
-                         ids=["merge-early", "both-early", "lengths-before-wait"])
+@pytest.mark.parametrize("pdl", ["reduce", True], ids=["merge-early", "both-early"])
 @pytest.mark.parametrize("shape,extra", [NARROW_SHAPES[0], NARROW_SHAPES[2]])
 def test_gpu_narrow_gluon_pdl(shape, extra, pdl, monkeypatch):
     """The narrow kernel letting its split merge start early (``pdl``; the merge waits on
-    the device for the kernel's end; ``"meta"``: the kernel also starts early and reads
-    its lengths and first block-table rows before it waits): the same oracle, NaN tails and
-    LSE checks, and the merge launched with ``launch_pdl``."""
+    the device for the kernel's end): the same oracle, NaN tails and LSE checks, and the
+    merge launched with ``launch_pdl``."""
     from aiter_attn.kernels.triton import mla
     from aiter_attn.kernels.triton import mla_narrow_gluon as mn
 

@@ -9,10 +9,8 @@ the attribute. Kernels call it only under a ``PDL`` constexpr (never in the inte
 which has no inline PTX).
 
 Host: :func:`pdl_mode` turns a tuning request into ``False`` / ``True`` (the attention
-launch and its split reduction both start early) / ``"reduce"`` (only the reduction) /
-``"meta"`` (as ``True``; a kernel that can also reads the step's lengths and block table
-before it waits: the narrow MLA kernel), where the device has PDL; :func:`pdl_kwargs` gives
-the constexpr and launch option of each launch.
+launch and its split reduction both start early) / ``"reduce"`` (only the reduction), where
+the device has PDL; :func:`pdl_kwargs` gives the constexpr and launch option of each launch.
 """
 
 from __future__ import annotations
@@ -61,18 +59,18 @@ def pdl_supported(device: torch.device) -> bool:
 
 
 def pdl_mode(requested, device: torch.device):
-    """``requested`` (a tuning value: falsy, ``True``, ``"reduce"`` or ``"meta"``) where
-    ``device`` has PDL, else ``False``."""
+    """``requested`` (a tuning value: falsy, ``True`` or ``"reduce"``) where ``device`` has
+    PDL, else ``False``."""
     if not requested or not pdl_supported(device):
         return False
-    return requested if requested in ("reduce", "meta") else True
+    return "reduce" if requested == "reduce" else True
 
 
 def pdl_kwargs(mode, *, reduction: bool) -> dict:
     """Launch keywords for ``mode`` (:func:`pdl_mode`): the ``PDL`` constexpr of a kernel
     that signals its dependents, plus ``launch_pdl`` where that launch itself starts early
-    (the reduction under any mode, the attention launch only under ``True`` or ``"meta"``)."""
+    (the reduction under any mode, the attention launch only under ``True``)."""
     kw = {"PDL": bool(mode)}
-    if mode is True or mode == "meta" or (mode and reduction):
+    if mode is True or (mode and reduction):
         kw["launch_pdl"] = True
     return kw

@@ -150,7 +150,7 @@ def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: to
 #: the values of the launch-choice options (``tuning`` keys) a truthiness test would
 #: otherwise read: ``pdl="off"`` or ``narrow="no"`` would turn the option on without a word
 _OPTION_VALUES = {
-    "pdl": (False, True, "reduce", "meta"),
+    "pdl": (False, True, "reduce"),
     "narrow": (False, True),
     "ring": (False, True),
     "fused_merge": (False, True, "cooperative"),

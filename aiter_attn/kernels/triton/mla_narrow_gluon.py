@@ -163,30 +163,6 @@ if HAS_GLUON:
                 _issue(kn_d, kr_d, kn_s, kr_s, ready.index(j), j, cur, offs, BOX, BOXES)
 
     @gluon.jit
-    def _early_rows(bt_row, lo, last, PAGE: gl.constexpr, BOX: gl.constexpr,
-                    num_warps: gl.constexpr):
-        """The slot rows of the split's first two tiles (``[BOXES]`` int32 each, clamped
-        to the request's pages), read from the block table before the program waits for
-        the kernel before it (``pdl="meta"``)."""
-        BOXES: gl.constexpr = 64 // BOX
-        lay: gl.constexpr = gl.BlockedLayout([BOXES], [32], [num_warps], [0])
-        return (_tile_rows(bt_row, lo, last, PAGE, BOX, BOXES, lay),
-                _tile_rows(bt_row, lo + 64, last, PAGE, BOX, BOXES, lay))
-
-    @gluon.jit
-    def _issue_rows(kn_d, kr_d, kn_s, kr_s, ready, rows0, rows1, n, BOX: gl.constexpr,
-                    num_warps: gl.constexpr):
-        """The split's first ``_EARLY`` (two) tiles from rows read earlier
-        (:func:`_early_rows`)."""
-        BOXES: gl.constexpr = 64 // BOX
-        lay: gl.constexpr = gl.BlockedLayout([BOXES], [32], [num_warps], [0])
-        offs = gl.arange(0, BOXES, layout=lay)
-        if n > 0:
-            _issue(kn_d, kr_d, kn_s, kr_s, ready.index(0), 0, rows0, offs, BOX, BOXES)
-        if n > 1:
-            _issue(kn_d, kr_d, kn_s, kr_s, ready.index(1), 1, rows1, offs, BOX, BOXES)
-
-    @gluon.jit
     def _load(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
               BOX: gl.constexpr, SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr,
               FUSED: gl.constexpr, STAMPS: gl.constexpr):
@@ -403,23 +379,15 @@ if HAS_GLUON:
         CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
         FUSED: gl.constexpr = False, ONE_QUERY: gl.constexpr = False,
         PDL: gl.constexpr = False, STAMPS: gl.constexpr = False,
-        META_FIRST: gl.constexpr = False,
     ):
-        t = gl.program_id(0)
-        split = gl.program_id(1)
-        if META_FIRST:  # (pdl="meta", launched early) the lengths and the first tiles'
-            # block-table rows before the wait: the kernel before must not write them
-            b, kv_len, lo, n, valid = _token_split(cu_q, seqused, t, split, batch, SPLITS,
-                                                   CAUSAL, BLOCK_B, num_warps, ONE_QUERY)
-            last = gl.maximum(gl.cdiv(kv_len, PAGE) - 1, 0)
-            bt_row = bt + b.to(gl.int64) * s_bt
-            rows0, rows1 = _early_rows(bt_row, lo, last, PAGE, BOX, num_warps)
         if PDL:  # the kernel before first (a no-op unless launched early), then let the
             # split merge's programs start: they wait for this kernel's end on the device
             gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [],
                                       dtype=gl.int32, is_pure=False, pack=1)
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r",
                                       [], dtype=gl.int32, is_pure=False, pack=1)
+        t = gl.program_id(0)
+        split = gl.program_id(1)
         _stamp(stamps, t, split, 0, SPLITS, STAMPS)  # entry (after the PDL wait)
         _stamp(stamps, t, split, 1, SPLITS, STAMPS)  # the SM
         dtype: gl.constexpr = kn_d.dtype
@@ -432,9 +400,8 @@ if HAS_GLUON:
         dr = gl.arange(0, 64, layout=gl.SliceLayout(0, lq))
         qn = gl.load(q_row + dn[None, :], mask=(hq < heads)[:, None], other=0.0)
         qr = gl.load(q_row + 512 + dr[None, :], mask=(hq < heads)[:, None], other=0.0)
-        if not META_FIRST:
-            b, kv_len, lo, n, valid = _token_split(cu_q, seqused, t, split, batch, SPLITS,
-                                                   CAUSAL, BLOCK_B, num_warps, ONE_QUERY)
+        b, kv_len, lo, n, valid = _token_split(cu_q, seqused, t, split, batch, SPLITS, CAUSAL,
+                                               BLOCK_B, num_warps, ONE_QUERY)
 
         qn_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 512], dtype)
         qr_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 64], dtype)
@@ -458,13 +425,10 @@ if HAS_GLUON:
         mbarrier.init(done, count=1)
         fence_async_shared()
 
-        if META_FIRST:
-            _issue_rows(kn_d, kr_d, kn_s, kr_s, ready, rows0, rows1, n, BOX, num_warps)
-        else:
-            last = gl.maximum(gl.cdiv(kv_len, PAGE) - 1, 0)
-            bt_row = bt + b.to(gl.int64) * s_bt
-            _issue_early(kn_d, kr_d, kn_s, kr_s, ready, bt_row, lo, n, last, PAGE, BOX,
-                         num_warps)
+        last = gl.maximum(gl.cdiv(kv_len, PAGE) - 1, 0)
+        bt_row = bt + b.to(gl.int64) * s_bt
+        _issue_early(kn_d, kr_d, kn_s, kr_s, ready, bt_row, lo, n, last, PAGE, BOX,
+                     num_warps)
         qn_s.store(qn)
         qr_s.store(qr)
         fence_async_shared()
@@ -524,9 +488,7 @@ def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, 
     them itself (the last split of each token). ``one_query``: every request has one
     query. ``pdl`` (:func:`._pdl.pdl_mode`): truthy, the kernel lets the next launch (its
     split merge, launched with ``launch_pdl``) start at once; ``True``, it also starts
-    early itself and waits for the kernel before it; ``"meta"``, as ``True``, but it reads
-    the lengths (``cu_q``, ``seqused_k``) and its first two tiles' block-table rows before
-    that wait, so the kernel before it on the stream must not write them. ``stamps``: an int64 CUDA tensor
+    early itself and waits for the kernel before it. ``stamps``: an int64 CUDA tensor
     ``[tokens * splits, 8]`` that each program ``(t, s)`` fills at row ``t * splits + s``
     with its timeline (:data:`STAMP_FIELDS`: global-timer ns and its SM), for
     ``benchmarks/narrow_timeline.py``; off (``None``) it is compiled out. ``planned``:
@@ -561,8 +523,8 @@ def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, 
               BLOCK_B=max(2, 1 << max(0, (batch - 1).bit_length())),
               CONSUMER_REGS=_MAXNREG, LOADER_REGS=_LOADER_REGS, num_warps=4,
               maxnreg=_MAXNREG, FUSED=fused, ONE_QUERY=bool(one_query), PDL=bool(pdl),
-              STAMPS=stamps is not None, META_FIRST=pdl == "meta",
-              **({"launch_pdl": True} if pdl in (True, "meta") else {}))
+              STAMPS=stamps is not None,
+              **({"launch_pdl": True} if pdl is True else {}))
     if key is None:
         key = (tuple(tensor_key(a) if hasattr(a, "data_ptr") else None for a in args[2:12]),
                args[13:], tuple(sorted(kw.items())), kv_cache.dtype, tuple(kn_d.block_shape))
