@@ -249,6 +249,20 @@ def make_ours_mla_planned(x, **tuning):
     return fn, lambda: out
 
 
+def capture_steps(step, steps: int, *, warm: bool = True):
+    """A CUDA graph of ``step(r)`` for ``r`` in ``0 .. steps - 1`` (each run once first when
+    ``warm``: compiles, launch keys), ready to replay."""
+    if warm:
+        for r in range(steps):
+            step(r)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for r in range(steps):
+            step(r)
+    return graph
+
+
 def make_ours_batch_invariant(x):
     """:func:`make_ours` in batch-invariant mode (``--anchors ours-bi,...``: its cost)."""
     return make_ours(x, batch_invariant=True)

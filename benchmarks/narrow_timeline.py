@@ -171,7 +171,7 @@ def timeline(heads: int, bs: int, ctx: int, *, steps: int = 8, reps: int = 5,
     ``programs``, if given, gets every replay's :func:`program_rows`."""
     from _inputs import make_mla
 
-    from _runners import planned_mla
+    from _runners import capture_steps, planned_mla
 
     from aiter_attn.kernels.triton.mla_merge import merge_splits
     from aiter_attn.kernels.triton.mla_narrow_gluon import STAMP_FIELDS, launch_narrow_mla
@@ -197,13 +197,7 @@ def timeline(heads: int, bs: int, ctx: int, *, steps: int = 8, reps: int = 5,
         if nsplits > 1:
             merge_splits(out, part_o, part_lse, None, x.rank, kernel.block_dv, **merge_kw)
 
-    for r in range(steps):  # compile, warm
-        step(r)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for r in range(steps):
-            step(r)
+    graph = capture_steps(step, steps)  # each step run once first: compiled, warm
     runs = []
     for _ in range(reps):
         graph.replay()

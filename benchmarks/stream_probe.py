@@ -98,7 +98,7 @@ def probe(heads: int, bs: int, ctx: int, programs: int, *, steps: int = 8, reps:
     ``{"sm", "units", "stream_us"}``."""
     from _inputs import make_mla
 
-    from _runners import planned_mla
+    from _runners import capture_steps, planned_mla
 
     from aiter_attn.kernels.triton.mla_balanced import launch_balanced_mla
     from aiter_attn.kernels.triton.mla_kernel import _LOG2E
@@ -122,13 +122,7 @@ def probe(heads: int, bs: int, ctx: int, programs: int, *, steps: int = 8, reps:
         launch_balanced_mla(x.q, x.kv_cache, out, seqused, table, rank=x.rank,
                             qk_scale_log2=params.scale * _LOG2E, **merge_kw)
 
-    for r in range(steps):
-        step(r)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for r in range(steps):
-            step(r)
+    graph = capture_steps(step, steps)
     times, runs = [], []
     units = None
     if records is not None:  # each slot's units, from the partition on the host
@@ -159,15 +153,11 @@ def step_us(heads: int, bs: int, ctx: int, tuning: dict, *, page: int = 64, step
     ``steps`` captured calls, on a cache of ``page``-row pages: the default (narrow) kernel
     and stream options side by side."""
     from _inputs import make_mla
-    from _runners import make_ours_mla_planned
+    from _runners import capture_steps, make_ours_mla_planned
 
     x = make_mla(bs, ctx, heads=heads, page=page, device=device)
-    fn, _ = make_ours_mla_planned(x, **tuning)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(steps):
-            fn()
+    fn, _ = make_ours_mla_planned(x, **tuning)  # (ran once: compiled)
+    graph = capture_steps(lambda r: fn(), steps, warm=False)
     return round(median(_replay_us(graph, steps) for _ in range(reps)), 2)
 
 
