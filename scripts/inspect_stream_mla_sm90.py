@@ -20,62 +20,29 @@ import json
 import os
 import sys
 
-import triton
-from triton.backends.compiler import GPUTarget
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from inspect_gluon_decode_sm90 import _compile_sm90  # noqa: E402
 
 
 def compile_stream(q="bf16", index="i32", **const):
     """The kernel built for sm_90 with the launch's constexprs (``const`` overrides: ``HP``,
-    ``PAGE``, ``WRITE_LSE``, ``BLOCK_B``, ``CLAIM``, ``PDL``, ``STAMPS``)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+    ``PAGE``, ``WRITE_LSE``, ``BLOCK_B``, ``CLAIM``, ``PDL``, ``STAMPS``): pointers and the
+    strides (``s_*``) compiled 16-aligned, as a launch specialises them; the head, request
+    and program counts not."""
     from aiter_attn.kernels.triton import mla_stream_gluon as ms
 
     c = dict(HP=16, PAGE=64, WRITE_LSE=True, BLOCK_B=128, CONSUMER_REGS=ms._MAXNREG,
              LOADER_REGS=ms._LOADER_REGS, WRITER_REGS=ms._WRITER_REGS, num_warps=4,
              CLAIM=False, PDL=True, STAMPS=False)
     c.update(const)
-    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[q]
-    box = ms.STREAM_UNIT
-    ln = gl.NVMMASharedLayout.get_default_for([box, 512], gdt)
-    lr = gl.NVMMASharedLayout.get_default_for([box, 64], gdt)
-    hp = c["HP"]
-    qln = gl.NVMMASharedLayout.get_default_for([hp, 512], gdt)
-    qlr = gl.NVMMASharedLayout.get_default_for([hp, 64], gdt)
+    box, hp = ms.STREAM_UNIT, c["HP"]
     fn = ms._stream_mla_kernel
-    names = fn.arg_names
-    sig = {}
-    for n in names:
-        if n in c:
-            sig[n] = "constexpr"
-        elif n == "kn_d":
-            sig[n] = f"tensordesc<{q}[{box}, 512],{ln!r}>"
-        elif n == "kr_d":
-            sig[n] = f"tensordesc<{q}[{box}, 64],{lr!r}>"
-        elif n == "qn_d":
-            sig[n] = f"tensordesc<{q}[{hp}, 512],{qln!r}>"
-        elif n == "qr_d":
-            sig[n] = f"tensordesc<{q}[{hp}, 64],{qlr!r}>"
-        elif n in ("out", "part_o"):
-            sig[n] = f"*{q}"
-        elif n in ("part_l", "lse_ptr", "shares"):
-            sig[n] = "*fp32"
-        elif n in ("seqused", "bt"):
-            sig[n] = f"*{index}"
-        elif n in ("ticket", "claims", "stamps"):
-            sig[n] = "*i64"
-        elif n == "qk2":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if sig[n] not in ("constexpr", "fp32") and not sig[n].startswith("tensordesc")
-             and n not in ("heads", "batch", "num_programs")}
-    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in c.items()},
-                         attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, num_stages=1, maxnreg=ms._MAXNREG))
+    return _compile_sm90(
+        fn, c, q, {"kn_d": (box, 512), "kr_d": (box, 64), "qn_d": (hp, 512), "qr_d": (hp, 64)},
+        ("part_l", "lse_ptr", "shares"), ms._MAXNREG,
+        ptrs={"part_o": q, "seqused": index, "bt": index, "ticket": "i64", "claims": "i64",
+              "stamps": "i64"},
+        aligned=tuple(n for n in fn.arg_names if n.startswith("s_")))
 
 
 def main():
@@ -85,7 +52,6 @@ def main():
     p.add_argument("--index", default="i32", choices=("i32", "i64"))
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from inspect_gluon_prefill_sm90 import gluon_report, print_report
 
     print_report(gluon_report(compile_stream(a.q, a.index, **json.loads(a.const))), a.json)
