@@ -119,6 +119,10 @@ MLA_VARIANTS = {"pdl-reduce": {"pdl": "reduce"}, "pdl": {"pdl": True},
                 "narrow-pdl": {"narrow": True, "pdl": "reduce"},
                 "narrow-pdl-all": {"narrow": True, "pdl": True},
                 "narrow-no-pdl": {"narrow": True, "pdl": False},
+                # the attention launch starts early too and issues its first tiles of keys
+                # older than the step's before its wait (_pdl.EARLY_KEYS): here they overlap
+                # the kernel before it, the previous step's merge
+                "narrow-early": {"narrow": True, "pdl": "early"},
                 # one program a token (64x4k: 64 programs on 132 SMs, no merge launch)
                 "narrow-split1": {"narrow": True, "num_kv_splits": 1},
                 # the Triton kernel, where the narrow kernel is the default

@@ -766,6 +766,27 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       NEW_VARIANTS=triton,narrow-no-pdl,narrow-pdl-all ROUNDS="1 2" bash "$0" seventyeighth-rows
     fi
     ;;
+  ninetythird)
+    # pdl="early": the narrow kernel starts early and issues its first tiles of older keys
+    # before its wait (here during the previous step's merge): the race tests alone (their
+    # window is timed), the other gpu tests, then the 16-head rows twice, and the time split
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    timeout ${EK_S:-200} python3 -m pytest -m gpu -q tests/test_mla_early_keys.py \
+      -p no:cacheprovider --tb=short > "$OUT/early_tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed|Error" "$OUT/early_tests.log" | tail -15
+    gpu_tests narrow_tests.log ${GT_S:-200} 150 tests/test_triton_mla.py -k "narrow" \
+      tests/test_mla_narrow_default.py tests/test_gluon_decode.py
+    for i in 1 2; do
+      timeout ${BB_S:-120} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+        --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 --out "$OUT/rows$i" \
+        --mla-variants ${VARIANTS:-narrow-early,narrow-pdl-all} > "$OUT/rows$i.log" 2>&1
+      grep -E "ours|rates|Error|error|ceilings" "$OUT/rows$i.log" | head -12
+    done
+    timeout ${TS_S:-100} python3 benchmarks/mla_time_split.py --rows 16x64x4096 \
+      --splits 0 --floor --tunings '[{}, {"pdl": "early"}]' 2>&1 \
+      | tee "$OUT/time_split.log" | tail -6
+    rm -f "$OUT"/*/*.png
+    ;;
   ninetyfirst)
     # one request a program: the stream kernel (128 / 132 programs, one segment each, no
     # partials) beside the narrow kernel (one split a request) on the same keys a program,

@@ -91,7 +91,7 @@ def compile_narrow_mla(q="bf16", part="fp32", **const):
 
     c = dict(HP=16, PAGE=64, BOX=64, CAUSAL=True, SPLITS=1, WRITE_LSE=False, BLOCK_B=64,
              CONSUMER_REGS=mn._MAXNREG, LOADER_REGS=mn._LOADER_REGS, num_warps=4,
-             FUSED=False, ONE_QUERY=False, PDL=False, STAMPS=False)
+             FUSED=False, ONE_QUERY=False, PDL=False, STAMPS=False, EARLY=False)
     c.update(const)
     c["BOX"] = min(c["BOX"], 64)
     return _compile_sm90(mn._narrow_mla_kernel, c, q,

@@ -290,8 +290,10 @@ def _inspect_mla(const: dict, kernel: str = "--mla", dump=None) -> dict:
     {"PAGE": 16, "BOX": 16, "WRITE_LSE": True, "q": "fp16"},
     {"SPLITS": 4, "part": "bf16"},
     {"SPLITS": 2, "part": "bf16", "STAMPS": True, "PDL": True, "ONE_QUERY": True},
+    {"SPLITS": 2, "part": "bf16", "PDL": True, "EARLY": True, "ONE_QUERY": True},
+    {"HP": 8, "PAGE": 16, "BOX": 16, "PDL": True, "EARLY": True, "STAMPS": True},
 ], ids=["h16-p64", "h8-p48-splits-lse", "h16-p16-fp16", "h16-splits-bf16-partials",
-        "timeline"])
+        "timeline", "early-keys", "early-keys-verify-p16"])
 def test_narrow_mla_compiles_for_sm90(const):
     """The narrow MLA kernel (``mla_narrow_gluon.py``): 12 warps within the SM's registers
     and the H200's shared memory (two 72 KB latent slots, q, P, the hand-over buffer); 68
@@ -303,6 +305,33 @@ def test_narrow_mla_compiles_for_sm90(const):
     assert r["shared"] <= H200_SMEM_OPTIN, r
     assert r["registers"] * r["warps"] * 32 <= 65536, r
     assert r["wgmma"] == 136, r
+
+
+def _before_and_after_wait(ptx: str):
+    """The parent region's PTX lines before and after its first ``griddepcontrol.wait``."""
+    lines = ptx.splitlines()
+    at = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    return lines[:at], lines[at + 1:]
+
+
+@pytest.mark.parametrize("one_query", [True, False], ids=["decode", "verify"])
+def test_narrow_mla_early_keys_read_only_indices_and_old_keys_before_the_wait(tmp_path,
+                                                                             one_query):
+    """``pdl="early"`` (``EARLY``): before ``griddepcontrol.wait`` the program reads only
+    32-bit index words (lengths, ``cu_seqlens_q``, page ids) and issues TMA copies of keys
+    (the first tiles older than the step's new keys); q (16-byte vector loads) comes after
+    the wait, as do the remaining first tiles. Without ``EARLY`` the wait comes first."""
+    const = {"SPLITS": 2, "PDL": True, "ONE_QUERY": one_query}
+    _inspect_mla({**const, "EARLY": True}, dump=tmp_path / "early")
+    before, after = _before_and_after_wait((tmp_path / "early" / "k.ptx").read_text())
+    loads = [line for line in before if "ld.global" in line]
+    assert loads and all("ld.global.b32" in line for line in loads), loads
+    assert sum("cp.async.bulk.tensor" in line for line in before) >= 3, "no early tile"
+    q_at = next(i for i, line in enumerate(after) if "ld.global.v4" in line)
+    assert any("cp.async.bulk.tensor" in line for line in after[q_at:]), "no late tile"
+    _inspect_mla(const, dump=tmp_path / "plain")
+    before, _ = _before_and_after_wait((tmp_path / "plain" / "k.ptx").read_text())
+    assert not [line for line in before if "ld.global" in line or "cp.async" in line]
 
 
 class _Recorder:

@@ -110,7 +110,8 @@ def test_narrow_merge_starts_early_by_default(monkeypatch):
 @pytest.mark.parametrize("tuning,attention,merge", [
     ({"pdl": False}, False, {}),
     ({"pdl": True}, True, {"PDL": True, "launch_pdl": True}),
-    ({"pdl": "reduce"}, "reduce", {"PDL": True, "launch_pdl": True})])
+    ({"pdl": "reduce"}, "reduce", {"PDL": True, "launch_pdl": True}),
+    ({"pdl": "early"}, "early", {"PDL": True, "launch_pdl": True})])
 def test_narrow_pdl_option(tuning, attention, merge, monkeypatch):
     monkeypatch.setattr(mla, "MLA_NARROW", True)
     _, launched, merged = _step(tuning, monkeypatch)
@@ -127,6 +128,34 @@ def test_no_pdl_without_device_support_or_with_the_fused_merge(monkeypatch):
     assert merged == []
     _, launched, merged = _step({"fused_merge": True, "pdl": "reduce"}, monkeypatch)
     assert launched[0]["pdl"] is False and merged == []
+
+
+def test_early_keys_stay_with_one_split_and_the_fused_merge(monkeypatch):
+    """``pdl="early"`` is the attention launch's own (it reads its indices and older keys
+    before its wait), so it stays where there is no merge launch to start early: one split
+    a token, or the fused merge; ``True`` and ``"reduce"`` with one split are off. Without
+    device support it is off too."""
+    monkeypatch.setattr(mla, "MLA_NARROW", True)
+    for tuning in ({"pdl": "early", "num_kv_splits": 1}, {"pdl": "early", "fused_merge": True}):
+        _, launched, merged = _step(tuning, monkeypatch)
+        assert launched[0]["pdl"] == "early" and merged == [], tuning
+    for pdl in (True, "reduce"):
+        _, launched, _ = _step({"pdl": pdl, "num_kv_splits": 1}, monkeypatch)
+        assert launched[0]["pdl"] is False
+    _, launched, merged = _step({"pdl": "early"}, monkeypatch, pdl_device=False)
+    assert launched[0]["pdl"] is False and merged == [{}]
+
+
+def test_early_keys_launch_keywords():
+    """``"early"``: kernels without early reads take it as ``True`` (both launches start
+    early); an unknown mode is refused when the kernel object is built."""
+    from aiter_attn.kernels.triton._pdl import pdl_kwargs
+
+    assert pdl_kwargs("early", reduction=False) == {"PDL": True, "launch_pdl": True}
+    assert pdl_kwargs("early", reduction=True) == {"PDL": True, "launch_pdl": True}
+    assert pdl_kwargs("reduce", reduction=False) == {"PDL": True}
+    with pytest.raises(ValueError, match="'early'"):
+        _kernel({"pdl": "earliest"})
 
 
 def test_fused_merge_kernel_itself_starts_early_with_pdl_true(monkeypatch):

@@ -473,7 +473,8 @@ def test_gpu_narrow_gluon_mla(shape, extra, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl", ["reduce", True], ids=["merge-early", "both-early"])
+@pytest.mark.parametrize("pdl", ["reduce", True, "early"],
+                         ids=["merge-early", "both-early", "early-keys"])
 @pytest.mark.parametrize("shape,extra", [NARROW_SHAPES[0], NARROW_SHAPES[2]])
 def test_gpu_narrow_gluon_pdl(shape, extra, pdl, monkeypatch):
     """The narrow kernel letting its split merge start early (``pdl``; the merge waits on

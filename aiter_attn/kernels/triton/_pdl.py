@@ -9,8 +9,17 @@ the attribute. Kernels call it only under a ``PDL`` constexpr (never in the inte
 which has no inline PTX).
 
 Host: :func:`pdl_mode` turns a tuning request into ``False`` / ``True`` (the attention
-launch and its split reduction both start early) / ``"reduce"`` (only the reduction), where
-the device has PDL; :func:`pdl_kwargs` gives the constexpr and launch option of each launch.
+launch and its split reduction both start early) / ``"reduce"`` (only the reduction) /
+``"early"`` (:data:`EARLY_KEYS`: as ``True``, and a kernel that can also read, before its
+wait, what the kernel before never writes: the index tensors and the keys older than the
+step's new ones; the narrow MLA kernel issues its first tiles of them), where the device
+has PDL; :func:`pdl_kwargs` gives the constexpr and launch option of each launch.
+
+``"early"`` is a contract with the engine: the kernel right before the attention launch, if
+it lets its dependents start early (``griddepcontrol.launch_dependents``), writes none of
+``cu_seqlens_q``, ``seqused_k``, the block table, or a key row other than the step's new
+tokens' (the last ``q_len`` keys of each request). Kernels that do not signal their
+dependents (cuBLAS, torch's own) end before the launch starts, as without PDL.
 """
 
 from __future__ import annotations
@@ -33,7 +42,11 @@ except ImportError:  # pragma: no cover - older Triton: PDL is never requested t
     def gdc_launch_dependents():
         pass
 
-__all__ = ["wait_then_release", "pdl_supported", "pdl_mode", "pdl_kwargs"]
+__all__ = ["wait_then_release", "pdl_supported", "pdl_mode", "pdl_kwargs", "EARLY_KEYS"]
+
+#: the ``pdl`` mode whose attention launch reads the index tensors and the older keys
+#: before its wait (module docstring)
+EARLY_KEYS = "early"
 
 
 @triton.jit
@@ -59,18 +72,19 @@ def pdl_supported(device: torch.device) -> bool:
 
 
 def pdl_mode(requested, device: torch.device):
-    """``requested`` (a tuning value: falsy, ``True`` or ``"reduce"``) where ``device`` has
-    PDL, else ``False``."""
+    """``requested`` (a tuning value: falsy, ``True``, ``"reduce"`` or ``"early"``) where
+    ``device`` has PDL, else ``False``."""
     if not requested or not pdl_supported(device):
         return False
-    return "reduce" if requested == "reduce" else True
+    return requested if requested in ("reduce", EARLY_KEYS) else True
 
 
 def pdl_kwargs(mode, *, reduction: bool) -> dict:
     """Launch keywords for ``mode`` (:func:`pdl_mode`): the ``PDL`` constexpr of a kernel
     that signals its dependents, plus ``launch_pdl`` where that launch itself starts early
-    (the reduction under any mode, the attention launch only under ``True``)."""
+    (the reduction under any mode, the attention launch only under ``True`` and
+    ``"early"``, which kernels without early reads take as ``True``)."""
     kw = {"PDL": bool(mode)}
-    if mode is True or (mode and reduction):
+    if mode is True or mode == EARLY_KEYS or (mode and reduction):
         kw["launch_pdl"] = True
     return kw

@@ -41,7 +41,7 @@ from .mla_plan import COOPERATIVE, LAST_SPLIT, TUNING_KEYS, TritonMLAPlan
 from .mla_ring_gluon import launch_ring_mla, ring_mla_splits
 from .mla_stream_gluon import STREAM_UNIT, launch_stream_mla, stream_mla_reject_reason
 from .mla_workspace import MLAWorkspace, _tma_device
-from ._pdl import pdl_kwargs, pdl_mode
+from ._pdl import EARLY_KEYS, pdl_kwargs, pdl_mode
 
 # names this module held before the split into mla_plan / mla_workspace / mla_functional,
 # importable from here still
@@ -150,7 +150,7 @@ def mla_launch_config(num_heads: int, num_tokens: int, kv_bound: int, device: to
 #: the values of the launch-choice options (``tuning`` keys) a truthiness test would
 #: otherwise read: ``pdl="off"`` or ``narrow="no"`` would turn the option on without a word
 _OPTION_VALUES = {
-    "pdl": (False, True, "reduce"),
+    "pdl": (False, True, "reduce", EARLY_KEYS),
     "narrow": (False, True),
     "ring": (False, True),
     "fused_merge": (False, True, "cooperative"),
@@ -491,8 +491,9 @@ class TritonMLA(MLAWorkspace, MLAKernel):
             ncount = (self._counters(num_tokens, md, out, device)
                       if nsplits > 1 and not ring and t.get("fused_merge", MLA_FUSED_MERGE)
                       else None)
-            pdl = (pdl_mode(t.get("pdl", MLA_NARROW_PDL), device)
-                   if nsplits > 1 and not ring else False)
+            pdl = pdl_mode(t.get("pdl", MLA_NARROW_PDL), device) if not ring else False
+            if nsplits == 1 and pdl != EARLY_KEYS:
+                pdl = False  # no merge launch to start early (``"early"`` is the kernel's)
             if ncount is not None and pdl == "reduce":
                 # merging its own splits there is no merge launch to start early; only
                 # ``pdl=True`` (the kernel itself starts early, waiting on the device for

@@ -90,7 +90,10 @@ def mla_paged_attention(
             split merge may each start while the kernel before finishes, ``"reduce"`` only
             the merge; off by default for the Triton kernel (see
             ``_launch_config.LaunchConfig``), ``"reduce"`` for the narrow kernel's merge
-            (``_launch_config.MLA_NARROW_PDL``; ``pdl=False`` turns it off).
+            (``_launch_config.MLA_NARROW_PDL``; ``pdl=False`` turns it off); ``"early"``
+            as ``True``, and the narrow kernel reads its indices and issues its first tiles
+            of keys older than the step's new ones before it waits: the kernel right before
+            must not write those (``_pdl``'s contract).
         gluon: ``False``: never the warp-specialised Gluon kernel (:mod:`.mla_gluon`); by
             default it serves the launches it can (64-head blocks of bf16/fp16 latents
             512 + 64, pages of a multiple of 64 keys, no mask, NVIDIA sm_90).

@@ -44,6 +44,7 @@ import math
 from typing import Optional
 
 from ._launch import Launcher, intern_spec, tensor_key
+from ._pdl import EARLY_KEYS
 from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout, sm90_gluon_reason
 
 __all__ = ["narrow_mla_reject_reason", "narrow_mla_layout_reason", "narrow_mla_splits",
@@ -139,6 +140,16 @@ if HAS_GLUON:
             gl.store(stamps + (t.to(gl.int64) * SPLITS + split) * _STAMP_ROW + i, v)
 
     @gluon.jit
+    def _pdl_wait_then_release():
+        """``griddepcontrol.wait`` (the kernel before has ended and its writes are
+        visible; a no-op unless this launch started early), then
+        ``griddepcontrol.launch_dependents`` (the next PDL launch may start)."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r",
+                                  [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _issue(kn_d, kr_d, kn_s, kr_s, bar, slot, cur, offs, BOX: gl.constexpr,
                BOXES: gl.constexpr):
         mbarrier.expect(bar, 64 * 576 * kn_d.dtype.primitive_bitwidth // 8)
@@ -150,15 +161,25 @@ if HAS_GLUON:
                                             kr_s.index(slot).slice(i * BOX, BOX, dim=0))
 
     @gluon.jit
-    def _issue_early(kn_d, kr_d, kn_s, kr_s, ready, bt_row, lo, n, last, PAGE: gl.constexpr,
-                     BOX: gl.constexpr, num_warps: gl.constexpr):
+    def _issue_early(kn_d, kr_d, kn_s, kr_s, ready, bt_row, lo, n, last, fresh,
+                     PAGE: gl.constexpr, BOX: gl.constexpr, num_warps: gl.constexpr,
+                     PART: gl.constexpr = 0):
         """The split's first ``_EARLY`` tiles into the empty ring, issued by the program
-        as soon as its key count is in, while q is still on its way to shared memory."""
+        as soon as its key count is in, while q is still on its way to shared memory.
+        ``PART`` 0: all of them; 1: those whose keys all lie before key ``fresh`` (the
+        step's first new key: the kernel before may still be writing it and the keys
+        after it); 2: the others."""
         BOXES: gl.constexpr = 64 // BOX
         lay: gl.constexpr = gl.BlockedLayout([BOXES], [32], [num_warps], [0])
         offs = gl.arange(0, BOXES, layout=lay)
         for j in gl.static_range(_EARLY):
-            if j < n:
+            if PART == 1:
+                go = (j < n) & (lo + (j + 1) * 64 <= fresh)
+            elif PART == 2:
+                go = (j < n) & (lo + (j + 1) * 64 > fresh)
+            else:
+                go = j < n
+            if go:
                 cur = _tile_rows(bt_row, lo + j * 64, last, PAGE, BOX, BOXES, lay)
                 _issue(kn_d, kr_d, kn_s, kr_s, ready.index(j), j, cur, offs, BOX, BOXES)
 
@@ -378,17 +399,15 @@ if HAS_GLUON:
         SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr, BLOCK_B: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
         FUSED: gl.constexpr = False, ONE_QUERY: gl.constexpr = False,
-        PDL: gl.constexpr = False, STAMPS: gl.constexpr = False,
+        PDL: gl.constexpr = False, STAMPS: gl.constexpr = False, EARLY: gl.constexpr = False,
     ):
-        if PDL:  # the kernel before first (a no-op unless launched early), then let the
-            # split merge's programs start: they wait for this kernel's end on the device
-            gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [],
-                                      dtype=gl.int32, is_pure=False, pack=1)
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r",
-                                      [], dtype=gl.int32, is_pure=False, pack=1)
+        if PDL and not EARLY:  # the kernel before first (a no-op unless launched early),
+            # then let the split merge's programs start: they wait for this kernel's end
+            _pdl_wait_then_release()
         t = gl.program_id(0)
         split = gl.program_id(1)
-        _stamp(stamps, t, split, 0, SPLITS, STAMPS)  # entry (after the PDL wait)
+        if not EARLY:
+            _stamp(stamps, t, split, 0, SPLITS, STAMPS)  # entry (after the PDL wait)
         _stamp(stamps, t, split, 1, SPLITS, STAMPS)  # the SM
         dtype: gl.constexpr = kn_d.dtype
         # q [HP, 576]: its loads go out first (heads past ``heads`` read zeros); it reaches
@@ -398,8 +417,9 @@ if HAS_GLUON:
         q_row = q_ptr + t.to(gl.int64) * s_qt + hq.to(gl.int64)[:, None] * s_qh
         dn = gl.arange(0, 512, layout=gl.SliceLayout(0, lq))
         dr = gl.arange(0, 64, layout=gl.SliceLayout(0, lq))
-        qn = gl.load(q_row + dn[None, :], mask=(hq < heads)[:, None], other=0.0)
-        qr = gl.load(q_row + 512 + dr[None, :], mask=(hq < heads)[:, None], other=0.0)
+        if not EARLY:
+            qn = gl.load(q_row + dn[None, :], mask=(hq < heads)[:, None], other=0.0)
+            qr = gl.load(q_row + 512 + dr[None, :], mask=(hq < heads)[:, None], other=0.0)
         b, kv_len, lo, n, valid = _token_split(cu_q, seqused, t, split, batch, SPLITS, CAUSAL,
                                                BLOCK_B, num_warps, ONE_QUERY)
 
@@ -427,8 +447,22 @@ if HAS_GLUON:
 
         last = gl.maximum(gl.cdiv(kv_len, PAGE) - 1, 0)
         bt_row = bt + b.to(gl.int64) * s_bt
-        _issue_early(kn_d, kr_d, kn_s, kr_s, ready, bt_row, lo, n, last, PAGE, BOX,
-                     num_warps)
+        if EARLY:  # before the wait: the tiles of keys the kernel before does not write
+            if ONE_QUERY:
+                fresh = kv_len - 1
+            else:
+                fresh = kv_len - (gl.load(cu_q + b + 1) - gl.load(cu_q + b))
+            _issue_early(kn_d, kr_d, kn_s, kr_s, ready, bt_row, lo, n, last, fresh, PAGE,
+                         BOX, num_warps, 1)
+            _pdl_wait_then_release()
+            _stamp(stamps, t, split, 0, SPLITS, STAMPS)  # "entry": past the wait
+            qn = gl.load(q_row + dn[None, :], mask=(hq < heads)[:, None], other=0.0)
+            qr = gl.load(q_row + 512 + dr[None, :], mask=(hq < heads)[:, None], other=0.0)
+            _issue_early(kn_d, kr_d, kn_s, kr_s, ready, bt_row, lo, n, last, fresh, PAGE,
+                         BOX, num_warps, 2)
+        else:
+            _issue_early(kn_d, kr_d, kn_s, kr_s, ready, bt_row, lo, n, last, kv_len, PAGE,
+                         BOX, num_warps)
         qn_s.store(qn)
         qr_s.store(qr)
         fence_async_shared()
@@ -488,7 +522,10 @@ def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, 
     them itself (the last split of each token). ``one_query``: every request has one
     query. ``pdl`` (:func:`._pdl.pdl_mode`): truthy, the kernel lets the next launch (its
     split merge, launched with ``launch_pdl``) start at once; ``True``, it also starts
-    early itself and waits for the kernel before it. ``stamps``: an int64 CUDA tensor
+    early itself and waits for the kernel before it; ``"early"`` (:data:`._pdl.EARLY_KEYS`),
+    it starts early and, before that wait, reads its lengths and page ids and issues its
+    first tiles of keys older than the step's new ones (the kernel before may be writing
+    the new keys and q, never the index tensors or the older keys). ``stamps``: an int64 CUDA tensor
     ``[tokens * splits, 8]`` that each program ``(t, s)`` fills at row ``t * splits + s``
     with its timeline (:data:`STAMP_FIELDS`: global-timer ns and its SM), for
     ``benchmarks/narrow_timeline.py``; off (``None``) it is compiled out. ``planned``:
@@ -523,8 +560,8 @@ def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, 
               BLOCK_B=max(2, 1 << max(0, (batch - 1).bit_length())),
               CONSUMER_REGS=_MAXNREG, LOADER_REGS=_LOADER_REGS, num_warps=4,
               maxnreg=_MAXNREG, FUSED=fused, ONE_QUERY=bool(one_query), PDL=bool(pdl),
-              STAMPS=stamps is not None,
-              **({"launch_pdl": True} if pdl is True else {}))
+              STAMPS=stamps is not None, EARLY=pdl == EARLY_KEYS,
+              **({"launch_pdl": True} if pdl is True or pdl == EARLY_KEYS else {}))
     if key is None:
         key = (tuple(tensor_key(a) if hasattr(a, "data_ptr") else None for a in args[2:12]),
                args[13:], tuple(sorted(kw.items())), kv_cache.dtype, tuple(kn_d.block_shape))

@@ -53,6 +53,7 @@ import math
 from typing import Optional
 
 from ._launch import Launcher, launch_key
+from ._pdl import EARLY_KEYS
 from .mla_narrow_gluon import narrow_mla_reject_reason
 from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout
 
@@ -622,7 +623,8 @@ def launch_stream_mla(q, kv_cache, out, seqused_k, block_table, scale, *, part_o
               CONSUMER_REGS=_MAXNREG, LOADER_REGS=_LOADER_REGS,
               WRITER_REGS=_WRITER_REGS, num_warps=4,
               maxnreg=_MAXNREG, CLAIM=claim is not None, PDL=bool(pdl),
-              STAMPS=stamps is not None, **({"launch_pdl": True} if pdl is True else {}))
+              STAMPS=stamps is not None,
+              **({"launch_pdl": True} if pdl is True or pdl == EARLY_KEYS else {}))
     _STREAM.launch((programs,), args, kw, (launch_key(args[4:], kw), kv_cache.dtype,
                                           tuple(kn_d.block_shape), q.dtype,
                                           tuple(qn_d.block_shape)))
