@@ -16,6 +16,8 @@ the replays)::
     epilogue    the later consumer's last tile -> rows stored (median program)
     end spread  the last program's end after the median program's (the tail)
     gap         the last program's end -> the next step's first entry (the merge, launches)
+    wait        a program's start -> its entry (the PDL wait: a launch that starts early)
+    start gap   the last program's end -> the next step's first start (before its wait)
 
 On the GPU::
 
@@ -43,16 +45,17 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 
 def summarize(stamps: torch.Tensor) -> dict:
-    """The timeline of consecutive steps: ``stamps`` int64 ``[steps, programs, 8]`` in the
+    """The timeline of consecutive steps: ``stamps`` int64 ``[steps, programs, 9]`` in the
     order of ``STAMP_FIELDS`` (ns; field 1 the SM). Returns µs figures of the steps after
     the first (each measured against the step before or after it), medians over steps."""
     s = stamps.to(torch.int64).cpu()
     entry, q_staged, first = s[..., 0], s[..., 2], s[..., 3]
     done = torch.maximum(s[..., 4], s[..., 5])
-    end = s[..., 6]
+    end, start = s[..., 6], s[..., 8]
     us = 1e-3
     per = {k: [] for k in ("period", "entry skew", "q staged", "first tile", "stream",
-                           "stream min", "stream max", "epilogue", "end spread", "gap")}
+                           "stream min", "stream max", "epilogue", "end spread", "gap",
+                           "wait", "start gap")}
     steps = s.shape[0]
     for r in range(1, steps - 1):
         e0, e1 = entry[r].min(), entry[r + 1].min()
@@ -69,6 +72,8 @@ def summarize(stamps: torch.Tensor) -> dict:
         rel_end = (end[r] - e0).float()
         per["end spread"].append(float(rel_end.max() - rel_end.median()) * us)
         per["gap"].append(float(e1 - end[r].max()) * us)
+        per["wait"].append(float((entry[r] - start[r]).float().median()) * us)
+        per["start gap"].append(float(start[r + 1].min() - end[r].max()) * us)
     out = {k: round(median(v), 3) for k, v in per.items() if v}
     sms = s[..., 1]
     out["programs"] = int(s.shape[1])
@@ -166,9 +171,10 @@ def measure_sm_rates(device="cuda", heads: int = 16, bs: int = 64, ctx: int = 40
 
 
 def timeline(heads: int, bs: int, ctx: int, *, steps: int = 8, reps: int = 5,
-             device="cuda", programs: list | None = None) -> dict:
+             device="cuda", programs: list | None = None, tuning: dict | None = None) -> dict:
     """The row's :func:`summarize` from ``reps`` replays of ``steps`` captured steps;
-    ``programs``, if given, gets every replay's :func:`program_rows`."""
+    ``programs``, if given, gets every replay's :func:`program_rows`; ``tuning``: the
+    ``TritonMLA`` options planned (e.g. ``{"pdl": "early"}``)."""
     from _inputs import make_mla
 
     from _runners import capture_steps, planned_mla
@@ -178,7 +184,7 @@ def timeline(heads: int, bs: int, ctx: int, *, steps: int = 8, reps: int = 5,
 
     x = make_mla(bs, ctx, heads=heads, device=device)
     out = torch.empty(bs, heads, x.rank, dtype=x.q.dtype, device=device)
-    kernel, params, plan = planned_mla(x, {}, {}, "narrow_timeline")
+    kernel, params, plan = planned_mla(x, dict(tuning or {}), {}, "narrow_timeline")
     if plan.narrow is None:
         raise RuntimeError(f"{heads}x{bs}x{ctx}: the default plan does not take the narrow "
                          "kernel here (it needs sm_90 and bf16/fp16)")
@@ -205,7 +211,7 @@ def timeline(heads: int, bs: int, ctx: int, *, steps: int = 8, reps: int = 5,
         runs.append(summarize(stamps))
         if programs is not None:
             programs.extend(program_rows(stamps, len(runs) - 1))
-    rec = {"row": f"{heads}x{bs}x{ctx}", "splits": nsplits}
+    rec = {"row": f"{heads}x{bs}x{ctx}", "splits": nsplits, "pdl": pdl}
     rec.update({k: round(median(run[k] for run in runs), 3) for k in runs[0]})
     return rec
 
@@ -218,6 +224,8 @@ def main():
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--programs", default="",
                    help="write every program's stamps (program_rows) here, JSON lines")
+    p.add_argument("--tuning", default="{}",
+                   help="TritonMLA options as JSON, e.g. '{\"pdl\": \"early\"}'")
     p.add_argument("--by-sm", default="",
                    help="summarise a --programs file by SM (by_sm, per row) and exit")
     a = p.parse_args()
@@ -237,7 +245,8 @@ def main():
         h, b, c = (int(v) for v in row.split("x"))
         progs = [] if a.programs else None
         try:
-            rec = timeline(h, b, c, steps=a.steps, reps=a.reps, programs=progs)
+            rec = timeline(h, b, c, steps=a.steps, reps=a.reps, programs=progs,
+                           tuning=json.loads(a.tuning))
         except RuntimeError as exc:  # no narrow kernel here: say so, no traceback
             raise SystemExit(str(exc)) from None
         print(json.dumps(rec), flush=True)

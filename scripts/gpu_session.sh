@@ -787,6 +787,19 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       | tee "$OUT/time_split.log" | tail -6
     rm -f "$OUT"/*/*.png
     ;;
+  ninetyfourth)
+    # the race tests again (fixed; one replayed in a CUDA graph), then where the step's time
+    # goes with and without pdl="early" (the timeline now stamps each program's start
+    # before its PDL wait)
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    timeout ${EK_S:-200} python3 -m pytest -m gpu -q tests/test_mla_early_keys.py \
+      tests/test_narrow_timeline.py -p no:cacheprovider --tb=short > "$OUT/early_tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed|Error|assert" "$OUT/early_tests.log" | tail -15
+    for t in '{}' '{"pdl": "early"}' '{"pdl": true}'; do
+      timeout ${NT_S:-60} python3 benchmarks/narrow_timeline.py --rows 16x64x4096 \
+        --tuning "$t" 2>&1 | tee -a "$OUT/narrow_timeline.log" | tail -2
+    done
+    ;;
   ninetyfirst)
     # one request a program: the stream kernel (128 / 132 programs, one segment each, no
     # partials) beside the narrow kernel (one split a request) on the same keys a program,

@@ -64,7 +64,8 @@ if HAS_CUDA:
 
 
 def _rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+    a, b = a.float().cpu(), b.float().cpu()
+    return ((a - b).norm() / b.norm()).item()
 
 
 def _slot(case: MLACase, b: int, pos: int) -> int:
@@ -77,13 +78,15 @@ def _sm90():
         pytest.skip("the narrow Gluon MLA kernel is sm_90 only")
 
 
-@pytest.mark.parametrize("q_lens,kv_lens,page,heads", [
-    pytest.param([1] * 4, [100, 4000, 64, 130], 64, 16, id="decode-p64"),
-    pytest.param([3, 2, 1], [1500, 130, 3], 16, 16, id="verify-p16"),
-    pytest.param([1] * 3, [777, 2048, 65], 48, 5, id="decode-p48-h5"),
+@pytest.mark.parametrize("q_lens,kv_lens,page,heads,graphed", [
+    pytest.param([1] * 4, [100, 4000, 64, 130], 64, 16, False, id="decode-p64"),
+    pytest.param([3, 2, 1], [1500, 130, 3], 16, 16, False, id="verify-p16"),
+    pytest.param([1] * 3, [777, 2048, 65], 48, 5, False, id="decode-p48-h5"),
+    pytest.param([1] * 4, [100, 4000, 64, 130], 64, 16, True, id="decode-p64-graph"),
 ])
-def test_gpu_early_keys_wait_for_q_and_the_new_keys(q_lens, kv_lens, page, heads,
+def test_gpu_early_keys_wait_for_q_and_the_new_keys(q_lens, kv_lens, page, heads, graphed,
                                                     monkeypatch):
+    """Eagerly, and (``graphed``) both launches captured in one CUDA graph and replayed."""
     from aiter_attn.kernels.triton import mla_narrow_gluon as mn
 
     _sm90()
@@ -124,6 +127,18 @@ def test_gpu_early_keys_wait_for_q_and_the_new_keys(q_lens, kv_lens, page, heads
     long_rows = list(range(t0, t0 + q_lens[long_b]))
     others = [t for t in range(q.shape[0]) if t not in long_rows]
     stale = {"q": q.clone(), "kv": kv.clone()}
+    def step():
+        _spin_then_write[(1,)](q_src, q, q.numel(), rows_src, slots, kv, len(new) + 1,
+                               _SPIN_NS, BLOCK=1024, D=_DIM, DP=1024)
+        _kernel()(q, kv, out, **kw, narrow=True, pdl="early")
+
+    graph = None
+    if graphed:
+        step()  # the spinner's specialisation compiled outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
     errs = []
     for _ in range(3):  # another process's kernels may time-slice the window away
         q.copy_(stale["q"])
@@ -131,11 +146,9 @@ def test_gpu_early_keys_wait_for_q_and_the_new_keys(q_lens, kv_lens, page, heads
         out.fill_(float("nan"))
         torch.cuda.synchronize()
         n = len(calls)
-        _spin_then_write[(1,)](q_src, q, q.numel(), rows_src, slots, kv, len(new) + 1,
-                               _SPIN_NS, BLOCK=1024, D=_DIM, DP=1024)
-        _kernel()(q, kv, out, **kw, narrow=True, pdl="early")
+        graph.replay() if graphed else step()
         torch.cuda.synchronize()
-        assert len(calls) == n + 1, "the narrow kernel did not serve the launch"
+        assert len(calls) == n + (not graphed), "the narrow kernel did not serve the launch"
         # every attempt: q and the new keys as written (read after the wait)
         assert torch.equal(q, q_src) and not out.isnan().any()
         assert_close_rel(out[others], expected[others], 1.5e-2, "early keys, other requests")

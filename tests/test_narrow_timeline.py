@@ -16,11 +16,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "ben
 def _step(t0: int, ends: list[int]) -> list[list[int]]:
     """Four programs entering at ``t0 + 0/100/200/300`` ns on SMs 0..3: q staged 500 ns
     after entry, first tile 1500, consumer 0 done at ``end - 800``, consumer 1 at
-    ``end - 1000``, rows stored at ``end``."""
+    ``end - 1000``, rows stored at ``end``; each started 50 ns before its entry (the PDL
+    wait)."""
     rows = []
     for i, end in enumerate(ends):
         e = t0 + 100 * i
-        rows.append([e, i, e + 500, e + 1500, end - 800, end - 1000, end, end - 2000])
+        rows.append([e, i, e + 500, e + 1500, end - 800, end - 1000, end, end - 2000, e - 50])
     return rows
 
 
@@ -33,7 +34,7 @@ def test_summary_of_a_hand_built_timeline(t0):
     stamps = torch.tensor([_step(0, [50_000, 50_000, 50_000, 50_000]),
                            _step(80_000, [150_000, 151_000, 152_000, 160_000]),
                            _step(170_000, [240_000, 240_000, 240_000, 240_000])])
-    stamps[..., [0, 2, 3, 4, 5, 6, 7]] += t0
+    stamps[..., [0, 2, 3, 4, 5, 6, 7, 8]] += t0
     s = summarize(stamps)
     rows = program_rows(stamps, 0)
     assert len(rows) == 4 and rows[3] == {"rep": 0, "step": 1, "program": 3, "sm": 3,
@@ -48,6 +49,7 @@ def test_summary_of_a_hand_built_timeline(t0):
     assert s["epilogue"] == 0.8
     assert s["end spread"] == 9.0  # 160 µs against the lower median 151
     assert s["gap"] == 10.0  # 160 µs -> 170 µs
+    assert s["wait"] == 0.05 and s["start gap"] == 9.95
     assert s["programs"] == 4 and s["most programs on one SM"] == 1
 
 

@@ -55,7 +55,7 @@ NARROW_MLA_MAX_HEADS = 16
 #: what a program's row of the timeline buffer holds (``launch_narrow_mla(stamps=...)``):
 #: global-timer ns at each point, and the SM it ran on
 STAMP_FIELDS = ("entry", "sm", "q_staged", "first_tile", "c0_tiles_done", "c1_tiles_done",
-                "rows_stored", "last_issue")
+                "rows_stored", "last_issue", "start")
 _RANK, _ROPE, _BLOCK_N, _STAGES = 512, 64, 64, 2
 _MAXNREG, _LOADER_REGS = 128, 48
 
@@ -401,6 +401,7 @@ if HAS_GLUON:
         FUSED: gl.constexpr = False, ONE_QUERY: gl.constexpr = False,
         PDL: gl.constexpr = False, STAMPS: gl.constexpr = False, EARLY: gl.constexpr = False,
     ):
+        _stamp(stamps, gl.program_id(0), gl.program_id(1), 8, SPLITS, STAMPS)  # start
         if PDL and not EARLY:  # the kernel before first (a no-op unless launched early),
             # then let the split merge's programs start: they wait for this kernel's end
             _pdl_wait_then_release()
@@ -527,7 +528,8 @@ def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, 
     first tiles of keys older than the step's new ones (the kernel before may be writing
     the new keys and q, never the index tensors or the older keys). ``stamps``: an int64 CUDA tensor
     ``[tokens * splits, 8]`` that each program ``(t, s)`` fills at row ``t * splits + s``
-    with its timeline (:data:`STAMP_FIELDS`: global-timer ns and its SM), for
+    with its timeline (:data:`STAMP_FIELDS`: global-timer ns and its SM; ``entry`` after
+    the PDL wait, ``start`` before it), for
     ``benchmarks/narrow_timeline.py``; off (``None``) it is compiled out. ``planned``:
     :func:`narrow_plan_spec` of this call's plan arguments (``splits`` through ``pdl``),
     so that the launch key is a few per-call values and a launched key skips building the
