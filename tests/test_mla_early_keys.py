@@ -166,27 +166,34 @@ def test_gpu_early_keys_wait_for_q_and_the_new_keys(q_lens, kv_lens, page, heads
 
 def test_gpu_early_keys_graph_replay_matches_eager(monkeypatch):
     """Captured with ``pdl="early"`` behind a cache write (a copy kernel that signals
-    nothing, so the launch waits for its end), lengths changed in place, replayed: equal to
-    a fresh eager call of the default launch."""
+    nothing, so the first launch waits for its end), then two more steps back to back
+    (each merge lets the next step's launch start before it waits: that launch writes its
+    partials, whose memory the capture may reuse, only after its own wait), lengths
+    changed in place,
+    replayed: each step's rows equal a fresh eager call of the launch without PDL."""
     _sm90()
     case = MLACase([1] * 8, [300 + 500 * i for i in range(8)], rank=512, rope=64, page=64,
                    heads=16, dtype=torch.bfloat16, device="cuda", seed=11)
     q, kv = case.q.cuda(), case.kv_cache.cuda()
+    qs = [q, torch.randn_like(q), torch.randn_like(q)]
     staged = kv.clone()
     kw = case.kwargs()
-    out = torch.empty(8, 16, 512, dtype=torch.bfloat16, device="cuda")
+    outs = [torch.empty(8, 16, 512, dtype=torch.bfloat16, device="cuda") for _ in qs]
     fn = _kernel()
-    fn(q, kv, out, **kw, max_seqlen_k=4096, narrow=True, pdl="early")
+    fn(q, kv, outs[0], **kw, max_seqlen_k=4096, narrow=True, pdl="early")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         kv.copy_(staged)
-        fn(q, kv, out, **kw, max_seqlen_k=4096, narrow=True, pdl="early")
+        for qi, o in zip(qs, outs):
+            fn(qi, kv, o, **kw, max_seqlen_k=4096, narrow=True, pdl="early")
     kw["seqused_k"].copy_(torch.tensor([5, 64, 129, 3000, 4000, 1, 700, 2222],
                                        device="cuda"))
-    q.copy_(torch.randn_like(q))
+    for qi in qs:
+        qi.copy_(torch.randn_like(qi))
     staged.copy_(torch.randn_like(staged))
     for _ in range(3):
         graph.replay()
-    eager = torch.empty_like(out)
-    fn(q, kv, eager, **kw, max_seqlen_k=4096, narrow=True, pdl=False)
-    assert torch.equal(out, eager)
+    for qi, o in zip(qs, outs):
+        eager = torch.empty_like(o)
+        fn(qi, kv, eager, **kw, max_seqlen_k=4096, narrow=True, pdl=False)
+        assert torch.equal(o, eager)

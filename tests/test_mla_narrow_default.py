@@ -111,7 +111,7 @@ def test_narrow_merge_starts_early_by_default(monkeypatch):
     ({"pdl": False}, False, {}),
     ({"pdl": True}, True, {"PDL": True, "launch_pdl": True}),
     ({"pdl": "reduce"}, "reduce", {"PDL": True, "launch_pdl": True}),
-    ({"pdl": "early"}, "early", {"PDL": True, "launch_pdl": True})])
+    ({"pdl": "early"}, "early", {"PDL": True, "launch_pdl": True, "RELEASE_FIRST": True})])
 def test_narrow_pdl_option(tuning, attention, merge, monkeypatch):
     monkeypatch.setattr(mla, "MLA_NARROW", True)
     _, launched, merged = _step(tuning, monkeypatch)

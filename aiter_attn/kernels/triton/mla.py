@@ -499,8 +499,10 @@ class TritonMLA(MLAWorkspace, MLAKernel):
                 # ``pdl=True`` (the kernel itself starts early, waiting on the device for
                 # the kernel before) is left
                 pdl = False
-            narrow = (nsplits, *nparts, ring, ncount, one_query, pdl,
-                      pdl_kwargs(pdl, reduction=True) if pdl else {})
+            merge_pdl = pdl_kwargs(pdl, reduction=True) if pdl else {}
+            if pdl == EARLY_KEYS:  # the next step's launch may start during this merge
+                merge_pdl["RELEASE_FIRST"] = True
+            narrow = (nsplits, *nparts, ring, ncount, one_query, pdl, merge_pdl)
         stream = None
         if stream_p is not None:  # both launches' keywords, once per step
             s_o, s_l = self._partials(2, stream_p, md, out, device,

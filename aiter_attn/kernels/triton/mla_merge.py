@@ -17,7 +17,7 @@ import triton.language as tl
 
 from ._kvutil import next_pow2
 from ._launch import Launcher, intern_spec, launch_key, tensor_key
-from ._pdl import wait_then_release
+from ._pdl import gdc_launch_dependents, gdc_wait, wait_then_release
 from ._softmax import _FP16_MAX  # what an fp16 partial of ±inf is read as (_partial_f32)
 from ._softmax import to_output  # the rows' store: an fp16 output clamped to ±65504
 
@@ -52,8 +52,14 @@ def _mla_merge_kernel(
     WRITE_LSE: tl.constexpr,
     FIXED_ORDER: tl.constexpr,
     PDL: tl.constexpr = False,
+    RELEASE_FIRST: tl.constexpr = False,
 ):
-    if PDL:  # launched while the attention kernel runs: its partials first
+    if RELEASE_FIRST:  # the next launch may start before this one waits (``_pdl``'s
+        # ``"early"``: it reads only what no kernel of this step writes before its own wait,
+        # which returns after this merge, so after the attention kernel too)
+        gdc_launch_dependents()
+        gdc_wait()
+    elif PDL:  # launched while the attention kernel runs: its partials first
         wait_then_release()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
