@@ -787,6 +787,28 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       | tee "$OUT/time_split.log" | tail -6
     rm -f "$OUT"/*/*.png
     ;;
+  ninetyfifth)
+    # pdl="early" with q prefetched to L2 before the wait and the merge releasing the next
+    # launch first: its gpu tests (race tests alone first), the timeline of the three PDL
+    # modes, then the 16-head rows twice
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    timeout ${EK_S:-150} python3 -m pytest -m gpu -q tests/test_mla_early_keys.py \
+      tests/test_narrow_timeline.py -p no:cacheprovider --tb=short > "$OUT/early_tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed|Error|assert" "$OUT/early_tests.log" | tail -15
+    gpu_tests narrow_tests.log ${GT_S:-150} 150 tests/test_triton_mla.py -k "narrow" \
+      tests/test_mla_narrow_default.py
+    for t in '{}' '{"pdl": "early"}'; do
+      timeout ${NT_S:-60} python3 benchmarks/narrow_timeline.py --rows 16x64x4096 \
+        --tuning "$t" 2>&1 | tee -a "$OUT/narrow_timeline.log" | tail -1
+    done
+    for i in 1 2; do
+      timeout ${BB_S:-100} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+        --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 --out "$OUT/rows$i" \
+        --mla-variants ${VARIANTS:-narrow-early} > "$OUT/rows$i.log" 2>&1
+      grep -E "ours|Error|error|ceilings" "$OUT/rows$i.log" | head -12
+    done
+    rm -f "$OUT"/*/*.png "$OUT"/rows2/*
+    ;;
   ninetyfourth)
     # the race tests again (fixed; one replayed in a CUDA graph), then where the step's time
     # goes with and without pdl="early" (the timeline now stamps each program's start
