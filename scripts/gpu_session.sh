@@ -787,6 +787,23 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       | tee "$OUT/time_split.log" | tail -6
     rm -f "$OUT"/*/*.png
     ;;
+  ninetysixth)
+    # pdl="early" the narrow kernel's default: every MLA gpu test file (the race tests
+    # alone first), then the 16-head rows twice beside "reduce" (the previous default)
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    timeout ${EK_S:-100} python3 -m pytest -m gpu -q tests/test_mla_early_keys.py \
+      -p no:cacheprovider --tb=short > "$OUT/early_tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed|Error|assert" "$OUT/early_tests.log" | tail -15
+    gpu_tests mla_tests.log ${GT_S:-300} 200 $(ls tests/test_*mla*.py | grep -v early_keys) \
+      tests/test_hunt_fp16_gluon.py tests/test_narrow_timeline.py
+    for i in 1 2; do
+      timeout ${BB_S:-100} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+        --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 --out "$OUT/rows$i" \
+        --mla-variants ${VARIANTS:-narrow-pdl} > "$OUT/rows$i.log" 2>&1
+      grep -E "ours|Error|error|ceilings" "$OUT/rows$i.log" | head -12
+    done
+    rm -f "$OUT"/*/*.png "$OUT"/rows2/*
+    ;;
   ninetyfifth)
     # pdl="early" with q prefetched to L2 before the wait and the merge releasing the next
     # launch first: its gpu tests (race tests alone first), the timeline of the three PDL

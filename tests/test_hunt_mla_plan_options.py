@@ -102,6 +102,7 @@ def test_bad_option_values_refused_when_built(key, value):
 
 
 @pytest.mark.parametrize("tuning", [{"pdl": False}, {"pdl": True}, {"pdl": "reduce"},
+                                    {"pdl": "early"},
                                     {"narrow": True}, {"narrow": False}, {"ring": True},
                                     {"fused_merge": "cooperative"}, {"fused_merge": False},
                                     {"balanced": True}, {"balanced": 96}, {"balanced": False}])
@@ -120,8 +121,8 @@ def test_none_option_takes_the_default(sm90, monkeypatch):
     monkeypatch.setattr(mla, "MLA_NARROW", True)
     assert _kernel({"narrow": None})._narrow_splits(64, 4096, "cpu", 64, None) == 2
     plan, launched, merged = _step({"narrow": None, "pdl": None, "gluon": None}, monkeypatch)
-    assert plan.narrow is not None and launched and launched[0]["pdl"] == "reduce"
-    assert merged == [{"PDL": True, "launch_pdl": True}]
+    assert plan.narrow is not None and launched and launched[0]["pdl"] == "early"
+    assert merged == [{"PDL": True, "launch_pdl": True, "RELEASE_FIRST": True}]
 
 
 # ------------------------------------------------------------------ pins: the workspace

@@ -98,13 +98,14 @@ def _step(tuning, monkeypatch, *, pdl_device=True):
     return plan, launched, merged
 
 
-def test_narrow_merge_starts_early_by_default(monkeypatch):
+def test_narrow_launch_and_merge_start_early_by_default(monkeypatch):
     monkeypatch.setattr(mla, "MLA_NARROW", True)
     plan, launched, merged = _step({}, monkeypatch)
-    assert plan.narrow[0] == 4 and plan.narrow[6] == "reduce"  # 4 splits a token
-    assert plan.narrow[7] == {"PDL": True, "launch_pdl": True}  # the merge's, planned
-    assert launched and launched[0]["pdl"] == "reduce" and launched[0]["splits"] == 4
-    assert merged == [{"PDL": True, "launch_pdl": True}]
+    early = {"PDL": True, "launch_pdl": True, "RELEASE_FIRST": True}
+    assert plan.narrow[0] == 4 and plan.narrow[6] == "early"  # 4 splits a token
+    assert plan.narrow[7] == early  # the merge's, planned
+    assert launched and launched[0]["pdl"] == "early" and launched[0]["splits"] == 4
+    assert merged == [early]
 
 
 @pytest.mark.parametrize("tuning,attention,merge", [
@@ -122,9 +123,10 @@ def test_no_pdl_without_device_support_or_with_the_fused_merge(monkeypatch):
     monkeypatch.setattr(mla, "MLA_NARROW", True)
     _, launched, merged = _step({}, monkeypatch, pdl_device=False)
     assert launched[0]["pdl"] is False and merged == [{}]
-    # the narrow kernel merging its own splits: no merge launch to start early
+    # the narrow kernel merging its own splits: no merge launch to start early (the
+    # default "early" is the attention launch's own: it stays)
     _, launched, merged = _step({"fused_merge": True}, monkeypatch)
-    assert launched[0]["pdl"] is False and launched[0]["counters"] is not None
+    assert launched[0]["pdl"] == "early" and launched[0]["counters"] is not None
     assert merged == []
     _, launched, merged = _step({"fused_merge": True, "pdl": "reduce"}, monkeypatch)
     assert launched[0]["pdl"] is False and merged == []

@@ -76,7 +76,7 @@ NARROW_VARIANTS = {
     "fp32-partials": {"part_dtype": torch.float32}, "page-32": {"page": 32},
     "8-heads": {"heads": 8}, "3-splits": {"splits": 3}, "1-split": {"splits": 1},
     "batch-63": {"batch": 63, "tokens": 63}, "not-one-query": {"one_query": False},
-    "pdl-true": {"pdl": True}, "no-pdl": {"pdl": False}, "fused": {"fused": True},
+    "pdl-true": {"pdl": True}, "no-pdl": {"pdl": False}, "pdl-early": {"pdl": "early"}, "fused": {"fused": True},
     "lse": {"lse": True}, "not-causal": {"causal": False}, "stamps": {"stamps": True},
     "bt-width-80": {"bt_width": 80},
 }

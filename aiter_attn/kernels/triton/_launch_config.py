@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 
 from ._kvutil import interpreting, max_shared_mem, next_pow2, num_sms
-from ._pdl import pdl_mode
+from ._pdl import EARLY_KEYS, pdl_mode
 
 __all__ = ["TUNING_OVERRIDES", "OVERRIDE_KEYS", "check_overrides", "LaunchConfig",
            "choose_config", "BATCH_INVARIANT_SPLIT_TOKENS",
@@ -158,13 +158,19 @@ MLA_NARROW = True
 #: session"), whose stream is already at the copy ceiling.
 MLA_STREAM = False
 
-#: The narrow kernel's split merge launched early (programmatic dependent launch, the
-#: ``pdl`` option's ``"reduce"``): the kernel lets it start at once and the merge waits on
-#: the device for the kernel's end (``griddepcontrol.wait``), so the merge's launch gap
-#: overlaps the attention. ``pdl=False`` turns it off, ``True`` also starts the attention
-#: launch early. H100, 16 heads replayed: 64×4k 2.76 -> 2.79 TB/s together with the early
-#: tiles (``scripts/gpu_session.sh seventyeighth``, docs/benchmarks.md).
-MLA_NARROW_PDL = "reduce"
+#: The narrow kernel's programmatic dependent launches (the ``pdl`` option): ``"early"``
+#: (:data:`._pdl.EARLY_KEYS`), the default: the attention launch starts while the kernel
+#: before it runs, reads its indices, prefetches q to L2 and issues its first tiles of keys
+#: older than the step's new ones before ``griddepcontrol.wait``; its split merge starts at
+#: once and waits on the device, and lets the next launch start before it waits. So a step's
+#: first tiles stream during the previous launch's tail (the SMs its programs left). The
+#: contract (``_pdl``): the kernel right before, if it signals its dependents early, writes
+#: no index tensor and no key but the step's new ones. H100, 16 heads replayed: 64×4k
+#: 0.1097 -> 0.1073 ms (2.77 -> 2.84 TB/s), 128×8k 0.4029 -> 0.4014 against ``"reduce"``
+#: (only the merge early; 2.76 -> 2.79 TB/s against none, ``seventyeighth``;
+#: ``scripts/gpu_session.sh ninetyfifth``, docs/benchmarks.md). ``"reduce"``, ``True``
+#: (no reads before the wait) or ``False`` opt out.
+MLA_NARROW_PDL = EARLY_KEYS
 
 #: The Triton MLA kernel's q·Kᵀ over the latent columns as two or four independent mma
 #: chains (2, 4) or one (1; ``mla_paged_attention(..., qk_split=)``). With 16 heads each
