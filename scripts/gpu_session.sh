@@ -787,6 +787,20 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       | tee "$OUT/time_split.log" | tail -6
     rm -f "$OUT"/*/*.png
     ;;
+  ninetyseventh)
+    # what the ninetysixth call's 300 s left: the MLA gpu test files in reverse order, the
+    # graph and CUDA-verify tests of MLA, then the 16-head rows beside "reduce" once more
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    gpu_tests mla_tests_rev.log ${GT_S:-330} 200 \
+      $(ls tests/test_*mla*.py tests/test_hunt_fp16_gluon.py | grep -v early_keys | sort -r)
+    gpu_tests mla_graph_tests.log ${GG_S:-120} 200 tests/test_graph_gpu.py \
+      tests/test_conformance_contract.py -k "mla"
+    timeout ${BB_S:-100} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 --out "$OUT/rows" \
+      --mla-variants ${VARIANTS:-narrow-pdl} > "$OUT/rows.log" 2>&1
+    grep -E "ours|Error|error|ceilings" "$OUT/rows.log" | head -12
+    rm -f "$OUT"/*/*.png
+    ;;
   ninetysixth)
     # pdl="early" the narrow kernel's default: every MLA gpu test file (the race tests
     # alone first), then the 16-head rows twice beside "reduce" (the previous default)
