@@ -171,10 +171,13 @@ def measure_sm_rates(device="cuda", heads: int = 16, bs: int = 64, ctx: int = 40
 
 
 def timeline(heads: int, bs: int, ctx: int, *, steps: int = 8, reps: int = 5,
-             device="cuda", programs: list | None = None, tuning: dict | None = None) -> dict:
+             device="cuda", programs: list | None = None, tuning: dict | None = None,
+             fence: bool = False) -> dict:
     """The row's :func:`summarize` from ``reps`` replays of ``steps`` captured steps;
     ``programs``, if given, gets every replay's :func:`program_rows`; ``tuning``: the
-    ``TritonMLA`` options planned (e.g. ``{"pdl": "early"}``)."""
+    ``TritonMLA`` options planned (e.g. ``{"pdl": "early"}``); ``fence``: a small torch
+    kernel between steps (it does not signal its dependents, as an engine's K/V write or
+    GEMM: no step starts before the one before has ended)."""
     from _inputs import make_mla
 
     from _runners import capture_steps, planned_mla
@@ -194,7 +197,11 @@ def timeline(heads: int, bs: int, ctx: int, *, steps: int = 8, reps: int = 5,
     stamps = torch.zeros(steps, bs * nsplits, len(STAMP_FIELDS), dtype=torch.int64,
                          device=device)
 
+    spacer = torch.zeros(256, device=device)
+
     def step(r):
+        if fence:
+            spacer.add_(1.0)
         launch_narrow_mla(x.q, x.kv_cache, out, cu, seqused, table, params.scale,
                           splits=nsplits, batch=plan.batch, causal=params.causal,
                           part_o=part_o if nsplits > 1 else None,
@@ -211,7 +218,7 @@ def timeline(heads: int, bs: int, ctx: int, *, steps: int = 8, reps: int = 5,
         runs.append(summarize(stamps))
         if programs is not None:
             programs.extend(program_rows(stamps, len(runs) - 1))
-    rec = {"row": f"{heads}x{bs}x{ctx}", "splits": nsplits, "pdl": pdl}
+    rec = {"row": f"{heads}x{bs}x{ctx}", "splits": nsplits, "pdl": pdl, "fence": fence}
     rec.update({k: round(median(run[k] for run in runs), 3) for k in runs[0]})
     return rec
 
@@ -226,6 +233,8 @@ def main():
                    help="write every program's stamps (program_rows) here, JSON lines")
     p.add_argument("--tuning", default="{}",
                    help="TritonMLA options as JSON, e.g. '{\"pdl\": \"early\"}'")
+    p.add_argument("--fence", action="store_true",
+                   help="a torch kernel between steps (it does not signal early)")
     p.add_argument("--by-sm", default="",
                    help="summarise a --programs file by SM (by_sm, per row) and exit")
     a = p.parse_args()
@@ -246,7 +255,7 @@ def main():
         progs = [] if a.programs else None
         try:
             rec = timeline(h, b, c, steps=a.steps, reps=a.reps, programs=progs,
-                           tuning=json.loads(a.tuning))
+                           tuning=json.loads(a.tuning), fence=a.fence)
         except RuntimeError as exc:  # no narrow kernel here: say so, no traceback
             raise SystemExit(str(exc)) from None
         print(json.dumps(rec), flush=True)

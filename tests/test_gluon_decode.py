@@ -319,14 +319,19 @@ def test_narrow_mla_early_keys_read_only_indices_and_old_keys_before_the_wait(tm
                                                                              one_query):
     """``pdl="early"`` (``EARLY``): before ``griddepcontrol.wait`` the program reads only
     32-bit index words (lengths, ``cu_seqlens_q``, page ids) and issues TMA copies of keys
-    (the first tiles older than the step's new keys); q (16-byte vector loads) comes after
-    the wait, as do the remaining first tiles. Without ``EARLY`` the wait comes first."""
+    (the first tiles older than the step's new keys), after an L2 prefetch of q; q itself
+    (16-byte vector loads) comes after the wait, as do the remaining first tiles. Without
+    ``EARLY`` the wait comes first."""
     const = {"SPLITS": 2, "PDL": True, "ONE_QUERY": one_query}
     _inspect_mla({**const, "EARLY": True}, dump=tmp_path / "early")
     before, after = _before_and_after_wait((tmp_path / "early" / "k.ptx").read_text())
     loads = [line for line in before if "ld.global" in line]
     assert loads and all("ld.global.b32" in line for line in loads), loads
     assert sum("cp.async.bulk.tensor" in line for line in before) >= 3, "no early tile"
+    # q's L2 prefetch goes out ahead of the tiles (read after them, q queued behind them)
+    first = [next(i for i, line in enumerate(before) if op in line)
+             for op in ("prefetch.global.L2", "cp.async.bulk.tensor")]
+    assert first[0] < first[1], first
     q_at = next(i for i, line in enumerate(after) if "ld.global.v4" in line)
     assert any("cp.async.bulk.tensor" in line for line in after[q_at:]), "no late tile"
     _inspect_mla(const, dump=tmp_path / "plain")

@@ -155,9 +155,10 @@ if HAS_GLUON:
         address per 64 elements and the row's last). Before the PDL wait this is safe even
         though the kernel before may be writing q: L2 is where writes land, so a line
         fetched early is updated by them, and the kernel reads q after its wait through L2
-        (its loads stay out of L1 until then). Without it, q's loads queue behind the
-        whole grid's first tiles (18 MB at 64×4k) and reach shared memory 5 µs after the
-        wait, where read first they took 1.5."""
+        (its loads stay out of L1 until then). Issued before the first tiles: read after
+        them, q's loads queued behind the whole grid's first tiles (18 MB at 64×4k) and
+        reached shared memory 5.2 µs after the wait, where read first they took 1.5; and
+        where the kernel before does not signal early the wait is no wait at all."""
         lp: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [num_warps, 1], [1, 0])
         hp = gl.minimum(gl.arange(0, HP, layout=gl.SliceLayout(1, lp)), heads - 1)
         cp = gl.minimum(gl.arange(0, 16, layout=gl.SliceLayout(0, lp)) * 64, 575)
@@ -470,9 +471,10 @@ if HAS_GLUON:
                 fresh = kv_len - 1
             else:
                 fresh = kv_len - (gl.load(cu_q + b + 1) - gl.load(cu_q + b))
+            # q's lines ahead of the tiles in the memory queues (read after the wait)
+            _prefetch_q_l2(q_ptr, t, heads, s_qt, s_qh, HP, num_warps)
             _issue_early(kn_d, kr_d, kn_s, kr_s, ready, bt_row, lo, n, last, fresh, PAGE,
                          BOX, num_warps, 1)
-            _prefetch_q_l2(q_ptr, t, heads, s_qt, s_qh, HP, num_warps)
             _pdl_wait_then_release()
             _stamp(stamps, t, split, 0, SPLITS, STAMPS)  # "entry": past the wait
             qn = gl.load(q_row + dn[None, :], mask=(hq < heads)[:, None], other=0.0)
