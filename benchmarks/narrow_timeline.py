@@ -172,16 +172,19 @@ def measure_sm_rates(device="cuda", heads: int = 16, bs: int = 64, ctx: int = 40
 
 def timeline(heads: int, bs: int, ctx: int, *, steps: int = 8, reps: int = 5,
              device="cuda", programs: list | None = None, tuning: dict | None = None,
-             fence: bool = False) -> dict:
+             fence: bool = False, writer: bool = False) -> dict:
     """The row's :func:`summarize` from ``reps`` replays of ``steps`` captured steps;
     ``programs``, if given, gets every replay's :func:`program_rows`; ``tuning``: the
     ``TritonMLA`` options planned (e.g. ``{"pdl": "early"}``); ``fence``: a small torch
     kernel between steps (it does not signal its dependents, as an engine's K/V write or
-    GEMM: no step starts before the one before has ended)."""
+    GEMM: no step starts before the one before has ended); ``writer``: before each step,
+    our K/V write (``write_kv``, which signals its dependents at its start on sm_90) of
+    every request's last key, as an engine's decode step does."""
     from _inputs import make_mla
 
     from _runners import capture_steps, planned_mla
 
+    from aiter_attn.kernels.triton.kv_write import write_kv
     from aiter_attn.kernels.triton.mla_merge import merge_splits
     from aiter_attn.kernels.triton.mla_narrow_gluon import STAMP_FIELDS, launch_narrow_mla
 
@@ -198,10 +201,16 @@ def timeline(heads: int, bs: int, ctx: int, *, steps: int = 8, reps: int = 5,
                          device=device)
 
     spacer = torch.zeros(256, device=device)
+    last = x.seqused_k.long() - 1
+    slots = x.block_table.long().gather(1, (last // x.page)[:, None])[:, 0] * x.page \
+        + last % x.page
+    latents = torch.randn(bs, 1, x.kv_cache.shape[-1], device=device).to(x.kv_cache.dtype)
 
     def step(r):
         if fence:
             spacer.add_(1.0)
+        if writer:
+            write_kv(x.kv_cache, None, slots, latents, None)
         launch_narrow_mla(x.q, x.kv_cache, out, cu, seqused, table, params.scale,
                           splits=nsplits, batch=plan.batch, causal=params.causal,
                           part_o=part_o if nsplits > 1 else None,
@@ -218,7 +227,8 @@ def timeline(heads: int, bs: int, ctx: int, *, steps: int = 8, reps: int = 5,
         runs.append(summarize(stamps))
         if programs is not None:
             programs.extend(program_rows(stamps, len(runs) - 1))
-    rec = {"row": f"{heads}x{bs}x{ctx}", "splits": nsplits, "pdl": pdl, "fence": fence}
+    rec = {"row": f"{heads}x{bs}x{ctx}", "splits": nsplits, "pdl": pdl, "fence": fence,
+           "writer": writer}
     rec.update({k: round(median(run[k] for run in runs), 3) for k in runs[0]})
     return rec
 
@@ -235,6 +245,8 @@ def main():
                    help="TritonMLA options as JSON, e.g. '{\"pdl\": \"early\"}'")
     p.add_argument("--fence", action="store_true",
                    help="a torch kernel between steps (it does not signal early)")
+    p.add_argument("--writer", action="store_true",
+                   help="our K/V write of each request's last key before every step")
     p.add_argument("--by-sm", default="",
                    help="summarise a --programs file by SM (by_sm, per row) and exit")
     a = p.parse_args()
@@ -255,7 +267,7 @@ def main():
         progs = [] if a.programs else None
         try:
             rec = timeline(h, b, c, steps=a.steps, reps=a.reps, programs=progs,
-                           tuning=json.loads(a.tuning), fence=a.fence)
+                           tuning=json.loads(a.tuning), fence=a.fence, writer=a.writer)
         except RuntimeError as exc:  # no narrow kernel here: say so, no traceback
             raise SystemExit(str(exc)) from None
         print(json.dumps(rec), flush=True)

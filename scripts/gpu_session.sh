@@ -787,6 +787,25 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       | tee "$OUT/time_split.log" | tail -6
     rm -f "$OUT"/*/*.png
     ;;
+  ninetyninth)
+    # our K/V write now signals its dependents at its start: the early-keys tests (with the
+    # real write before the default launch) and the write's gpu tests, then the timeline
+    # of the three PDL modes behind that write (an engine's decode step), then the rows
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    timeout ${EK_S:-100} python3 -m pytest -m gpu -q tests/test_mla_early_keys.py \
+      -p no:cacheprovider --tb=short > "$OUT/early_tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed|Error|assert" "$OUT/early_tests.log" | tail -15
+    gpu_tests write_tests.log ${GT_S:-120} 150 $(ls tests/test_*write*.py) tests/test_pdl.py
+    for t in '{"pdl": "reduce"}' '{"pdl": "early"}' '{"pdl": true}'; do
+      timeout ${NT_S:-60} python3 benchmarks/narrow_timeline.py --rows 16x64x4096 --writer \
+        --tuning "$t" 2>&1 | tee -a "$OUT/narrow_timeline.log" | tail -1
+    done
+    timeout ${BB_S:-100} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 --out "$OUT/rows" \
+      --mla-variants ${VARIANTS:-narrow-pdl} > "$OUT/rows.log" 2>&1
+    grep -E "ours|Error|error|ceilings" "$OUT/rows.log" | head -12
+    rm -f "$OUT"/*/*.png
+    ;;
   ninetyeighth)
     # q's L2 prefetch now ahead of the first tiles: the race tests, the timeline of
     # "early" and "reduce" with the steps back to back and with a torch kernel between

@@ -37,13 +37,14 @@ _SCRIPT = textwrap.dedent("""
     vals = dict(PAGE_SIZE=16, HEAD_DIM=128, V_HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128,
                 BLOCK_DV=128, K_LAYOUT=0, V_LAYOUT=0, X=1, XV=1, HAS_V=True, TRANSLATE=False,
                 FP8=True, FMAX=448.0 if fp8 == "fp8e4nv" else 57344.0, SCALE_FROM_PTR=True,
-                TOKEN_SCALES=token_scales)
+                TOKEN_SCALES=token_scales, SIGNAL=True)
     missing = [n for n in names if n.isupper() and n not in vals]
     const = {{n: vals[n] for n in names if n in vals}}
     ptx = "" if missing else I._compile(fn, ptrs, {{"k_scale_val", "v_scale_val"}}, set(),
                                         const, 4, 1).asm["ptx"]
     print(json.dumps(dict(missing=missing, full=ptx.count("div.full.f32"),
-                          approx=ptx.count("div.approx.f32"), rn=ptx.count("div.rn.f32"))))
+                          approx=ptx.count("div.approx.f32"), rn=ptx.count("div.rn.f32"),
+                          signal=ptx.count("griddepcontrol.launch_dependents"))))
 """)
 
 
@@ -60,3 +61,5 @@ def test_fp8_write_divides_with_round_to_nearest(token_scales, fp8):
     assert not rep["missing"], f"new constexprs of _write_kv_kernel: {rep['missing']}; add them"
     assert rep["full"] == 0 and rep["approx"] == 0, rep
     assert rep["rn"] > 0, rep
+    # on sm_90 the write lets the next launch start at once (PDL; kv_write's docstring)
+    assert rep["signal"] >= 1, rep

@@ -197,3 +197,49 @@ def test_gpu_early_keys_graph_replay_matches_eager(monkeypatch):
         eager = torch.empty_like(o)
         fn(qi, kv, eager, **kw, max_seqlen_k=4096, narrow=True, pdl=False)
         assert torch.equal(o, eager)
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graph"])
+def test_gpu_default_launch_after_our_kv_write(graphed):
+    """An engine's decode step: our K/V write of each request's new latent (``write_kv``,
+    which lets the next launch start at once on sm_90) right before the default 16-head
+    launch (``pdl="early"``), eagerly and replayed after new latents were staged: the rows
+    match the oracle of the cache with the new latents (the launch read them after the
+    write)."""
+    from aiter_attn.kernels.triton.kv_write import write_kv
+
+    _sm90()
+    q_lens, kv_lens, page = [1] * 6, [64, 129, 4000, 1, 700, 2222], 64
+    case = MLACase(q_lens, kv_lens, rank=512, rope=64, page=page, heads=16,
+                   dtype=torch.bfloat16, device="cuda", seed=5)
+    kv, q = case.kv_cache.cuda(), case.q.cuda()
+    slots = torch.tensor([_slot(case, b, L - 1) for b, L in enumerate(kv_lens)],
+                         dtype=torch.int64, device="cuda")
+    g = torch.Generator().manual_seed(6)
+    fresh = [torch.randn(len(kv_lens), 1, _DIM, generator=g).to(torch.bfloat16)
+             for _ in range(2)]
+    latents = fresh[0].cuda()
+    kv.view(-1, _DIM)[slots] = float("nan")  # what the write replaces
+    out = torch.full((len(q_lens), 16, 512), float("nan"), dtype=torch.bfloat16,
+                     device="cuda")
+    kw = case.kwargs()
+
+    def step():
+        write_kv(kv, None, slots, latents, None)
+        _kernel()(q, kv, out, **kw)
+
+    step()  # compiled, and the eager result
+    torch.cuda.synchronize()
+    if graphed:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        latents.copy_(fresh[1].cuda())
+        kv.view(-1, _DIM)[slots] = float("nan")
+        graph.replay()
+        torch.cuda.synchronize()
+    for b, L in enumerate(kv_lens):
+        case.dense[b][L - 1] = (fresh[1] if graphed else fresh[0])[b].float()
+    assert not out.isnan().any()
+    what = "graph" if graphed else "eager"
+    assert_close_rel(out, case.expected(), 1.5e-2, f"after our K/V write ({what})")

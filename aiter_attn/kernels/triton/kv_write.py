@@ -3,7 +3,11 @@ vectorised layout; fp8 caches are quantised in the kernel (``x / scale``, satura
 fp8 range, round-to-nearest-even).
 
 Slot convention: slot ``s`` is token ``s % page_size`` of page ``s // page_size``. Exactly
-the batch's slots are written; every other byte of the caches is left as it was. A negative
+the batch's slots are written; every other byte of the caches is left as it was. So, where
+the device has programmatic dependent launch (sm_90), a write lets the next launch start at
+once: our attention launches wait for it before they read the cache, except what
+``pdl="early"`` reads first (index tensors and keys older than the step's new ones, which
+the write never touches: :mod:`._pdl`). A negative
 slot (a padding row, or a full slot with no SWA slot) is skipped. With per-(token, head)
 scales (NHD only, :mod:`aiter_attn.kv_scales`) each (token, head) vector is quantised with
 its own scale ``amax / (fp8_max · scale)``, stored at ``[page, offset, head]`` of the float32
@@ -38,6 +42,7 @@ from ...kv_scales import check_token_scale_caches
 from ...types import FP8_DTYPES
 from ...validation import INDEX_DTYPES, unit_stride
 from ._kvutil import fp8_max, next_pow2, scale_args
+from ._pdl import gdc_launch_dependents, pdl_supported
 
 __all__ = ["write_kv", "write_kv_translated", "write_kv_5d", "LAYOUT_NHD", "LAYOUT_5D"]
 
@@ -126,8 +131,11 @@ def _write_kv_kernel(
     K_LAYOUT: tl.constexpr, V_LAYOUT: tl.constexpr, X: tl.constexpr, XV: tl.constexpr,
     HAS_V: tl.constexpr, TRANSLATE: tl.constexpr,
     FP8: tl.constexpr, FMAX: tl.constexpr, SCALE_FROM_PTR: tl.constexpr,
-    TOKEN_SCALES: tl.constexpr,
+    TOKEN_SCALES: tl.constexpr, SIGNAL: tl.constexpr = False,
 ):
+    if SIGNAL:  # the next launch may start now (PDL): it waits before reading what this
+        # writes, and reads before that wait only what no write touches (``_pdl``)
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     if TRANSLATE:
@@ -225,7 +233,8 @@ def _launch(k_cache, v_cache, slots, k, v, *, k_layout, v_layout, page_size, hea
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_DV=block_dv,
         K_LAYOUT=k_layout, V_LAYOUT=v_layout, X=x, XV=xv, HAS_V=v is not None,
         TRANSLATE=table is not None, FP8=fp8, FMAX=fp8_max(k_cache.dtype),
-        SCALE_FROM_PTR=from_ptr, TOKEN_SCALES=token_scales, num_warps=4,
+        SCALE_FROM_PTR=from_ptr, TOKEN_SCALES=token_scales, SIGNAL=pdl_supported(device),
+        num_warps=4,
     )
 
 
