@@ -787,6 +787,24 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       | tee "$OUT/time_split.log" | tail -6
     rm -f "$OUT"/*/*.png
     ;;
+  hundredth)
+    # the rows first (an H200 is what item 4 needs), then ninetyninth's checks
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    for i in 1 2; do
+      timeout ${BB_S:-80} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+        --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 --out "$OUT/rows$i" \
+        --mla-variants ${VARIANTS:-narrow-pdl} > "$OUT/rows$i.log" 2>&1
+      grep -E "ours|Error|error|ceilings" "$OUT/rows$i.log" | head -12
+    done
+    for t in '{"pdl": "reduce"}' '{"pdl": "early"}'; do
+      timeout ${NT_S:-40} python3 benchmarks/narrow_timeline.py --rows 16x64x4096 --writer \
+        --tuning "$t" 2>&1 | tee -a "$OUT/narrow_timeline.log" | tail -1
+    done
+    timeout ${EK_S:-60} python3 -m pytest -m gpu -q tests/test_mla_early_keys.py \
+      tests/test_kv_write_sm90.py -p no:cacheprovider --tb=short > "$OUT/early_tests.log" 2>&1
+    grep -E "FAILED|ERROR| passed| failed|Error|assert" "$OUT/early_tests.log" | tail -15
+    rm -f "$OUT"/*/*.png "$OUT"/rows2/*
+    ;;
   ninetyninth)
     # our K/V write now signals its dependents at its start: the early-keys tests (with the
     # real write before the default launch) and the write's gpu tests, then the timeline
