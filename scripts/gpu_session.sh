@@ -195,6 +195,27 @@ gpu_tests() {
     -p no:warnings --tb=short > "$OUT/$log" 2>&1
   grep -E "FAILED|ERROR| passed| failed" "$OUT/$log" | tail -15
 }
+mla16_rows() {  # mla16_rows NAME VARIANTS: the 16-head MLA rows (64x4k, 128x8k) -> $OUT/NAME
+  timeout ${BB_S:-100} python3 benchmarks/bench_attention.py --only mla --rep 30 \
+    --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 --out "$OUT/$1" \
+    --mla-variants "$2" > "$OUT/$1.log" 2>&1
+  grep -E "ours|rates|Error|error|ceilings" "$OUT/$1.log" | head -12
+}
+early_tests() {  # early_tests CAP FILE...: gpu tests without xdist (their race windows are timed)
+  local cap=$1
+  shift
+  timeout "$cap" python3 -m pytest -m gpu -q "$@" -p no:cacheprovider --tb=short \
+    > "$OUT/early_tests.log" 2>&1
+  grep -E "FAILED|ERROR| passed| failed|Error|assert" "$OUT/early_tests.log" | tail -15
+}
+timelines() {  # timelines "ARGS" TUNING...: narrow_timeline.py of 64x4k under each tuning
+  local args=$1
+  shift
+  for t in "$@"; do
+    timeout ${NT_S:-60} python3 benchmarks/narrow_timeline.py --rows 16x64x4096 $args \
+      --tuning "$t" 2>&1 | tee -a "$OUT/narrow_timeline.log" | tail -1
+  done
+}
 if [ "${1:-tests}" = all ]; then T=200 V=50 B1=90 B2=110 B3=80; fi
 case "${1:-tests}" in
   next)
@@ -771,17 +792,10 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
     # before its wait (here during the previous step's merge): the race tests alone (their
     # window is timed), the other gpu tests, then the 16-head rows twice, and the time split
     nvidia-smi --query-gpu=name --format=csv,noheader
-    timeout ${EK_S:-200} python3 -m pytest -m gpu -q tests/test_mla_early_keys.py \
-      -p no:cacheprovider --tb=short > "$OUT/early_tests.log" 2>&1
-    grep -E "FAILED|ERROR| passed| failed|Error" "$OUT/early_tests.log" | tail -15
+    early_tests ${EK_S:-200} tests/test_mla_early_keys.py
     gpu_tests narrow_tests.log ${GT_S:-200} 150 tests/test_triton_mla.py -k "narrow" \
       tests/test_mla_narrow_default.py tests/test_gluon_decode.py
-    for i in 1 2; do
-      timeout ${BB_S:-120} python3 benchmarks/bench_attention.py --only mla --rep 30 \
-        --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 --out "$OUT/rows$i" \
-        --mla-variants ${VARIANTS:-narrow-early,narrow-pdl-all} > "$OUT/rows$i.log" 2>&1
-      grep -E "ours|rates|Error|error|ceilings" "$OUT/rows$i.log" | head -12
-    done
+    for i in 1 2; do mla16_rows rows$i "${VARIANTS:-narrow-early,narrow-pdl-all}"; done
     timeout ${TS_S:-100} python3 benchmarks/mla_time_split.py --rows 16x64x4096 \
       --splits 0 --floor --tunings '[{}, {"pdl": "early"}]' 2>&1 \
       | tee "$OUT/time_split.log" | tail -6
@@ -790,19 +804,9 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
   hundredth)
     # the rows first (an H200 is what item 4 needs), then ninetyninth's checks
     nvidia-smi --query-gpu=name --format=csv,noheader
-    for i in 1 2; do
-      timeout ${BB_S:-80} python3 benchmarks/bench_attention.py --only mla --rep 30 \
-        --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 --out "$OUT/rows$i" \
-        --mla-variants ${VARIANTS:-narrow-pdl} > "$OUT/rows$i.log" 2>&1
-      grep -E "ours|Error|error|ceilings" "$OUT/rows$i.log" | head -12
-    done
-    for t in '{"pdl": "reduce"}' '{"pdl": "early"}'; do
-      timeout ${NT_S:-40} python3 benchmarks/narrow_timeline.py --rows 16x64x4096 --writer \
-        --tuning "$t" 2>&1 | tee -a "$OUT/narrow_timeline.log" | tail -1
-    done
-    timeout ${EK_S:-60} python3 -m pytest -m gpu -q tests/test_mla_early_keys.py \
-      tests/test_kv_write_sm90.py -p no:cacheprovider --tb=short > "$OUT/early_tests.log" 2>&1
-    grep -E "FAILED|ERROR| passed| failed|Error|assert" "$OUT/early_tests.log" | tail -15
+    for i in 1 2; do mla16_rows rows$i "${VARIANTS:-narrow-pdl}"; done
+    timelines "--writer" '{"pdl": "reduce"}' '{"pdl": "early"}'
+    early_tests ${EK_S:-60} tests/test_mla_early_keys.py tests/test_kv_write_sm90.py
     rm -f "$OUT"/*/*.png "$OUT"/rows2/*
     ;;
   ninetyninth)
@@ -810,18 +814,10 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
     # real write before the default launch) and the write's gpu tests, then the timeline
     # of the three PDL modes behind that write (an engine's decode step), then the rows
     nvidia-smi --query-gpu=name --format=csv,noheader
-    timeout ${EK_S:-100} python3 -m pytest -m gpu -q tests/test_mla_early_keys.py \
-      -p no:cacheprovider --tb=short > "$OUT/early_tests.log" 2>&1
-    grep -E "FAILED|ERROR| passed| failed|Error|assert" "$OUT/early_tests.log" | tail -15
+    early_tests ${EK_S:-100} tests/test_mla_early_keys.py
     gpu_tests write_tests.log ${GT_S:-120} 150 $(ls tests/test_*write*.py) tests/test_pdl.py
-    for t in '{"pdl": "reduce"}' '{"pdl": "early"}' '{"pdl": true}'; do
-      timeout ${NT_S:-60} python3 benchmarks/narrow_timeline.py --rows 16x64x4096 --writer \
-        --tuning "$t" 2>&1 | tee -a "$OUT/narrow_timeline.log" | tail -1
-    done
-    timeout ${BB_S:-100} python3 benchmarks/bench_attention.py --only mla --rep 30 \
-      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 --out "$OUT/rows" \
-      --mla-variants ${VARIANTS:-narrow-pdl} > "$OUT/rows.log" 2>&1
-    grep -E "ours|Error|error|ceilings" "$OUT/rows.log" | head -12
+    timelines "--writer" '{"pdl": "reduce"}' '{"pdl": "early"}' '{"pdl": true}'
+    mla16_rows rows "${VARIANTS:-narrow-pdl}"
     rm -f "$OUT"/*/*.png
     ;;
   ninetyeighth)
@@ -829,19 +825,11 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
     # "early" and "reduce" with the steps back to back and with a torch kernel between
     # them (it does not signal early, as an engine's K/V write), then the rows
     nvidia-smi --query-gpu=name --format=csv,noheader
-    timeout ${EK_S:-100} python3 -m pytest -m gpu -q tests/test_mla_early_keys.py \
-      -p no:cacheprovider --tb=short > "$OUT/early_tests.log" 2>&1
-    grep -E "FAILED|ERROR| passed| failed|Error|assert" "$OUT/early_tests.log" | tail -15
+    early_tests ${EK_S:-100} tests/test_mla_early_keys.py
     for f in "" --fence; do
-      for t in '{"pdl": "reduce"}' '{"pdl": "early"}' '{"pdl": true}'; do
-        timeout ${NT_S:-60} python3 benchmarks/narrow_timeline.py --rows 16x64x4096 $f \
-          --tuning "$t" 2>&1 | tee -a "$OUT/narrow_timeline.log" | tail -1
-      done
+      timelines "$f" '{"pdl": "reduce"}' '{"pdl": "early"}' '{"pdl": true}'
     done
-    timeout ${BB_S:-100} python3 benchmarks/bench_attention.py --only mla --rep 30 \
-      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 --out "$OUT/rows" \
-      --mla-variants ${VARIANTS:-narrow-pdl} > "$OUT/rows.log" 2>&1
-    grep -E "ours|Error|error|ceilings" "$OUT/rows.log" | head -12
+    mla16_rows rows "${VARIANTS:-narrow-pdl}"
     rm -f "$OUT"/*/*.png
     ;;
   ninetyseventh)
@@ -852,27 +840,17 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       $(ls tests/test_*mla*.py tests/test_hunt_fp16_gluon.py | grep -v early_keys | sort -r)
     gpu_tests mla_graph_tests.log ${GG_S:-120} 200 tests/test_graph_gpu.py \
       tests/test_conformance_contract.py -k "mla"
-    timeout ${BB_S:-100} python3 benchmarks/bench_attention.py --only mla --rep 30 \
-      --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 --out "$OUT/rows" \
-      --mla-variants ${VARIANTS:-narrow-pdl} > "$OUT/rows.log" 2>&1
-    grep -E "ours|Error|error|ceilings" "$OUT/rows.log" | head -12
+    mla16_rows rows "${VARIANTS:-narrow-pdl}"
     rm -f "$OUT"/*/*.png
     ;;
   ninetysixth)
     # pdl="early" the narrow kernel's default: every MLA gpu test file (the race tests
     # alone first), then the 16-head rows twice beside "reduce" (the previous default)
     nvidia-smi --query-gpu=name --format=csv,noheader
-    timeout ${EK_S:-100} python3 -m pytest -m gpu -q tests/test_mla_early_keys.py \
-      -p no:cacheprovider --tb=short > "$OUT/early_tests.log" 2>&1
-    grep -E "FAILED|ERROR| passed| failed|Error|assert" "$OUT/early_tests.log" | tail -15
+    early_tests ${EK_S:-100} tests/test_mla_early_keys.py
     gpu_tests mla_tests.log ${GT_S:-300} 200 $(ls tests/test_*mla*.py | grep -v early_keys) \
       tests/test_hunt_fp16_gluon.py tests/test_narrow_timeline.py
-    for i in 1 2; do
-      timeout ${BB_S:-100} python3 benchmarks/bench_attention.py --only mla --rep 30 \
-        --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 --out "$OUT/rows$i" \
-        --mla-variants ${VARIANTS:-narrow-pdl} > "$OUT/rows$i.log" 2>&1
-      grep -E "ours|Error|error|ceilings" "$OUT/rows$i.log" | head -12
-    done
+    for i in 1 2; do mla16_rows rows$i "${VARIANTS:-narrow-pdl}"; done
     rm -f "$OUT"/*/*.png "$OUT"/rows2/*
     ;;
   ninetyfifth)
@@ -880,21 +858,11 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
     # launch first: its gpu tests (race tests alone first), the timeline of the three PDL
     # modes, then the 16-head rows twice
     nvidia-smi --query-gpu=name --format=csv,noheader
-    timeout ${EK_S:-150} python3 -m pytest -m gpu -q tests/test_mla_early_keys.py \
-      tests/test_narrow_timeline.py -p no:cacheprovider --tb=short > "$OUT/early_tests.log" 2>&1
-    grep -E "FAILED|ERROR| passed| failed|Error|assert" "$OUT/early_tests.log" | tail -15
+    early_tests ${EK_S:-150} tests/test_mla_early_keys.py tests/test_narrow_timeline.py
     gpu_tests narrow_tests.log ${GT_S:-150} 150 tests/test_triton_mla.py -k "narrow" \
       tests/test_mla_narrow_default.py
-    for t in '{}' '{"pdl": "early"}'; do
-      timeout ${NT_S:-60} python3 benchmarks/narrow_timeline.py --rows 16x64x4096 \
-        --tuning "$t" 2>&1 | tee -a "$OUT/narrow_timeline.log" | tail -1
-    done
-    for i in 1 2; do
-      timeout ${BB_S:-100} python3 benchmarks/bench_attention.py --only mla --rep 30 \
-        --anchors "" --mla-kv bf16 --mla-rows 16x64x4096,16x128x8192 --out "$OUT/rows$i" \
-        --mla-variants ${VARIANTS:-narrow-early} > "$OUT/rows$i.log" 2>&1
-      grep -E "ours|Error|error|ceilings" "$OUT/rows$i.log" | head -12
-    done
+    timelines "" '{}' '{"pdl": "early"}'
+    for i in 1 2; do mla16_rows rows$i "${VARIANTS:-narrow-early}"; done
     rm -f "$OUT"/*/*.png "$OUT"/rows2/*
     ;;
   ninetyfourth)
@@ -902,13 +870,8 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
     # goes with and without pdl="early" (the timeline now stamps each program's start
     # before its PDL wait)
     nvidia-smi --query-gpu=name --format=csv,noheader
-    timeout ${EK_S:-200} python3 -m pytest -m gpu -q tests/test_mla_early_keys.py \
-      tests/test_narrow_timeline.py -p no:cacheprovider --tb=short > "$OUT/early_tests.log" 2>&1
-    grep -E "FAILED|ERROR| passed| failed|Error|assert" "$OUT/early_tests.log" | tail -15
-    for t in '{}' '{"pdl": "early"}' '{"pdl": true}'; do
-      timeout ${NT_S:-60} python3 benchmarks/narrow_timeline.py --rows 16x64x4096 \
-        --tuning "$t" 2>&1 | tee -a "$OUT/narrow_timeline.log" | tail -2
-    done
+    early_tests ${EK_S:-200} tests/test_mla_early_keys.py tests/test_narrow_timeline.py
+    timelines "" '{}' '{"pdl": "early"}' '{"pdl": true}'
     ;;
   ninetyfirst)
     # one request a program: the stream kernel (128 / 132 programs, one segment each, no
