@@ -805,8 +805,8 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
     # the rows first (an H200 is what item 4 needs), then ninetyninth's checks
     nvidia-smi --query-gpu=name --format=csv,noheader
     for i in 1 2; do mla16_rows rows$i "${VARIANTS:-narrow-pdl}"; done
-    timelines "--writer" '{"pdl": "reduce"}' '{"pdl": "early"}'
     early_tests ${EK_S:-60} tests/test_mla_early_keys.py tests/test_kv_write_sm90.py
+    timelines "--writer" '{"pdl": "reduce"}' '{"pdl": "early"}'
     rm -f "$OUT"/*/*.png "$OUT"/rows2/*
     ;;
   ninetyninth)
