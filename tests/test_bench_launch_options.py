@@ -78,7 +78,12 @@ def test_session_variants_overrides_and_mla_variants_resolve():
     ba = _bench("bench_attention")
     # a list may be a default: ${MLA_VARIANTS:-a,b}
     mla = [v for m in re.finditer(r"--mla-variants\s+(?:\$\{[A-Z_]+:-)?([^\s}]+)", text)
-           for v in m[1].split(",")]
+           for v in m[1].split(",") if v != '"$2"']  # "$2": mla16_rows' argument, below
+    # the lists handed to mla16_rows: mla16_rows NAME "${VARIANTS:-a,b}"
+    rows = [v for m in re.finditer(r'mla16_rows\s+\S+\s+"\$\{[A-Z_]+:-([^}]+)\}"', text)
+            for v in m[1].split(",")]
+    assert "narrow-early" in rows, rows  # the parse found them
+    mla += rows
     assert mla and set(mla) <= set(ba.MLA_VARIANTS), mla
     from aiter_attn.kernels.triton.mla import TUNING_KEYS
 
