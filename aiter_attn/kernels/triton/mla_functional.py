@@ -88,12 +88,13 @@ def mla_paged_attention(
             under 64 rows of caches whose rows start on 16-byte boundaries.
         pdl: programmatic dependent launch (sm_90+): ``True`` the attention launch and the
             split merge may each start while the kernel before finishes, ``"reduce"`` only
-            the merge; off by default for the Triton kernel (see
-            ``_launch_config.LaunchConfig``), ``"reduce"`` for the narrow kernel's merge
-            (``_launch_config.MLA_NARROW_PDL``; ``pdl=False`` turns it off); ``"early"``
-            as ``True``, and the narrow kernel reads its indices and issues its first tiles
-            of keys older than the step's new ones before it waits: the kernel right before
-            must not write those (``_pdl``'s contract).
+            the merge; ``"early"`` as ``True``, and the narrow kernel reads its indices,
+            prefetches q to L2 and issues its first tiles of keys older than the step's new
+            ones before it waits, and its merge lets the next launch start before it waits:
+            the kernel right before must not write those (``_pdl``'s contract). Off by
+            default for the Triton kernel (see ``_launch_config.LaunchConfig``), ``"early"``
+            for the narrow kernel (``_launch_config.MLA_NARROW_PDL``; ``pdl=False`` turns
+            it off).
         gluon: ``False``: never the warp-specialised Gluon kernel (:mod:`.mla_gluon`); by
             default it serves the launches it can (64-head blocks of bf16/fp16 latents
             512 + 64, pages of a multiple of 64 keys, no mask, NVIDIA sm_90).
