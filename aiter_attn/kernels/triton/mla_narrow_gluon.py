@@ -31,7 +31,10 @@ H200 it ran 16 heads 64×4k at 3.87–3.88 TB/s and 128×8k at 4.43–4.44 repla
 The program issues the split's first two tiles itself, before staging q, so that their
 page lookups and TMA do not wait for q; the loader takes the rest. With splits it lets its
 merge launch start at once (PDL, ``_launch_config.MLA_NARROW_PDL``): the merge waits on the
-device for this kernel's end.
+device for this kernel's end. By default (``pdl="early"``) the launch itself starts while
+the kernel before it runs: before its ``griddepcontrol.wait`` it reads the lengths and page
+ids, prefetches q to L2 and issues those first tiles whose keys all precede the step's new
+ones (``_issue_early``'s parts 1 and 2), as ``_pdl``'s contract allows.
 
 Serves (:func:`narrow_mla_reject_reason`): NVIDIA sm_90, fp16/bf16 q and cache of the
 same dtype, ``kv_lora_rank`` 512 + rope 64, up to 16 heads, ``gcd(page_size, 64) >= 16``,
