@@ -107,8 +107,9 @@ if HAS_GLUON:
                      ONE_QUERY: gl.constexpr = False):
         """Token ``t``'s request ``b`` (searched in ``cu_q`` over ``BLOCK_B`` requests;
         ``ONE_QUERY``: every request has one query, so ``b = t``), its key count, and split
-        ``split``'s tiles of 64 keys: ``(b, kv_len, lo, n, valid)`` with ``valid`` the
-        visible keys of the last tile (causal: up to the token's own position)."""
+        ``split``'s tiles of 64 keys: ``(b, kv_len, lo, n, valid, n_q)`` with ``valid`` the
+        visible keys of the last tile (causal: up to the token's own position) and ``n_q``
+        the request's query count (its last ``n_q`` keys are the step's new ones)."""
         if ONE_QUERY:
             b = t
             q_start = t
@@ -129,7 +130,7 @@ if HAS_GLUON:
         hi = gl.minimum(lo + chunk, end)
         n = gl.maximum(gl.cdiv(hi - lo, 64), 0)
         valid = hi - lo - (n - 1) * 64  # visible keys of the last tile
-        return b, kv_len, lo, n, valid
+        return b, kv_len, lo, n, valid, n_q
 
     @gluon.jit
     def _zero_rows(buf, col0, valid, COLS: gl.constexpr):
@@ -300,7 +301,7 @@ if HAS_GLUON:
         split = gl.program_id(1)
         t = pid // num_head_blocks  # a token's head blocks are neighbours (shared tiles)
         hb = pid % num_head_blocks
-        b, kv_len, lo, n, valid = _token_split(cu_q, seqused, t, split, batch, SPLITS, CAUSAL,
+        b, kv_len, lo, n, valid, _ = _token_split(cu_q, seqused, t, split, batch, SPLITS, CAUSAL,
                                                BLOCK_B, num_warps)
         h0 = hb * 64
 

@@ -47,7 +47,7 @@ import math
 from typing import Optional
 
 from ._launch import Launcher, intern_spec, tensor_key
-from ._pdl import EARLY_KEYS
+from ._pdl import EARLY_KEYS, pdl_kwargs
 from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout, sm90_gluon_reason
 
 __all__ = ["narrow_mla_reject_reason", "narrow_mla_layout_reason", "narrow_mla_splits",
@@ -153,6 +153,17 @@ if HAS_GLUON:
                                   [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def _load_q(q_row, hq, heads, num_warps: gl.constexpr):
+        """q's two parts ``[HP, 512]`` and ``[HP, 64]`` from the head rows ``q_row``
+        (``[HP, 1]`` pointers; heads past ``heads`` read zeros)."""
+        lq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        dn = gl.arange(0, 512, layout=gl.SliceLayout(0, lq))
+        dr = gl.arange(0, 64, layout=gl.SliceLayout(0, lq))
+        ok = (hq < heads)[:, None]
+        return (gl.load(q_row + dn[None, :], mask=ok, other=0.0),
+                gl.load(q_row + 512 + dr[None, :], mask=ok, other=0.0))
+
+    @gluon.jit
     def _prefetch_q_l2(q_ptr, t, heads, s_qt, s_qh, HP: gl.constexpr, num_warps: gl.constexpr):
         """``prefetch.global.L2`` of token ``t``'s q rows (``heads`` rows of 576, one
         address per 64 elements and the row's last). Before the PDL wait this is safe even
@@ -205,6 +216,26 @@ if HAS_GLUON:
                 _issue(kn_d, kr_d, kn_s, kr_s, ready.index(j), j, cur, offs, BOX, BOXES)
 
     @gluon.jit
+    def _attend_tile(kn, kr, qn_t, qr_t, p_t, s_zero, m_i, l_acc, acc, qk2, last, valid,
+                     row: gl.constexpr):
+        """One consumer's 64-key latent tile (``kn`` ``[64, 512]``, ``kr`` ``[64, 64]`` in
+        shared memory): Sᵀ = kn · q_nopeᵀ + kr · q_ropeᵀ (``last``: keys from ``valid`` on
+        get no logit and zero latent rows), the softmax update of ``(m_i, l_acc, acc)``, then
+        Oᵀ += knᵀ · Pᵀ with P through ``p_t``. Returns the updated ``(m_i, l_acc, acc)``."""
+        s_tok = warpgroup_mma(kn, qn_t, s_zero, use_acc=False, is_async=True)
+        s_tok = warpgroup_mma(kr, qr_t, s_tok, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+        if last:
+            if valid < 64:  # past the last visible key: no logit, zero latent rows
+                s = _mask_tail(s, kn, valid, 64, 512, row)
+        p, m_i, l_acc, acc = _keys_softmax(s, m_i, l_acc, acc, qk2)
+        p_t.store(p.to(p_t.dtype))
+        fence_async_shared()
+        o_tok = warpgroup_mma(kn.permute((1, 0)), p_t, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
+        return m_i, l_acc, acc
+
+    @gluon.jit
     def _load(ops, smem, bars, rows, HP: gl.constexpr, PAGE: gl.constexpr,
               BOX: gl.constexpr, SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr,
               FUSED: gl.constexpr, STAMPS: gl.constexpr):
@@ -236,7 +267,6 @@ if HAS_GLUON:
         qn_s, qr_s, kn_s, kr_s, p_s, m_x, l_x, o_x = smem
         ready, empty, done = bars
         t, split, bt_row, lo, n, valid, last = rows
-        dtype: gl.constexpr = qn_s.dtype
         s_lay: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HP, 16])
         col: gl.constexpr = gl.SliceLayout(0, s_lay)
@@ -255,18 +285,9 @@ if HAS_GLUON:
             if C == 0:
                 if j == 0:
                     _stamp(ops[1][7], t, split, 3, SPLITS, STAMPS)  # the first tile is in
-            kn = kn_s.index(slot)
-            s_tok = warpgroup_mma(kn, qn_t, s_zero, use_acc=False, is_async=True)
-            s_tok = warpgroup_mma(kr_s.index(slot), qr_t, s_tok, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-            if j == n - 1:
-                if valid < 64:  # past the last visible key: no logit, zero latent rows
-                    s = _mask_tail(s, kn, valid, 64, 512, row)
-            p, m_i, l_acc, acc = _keys_softmax(s, m_i, l_acc, acc, qk2)
-            p_t.store(p.to(dtype))
-            fence_async_shared()
-            o_tok = warpgroup_mma(kn.permute((1, 0)), p_t, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
+            m_i, l_acc, acc = _attend_tile(kn_s.index(slot), kr_s.index(slot), qn_t, qr_t, p_t,
+                                           s_zero, m_i, l_acc, acc, qk2, j == n - 1, valid,
+                                           row)
             mbarrier.arrive(empty.index(slot), count=1)
         l_i = gl.sum(l_acc, 0)
         _stamp(ops[1][7], t, split, 4 + C, SPLITS, STAMPS)  # this consumer's last tile done
@@ -437,12 +458,9 @@ if HAS_GLUON:
         lq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         hq = gl.arange(0, HP, layout=gl.SliceLayout(1, lq))
         q_row = q_ptr + t.to(gl.int64) * s_qt + hq.to(gl.int64)[:, None] * s_qh
-        dn = gl.arange(0, 512, layout=gl.SliceLayout(0, lq))
-        dr = gl.arange(0, 64, layout=gl.SliceLayout(0, lq))
         if not EARLY:
-            qn = gl.load(q_row + dn[None, :], mask=(hq < heads)[:, None], other=0.0)
-            qr = gl.load(q_row + 512 + dr[None, :], mask=(hq < heads)[:, None], other=0.0)
-        b, kv_len, lo, n, valid = _token_split(cu_q, seqused, t, split, batch, SPLITS, CAUSAL,
+            qn, qr = _load_q(q_row, hq, heads, num_warps)
+        b, kv_len, lo, n, valid, n_q = _token_split(cu_q, seqused, t, split, batch, SPLITS, CAUSAL,
                                                BLOCK_B, num_warps, ONE_QUERY)
 
         qn_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 512], dtype)
@@ -470,18 +488,14 @@ if HAS_GLUON:
         last = gl.maximum(gl.cdiv(kv_len, PAGE) - 1, 0)
         bt_row = bt + b.to(gl.int64) * s_bt
         if EARLY:  # before the wait: the tiles of keys the kernel before does not write
-            if ONE_QUERY:
-                fresh = kv_len - 1
-            else:
-                fresh = kv_len - (gl.load(cu_q + b + 1) - gl.load(cu_q + b))
+            fresh = kv_len - n_q  # the step's first new key
             # q's lines ahead of the tiles in the memory queues (read after the wait)
             _prefetch_q_l2(q_ptr, t, heads, s_qt, s_qh, HP, num_warps)
             _issue_early(kn_d, kr_d, kn_s, kr_s, ready, bt_row, lo, n, last, fresh, PAGE,
                          BOX, num_warps, 1)
             _pdl_wait_then_release()
             _stamp(stamps, t, split, 0, SPLITS, STAMPS)  # "entry": past the wait
-            qn = gl.load(q_row + dn[None, :], mask=(hq < heads)[:, None], other=0.0)
-            qr = gl.load(q_row + 512 + dr[None, :], mask=(hq < heads)[:, None], other=0.0)
+            qn, qr = _load_q(q_row, hq, heads, num_warps)
             _issue_early(kn_d, kr_d, kn_s, kr_s, ready, bt_row, lo, n, last, fresh, PAGE,
                          BOX, num_warps, 2)
         else:
@@ -584,9 +598,9 @@ def launch_narrow_mla(q, kv_cache, out, cu_q, seqused_k, block_table, scale, *, 
               CAUSAL=bool(causal), SPLITS=int(splits), WRITE_LSE=lse is not None,
               BLOCK_B=max(2, 1 << max(0, (batch - 1).bit_length())),
               CONSUMER_REGS=_MAXNREG, LOADER_REGS=_LOADER_REGS, num_warps=4,
-              maxnreg=_MAXNREG, FUSED=fused, ONE_QUERY=bool(one_query), PDL=bool(pdl),
+              maxnreg=_MAXNREG, FUSED=fused, ONE_QUERY=bool(one_query),
               STAMPS=stamps is not None, EARLY=pdl == EARLY_KEYS,
-              **({"launch_pdl": True} if pdl is True or pdl == EARLY_KEYS else {}))
+              **pdl_kwargs(pdl, reduction=False))
     if key is None:
         key = (tuple(tensor_key(a) if hasattr(a, "data_ptr") else None for a in args[2:12]),
                args[13:], tuple(sorted(kw.items())), kv_cache.dtype, tuple(kn_d.block_shape))

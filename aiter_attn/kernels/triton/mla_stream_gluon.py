@@ -53,7 +53,7 @@ import math
 from typing import Optional
 
 from ._launch import Launcher, launch_key
-from ._pdl import EARLY_KEYS
+from ._pdl import pdl_kwargs
 from .mla_narrow_gluon import narrow_mla_reject_reason
 from .prefill_gluon import _LOG2E, HAS_GLUON, _smem_layout
 
@@ -157,12 +157,11 @@ def stream_segments(lens, shares) -> list:
 if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    from .decode_gluon import _hand_over, _keys_softmax, _mask_tail, _tile_rows
-    from .mla_narrow_gluon import _issue
+    from .decode_gluon import _hand_over, _tile_rows
+    from .mla_narrow_gluon import _attend_tile, _issue, _pdl_wait_then_release
     from .prefill_gluon import _to_output
 
     _UNIT = gl.constexpr(STREAM_UNIT)
@@ -286,7 +285,6 @@ if HAS_GLUON:
         ready, empty, done, taken, staged = bars[0], bars[1], bars[2], bars[3], bars[4]
         q_ready, q_free = bars[5], bars[6]
         p, r, cs, g0, g1, batch, early, nt, nit = rows
-        dtype: gl.constexpr = qn_s.dtype
         s_lay: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HP, 16])
         col: gl.constexpr = gl.SliceLayout(0, s_lay)
@@ -336,17 +334,9 @@ if HAS_GLUON:
                     if C == 0:
                         if g == 0:
                             _stamp(ops[1][9], p, 2, STAMPS)  # the first tile is in
-                    s_tok = warpgroup_mma(kn, qn_t, s_zero, use_acc=False, is_async=True)
-                    s_tok = warpgroup_mma(kr, qr_t, s_tok, is_async=True)
-                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-                    if i == n - 1:
-                        if valid < 64:  # past the segment's last key: no logit, zero rows
-                            s = _mask_tail(s, kn, valid, 64, 512, row)
-                    pr, m_i, l_acc, acc = _keys_softmax(s, m_i, l_acc, acc, qk2)
-                    p_t.store(pr.to(dtype))
-                    fence_async_shared()
-                    o_tok = warpgroup_mma(kn.permute((1, 0)), p_t, acc, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
+                    # (the segment's last tile masks the keys past its end)
+                    m_i, l_acc, acc = _attend_tile(kn, kr, qn_t, qr_t, p_t, s_zero, m_i,
+                                                   l_acc, acc, qk2, i == n - 1, valid, row)
                     mbarrier.arrive(empty.index(C), count=1)
                 if i == n - 1:  # the segment's last tile: merge the two consumers, write
                     mbarrier.arrive(q_free.index(k % 2), count=1)  # its q is read
@@ -459,10 +449,7 @@ if HAS_GLUON:
     ):
         if PDL:  # the kernel before first (a no-op unless launched early), then let the
             # merge launch's programs start: they wait for this kernel's end on the device
-            gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [],
-                                      dtype=gl.int32, is_pure=False, pack=1)
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r",
-                                      [], dtype=gl.int32, is_pure=False, pack=1)
+            _pdl_wait_then_release()
         p = gl.program_id(0)
         if CLAIM:
             p = _claim(ticket, claims, num_programs)
@@ -622,9 +609,8 @@ def launch_stream_mla(q, kv_cache, out, seqused_k, block_table, scale, *, part_o
               BLOCK_B=max(32 * 4, 1 << max(0, (batch - 1).bit_length())),
               CONSUMER_REGS=_MAXNREG, LOADER_REGS=_LOADER_REGS,
               WRITER_REGS=_WRITER_REGS, num_warps=4,
-              maxnreg=_MAXNREG, CLAIM=claim is not None, PDL=bool(pdl),
-              STAMPS=stamps is not None,
-              **({"launch_pdl": True} if pdl is True or pdl == EARLY_KEYS else {}))
+              maxnreg=_MAXNREG, CLAIM=claim is not None, STAMPS=stamps is not None,
+              **pdl_kwargs(pdl, reduction=False))
     _STREAM.launch((programs,), args, kw, (launch_key(args[4:], kw), kv_cache.dtype,
                                           tuple(kn_d.block_shape), q.dtype,
                                           tuple(qn_d.block_shape)))
