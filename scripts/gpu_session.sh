@@ -801,6 +801,18 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       | tee "$OUT/time_split.log" | tail -6
     rm -f "$OUT"/*/*.png
     ;;
+  hundredfirst)
+    # the rows first (item 4 needs an H200 figure), then the gpu tests of 4823aa9's shared
+    # tile step (_attend_tile, _load_q, the stream kernel's wait): race tests alone, then
+    # every MLA, stream and Gluon gpu test file
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    for i in 1 2; do mla16_rows rows$i "${VARIANTS:-narrow-pdl}"; done
+    early_tests ${EK_S:-60} tests/test_mla_early_keys.py tests/test_kv_write_sm90.py
+    gpu_tests mla_tests.log ${GT_S:-300} 200 $(ls tests/test_*mla*.py | grep -v early_keys) \
+      tests/test_stream_sm90.py tests/test_gluon_decode.py tests/test_gluon_sm90.py \
+      tests/test_hunt_fp16_gluon.py
+    rm -f "$OUT"/*/*.png "$OUT"/rows2/*
+    ;;
   hundredth)
     # the rows first (an H200 is what item 4 needs), then ninetyninth's checks
     nvidia-smi --query-gpu=name --format=csv,noheader
