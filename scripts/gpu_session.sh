@@ -801,6 +801,16 @@ smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       | tee "$OUT/time_split.log" | tail -6
     rm -f "$OUT"/*/*.png
     ;;
+  h200rows)
+    # item 4's figure: the 16-head rows twice, on an H200 only (any other card stops at once,
+    # so a call that gets an H100 costs seconds, not the rows)
+    n=$(nvidia-smi --query-gpu=name --format=csv,noheader)
+    echo "$n"
+    case "$n" in *H200*) ;; *) exit 3 ;; esac
+    for i in 1 2; do mla16_rows rows$i "${VARIANTS:-narrow-pdl}"; done
+    timelines "--writer" '{"pdl": "reduce"}' '{"pdl": "early"}'
+    rm -f "$OUT"/*/*.png "$OUT"/rows2/*
+    ;;
   hundredfirst)
     # the rows first (item 4 needs an H200 figure), then the gpu tests of 4823aa9's shared
     # tile step (_attend_tile, _load_q, the stream kernel's wait): race tests alone, then
