@@ -301,8 +301,8 @@ if HAS_GLUON:
         split = gl.program_id(1)
         t = pid // num_head_blocks  # a token's head blocks are neighbours (shared tiles)
         hb = pid % num_head_blocks
-        b, kv_len, lo, n, valid, _ = _token_split(cu_q, seqused, t, split, batch, SPLITS, CAUSAL,
-                                               BLOCK_B, num_warps)
+        b, kv_len, lo, n, valid, _ = _token_split(cu_q, seqused, t, split, batch, SPLITS,
+                                                  CAUSAL, BLOCK_B, num_warps)
         h0 = hb * 64
 
         dtype: gl.constexpr = qn_d.dtype

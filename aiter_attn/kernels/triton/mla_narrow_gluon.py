@@ -460,8 +460,8 @@ if HAS_GLUON:
         q_row = q_ptr + t.to(gl.int64) * s_qt + hq.to(gl.int64)[:, None] * s_qh
         if not EARLY:
             qn, qr = _load_q(q_row, hq, heads, num_warps)
-        b, kv_len, lo, n, valid, n_q = _token_split(cu_q, seqused, t, split, batch, SPLITS, CAUSAL,
-                                               BLOCK_B, num_warps, ONE_QUERY)
+        b, kv_len, lo, n, valid, n_q = _token_split(cu_q, seqused, t, split, batch, SPLITS,
+                                                    CAUSAL, BLOCK_B, num_warps, ONE_QUERY)
 
         qn_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 512], dtype)
         qr_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, 64], dtype)

@@ -123,7 +123,7 @@ if HAS_GLUON:
         t = gl.program_id(0)
         split = gl.program_id(1)
         b, kv_len, lo, n64, valid64, _ = _token_split(cu_q, seqused, t, split, batch, SPLITS,
-                                                   CAUSAL, BLOCK_B, num_warps)
+                                                      CAUSAL, BLOCK_B, num_warps)
         # 32-key tiles of the split's keys [lo, lo + 64 (n64 - 1) + valid64)
         n_keys = gl.maximum(n64 - 1, 0) * 64 + gl.where(n64 > 0, valid64, 0)
         n = gl.cdiv(n_keys, _BN)
